@@ -1,0 +1,77 @@
+"""Shared benchmark plumbing: timing with CUDA events, result files and charts."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def median_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median time of `fn()` in ms, by CUDA events (triton's do_bench when available)."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    except ImportError:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(50):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        times.sort()
+        return times[len(times) // 2]
+
+
+def environment() -> dict:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "commit": commit or "unknown",
+        "date": time.strftime("%Y-%m-%d"),
+        "python": platform.python_version(),
+    }
+
+
+def write_results(path: str | Path, name: str, rows: list[dict]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": name, "environment": environment(), "rows": rows}, indent=2))
+    return path
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    cells = [[f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for x in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(x, widths)))
+
+
+def bar_chart(path: str | Path, title: str, labels: list[str], series: dict[str, list[float]], ylabel: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.9), 4))
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

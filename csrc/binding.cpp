@@ -1,0 +1,68 @@
+// The one Python binding of thunder_tk's kernels.
+// Every entry point takes raw device pointers, sizes, strides and a CUDA stream handle, so the module links
+// against no libtorch symbols and one build serves every supported torch. Nothing here synchronises.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/attention/bwd_delta.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using strides3 = std::array<int64_t, 3>;
+
+void check_launch(cudaError_t status, const char* kernel) {
+    if (status != cudaSuccess)
+        throw std::runtime_error(std::string("thunder_tk: launching ") + kernel + " failed: " +
+                                 cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")");
+}
+
+template <typename T> const T* as_ptr(std::uintptr_t p) { return reinterpret_cast<const T*>(p); }
+
+void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t delta, int dtype, int64_t batch,
+                         int64_t heads, int64_t seq, int64_t head_dim, strides3 o_stride, strides3 grad_o_stride,
+                         strides3 delta_stride, std::uintptr_t stream) {
+    tk::attention::bwd_delta_args args{};
+    args.o = as_ptr<void>(o);
+    args.grad_o = as_ptr<void>(grad_o);
+    args.delta = reinterpret_cast<float*>(delta);
+    args.dtype = dtype;
+    args.batch = batch;
+    args.heads = heads;
+    args.seq = seq;
+    args.head_dim = head_dim;
+    for (int i = 0; i < 3; ++i) {
+        args.o_stride[i] = o_stride[i];
+        args.grad_o_stride[i] = grad_o_stride[i];
+        args.delta_stride[i] = delta_stride[i];
+    }
+    check_launch(tk::attention::launch_bwd_delta(args, reinterpret_cast<cudaStream_t>(stream)), "attention_bwd_delta");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+    m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
+
+    m.def("kernels", [] { return std::vector<std::string>{"attention_bwd_delta"}; },
+          "Names of the kernels compiled into this build.");
+    m.def("cuda_runtime_version", [] {
+        int v = 0;
+        cudaRuntimeGetVersion(&v);
+        return v;
+    });
+    m.attr("target_arch") = "sm_90a";
+    m.attr("dtype_codes") = py::dict(py::arg("bfloat16") = 0, py::arg("float16") = 1, py::arg("float32") = 2);
+
+    m.def("attention_bwd_delta", &attention_bwd_delta, py::arg("o"), py::arg("grad_o"), py::arg("delta"),
+          py::arg("dtype"), py::arg("batch"), py::arg("heads"), py::arg("seq"), py::arg("head_dim"),
+          py::arg("o_stride"), py::arg("grad_o_stride"), py::arg("delta_stride"), py::arg("stream"),
+          "delta[b,h,s] = sum_d grad_o[b,h,s,d] * o[b,h,s,d] in fp32, enqueued on `stream`.");
+}

@@ -1,0 +1,163 @@
+#include "bwd_delta.h"
+#include "../../kittens/kittens.cuh"
+
+#include <algorithm>
+
+namespace tk::attention {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kRows = 4;  // rows per lane group per step: all their loads are issued before any math
+
+struct row_offsets {
+    int64_t o, grad_o, delta;
+};
+
+// Element offsets of row `row` = (b, h, s). FLAT: the (B, H, S) dims of all three tensors collapse into one
+// stride, so no division is needed (the contiguous case). Otherwise divide, in 32 bits when the row count fits.
+template <bool FLAT>
+__device__ __forceinline__ row_offsets offsets_of(const bwd_delta_args& a, int64_t row) {
+    if constexpr (FLAT) {
+        return {row * a.o_stride[2], row * a.grad_o_stride[2], row * a.delta_stride[2]};
+    } else {
+        int64_t b, h, s;
+        if (a.batch * a.heads * a.seq <= int64_t(UINT32_MAX)) {
+            const uint32_t r = uint32_t(row), S = uint32_t(a.seq), H = uint32_t(a.heads);
+            const uint32_t bh = r / S;
+            s = r - bh * S;
+            b = bh / H;
+            h = bh - uint32_t(b) * H;
+        } else {
+            const int64_t bh = row / a.seq;
+            s = row - bh * a.seq;
+            b = bh / a.heads;
+            h = bh - b * a.heads;
+        }
+        return {b * a.o_stride[0] + h * a.o_stride[1] + s * a.o_stride[2],
+                b * a.grad_o_stride[0] + h * a.grad_o_stride[1] + s * a.grad_o_stride[2],
+                b * a.delta_stride[0] + h * a.delta_stride[1] + s * a.delta_stride[2]};
+    }
+}
+
+// A group of LANES lanes reduces kRows rows per step; each lane reads VEC elements per access.
+template <typename T, int VEC, int LANES, bool FLAT>
+__global__ void __launch_bounds__(kThreads) bwd_delta_kernel(const bwd_delta_args args) {
+    using group = lanes<LANES>;
+    constexpr int groups_per_block = kThreads / LANES;
+    constexpr int rows_per_step = groups_per_block * kRows;
+    const T* __restrict__ o = static_cast<const T*>(args.o);
+    const T* __restrict__ grad_o = static_cast<const T*>(args.grad_o);
+    const int64_t rows = args.batch * args.heads * args.seq;
+    const int64_t D = args.head_dim;
+
+    // Bounds are uniform across the block, so every lane reaches every shuffle.
+    for (int64_t first = int64_t(blockIdx.x) * rows_per_step; first < rows;
+         first += int64_t(gridDim.x) * rows_per_step) {
+        row_offsets off[kRows];
+        bool valid[kRows];
+        float acc[kRows];
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+            // Neighbouring groups take neighbouring rows, so a warp's loads stay contiguous.
+            const int64_t row = first + int64_t(i) * groups_per_block + group::group_index();
+            valid[i] = row < rows;
+            off[i] = offsets_of<FLAT>(args, valid[i] ? row : 0);
+            acc[i] = 0.f;
+        }
+        for (int64_t d = int64_t(group::rank()) * VEC; d < D; d += int64_t(LANES) * VEC) {
+            packed<T, VEC> ov[kRows], gv[kRows];
+#pragma unroll
+            for (int i = 0; i < kRows; ++i) {
+                if (valid[i]) {
+                    ov[i] = load_packed<T, VEC>(o + off[i].o + d);
+                    gv[i] = load_packed<T, VEC>(grad_o + off[i].grad_o + d);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < kRows; ++i) {
+                if (valid[i]) {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) acc[i] = fmaf(to_float(ov[i].v[j]), to_float(gv[i].v[j]), acc[i]);
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+            const float total = group::sum(acc[i]);
+            if (valid[i] && group::rank() == 0) args.delta[off[i].delta] = total;
+        }
+    }
+}
+
+template <typename T, int VEC, int LANES, bool FLAT>
+cudaError_t launch_with(const bwd_delta_args& args, cudaStream_t stream) {
+    constexpr int rows_per_step = (kThreads / LANES) * kRows;
+    auto kernel = bwd_delta_kernel<T, VEC, LANES, FLAT>;
+    // As many blocks as can be resident at once (read once per device and instantiation); the row loop
+    // covers the rest.
+    static int resident_per_sm[128] = {0};
+    int device = 0;
+    cudaError_t status = cudaGetDevice(&device);
+    if (status != cudaSuccess) return status;
+    int& per_sm = resident_per_sm[device & 127];
+    if (per_sm == 0) {
+        status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+        if (status != cudaSuccess) return status;
+        per_sm = std::max(per_sm, 1);
+    }
+    const int64_t rows = args.batch * args.heads * args.seq;
+    const int64_t wanted = (rows + rows_per_step - 1) / rows_per_step;
+    const int64_t resident = int64_t(multiprocessor_count()) * per_sm;
+    const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min(wanted, resident)));
+    kernel<<<grid, kThreads, 0, stream>>>(args);
+    return cudaGetLastError();
+}
+
+// Lanes per row: enough that one pass covers a short row, never more than a warp.
+template <typename T, int VEC, bool FLAT>
+cudaError_t dispatch_lanes(const bwd_delta_args& args, cudaStream_t stream) {
+    const int64_t accesses = (args.head_dim + VEC - 1) / VEC;
+    if (accesses <= 4) return launch_with<T, VEC, 4, FLAT>(args, stream);
+    if (accesses <= 8) return launch_with<T, VEC, 8, FLAT>(args, stream);
+    if (accesses <= 16) return launch_with<T, VEC, 16, FLAT>(args, stream);
+    return launch_with<T, VEC, 32, FLAT>(args, stream);
+}
+
+bool collapses(const int64_t* stride, const bwd_delta_args& a) {
+    // (b, h, s) -> ((b * H) + h) * S + s, all with the one stride of s. Size-1 dims impose nothing.
+    const bool h_ok = a.heads == 1 || stride[1] == a.seq * stride[2];
+    const bool b_ok = a.batch == 1 || stride[0] == a.heads * a.seq * stride[2];
+    return h_ok && b_ok;
+}
+
+template <typename T, int VEC>
+cudaError_t dispatch_layout(const bwd_delta_args& args, cudaStream_t stream) {
+    if (collapses(args.o_stride, args) && collapses(args.grad_o_stride, args) && collapses(args.delta_stride, args))
+        return dispatch_lanes<T, VEC, true>(args, stream);
+    return dispatch_lanes<T, VEC, false>(args, stream);
+}
+
+template <typename T>
+cudaError_t dispatch_vector(const bwd_delta_args& args, cudaStream_t stream) {
+    constexpr int V = vec16_elems<T>;
+    // 16-byte accesses need every row start 16-byte aligned: aligned bases, strides and D in whole vectors.
+    bool vectorizable = args.head_dim % V == 0 && is_aligned(args.o, 16) && is_aligned(args.grad_o, 16);
+    for (int i = 0; i < 3; ++i)
+        vectorizable = vectorizable && args.o_stride[i] % V == 0 && args.grad_o_stride[i] % V == 0;
+    if (vectorizable) return dispatch_layout<T, V>(args, stream);
+    return dispatch_layout<T, 1>(args, stream);
+}
+
+}  // namespace
+
+cudaError_t launch_bwd_delta(const bwd_delta_args& args, cudaStream_t stream) {
+    if (args.batch * args.heads * args.seq == 0) return cudaSuccess;
+    switch (static_cast<tk::dtype>(args.dtype)) {
+        case tk::dtype::bf16: return dispatch_vector<__nv_bfloat16>(args, stream);
+        case tk::dtype::fp16: return dispatch_vector<__half>(args, stream);
+        case tk::dtype::fp32: return dispatch_vector<float>(args, stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+}  // namespace tk::attention

@@ -1,0 +1,69 @@
+// thunder_tk tile library: scalar types, packed vectors and scoped reductions shared by every kernel.
+// Later layers (register/shared tiles, TMA, wgmma) build on these names.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace tk {
+
+// ---------------------------------------------------------------------------------------------
+// Element types. `dtype` is what crosses the binding; `scalar<dtype>` is the device type.
+enum class dtype : int { bf16 = 0, fp16 = 1, fp32 = 2 };
+
+template <dtype D> struct scalar;
+template <> struct scalar<dtype::bf16> { using type = __nv_bfloat16; };
+template <> struct scalar<dtype::fp16> { using type = __half; };
+template <> struct scalar<dtype::fp32> { using type = float; };
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
+
+// Elements of T that fit one 16-byte access.
+template <typename T> constexpr int vec16_elems = 16 / static_cast<int>(sizeof(T));
+
+// A 16-byte (or narrower, N == 1) bundle of elements, loaded with one instruction when N * sizeof(T) == 16.
+template <typename T, int N> struct alignas(N * sizeof(T)) packed {
+    T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ packed<T, N> load_packed(const T* p) {
+    return *reinterpret_cast<const packed<T, N>*>(p);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scopes. A `lanes<N>` group is N consecutive lanes of one warp (N a power of two <= 32);
+// warp = lanes<32>. Reductions leave the result in every lane of the group.
+template <int N> struct lanes {
+    static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "lane group must be a power of two <= 32");
+    static constexpr int size = N;
+    __device__ __forceinline__ static int rank() { return threadIdx.x & (N - 1); }
+    // Index of this group among all groups of the block.
+    __device__ __forceinline__ static int group_index() { return threadIdx.x / N; }
+
+    __device__ __forceinline__ static float sum(float x) {
+#pragma unroll
+        for (int offset = N / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+        return x;
+    }
+    __device__ __forceinline__ static float max(float x) {
+#pragma unroll
+        for (int offset = N / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+        return x;
+    }
+};
+using warp = lanes<32>;
+
+// ---------------------------------------------------------------------------------------------
+// Host-side helpers shared by launchers.
+int multiprocessor_count();  // of the current device, cached per device
+
+inline bool is_aligned(const void* p, std::size_t bytes) {
+    return (reinterpret_cast<std::uintptr_t>(p) % bytes) == 0;
+}
+
+}  // namespace tk

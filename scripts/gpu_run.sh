@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One GPU-host job: install carried wheels, build thunder_tk, run the GPU tests, compute-sanitizer and the
+# benchmarks, and print a short table last. Full logs go to $OUT (default out/gpu).
+#   bash scripts/gpu_run.sh [all|test|bench]
+set -uo pipefail
+what=${1:-all}
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+summary=()
+step() { local name=$1; shift; local t0=$SECONDS; "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+         summary+=("$(printf '%-22s %-6s %4ss  %s' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL)" $((SECONDS-t0)) "$(tail -n 1 "$OUT/$name.log" | cut -c1-90)")"); return $rc; }
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  step wheels python3 scripts/offline_wheels.py install --from .whl --target /tmp/site
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+step build env THUNDER_TK_PTXAS_VERBOSE=1 python3 -m pip install -v --no-build-isolation --no-index --no-deps .
+step info python3 -c "import thunder_tk.cli as c; c.main(['info'])"
+
+# Run from outside the checkout so the installed package (with its compiled module) is the one imported.
+here=$(pwd)
+if [ "$what" = all ] || [ "$what" = test ]; then
+  step gpu_tests bash -c "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $here/tests/gpu -rs --junitxml=$here/$OUT/gpu_tests.xml"
+  step cpu_tests bash -c "cd /tmp && python3 -m pytest -q -m 'not gpu and not slow' -p no:cacheprovider $here/tests -x"
+  step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_delta.py
+  step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/gpu/sanitize_delta.py
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  step bench_delta python3 benchmarks/attention_bwd_delta.py --json "$OUT/attention_bwd_delta.json" --png "$OUT/attention_bwd_delta.png"
+  cat "$OUT/bench_delta.log"
+fi
+echo; echo "== $(cat "$OUT/gpu.txt") | commit $(git rev-parse --short HEAD 2>/dev/null || echo ?)"
+grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 1
+grep -E "registers|spill" "$OUT/build.log" 2>/dev/null | sort | uniq -c | sort -rn | head -n 4
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,86 @@
+import warnings
+
+import pytest
+
+warnings.filterwarnings("ignore", message=".*module not found.*")
+
+
+def _gpu_skip_reason() -> str:
+    import torch
+
+    from thunder_tk import _extension
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    cap = torch.cuda.get_device_capability(0)
+    if cap != _extension.SUPPORTED_CAPABILITY:
+        return f"GPU is sm_{cap[0]}{cap[1]}, tk kernels need sm_90"
+    if _extension.extension() is None:
+        return _extension.unavailable_reason()
+    return ""
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = None
+    for item in items:
+        if "gpu" in item.keywords:
+            if reason is None:
+                reason = _gpu_skip_reason()
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def standin_nvfuser():
+    """Registers an eager fusion executor under the name "nvfuser" (no nvFuser build exists for torch 2.11)."""
+    from thunder.extend import deregister_executor, get_executor, register_executor
+
+    from standins import EagerRegionFuser
+
+    assert get_executor("nvfuser") is None, "a real nvFuser is loaded; these tests expect none"
+    fuser = EagerRegionFuser("nvfuser")
+    register_executor(fuser)
+    yield fuser
+    deregister_executor(fuser)
+
+
+@pytest.fixture
+def standin_attention(monkeypatch):
+    """A CPU attention executor, put where tk looks for cuDNN/SDPA."""
+    from thunder.extend import deregister_executor, register_executor
+
+    import thunder_tk.executor as tk_executor
+    from standins import make_standin_attention
+
+    ex = make_standin_attention()
+    register_executor(ex)
+    monkeypatch.setattr(tk_executor, "ATTENTION_FALLBACKS", (ex.name,))
+    yield ex
+    deregister_executor(ex)
+
+
+@pytest.fixture
+def kernels_not_built(monkeypatch):
+    """As if installed without nvcc."""
+    from thunder_tk import _extension
+
+    info = {"kernels_built": False, "reason": "no CUDA compiler (nvcc) was found at install time"}
+    monkeypatch.setattr(_extension, "build_info", lambda: info)
+    _extension._load.cache_clear()
+    yield info["reason"]
+    _extension._load.cache_clear()
+
+
+@pytest.fixture
+def kernels_built(monkeypatch):
+    """As if the compiled module were present (for judging rules; nothing is launched)."""
+    from thunder_tk import _extension
+    from thunder_tk.claim_rules import KERNELS_IN_SOURCE
+
+    class FakeModule:
+        @staticmethod
+        def kernels():
+            return sorted(KERNELS_IN_SOURCE)
+
+    monkeypatch.setattr(_extension, "_load", lambda: (FakeModule, ""))
+    yield

@@ -1,0 +1,157 @@
+"""The attention backward pre-pass kernel against an fp64 reference, and through Thunder."""
+
+import pytest
+import torch
+import thunder
+
+import thunder_tk
+from thunder_tk import _extension, ops
+from thunder_tk.claim_rules import KERNELS_IN_SOURCE
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# Tolerance on ||out - ref|| / ||ref||: the kernel reads the same rounded inputs as the reference and
+# accumulates in fp32, so only the fp32 summation order differs.
+TOL = 1e-5
+
+
+def reference(o, g):
+    return (o.double() * g.double()).sum(-1)
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check(o, g):
+    # Poisoned output: any element the kernel fails to write stays NaN.
+    out = torch.full(o.shape[:3], float("nan"), device=o.device, dtype=torch.float32)
+    ops.attention_bwd_delta(o, g, out=out)
+    assert torch.isfinite(out).all()
+    err = rel_err(out, reference(o, g))
+    assert err < TOL, err
+    return out
+
+
+def test_build_reports_the_source_kernels():
+    assert set(_extension.compiled_kernels()) == set(KERNELS_IN_SOURCE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1, 1, 1), (1, 1, 1, 64), (2, 3, 17, 128), (1, 16, 1000, 64), (4, 8, 4097, 128), (2, 2, 5, 96),
+     (1, 3, 33, 7), (1, 2, 9, 256), (1, 1, 3, 257), (3, 1, 65, 8), (1, 1, 2, 1000)],
+)
+def test_matches_fp64_reference(shape, dtype):
+    o = torch.randn(shape, device="cuda", dtype=dtype)
+    g = torch.randn(shape, device="cuda", dtype=dtype)
+    check(o, g)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_strided_views_without_copies(dtype):
+    # (B, S, H, D) storage viewed as (B, H, S, D), and a slice of a fused qkv-like buffer.
+    base = torch.randn(2, 300, 6, 3, 128, device="cuda", dtype=dtype)
+    o = base[:, :, :, 0].transpose(1, 2)
+    g = torch.randn(2, 300, 6, 128, device="cuda", dtype=dtype).transpose(1, 2)
+    assert not o.is_contiguous() and o.stride(-1) == 1
+    check(o, g)
+
+
+def test_misaligned_and_odd_strides_take_the_scalar_path():
+    flat = torch.randn(1 + 2 * 3 * 11 * 64, device="cuda", dtype=torch.bfloat16)
+    o = flat[1:].view(2, 3, 11, 64)  # base 2 bytes off 16-byte alignment
+    g = torch.randn(2, 3, 11, 66, device="cuda", dtype=torch.bfloat16)[..., :64]  # row stride 66 elements
+    check(o, g)
+
+
+def test_non_contiguous_last_dim():
+    o = torch.randn(2, 4, 33, 64, device="cuda", dtype=torch.bfloat16).transpose(-1, -2).contiguous().transpose(-1, -2)
+    g = torch.randn(2, 4, 64, 33, device="cuda", dtype=torch.bfloat16).transpose(-1, -2)
+    assert g.stride(-1) != 1
+    check(o, g)
+
+
+def test_strided_output():
+    o = torch.randn(3, 5, 777, 128, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn_like(o)
+    big = torch.full((3, 777, 5, 2), float("nan"), device="cuda")
+    out = big[..., 0].transpose(1, 2)  # (3, 5, 777) view with odd strides
+    ops.attention_bwd_delta(o, g, out=out)
+    assert rel_err(out, reference(o, g)) < TOL
+    assert torch.isnan(big[..., 1]).all()  # nothing written outside the view
+    with pytest.raises(ValueError, match="out must be a float32"):
+        ops.attention_bwd_delta(o, g, out=out.half())
+
+
+def test_empty_and_repeatable():
+    o = torch.randn(2, 0, 16, 64, device="cuda", dtype=torch.bfloat16)
+    assert ops.attention_bwd_delta(o, o).shape == (2, 0, 16)
+    o = torch.randn(4, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn_like(o)
+    first = ops.attention_bwd_delta(o, g)
+    for _ in range(5):
+        assert torch.equal(ops.attention_bwd_delta(o, g), first)
+
+
+def test_runs_on_the_current_stream_and_in_a_graph():
+    o = torch.randn(2, 8, 513, 64, device="cuda", dtype=torch.float16)
+    g = torch.randn_like(o)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = ops.attention_bwd_delta(o, g)
+    torch.cuda.current_stream().wait_stream(side)
+    assert rel_err(out, reference(o, g)) < TOL
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        ops.attention_bwd_delta(o, g)  # warm-up outside capture
+        with torch.cuda.graph(graph, stream=side):
+            captured = ops.attention_bwd_delta(o, g)
+    o.copy_(torch.randn_like(o))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(captured, reference(o, g)) < TOL
+
+
+def test_bad_arguments_raise_named_errors():
+    o = torch.randn(2, 3, 4, 8, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="same shape"):
+        ops.attention_bwd_delta(o, o[:, :, :3])
+    with pytest.raises(ValueError, match="same dtype"):
+        ops.attention_bwd_delta(o, o.half())
+    with pytest.raises(ValueError, match="supports bfloat16"):
+        ops.attention_bwd_delta(o.double(), o.double())
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        ops.attention_bwd_delta(o.cpu(), o.cpu())
+
+
+def test_thunder_claims_it_forward_and_backward():
+    def f(o, g):
+        return thunder_tk.attention_bwd_delta(o, g) * 2
+
+    def f_ref(o, g):
+        return ops.attention_bwd_delta_reference(o, g) * 2
+
+    o = torch.randn(2, 4, 129, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(2, 4, 129, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    jf = thunder.jit(f, executors=[thunder_tk.tk])
+    out = jf(o, g)
+    ref = f_ref(o.detach().float(), g.detach().float())
+    assert rel_err(out, ref.double()) < TOL
+    names = [b.sym.name for b in thunder.last_traces(jf)[-1].bound_symbols]
+    assert "tk_attention_bwd_delta" in names
+    report = thunder_tk.explain(jf)
+    (row,) = [r for r in report.rows if r.symbol == "thunder_tk.attention_bwd_delta"]
+    assert row.claimed_by_tk and row.ran_by == "tk: tk_attention_bwd_delta", report
+
+    seed = torch.randn_like(out)
+    out.backward(seed)
+    o2 = o.detach().float().requires_grad_()
+    g2 = g.detach().float().requires_grad_()
+    f_ref(o2, g2).backward(seed)
+    assert rel_err(o.grad.float(), o2.grad.double()) < 1e-2
+    assert rel_err(g.grad.float(), g2.grad.double()) < 1e-2

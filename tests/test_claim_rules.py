@@ -1,0 +1,169 @@
+"""Claim rules judged on CUDA-device proxies: every accept and every reason to decline."""
+
+import pytest
+import thunder
+from thunder.core.devices import Device
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import detached_trace
+from thunder.distributed.prims import DistributedReduceOps
+
+from thunder_tk import _extension
+from thunder_tk.claim_rules import RULES, RULES_BY_ID, check_sdpa
+from thunder_tk.functional import attention_bwd_delta_symbol
+import thunder.torch as ltorch
+from thunder.core import prims
+from thunder.distributed import prims as dist_prims
+
+bf16, f16, f32, i64 = thunder.bfloat16, thunder.float16, thunder.float32, thunder.int64
+
+
+@pytest.fixture(autouse=True)
+def trace_context():
+    with detached_trace():
+        yield
+
+
+def proxy(*shape, dtype=bf16, device="cuda:0"):
+    return TensorProxy(shape=shape, dtype=dtype, device=Device(device))
+
+
+def rule(symbol):
+    return RULES_BY_ID[symbol.id if hasattr(symbol, "id") else symbol]
+
+
+def judge(symbol, *args, **kwargs):
+    with _extension.planning_for():
+        return rule(symbol).judge(*args, **kwargs)
+
+
+SDPA = ltorch.scaled_dot_product_attention
+
+
+def test_one_rule_per_claimed_symbol():
+    ids = [r.symbol_id for r in RULES]
+    assert len(ids) == len(set(ids))
+    assert {SDPA.id, ltorch.linear.id, prims.PrimIDs.LINEAR, ltorch.matmul.id, prims.PrimIDs.MATMUL,
+            dist_prims.PrimIDs.ALL_GATHER, dist_prims.PrimIDs.REDUCE_SCATTER} <= set(ids)
+
+
+# -- attention ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("hq,hkv", [(16, 16), (16, 8), (32, 4), (8, 1)])
+def test_sdpa_shape_constraints_accept(D, hq, hkv):
+    q, k = proxy(2, hq, 1000, D), proxy(2, hkv, 1000, D)
+    assert check_sdpa(q, k, k, None, 0.0, True, scale=None)
+    assert check_sdpa(q, k, k, None, 0.0, False, scale=0.3)
+    assert check_sdpa(proxy(1, hq, 1, D), proxy(1, hkv, 17, D), proxy(1, hkv, 17, D), None, 0.0, False)
+
+
+@pytest.mark.parametrize(
+    "make_args, reason",
+    [
+        (lambda: (proxy(2, 16, 128, 128),) * 3 + (proxy(128, 128, dtype=thunder.bool8), 0.0, False), "attn_mask is given"),
+        (lambda: (proxy(2, 16, 128, 128),) * 3 + (None, 0.1, False), "dropout_p=0.1 > 0"),
+        (lambda: (proxy(2, 16, 128, 96),) * 3 + (None, 0.0, False), "head_dim 96 not in {64, 128}"),
+        (lambda: (proxy(2, 16, 128, 128, dtype=f32),) * 3 + (None, 0.0, False), "dtype float32 not in {bfloat16, float16}"),
+        (lambda: (proxy(2, 16, 128, 128), proxy(2, 16, 256, 128), proxy(2, 16, 256, 128), None, 0.0, True),
+         "causal with Sq=128 != Sk=256"),
+        (lambda: (proxy(2, 16, 128, 128), proxy(2, 6, 128, 128), proxy(2, 6, 128, 128), None, 0.0, False),
+         "query heads 16 not a multiple of key/value heads 6"),
+        (lambda: (proxy(16, 128, 128),) * 3 + (None, 0.0, False), "expects 4-D"),
+        (lambda: (proxy(2, 16, 128, 128), proxy(2, 16, 128, 128, dtype=f16), proxy(2, 16, 128, 128), None, 0.0, False),
+         "mixed dtypes"),
+        (lambda: (proxy(2, 16, 128, 128), proxy(2, 16, 128, 64), proxy(2, 16, 128, 64), None, 0.0, False),
+         "head dims differ"),
+    ],
+)
+def test_sdpa_declines_with_reason(make_args, reason):
+    verdict = judge(SDPA, *make_args())
+    assert not verdict and reason in verdict.reason, verdict.reason
+
+
+def test_sdpa_declines_until_its_kernel_exists():
+    q = proxy(2, 16, 1024, 128)
+    verdict = judge(SDPA, q, q, q, None, 0.0, True, scale=None)
+    assert not verdict and "tk has no attention kernel yet" in verdict.reason
+
+
+# -- devices and the build --------------------------------------------------------------------------
+
+
+def test_device_reasons():
+    cpu = proxy(2, 4, 8, 64, device="cpu")
+    assert judge(attention_bwd_delta_symbol, cpu, cpu).reason == "tensor on cpu"
+    a, b = proxy(2, 4, 8, 64), proxy(2, 4, 8, 64, device="cuda:1")
+    assert "several devices" in judge(attention_bwd_delta_symbol, a, b).reason
+    with _extension.planning_for((8, 0)):
+        verdict = rule(attention_bwd_delta_symbol).judge(a, a)
+    assert verdict.reason == "GPU is sm_80; tk kernels need sm_90 (Hopper)"
+
+
+def test_without_a_gpu(kernels_built, monkeypatch):
+    monkeypatch.setattr(_extension, "_real_capability", lambda index: None)
+    a = proxy(2, 4, 8, 64)
+    assert rule(attention_bwd_delta_symbol).judge(a, a).reason == "no CUDA device cuda:0 is visible"
+
+
+def test_on_an_sm90_gpu(kernels_built, monkeypatch):
+    monkeypatch.setattr(_extension, "_real_capability", lambda index: (9, 0))
+    a = proxy(2, 4, 8, 64)
+    assert rule(attention_bwd_delta_symbol).judge(a, a)
+
+
+def test_kernels_not_built_declines_everything(kernels_not_built):
+    a = proxy(2, 4, 8, 64)
+    for r in RULES:
+        verdict = r.judge(a, a)
+        assert not verdict and verdict.reason == f"kernels not built: {kernels_not_built}"
+
+
+# -- GEMMs ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("symbol", [ltorch.linear, prims.PrimIDs.LINEAR])
+def test_linear_reasons(symbol):
+    r = rule(symbol)
+    assert r.check(proxy(4, 7, 1024), proxy(4096, 1024), None)
+    assert r.check(proxy(1, 8), proxy(3, 8), proxy(3))
+    assert r.check(proxy(4, 1004), proxy(64, 1004)).reason == "K=1004 not a multiple of 8"
+    assert r.check(proxy(4, 64, dtype=f32), proxy(64, 64, dtype=f32)).reason == "dtype float32 not in {bfloat16, float16}"
+    assert r.check(proxy(4, 64), proxy(2, 64, 64)).reason == "weight is 3-D, expected 2-D"
+    assert "bias must be a 1-D bfloat16" in r.check(proxy(4, 64), proxy(8, 64), proxy(8, dtype=f32)).reason
+    assert "tk has no gemm kernel yet" in judge(symbol, proxy(4, 64), proxy(8, 64), None).reason
+
+
+@pytest.mark.parametrize("symbol", [ltorch.matmul, prims.PrimIDs.MATMUL])
+def test_matmul_reasons(symbol):
+    r = rule(symbol)
+    assert r.check(proxy(33, 64), proxy(64, 17))
+    assert r.check(proxy(2, 33, 64), proxy(64, 17)).reason == "only 2-D @ 2-D is claimed; got 3-D @ 2-D"
+    assert r.check(proxy(33, 12), proxy(12, 17)).reason == "K=12 not a multiple of 8"
+
+
+# -- collectives ----------------------------------------------------------------------------------------
+
+
+def test_collective_reasons():
+    ag, rs = rule(dist_prims.PrimIDs.ALL_GATHER), rule(dist_prims.PrimIDs.REDUCE_SCATTER)
+    for dtype in (bf16, f16, f32):
+        assert ag.check(proxy(1024, dtype=dtype), None, True, None)
+        assert rs.check(proxy(1024, dtype=dtype), DistributedReduceOps.SUM, None, True, None)
+    assert ag.check(proxy(1024, dtype=i64), None, True, None).reason == "dtype int64 not in {bfloat16, float16, float32}"
+    assert ag.check(proxy(4, 4), None, True, 1).reason == "dim=1; only dim 0 is supported"
+    assert rs.check(proxy(8), DistributedReduceOps.MAX, None, True, None).reason == "reduce op MAX not in {SUM, AVG}"
+
+
+# -- thunder_tk's own symbol ---------------------------------------------------------------------------
+
+
+def test_attention_bwd_delta_rule():
+    a = proxy(2, 4, 9, 128)
+    assert judge(attention_bwd_delta_symbol, a, a)
+    assert judge(attention_bwd_delta_symbol, proxy(2, 4, 9, 128, dtype=f32), proxy(2, 4, 9, 128, dtype=f32))
+    assert "expects (B, H, S, D)" in judge(attention_bwd_delta_symbol, proxy(4, 9, 128), proxy(4, 9, 128)).reason
+    assert "shapes differ" in judge(attention_bwd_delta_symbol, a, proxy(2, 4, 9, 64)).reason
+    assert "mixed dtypes" in judge(attention_bwd_delta_symbol, a, proxy(2, 4, 9, 128, dtype=f16)).reason
+    i = proxy(2, 4, 9, 128, dtype=i64)
+    assert "dtype int64" in judge(attention_bwd_delta_symbol, i, i).reason

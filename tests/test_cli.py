@@ -1,0 +1,63 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from thunder_tk.cli import main
+
+pytest.importorskip("litgpt")
+CONFIGS = Path(__file__).resolve().parents[1] / "litgpt_configs"
+
+
+def test_explain_yaml_plans_without_a_gpu(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["explain", str(CONFIGS / "tiny.yaml"), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "tiny, 2 layers, hidden 256, 4 heads (head_dim 64, 2 kv groups), batch 4 x 256 tokens" in text
+    assert "ltorch.scaled_dot_product_attention" in text and "prims.linear" in text
+    data = json.loads(out.read_text())
+    assert data["planned"] and any(r["trace"] == "backward" for r in data["rows"])
+    assert all(r["inputs"].startswith("bf16") for r in data["rows"] if r["symbol"] == "prims.linear")
+
+
+def test_explain_default_model_and_inference(capsys):
+    assert main(["explain", "--seq", "128", "--inference"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("Llama-3.2-1B: Llama-3.2-1B, 2 layers, hidden 2048")
+    assert "backward" not in text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["explain", "NoSuchModel"], "model name 'NoSuchModel' is not a LitGPT config name"),
+        (["explain", "missing.yaml"], "config file missing.yaml does not exist"),
+        (["explain", "--seq", "0"], "--seq must be at least 1"),
+        (["explain", str(CONFIGS / "tiny.yaml"), "--seq", "100000"], "exceeds the model's block_size 256"),
+    ],
+)
+def test_bad_input_is_one_message(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_bad_yaml_key(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model_config:\n  n_layer: 2\n  n_embdd: 64\n")
+    assert main(["explain", str(bad)]) == 2
+    assert "n_embdd" in capsys.readouterr().err
+
+
+def test_console_entry_point_has_no_traceback():
+    r = subprocess.run([sys.executable, "-m", "thunder_tk.cli", "explain", "NoSuchModel"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "error:" in r.stderr
+
+
+def test_info(capsys):
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert "executors=[tk] amounts to: ['tk'" in text

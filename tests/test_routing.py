@@ -1,0 +1,146 @@
+"""Routing on real Thunder traces (CPU): what `executors=[tk]` sends where, alone and in explicit lists."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import thunder
+
+import thunder_tk
+from thunder_tk import _extension, tk
+from thunder_tk.planning import plan
+
+
+class Block(torch.nn.Module):
+    """Attention and an MLP, the shape of a transformer block."""
+
+    def __init__(self, d=64, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.proj = torch.nn.Linear(d, d)
+        self.fc = torch.nn.Linear(d, 2 * d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return (F.gelu(self.fc(x)) * 0.5).sum()
+
+
+def top_level_executors(trace):
+    return [(b.sym.name, getattr(b.sym.executor, "name", None)) for b in trace.bound_symbols]
+
+
+def run_and_compare(model, x, executors):
+    jm = thunder.jit(model, executors=executors)
+    out = jm(x)
+    out.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = model(x)
+    ref.backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
+    model.zero_grad()
+    return jm
+
+
+def test_tk_alone_uses_nvfuser_and_the_attention_executor(standin_nvfuser, standin_attention):
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 16, 64)
+    jm = run_and_compare(model, x, [tk])
+    fwd, bwd = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
+    fwd_ex = top_level_executors(fwd)
+    # Declined attention went to the attention executor, forward and backward, not to the decomposed math.
+    assert ("standin_sdpa_fwd", "standin_sdpa") in fwd_ex
+    assert ("standin_sdpa_bwd", "standin_sdpa") in top_level_executors(bwd)
+    # Elementwise work is fused by "nvfuser"; nothing elementwise is left to eager torch.
+    assert any(ex == "nvfuser" for _, ex in fwd_ex)
+    for trace in (fwd, bwd):
+        for b in trace.bound_symbols:
+            if getattr(b.sym.executor, "name", None) == "torch":
+                assert b.sym.name in ("linear", "matmul") or b.sym.name.startswith("torch_"), b.sym.name
+    report = thunder_tk.explain(jm)
+    (attn,) = [r for r in report.rows if r.symbol == "ltorch.scaled_dot_product_attention"]
+    assert not attn.claimed_by_tk and attn.ran_by == "standin_sdpa: standin_sdpa_fwd"
+    assert attn.backward_ran_by == "standin_sdpa: standin_sdpa_bwd"
+    assert attn.reason in ("tensor on cpu",) or attn.reason.startswith("kernels not built")
+
+
+def test_explicit_list_composes_without_double_claims(standin_nvfuser, standin_attention):
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 16, 64)
+    alone = thunder_tk.explain(run_and_compare(model, x, [tk]))
+    for executors in ([tk, standin_attention, standin_nvfuser], ["tk", "standin_sdpa", "nvfuser"],
+                      thunder_tk.executors()):
+        jm = run_and_compare(model, x, executors)
+        fwd = thunder.last_traces(jm)[-1]
+        names = [ex for _, ex in top_level_executors(fwd)]
+        assert "tk_torchcompile" not in names  # the listed fuser fused, tk did not
+        assert "nvfuser" in names and "standin_sdpa" in names
+        assert [(r.symbol, r.ran_by.split(":")[0]) for r in thunder_tk.explain(jm).rows] == [
+            (r.symbol, r.ran_by.split(":")[0]) for r in alone.rows
+        ]
+
+
+def test_executors_amounts_to_tk_attention_and_fuser(standin_nvfuser):
+    names = [ex.name for ex in thunder_tk.executors()]
+    assert names[0] == "tk" and names[-1] == "nvfuser"
+    assert "sdpa" in names and names.index("sdpa") < names.index("nvfuser")
+
+
+def test_without_nvfuser_the_torch_compile_fuser_is_used():
+    assert thunder.extend.get_executor("nvfuser") is None
+    assert tk.default_fuser().name == "tk_torchcompile"
+    assert [ex.name for ex in thunder_tk.executors()][-1] == "tk_torchcompile"
+
+
+def test_real_torch_compile_fuser_fuses_the_rest():
+    def f(x, w):
+        return torch.nn.functional.linear(torch.tanh(x) * 2 + 1, w).sin()
+
+    x, w = torch.randn(8, 16), torch.randn(4, 16)
+    jf = thunder.jit(f, executors=[tk])
+    torch.testing.assert_close(jf(x, w), f(x, w))
+    fwd = top_level_executors(thunder.last_traces(jf)[-1])
+    assert ("linear", "torch") in fwd  # a declined GEMM stays a cuBLAS/torch call, outside any region
+    assert sum(ex == "tk_torchcompile" for _, ex in fwd) == 2  # before and after the GEMM
+
+
+def test_collectives_never_enter_a_fusion_region():
+    from thunder.distributed import prims as dist_prims
+
+    for pid in dist_prims.PrimIDs:
+        assert pid not in tk.private_fuser.implmap
+
+
+def test_planned_claim_of_a_kernel_with_cuda_proxies():
+    """With CUDA proxies and an sm_90 plan, tk claims its kernel forward and backward (nothing runs)."""
+
+    class UsesDelta(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.o = torch.nn.Parameter(torch.empty(2, 4, 33, 64, device="meta", dtype=torch.bfloat16))
+
+        def forward(self, g):
+            return thunder_tk.attention_bwd_delta(self.o, g).sum()
+
+    g = torch.empty(2, 4, 33, 64, device="meta", dtype=torch.bfloat16)
+    report = plan(UsesDelta(), [g])
+    (row,) = report.rows
+    assert row.claimed_by_tk and row.ran_by == "tk: tk_attention_bwd_delta" and row.trace == "forward"
+    assert "bf16[2, 4, 33, 64]" in row.inputs
+    assert report.planned
+
+
+def test_declined_own_symbol_decomposes_into_the_fuser(standin_nvfuser):
+    def f(o, g):
+        return thunder_tk.attention_bwd_delta(o, g)
+
+    o, g = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
+    jf = thunder.jit(f, executors=[tk])
+    torch.testing.assert_close(jf(o, g), (o * g).sum(-1))
+    (row,) = thunder_tk.explain(jf).rows
+    assert not row.claimed_by_tk and row.ran_by.endswith("(nvfuser)")

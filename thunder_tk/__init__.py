@@ -1,0 +1,48 @@
+"""thunder_tk: Hopper tile kernels as a Lightning Thunder executor.
+
+    import thunder
+    from thunder_tk import tk
+    jitted = thunder.jit(model, executors=[tk])
+    ...
+    print(thunder_tk.explain(jitted))
+"""
+
+from __future__ import annotations
+
+import warnings
+
+with warnings.catch_warnings():
+    # Thunder warns at import about optional executors (transformer_engine) that are not installed.
+    warnings.filterwarnings("ignore", message=".*module not found.*")
+    import thunder  # noqa: F401
+
+from thunder.extend import Executor
+
+from thunder_tk.version import __version__
+from thunder_tk.executor import tk, Decision, ATTENTION_FALLBACKS
+from thunder_tk import lowering as _lowering  # noqa: F401  (registers the kernel operators)
+from thunder_tk.functional import attention_bwd_delta
+from thunder_tk.explain import explain, Report
+from thunder_tk._extension import build_info, compiled_kernels, unavailable_reason
+
+__all__ = [
+    "tk",
+    "executors",
+    "explain",
+    "Report",
+    "Decision",
+    "attention_bwd_delta",
+    "build_info",
+    "compiled_kernels",
+    "unavailable_reason",
+    "__version__",
+]
+
+
+def executors() -> list[Executor]:
+    """The explicit executor list that ``executors=[tk]`` amounts to.
+
+    tk first, then the attention executors that take what tk declines, then the fuser for everything else
+    (nvFuser when Thunder can load it, else tk's torch.compile fuser, registered as "tk_torchcompile").
+    """
+    return [tk, *tk.attention_fallbacks(), tk.default_fuser()]

@@ -1,0 +1,107 @@
+"""Loading the compiled kernels and describing the GPU they would run on.
+
+Everything here is cheap metadata: the executor's claim rules call it while Thunder builds traces, so it
+must never launch work on the GPU or synchronise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SUPPORTED_CAPABILITY = (9, 0)
+"""Our kernels use sm_90a instructions (wgmma, TMA, setmaxnreg): Hopper only."""
+
+
+@lru_cache(maxsize=1)
+def build_info() -> dict:
+    """What the install recorded: whether the kernels were compiled and, if not, why."""
+    path = Path(__file__).with_name("_build_info.json")
+    if not path.exists():
+        return {"kernels_built": False, "reason": "thunder_tk was not installed with its build step (no _build_info.json)"}
+    return json.loads(path.read_text())
+
+
+@lru_cache(maxsize=1)
+def _load() -> tuple[object | None, str]:
+    info = build_info()
+    if not info.get("kernels_built"):
+        return None, f"kernels not built: {info.get('reason') or 'unknown reason'}"
+    try:
+        from thunder_tk import _C  # type: ignore[attr-defined]
+    except ImportError as e:  # built, but the module will not load here
+        return None, f"kernels not built: the compiled module failed to load ({e})"
+    return _C, ""
+
+
+def extension():
+    """The compiled module, or None. `unavailable_reason()` says why it is None."""
+    return _load()[0]
+
+
+def unavailable_reason() -> str:
+    return _load()[1]
+
+
+def compiled_kernels() -> frozenset[str]:
+    ext = extension()
+    return frozenset(ext.kernels()) if ext is not None else frozenset()
+
+
+# While planning on a machine without a GPU (``thunder-tk explain``), CUDA proxies stand for a GPU that is
+# not there; this holds the compute capability the plan assumes for them.
+_planned_capability: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "thunder_tk_planned_capability", default=None
+)
+
+
+@contextlib.contextmanager
+def planning_for(capability: tuple[int, int] = SUPPORTED_CAPABILITY):
+    """Within this block, claim rules judge CUDA devices as if they had `capability` and the kernels were built."""
+    token = _planned_capability.set(tuple(capability))
+    try:
+        yield
+    finally:
+        _planned_capability.reset(token)
+
+
+def planning() -> bool:
+    return _planned_capability.get() is not None
+
+
+@lru_cache(maxsize=None)
+def _real_capability(index: int) -> tuple[int, int] | None:
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        return None
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def device_capability(index: int | None) -> tuple[int, int] | None:
+    """Compute capability of cuda:`index` (None: no such GPU). Cached; reads device properties once."""
+    planned = _planned_capability.get()
+    if planned is not None:
+        return planned
+    return _real_capability(0 if index is None else index)
+
+
+def kernels_usable_reason() -> str:
+    """Empty when kernels can run (or are assumed to, while planning); otherwise why not."""
+    if planning():
+        return ""
+    return unavailable_reason()
+
+
+def kernel_in_build(name: str) -> bool:
+    return planning_kernels_override(name) if planning() else name in compiled_kernels()
+
+
+def planning_kernels_override(name: str) -> bool:
+    # A plan describes this version of thunder_tk as built for the GPU: the kernels its source provides.
+    from thunder_tk.claim_rules import KERNELS_IN_SOURCE
+
+    return name in KERNELS_IN_SOURCE

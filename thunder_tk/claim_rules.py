@@ -1,0 +1,250 @@
+"""Which trace symbols tk claims, and when: one rule per symbol, as data.
+
+A rule's checker reads metadata only (shapes, dtypes, devices, flags); it never touches the GPU, so the
+rules can be judged on a machine without one. It returns a `Verdict`: accept, or a reason a person can act on.
+Checks run in a fixed order: build, device, then the symbol's own constraints, then whether this build has the
+kernel. The first failing check is the reason shown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import thunder
+import thunder.torch as ltorch
+from thunder.core import prims
+from thunder.core.proxies import TensorProxy, pyval
+from thunder.distributed import prims as dist_prims
+
+from thunder_tk import _extension
+from thunder_tk.functional import attention_bwd_delta_symbol
+
+# Kernels this version's csrc/ provides (a GPU test checks the build reports exactly these).
+KERNELS_IN_SOURCE = frozenset({"attention_bwd_delta"})
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.accepted
+
+
+ACCEPT = Verdict(True)
+
+
+def decline(reason: str) -> Verdict:
+    return Verdict(False, reason)
+
+
+@dataclass(frozen=True)
+class ClaimRule:
+    """How tk claims one symbol."""
+
+    symbol_id: Hashable
+    name: str  # as a user reads it in a trace, e.g. "ltorch.linear"
+    family: str  # "attention", "gemm", "collective", "attention_bwd_delta"
+    kernel: str  # the compiled kernel the claim needs
+    check: Callable[..., Verdict]  # the symbol's own constraints, on normalized bound-symbol args
+    # Filled by the executor once the kernel exists: how a claimed symbol is lowered.
+    execution_transform: Callable | None = field(default=None, compare=False)
+    grad_transform: Callable | None = field(default=None, compare=False)
+
+    def judge(self, *args, **kwargs) -> Verdict:
+        reason = _extension.kernels_usable_reason()
+        if reason:
+            return decline(reason)
+        tensors = [a for a in _flatten(args, kwargs) if isinstance(a, TensorProxy)]
+        verdict = check_devices(tensors)
+        if not verdict:
+            return verdict
+        verdict = self.check(*args, **kwargs)
+        if not verdict:
+            return verdict
+        if not _extension.kernel_in_build(self.kernel):
+            return decline(f"tk has no {self.family} kernel yet ({self.kernel} is not in this build)")
+        return ACCEPT
+
+
+def _flatten(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (tuple, list)):
+            yield from a
+        else:
+            yield a
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared checks
+
+
+def check_devices(tensors: list[TensorProxy]) -> Verdict:
+    if not tensors:
+        return decline("no tensor arguments")
+    devices = {str(t.device) for t in tensors}
+    for t in tensors:
+        if type(t).__name__ == "DTensorProxy":
+            return decline("DTensor arguments are not supported")
+        if t.device.type != "cuda":
+            return decline(f"tensor on {t.device.type}")
+    if len(devices) > 1:
+        return decline(f"tensors on several devices: {', '.join(sorted(devices))}")
+    index = tensors[0].device.index
+    cap = _extension.device_capability(index)
+    if cap is None:
+        return decline(f"no CUDA device cuda:{index or 0} is visible")
+    if cap != _extension.SUPPORTED_CAPABILITY:
+        return decline(f"GPU is sm_{cap[0]}{cap[1]}; tk kernels need sm_90 (Hopper)")
+    return ACCEPT
+
+
+_HALF = (thunder.bfloat16, thunder.float16)
+
+
+def _dtype_name(d) -> str:
+    return str(d).rsplit(".", 1)[-1]
+
+
+def check_half_dtypes(*tensors: TensorProxy) -> Verdict:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        return decline("mixed dtypes: " + ", ".join(sorted(_dtype_name(d) for d in dtypes)))
+    (dtype,) = dtypes
+    if dtype not in _HALF:
+        return decline(f"dtype {_dtype_name(dtype)} not in {{bfloat16, float16}}")
+    return ACCEPT
+
+
+def _first_failure(*verdicts: Callable[[], Verdict]) -> Verdict:
+    for v in verdicts:
+        result = v()
+        if not result:
+            return result
+    return ACCEPT
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention
+
+ATTENTION_HEAD_DIMS = (64, 128)
+
+
+def check_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> Verdict:
+    if attn_mask is not None:
+        return decline("attn_mask is given (only is_causal masking is supported)")
+    if pyval(dropout_p) != 0.0:
+        return decline(f"dropout_p={pyval(dropout_p)} > 0")
+    if not (query.ndim == key.ndim == value.ndim == 4):
+        return decline(f"expects 4-D (B, H, S, D) tensors; got {query.ndim}-D, {key.ndim}-D, {value.ndim}-D")
+    verdict = check_half_dtypes(query, key, value)
+    if not verdict:
+        return verdict
+    (B, Hq, Sq, D), (Bk, Hkv, Sk, Dk), (Bv, Hv, Sv, Dv) = query.shape, key.shape, value.shape
+    if not (B == Bk == Bv):
+        return decline(f"batch sizes differ: {B}, {Bk}, {Bv}")
+    if (Hkv, Sk) != (Hv, Sv):
+        return decline(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
+    if not (D == Dk == Dv):
+        return decline(f"head dims differ: q {D}, k {Dk}, v {Dv}")
+    if D not in ATTENTION_HEAD_DIMS:
+        return decline(f"head_dim {D} not in {{64, 128}}")
+    if Hkv == 0 or Hq % Hkv:
+        return decline(f"query heads {Hq} not a multiple of key/value heads {Hkv}")
+    if pyval(is_causal) and Sq != Sk:
+        return decline(f"causal with Sq={Sq} != Sk={Sk}")
+    return ACCEPT
+
+
+# ------------------------------------------------------------------------------------------------
+# GEMMs
+
+
+def _check_gemm_operands(a, b, k: int) -> Verdict:
+    verdict = check_half_dtypes(a, b)
+    if not verdict:
+        return verdict
+    if k % 8:
+        return decline(f"K={k} not a multiple of 8")
+    return ACCEPT
+
+
+def check_linear(a, w, bias=None) -> Verdict:
+    if w.ndim != 2:
+        return decline(f"weight is {w.ndim}-D, expected 2-D")
+    if a.ndim < 1:
+        return decline("input is 0-D")
+    verdict = _check_gemm_operands(a, w, a.shape[-1])
+    if not verdict:
+        return verdict
+    if bias is not None and (bias.dtype != w.dtype or bias.ndim != 1):
+        return decline(f"bias must be a 1-D {_dtype_name(w.dtype)} tensor; got {bias.ndim}-D {_dtype_name(bias.dtype)}")
+    return ACCEPT
+
+
+def check_matmul(a, b) -> Verdict:
+    if a.ndim != 2 or b.ndim != 2:
+        return decline(f"only 2-D @ 2-D is claimed; got {a.ndim}-D @ {b.ndim}-D")
+    return _check_gemm_operands(a, b, a.shape[1])
+
+
+# ------------------------------------------------------------------------------------------------
+# Collectives
+
+_COLLECTIVE_DTYPES = (thunder.bfloat16, thunder.float16, thunder.float32)
+
+
+def _check_collective(a, dim) -> Verdict:
+    if a.dtype not in _COLLECTIVE_DTYPES:
+        return decline(f"dtype {_dtype_name(a.dtype)} not in {{bfloat16, float16, float32}}")
+    if dim not in (None, 0):
+        return decline(f"dim={dim}; only dim 0 is supported")
+    return ACCEPT
+
+
+def check_all_gather(a, group, do_async, dim=None) -> Verdict:
+    return _check_collective(a, dim)
+
+
+def check_reduce_scatter(a, op, group, do_async, dim=None) -> Verdict:
+    if getattr(op, "name", str(op)) not in ("SUM", "AVG"):
+        return decline(f"reduce op {getattr(op, 'name', op)} not in {{SUM, AVG}}")
+    return _check_collective(a, dim)
+
+
+# ------------------------------------------------------------------------------------------------
+# thunder_tk's own symbols
+
+
+def check_attention_bwd_delta(o, grad_o) -> Verdict:
+    if o.ndim != 4:
+        return decline(f"expects (B, H, S, D) tensors; got {o.ndim}-D")
+    if tuple(o.shape) != tuple(grad_o.shape):
+        return decline(f"shapes differ: {tuple(o.shape)} vs {tuple(grad_o.shape)}")
+    if o.dtype != grad_o.dtype:
+        return decline(f"mixed dtypes: {_dtype_name(o.dtype)}, {_dtype_name(grad_o.dtype)}")
+    if o.dtype not in _COLLECTIVE_DTYPES:
+        return decline(f"dtype {_dtype_name(o.dtype)} not in {{bfloat16, float16, float32}}")
+    return ACCEPT
+
+
+# ------------------------------------------------------------------------------------------------
+# The table
+
+RULES: tuple[ClaimRule, ...] = (
+    ClaimRule(ltorch.scaled_dot_product_attention.id, "ltorch.scaled_dot_product_attention", "attention",
+              "attention_fwd", check_sdpa),
+    ClaimRule(ltorch.linear.id, "ltorch.linear", "gemm", "gemm", check_linear),
+    ClaimRule(prims.PrimIDs.LINEAR, "prims.linear", "gemm", "gemm", check_linear),
+    ClaimRule(ltorch.matmul.id, "ltorch.matmul", "gemm", "gemm", check_matmul),
+    ClaimRule(prims.PrimIDs.MATMUL, "prims.matmul", "gemm", "gemm", check_matmul),
+    ClaimRule(dist_prims.PrimIDs.ALL_GATHER, "all_gather", "collective", "all_gather", check_all_gather),
+    ClaimRule(dist_prims.PrimIDs.REDUCE_SCATTER, "reduce_scatter", "collective", "reduce_scatter",
+              check_reduce_scatter),
+    ClaimRule(attention_bwd_delta_symbol.id, "thunder_tk.attention_bwd_delta", "attention_bwd_delta",
+              "attention_bwd_delta", check_attention_bwd_delta),
+)
+
+RULES_BY_ID: dict[Hashable, ClaimRule] = {r.symbol_id: r for r in RULES}

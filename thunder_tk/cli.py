@@ -1,0 +1,107 @@
+"""`thunder-tk`: inspect how tk would run a LitGPT model, and what this install contains.
+
+    thunder-tk explain                                  # the embedded default: Llama-3.2-1B, 2 layers
+    thunder-tk explain litgpt_configs/tiny.yaml
+    thunder-tk explain Llama-3.2-1B --n-layer 4 --seq 4096 --json plan.json
+    thunder-tk info
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+
+DEFAULT_MODEL = "Llama-3.2-1B"
+DEFAULT_N_LAYER = 2
+
+
+class CLIError(Exception):
+    pass
+
+
+def _cmd_explain(args) -> int:
+    import torch
+
+    from thunder_tk.litgpt_models import ConfigError, build_meta_model, load_spec
+    from thunder_tk.planning import plan
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    model = args.model or DEFAULT_MODEL
+    n_layer = args.n_layer if args.n_layer is not None else (DEFAULT_N_LAYER if args.model is None else None)
+    try:
+        spec = load_spec(model, n_layer=n_layer, micro_batch_size=args.batch, seq_len=args.seq)
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
+    meta_model = build_meta_model(spec, dtype)
+    if args.inference:
+        meta_model.requires_grad_(False)
+    tokens = torch.empty(spec.micro_batch_size, spec.seq_len, dtype=torch.int64, device="meta")
+    report = plan(meta_model, [tokens], device=args.device)
+    cfg = spec.config
+    print(f"{spec.source}: {cfg.name or 'model'}, {cfg.n_layer} layers, hidden {cfg.n_embd}, {cfg.n_head} heads "
+          f"(head_dim {cfg.head_size}, {cfg.n_query_groups} kv groups), batch {spec.micro_batch_size} x "
+          f"{spec.seq_len} tokens, {args.dtype}, {'inference' if args.inference else 'training'}")
+    print(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": spec.source, **report.to_dict()}, f, indent=2)
+    return 0
+
+
+def _cmd_info(args) -> int:
+    import thunder
+
+    import thunder_tk
+    from thunder_tk import _extension
+
+    info = _extension.build_info()
+    print(f"thunder_tk {thunder_tk.__version__}, lightning-thunder {thunder.__version__}")
+    kernels = sorted(_extension.compiled_kernels())
+    if kernels:
+        print(f"kernels: {', '.join(kernels)} ({info.get('arch')}, nvcc {info.get('nvcc')})")
+    else:
+        print(_extension.unavailable_reason())
+    fuser = thunder_tk.tk.default_fuser()
+    print(f"executors=[tk] amounts to: {[ex.name for ex in thunder_tk.executors()]} (fuser: {fuser.name})")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="thunder-tk", description="thunder_tk: Hopper kernels for Lightning Thunder")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("explain", help="plan a LitGPT model's routing (no GPU needed)")
+    e.add_argument("model", nargs="?", help=f"LitGPT config name or pretrain YAML (default {DEFAULT_MODEL}, "
+                                            f"{DEFAULT_N_LAYER} layers)")
+    e.add_argument("--n-layer", type=int, help="override the number of layers")
+    e.add_argument("--batch", type=int, help="micro-batch size (default: train.micro_batch_size or 1)")
+    e.add_argument("--seq", type=int, help="sequence length (default: train.max_seq_length or min(block_size, 2048))")
+    e.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    e.add_argument("--inference", action="store_true", help="plan the forward pass only")
+    e.add_argument("--device", default="cuda:0")
+    e.add_argument("--json", help="also write the report as JSON to this path")
+    e.set_defaults(run=_cmd_explain)
+    i = sub.add_parser("info", help="what this install contains")
+    i.set_defaults(run=_cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Thunder warns at import about optional executors it cannot load; they are irrelevant here.
+    warnings.filterwarnings("ignore", message=".*module not found.*")
+    args = _parser().parse_args(argv)
+    for name in ("n_layer", "batch", "seq"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            print(f"thunder-tk: error: --{name.replace('_', '-')} must be at least 1, got {value}", file=sys.stderr)
+            return 2
+    try:
+        return args.run(args)
+    except CLIError as e:
+        print(f"thunder-tk: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

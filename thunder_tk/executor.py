@@ -1,0 +1,290 @@
+"""The `tk` executor: claims symbols for tk's kernels and hands the rest to the right Thunder executor.
+
+`thunder.jit(model, executors=[tk])` is meant to be complete on its own:
+- symbols whose claim rule accepts run on tk's kernels;
+- an attention that tk declines goes to Thunder's cuDNN or SDPA executor (not to the decomposed math);
+- the remaining elementwise and reduction work is fused by nvFuser when Thunder can load it, else by
+  Thunder's torch.compile executor (a private instance that never swallows the distributed collectives);
+- declined GEMMs and collectives stay with the torch executor (cuBLAS, NCCL).
+
+In an explicit list (``[tk, *thunder.get_default_executors()]``, ``["tk", "nvfuser"]``) tk delegates only
+what no later executor in the list would take: a listed fuser or attention executor keeps its own work.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from functools import cached_property
+
+import thunder
+from thunder.core.compile_data import _compile_data, get_compile_data
+from thunder.core.proxies import TensorProxy
+from thunder.core.symbol import BoundSymbol, Symbol
+from thunder.core.trace import get_tracectx
+from thunder.distributed import prims as dist_prims
+from thunder.extend import Executor, FusionExecutor, ImplInfo, OperatorExecutor, get_executor, register_executor
+
+from thunder_tk import claim_rules
+from thunder_tk.claim_rules import ClaimRule, Verdict
+from thunder_tk.version import __version__
+
+# Executors that take an attention tk declines, in order of preference.
+ATTENTION_FALLBACKS = ("cudnn", "sdpa")
+# Fusion executors that only fuse regions holding particular ops, so they do not replace a general fuser.
+_SPECIALISED_FUSERS = ("torchcompile_cat", "torchcompile_xentropy")
+# Thunder's distributed prims never go into a fusion region (async work handles break torch.compile).
+_COLLECTIVE_IDS = frozenset(dist_prims.PrimIDs)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One judgement of a claimable symbol, as `explain` reports it."""
+
+    symbol: str
+    family: str
+    inputs: str  # "bf16[2, 16, 1024, 128], ..., is_causal=True"
+    site: "Site"  # tags the symbol's result proxies, to find what ran it in the final traces
+    claimed_by: str | None  # "tk", a fallback executor's name, or None
+    reason: str  # why tk declined ("" when tk claimed it)
+
+
+@dataclass(frozen=True)
+class _Route:
+    rule: ClaimRule
+    verdict: Verdict
+    fallback: Executor | None  # set when tk declined and this executor takes the symbol
+
+    @property
+    def taken(self) -> bool:
+        return bool(self.verdict) or self.fallback is not None
+
+
+class TKExecutor(FusionExecutor):
+    def __init__(self, rules: tuple[ClaimRule, ...]):
+        super().__init__("tk", version=__version__)
+        self._last_site: Site | None = None
+        self._rules: dict[Hashable, ClaimRule] = {r.symbol_id: r for r in rules}
+        for r in rules:
+            self.implmap[r.symbol_id] = ImplInfo(checker=lambda *a, _r=r, **k: bool(_r.judge(*a, **k)))
+
+    # -- configuration --------------------------------------------------------------------------
+
+    @property
+    def rules(self) -> tuple[ClaimRule, ...]:
+        return tuple(self._rules.values())
+
+    def set_lowering(self, symbol_id: Hashable, *, execution_transform: Callable, grad_transform: Callable | None):
+        """Attach how a claimed symbol becomes tk kernel calls (done where the kernel's op is defined)."""
+        rule = self._rules[symbol_id]
+        self._rules[symbol_id] = ClaimRule(
+            rule.symbol_id, rule.name, rule.family, rule.kernel, rule.check,
+            execution_transform=execution_transform, grad_transform=grad_transform,
+        )
+
+    @cached_property
+    def private_fuser(self) -> FusionExecutor:
+        """Thunder's torch.compile executor, minus the symbols that must stay outside fusion regions."""
+        from thunder.executors.torch_compile import TorchCompileExecutor
+        from thunder.executors.torchex import ex as pytorch_ex
+
+        fuser = TorchCompileExecutor(name="tk_torchcompile")
+        # Collectives inside a torch.compile region break (async work handles); GEMMs and attention are
+        # ours or cuBLAS/cuDNN calls, and splitting regions at them keeps compile times short.
+        excluded = _COLLECTIVE_IDS | set(self._rules)
+        fuser._implmap = {op: ImplInfo() for op in pytorch_ex.implmap if op not in excluded}
+        return fuser
+
+    def default_fuser(self) -> FusionExecutor:
+        """nvFuser when Thunder can load it, else the private torch.compile fuser."""
+        nvfuser = get_executor("nvfuser")
+        return nvfuser if isinstance(nvfuser, FusionExecutor) else self.private_fuser
+
+    def attention_fallbacks(self) -> tuple[Executor, ...]:
+        found = (get_executor(name) for name in ATTENTION_FALLBACKS)
+        return tuple(ex for ex in found if isinstance(ex, OperatorExecutor))
+
+    # -- where tk sits ---------------------------------------------------------------------------
+
+    def _active_executors(self) -> tuple[Executor, ...]:
+        cd = get_compile_data()
+        return tuple(cd.executors_list) if cd is not None else (self,)
+
+    def _fuser_in_use(self) -> FusionExecutor | None:
+        """The fuser tk delegates to, or None when the executor list names a general fuser itself."""
+        for ex in self._active_executors():
+            if isinstance(ex, FusionExecutor) and ex is not self and ex.name not in _SPECIALISED_FUSERS:
+                return None
+        return self.default_fuser()
+
+    def _fallbacks_in_use(self, rule: ClaimRule) -> tuple[Executor, ...]:
+        if rule.family != "attention":
+            return ()
+        active = set(ex.name for ex in self._active_executors())
+        return tuple(ex for ex in self.attention_fallbacks() if ex.name not in active)
+
+    # -- judging ---------------------------------------------------------------------------------
+
+    def _decide(self, rule: ClaimRule, args, kwargs) -> _Route:
+        verdict = rule.judge(*args, **kwargs)
+        if verdict and rule.execution_transform is None:
+            verdict = claim_rules.decline(f"tk has no lowering for {rule.name} yet")
+        if verdict:
+            return _Route(rule, verdict, None)
+        for ex in self._fallbacks_in_use(rule):
+            impl = ex.implmap.get(rule.symbol_id)
+            if impl is not None and (impl.checker is None or impl.checker(*args, **kwargs)):
+                return _Route(rule, verdict, ex)
+        return _Route(rule, verdict, None)
+
+    def _route(self, bsym: BoundSymbol) -> _Route | None:
+        rule = self._rules.get(bsym.sym.id)
+        if rule is None:
+            return None
+        route = self._decide(rule, bsym.args, bsym.kwargs)
+        self._last_site = _record(bsym, route)
+        return route
+
+    # -- the Executor interface ------------------------------------------------------------------
+
+    def can_execute(self, bsym: BoundSymbol) -> bool:
+        route = self._route(bsym)
+        return route is not None and route.taken
+
+    def can_fuse(self, bsym: BoundSymbol) -> bool:
+        if bsym.sym.id in self._rules:
+            return self.can_execute(bsym)
+        if bsym.sym.executor is self or bsym.sym.id in _COLLECTIVE_IDS:
+            return False
+        fuser = self._fuser_in_use()
+        return fuser is not None and fuser.can_fuse(bsym)
+
+    def get_execution_transform(self, bsym: BoundSymbol) -> Callable | None:
+        route = self._route(bsym)
+        if route is None or not route.taken:
+            return None  # kept for the fusion pass
+        if route.fallback is None:
+            return route.rule.execution_transform
+        transform = route.fallback.get_execution_transform(bsym)
+        return transform if transform is not None else route.fallback.implmap[bsym.sym.id].symbol
+
+    def get_grad_transform(self, sym: Symbol) -> Callable | None:
+        rule = self._rules.get(sym.id)
+        if rule is None or (rule.grad_transform is None and rule.family != "attention"):
+            return None
+
+        # Thunder asks for the grad transform by symbol right after `can_execute_or_fuse(bsym)` said yes, so
+        # the route is decided again here from the same arguments, and the site is the one just judged.
+        def grad_transform(*args, **kwargs):
+            site = self._last_site
+            route = self._decide(rule, args, kwargs)
+            if route.fallback is not None:
+                transform = route.fallback.get_grad_transform(sym)
+                if transform is None:
+                    raise AssertionError(f"{route.fallback.name} takes {rule.name} but has no grad transform")
+                runner = route.fallback
+            elif route.verdict and rule.grad_transform is not None:
+                transform, runner = rule.grad_transform, self
+            else:
+                raise AssertionError(f"tk was asked for the gradient of a {rule.name} it does not take")
+            scope = get_tracectx().peek_scope()
+            first = len(scope)
+            result = transform(*args, **kwargs)
+            # Tag what the runner's own ops compute, so `explain` can name the ops of the backward too.
+            if site is not None:
+                for b in scope[first:]:
+                    if b.sym.executor is runner:
+                        for p in b.flat_proxy_outs:
+                            p.tags.add(site)
+            return result
+
+        return grad_transform
+
+    def fusion_pass(self, trace):
+        fuser = self._fuser_in_use()
+        return trace if fuser is None else fuser.fusion_pass(trace)
+
+    def get_fuel(self, amount: int = 1, /) -> bool:
+        return self.default_fuser().get_fuel(amount)
+
+    def set_fuel(self, value):
+        return self.default_fuser().set_fuel(value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Decision log, kept on the compile data of the jitted function that is being compiled.
+#
+# Each judged symbol is a "site". Its output proxies carry a `Site` tag; Thunder copies proxy tags when it
+# renames or replaces proxies, so `explain` finds the site's result in the final traces whatever ran it.
+
+DECISIONS_ATTR = "_thunder_tk_decisions"
+_site_numbers = itertools.count()
+
+
+@dataclass(frozen=True)
+class Site:
+    number: int
+
+
+def sites_of(proxy) -> list[Site]:
+    return [t for t in getattr(proxy, "tags", ()) if isinstance(t, Site)]
+
+
+def describe_inputs(args, kwargs) -> str:
+    parts = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, TensorProxy):
+            parts.append(f"{a.dtype.shortname()}{list(a.shape)}")
+    parts += [f"{k}={v}" for k, v in kwargs.items() if not isinstance(v, TensorProxy) and v is not None]
+    return ", ".join(parts)
+
+
+def _record(bsym: BoundSymbol, route: _Route) -> Site | None:
+    cd = get_compile_data()
+    if cd is None:
+        return None
+    # One log per compilation (keyed by when its tracing started), so a recompile does not mix in old sites.
+    _, cs = _compile_data.get()
+    stamp = getattr(cs, "last_trace_tracing_start", None)
+    logs: dict = cd.__dict__.setdefault(DECISIONS_ATTR, {})
+    log = logs.setdefault(stamp, {})
+
+    # A symbol judged again under another name (ltorch.linear, then its prims.linear) is the same site;
+    # a symbol of another family computing the same result (the last matmul of a decomposed attention)
+    # is a site of its own.
+    outputs = bsym.flat_proxy_outs
+    known = [s for p in outputs for s in sites_of(p) if s in log]
+    site = next((s for s in known if log[s].family == route.rule.family), None)
+    if site is None:
+        site = Site(next(_site_numbers))
+        for p in outputs:
+            p.tags.add(site)
+    claimed_by = "tk" if route.verdict else (route.fallback.name if route.fallback is not None else None)
+    decision = Decision(
+        symbol=route.rule.name,
+        family=route.rule.family,
+        inputs=describe_inputs(bsym.args, bsym.kwargs),
+        site=site,
+        claimed_by=claimed_by,
+        reason="" if route.verdict else route.verdict.reason,
+    )
+    log.pop(site, None)  # the latest judgement of a site wins (grad pass, then operator pass)
+    log[site] = decision
+    return site
+
+
+def decisions_of(cd) -> list[Decision]:
+    """Every recorded decision, oldest compilation first."""
+    return [d for log in getattr(cd, DECISIONS_ATTR, {}).values() for d in log.values()]
+
+
+def latest_decisions_of(cd) -> list[Decision]:
+    logs = getattr(cd, DECISIONS_ATTR, {})
+    return list(logs[next(reversed(logs))].values()) if logs else []
+
+
+tk = TKExecutor(claim_rules.RULES)
+register_executor(tk)
+# By name too, so string lists such as ["tk", "tk_torchcompile"] resolve.
+register_executor(tk.private_fuser)

@@ -1,0 +1,139 @@
+"""Trace inspection: for every symbol tk could claim, who ran it and, where tk declined, why.
+
+    report = thunder_tk.explain(jitted)   # after one call of `jitted`
+    print(report)                        # a table
+    report.rows                          # the same as data
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import thunder
+from thunder.core.symbol import BoundSymbol
+
+from thunder_tk.executor import Decision, Site, decisions_of, latest_decisions_of, sites_of
+
+
+@dataclass(frozen=True)
+class Row:
+    trace: str  # "forward" or "backward": where the claimed symbol's result is computed
+    symbol: str  # e.g. "ltorch.scaled_dot_product_attention"
+    inputs: str
+    claimed_by_tk: bool
+    ran_by: str  # e.g. "tk: tk_attention_bwd_delta", "sdpa: sdpaex_grad_forward_...", "TorchCompile0 (tk_torchcompile)"
+    backward_ran_by: str  # for a symbol claimed with its gradient: the ops that ran its backward
+    reason: str  # why tk declined; empty when tk claimed it
+
+
+@dataclass
+class Report:
+    rows: list[Row]
+    planned: bool = False  # True for a plan made without a GPU (thunder-tk explain)
+    note: str = ""
+
+    @property
+    def claimed(self) -> list[Row]:
+        return [r for r in self.rows if r.claimed_by_tk]
+
+    @property
+    def declined(self) -> list[Row]:
+        return [r for r in self.rows if not r.claimed_by_tk]
+
+    def to_dict(self) -> dict:
+        return {"planned": self.planned, "note": self.note, "rows": [asdict(r) for r in self.rows]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        header = ("trace", "symbol", "inputs", "tk", "ran by", "why tk declined")
+        body = [
+            (
+                r.trace,
+                r.symbol,
+                r.inputs,
+                "claimed" if r.claimed_by_tk else "declined",
+                r.ran_by + (f"; backward: {r.backward_ran_by}" if r.backward_ran_by else ""),
+                r.reason,
+            )
+            for r in self.rows
+        ]
+        widths = [max(len(str(x)) for x in col) for col in zip(header, *body)] if body else [len(h) for h in header]
+        line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+        out = [line(header), line(["-" * w for w in widths]), *(line(b) for b in body)]
+        n = len(self.rows)
+        out.append(f"{len(self.claimed)} of {n} claimable symbol{'s' if n != 1 else ''} run on tk kernels.")
+        if not self.rows:
+            out.append("No symbol that tk can claim appears in these traces.")
+        if self.note:
+            out.append(self.note)
+        return "\n".join(out)
+
+
+def _runner(bsym: BoundSymbol) -> str:
+    ex = bsym.sym.executor
+    if bsym.sym.is_fusion:
+        return f"{bsym.sym.name} ({ex.name if ex is not None else 'fusion'})"
+    return f"{ex.name if ex is not None else 'python'}: {bsym.sym.name}"
+
+
+def _walk(bsyms):
+    for b in bsyms:
+        yield b
+        yield from _walk(b.subsymbols)
+
+
+def _producers(trace, label: str, into: dict[Site, list[tuple[str, str]]]) -> None:
+    """Map each site whose result this trace computes to [(trace label, what computes it), ...]."""
+    for bsym in trace.bound_symbols:
+        runner = _runner(bsym)
+        inner = _walk(bsym.subsymbols) if bsym.sym.is_fusion else ()
+        for b in (bsym, *inner):
+            for p in b.flat_proxy_outs:
+                for site in sites_of(p):
+                    if (label, runner) not in into.setdefault(site, []):
+                        into[site].append((label, runner))
+
+
+def build_report(cd, cs, *, planned: bool = False, note: str = "") -> Report:
+    if not cs.last_traces:
+        raise ValueError("explain needs traces: call the jitted function once first")
+    forward = cs.last_traces[-1]
+    backward = cs.last_backward_traces[-1] if cs.last_backward_traces else None
+    producers: dict[Site, list[tuple[str, str]]] = {}
+    _producers(forward, "forward", producers)
+    if backward is not None:
+        _producers(backward, "backward", producers)
+
+    rows = []
+    latest = {id(d) for d in latest_decisions_of(cd)}
+    for d in decisions_of(cd):
+        found = producers.get(d.site, [])
+        where = found[0] if found else None
+        if where is None:
+            if id(d) not in latest:
+                continue  # judged in an earlier compilation
+            # Thunder replaced the symbol by its decomposition; those ops appear under their own rows.
+            where = ("-", "decomposed into primitives")
+        trace_label, ran_by = where
+        backward_by = ""
+        if d.claimed_by is not None and trace_label == "forward":
+            backward_by = ", ".join(r for label, r in found if label == "backward" and r.startswith(f"{d.claimed_by}:"))
+        rows.append(Row(trace_label, d.symbol, d.inputs, d.claimed_by == "tk", ran_by, backward_by, d.reason))
+    order = {"forward": 0, "backward": 1}
+    rows.sort(key=lambda r: order.get(r.trace, 2))
+    return Report(rows, planned=planned, note=note)
+
+
+def explain(jitted) -> Report:
+    """Report of the last forward and backward traces of a function or module made by ``thunder.jit``."""
+    try:
+        cd = thunder.compile_data(jitted)
+        cs = thunder.compile_stats(jitted)
+    except Exception as e:  # not a jitted callable
+        raise TypeError(f"explain expects the result of thunder.jit, got {type(jitted).__name__}") from e
+    if cd is None or cs is None:
+        raise TypeError(f"explain expects the result of thunder.jit, got {type(jitted).__name__}")
+    return build_report(cd, cs)
