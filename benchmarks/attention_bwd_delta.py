@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--json", default="out/attention_bwd_delta.json")
     p.add_argument("--png")
     p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--sweep", action="store_true", help="also time every launch configuration of the kernel")
     a = p.parse_args()
 
     compiled = torch.compile(eager)
@@ -47,13 +48,23 @@ def main() -> None:
             t_tk = median_ms(lambda: ops.attention_bwd_delta(o, g))
             t_eager = median_ms(lambda: eager(o, g))
             t_compile = median_ms(lambda: compiled(o, g))
+            dst = torch.empty_like(o)
+            t_copy = median_ms(lambda: dst.copy_(o))  # the bandwidth ceiling: read + write of one tensor
+            if a.sweep:
+                for rows_per_group in (1, 2, 4):
+                    for resident in (True, False):
+                        t = median_ms(lambda: ops.attention_bwd_delta(o, g, _tuning=(rows_per_group, resident)))
+                        print(f"  sweep {B}x{H}x{S}x{D} rows={rows_per_group} resident={resident}: "
+                              f"{t * 1e3:.1f} us, {nbytes / t / 1e6:.0f} GB/s")
             rows.append({
                 "shape": f"{B}x{H}x{S}x{D}", "D": D, "S": S,
                 "tk_us": t_tk * 1e3, "eager_us": t_eager * 1e3, "compile_us": t_compile * 1e3,
                 "tk_GBps": nbytes / t_tk / 1e6, "compile_GBps": nbytes / t_compile / 1e6,
+                "copy_GBps": 2 * o.numel() * o.element_size() / t_copy / 1e6,
                 "vs_eager": t_eager / t_tk, "vs_compile": t_compile / t_tk,
             })
-    print_table(rows, ["shape", "tk_us", "eager_us", "compile_us", "tk_GBps", "compile_GBps", "vs_eager", "vs_compile"])
+    print_table(rows, ["shape", "tk_us", "eager_us", "compile_us", "tk_GBps", "compile_GBps", "copy_GBps", "vs_eager",
+                       "vs_compile"])
     path = write_results(a.json, "attention_bwd_delta", rows)
     print(f"wrote {path}")
     if a.png:

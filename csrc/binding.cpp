@@ -28,7 +28,7 @@ template <typename T> const T* as_ptr(std::uintptr_t p) { return reinterpret_cas
 
 void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t delta, int dtype, int64_t batch,
                          int64_t heads, int64_t seq, int64_t head_dim, strides3 o_stride, strides3 grad_o_stride,
-                         strides3 delta_stride, std::uintptr_t stream) {
+                         strides3 delta_stride, std::uintptr_t stream, int rows_per_group, bool resident_grid) {
     tk::attention::bwd_delta_args args{};
     args.o = as_ptr<void>(o);
     args.grad_o = as_ptr<void>(grad_o);
@@ -38,6 +38,10 @@ void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t
     args.heads = heads;
     args.seq = seq;
     args.head_dim = head_dim;
+    if (rows_per_group != 0 && rows_per_group != 1 && rows_per_group != 2 && rows_per_group != 4)
+        throw std::invalid_argument("rows_per_group must be 0 (automatic), 1, 2 or 4");
+    args.rows_per_group = rows_per_group;
+    args.resident_grid = resident_grid;
     for (int i = 0; i < 3; ++i) {
         args.o_stride[i] = o_stride[i];
         args.grad_o_stride[i] = grad_o_stride[i];
@@ -64,5 +68,6 @@ PYBIND11_MODULE(_C, m) {
     m.def("attention_bwd_delta", &attention_bwd_delta, py::arg("o"), py::arg("grad_o"), py::arg("delta"),
           py::arg("dtype"), py::arg("batch"), py::arg("heads"), py::arg("seq"), py::arg("head_dim"),
           py::arg("o_stride"), py::arg("grad_o_stride"), py::arg("delta_stride"), py::arg("stream"),
+          py::arg("rows_per_group") = 0, py::arg("resident_grid") = true,
           "delta[b,h,s] = sum_d grad_o[b,h,s,d] * o[b,h,s,d] in fp32, enqueued on `stream`.");
 }

@@ -57,7 +57,9 @@ def check_attention_bwd_delta_args(o: torch.Tensor, grad_o: torch.Tensor) -> Non
         raise ValueError(f"attention_bwd_delta runs on CUDA tensors; got a tensor on {o.device}")
 
 
-def attention_bwd_delta(o: torch.Tensor, grad_o: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def attention_bwd_delta(
+    o: torch.Tensor, grad_o: torch.Tensor, *, out: torch.Tensor | None = None, _tuning: tuple[int, bool] = (0, True)
+) -> torch.Tensor:
     """delta[b, h, s] = sum_d grad_o[b, h, s, d] * o[b, h, s, d], in fp32, by the tk kernel.
 
     Any strides are accepted; rows whose last dim is not contiguous are copied first. `out`, if given, is
@@ -83,5 +85,6 @@ def attention_bwd_delta(o: torch.Tensor, grad_o: torch.Tensor, *, out: torch.Ten
         ext.attention_bwd_delta(
             o.data_ptr(), grad_o.data_ptr(), delta.data_ptr(), _DTYPE_CODES[o.dtype], B, H, S, D,
             list(o.stride()[:3]), list(grad_o.stride()[:3]), list(delta.stride()), _stream_handle(o.device),
+            *_tuning,
         )
     return delta

@@ -7,7 +7,6 @@ namespace tk::attention {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kRows = 4;  // rows per lane group per step: all their loads are issued before any math
 
 struct row_offsets {
     int64_t o, grad_o, delta;
@@ -39,8 +38,9 @@ __device__ __forceinline__ row_offsets offsets_of(const bwd_delta_args& a, int64
     }
 }
 
-// A group of LANES lanes reduces kRows rows per step; each lane reads VEC elements per access.
-template <typename T, int VEC, int LANES, bool FLAT>
+// A group of LANES lanes reduces kRows rows per step, issuing all their loads before any math;
+// each lane reads VEC elements per access.
+template <typename T, int VEC, int LANES, bool FLAT, int kRows>
 __global__ void __launch_bounds__(kThreads) bwd_delta_kernel(const bwd_delta_args args) {
     using group = lanes<LANES>;
     constexpr int groups_per_block = kThreads / LANES;
@@ -89,10 +89,10 @@ __global__ void __launch_bounds__(kThreads) bwd_delta_kernel(const bwd_delta_arg
     }
 }
 
-template <typename T, int VEC, int LANES, bool FLAT>
+template <typename T, int VEC, int LANES, bool FLAT, int kRows>
 cudaError_t launch_with(const bwd_delta_args& args, cudaStream_t stream) {
     constexpr int rows_per_step = (kThreads / LANES) * kRows;
-    auto kernel = bwd_delta_kernel<T, VEC, LANES, FLAT>;
+    auto kernel = bwd_delta_kernel<T, VEC, LANES, FLAT, kRows>;
     // As many blocks as can be resident at once (read once per device and instantiation); the row loop
     // covers the rest.
     static int resident_per_sm[128] = {0};
@@ -107,20 +107,29 @@ cudaError_t launch_with(const bwd_delta_args& args, cudaStream_t stream) {
     }
     const int64_t rows = args.batch * args.heads * args.seq;
     const int64_t wanted = (rows + rows_per_step - 1) / rows_per_step;
-    const int64_t resident = int64_t(multiprocessor_count()) * per_sm;
-    const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min(wanted, resident)));
+    const int64_t cap = args.resident_grid ? int64_t(multiprocessor_count()) * per_sm : int64_t(INT32_MAX);
+    const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min(wanted, cap)));
     kernel<<<grid, kThreads, 0, stream>>>(args);
     return cudaGetLastError();
+}
+
+template <typename T, int VEC, int LANES, bool FLAT>
+cudaError_t dispatch_rows(const bwd_delta_args& args, cudaStream_t stream) {
+    switch (args.rows_per_group) {
+        case 1: return launch_with<T, VEC, LANES, FLAT, 1>(args, stream);
+        case 2: return launch_with<T, VEC, LANES, FLAT, 2>(args, stream);
+        default: return launch_with<T, VEC, LANES, FLAT, 4>(args, stream);
+    }
 }
 
 // Lanes per row: enough that one pass covers a short row, never more than a warp.
 template <typename T, int VEC, bool FLAT>
 cudaError_t dispatch_lanes(const bwd_delta_args& args, cudaStream_t stream) {
     const int64_t accesses = (args.head_dim + VEC - 1) / VEC;
-    if (accesses <= 4) return launch_with<T, VEC, 4, FLAT>(args, stream);
-    if (accesses <= 8) return launch_with<T, VEC, 8, FLAT>(args, stream);
-    if (accesses <= 16) return launch_with<T, VEC, 16, FLAT>(args, stream);
-    return launch_with<T, VEC, 32, FLAT>(args, stream);
+    if (accesses <= 4) return dispatch_rows<T, VEC, 4, FLAT>(args, stream);
+    if (accesses <= 8) return dispatch_rows<T, VEC, 8, FLAT>(args, stream);
+    if (accesses <= 16) return dispatch_rows<T, VEC, 16, FLAT>(args, stream);
+    return dispatch_rows<T, VEC, 32, FLAT>(args, stream);
 }
 
 bool collapses(const int64_t* stride, const bwd_delta_args& a) {
@@ -150,8 +159,13 @@ cudaError_t dispatch_vector(const bwd_delta_args& args, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_bwd_delta(const bwd_delta_args& args, cudaStream_t stream) {
-    if (args.batch * args.heads * args.seq == 0) return cudaSuccess;
+cudaError_t launch_bwd_delta(const bwd_delta_args& in, cudaStream_t stream) {
+    if (in.batch * in.heads * in.seq == 0) return cudaSuccess;
+    bwd_delta_args args = in;
+    if (args.rows_per_group == 0) {  // tuned on H100 (benchmarks/attention_bwd_delta.py --sweep)
+        args.rows_per_group = 4;
+        args.resident_grid = true;
+    }
     switch (static_cast<tk::dtype>(args.dtype)) {
         case tk::dtype::bf16: return dispatch_vector<__nv_bfloat16>(args, stream);
         case tk::dtype::fp16: return dispatch_vector<__half>(args, stream);

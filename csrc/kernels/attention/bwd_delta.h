@@ -16,6 +16,8 @@ struct bwd_delta_args {
     int64_t o_stride[3];       // strides of o in elements for (B, H, S)
     int64_t grad_o_stride[3];  // strides of grad_o
     int64_t delta_stride[3];   // strides of delta
+    int rows_per_group;        // rows a lane group reduces per step: 1, 2 or 4 (0: chosen by the launcher)
+    bool resident_grid;        // grid of resident blocks looping over rows (else one step per block)
 };
 
 // Enqueues the kernel on `stream`; never synchronises. Returns the launch status.
