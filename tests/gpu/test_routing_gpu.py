@@ -2,35 +2,19 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 import thunder
 
 import thunder_tk
 from thunder_tk import tk
 
+from models import Block
+
 pytestmark = pytest.mark.gpu
-
-
-class Block(torch.nn.Module):
-    def __init__(self, d=256, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
-        self.proj = torch.nn.Linear(d, d)
-        self.fc = torch.nn.Linear(d, 4 * d)
-        self.out = torch.nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.out(F.gelu(self.fc(x)))
 
 
 def test_block_trains_with_attention_on_thunder_sdpa_and_fused_rest():
     torch.manual_seed(0)
-    model = Block().cuda().bfloat16()
+    model = Block(256, 4).cuda().bfloat16()
     x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)
     jm = thunder.jit(model, executors=[tk])
     out = jm(x)
@@ -38,7 +22,7 @@ def test_block_trains_with_attention_on_thunder_sdpa_and_fused_rest():
     out.backward(seed)
     grads = [p.grad.float() for p in model.parameters()]
 
-    ref_model = Block().cuda()
+    ref_model = Block(256, 4).cuda()
     ref_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     ref = ref_model(x.float())
     ref.backward(seed.float())
