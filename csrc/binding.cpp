@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/attention/bwd_delta.h"
+#include "kernels/gemm/gemm.h"
 
 namespace py = pybind11;
 
@@ -50,12 +51,33 @@ void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t
     check_launch(tk::attention::launch_bwd_delta(args, reinterpret_cast<cudaStream_t>(stream)), "attention_bwd_delta");
 }
 
+void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t bias, int dtype, int64_t M, int64_t N,
+          int64_t K, int64_t a_stride_m, int64_t a_stride_k, int64_t b_stride_k, int64_t b_stride_n, int64_t c_stride_m,
+          std::uintptr_t stream) {
+    tk::gemm::gemm_args g{};
+    g.a = as_ptr<void>(a);
+    g.b = as_ptr<void>(b);
+    g.c = reinterpret_cast<void*>(c);
+    g.bias = as_ptr<void>(bias);
+    g.dtype = dtype;
+    g.M = M;
+    g.N = N;
+    g.K = K;
+    g.a_stride_m = a_stride_m;
+    g.a_stride_k = a_stride_k;
+    g.b_stride_k = b_stride_k;
+    g.b_stride_n = b_stride_n;
+    g.c_stride_m = c_stride_m;
+    if (const char* why = tk::gemm::gemm_unsupported(g)) throw std::invalid_argument(std::string("thunder_tk gemm: ") + why);
+    check_launch(tk::gemm::launch_gemm(g, reinterpret_cast<cudaStream_t>(stream)), "gemm");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"attention_bwd_delta"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"attention_bwd_delta", "gemm"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -70,4 +92,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("o_stride"), py::arg("grad_o_stride"), py::arg("delta_stride"), py::arg("stream"),
           py::arg("rows_per_group") = 0, py::arg("resident_grid") = true,
           "delta[b,h,s] = sum_d grad_o[b,h,s,d] * o[b,h,s,d] in fp32, enqueued on `stream`.");
+    m.def("gemm", &gemm, py::arg("a"), py::arg("b"), py::arg("c"), py::arg("bias"), py::arg("dtype"), py::arg("M"),
+          py::arg("N"), py::arg("K"), py::arg("a_stride_m"), py::arg("a_stride_k"), py::arg("b_stride_k"),
+          py::arg("b_stride_n"), py::arg("c_stride_m"), py::arg("stream"),
+          "C = A B (+ bias), bf16/fp16 with fp32 accumulation, enqueued on `stream`.");
 }

@@ -18,19 +18,25 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 step build env THUNDER_TK_PTXAS_VERBOSE=1 python3 -m pip install -v --no-build-isolation --no-index --no-deps .
 step info python3 -c "import thunder_tk.cli as c; c.main(['info'])"
+so=$(python3 -c "import thunder_tk._C as m; print(m.__file__)" 2>/dev/null)
+[ -n "$so" ] && cuobjdump --dump-sass "$so" 2>/dev/null | grep -oE "HGMMA|UTMALDG|SYNCS" | sort | uniq -c > "$OUT/sass.txt"
 
 # Run from outside the checkout so the installed package (with its compiled module) is the one imported.
 here=$(pwd)
 if [ "$what" = all ] || [ "$what" = test ]; then
-  step gpu_tests bash -c "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $here/tests/gpu -rs --junitxml=$here/$OUT/gpu_tests.xml"
-  step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_delta.py
-  step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/gpu/sanitize_delta.py
+  step smoke timeout 120 python3 -c "import torch; from thunder_tk import ops; a = torch.randn(256, 128, device='cuda', dtype=torch.bfloat16); print(float((ops.gemm(a, a.t()).float() - a.float() @ a.float().t()).abs().max()))"
+  step gpu_tests timeout 600 bash -c "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $here/tests/gpu -rs --junitxml=$here/$OUT/gpu_tests.xml"
+  step memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
+  step racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
+  step bench_gemm timeout 400 python3 benchmarks/gemm.py ${GEMM_ARGS:-} --json "$OUT/gemm.json" --png "$OUT/gemm.png"
+  cat "$OUT/bench_gemm.log"
   step bench_delta python3 benchmarks/attention_bwd_delta.py ${BENCH_ARGS:-} --json "$OUT/attention_bwd_delta.json" --png "$OUT/attention_bwd_delta.png"
   cat "$OUT/bench_delta.log"
 fi
 echo; echo "== $(cat "$OUT/gpu.txt") | commit ${THUNDER_TK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo ?)}"
 grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 1
+[ -f "$OUT/sass.txt" ] && echo "sass: $(tr -s ' \n' ' ' < "$OUT/sass.txt")"
 grep -E "registers|spill" "$OUT/build.log" 2>/dev/null | sort | uniq -c | sort -rn | head -n 4
 printf '%s\n' "${summary[@]}"

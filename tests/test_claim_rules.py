@@ -131,7 +131,8 @@ def test_linear_reasons(symbol):
     assert r.check(proxy(4, 64, dtype=f32), proxy(64, 64, dtype=f32)).reason == "dtype float32 not in {bfloat16, float16}"
     assert r.check(proxy(4, 64), proxy(2, 64, 64)).reason == "weight is 3-D, expected 2-D"
     assert "bias must be a 1-D bfloat16" in r.check(proxy(4, 64), proxy(8, 64), proxy(8, dtype=f32)).reason
-    assert "tk has no gemm kernel yet" in judge(symbol, proxy(4, 64), proxy(8, 64), None).reason
+    assert judge(symbol, proxy(4, 64), proxy(8, 64), None)
+    assert judge(symbol, proxy(2, 3, 64), proxy(8, 64), proxy(8))
 
 
 @pytest.mark.parametrize("symbol", [ltorch.matmul, prims.PrimIDs.MATMUL])
@@ -140,6 +141,7 @@ def test_matmul_reasons(symbol):
     assert r.check(proxy(33, 64), proxy(64, 17))
     assert r.check(proxy(2, 33, 64), proxy(64, 17)).reason == "only 2-D @ 2-D is claimed; got 3-D @ 2-D"
     assert r.check(proxy(33, 12), proxy(12, 17)).reason == "K=12 not a multiple of 8"
+    assert judge(symbol, proxy(33, 64), proxy(64, 17))
 
 
 # -- collectives ----------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from thunder_tk import _extension
 from thunder_tk.functional import attention_bwd_delta_symbol
 
 # Kernels this version's csrc/ provides (a GPU test checks the build reports exactly these).
-KERNELS_IN_SOURCE = frozenset({"attention_bwd_delta"})
+KERNELS_IN_SOURCE = frozenset({"attention_bwd_delta", "gemm"})
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import thunder
 import thunder.torch as ltorch
+from thunder.core import prims
+from thunder.core.prims import OpTags
 from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grads
 
@@ -46,3 +48,36 @@ tk.set_lowering(
     grad_transform=_attention_bwd_delta_grad,
 )
 tk._lookasides[functional.attention_bwd_delta] = functional.attention_bwd_delta_symbol
+
+
+# ------------------------------------------------------------------------------------------------
+# GEMMs: linear (inference: ltorch.linear; training forward: prims.linear) and 2-D matmul (the backward
+# GEMMs dX = dY W and dW = dY^T X that Thunder's linear gradient emits). No grad transform: Thunder's own
+# gradient of linear produces those matmuls, which tk then claims in turn.
+
+
+def _linear_meta(a: TensorProxy, w: TensorProxy, bias: TensorProxy | None) -> TensorProxy:
+    return TensorProxy(like=a, shape=(*a.shape[:-1], w.shape[0]))
+
+
+def _matmul_meta(a: TensorProxy, b: TensorProxy) -> TensorProxy:
+    return TensorProxy(like=a, shape=(a.shape[0], b.shape[1]))
+
+
+_GEMM_TAGS = (OpTags.MATMUL_OP, OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD)
+tk_linear = tk.register_operator("tk_linear", meta=_linear_meta, fn=ops.linear, tags=_GEMM_TAGS)
+tk_matmul = tk.register_operator("tk_matmul", meta=_matmul_meta, fn=ops.matmul, tags=_GEMM_TAGS)
+
+
+def _linear_lowering(a, w, bias=None):
+    return tk_linear(a, w, bias)
+
+
+def _matmul_lowering(a, b):
+    return tk_matmul(a, b)
+
+
+for _symbol_id in (ltorch.linear.id, prims.PrimIDs.LINEAR):
+    tk.set_lowering(_symbol_id, execution_transform=_linear_lowering, grad_transform=None)
+for _symbol_id in (ltorch.matmul.id, prims.PrimIDs.MATMUL):
+    tk.set_lowering(_symbol_id, execution_transform=_matmul_lowering, grad_transform=None)

@@ -88,3 +88,94 @@ def attention_bwd_delta(
             *_tuning,
         )
     return delta
+
+
+# ------------------------------------------------------------------------------------------------
+# GEMM: C = A B (+ bias)
+
+_GEMM_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _gemm_layout(t: torch.Tensor, k_dim: int) -> tuple[int, int] | None:
+    """(stride along the other dim, stride along K) when the kernel can read `t` in place, else None.
+
+    In place means: 16-byte aligned, a unit stride along K (K-major) or along the other dim (MN-major), and the
+    remaining (leading) stride a multiple of 8 elements, as TMA needs."""
+    other = 1 - k_dim
+    n_other = t.shape[other]
+    s_other, s_k = t.stride(other), t.stride(k_dim)
+    if t.data_ptr() % 16:
+        return None
+    if s_k == 1:
+        lead = s_other if n_other > 1 else 8  # a single line has no leading stride
+        return (lead, 1) if lead % 8 == 0 else None
+    if s_other == 1 or n_other == 1:
+        return (1, s_k) if s_k % 8 == 0 else None
+    return None
+
+
+def check_gemm_args(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"gemm expects 2-D operands; got {a.ndim}-D and {b.ndim}-D")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"gemm shapes do not match: ({a.shape[0]}, {a.shape[1]}) @ ({b.shape[0]}, {b.shape[1]})")
+    if a.dtype != b.dtype or a.dtype not in _GEMM_DTYPES:
+        raise ValueError(f"gemm supports bfloat16 or float16 operands of one dtype; got {a.dtype} and {b.dtype}")
+    if a.device != b.device or a.device.type != "cuda":
+        raise ValueError(f"gemm runs on CUDA tensors on one device; got {a.device} and {b.device}")
+    if a.shape[1] % 8:
+        raise ValueError(f"gemm needs K a multiple of 8; K={a.shape[1]}")
+    if bias is not None and (bias.ndim != 1 or bias.shape[0] != b.shape[1] or bias.dtype != a.dtype
+                             or bias.device != a.device):
+        raise ValueError(f"bias must be a 1-D {a.dtype} tensor of {b.shape[1]} elements on {a.device}")
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """a (M, K) @ b (K, N) (+ bias (N,)) by the tk kernel, bf16/fp16 with fp32 accumulation.
+
+    Operands are read in place when one of their strides is 1 (either major) and the other a multiple of 8;
+    others are copied first. `out`, if given, is an (M, N) tensor with unit column stride.
+    """
+    check_gemm_args(a, b, bias)
+    ext = _require_kernels(a.device)
+    M, K = a.shape
+    N = b.shape[1]
+    if out is None:
+        out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    elif out.shape != (M, N) or out.dtype != a.dtype or out.device != a.device or (N > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be a {a.dtype} ({M}, {N}) tensor on {a.device} with unit column stride")
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros((), dtype=a.dtype, device=a.device))
+    a_layout = _gemm_layout(a, 1)
+    if a_layout is None:  # copy to row-major: K-major, leading stride K
+        a = a.contiguous()
+        a_layout = (K, 1)
+    b_layout = _gemm_layout(b, 0)
+    if b_layout is None:  # copy to K-major (N, K) storage, leading stride K
+        b = b.t().contiguous().t()
+        b_layout = (K, 1)
+    if bias is not None:
+        bias = bias.contiguous()
+    (a_sm, a_sk), (b_sn, b_sk) = a_layout, b_layout
+    with torch.cuda.device(a.device):
+        ext.gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                 _DTYPE_CODES[a.dtype], M, N, K, a_sm, a_sk, b_sk, b_sn, out.stride(0) if M > 1 else N,
+                 _stream_handle(a.device))
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ weight (N, K)^T (+ bias): `torch.nn.functional.linear` on the tk GEMM."""
+    if weight.ndim != 2:
+        raise ValueError(f"linear expects a 2-D weight; got {weight.ndim}-D")
+    lead = x.shape[:-1]
+    y = gemm(x.reshape(-1, x.shape[-1]), weight.t(), bias)
+    return y.reshape(*lead, weight.shape[0])
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """2-D a @ b on the tk GEMM."""
+    return gemm(a, b)

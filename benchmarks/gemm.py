@@ -1,0 +1,79 @@
+"""tk GEMM vs torch.matmul (cuBLAS), bf16, for the three products of a linear layer, in one run.
+
+  fwd:  Y  = X  W^T   (M x N, reduce K)     X (M, K) row-major, W (N, K) row-major
+  dX:   dX = dY W     (M x K, reduce N)     dY (M, N), W (N, K)
+  dW:   dW = dY^T X   (N x K, reduce M)     dY (M, N), X (M, K)
+
+Shapes: squares 4096/8192/16384 and 8192 tokens against LLM weights (K x N as listed in the issue).
+TFLOP/s = 2 * (product of the three dims) / time. Prints ratios and the geometric mean, writes JSON and a PNG.
+
+    python benchmarks/gemm.py --json out/gemm.json --png out/gemm.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import bar_chart, median_ms, print_table, write_results  # noqa: E402
+
+from thunder_tk import ops  # noqa: E402
+
+SQUARES = [4096, 8192, 16384]
+TOKENS = 8192
+WEIGHTS = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]
+
+
+def problems(quick: bool):
+    for s in SQUARES[:2] if quick else SQUARES:
+        yield f"sq{s}", s, s, s
+    for k, n in WEIGHTS[:2] if quick else WEIGHTS:
+        yield f"{TOKENS}x{k}x{n}", TOKENS, n, k
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default="out/gemm.json")
+    p.add_argument("--png")
+    p.add_argument("--quick", action="store_true", help="fewer shapes")
+    a = p.parse_args()
+
+    rows = []
+    for name, M, N, K in problems(a.quick):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        for layout, (lhs, rhs) in {"fwd": (x, w.t()), "dX": (dy, w), "dW": (dy.t(), x)}.items():
+            out = ops.gemm(lhs, rhs)
+            ref = torch.matmul(lhs, rhs)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            assert err < 1e-2, f"{name} {layout}: rel err {err}"
+            del out, ref
+            flops = 2.0 * lhs.shape[0] * lhs.shape[1] * rhs.shape[1]
+            t_tk = median_ms(lambda: ops.gemm(lhs, rhs))
+            t_cublas = median_ms(lambda: torch.matmul(lhs, rhs))
+            rows.append({"problem": name, "layout": layout, "M": lhs.shape[0], "N": rhs.shape[1], "K": lhs.shape[1],
+                         "tk_tflops": flops / t_tk / 1e9, "cublas_tflops": flops / t_cublas / 1e9,
+                         "ratio": t_cublas / t_tk})
+            print(f"{name:>16} {layout:>3}: tk {rows[-1]['tk_tflops']:6.0f}  cuBLAS {rows[-1]['cublas_tflops']:6.0f} "
+                  f"TFLOP/s  ratio {rows[-1]['ratio']:.3f}", flush=True)
+        del x, w, dy
+        torch.cuda.empty_cache()
+    print_table(rows, ["problem", "layout", "tk_tflops", "cublas_tflops", "ratio"])
+    geomean = math.exp(sum(math.log(r["ratio"]) for r in rows) / len(rows))
+    print(f"geometric-mean ratio tk/cuBLAS: {geomean:.3f}; lowest {min(r['ratio'] for r in rows):.3f}")
+    path = write_results(a.json, "gemm", rows)
+    print(f"wrote {path}")
+    if a.png:
+        labels = [f"{r['problem']} {r['layout']}" for r in rows]
+        bar_chart(a.png, "bf16 GEMM on one GPU (TFLOP/s)", labels,
+                  {"tk": [r["tk_tflops"] for r in rows], "cuBLAS": [r["cublas_tflops"] for r in rows]}, "TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

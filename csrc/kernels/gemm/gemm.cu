@@ -1,0 +1,218 @@
+// Persistent, warp-specialised Hopper GEMM: one producer warpgroup streams A and B tiles with TMA into a
+// 4-stage shared-memory ring; two consumer warpgroups each multiply a 64 x 256 slice of the 128 x 256 output
+// tile with wgmma and write it out (bias fused). Operand majors are template parameters, so the three
+// products of a linear layer (X Wt, dY W, dYt X) read their operands in place, with no transposed copies.
+#include "gemm.h"
+#include "../../kittens/kittens.cuh"
+
+#include <algorithm>
+
+namespace tk::gemm {
+namespace {
+
+using wgmma::major;
+
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
+constexpr int CONSUMERS = 2, THREADS = (CONSUMERS + 1) * warpgroup::threads;
+constexpr int GROUP_ROWS = 8;  // tile rows per L2 group of the persistent schedule
+
+template <typename T, major MA, major MB>
+struct shared_state {
+    wgmma::operand_tile<T, BM, MA> a[STAGES];
+    wgmma::operand_tile<T, BN, MB> b[STAGES];
+    sync::barrier full[STAGES];   // TMA bytes landed
+    sync::barrier empty[STAGES];  // consumers done reading
+    static constexpr uint32_t stage_bytes = (BM + BN) * BK * sizeof(T);
+};
+
+struct kernel_params {
+    gemm_args args;
+    schedule::grouped_order order;
+    int k_blocks;
+};
+
+template <typename T>
+__device__ __forceinline__ void store_pair(T* p, float x, float y, bool vector) {
+    if constexpr (sizeof(T) == 2) {
+        if (vector) {
+            if constexpr (std::is_same_v<T, __nv_bfloat16>)
+                *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+            else
+                *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
+            return;
+        }
+    }
+    p[0] = T(x);
+    p[1] = T(y);
+}
+
+template <typename T, major MA, major MB>
+__global__ void __launch_bounds__(THREADS, 1)
+    gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                const __grid_constant__ kernel_params p) {
+    using state_t = shared_state<T, MA, MB>;
+    extern __shared__ uint8_t raw_smem[];
+    auto& st = *reinterpret_cast<state_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            sync::init(st.full[s], 1);
+            sync::init(st.empty[s], CONSUMERS * 4);  // lane 0 of every consumer warp
+        }
+        sync::fence_init();
+    }
+    __syncthreads();
+
+    const int tiles = p.order.count();
+    if (warpgroup::index() == 0) {
+        // ---------------- producer ----------------
+        warpgroup::decrease_registers<40>();
+        if (threadIdx.x == 0) {
+            tma::prefetch_map(&map_a);
+            tma::prefetch_map(&map_b);
+            int s = 0;
+            uint32_t phase = 0;
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+                const auto tile = p.order(t);
+                const int m0 = tile.m * BM, n0 = tile.n * BN;
+                for (int kb = 0; kb < p.k_blocks; ++kb) {
+                    const int k0 = kb * BK;
+                    sync::wait(st.empty[s], phase ^ 1);
+                    sync::arrive_expect_bytes(st.full[s], state_t::stage_bytes);
+                    if constexpr (MA == major::k) {
+                        tma::load_2d(st.a[s].data, &map_a, k0, m0, st.full[s]);
+                    } else {
+                        for (int panel = 0; panel < BM / 64; ++panel)
+                            tma::load_2d(st.a[s].data + panel * 64 * BK, &map_a, m0 + panel * 64, k0, st.full[s]);
+                    }
+                    if constexpr (MB == major::k) {
+                        tma::load_2d(st.b[s].data, &map_b, k0, n0, st.full[s]);
+                    } else {
+                        for (int panel = 0; panel < BN / 64; ++panel)
+                            tma::load_2d(st.b[s].data + panel * 64 * BK, &map_b, n0 + panel * 64, k0, st.full[s]);
+                    }
+                    if (++s == STAGES) s = 0, phase ^= 1;
+                }
+            }
+        }
+        return;
+    }
+
+    // ---------------- consumers ----------------
+    warpgroup::increase_registers<232>();
+    const int slice = warpgroup::index() - 1;  // rows [64 slice, 64 slice + 64) of the tile
+    const gemm_args& g = p.args;
+    T* __restrict__ c = static_cast<T*>(g.c);
+    const T* __restrict__ bias = static_cast<const T*>(g.bias);
+    const bool vector_store = (g.c_stride_m % 2 == 0) && (reinterpret_cast<uintptr_t>(g.c) % 4 == 0);
+    int s = 0;
+    uint32_t phase = 0;
+    float d[BN / 2];
+
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const auto tile = p.order(t);
+        for (int kb = 0; kb < p.k_blocks; ++kb) {
+            sync::wait(st.full[s], phase);
+            wgmma::fence();
+#pragma unroll
+            for (int k16 = 0; k16 < BK / 16; ++k16)
+                wgmma::mma<BN, T>(d, st.a[s], slice * 64, st.b[s], 0, k16, (kb | k16) != 0);
+            wgmma::commit();
+            wgmma::wait<0>();
+            wgmma::pin(d);
+            if ((threadIdx.x & 31) == 0) sync::arrive(st.empty[s]);
+            if (++s == STAGES) s = 0, phase ^= 1;
+        }
+
+        // Epilogue: fp32 -> T (+ bias), straight from registers, clipped to M x N.
+        const int64_t row0 = int64_t(tile.m) * BM + slice * 64, col0 = int64_t(tile.n) * BN;
+#pragma unroll
+        for (int i = 0; i < BN / 2; i += 2) {
+            const auto pos = wgmma::accumulator_position(i);
+            const int64_t row = row0 + pos.row, col = col0 + pos.col;
+            if (row >= g.M || col >= g.N) continue;
+            float x = d[i], y = d[i + 1];
+            const bool pair = col + 1 < g.N;
+            if (bias != nullptr) {
+                x += to_float(bias[col]);
+                if (pair) y += to_float(bias[col + 1]);
+            }
+            T* out = c + row * g.c_stride_m + col;
+            if (pair)
+                store_pair(out, x, y, vector_store);
+            else
+                out[0] = T(x);
+        }
+    }
+}
+
+template <typename T>
+CUtensorMapDataType tma_type() {
+    return std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+}
+
+template <typename T, major MA, major MB>
+cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
+    using state_t = shared_state<T, MA, MB>;
+    auto kernel = gemm_kernel<T, MA, MB>;
+    constexpr int smem_bytes = sizeof(state_t) + 1024;
+    static bool configured = false;  // the attribute is per function, not per device
+    if (!configured) {
+        cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+        if (e != cudaSuccess) return e;
+        configured = true;
+    }
+
+    CUtensorMap map_a, map_b;
+    const auto sw = tma::swizzle::b128;
+    CUresult r = MA == major::k
+                     ? tma::make_tensor_map_2d(&map_a, g.a, tma_type<T>(), 2, g.K, g.M, g.a_stride_m, BK, BM, sw)
+                     : tma::make_tensor_map_2d(&map_a, g.a, tma_type<T>(), 2, g.M, g.K, g.a_stride_k, 64, BK, sw);
+    if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
+    r = MB == major::k ? tma::make_tensor_map_2d(&map_b, g.b, tma_type<T>(), 2, g.K, g.N, g.b_stride_n, BK, BN, sw)
+                       : tma::make_tensor_map_2d(&map_b, g.b, tma_type<T>(), 2, g.N, g.K, g.b_stride_k, 64, BK, sw);
+    if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
+
+    kernel_params p;
+    p.args = g;
+    p.order = {int((g.M + BM - 1) / BM), int((g.N + BN - 1) / BN), GROUP_ROWS};
+    p.k_blocks = int((g.K + BK - 1) / BK);
+    const int grid = std::max(1, std::min(p.order.count(), multiprocessor_count()));
+    kernel<<<grid, THREADS, smem_bytes, stream>>>(map_a, map_b, p);
+    return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t dispatch_majors(const gemm_args& g, cudaStream_t stream) {
+    const bool a_k = g.a_stride_k == 1, b_k = g.b_stride_k == 1;
+    if (a_k && b_k) return launch<T, major::k, major::k>(g, stream);
+    if (a_k) return launch<T, major::k, major::mn>(g, stream);
+    if (b_k) return launch<T, major::mn, major::k>(g, stream);
+    return launch<T, major::mn, major::mn>(g, stream);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+const char* gemm_unsupported(const gemm_args& g) {
+    if (g.dtype != int(dtype::bf16) && g.dtype != int(dtype::fp16)) return "dtype must be bfloat16 or float16";
+    if (g.M <= 0 || g.N <= 0 || g.K <= 0) return "M, N and K must be positive";
+    if (g.M > INT32_MAX / 2 || g.N > INT32_MAX / 2 || g.K > INT32_MAX / 2) return "a dimension exceeds 2^30";
+    if (g.K % 8) return "K must be a multiple of 8";
+    if (g.a_stride_k != 1 && g.a_stride_m != 1) return "A needs a unit stride along M or K";
+    if (g.b_stride_k != 1 && g.b_stride_n != 1) return "B needs a unit stride along K or N";
+    const int64_t a_lead = g.a_stride_k == 1 ? g.a_stride_m : g.a_stride_k;
+    const int64_t b_lead = g.b_stride_k == 1 ? g.b_stride_n : g.b_stride_k;
+    if (a_lead % 8 || b_lead % 8) return "leading strides must be multiples of 8 elements";
+    if (!aligned16(g.a) || !aligned16(g.b)) return "A and B must be 16-byte aligned";
+    return nullptr;
+}
+
+cudaError_t launch_gemm(const gemm_args& g, cudaStream_t stream) {
+    if (gemm_unsupported(g) != nullptr) return cudaErrorInvalidValue;
+    if (g.dtype == int(dtype::bf16)) return dispatch_majors<__nv_bfloat16>(g, stream);
+    return dispatch_majors<__half>(g, stream);
+}
+
+}  // namespace tk::gemm

@@ -1,0 +1,26 @@
+// C[M, N] = A[M, K] * B[K, N] (+ bias[N]) in bf16 or fp16 with fp32 accumulation.
+// Host-visible declarations only (no device code).
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace tk::gemm {
+
+struct gemm_args {
+    const void* a;     // A(m, k) at a + m * a_stride_m + k * a_stride_k; one of the two strides is 1
+    const void* b;     // B(k, n) at b + k * b_stride_k + n * b_stride_n; one of the two strides is 1
+    void* c;           // C(m, n) at c + m * c_stride_m + n
+    const void* bias;  // bias[n] in the element type, or null
+    int dtype;         // tk::dtype: bf16 or fp16 (A, B, C and bias alike)
+    int64_t M, N, K;
+    int64_t a_stride_m, a_stride_k, b_stride_k, b_stride_n, c_stride_m;
+};
+
+// Why `args` cannot run (empty when it can): strides, alignment, sizes. Checked by launch_gemm too.
+const char* gemm_unsupported(const gemm_args& args);
+
+// Enqueues on `stream`; never synchronises.
+cudaError_t launch_gemm(const gemm_args& args, cudaStream_t stream);
+
+}  // namespace tk::gemm

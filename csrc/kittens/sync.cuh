@@ -1,0 +1,59 @@
+// mbarriers in shared memory: the producer/consumer handshake of every pipelined kernel.
+// A barrier completes a phase when its expected arrivals (and expected TMA bytes) are in; waiters name the
+// phase parity they wait for.
+#pragma once
+
+#include <cstdint>
+
+namespace tk::sync {
+
+struct barrier {
+    uint64_t word;
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// One thread initialises; make it visible to the async proxy (TMA) and the block before use.
+__device__ __forceinline__ void init(barrier& b, uint32_t arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&b)), "r"(arrivals));
+}
+__device__ __forceinline__ void fence_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void arrive(barrier& b) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}" ::"r"(smem_addr(&b))
+                 : "memory");
+}
+
+// Counts as this thread's arrival and announces `bytes` of TMA traffic that will complete on `b`.
+__device__ __forceinline__ void arrive_expect_bytes(barrier& b, uint32_t bytes) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.release.cta.shared::cta.b64 st, [%0], %1;\n}" ::"r"(
+                     smem_addr(&b)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ bool try_wait(barrier& b, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_addr(&b)), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+
+__device__ __forceinline__ void wait(barrier& b, uint32_t parity) {
+    while (!try_wait(b, parity)) {
+    }
+}
+
+// Named barrier over `threads` threads (a multiple of 32), id 1..15 (0 is __syncthreads).
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace tk::sync

@@ -1,0 +1,81 @@
+// Warpgroup matrix multiply (wgmma, sm_90a) on shared-memory tiles in the 128-byte swizzled layout that TMA
+// writes. A tile type fixes its layout (K-major or MN-major) and can describe any 16-deep K slice of itself
+// to the tensor cores, so kernels never hand-assemble descriptors.
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+#include "sync.cuh"
+#include "wgmma_ops.cuh"
+
+namespace tk::wgmma {
+
+enum class major { k = 0, mn = 1 };
+
+// Descriptor: start address, leading/stride byte offsets (all >> 4), swizzle mode 1 = 128 B.
+__device__ __forceinline__ uint64_t descriptor(uint32_t smem_address, uint32_t lbo, uint32_t sbo) {
+    return uint64_t((smem_address & 0x3FFFF) >> 4) | (uint64_t((lbo & 0x3FFFF) >> 4) << 16) |
+           (uint64_t((sbo & 0x3FFFF) >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// A Rows x 64 (MN x K) operand tile of 16-bit elements, as one TMA box pattern writes it.
+//  K-major:  Rows lines of 64 K-elements (128 B), swizzled in 8-line (1024 B) atoms.
+//  MN-major: Rows/64 panels; a panel is 64 lines of 64 MN-elements (one line per k), 8 KB.
+// Both need the tile 1024-byte aligned.
+template <typename T, int Rows, major M>
+struct operand_tile {
+    static_assert(sizeof(T) == 2, "16-bit operands");
+    static_assert(Rows % 64 == 0, "rows in whole 64-row groups");
+    static constexpr int rows = Rows, depth = 64;
+    static constexpr major layout = M;
+    static constexpr int bytes = Rows * depth * 2;
+    static constexpr int panel_bytes = 64 * depth * 2;  // MN-major: one 64-wide panel
+
+    alignas(1024) T data[Rows * depth];
+
+    // Descriptor of rows [row0, row0 + n) (row0 a multiple of 64) and K slice [16 k16, 16 k16 + 16).
+    __device__ __forceinline__ uint64_t slice(int row0, int k16) const {
+        const uint32_t base = sync::smem_addr(data);
+        if constexpr (M == major::k) {
+            // K advances inside the swizzled 128-byte line (32 B per 16 elements); 8-line atoms 1024 B apart.
+            return descriptor(base + row0 * 128 + k16 * 32, 16, 1024);
+        } else {
+            // K advances by 16 lines of 128 B; panels (64 MN elements each) are panel_bytes apart.
+            return descriptor(base + (row0 / 64) * panel_bytes + k16 * 16 * 128, panel_bytes, 1024);
+        }
+    }
+};
+
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int Pending>
+__device__ __forceinline__ void wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(Pending) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads/writes across asynchronous wgmma work.
+template <int R>
+__device__ __forceinline__ void pin(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D(64 x N) (+)= A[a_row0 : a_row0 + 64, 16-slice] * B[0 : N, 16-slice]^T, for one warpgroup.
+template <int N, typename T, typename TileA, typename TileB>
+__device__ __forceinline__ void mma(float (&d)[N / 2], const TileA& a, int a_row0, const TileB& b, int b_row0, int k16,
+                                    int accumulate) {
+    detail::mma_ss<N, T>::template run<int(TileA::layout), int(TileB::layout)>(d, a.slice(a_row0, k16),
+                                                                             b.slice(b_row0, k16), accumulate);
+}
+
+// Position of accumulator element d[i] of the calling thread in its warpgroup's 64 x N tile.
+struct fragment_position {
+    int row, col;
+};
+__device__ __forceinline__ fragment_position accumulator_position(int i) {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+    return {warp * 16 + lane / 4 + ((i & 2) ? 8 : 0), (i / 4) * 8 + (lane & 3) * 2 + (i & 1)};
+}
+
+}  // namespace tk::wgmma

@@ -1,0 +1,142 @@
+"""The tk GEMM against an fp32 reference: shapes with tails, every operand major, strided views, bias, and
+a Llama-style MLP trained through Thunder with every GEMM on tk."""
+
+import pytest
+import torch
+import thunder
+
+import thunder_tk
+from thunder_tk import ops
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def reference(a, b, bias=None):
+    r = a.float() @ b.float()
+    return r + bias.float() if bias is not None else r
+
+
+def check(a, b, bias=None):
+    out = torch.full((a.shape[0], b.shape[1]), float("nan"), device="cuda", dtype=a.dtype)
+    ops.gemm(a, b, bias, out=out)
+    assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
+    err = rel_err(out, reference(a, b, bias))
+    assert err < TOL[a.dtype], err
+    return out
+
+
+def operand(rows, cols, dtype, major_rows: bool):
+    """(rows, cols) with a unit stride along cols (row-major) or along rows (a transposed view)."""
+    if major_rows:
+        return torch.randn(rows, cols, device="cuda", dtype=dtype)
+    return torch.randn(cols, rows, device="cuda", dtype=dtype).t()
+
+
+SHAPES = [(1, 1, 8), (1, 7, 64), (17, 33, 24), (128, 256, 64), (129, 257, 72), (300, 500, 1000), (1000, 5, 4096),
+          (8192, 16, 128), (16, 8192, 2048), (777, 1500, 520), (2048, 4096, 2048)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("a_k_major", [True, False])
+@pytest.mark.parametrize("b_n_major", [True, False])
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_matches_fp32_reference(M, N, K, a_k_major, b_n_major, dtype):
+    if (not a_k_major and M % 8) or (b_n_major and N % 8):
+        pytest.skip("that layout's leading stride is M or N; the copy path is tested separately")
+    a = operand(M, K, dtype, a_k_major)
+    b = operand(K, N, dtype, b_n_major)
+    check(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bias_and_linear(dtype):
+    x = torch.randn(3, 111, 512, device="cuda", dtype=dtype)
+    w = torch.randn(1001, 512, device="cuda", dtype=dtype) / 16
+    bias = torch.randn(1001, device="cuda", dtype=dtype)
+    check(x.reshape(-1, 512), w.t(), bias)
+    y = ops.linear(x, w, bias)
+    assert y.shape == (3, 111, 1001)
+    assert rel_err(y, torch.nn.functional.linear(x.float(), w.float(), bias.float())) < TOL[dtype]
+
+
+def test_strided_views_and_copy_path():
+    base = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
+    check(base[:, 128:640], torch.randn(512, 96, device="cuda", dtype=torch.bfloat16))  # leading stride 1024
+    check(base[:, 8:520].t()[:, :77].t(), base[:512, :64])  # both from one buffer
+    flat = torch.randn(1 + 64 * 40, device="cuda", dtype=torch.bfloat16)
+    check(flat[1:].view(40, 64), torch.randn(64, 30, device="cuda", dtype=torch.bfloat16))  # misaligned base
+    check(torch.randn(50, 64, device="cuda", dtype=torch.bfloat16),
+          torch.randn(30, 64, device="cuda", dtype=torch.bfloat16).t()[:, ::2][:, :13])  # no unit stride
+    check(operand(77, 64, torch.bfloat16, False), operand(64, 50, torch.bfloat16, True))  # M-major, lead 77
+
+
+def test_degenerate_and_errors():
+    a = torch.randn(0, 64, device="cuda", dtype=torch.bfloat16)
+    assert ops.gemm(a, torch.randn(64, 8, device="cuda", dtype=torch.bfloat16)).shape == (0, 8)
+    with pytest.raises(ValueError, match="K a multiple of 8"):
+        ops.gemm(torch.randn(4, 12, device="cuda", dtype=torch.bfloat16),
+                 torch.randn(12, 4, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        ops.gemm(torch.randn(4, 16, device="cuda"), torch.randn(16, 4, device="cuda"))
+    with pytest.raises(ValueError, match="shapes do not match"):
+        ops.gemm(torch.randn(4, 16, device="cuda", dtype=torch.half), torch.randn(8, 4, device="cuda", dtype=torch.half))
+
+
+def test_repeatable_and_graph_capturable():
+    a = torch.randn(1000, 2048, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2048, 3000, device="cuda", dtype=torch.bfloat16)
+    first = ops.gemm(a, b)
+    for _ in range(3):
+        assert torch.equal(ops.gemm(a, b), first)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        ops.gemm(a, b)
+        with torch.cuda.graph(graph, stream=side):
+            captured = ops.gemm(a, b)
+    a.copy_(torch.randn_like(a))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(captured, reference(a, b)) < 1e-2
+
+
+class LlamaMLP(torch.nn.Module):
+    def __init__(self, d=512, hidden=1376):
+        super().__init__()
+        self.fc_1 = torch.nn.Linear(d, hidden, bias=False)
+        self.fc_2 = torch.nn.Linear(d, hidden, bias=False)
+        self.proj = torch.nn.Linear(hidden, d, bias=True)
+
+    def forward(self, x):
+        return self.proj(torch.nn.functional.silu(self.fc_1(x)) * self.fc_2(x))
+
+
+def test_mlp_training_step_runs_every_gemm_on_tk():
+    torch.manual_seed(0)
+    model = LlamaMLP().cuda().bfloat16()
+    x = torch.randn(4, 250, 512, device="cuda", dtype=torch.bfloat16)
+    jm = thunder.jit(model, executors=[thunder_tk.tk])
+    out = jm(x)
+    seed = torch.randn_like(out)
+    out.backward(seed)
+
+    ref_model = LlamaMLP().cuda()
+    ref_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    ref = ref_model(x.float())
+    ref.backward(seed.float())
+    assert rel_err(out, ref) < 2e-2
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert rel_err(p.grad, q.grad) < 3e-2
+
+    report = thunder_tk.explain(jm)
+    gemms = [r for r in report.rows if r.symbol in ("prims.linear", "ltorch.matmul")]
+    assert len(gemms) >= 7  # 3 forward; dX of proj and dW of all three (x needs no gradient)
+    assert all(r.claimed_by_tk for r in gemms), str(report)
+    assert {r.ran_by for r in gemms} == {"tk: tk_linear", "tk: tk_matmul"}
