@@ -24,7 +24,7 @@ so=$(python3 -c "import thunder_tk._C as m; print(m.__file__)" 2>/dev/null)
 # Run from outside the checkout so the installed package (with its compiled module) is the one imported.
 here=$(pwd)
 if [ "$what" = all ] || [ "$what" = test ]; then
-  step smoke timeout 120 python3 -c "import torch; from thunder_tk import ops; a = torch.randn(256, 128, device='cuda', dtype=torch.bfloat16); print(float((ops.gemm(a, a.t()).float() - a.float() @ a.float().t()).abs().max()))"
+  step smoke timeout 120 bash -c "cd /tmp && python3 -c \"import torch; from thunder_tk import ops; a = torch.randn(256, 128, device='cuda', dtype=torch.bfloat16); print(float((ops.gemm(a, a.t()).float() - a.float() @ a.float().t()).abs().max()))\""
   step gpu_tests timeout 600 bash -c "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $here/tests/gpu -rs --junitxml=$here/$OUT/gpu_tests.xml"
   step memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
   step racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py

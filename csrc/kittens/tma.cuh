@@ -40,3 +40,33 @@ __device__ __forceinline__ void load_2d(void* dst, const CUtensorMap* map, int32
 }
 
 }  // namespace tk::tma
+
+namespace tk::tma {
+
+// Shared memory at `src` -> box at element coordinates (inner, outer); clipped at the tensor's bounds.
+// Writers of `src` must have run fence_shared_to_async() and synchronised with the issuing thread.
+__device__ __forceinline__ void store_2d(const CUtensorMap* map, const void* src, int32_t inner, int32_t outer) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(inner), "r"(outer), "r"(sync::smem_addr(src))
+                 : "memory");
+}
+__device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Wait until the committed stores have finished reading shared memory (it may then be overwritten).
+__device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Wait until the committed stores are complete in global memory.
+__device__ __forceinline__ void store_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Orders this thread's ordinary shared-memory writes before later async-proxy (TMA, wgmma) reads.
+__device__ __forceinline__ void fence_shared_to_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Byte offset of element (row, col) in a 64-column panel of 16-bit elements written with the 128-byte
+// swizzle (the layout TMA reads for a {64, rows} box): 16-byte chunks XOR-ed with the row within 8.
+__device__ __forceinline__ uint32_t swizzled_offset_128b(int row, int col) {
+    const int chunk = (col * 2) >> 4, within = (col * 2) & 15;
+    return row * 128 + ((chunk ^ (row & 7)) << 4) + within;
+}
+
+}  // namespace tk::tma

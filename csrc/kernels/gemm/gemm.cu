@@ -6,6 +6,7 @@
 #include "../../kittens/kittens.cuh"
 
 #include <algorithm>
+#include <type_traits>
 
 namespace tk::gemm {
 namespace {
@@ -20,6 +21,9 @@ template <typename T, major MA, major MB>
 struct shared_state {
     wgmma::operand_tile<T, BM, MA> a[STAGES];
     wgmma::operand_tile<T, BN, MB> b[STAGES];
+    // Output staging for the TMA-store epilogue: per consumer, one half tile (64 x 128) as two swizzled
+    // 64 x 64 panels.
+    alignas(1024) T c_stage[CONSUMERS][2][64 * 64];
     sync::barrier full[STAGES];   // TMA bytes landed
     sync::barrier empty[STAGES];  // consumers done reading
     static constexpr uint32_t stage_bytes = (BM + BN) * BK * sizeof(T);
@@ -29,6 +33,7 @@ struct kernel_params {
     gemm_args args;
     schedule::grouped_order order;
     int k_blocks;
+    bool tma_store;  // C rows 16-byte aligned: stage the epilogue in shared memory and store with TMA
 };
 
 template <typename T>
@@ -49,7 +54,7 @@ __device__ __forceinline__ void store_pair(T* p, float x, float y, bool vector) 
 template <typename T, major MA, major MB>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                const __grid_constant__ kernel_params p) {
+                const __grid_constant__ CUtensorMap map_c, const __grid_constant__ kernel_params p) {
     using state_t = shared_state<T, MA, MB>;
     extern __shared__ uint8_t raw_smem[];
     auto& st = *reinterpret_cast<state_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
@@ -105,12 +110,16 @@ __global__ void __launch_bounds__(THREADS, 1)
     T* __restrict__ c = static_cast<T*>(g.c);
     const T* __restrict__ bias = static_cast<const T*>(g.bias);
     const bool vector_store = (g.c_stride_m % 2 == 0) && (reinterpret_cast<uintptr_t>(g.c) % 4 == 0);
+    const bool leader = warpgroup::thread() == 0;
+    const int barrier_id = 1 + slice;  // named barrier of this consumer warpgroup
     int s = 0;
     uint32_t phase = 0;
     float d[BN / 2];
 
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         const auto tile = p.order(t);
+        // Keep one wgmma group in flight: stage s is released once the group after it has been issued.
+        int previous = -1;
         for (int kb = 0; kb < p.k_blocks; ++kb) {
             sync::wait(st.full[s], phase);
             wgmma::fence();
@@ -118,14 +127,54 @@ __global__ void __launch_bounds__(THREADS, 1)
             for (int k16 = 0; k16 < BK / 16; ++k16)
                 wgmma::mma<BN, T>(d, st.a[s], slice * 64, st.b[s], 0, k16, (kb | k16) != 0);
             wgmma::commit();
-            wgmma::wait<0>();
-            wgmma::pin(d);
-            if ((threadIdx.x & 31) == 0) sync::arrive(st.empty[s]);
+            wgmma::wait<1>();
+            if (previous >= 0 && (threadIdx.x & 31) == 0) sync::arrive(st.empty[previous]);
+            previous = s;
             if (++s == STAGES) s = 0, phase ^= 1;
         }
+        wgmma::wait<0>();
+        wgmma::pin(d);
+        if (previous >= 0 && (threadIdx.x & 31) == 0) sync::arrive(st.empty[previous]);
 
-        // Epilogue: fp32 -> T (+ bias), straight from registers, clipped to M x N.
         const int64_t row0 = int64_t(tile.m) * BM + slice * 64, col0 = int64_t(tile.n) * BN;
+        if (p.tma_store) {
+            // Two halves of 128 columns: registers (+ bias) -> swizzled staging -> TMA store, which runs on
+            // while this warpgroup starts its next tile.
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                if (leader) tma::store_wait_read();
+                sync::named_sync(barrier_id, warpgroup::threads);
+                uint8_t* stage = reinterpret_cast<uint8_t*>(st.c_stage[slice]);
+#pragma unroll
+                for (int i = half * (BN / 4); i < (half + 1) * (BN / 4); i += 2) {
+                    const auto pos = wgmma::accumulator_position(i);
+                    const int col = pos.col - half * 128;
+                    float x = d[i], y = d[i + 1];
+                    if (bias != nullptr) {
+                        const int64_t gc = col0 + pos.col;
+                        if (gc < g.N) x += to_float(bias[gc]);
+                        if (gc + 1 < g.N) y += to_float(bias[gc + 1]);
+                    }
+                    T pair[2] = {T(x), T(y)};
+                    *reinterpret_cast<uint32_t*>(stage + (col / 64) * 64 * 128 +
+                                                 tma::swizzled_offset_128b(pos.row, col % 64)) =
+                        *reinterpret_cast<uint32_t*>(pair);
+                }
+                tma::fence_shared_to_async();
+                sync::named_sync(barrier_id, warpgroup::threads);
+                if (leader) {
+                    for (int panel = 0; panel < 2; ++panel) {
+                        const int64_t gc = col0 + half * 128 + panel * 64;
+                        if (gc < g.N && row0 < g.M)
+                            tma::store_2d(&map_c, st.c_stage[slice][panel], int32_t(gc), int32_t(row0));
+                    }
+                    tma::store_commit();
+                }
+            }
+            continue;
+        }
+
+        // Fallback epilogue (C rows not 16-byte aligned): fp32 -> T (+ bias) straight from registers.
 #pragma unroll
         for (int i = 0; i < BN / 2; i += 2) {
             const auto pos = wgmma::accumulator_position(i);
@@ -144,6 +193,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 out[0] = T(x);
         }
     }
+    if (leader) tma::store_wait();  // staging must outlive the stores' reads
 }
 
 template <typename T>
@@ -172,13 +222,19 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     r = MB == major::k ? tma::make_tensor_map_2d(&map_b, g.b, tma_type<T>(), 2, g.K, g.N, g.b_stride_n, BK, BN, sw)
                        : tma::make_tensor_map_2d(&map_b, g.b, tma_type<T>(), 2, g.N, g.K, g.b_stride_k, 64, BK, sw);
     if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
+    CUtensorMap map_c{};
+    const bool tma_store = reinterpret_cast<uintptr_t>(g.c) % 16 == 0 && (g.M == 1 || g.c_stride_m % 8 == 0);
+    if (tma_store &&
+        tma::make_tensor_map_2d(&map_c, g.c, tma_type<T>(), 2, g.N, g.M, g.c_stride_m, 64, 64, sw) != CUDA_SUCCESS)
+        return cudaErrorInvalidValue;
 
     kernel_params p;
+    p.tma_store = tma_store;
     p.args = g;
     p.order = {int((g.M + BM - 1) / BM), int((g.N + BN - 1) / BN), GROUP_ROWS};
     p.k_blocks = int((g.K + BK - 1) / BK);
     const int grid = std::max(1, std::min(p.order.count(), multiprocessor_count()));
-    kernel<<<grid, THREADS, smem_bytes, stream>>>(map_a, map_b, p);
+    kernel<<<grid, THREADS, smem_bytes, stream>>>(map_a, map_b, map_c, p);
     return cudaGetLastError();
 }
 
