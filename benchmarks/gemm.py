@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--json", default="out/gemm.json")
     p.add_argument("--png")
     p.add_argument("--quick", action="store_true", help="fewer shapes")
+    p.add_argument("--sweep", action="store_true", help="also time other L2 group sizes of the schedule")
     a = p.parse_args()
 
     rows = []
@@ -57,6 +58,11 @@ def main() -> None:
             flops = 2.0 * lhs.shape[0] * lhs.shape[1] * rhs.shape[1]
             t_tk = median_ms(lambda: ops.gemm(lhs, rhs))
             t_cublas = median_ms(lambda: torch.matmul(lhs, rhs))
+            if a.sweep:
+                for g in (2, 4, 16, 32):
+                    t = median_ms(lambda: ops.gemm(lhs, rhs, _group_rows=g))
+                    print(f"  sweep {name} {layout} group_rows={g}: {flops / t / 1e9:.0f} TFLOP/s (default "
+                          f"{flops / t_tk / 1e9:.0f})", flush=True)
             rows.append({"problem": name, "layout": layout, "M": lhs.shape[0], "N": rhs.shape[1], "K": lhs.shape[1],
                          "tk_tflops": flops / t_tk / 1e9, "cublas_tflops": flops / t_cublas / 1e9,
                          "ratio": t_cublas / t_tk})

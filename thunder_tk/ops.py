@@ -131,7 +131,7 @@ def check_gemm_args(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, _group_rows: int = 0) -> torch.Tensor:
     """a (M, K) @ b (K, N) (+ bias (N,)) by the tk kernel, bf16/fp16 with fp32 accumulation.
 
     Operands are read in place when one of their strides is 1 (either major) and the other a multiple of 8;
@@ -150,12 +150,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     if K == 0:
         return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros((), dtype=a.dtype, device=a.device))
     a_layout = _gemm_layout(a, 1)
-    if a_layout is None:  # copy to row-major: K-major, leading stride K
-        a = a.contiguous()
+    if a_layout is None:  # copy to fresh (aligned) row-major storage: K-major, leading stride K
+        a = a.clone(memory_format=torch.contiguous_format)
         a_layout = (K, 1)
     b_layout = _gemm_layout(b, 0)
-    if b_layout is None:  # copy to K-major (N, K) storage, leading stride K
-        b = b.t().contiguous().t()
+    if b_layout is None:  # copy to fresh K-major (N, K) storage, leading stride K
+        b = b.t().clone(memory_format=torch.contiguous_format).t()
         b_layout = (K, 1)
     if bias is not None:
         bias = bias.contiguous()
@@ -163,7 +163,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     with torch.cuda.device(a.device):
         ext.gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr(),
                  _DTYPE_CODES[a.dtype], M, N, K, a_sm, a_sk, b_sk, b_sn, out.stride(0) if M > 1 else N,
-                 _stream_handle(a.device))
+                 _stream_handle(a.device), _group_rows)
     return out
 
 

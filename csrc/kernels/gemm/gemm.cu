@@ -15,7 +15,7 @@ using wgmma::major;
 
 constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
 constexpr int CONSUMERS = 2, THREADS = (CONSUMERS + 1) * warpgroup::threads;
-constexpr int GROUP_ROWS = 8;  // tile rows per L2 group of the persistent schedule
+constexpr int GROUP_ROWS = 8;  // default tile rows per L2 group of the persistent schedule
 
 template <typename T, major MA, major MB>
 struct shared_state {
@@ -231,7 +231,7 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     kernel_params p;
     p.tma_store = tma_store;
     p.args = g;
-    p.order = {int((g.M + BM - 1) / BM), int((g.N + BN - 1) / BN), GROUP_ROWS};
+    p.order = {int((g.M + BM - 1) / BM), int((g.N + BN - 1) / BN), g.group_rows > 0 ? g.group_rows : GROUP_ROWS};
     p.k_blocks = int((g.K + BK - 1) / BK);
     const int grid = std::max(1, std::min(p.order.count(), multiprocessor_count()));
     kernel<<<grid, THREADS, smem_bytes, stream>>>(map_a, map_b, map_c, p);

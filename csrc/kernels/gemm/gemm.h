@@ -15,6 +15,7 @@ struct gemm_args {
     int dtype;         // tk::dtype: bf16 or fp16 (A, B, C and bias alike)
     int64_t M, N, K;
     int64_t a_stride_m, a_stride_k, b_stride_k, b_stride_n, c_stride_m;
+    int group_rows;  // tile rows per L2 group of the persistent schedule (0: the tuned default)
 };
 
 // Why `args` cannot run (empty when it can): strides, alignment, sizes. Checked by launch_gemm too.
