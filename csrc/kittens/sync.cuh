@@ -57,3 +57,40 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 }
 
 }  // namespace tk::sync
+
+namespace tk::sync {
+
+// ---- clusters (thread-block clusters, sm_90) ----
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ uint32_t cluster_id() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ uint32_t cluster_count() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+    return r;
+}
+
+// Every thread of every block of the cluster (release/acquire): orders barrier initialisation before peers use
+// it, and keeps a block's shared memory alive until its peers are done with it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Arrive on the barrier at the same shared-memory offset in cluster block `rank`.
+__device__ __forceinline__ void arrive_cluster(barrier& b, uint32_t rank) {
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(&b)),
+        "r"(rank)
+        : "memory");
+}
+
+}  // namespace tk::sync

@@ -70,3 +70,18 @@ __device__ __forceinline__ uint32_t swizzled_offset_128b(int row, int col) {
 }
 
 }  // namespace tk::tma
+
+namespace tk::tma {
+
+// As load_2d, but the box lands at the same offset in every block of the cluster named in `cta_mask`, and
+// completes bytes on the barrier at the same offset in each.
+__device__ __forceinline__ void load_2d_multicast(void* dst, const CUtensorMap* map, int32_t inner, int32_t outer,
+                                                  sync::barrier& bar, uint16_t cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(sync::smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer), "r"(sync::smem_addr(&bar)), "h"(cta_mask)
+        : "memory");
+}
+
+}  // namespace tk::tma

@@ -1,5 +1,5 @@
-// Persistent, warp-specialised Hopper GEMM: one producer warpgroup streams A and B tiles with TMA into a
-// 4-stage shared-memory ring; two consumer warpgroups each multiply a 64 x 256 slice of the 128 x 256 output
+// Persistent, warp-specialised Hopper GEMM in clusters of two blocks: one producer warpgroup per block streams
+// A and (shared within the cluster) B tiles with TMA into a 4-stage shared-memory ring; two consumer warpgroups each multiply a 64 x 256 slice of the 128 x 256 output
 // tile with wgmma and write it out (bias fused). Operand majors are template parameters, so the three
 // products of a linear layer (X Wt, dY W, dYt X) read their operands in place, with no transposed copies.
 #include "gemm.h"
@@ -14,6 +14,9 @@ namespace {
 using wgmma::major;
 
 constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
+// Blocks in a cluster share their B tile: block r of the pair loads rows [128 r, 128 r + 128) of it and the
+// copy engine writes them into both blocks' shared memory (halving L2 -> SM traffic for B).
+constexpr int CLUSTER = 2;
 constexpr int CONSUMERS = 2, THREADS = (CONSUMERS + 1) * warpgroup::threads;
 constexpr int GROUP_ROWS = 8;  // default tile rows per L2 group of the persistent schedule
 
@@ -51,59 +54,16 @@ __device__ __forceinline__ void store_pair(T* p, float x, float y, bool vector) 
     p[1] = T(y);
 }
 
-template <typename T, major MA, major MB>
-__global__ void __launch_bounds__(THREADS, 1)
-    gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                const __grid_constant__ CUtensorMap map_c, const __grid_constant__ kernel_params p) {
-    using state_t = shared_state<T, MA, MB>;
-    extern __shared__ uint8_t raw_smem[];
-    auto& st = *reinterpret_cast<state_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
-
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            sync::init(st.full[s], 1);
-            sync::init(st.empty[s], CONSUMERS * 4);  // lane 0 of every consumer warp
-        }
-        sync::fence_init();
-    }
-    __syncthreads();
-
-    const int tiles = p.order.count();
-    if (warpgroup::index() == 0) {
-        // ---------------- producer ----------------
-        warpgroup::decrease_registers<40>();
-        if (threadIdx.x == 0) {
-            tma::prefetch_map(&map_a);
-            tma::prefetch_map(&map_b);
-            int s = 0;
-            uint32_t phase = 0;
-            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-                const auto tile = p.order(t);
-                const int m0 = tile.m * BM, n0 = tile.n * BN;
-                for (int kb = 0; kb < p.k_blocks; ++kb) {
-                    const int k0 = kb * BK;
-                    sync::wait(st.empty[s], phase ^ 1);
-                    sync::arrive_expect_bytes(st.full[s], state_t::stage_bytes);
-                    if constexpr (MA == major::k) {
-                        tma::load_2d(st.a[s].data, &map_a, k0, m0, st.full[s]);
-                    } else {
-                        for (int panel = 0; panel < BM / 64; ++panel)
-                            tma::load_2d(st.a[s].data + panel * 64 * BK, &map_a, m0 + panel * 64, k0, st.full[s]);
-                    }
-                    if constexpr (MB == major::k) {
-                        tma::load_2d(st.b[s].data, &map_b, k0, n0, st.full[s]);
-                    } else {
-                        for (int panel = 0; panel < BN / 64; ++panel)
-                            tma::load_2d(st.b[s].data + panel * 64 * BK, &map_b, n0 + panel * 64, k0, st.full[s]);
-                    }
-                    if (++s == STAGES) s = 0, phase ^= 1;
-                }
-            }
-        }
-        return;
-    }
-
-    // ---------------- consumers ----------------
+// Consumer warpgroups: wgmma over the ring, then the epilogue of each tile.
+template <typename T, major MA, major MB, typename State, typename TileOf>
+__device__ __forceinline__ void consume(State& st, const kernel_params& p, const CUtensorMap& map_c, int pairs,
+                                        int cluster, int clusters, TileOf tile_of) {
+    // A stage is free once every consumer warp of both blocks is done with it: the peer's producer writes
+    // its share of B into our copy of the stage too.
+    auto release = [](sync::barrier& b) {
+#pragma unroll
+        for (uint32_t r = 0; r < CLUSTER; ++r) sync::arrive_cluster(b, r);
+    };
     warpgroup::increase_registers<232>();
     const int slice = warpgroup::index() - 1;  // rows [64 slice, 64 slice + 64) of the tile
     const gemm_args& g = p.args;
@@ -116,8 +76,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint32_t phase = 0;
     float d[BN / 2];
 
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const auto tile = p.order(t);
+    for (int t = cluster; t < pairs; t += clusters) {
+        const auto tile = tile_of(t);
         // Keep one wgmma group in flight: stage s is released once the group after it has been issued.
         int previous = -1;
         for (int kb = 0; kb < p.k_blocks; ++kb) {
@@ -128,13 +88,13 @@ __global__ void __launch_bounds__(THREADS, 1)
                 wgmma::mma<BN, T>(d, st.a[s], slice * 64, st.b[s], 0, k16, (kb | k16) != 0);
             wgmma::commit();
             wgmma::wait<1>();
-            if (previous >= 0 && (threadIdx.x & 31) == 0) sync::arrive(st.empty[previous]);
+            if (previous >= 0 && (threadIdx.x & 31) == 0) release(st.empty[previous]);
             previous = s;
             if (++s == STAGES) s = 0, phase ^= 1;
         }
         wgmma::wait<0>();
         wgmma::pin(d);
-        if (previous >= 0 && (threadIdx.x & 31) == 0) sync::arrive(st.empty[previous]);
+        if (previous >= 0 && (threadIdx.x & 31) == 0) release(st.empty[previous]);
 
         const int64_t row0 = int64_t(tile.m) * BM + slice * 64, col0 = int64_t(tile.n) * BN;
         if (p.tma_store) {
@@ -196,6 +156,75 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (leader) tma::store_wait();  // staging must outlive the stores' reads
 }
 
+template <typename T, major MA, major MB>
+__global__ void __launch_bounds__(THREADS, 1)
+    gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                const __grid_constant__ CUtensorMap map_c, const __grid_constant__ kernel_params p) {
+    using state_t = shared_state<T, MA, MB>;
+    extern __shared__ uint8_t raw_smem[];
+    auto& st = *reinterpret_cast<state_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            sync::init(st.full[s], 1);
+            sync::init(st.empty[s], CLUSTER * CONSUMERS * 4);  // lane 0 of every consumer warp of the cluster
+        }
+        sync::fence_init();
+    }
+    sync::cluster_sync();
+
+    // Work comes in pairs of vertically adjacent tiles, one pair per cluster; this block takes row `rank`.
+    const uint32_t rank = sync::cluster_rank();
+    const int pairs = p.order.count();
+    const int cluster = int(sync::cluster_id()), clusters = int(sync::cluster_count());
+    auto tile_of = [&](int t) {
+        auto pair = p.order(t);
+        return schedule::tile_coord{pair.m * CLUSTER + int(rank), pair.n};
+    };
+    if (warpgroup::index() == 0) {
+        // ---------------- producer ----------------
+        warpgroup::decrease_registers<40>();
+        if (threadIdx.x == 0) {
+            tma::prefetch_map(&map_a);
+            tma::prefetch_map(&map_b);
+            int s = 0;
+            uint32_t phase = 0;
+            for (int t = cluster; t < pairs; t += clusters) {
+                const auto tile = tile_of(t);
+                const int m0 = tile.m * BM, n0 = tile.n * BN;
+                for (int kb = 0; kb < p.k_blocks; ++kb) {
+                    const int k0 = kb * BK;
+                    sync::wait(st.empty[s], phase ^ 1);
+                    sync::arrive_expect_bytes(st.full[s], state_t::stage_bytes);
+                    if constexpr (MA == major::k) {
+                        tma::load_2d(st.a[s].data, &map_a, k0, m0, st.full[s]);
+                    } else {
+                        for (int panel = 0; panel < BM / 64; ++panel)
+                            tma::load_2d(st.a[s].data + panel * 64 * BK, &map_a, m0 + panel * 64, k0, st.full[s]);
+                    }
+                    constexpr uint16_t everyone = (1u << CLUSTER) - 1;
+                    constexpr int b_rows = BN / CLUSTER;  // this block's share of the B tile
+                    if constexpr (MB == major::k) {
+                        tma::load_2d_multicast(st.b[s].data + rank * b_rows * BK, &map_b, k0, n0 + rank * b_rows,
+                                               st.full[s], everyone);
+                    } else {
+                        for (int panel = 0; panel < b_rows / 64; ++panel) {
+                            const int row = rank * b_rows + panel * 64;
+                            tma::load_2d_multicast(st.b[s].data + row * BK, &map_b, n0 + row, k0, st.full[s],
+                                                   everyone);
+                        }
+                    }
+                    if (++s == STAGES) s = 0, phase ^= 1;
+                }
+            }
+        }
+    } else {
+        consume<T, MA, MB>(st, p, map_c, pairs, cluster, clusters, tile_of);
+    }
+    // No block leaves while its peer may still write into its shared memory or arrive on its barriers.
+    sync::cluster_sync();
+}
+
 template <typename T>
 CUtensorMapDataType tma_type() {
     return std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
@@ -219,7 +248,7 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
                      ? tma::make_tensor_map_2d(&map_a, g.a, tma_type<T>(), 2, g.K, g.M, g.a_stride_m, BK, BM, sw)
                      : tma::make_tensor_map_2d(&map_a, g.a, tma_type<T>(), 2, g.M, g.K, g.a_stride_k, 64, BK, sw);
     if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
-    r = MB == major::k ? tma::make_tensor_map_2d(&map_b, g.b, tma_type<T>(), 2, g.K, g.N, g.b_stride_n, BK, BN, sw)
+    r = MB == major::k ? tma::make_tensor_map_2d(&map_b, g.b, tma_type<T>(), 2, g.K, g.N, g.b_stride_n, BK, BN / CLUSTER, sw)
                        : tma::make_tensor_map_2d(&map_b, g.b, tma_type<T>(), 2, g.N, g.K, g.b_stride_k, 64, BK, sw);
     if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
     CUtensorMap map_c{};
@@ -231,11 +260,32 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     kernel_params p;
     p.tma_store = tma_store;
     p.args = g;
-    p.order = {int((g.M + BM - 1) / BM), int((g.N + BN - 1) / BN), g.group_rows > 0 ? g.group_rows : GROUP_ROWS};
+    // The schedule walks pairs of tile rows; a pair past M computes on zero-filled A and stores nothing.
+    const int tiles_m = int((g.M + BM - 1) / BM);
+    p.order = {(tiles_m + CLUSTER - 1) / CLUSTER, int((g.N + BN - 1) / BN),
+               g.group_rows > 0 ? std::max(1, g.group_rows / CLUSTER) : GROUP_ROWS / CLUSTER};
     p.k_blocks = int((g.K + BK - 1) / BK);
-    const int grid = std::max(1, std::min(p.order.count(), multiprocessor_count()));
-    kernel<<<grid, THREADS, smem_bytes, stream>>>(map_a, map_b, map_c, p);
-    return cudaGetLastError();
+
+    cudaLaunchConfig_t config{};
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = CLUSTER;
+    attribute[0].val.clusterDim.y = 1;
+    attribute[0].val.clusterDim.z = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    config.blockDim = dim3(THREADS);
+    config.dynamicSmemBytes = smem_bytes;
+    config.stream = stream;
+    static int max_clusters = 0;  // clusters that fit at once, read once per instantiation
+    if (max_clusters == 0) {
+        config.gridDim = dim3(CLUSTER * 132);
+        cudaError_t e = cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config);
+        if (e != cudaSuccess || max_clusters <= 0) max_clusters = multiprocessor_count() / CLUSTER;
+    }
+    const int clusters = std::max(1, std::min(p.order.count(), max_clusters));
+    config.gridDim = dim3(CLUSTER * clusters);
+    return cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, p);
 }
 
 template <typename T>
