@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--png")
     p.add_argument("--quick", action="store_true", help="fewer shapes")
     p.add_argument("--sweep", action="store_true", help="also time other L2 group sizes of the schedule")
+    p.add_argument("--cluster", action="store_true", help="also time clusters of two blocks (B multicast)")
     a = p.parse_args()
 
     rows = []
@@ -58,6 +59,10 @@ def main() -> None:
             flops = 2.0 * lhs.shape[0] * lhs.shape[1] * rhs.shape[1]
             t_tk = median_ms(lambda: ops.gemm(lhs, rhs))
             t_cublas = median_ms(lambda: torch.matmul(lhs, rhs))
+            if a.cluster:
+                t = median_ms(lambda: ops.gemm(lhs, rhs, _cluster=2))
+                print(f"  cluster2 {name} {layout}: {flops / t / 1e9:.0f} TFLOP/s (default {flops / t_tk / 1e9:.0f})",
+                      flush=True)
             if a.sweep:
                 for g in (2, 4, 16, 32):
                     t = median_ms(lambda: ops.gemm(lhs, rhs, _group_rows=g))

@@ -53,7 +53,7 @@ void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t
 
 void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t bias, int dtype, int64_t M, int64_t N,
           int64_t K, int64_t a_stride_m, int64_t a_stride_k, int64_t b_stride_k, int64_t b_stride_n, int64_t c_stride_m,
-          std::uintptr_t stream, int group_rows) {
+          std::uintptr_t stream, int group_rows, int cluster) {
     tk::gemm::gemm_args g{};
     g.a = as_ptr<void>(a);
     g.b = as_ptr<void>(b);
@@ -70,6 +70,8 @@ void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t b
     g.c_stride_m = c_stride_m;
     if (group_rows < 0 || group_rows > 64) throw std::invalid_argument("group_rows must be 0 (automatic) to 64");
     g.group_rows = group_rows;
+    if (cluster < 0 || cluster > 2) throw std::invalid_argument("cluster must be 0 (automatic), 1 or 2");
+    g.cluster = cluster;
     if (const char* why = tk::gemm::gemm_unsupported(g)) throw std::invalid_argument(std::string("thunder_tk gemm: ") + why);
     check_launch(tk::gemm::launch_gemm(g, reinterpret_cast<cudaStream_t>(stream)), "gemm");
 }
@@ -96,6 +98,6 @@ PYBIND11_MODULE(_C, m) {
           "delta[b,h,s] = sum_d grad_o[b,h,s,d] * o[b,h,s,d] in fp32, enqueued on `stream`.");
     m.def("gemm", &gemm, py::arg("a"), py::arg("b"), py::arg("c"), py::arg("bias"), py::arg("dtype"), py::arg("M"),
           py::arg("N"), py::arg("K"), py::arg("a_stride_m"), py::arg("a_stride_k"), py::arg("b_stride_k"),
-          py::arg("b_stride_n"), py::arg("c_stride_m"), py::arg("stream"), py::arg("group_rows") = 0,
+          py::arg("b_stride_n"), py::arg("c_stride_m"), py::arg("stream"), py::arg("group_rows") = 0, py::arg("cluster") = 0,
           "C = A B (+ bias), bf16/fp16 with fp32 accumulation, enqueued on `stream`.");
 }

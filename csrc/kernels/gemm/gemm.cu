@@ -14,9 +14,9 @@ namespace {
 using wgmma::major;
 
 constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
-// Blocks in a cluster share their B tile: block r of the pair loads rows [128 r, 128 r + 128) of it and the
-// copy engine writes them into both blocks' shared memory (halving L2 -> SM traffic for B).
-constexpr int CLUSTER = 2;
+// With clusters of C = 2 blocks, the blocks share their B tile: block r loads rows [128 r, 128 r + 128) of it
+// and the copy engine writes them into both blocks' shared memory (halving L2 -> SM traffic for B).
+// C = 1 is the plain persistent kernel.
 constexpr int CONSUMERS = 2, THREADS = (CONSUMERS + 1) * warpgroup::threads;
 constexpr int GROUP_ROWS = 8;  // default tile rows per L2 group of the persistent schedule
 
@@ -55,14 +55,18 @@ __device__ __forceinline__ void store_pair(T* p, float x, float y, bool vector) 
 }
 
 // Consumer warpgroups: wgmma over the ring, then the epilogue of each tile.
-template <typename T, major MA, major MB, typename State, typename TileOf>
+template <typename T, major MA, major MB, int CLUSTER, typename State, typename TileOf>
 __device__ __forceinline__ void consume(State& st, const kernel_params& p, const CUtensorMap& map_c, int pairs,
                                         int cluster, int clusters, TileOf tile_of) {
     // A stage is free once every consumer warp of both blocks is done with it: the peer's producer writes
     // its share of B into our copy of the stage too.
     auto release = [](sync::barrier& b) {
+        if constexpr (CLUSTER == 1) {
+            sync::arrive(b);
+        } else {
 #pragma unroll
-        for (uint32_t r = 0; r < CLUSTER; ++r) sync::arrive_cluster(b, r);
+            for (uint32_t r = 0; r < CLUSTER; ++r) sync::arrive_cluster(b, r);
+        }
     };
     warpgroup::increase_registers<232>();
     const int slice = warpgroup::index() - 1;  // rows [64 slice, 64 slice + 64) of the tile
@@ -156,7 +160,7 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
     if (leader) tma::store_wait();  // staging must outlive the stores' reads
 }
 
-template <typename T, major MA, major MB>
+template <typename T, major MA, major MB, int CLUSTER>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                 const __grid_constant__ CUtensorMap map_c, const __grid_constant__ kernel_params p) {
@@ -171,12 +175,16 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
         sync::fence_init();
     }
-    sync::cluster_sync();
+    if constexpr (CLUSTER == 1)
+        __syncthreads();
+    else
+        sync::cluster_sync();
 
     // Work comes in pairs of vertically adjacent tiles, one pair per cluster; this block takes row `rank`.
-    const uint32_t rank = sync::cluster_rank();
+    const uint32_t rank = CLUSTER == 1 ? 0 : sync::cluster_rank();
     const int pairs = p.order.count();
-    const int cluster = int(sync::cluster_id()), clusters = int(sync::cluster_count());
+    const int cluster = CLUSTER == 1 ? int(blockIdx.x) : int(sync::cluster_id());
+    const int clusters = CLUSTER == 1 ? int(gridDim.x) : int(sync::cluster_count());
     auto tile_of = [&](int t) {
         auto pair = p.order(t);
         return schedule::tile_coord{pair.m * CLUSTER + int(rank), pair.n};
@@ -204,7 +212,12 @@ __global__ void __launch_bounds__(THREADS, 1)
                     }
                     constexpr uint16_t everyone = (1u << CLUSTER) - 1;
                     constexpr int b_rows = BN / CLUSTER;  // this block's share of the B tile
-                    if constexpr (MB == major::k) {
+                    if constexpr (CLUSTER == 1 && MB == major::k) {
+                        tma::load_2d(st.b[s].data, &map_b, k0, n0, st.full[s]);
+                    } else if constexpr (CLUSTER == 1) {
+                        for (int panel = 0; panel < BN / 64; ++panel)
+                            tma::load_2d(st.b[s].data + panel * 64 * BK, &map_b, n0 + panel * 64, k0, st.full[s]);
+                    } else if constexpr (MB == major::k) {
                         tma::load_2d_multicast(st.b[s].data + rank * b_rows * BK, &map_b, k0, n0 + rank * b_rows,
                                                st.full[s], everyone);
                     } else {
@@ -219,10 +232,10 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
         }
     } else {
-        consume<T, MA, MB>(st, p, map_c, pairs, cluster, clusters, tile_of);
+        consume<T, MA, MB, CLUSTER>(st, p, map_c, pairs, cluster, clusters, tile_of);
     }
     // No block leaves while its peer may still write into its shared memory or arrive on its barriers.
-    sync::cluster_sync();
+    if constexpr (CLUSTER > 1) sync::cluster_sync();
 }
 
 template <typename T>
@@ -230,10 +243,10 @@ CUtensorMapDataType tma_type() {
     return std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
 }
 
-template <typename T, major MA, major MB>
+template <typename T, major MA, major MB, int CLUSTER>
 cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     using state_t = shared_state<T, MA, MB>;
-    auto kernel = gemm_kernel<T, MA, MB>;
+    auto kernel = gemm_kernel<T, MA, MB, CLUSTER>;
     constexpr int smem_bytes = sizeof(state_t) + 1024;
     static bool configured = false;  // the attribute is per function, not per device
     if (!configured) {
@@ -277,6 +290,11 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     config.blockDim = dim3(THREADS);
     config.dynamicSmemBytes = smem_bytes;
     config.stream = stream;
+    if constexpr (CLUSTER == 1) {
+        const int grid = std::max(1, std::min(p.order.count(), multiprocessor_count()));
+        kernel<<<grid, THREADS, smem_bytes, stream>>>(map_a, map_b, map_c, p);
+        return cudaGetLastError();
+    }
     static int max_clusters = 0;  // clusters that fit at once, read once per instantiation
     if (max_clusters == 0) {
         config.gridDim = dim3(CLUSTER * 132);
@@ -288,13 +306,20 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     return cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, p);
 }
 
-template <typename T>
+template <typename T, int C>
 cudaError_t dispatch_majors(const gemm_args& g, cudaStream_t stream) {
     const bool a_k = g.a_stride_k == 1, b_k = g.b_stride_k == 1;
-    if (a_k && b_k) return launch<T, major::k, major::k>(g, stream);
-    if (a_k) return launch<T, major::k, major::mn>(g, stream);
-    if (b_k) return launch<T, major::mn, major::k>(g, stream);
-    return launch<T, major::mn, major::mn>(g, stream);
+    if (a_k && b_k) return launch<T, major::k, major::k, C>(g, stream);
+    if (a_k) return launch<T, major::k, major::mn, C>(g, stream);
+    if (b_k) return launch<T, major::mn, major::k, C>(g, stream);
+    return launch<T, major::mn, major::mn, C>(g, stream);
+}
+
+template <typename T>
+cudaError_t dispatch_cluster(const gemm_args& g, cudaStream_t stream) {
+    // Default: no cluster. Clusters of two with B multicast measured 2x slower on H100 (see benchmarks/NOTES.md).
+    if (g.cluster == 2) return dispatch_majors<T, 2>(g, stream);
+    return dispatch_majors<T, 1>(g, stream);
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -317,8 +342,8 @@ const char* gemm_unsupported(const gemm_args& g) {
 
 cudaError_t launch_gemm(const gemm_args& g, cudaStream_t stream) {
     if (gemm_unsupported(g) != nullptr) return cudaErrorInvalidValue;
-    if (g.dtype == int(dtype::bf16)) return dispatch_majors<__nv_bfloat16>(g, stream);
-    return dispatch_majors<__half>(g, stream);
+    if (g.dtype == int(dtype::bf16)) return dispatch_cluster<__nv_bfloat16>(g, stream);
+    return dispatch_cluster<__half>(g, stream);
 }
 
 }  // namespace tk::gemm

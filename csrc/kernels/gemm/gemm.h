@@ -16,6 +16,7 @@ struct gemm_args {
     int64_t M, N, K;
     int64_t a_stride_m, a_stride_k, b_stride_k, b_stride_n, c_stride_m;
     int group_rows;  // tile rows per L2 group of the persistent schedule (0: the tuned default)
+    int cluster;     // blocks per cluster sharing B by multicast: 1 or 2 (0: the default)
 };
 
 // Why `args` cannot run (empty when it can): strides, alignment, sizes. Checked by launch_gemm too.
