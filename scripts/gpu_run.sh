@@ -32,6 +32,8 @@ fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   step bench_gemm timeout 400 python3 benchmarks/gemm.py ${GEMM_ARGS:-} --json "$OUT/gemm.json" --png "$OUT/gemm.png"
   cat "$OUT/bench_gemm.log"
+  step bench_litgpt timeout 500 python3 benchmarks/litgpt_step.py ${LITGPT_ARGS:-} --json "$OUT/litgpt_step.json" --png "$OUT/litgpt_step.png"
+  cat "$OUT/bench_litgpt.log"
   step bench_delta python3 benchmarks/attention_bwd_delta.py ${BENCH_ARGS:-} --json "$OUT/attention_bwd_delta.json" --png "$OUT/attention_bwd_delta.png"
   cat "$OUT/bench_delta.log"
 fi

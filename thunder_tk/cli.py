@@ -50,6 +50,19 @@ def _cmd_explain(args) -> int:
     return 0
 
 
+def _cmd_pretrain(args) -> int:
+    from thunder_tk.litgpt_models import ConfigError
+    from thunder_tk.pretrain import pretrain
+    from thunder_tk.pretrain_config import load_config, parse_overrides
+
+    try:
+        config = load_config(args.config, parse_overrides(args.overrides))
+        pretrain(config, resume=args.resume)
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
+    return 0
+
+
 def _cmd_info(args) -> int:
     import thunder
 
@@ -82,6 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="cuda:0")
     e.add_argument("--json", help="also write the report as JSON to this path")
     e.set_defaults(run=_cmd_explain)
+    t = sub.add_parser("pretrain", help="pretrain a LitGPT model through Thunder with tk (CPU, one GPU or torchrun)",
+                       description="Any config key can be overridden with --key.path value, e.g. --train.max_steps 20.")
+    t.add_argument("--config", required=True, help="pretrain YAML (LitGPT schema), e.g. litgpt_configs/tiny.yaml")
+    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint in out_dir")
+    t.set_defaults(run=_cmd_pretrain)
     i = sub.add_parser("info", help="what this install contains")
     i.set_defaults(run=_cmd_info)
     return p
@@ -90,7 +108,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # Thunder warns at import about optional executors it cannot load; they are irrelevant here.
     warnings.filterwarnings("ignore", message=".*module not found.*")
-    args = _parser().parse_args(argv)
+    args, extra = _parser().parse_known_args(argv)
+    if args.command == "pretrain":
+        args.overrides = extra
+    elif extra:
+        print(f"thunder-tk: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
+        return 2
     for name in ("n_layer", "batch", "seq"):
         value = getattr(args, name, None)
         if value is not None and value < 1:

@@ -86,14 +86,15 @@ class TKExecutor(FusionExecutor):
     @cached_property
     def private_fuser(self) -> FusionExecutor:
         """Thunder's torch.compile executor, minus the symbols that must stay outside fusion regions."""
-        from thunder.executors.torch_compile import TorchCompileExecutor
+        from thunder.executors.torch_compile import TorchCompileExecutor, cuda_device_checker
         from thunder.executors.torchex import ex as pytorch_ex
 
         fuser = TorchCompileExecutor(name="tk_torchcompile")
         # Collectives inside a torch.compile region break (async work handles); GEMMs and attention are
-        # ours or cuBLAS/cuDNN calls, and splitting regions at them keeps compile times short.
+        # ours or cuBLAS/cuDNN calls, and splitting regions at them keeps compile times short. CUDA tensors only:
+        # on CPU (smoke runs, tests) compiling costs far more than it saves.
         excluded = _COLLECTIVE_IDS | set(self._rules)
-        fuser._implmap = {op: ImplInfo() for op in pytorch_ex.implmap if op not in excluded}
+        fuser._implmap = {op: ImplInfo(checker=cuda_device_checker) for op in pytorch_ex.implmap if op not in excluded}
         return fuser
 
     def default_fuser(self) -> FusionExecutor:

@@ -55,4 +55,14 @@ def plan(
             # The traces are complete; only the prologue failed, comparing meta tensors with cuda proxies.
             if not cs.last_traces:
                 raise
+    global _last_planned
+    _last_planned = jitted
     return build_report(cd, cs, planned=True, note=PLAN_NOTE)
+
+
+_last_planned = None
+
+
+def last_planned():
+    """The jitted module of the most recent plan (its traces are Thunder's last_traces)."""
+    return _last_planned

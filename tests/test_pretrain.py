@@ -1,0 +1,145 @@
+"""`thunder-tk pretrain` on a CPU: configs and their errors, the data stream, checkpoints, and the tiny run."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("litgpt")
+
+from thunder_tk.cli import main
+from thunder_tk.data import SyntheticTokens
+from thunder_tk.litgpt_models import ConfigError
+from thunder_tk.pretrain import learning_rate, pretrain
+from thunder_tk.pretrain_config import load_config, parse_overrides
+
+CONFIGS = Path(__file__).resolve().parents[1] / "litgpt_configs"
+TINY = CONFIGS / "tiny.yaml"
+# A model small enough that Thunder traces it in seconds.
+MICRO = {
+    "model_config": {"name": "micro", "block_size": 32, "vocab_size": 128, "padded_vocab_size": 128, "n_layer": 1,
+                     "n_head": 2, "n_query_groups": 2, "n_embd": 64, "head_size": 32, "bias": False,
+                     "norm_class_name": "RMSNorm", "mlp_class_name": "LLaMAMLP", "intermediate_size": 128},
+    "train": {"global_batch_size": 4, "micro_batch_size": 2, "max_seq_length": 32, "max_steps": 4,
+              "lr_warmup_steps": 1, "log_interval": 1},
+}
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "llama-3.2-1b.yaml", "tinyllama-1.1b.yaml"])
+def test_shipped_configs_load(name):
+    config = load_config(CONFIGS / name)
+    assert config.compiler.executors == ["tk"]
+
+
+def test_eight_gpu_config_needs_eight_processes(tmp_path):
+    config = load_config(CONFIGS / "llama-2-7b.yaml", {"devices": 8})
+    assert config.devices == 8 and config.train.micro_batch_size == 1
+    with pytest.raises(ConfigError, match="torchrun --nnodes 1 --nproc_per_node 8"):
+        pretrain(load_config(CONFIGS / "llama-2-7b.yaml", {"out_dir": str(tmp_path)}))
+
+
+def test_overrides_are_yaml_values():
+    assert parse_overrides(["--train.max_steps", "20", "--compiler.executors=[tk, sdpa]", "--seed", "3"]) == {
+        "train": {"max_steps": 20}, "compiler": {"executors": ["tk", "sdpa"]}, "seed": 3}
+    config = load_config(TINY, parse_overrides(["--train.max_steps", "7", "--optimizer", "SGD"]))
+    assert config.train.max_steps == 7 and config.optimizer.class_path == "torch.optim.SGD"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"train": {"micro_batchsize": 2}}, "train.micro_batchsize: unknown key"),
+        ({"train": {"micro_batch_size": "four"}}, "train.micro_batch_size: expected an integer, got 'four'"),
+        ({"train": {"global_batch_size": 6}}, "train.global_batch_size: 6 is not a multiple of train.micro_batch_size (4)"),
+        ({"train": {"max_steps": None, "max_tokens": None}}, "train.max_steps: give train.max_steps or train.max_tokens"),
+        ({"train": {"max_steps": 0}}, "train.max_steps: must be at least 1"),
+        ({"data": {"kind": "web"}}, "data.kind: expected synthetic or text"),
+        ({"data": {"kind": "text"}}, "data.paths: text data needs at least one local file"),
+        ({"optimizer": {"class_path": "os.system"}}, "optimizer.class_path: only torch.optim optimizers"),
+        ({"devices": "many"}, "devices: expected an integer or 'auto'"),
+        ({"compiler": {"executors": "tk"}}, "compiler.executors: expected a list"),
+        ({"bogus": 1}, "bogus: unknown key"),
+    ],
+)
+def test_config_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, overrides)
+    assert message in str(e.value)
+
+
+def test_run_time_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="train.max_seq_length: 64 exceeds the model's block_size 32"):
+        pretrain(load_config(None, {**MICRO, "out_dir": str(tmp_path),
+                                     "train": {**MICRO["train"], "max_seq_length": 64}}))
+    with pytest.raises(ConfigError, match="compiler.executors: no executor named 'nosuch'"):
+        pretrain(load_config(None, {**MICRO, "out_dir": str(tmp_path), "compiler": {"executors": ["nosuch"]}}))
+
+
+def test_cli_reports_one_message(capsys):
+    assert main(["pretrain", "--config", str(TINY), "--train.micro_batchsize", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "train.micro_batchsize: unknown key" in err and "Traceback" not in err
+    assert main(["pretrain", "--config", "missing.yaml"]) == 2
+    assert "config file missing.yaml does not exist" in capsys.readouterr().err
+
+
+def test_synthetic_stream_is_deterministic_and_learnable():
+    a, b = SyntheticTokens(512, 64, seed=1), SyntheticTokens(512, 64, seed=1)
+    assert torch.equal(a.sample(123), b.sample(123))
+    assert not torch.equal(a.sample(123), a.sample(124))
+    assert not torch.equal(a.sample(123), SyntheticTokens(512, 64, seed=2).sample(123))
+    s = a.sample(7)
+    assert s.shape == (65,) and s.dtype == torch.int64 and 0 <= int(s.min()) and int(s.max()) < 512
+    steps = (s[1:] - s[:-1]) % 512  # mostly one stride: predictable from context
+    assert torch.mode(steps).values.item() > 0 and (steps == torch.mode(steps).values).float().mean() > 0.7
+
+
+def test_learning_rate_schedule():
+    assert learning_rate(0, 100, 1e-3, 10, 1e-5) == pytest.approx(1e-4)
+    assert learning_rate(9, 100, 1e-3, 10, 1e-5) == pytest.approx(1e-3)
+    assert learning_rate(100, 100, 1e-3, 10, 1e-5) == pytest.approx(1e-5)
+    assert 1e-5 < learning_rate(55, 100, 1e-3, 10, 1e-5) < 1e-3
+
+
+def _losses(out_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_resume_continues_bit_identically(tmp_path):
+    straight = tmp_path / "straight"
+    pretrain(load_config(None, {**MICRO, "out_dir": str(straight)}))
+    split = tmp_path / "split"
+    pretrain(load_config(None, {**MICRO, "out_dir": str(split), "train": {**MICRO["train"], "max_steps": 2}}))
+    assert (split / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+    summary = pretrain(load_config(None, {**MICRO, "out_dir": str(split)}), resume=True)
+    assert summary["steps"] == 4
+    a, b = _losses(straight), _losses(split)
+    assert [a[s] for s in (1, 2, 3, 4)] == [b[s] for s in (1, 2, 3, 4)]
+    sa = torch.load(straight / "checkpoints" / "step-00000004" / "rank0.pt", weights_only=False)
+    sb = torch.load(split / "checkpoints" / "step-00000004" / "rank0.pt", weights_only=False)
+    for k in sa["model"]:
+        assert torch.equal(sa["model"][k], sb["model"][k]), k
+
+
+def test_checkpoints_are_written_atomically_at_intervals(tmp_path):
+    pretrain(load_config(None, {**MICRO, "out_dir": str(tmp_path), "train": {**MICRO["train"], "save_interval": 3}}))
+    folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
+    assert folders == ["step-00000003", "step-00000004"]
+    assert not list((tmp_path / "checkpoints").rglob(".*tmp*"))
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000004"
+
+
+def test_tiny_config_end_to_end(tmp_path, capsys):
+    """The README's main job on a CPU: trains, writes metrics, checkpoint, summary and the explain report."""
+    assert main(["pretrain", "--config", str(TINY), "--out_dir", str(tmp_path), "--train.max_steps", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "step 12/12 | loss" in out and "done: 12 steps" in out
+    losses = _losses(tmp_path)
+    assert losses[12] < losses[1]  # it learns the synthetic stream
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["device"] == "cpu"
+    explain = (tmp_path / "explain.txt").read_text()
+    assert "prims.linear" in explain and "ltorch.scaled_dot_product_attention" in explain
+    assert json.loads((tmp_path / "explain.json").read_text())["rows"]

@@ -1,0 +1,359 @@
+"""`thunder-tk pretrain`: LitGPT models trained through Thunder with tk's executors, on a laptop CPU, one GPU
+or many (torchrun + Thunder FSDP).
+
+    thunder-tk pretrain --config litgpt_configs/tiny.yaml --train.max_steps 20
+    torchrun --nproc_per_node 8 -m thunder_tk.cli pretrain --config litgpt_configs/llama-2-7b.yaml
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from thunder_tk.litgpt_models import ConfigError, _litgpt, _from_name
+from thunder_tk.pretrain_config import PretrainConfig, world_size_of
+
+# Dense bf16 tensor-core peaks by device name, for MFU. Unknown devices report no MFU.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12}
+
+
+class LossModule(torch.nn.Module):
+    """The model and its loss as one module, so Thunder traces the cross-entropy too."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx, targets):
+        logits = self.model(idx)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+# ------------------------------------------------------------------------------------------------
+# Setup
+
+
+class Dist:
+    def __init__(self, config: PretrainConfig):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        wanted = world_size_of(config)
+        if self.world != wanted:
+            raise ConfigError(
+                f"devices: the config asks for {wanted} processes ({config.devices} x {config.num_nodes} nodes) "
+                f"but {self.world} were launched; start with `torchrun --nnodes {config.num_nodes} "
+                f"--nproc_per_node {config.devices} -m thunder_tk.cli pretrain ...`"
+            )
+        self.device = torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self):
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t)
+        return t
+
+
+def model_config_of(config: PretrainConfig):
+    _, Config = _litgpt()
+    if config.model_config is not None:
+        try:
+            cfg = Config(**config.model_config)
+        except TypeError as e:
+            raise ConfigError(f"model_config: {e}") from None
+    else:
+        cfg = _from_name(Config, config.model_name, "model_name")
+    seq = config.train.max_seq_length or min(cfg.block_size, 2048)
+    if seq > cfg.block_size:
+        raise ConfigError(f"train.max_seq_length: {seq} exceeds the model's block_size {cfg.block_size}")
+    return cfg, seq
+
+
+def resolve_executors(names: list[str]):
+    import thunder
+    from thunder.extend import get_executor
+
+    import thunder_tk
+
+    found = []
+    for name in names:
+        ex = thunder_tk.tk if name == "tk" else get_executor(name)
+        if ex is None:
+            raise ConfigError(f"compiler.executors: no executor named {name!r} is registered here")
+        found.append(ex)
+    return found
+
+
+def build_optimizer(args, params):
+    module, _, cls_name = args.class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), cls_name)
+    except (ImportError, AttributeError):
+        raise ConfigError(f"optimizer.class_path: {args.class_path} not found") from None
+    init = dict(args.init_args)
+    if "betas" in init:
+        init["betas"] = tuple(init["betas"])
+    try:
+        return cls(params, **init)
+    except TypeError as e:
+        raise ConfigError(f"optimizer.init_args: {e}") from None
+
+
+def learning_rate(step: int, total: int, base: float, warmup: int, min_lr: float) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to `min_lr` at `total`."""
+    if warmup > 0 and step < warmup:
+        return base * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_lr + 0.5 * (base - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def flops_per_token(cfg, seq_len: int, params_2d: int) -> float:
+    """Training FLOPs per token: 6 x matmul parameters plus attention at the actual sequence length."""
+    return 6 * params_2d + 12 * cfg.n_layer * cfg.n_head * cfg.head_size * seq_len
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints: one file per rank in out_dir/checkpoints/step-XXXXXXXX/, `latest` names the newest complete one.
+
+
+def _atomic_write_bytes(path: Path, write):
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(out_dir: Path, dist: Dist, step: int, state: dict) -> Path:
+    folder = out_dir / "checkpoints" / f"step-{step:08d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    _atomic_write_bytes(folder / f"rank{dist.rank}.pt", lambda p: torch.save(state, p))
+    dist.barrier()
+    if dist.main:
+        _atomic_write_bytes(out_dir / "checkpoints" / "latest", lambda p: p.write_text(folder.name + "\n"))
+    dist.barrier()
+    return folder
+
+
+def load_checkpoint(out_dir: Path, dist: Dist) -> dict | None:
+    latest = out_dir / "checkpoints" / "latest"
+    if not latest.exists():
+        return None
+    folder = out_dir / "checkpoints" / latest.read_text().strip()
+    return torch.load(folder / f"rank{dist.rank}.pt", map_location="cpu", weights_only=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+
+
+class Progress:
+    def __init__(self, total: int, stream):
+        self.total, self.stream = total, stream
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+
+    def update(self, text: str, final: bool = False):
+        if self.tty:
+            self.stream.write("\r" + text.ljust(100) + ("\n" if final else ""))
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def pretrain(config: PretrainConfig, *, resume: bool = False, stream=None) -> dict:
+    """Train as `config` says; returns the summary that is also written to out_dir/summary.json."""
+    from thunder_tk.data import SyntheticTokens, TextFiles, batch
+
+    stream = stream or sys.stdout
+    dist = Dist(config)
+    out_dir = Path(config.out_dir)
+    if dist.main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    torch.manual_seed(config.seed)
+    cfg, seq = model_config_of(config)
+    GPT, _ = _litgpt()
+    dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+    with torch.device(dist.device):
+        model = GPT(cfg)
+        model.max_seq_length = seq
+    model = model.to(dtype)
+    params_2d = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and "wte" not in n)
+    if config.data.kind == "synthetic":
+        data = SyntheticTokens(cfg.padded_vocab_size, seq, config.seed)
+    else:
+        data = TextFiles(config.data.paths, config.data.tokenizer_dir, seq)
+    t = config.train
+    accum = t.global_batch_size // (t.micro_batch_size * dist.world)
+    total_steps = t.max_steps if t.max_steps is not None else max(1, t.max_tokens // (t.global_batch_size * seq))
+
+    checkpoint = load_checkpoint(out_dir, dist) if resume else None
+    if resume and checkpoint is None and dist.main:
+        stream.write(f"no checkpoint in {out_dir / 'checkpoints'}; starting from step 0\n")
+    if checkpoint is not None and dist.world == 1:
+        model.load_state_dict(checkpoint["model"])
+
+    net = LossModule(model)
+    if config.compiler.jit:
+        import thunder
+
+        net = thunder.jit(net, executors=resolve_executors(config.compiler.executors))
+        if dist.world > 1:
+            from thunder.distributed import fsdp
+
+            net = fsdp(net)
+            if checkpoint is not None:
+                net.load_state_dict(checkpoint["model"])
+    elif dist.world > 1:
+        raise ConfigError("compiler.jit: several devices need Thunder (FSDP runs through thunder.distributed.fsdp)")
+    params = [p for p in net.parameters() if p.requires_grad]
+    optimizer = build_optimizer(config.optimizer, params)
+    base_lr = float(config.optimizer.init_args.get("lr", optimizer.param_groups[0]["lr"]))
+
+    step, samples = 0, 0
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        step, samples = checkpoint["step"], checkpoint["samples"]
+        torch.set_rng_state(checkpoint["rng"])
+
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if dist.device.type == "cuda"
+                 and k in torch.cuda.get_device_name(dist.device)), None)
+    fpt = flops_per_token(cfg, seq, params_2d)
+    metrics_path = out_dir / "metrics.jsonl"
+    progress = Progress(total_steps, stream)
+    state_of = (lambda: net.state_dict()) if dist.world > 1 else (lambda: model.state_dict())
+
+    def save(at_step: int):
+        save_checkpoint(out_dir, dist, at_step, {
+            "model": state_of(), "optimizer": optimizer.state_dict(), "step": at_step, "samples": samples,
+            "rng": torch.get_rng_state(), "config": asdict(config),
+        })
+
+    def evaluate() -> float:
+        losses = []
+        with torch.no_grad():
+            for i in range(config.eval.max_iters):
+                # Validation samples come from a range training never reaches.
+                first = (1 << 40) + (i * dist.world + dist.rank) * t.micro_batch_size
+                x, y = batch(data, list(range(first, first + t.micro_batch_size)), dist.device)
+                losses.append(net(x, y).float())
+        value = dist.all_reduce_sum(torch.stack(losses).mean()) / dist.world
+        return float(value)
+
+    first_step = step
+    run_start = steady_start = time.perf_counter()
+    last_loss = float("nan")
+    while step < total_steps:
+        step_start = time.perf_counter()
+        lr = learning_rate(step, total_steps, base_lr, t.lr_warmup_steps, t.min_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=dist.device)
+        for micro in range(accum):
+            first = samples + (micro * dist.world + dist.rank) * t.micro_batch_size
+            x, y = batch(data, list(range(first, first + t.micro_batch_size)), dist.device)
+            loss = net(x, y) / accum
+            loss.backward()
+            loss_sum += loss.detach().float()
+        if t.max_norm is not None:
+            clip_gradients(params, t.max_norm, dist)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        samples += t.global_batch_size
+        step += 1
+
+        if step == first_step + 1:
+            steady_start = time.perf_counter()  # after compilation
+            if config.compiler.jit and dist.main:
+                write_explain(net, out_dir)
+        if step % t.log_interval == 0 or step == total_steps:
+            last_loss = float(dist.all_reduce_sum(loss_sum) / dist.world)
+            if dist.device.type == "cuda":
+                torch.cuda.synchronize(dist.device)
+            seconds = time.perf_counter() - step_start
+            tokens_per_s = t.global_batch_size * seq / seconds
+            mfu = fpt * tokens_per_s / dist.world / peak if peak else None
+            record = {"step": step, "loss": last_loss, "lr": lr, "tokens": samples * seq,
+                      "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / dist.world,
+                      "mfu": mfu, "step_seconds": seconds}
+            if dist.main:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                progress.update(
+                    f"step {step}/{total_steps} | loss {last_loss:.4f} | {tokens_per_s / 1e3:.1f}k tok/s"
+                    + (f" | MFU {100 * mfu:.1f}%" if mfu is not None else "") + f" | lr {lr:.2e}",
+                    final=step == total_steps,
+                )
+        if config.eval.interval and step % config.eval.interval == 0:
+            val = evaluate()
+            if dist.main:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps({"step": step, "val_loss": val}) + "\n")
+        if t.save_interval and step % t.save_interval == 0 and step < total_steps:
+            save(step)
+    if step > first_step or checkpoint is None:
+        save(step)
+    elapsed = time.perf_counter() - run_start
+    summary = {
+        "steps": step, "final_loss": last_loss, "tokens": samples * seq, "seconds": elapsed,
+        "tokens_per_s": (step - first_step) * t.global_batch_size * seq / elapsed if step > first_step else 0.0,
+        "tokens_per_s_after_first_step": ((step - first_step - 1) * t.global_batch_size * seq
+                                          / (time.perf_counter() - steady_start) if step > first_step + 1 else None),
+        "device": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu",
+        "world_size": dist.world, "peak_memory_gib": (torch.cuda.max_memory_allocated(dist.device) / 2**30
+                                                      if dist.device.type == "cuda" else None),
+    }
+    if dist.main:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        steady = summary["tokens_per_s_after_first_step"]
+        stream.write(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, {elapsed:.1f} s"
+                     + (f", {steady / 1e3:.1f}k tok/s after the first (compiling) step" if steady else "")
+                     + f"; outputs in {out_dir}\n")
+    return summary
+
+
+def clip_gradients(params, max_norm: float, dist: Dist) -> None:
+    """Clip by the global gradient norm (summed over shards when parameters are sharded)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    norm = dist.all_reduce_sum(sq).sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
+
+
+def write_explain(net, out_dir: Path) -> None:
+    from thunder_tk.explain import explain
+
+    try:
+        report = explain(net)
+    except (TypeError, ValueError):
+        return
+    (out_dir / "explain.txt").write_text(str(report) + "\n")
+    (out_dir / "explain.json").write_text(report.to_json())

@@ -1,0 +1,266 @@
+"""The `thunder-tk pretrain` configuration: LitGPT's pretrain YAML schema plus a `compiler` section.
+
+Every problem with a config is one `ConfigError` whose message names the key ("train.micro_batch_size:
+expected an integer, got 'four'"); the CLI prints it without a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from thunder_tk.litgpt_models import ConfigError
+
+
+@dataclass
+class TrainArgs:
+    global_batch_size: int = 8
+    micro_batch_size: int = 4
+    max_tokens: int | None = None
+    max_steps: int | None = None
+    max_seq_length: int | None = None
+    lr_warmup_steps: int = 0
+    max_norm: float | None = 1.0
+    min_lr: float = 0.0
+    save_interval: int | None = None
+    log_interval: int = 1
+    epochs: int | None = None  # accepted for LitGPT compatibility; the token budget decides
+    tie_embeddings: bool | None = None
+    lr_warmup_fraction: float | None = None
+    max_time: float | None = None
+
+
+@dataclass
+class EvalArgs:
+    interval: int | None = None
+    max_iters: int = 2
+    max_new_tokens: int | None = None
+    initial_validation: bool = False
+    final_validation: bool = False
+    evaluate_example: str | int | None = None
+
+
+@dataclass
+class DataArgs:
+    """`synthetic` (default: a learnable token stream, no downloads) or `text` (local files, local tokenizer)."""
+
+    kind: str = "synthetic"
+    paths: list[str] = field(default_factory=list)
+    tokenizer_dir: str | None = None
+    val_fraction: float = 0.05
+
+
+@dataclass
+class OptimizerArgs:
+    class_path: str = "torch.optim.AdamW"
+    init_args: dict = field(default_factory=lambda: {"lr": 3e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]})
+
+
+@dataclass
+class CompilerArgs:
+    executors: list[str] = field(default_factory=lambda: ["tk"])
+    jit: bool = True  # False: eager PyTorch, for comparisons
+
+
+@dataclass
+class PretrainConfig:
+    model_name: str | None = None
+    model_config: dict | None = None
+    out_dir: str = "out/pretrain"
+    data: DataArgs = field(default_factory=DataArgs)
+    train: TrainArgs = field(default_factory=TrainArgs)
+    eval: EvalArgs = field(default_factory=EvalArgs)
+    optimizer: OptimizerArgs = field(default_factory=OptimizerArgs)
+    compiler: CompilerArgs = field(default_factory=CompilerArgs)
+    devices: int | str = 1
+    num_nodes: int = 1
+    seed: int = 42
+    # LitGPT keys with no effect here, accepted so its configs load.
+    precision: str | None = None
+    initial_checkpoint_dir: str | None = None
+    resume: bool | str = False
+    tokenizer_dir: str | None = None
+    logger_name: str | None = None
+    log: dict | None = None
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value, tp, key: str):
+    """`value` as type `tp` (from the dataclass annotation), or ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(e)
+        names = " or ".join(_type_name(a) for a in args if a is not type(None))
+        raise ConfigError(f"{key}: expected {names}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, str) and tp is DataArgs:
+            value = {"kind": value}
+        if isinstance(value, str) and tp is OptimizerArgs:
+            value = {"class_path": value if "." in value else f"torch.optim.{value}"}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return _build(tp, value, key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls, values: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in values.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in known:
+            raise ConfigError(f"{key}: unknown key (expected one of {', '.join(sorted(known))})")
+        kwargs[k] = _coerce(v, hints[k], key)
+    return cls(**kwargs)
+
+
+def parse_overrides(tokens: list[str]) -> dict:
+    """`--train.max_steps 20 --compiler.executors '[tk, sdpa]'` -> nested dict, values parsed as YAML."""
+    out: dict = {}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or len(token) <= 2:
+            raise ConfigError(f"{token}: expected --key.path value")
+        if "=" in token:
+            key, raw = token[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(tokens):
+                raise ConfigError(f"{token[2:]}: missing a value")
+            key, raw = token[2:], tokens[i + 1]
+            i += 2
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: conflicts with another override")
+        node[parts[-1]] = value
+    return out
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    merged = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(merged.get(k), dict) and k not in ("model_config",):
+            merged[k] = _merge(merged[k], v)
+        elif isinstance(v, dict) and isinstance(merged.get(k), dict):
+            merged[k] = {**merged[k], **v}
+        else:
+            merged[k] = v
+    return merged
+
+
+def load_config(path: str | Path | None, overrides: dict | None = None) -> PretrainConfig:
+    doc: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            doc = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({e})") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+    config = _build(PretrainConfig, _merge(doc, overrides or {}))
+    validate(config)
+    return config
+
+
+def world_size_of(config: PretrainConfig) -> int:
+    devices = config.devices
+    if isinstance(devices, str):
+        if devices != "auto":
+            raise ConfigError(f"devices: expected an integer or 'auto', got {devices!r}")
+        import torch
+
+        devices = max(1, torch.cuda.device_count())
+    return int(devices) * config.num_nodes
+
+
+def validate(config: PretrainConfig) -> None:
+    t = config.train
+    if config.model_name is None and config.model_config is None:
+        raise ConfigError("model_name: give model_name (a LitGPT config name) or model_config")
+    for key, value in (("train.global_batch_size", t.global_batch_size), ("train.micro_batch_size", t.micro_batch_size),
+                       ("train.log_interval", t.log_interval), ("num_nodes", config.num_nodes)):
+        if value < 1:
+            raise ConfigError(f"{key}: must be at least 1, got {value}")
+    for key, value in (("train.max_steps", t.max_steps), ("train.max_tokens", t.max_tokens),
+                       ("train.save_interval", t.save_interval), ("train.max_seq_length", t.max_seq_length),
+                       ("eval.interval", config.eval.interval)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}: must be at least 1, got {value}")
+    if t.max_steps is None and t.max_tokens is None:
+        raise ConfigError("train.max_steps: give train.max_steps or train.max_tokens")
+    world = world_size_of(config)
+    if t.global_batch_size % (t.micro_batch_size * world):
+        raise ConfigError(
+            f"train.global_batch_size: {t.global_batch_size} is not a multiple of train.micro_batch_size "
+            f"({t.micro_batch_size}) x {world} device{'s' if world > 1 else ''}"
+        )
+    if config.data.kind not in ("synthetic", "text"):
+        raise ConfigError(f"data.kind: expected synthetic or text, got {config.data.kind!r}")
+    if config.data.kind == "text":
+        if not config.data.paths:
+            raise ConfigError("data.paths: text data needs at least one local file")
+        if not config.data.tokenizer_dir:
+            raise ConfigError("data.tokenizer_dir: text data needs a local tokenizer directory")
+    if not config.optimizer.class_path.startswith("torch.optim."):
+        raise ConfigError(f"optimizer.class_path: only torch.optim optimizers, got {config.optimizer.class_path!r}")
+    if not config.compiler.executors and config.compiler.jit:
+        raise ConfigError("compiler.executors: name at least one executor (e.g. [tk])")
