@@ -143,3 +143,29 @@ def test_tiny_config_end_to_end(tmp_path, capsys):
     explain = (tmp_path / "explain.txt").read_text()
     assert "prims.linear" in explain and "ltorch.scaled_dot_product_attention" in explain
     assert json.loads((tmp_path / "explain.json").read_text())["rows"]
+
+
+def _word_tokenizer(folder: Path, corpus: list[str]) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    folder.mkdir()
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
+def test_local_text_files_with_a_local_tokenizer(tmp_path):
+    text = " ".join(["the cat sat on the mat and a dog ran far away"] * 40)
+    (tmp_path / "corpus.txt").write_text(text)
+    tokenizer = _word_tokenizer(tmp_path / "tok", [text])
+    data = {"kind": "text", "paths": [str(tmp_path / "corpus.txt")], "tokenizer_dir": str(tokenizer)}
+    summary = pretrain(load_config(None, {**MICRO, "out_dir": str(tmp_path / "out"), "data": data,
+                                         "compiler": {"jit": False}, "train": {**MICRO["train"], "max_steps": 2}}))
+    assert summary["steps"] == 2
+    with pytest.raises(ConfigError, match="data.paths: .*missing.txt not found"):
+        pretrain(load_config(None, {**MICRO, "out_dir": str(tmp_path / "o2"),
+                                     "data": {**data, "paths": [str(tmp_path / "missing.txt")]}}))

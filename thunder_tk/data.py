@@ -38,6 +38,8 @@ class TextFiles:
         missing = [p for p in paths if not Path(p).exists()]
         if missing:
             raise FileNotFoundError(f"data.paths: {', '.join(missing)} not found")
+        if not Path(tokenizer_dir).is_dir():
+            raise FileNotFoundError(f"data.tokenizer_dir: {tokenizer_dir} is not a directory")
         tokenizer = Tokenizer(tokenizer_dir)
         ids = [tokenizer.encode(Path(p).read_text(), bos=True, eos=True) for p in paths]
         self.tokens = torch.cat(ids).long()

@@ -206,7 +206,13 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, stream=None) -> di
     if config.data.kind == "synthetic":
         data = SyntheticTokens(cfg.padded_vocab_size, seq, config.seed)
     else:
-        data = TextFiles(config.data.paths, config.data.tokenizer_dir, seq)
+        try:
+            data = TextFiles(config.data.paths, config.data.tokenizer_dir, seq)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+        if data.vocab_size > cfg.padded_vocab_size:
+            raise ConfigError(f"data.tokenizer_dir: the tokenizer has {data.vocab_size} tokens, more than the "
+                              f"model's padded_vocab_size {cfg.padded_vocab_size}")
     t = config.train
     accum = t.global_batch_size // (t.micro_batch_size * dist.world)
     total_steps = t.max_steps if t.max_steps is not None else max(1, t.max_tokens // (t.global_batch_size * seq))
