@@ -231,7 +231,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, stream=None) -> di
         if dist.world > 1:
             from thunder.distributed import fsdp
 
-            net = fsdp(net)
+            net = fsdp(net, device=dist.device)
             if checkpoint is not None:
                 net.load_state_dict(checkpoint["model"])
     elif dist.world > 1:
