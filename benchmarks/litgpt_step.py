@@ -15,10 +15,11 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import bar_chart, print_table, write_results  # noqa: E402
+
+from thunder_tk.pretrain import LossModule  # noqa: E402  (model + fp32 cross-entropy, as pretrain runs it)
 
 
 def build(model_name: str, n_layer: int | None, seq: int):
@@ -29,16 +30,6 @@ def build(model_name: str, n_layer: int | None, seq: int):
         model = GPT(cfg)
         model.max_seq_length = seq
     return model.to(torch.bfloat16), cfg
-
-
-class LossModule(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, idx, targets):
-        logits = self.model(idx)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 def variants():
