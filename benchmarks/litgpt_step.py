@@ -78,9 +78,6 @@ def run(name, wrap, args):
 
         report = thunder_tk.explain(net)
         row["tk_claimed"] = sorted({r.ran_by for r in report.rows if r.claimed_by_tk})
-    del net, model, opt
-    gc.collect()
-    torch.cuda.empty_cache()
     return row
 
 
@@ -102,6 +99,8 @@ def main():
             continue
         rows.append(run(name, wrap, a))
         print(rows[-1], flush=True)
+        gc.collect()  # the variant's model and optimizer went out of scope with run()
+        torch.cuda.empty_cache()
     base = {r["variant"]: r["tokens_per_s"] for r in rows}
     for r in rows:
         r["vs_thunder_default"] = r["tokens_per_s"] / base["thunder default"] if "thunder default" in base else None

@@ -9,7 +9,6 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
-import thunder
 import thunder.torch as ltorch
 from thunder.core import prims
 from thunder.distributed import prims as dist_prims

@@ -1,11 +1,10 @@
 """Routing on real Thunder traces (CPU): what `executors=[tk]` sends where, alone and in explicit lists."""
 
-import pytest
 import torch
 import thunder
 
 import thunder_tk
-from thunder_tk import _extension, tk
+from thunder_tk import tk
 from thunder_tk.planning import plan
 
 from models import Block

@@ -14,12 +14,12 @@ import warnings
 with warnings.catch_warnings():
     # Thunder warns at import about optional executors (transformer_engine) that are not installed.
     warnings.filterwarnings("ignore", message=".*module not found.*")
-    import thunder  # noqa: F401
+    import thunder  # noqa: F401  (imported here, under the filter)
 
 from thunder.extend import Executor
 
 from thunder_tk.version import __version__
-from thunder_tk.executor import tk, Decision, ATTENTION_FALLBACKS
+from thunder_tk.executor import tk, Decision
 from thunder_tk import lowering as _lowering  # noqa: F401  (registers the kernel operators)
 from thunder_tk.functional import attention_bwd_delta
 from thunder_tk.explain import explain, Report

@@ -18,7 +18,6 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import cached_property
 
-import thunder
 from thunder.core.compile_data import _compile_data, get_compile_data
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol, Symbol

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import thunder
 from thunder.core.symbol import BoundSymbol
 
-from thunder_tk.executor import Decision, Site, decisions_of, latest_decisions_of, sites_of
+from thunder_tk.executor import Site, decisions_of, latest_decisions_of, sites_of
 
 
 @dataclass(frozen=True)

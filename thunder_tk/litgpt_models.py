@@ -16,7 +16,6 @@ class ConfigError(ValueError):
 
 def _litgpt():
     try:
-        import litgpt  # noqa: F401
         from litgpt import GPT, Config
     except ImportError as e:
         raise ConfigError(f"{INSTALL_HINT} ({e})") from e

@@ -96,7 +96,6 @@ def model_config_of(config: PretrainConfig):
 
 
 def resolve_executors(names: list[str]):
-    import thunder
     from thunder.extend import get_executor
 
     import thunder_tk
