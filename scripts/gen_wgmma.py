@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Writes csrc/kittens/wgmma_ops.cuh: one wrapper per (N, input type) for wgmma.mma_async m64nNk16 with both
-operands in shared memory and fp32 accumulators. The operand lists are long and regular, so they are generated.
+"""Writes csrc/kittens/wgmma_ops.cuh: wgmma.mma_async m64nNk16 wrappers (both operands in shared memory, fp32
+accumulators) for N in {64, 128, 256} and bf16/fp16 inputs. The register lists are long and regular, so they
+are generated: one operand-list macro per N, one struct definition macro, one line per (N, type).
 
     python scripts/gen_wgmma.py
 """
@@ -27,31 +28,39 @@ out = [
 ]
 for n in NS:
     regs = n // 2
+    a, b, acc = regs, regs + 1, regs + 2
+    d_list = ", ".join(f"%{i}" for i in range(regs))
+    operands = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    out += [
+        f"#define TK_WGMMA_OUT_{n} {operands}",
+        f'#define TK_WGMMA_ASM_{n}(PTX) \\',
+        '    "{\\n.reg .pred p;\\n"                                                    \\',
+        f'    "setp.ne.b32 p, %{acc}, 0;\\n"                                          \\',
+        f'    "wgmma.mma_async.sync.aligned.m64n{n}k16.f32." PTX "." PTX " "         \\',
+        f'    "{{{d_list}}}, " \\',
+        f'    "%{a}, %{b}, p, 1, 1, %{acc + 1}, %{acc + 2};\\n}}\\n"',
+        "",
+    ]
+out += [
+    "#define TK_DEFINE_WGMMA(N, CTYPE, PTX)                                                                  \\",
+    "    template <> struct mma_ss<N, CTYPE> {                                                              \\",
+    "        template <int TransA, int TransB>                                                              \\",
+    "        __device__ __forceinline__ static void run(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, \\",
+    "                                                   int accumulate) {                                   \\",
+    "            asm volatile(TK_WGMMA_ASM_##N(PTX)                                                         \\",
+    "                         : TK_WGMMA_OUT_##N                                                            \\",
+    '                         : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TransA), "n"(TransB));       \\',
+    "        }                                                                                              \\",
+    "    };",
+    "",
+]
+for n in NS:
     for ptx_type, ctype in TYPES.items():
-        d_list = ", ".join(f"%{i}" for i in range(regs))
-        a, b, acc = regs, regs + 1, regs + 2
-        operands = ",\n                  ".join(
-            ", ".join(f'"+f"(d[{i}])' for i in range(j, min(j + 8, regs))) for j in range(0, regs, 8)
-        )
-        out += [
-            f"template <> struct mma_ss<{n}, {ctype}> {{",
-            "    template <int TransA, int TransB>",
-            f"    __device__ __forceinline__ static void run(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b, int accumulate) {{",
-            "        asm volatile(",
-            '            "{\\n"',
-            '            ".reg .pred p;\\n"',
-            f'            "setp.ne.b32 p, %{acc}, 0;\\n"',
-            f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "',
-            f'            "{{{d_list}}}, "',
-            f'            "%{a}, %{b}, p, 1, 1, %{acc + 1}, %{acc + 2};\\n"',
-            '            "}\\n"',
-            f"            : {operands}",
-            '            : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TransA), "n"(TransB));',
-            "    }",
-            "};",
-            "",
-        ]
-out += ["}  // namespace tk::wgmma::detail", ""]
+        out.append(f'TK_DEFINE_WGMMA({n}, {ctype}, "{ptx_type}")')
+out += ["", "#undef TK_DEFINE_WGMMA"]
+for n in NS:
+    out += [f"#undef TK_WGMMA_OUT_{n}", f"#undef TK_WGMMA_ASM_{n}"]
+out += ["", "}  // namespace tk::wgmma::detail", ""]
 path = Path(__file__).resolve().parents[1] / "csrc" / "kittens" / "wgmma_ops.cuh"
 path.write_text("\n".join(out))
 print(f"wrote {path}")
