@@ -5,7 +5,7 @@ import thunder
 
 import thunder_tk
 from thunder_tk import tk
-from thunder_tk.planning import plan
+from thunder_tk.planning import plan, trace_planned
 
 from models import Block
 
@@ -90,11 +90,9 @@ def test_torch_compile_fuser_fuses_the_rest_on_cuda():
         def forward(self, x):
             return torch.nn.functional.linear(torch.tanh(x) * 2 + 1, self.w).sin()
 
-    plan(F().requires_grad_(False), [torch.empty(8, 12, device="meta", dtype=torch.bfloat16)])
+    planned = trace_planned(F().requires_grad_(False), [torch.empty(8, 12, device="meta", dtype=torch.bfloat16)])
     # K=12 is declined by tk, so the GEMM stays a torch call between two regions.
-    from thunder_tk.planning import last_planned
-
-    fwd = top_level_executors(thunder.last_traces(last_planned())[-1])
+    fwd = top_level_executors(thunder.last_traces(planned)[-1])
     assert ("linear", "torch") in fwd
     assert sum(ex == "tk_torchcompile" for _, ex in fwd) == 2
 

@@ -66,18 +66,10 @@ def _matmul_meta(a: TensorProxy, b: TensorProxy) -> TensorProxy:
 
 _GEMM_TAGS = (OpTags.MATMUL_OP, OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD)
 tk_linear = tk.register_operator("tk_linear", meta=_linear_meta, fn=ops.linear, tags=_GEMM_TAGS)
-tk_matmul = tk.register_operator("tk_matmul", meta=_matmul_meta, fn=ops.matmul, tags=_GEMM_TAGS)
+tk_matmul = tk.register_operator("tk_matmul", meta=_matmul_meta, fn=ops.gemm, tags=_GEMM_TAGS)
 
-
-def _linear_lowering(a, w, bias=None):
-    return tk_linear(a, w, bias)
-
-
-def _matmul_lowering(a, b):
-    return tk_matmul(a, b)
-
-
+# The claimed symbols take the operators' arguments, so the operators are the execution transforms.
 for _symbol_id in (ltorch.linear.id, prims.PrimIDs.LINEAR):
-    tk.set_lowering(_symbol_id, execution_transform=_linear_lowering, grad_transform=None)
+    tk.set_lowering(_symbol_id, execution_transform=tk_linear, grad_transform=None)
 for _symbol_id in (ltorch.matmul.id, prims.PrimIDs.MATMUL):
-    tk.set_lowering(_symbol_id, execution_transform=_matmul_lowering, grad_transform=None)
+    tk.set_lowering(_symbol_id, execution_transform=tk_matmul, grad_transform=None)

@@ -174,8 +174,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lead = x.shape[:-1]
     y = gemm(x.reshape(-1, x.shape[-1]), weight.t(), bias)
     return y.reshape(*lead, weight.shape[0])
-
-
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """2-D a @ b on the tk GEMM."""
-    return gemm(a, b)

@@ -29,15 +29,16 @@ def _mark(t: torch.Tensor, device: torch.device) -> None:
     t._thunder_device = device
 
 
-def plan(
+def trace_planned(
     module: torch.nn.Module,
     inputs: Sequence[torch.Tensor],
     *,
     executors: Sequence | None = None,
     device: str | torch.device = "cuda:0",
     capability: tuple[int, int] = _extension.SUPPORTED_CAPABILITY,
-) -> Report:
-    """Trace `module(*inputs)` (meta tensors) as if on `device`, and report tk's routing.
+):
+    """Trace `module(*inputs)` (meta tensors) as if on `device`; returns the jitted module, whose
+    `thunder.last_traces` / `last_backward_traces` hold the planned execution traces.
 
     The backward trace is planned too when any parameter requires grad.
     """
@@ -55,14 +56,10 @@ def plan(
             # The traces are complete; only the prologue failed, comparing meta tensors with cuda proxies.
             if not cs.last_traces:
                 raise
-    global _last_planned
-    _last_planned = jitted
-    return build_report(cd, cs, planned=True, note=PLAN_NOTE)
+    return jitted
 
 
-_last_planned = None
-
-
-def last_planned():
-    """The jitted module of the most recent plan (its traces are Thunder's last_traces)."""
-    return _last_planned
+def plan(module: torch.nn.Module, inputs: Sequence[torch.Tensor], **options) -> Report:
+    """`trace_planned` (same arguments), reported: what would run where, and why tk declined."""
+    jitted = trace_planned(module, inputs, **options)
+    return build_report(thunder.compile_data(jitted), thunder.compile_stats(jitted), planned=True, note=PLAN_NOTE)

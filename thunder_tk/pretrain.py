@@ -171,8 +171,8 @@ def load_checkpoint(out_dir: Path, dist: Dist) -> dict | None:
 
 
 class Progress:
-    def __init__(self, total: int, stream):
-        self.total, self.stream = total, stream
+    def __init__(self, stream):
+        self.stream = stream
         self.tty = hasattr(stream, "isatty") and stream.isatty()
 
     def update(self, text: str, final: bool = False):
@@ -249,7 +249,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, stream=None) -> di
                  and k in torch.cuda.get_device_name(dist.device)), None)
     fpt = flops_per_token(cfg, seq, params_2d)
     metrics_path = out_dir / "metrics.jsonl"
-    progress = Progress(total_steps, stream)
+    progress = Progress(stream)
     state_of = (lambda: net.state_dict()) if dist.world > 1 else (lambda: model.state_dict())
 
     def save(at_step: int):
