@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/attention/bwd_delta.h"
+#include "kernels/collectives/p2p.h"
 #include "kernels/gemm/gemm.h"
 
 namespace py = pybind11;
@@ -76,12 +77,63 @@ void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t b
     check_launch(tk::gemm::launch_gemm(g, reinterpret_cast<cudaStream_t>(stream)), "gemm");
 }
 
+// One rank's end of a peer-memory channel: the layout and peer mappings are fixed when it is made, so a launch
+// only passes the tensors.
+class P2PChannel {
+  public:
+    P2PChannel(int world, int blocks, int slots, int64_t cell_bytes, int rank, std::vector<std::uintptr_t> buffers,
+               std::uintptr_t error_record, int64_t timeout_ns) {
+        namespace c = tk::collectives;
+        if (world < 2 || world > c::max_ranks)
+            throw std::invalid_argument("P2PChannel: world must be 2.." + std::to_string(c::max_ranks));
+        if (static_cast<int>(buffers.size()) != world) throw std::invalid_argument("P2PChannel: one buffer per rank");
+        if (rank < 0 || rank >= world) throw std::invalid_argument("P2PChannel: rank out of range");
+        if (blocks < 1 || slots < 2 || cell_bytes < 16 || cell_bytes % 16)
+            throw std::invalid_argument("P2PChannel: blocks >= 1, slots >= 2, cell_bytes a positive multiple of 16");
+        args_.layout = c::channel_layout{world, blocks, slots, cell_bytes};
+        args_.rank = rank;
+        for (int r = 0; r < world; ++r) args_.buffers[r] = reinterpret_cast<void*>(buffers[r]);
+        // The record lives in pinned host memory; the kernels write it through its device mapping.
+        void* device_view = nullptr;
+        cudaError_t e = cudaHostGetDevicePointer(&device_view, reinterpret_cast<void*>(error_record), 0);
+        if (e != cudaSuccess)
+            throw std::runtime_error(std::string("P2PChannel: error record is not mapped pinned memory: ") +
+                                     cudaGetErrorString(e));
+        args_.error = static_cast<int64_t*>(device_view);
+        args_.timeout_ns = timeout_ns;
+    }
+
+    static py::dict layout(int world, int blocks, int slots, int64_t cell_bytes) {
+        tk::collectives::channel_layout L{world, blocks, slots, cell_bytes};
+        return py::dict(py::arg("flag_bytes") = L.flag_words() * 8, py::arg("stage_offset") = L.stage_offset(),
+                        py::arg("total_bytes") = L.total_bytes());
+    }
+
+    void all_gather(std::uintptr_t in, std::uintptr_t out, int64_t bytes_per_rank, int64_t chunk_bytes, int elem_bytes,
+                    std::uintptr_t stream, int grid) const {
+        tk::collectives::all_gather_args a{args_, as_ptr<void>(in), reinterpret_cast<void*>(out), bytes_per_rank,
+                                           chunk_bytes, elem_bytes};
+        check_launch(tk::collectives::launch_all_gather(a, grid, reinterpret_cast<cudaStream_t>(stream)), "all_gather");
+    }
+
+    void reduce_scatter(std::uintptr_t in, std::uintptr_t out, int64_t elems_per_rank, int64_t chunk_elems, int dtype,
+                        bool average, std::uintptr_t stream, int grid) const {
+        tk::collectives::reduce_scatter_args a{args_, as_ptr<void>(in), reinterpret_cast<void*>(out), elems_per_rank,
+                                               chunk_elems, dtype, average};
+        check_launch(tk::collectives::launch_reduce_scatter(a, grid, reinterpret_cast<cudaStream_t>(stream)),
+                     "reduce_scatter");
+    }
+
+  private:
+    tk::collectives::channel_args args_{};
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"attention_bwd_delta", "gemm"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_bwd_delta", "gemm", "reduce_scatter"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -100,4 +152,16 @@ PYBIND11_MODULE(_C, m) {
           py::arg("N"), py::arg("K"), py::arg("a_stride_m"), py::arg("a_stride_k"), py::arg("b_stride_k"),
           py::arg("b_stride_n"), py::arg("c_stride_m"), py::arg("stream"), py::arg("group_rows") = 0, py::arg("cluster") = 0,
           "C = A B (+ bias), bf16/fp16 with fp32 accumulation, enqueued on `stream`.");
+
+    py::class_<P2PChannel>(m, "P2PChannel",
+                           "One rank's end of a peer-memory channel (thunder_tk.collectives sets it up).")
+        .def(py::init<int, int, int, int64_t, int, std::vector<std::uintptr_t>, std::uintptr_t, int64_t>(),
+             py::arg("world"), py::arg("blocks"), py::arg("slots"), py::arg("cell_bytes"), py::arg("rank"),
+             py::arg("buffers"), py::arg("error_record"), py::arg("timeout_ns"))
+        .def_static("layout", &P2PChannel::layout, py::arg("world"), py::arg("blocks"), py::arg("slots"),
+                    py::arg("cell_bytes"), "Byte sizes of one rank's symmetric buffer.")
+        .def("all_gather", &P2PChannel::all_gather, py::arg("inp"), py::arg("out"), py::arg("bytes_per_rank"),
+             py::arg("chunk_bytes"), py::arg("elem_bytes"), py::arg("stream"), py::arg("grid") = 0)
+        .def("reduce_scatter", &P2PChannel::reduce_scatter, py::arg("inp"), py::arg("out"), py::arg("elems_per_rank"),
+             py::arg("chunk_elems"), py::arg("dtype"), py::arg("average"), py::arg("stream"), py::arg("grid") = 0);
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-host job (set THUNDER_TK_COMMIT where the checkout has no .git; BENCH_ARGS=--sweep to tune): install carried wheels, build thunder_tk, run the GPU tests, compute-sanitizer and the
 # benchmarks, and print a short table last. Full logs go to $OUT (default out/gpu).
-#   bash scripts/gpu_run.sh [all|test|bench]
+#   bash scripts/gpu_run.sh [all|test|bench|dist]     (dist: the multi-GPU collectives tests and benchmark)
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-out/gpu}
@@ -28,6 +28,17 @@ if [ "$what" = all ] || [ "$what" = test ]; then
   step gpu_tests timeout 600 bash -c "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $here/tests/gpu -rs --junitxml=$here/$OUT/gpu_tests.xml"
   step memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
   step racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
+fi
+if [ "$what" = dist ]; then
+  ngpu=$(nvidia-smi -L | wc -l)
+  nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+  step dist_tests timeout ${DIST_TEST_TIMEOUT:-500} bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -s $here/tests/gpu/test_collectives_multi_gpu.py ${DIST_TEST_ARGS:-} -rs --junitxml=$here/$OUT/dist_tests.xml"
+  step bench_collectives timeout ${DIST_BENCH_TIMEOUT:-300} python3 -m torch.distributed.run --nproc_per_node "$ngpu" benchmarks/collectives.py ${COLL_ARGS:-} --json "$OUT/collectives.json" --png "$OUT/collectives.png"
+  cat "$OUT/bench_collectives.log"
+  if [ -n "${DIST_SANITIZE:-}" ]; then
+    step memcheck_dist timeout 300 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 python3 -m torch.distributed.run --nproc_per_node "$ngpu" tests/gpu/collectives_worker.py small
+  fi
+  grep -E "passed|failed|error" "$OUT/dist_tests.log" 2>/dev/null | tail -n 1
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   step bench_gemm timeout 400 python3 benchmarks/gemm.py ${GEMM_ARGS:-} --json "$OUT/gemm.json" --png "$OUT/gemm.png"

@@ -8,6 +8,7 @@ from thunder.core.trace import detached_trace
 from thunder.distributed.prims import DistributedReduceOps
 
 from thunder_tk import _extension
+from thunder_tk._extension import planning_for
 from thunder_tk.claim_rules import RULES, RULES_BY_ID, check_sdpa
 from thunder_tk.functional import attention_bwd_delta_symbol
 import thunder.torch as ltorch
@@ -147,14 +148,73 @@ def test_matmul_reasons(symbol):
 # -- collectives ----------------------------------------------------------------------------------------
 
 
-def test_collective_reasons():
+class FakeGroup:
+    """Stands in for a torch ProcessGroup: the rules read only its size, name and global ranks."""
+
+    def __init__(self, ranks):
+        self.ranks = list(ranks)
+        self.group_name = "fake"
+
+    def size(self):
+        return len(self.ranks)
+
+
+@pytest.fixture
+def node_of_two(monkeypatch):
+    """A node with two GPUs that reach each other, processes started by torchrun (2 per node)."""
+    from thunder_tk import collectives
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(collectives, "_group_ranks", lambda g: g.ranks)
+    monkeypatch.setattr(collectives, "_visible_gpus", lambda: 2)
+    monkeypatch.setattr(collectives, "_peer_access", lambda i, j: True)
+    return collectives
+
+
+def test_collective_reasons(node_of_two):
     ag, rs = rule(dist_prims.PrimIDs.ALL_GATHER), rule(dist_prims.PrimIDs.REDUCE_SCATTER)
+    pair = FakeGroup([0, 1])
     for dtype in (bf16, f16, f32):
-        assert ag.check(proxy(1024, dtype=dtype), None, True, None)
-        assert rs.check(proxy(1024, dtype=dtype), DistributedReduceOps.SUM, None, True, None)
-    assert ag.check(proxy(1024, dtype=i64), None, True, None).reason == "dtype int64 not in {bfloat16, float16, float32}"
-    assert ag.check(proxy(4, 4), None, True, 1).reason == "dim=1; only dim 0 is supported"
-    assert rs.check(proxy(8), DistributedReduceOps.MAX, None, True, None).reason == "reduce op MAX not in {SUM, AVG}"
+        assert ag.check(proxy(1024, dtype=dtype), pair, True, None)
+        assert rs.check(proxy(1024, dtype=dtype), DistributedReduceOps.SUM, pair, True, None)
+        assert rs.check(proxy(1024, dtype=dtype), DistributedReduceOps.AVG, pair, True, 0)
+    assert ag.check(proxy(1024, dtype=i64), pair, True, None).reason == "dtype int64 not in {bfloat16, float16, float32}"
+    assert ag.check(proxy(4, 4), pair, True, 1).reason == "dim=1; only dim 0 is supported"
+    assert rs.check(proxy(8), DistributedReduceOps.MAX, pair, True, None).reason == "reduce op MAX not in {SUM, AVG}"
+
+
+def test_collective_group_reasons(node_of_two, monkeypatch):
+    ag = rule(dist_prims.PrimIDs.ALL_GATHER)
+    x = proxy(1024)
+    assert ag.check(x, FakeGroup([0]), True, None).reason == "the process group has one rank (nothing to exchange)"
+    assert "spans 2 nodes (ranks [1, 2], 2 per node)" in ag.check(x, FakeGroup([1, 2]), True, None).reason
+    assert "serve up to 16 GPUs" in ag.check(x, FakeGroup(range(17)), True, None).reason
+    monkeypatch.setattr(node_of_two, "_peer_access", lambda i, j: (i, j) != (1, 0))
+    assert ag.check(x, FakeGroup([0, 1]), True, None).reason == (
+        "GPUs 1 and 0 have no peer access (no NVLink/PCIe P2P between them)")
+    monkeypatch.setattr(node_of_two, "_visible_gpus", lambda: 1)
+    assert "this process sees 1 GPU(s) but the group's local ranks are [0, 1]" in ag.check(
+        x, FakeGroup([0, 1]), True, None).reason
+    # Planning without GPUs judges only what the process group says.
+    with planning_for():
+        assert ag.check(x, FakeGroup([0, 1]), True, None)
+        assert "spans 2 nodes" in ag.check(x, FakeGroup([1, 2]), True, None).reason
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # without torchrun's variables, global rank = GPU index
+    monkeypatch.setattr(node_of_two, "_visible_gpus", lambda: 2)
+    monkeypatch.setattr(node_of_two, "_peer_access", lambda i, j: True)
+    assert ag.check(x, FakeGroup([0, 1]), True, None)
+
+
+def test_rules_can_be_disabled_by_name_or_family(monkeypatch, node_of_two):
+    with planning_for():
+        assert judge(dist_prims.PrimIDs.ALL_GATHER, proxy(64), FakeGroup([0, 1]), True, None)
+        monkeypatch.setenv("THUNDER_TK_DISABLE", "collective")
+        v = judge(dist_prims.PrimIDs.ALL_GATHER, proxy(64), FakeGroup([0, 1]), True, None)
+        assert not v and v.reason == "disabled by THUNDER_TK_DISABLE"
+        assert judge(ltorch.matmul, proxy(33, 64), proxy(64, 17))
+        monkeypatch.setenv("THUNDER_TK_DISABLE", "ltorch.matmul, attention")
+        assert judge(ltorch.matmul, proxy(33, 64), proxy(64, 17)).reason == "disabled by THUNDER_TK_DISABLE"
+        assert judge(prims.PrimIDs.MATMUL, proxy(33, 64), proxy(64, 17))
 
 
 # -- thunder_tk's own symbol ---------------------------------------------------------------------------

@@ -21,7 +21,17 @@ from thunder_tk import _extension
 from thunder_tk.functional import attention_bwd_delta_symbol
 
 # Kernels this version's csrc/ provides (a GPU test checks the build reports exactly these).
-KERNELS_IN_SOURCE = frozenset({"attention_bwd_delta", "gemm"})
+KERNELS_IN_SOURCE = frozenset({"all_gather", "attention_bwd_delta", "gemm", "reduce_scatter"})
+
+DISABLE_ENV = "THUNDER_TK_DISABLE"
+"""Comma-separated rule names or families tk must not claim (e.g. ``collective`` or ``ltorch.linear``)."""
+
+
+def disabled_by_env(rule: "ClaimRule") -> bool:
+    import os
+
+    names = {x.strip() for x in os.environ.get(DISABLE_ENV, "").split(",") if x.strip()}
+    return rule.name in names or rule.family in names
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,8 @@ class ClaimRule:
     grad_transform: Callable | None = field(default=None, compare=False)
 
     def judge(self, *args, **kwargs) -> Verdict:
+        if disabled_by_env(self):
+            return decline(f"disabled by {DISABLE_ENV}")
         reason = _extension.kernels_usable_reason()
         if reason:
             return decline(reason)
@@ -196,22 +208,27 @@ def check_matmul(a, b) -> Verdict:
 _COLLECTIVE_DTYPES = (thunder.bfloat16, thunder.float16, thunder.float32)
 
 
-def _check_collective(a, dim) -> Verdict:
+def _check_collective(a, group, dim) -> Verdict:
+    from thunder_tk.collectives import group_support_reason
+
     if a.dtype not in _COLLECTIVE_DTYPES:
         return decline(f"dtype {_dtype_name(a.dtype)} not in {{bfloat16, float16, float32}}")
     if dim not in (None, 0):
         return decline(f"dim={dim}; only dim 0 is supported")
-    return ACCEPT
+    if a.ndim == 0:
+        return decline("0-d tensor (collectives run along dim 0)")
+    reason = group_support_reason(group, planning=_extension.planning())
+    return decline(reason) if reason else ACCEPT
 
 
 def check_all_gather(a, group, do_async, dim=None) -> Verdict:
-    return _check_collective(a, dim)
+    return _check_collective(a, group, dim)
 
 
 def check_reduce_scatter(a, op, group, do_async, dim=None) -> Verdict:
     if getattr(op, "name", str(op)) not in ("SUM", "AVG"):
         return decline(f"reduce op {getattr(op, 'name', op)} not in {{SUM, AVG}}")
-    return _check_collective(a, dim)
+    return _check_collective(a, group, dim)
 
 
 # ------------------------------------------------------------------------------------------------

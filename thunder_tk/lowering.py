@@ -11,8 +11,9 @@ from thunder.core import prims
 from thunder.core.prims import OpTags
 from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grads
+from thunder.distributed import prims as dist_prims
 
-from thunder_tk import functional, ops
+from thunder_tk import collectives, functional, ops
 from thunder_tk.executor import tk
 
 
@@ -73,3 +74,25 @@ for _symbol_id in (ltorch.linear.id, prims.PrimIDs.LINEAR):
     tk.set_lowering(_symbol_id, execution_transform=tk_linear, grad_transform=None)
 for _symbol_id in (ltorch.matmul.id, prims.PrimIDs.MATMUL):
     tk.set_lowering(_symbol_id, execution_transform=tk_matmul, grad_transform=None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Collectives (FSDP's parameter all-gather and gradient reduce-scatter). An async call returns
+# (Work, tensor), the form Thunder's torch `wait` completes, so `wait` stays with the torch executor and
+# Thunder's wait-sorting pass still moves it after the compute it can overlap.
+
+
+def _all_gather_impl(a, group, do_async, dim=None):
+    return collectives.all_gather(a, group, async_op=bool(do_async))
+
+
+def _reduce_scatter_impl(a, op, group, do_async, dim=None):
+    return collectives.reduce_scatter(a, "avg" if op.name == "AVG" else "sum", group, async_op=bool(do_async))
+
+
+tk_all_gather = tk.register_operator("tk_all_gather", meta=dist_prims.all_gather.meta, fn=_all_gather_impl)
+tk_reduce_scatter = tk.register_operator(
+    "tk_reduce_scatter", meta=dist_prims.reduce_scatter.meta, fn=_reduce_scatter_impl
+)
+tk.set_lowering(dist_prims.PrimIDs.ALL_GATHER, execution_transform=tk_all_gather, grad_transform=None)
+tk.set_lowering(dist_prims.PrimIDs.REDUCE_SCATTER, execution_transform=tk_reduce_scatter, grad_transform=None)

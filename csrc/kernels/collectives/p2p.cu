@@ -1,0 +1,354 @@
+// All-gather and reduce-scatter over NVLink peer mappings (see p2p.h for the protocol).
+//
+// Block b of every rank handles units b, b + grid, ... of the message. Unit k of a block (counted over the
+// block's whole life, across calls) is staged in cell k % slots and announced with flag value k + 1. A sender
+// may refill a cell once every receiver has reported the unit `slots` earlier as consumed. Each block sends
+// unit k + 1 before draining unit k, so NVLink writes of one unit overlap the local drain of the previous one.
+#include "kernels/collectives/p2p.h"
+
+#include <algorithm>
+
+#include "kittens/common.cuh"
+#include "kittens/peer.cuh"
+
+namespace tk::collectives {
+namespace {
+
+constexpr int threads = 512;
+constexpr int unroll = 4;  // 16-byte vectors in flight per thread per destination pass
+
+// The flag area of one rank's buffer.
+struct flags_of {
+    uint64_t* base;
+    const channel_layout& L;
+
+    __device__ int64_t cells() const { return int64_t(L.blocks) * L.slots * L.world; }
+    // At the receiver: the sender `src` announces unit `value` in cell (b, j).
+    __device__ uint64_t* ready(int b, int j, int src) const { return base + (int64_t(b) * L.slots + j) * L.world + src; }
+    // At the sender: receiver `dst` has drained the unit `value` of cell (b, j).
+    __device__ uint64_t* consumed(int b, int j, int dst) const {
+        return base + cells() + (int64_t(b) * L.slots + j) * L.world + dst;
+    }
+    __device__ uint64_t* seq(int b) const { return base + 2 * cells() + b; }  // units block b has done, ever
+    // Nonzero once any launch on this channel failed: later launches return at once (the host raises).
+    __device__ uint64_t* abort_word() const { return base + 2 * cells() + L.blocks; }
+};
+
+// Staging cell (b, j) in `receiver_buffer` that holds data from the sender `src` (receiver = `receiver`).
+__device__ __forceinline__ char* cell(void* receiver_buffer, const channel_layout& L, int b, int j, int src,
+                                      int receiver) {
+    const int index = (src - receiver - 1 + L.world) % L.world;
+    return static_cast<char*>(receiver_buffer) + L.stage_offset() +
+           ((int64_t(b) * L.slots + j) * (L.world - 1) + index) * L.cell_bytes;
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// Thread 0 only. The first failure on a channel writes the host-visible record; every later one just stops.
+__device__ void fail(const channel_args& ch, const flags_of& mine, int64_t code, int64_t op, int peer, int b,
+                     uint64_t expected, uint64_t seen) {
+    auto* abort_word = reinterpret_cast<unsigned long long*>(mine.abort_word());
+    if (atomicCAS(abort_word, 0ull, static_cast<unsigned long long>(code)) != 0ull) return;
+    volatile int64_t* e = ch.error;
+    e[err_op] = op;
+    e[err_peer] = peer;
+    e[err_block] = b;
+    e[err_expected] = static_cast<int64_t>(expected);
+    e[err_seen] = static_cast<int64_t>(seen);
+    e[err_rank] = ch.rank;
+    __threadfence_system();
+    e[err_code] = code;
+    __threadfence_system();
+}
+
+// Thread 0 only: wait until *flag >= want (== want when `exact`), within the channel's timeout.
+__device__ bool wait_flag(const channel_args& ch, const flags_of& mine, const uint64_t* flag, uint64_t want,
+                          bool exact, int64_t op, int peer, int b) {
+    const uint64_t start = peer::now_ns();
+    for (uint32_t spin = 0;; ++spin) {
+        const uint64_t v = peer::load_acquire(flag);
+        if (v >= want) {
+            if (exact && v != want) {
+                fail(ch, mine, out_of_step, op, peer, b, want, v);
+                return false;
+            }
+            return true;
+        }
+        if ((spin & 255) == 255) {
+            if (*reinterpret_cast<volatile uint64_t*>(mine.abort_word()) != 0) return false;
+            if (static_cast<int64_t>(peer::now_ns() - start) > ch.timeout_ns) {
+                fail(ch, mine, timeout, op, peer, b, want, v);
+                return false;
+            }
+        }
+    }
+}
+
+// Copy `bytes` from `src` to each of `n_dst` destinations with the whole block: 16-byte vectors when every
+// pointer allows, then `elem`-byte elements for the rest. Stage reads bypass L1 (cells are rewritten by peers).
+template <bool SrcIsStage>
+__device__ void copy_block(char* const* dst, int n_dst, const char* src, int64_t bytes, int elem) {
+    bool vec = aligned16(src);
+    for (int d = 0; d < n_dst; ++d) vec = vec && aligned16(dst[d]);
+    int64_t done = 0;
+    if (vec) {
+        const int64_t n_vec = bytes / 16;
+        const uint4* s = reinterpret_cast<const uint4*>(src);
+        for (int64_t base = threadIdx.x; base < n_vec; base += int64_t(threads) * unroll) {
+            uint4 r[unroll];
+#pragma unroll
+            for (int u = 0; u < unroll; ++u) {
+                const int64_t i = base + int64_t(u) * threads;
+                if (i < n_vec) r[u] = SrcIsStage ? __ldcg(s + i) : s[i];
+            }
+            for (int d = 0; d < n_dst; ++d) {
+                uint4* t = reinterpret_cast<uint4*>(dst[d]);
+#pragma unroll
+                for (int u = 0; u < unroll; ++u) {
+                    const int64_t i = base + int64_t(u) * threads;
+                    if (i < n_vec) t[i] = r[u];
+                }
+            }
+        }
+        done = n_vec * 16;
+    }
+    if (elem == 4) {
+        for (int64_t i = done / 4 + threadIdx.x; i < bytes / 4; i += threads) {
+            const uint32_t v = reinterpret_cast<const uint32_t*>(src)[i];
+            for (int d = 0; d < n_dst; ++d) reinterpret_cast<uint32_t*>(dst[d])[i] = v;
+        }
+    } else {
+        for (int64_t i = done / 2 + threadIdx.x; i < bytes / 2; i += threads) {
+            const uint16_t v = reinterpret_cast<const uint16_t*>(src)[i];
+            for (int d = 0; d < n_dst; ++d) reinterpret_cast<uint16_t*>(dst[d])[i] = v;
+        }
+    }
+}
+
+// State one block keeps while streaming its units.
+struct stream_state {
+    const channel_args& ch;
+    flags_of mine;
+    int b, me, world;
+    uint64_t seq0;  // units this block had done before this launch
+    int64_t op;
+
+    __device__ int slot(int64_t k) const { return static_cast<int>((seq0 + k) % ch.layout.slots); }
+    __device__ uint64_t value(int64_t k) const { return seq0 + k + 1; }
+    __device__ flags_of flags_at(int rank) const { return {static_cast<uint64_t*>(ch.buffers[rank]), ch.layout}; }
+};
+
+// Block-uniform result of a thread-0 wait.
+__device__ __forceinline__ bool block_agrees(bool thread0_ok) {
+    __shared__ int ok;
+    if (threadIdx.x == 0) ok = thread0_ok;
+    __syncthreads();
+    const bool r = ok != 0;
+    __syncthreads();
+    return r;
+}
+
+// Before staging unit k: every receiver has drained the unit that last used this cell.
+__device__ bool wait_cell_free(const stream_state& s, int64_t k) {
+    bool ok = true;
+    const uint64_t v = s.value(k);
+    const int slots = s.ch.layout.slots;
+    if (threadIdx.x == 0 && v > uint64_t(slots)) {
+        for (int i = 1; i < s.world && ok; ++i) {
+            const int p = (s.me + i) % s.world;
+            ok = wait_flag(s.ch, s.mine, s.mine.consumed(s.b, s.slot(k), p), v - slots, false, s.op, p, s.b);
+        }
+    }
+    return block_agrees(ok);
+}
+
+// After staging unit k at every receiver.
+__device__ void announce(const stream_state& s, int64_t k) {
+    peer::publish_block_writes();
+    if (threadIdx.x == 0)
+        for (int i = 1; i < s.world; ++i) {
+            const int p = (s.me + i) % s.world;
+            peer::store_release(s.flags_at(p).ready(s.b, s.slot(k), s.me), s.value(k));
+        }
+}
+
+__device__ bool wait_ready(const stream_state& s, int64_t k) {
+    bool ok = true;
+    if (threadIdx.x == 0)
+        for (int i = 1; i < s.world && ok; ++i) {
+            const int p = (s.me + s.world - i) % s.world;
+            ok = wait_flag(s.ch, s.mine, s.mine.ready(s.b, s.slot(k), p), s.value(k), true, s.op, p, s.b);
+        }
+    return block_agrees(ok);
+}
+
+__device__ void release_cells(const stream_state& s, int64_t k) {
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int i = 1; i < s.world; ++i) {
+            const int p = (s.me + i) % s.world;
+            peer::store_release(s.flags_at(p).consumed(s.b, s.slot(k), s.me), s.value(k));
+        }
+}
+
+// Runs send(k+1) before recv(k). Returns false when a wait failed (the channel is then aborted).
+template <class Send, class Recv>
+__device__ void run_units(stream_state& s, int64_t units, Send send, Recv recv) {
+    const int64_t mine = units > s.b ? (units - s.b + gridDim.x - 1) / gridDim.x : 0;
+    if (mine == 0) return;
+    if (!wait_cell_free(s, 0)) return;
+    send(0);
+    announce(s, 0);
+    for (int64_t k = 0; k < mine; ++k) {
+        if (k + 1 < mine) {
+            if (!wait_cell_free(s, k + 1)) return;
+            send(k + 1);
+            announce(s, k + 1);
+        }
+        if (!wait_ready(s, k)) return;
+        recv(k);
+        release_cells(s, k);
+    }
+    if (threadIdx.x == 0) *s.mine.seq(s.b) = s.seq0 + mine;
+}
+
+__device__ bool channel_open(const flags_of& mine) {
+    return block_agrees(threadIdx.x != 0 || *reinterpret_cast<volatile uint64_t*>(mine.abort_word()) == 0);
+}
+
+__global__ void __launch_bounds__(threads) all_gather_kernel(const all_gather_args a) {
+    const channel_args& ch = a.ch;
+    const flags_of mine{static_cast<uint64_t*>(ch.buffers[ch.rank]), ch.layout};
+    if (!channel_open(mine)) return;
+    stream_state s{ch, mine, static_cast<int>(blockIdx.x), ch.rank, ch.layout.world, *mine.seq(blockIdx.x),
+                   op_all_gather};
+    const int64_t n = a.bytes_per_rank, C = a.chunk_bytes;
+    const char* in = static_cast<const char*>(a.in);
+    char* out = static_cast<char*>(a.out);
+    auto unit_offset = [&](int64_t k) { return (s.b + k * gridDim.x) * C; };
+
+    auto send = [&](int64_t k) {
+        const int64_t off = unit_offset(k), len = min(C, n - off);
+        char* dst[max_ranks];
+        dst[0] = out + s.me * n + off;
+        for (int i = 1; i < s.world; ++i) {
+            const int p = (s.me + i) % s.world;
+            dst[i] = cell(ch.buffers[p], ch.layout, s.b, s.slot(k), s.me, p);
+        }
+        copy_block<false>(dst, s.world, in + off, len, a.elem_bytes);
+    };
+    auto recv = [&](int64_t k) {
+        const int64_t off = unit_offset(k), len = min(C, n - off);
+        for (int i = 1; i < s.world; ++i) {
+            const int p = (s.me + s.world - i) % s.world;
+            char* dst[1] = {out + p * n + off};
+            copy_block<true>(dst, 1, cell(ch.buffers[s.me], ch.layout, s.b, s.slot(k), p, s.me), len, a.elem_bytes);
+        }
+    };
+    run_units(s, (n + C - 1) / C, send, recv);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_scatter_args a) {
+    const channel_args& ch = a.ch;
+    const flags_of mine{static_cast<uint64_t*>(ch.buffers[ch.rank]), ch.layout};
+    if (!channel_open(mine)) return;
+    stream_state s{ch, mine, static_cast<int>(blockIdx.x), ch.rank, ch.layout.world, *mine.seq(blockIdx.x),
+                   op_reduce_scatter};
+    const int64_t n = a.elems_per_rank, C = a.chunk_elems;
+    const T* in = static_cast<const T*>(a.in);
+    T* out = static_cast<T*>(a.out);
+    const float scale = a.average ? 1.0f / s.world : 1.0f;
+    auto unit_offset = [&](int64_t k) { return (s.b + k * gridDim.x) * C; };
+
+    auto send = [&](int64_t k) {
+        const int64_t off = unit_offset(k), len = min(C, n - off);
+        for (int i = 1; i < s.world; ++i) {
+            const int p = (s.me + i) % s.world;
+            char* dst[1] = {cell(ch.buffers[p], ch.layout, s.b, s.slot(k), s.me, p)};
+            copy_block<false>(dst, 1, reinterpret_cast<const char*>(in + p * n + off), len * sizeof(T), sizeof(T));
+        }
+    };
+    auto recv = [&](int64_t k) {
+        const int64_t off = unit_offset(k), len = min(C, n - off);
+        const T* own = in + s.me * n + off;
+        T* o = out + off;
+        auto source = [&](int r) -> const T* {
+            return r == s.me ? own : reinterpret_cast<const T*>(cell(ch.buffers[s.me], ch.layout, s.b, s.slot(k), r, s.me));
+        };
+        constexpr int V = vec16_elems<T>;
+        int64_t done = 0;
+        if (aligned16(own) && aligned16(o)) {
+            const int64_t n_vec = len / V;
+            for (int64_t i = threadIdx.x; i < n_vec; i += threads) {
+                float acc[V];
+#pragma unroll
+                for (int e = 0; e < V; ++e) acc[e] = 0.0f;
+                for (int r = 0; r < s.world; ++r) {  // rank order: the same sum on every rank
+                    const uint4* p = reinterpret_cast<const uint4*>(source(r)) + i;
+                    const uint4 raw = r == s.me ? *p : __ldcg(p);
+                    const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+                    for (int e = 0; e < V; ++e) acc[e] += to_float(v[e]);
+                }
+                uint4 packed_out;
+                T* w = reinterpret_cast<T*>(&packed_out);
+#pragma unroll
+                for (int e = 0; e < V; ++e) w[e] = static_cast<T>(acc[e] * scale);
+                reinterpret_cast<uint4*>(o)[i] = packed_out;
+            }
+            done = n_vec * V;
+        }
+        for (int64_t i = done + threadIdx.x; i < len; i += threads) {
+            float acc = 0.0f;
+            for (int r = 0; r < s.world; ++r) acc += to_float(r == s.me ? own[i] : __ldcg(source(r) + i));
+            o[i] = static_cast<T>(acc * scale);
+        }
+    };
+    run_units(s, (n + C - 1) / C, send, recv);
+}
+
+int grid_for(int64_t units, int grid, int blocks) {
+    const int64_t cap = grid > 0 ? std::min(grid, blocks) : blocks;
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(units, cap)));
+}
+
+cudaError_t check(const channel_args& ch) {
+    const auto& L = ch.layout;
+    if (L.world < 2 || L.world > max_ranks || ch.rank < 0 || ch.rank >= L.world || L.blocks < 1 || L.slots < 2 ||
+        L.cell_bytes < 16 || L.cell_bytes % 16)
+        return cudaErrorInvalidValue;
+    return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t launch_all_gather(const all_gather_args& args, int grid, cudaStream_t stream) {
+    if (cudaError_t e = check(args.ch); e != cudaSuccess) return e;
+    if (args.chunk_bytes < 16 || args.chunk_bytes % 16 || args.chunk_bytes > args.ch.layout.cell_bytes ||
+        (args.elem_bytes != 2 && args.elem_bytes != 4) || args.bytes_per_rank % args.elem_bytes)
+        return cudaErrorInvalidValue;
+    if (args.bytes_per_rank == 0) return cudaSuccess;
+    const int64_t units = (args.bytes_per_rank + args.chunk_bytes - 1) / args.chunk_bytes;
+    all_gather_kernel<<<grid_for(units, grid, args.ch.layout.blocks), threads, 0, stream>>>(args);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_reduce_scatter(const reduce_scatter_args& args, int grid, cudaStream_t stream) {
+    if (cudaError_t e = check(args.ch); e != cudaSuccess) return e;
+    const int elem = args.dtype == static_cast<int>(dtype::fp32) ? 4 : 2;
+    if (args.chunk_elems < 1 || (args.chunk_elems * elem) % 16 || args.chunk_elems * elem > args.ch.layout.cell_bytes)
+        return cudaErrorInvalidValue;
+    if (args.elems_per_rank == 0) return cudaSuccess;
+    const int64_t units = (args.elems_per_rank + args.chunk_elems - 1) / args.chunk_elems;
+    const int g = grid_for(units, grid, args.ch.layout.blocks);
+    switch (static_cast<dtype>(args.dtype)) {
+        case dtype::bf16: reduce_scatter_kernel<__nv_bfloat16><<<g, threads, 0, stream>>>(args); break;
+        case dtype::fp16: reduce_scatter_kernel<__half><<<g, threads, 0, stream>>>(args); break;
+        case dtype::fp32: reduce_scatter_kernel<float><<<g, threads, 0, stream>>>(args); break;
+        default: return cudaErrorInvalidValue;
+    }
+    return cudaGetLastError();
+}
+
+}  // namespace tk::collectives

@@ -1,0 +1,253 @@
+"""Checks of tk's collectives that need several GPUs; run by test_collectives_multi_gpu.py under torchrun:
+
+    torchrun --nproc_per_node 2 tests/gpu/collectives_worker.py kernels|timeout|thunder
+
+Every rank asserts; a failing rank exits nonzero, which fails the torchrun and the test.
+"""
+
+import os
+import sys
+import time
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_k] = _v  # never NVLink multicast
+
+import torch
+import torch.distributed as dist
+
+from thunder_tk import collectives
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def poison_allocator(nbytes: int, device) -> None:
+    """Leave NaN-filled blocks in the caching allocator, so a result that skips elements shows NaN."""
+    junk = torch.full((max(1, nbytes // 4),), float("nan"), dtype=torch.float32, device=device)
+    del junk
+
+
+def log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def nccl_all_gather(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((x.shape[0] * dist.get_world_size(), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous())
+    return out
+
+
+def nccl_reduce_scatter(x: torch.Tensor, op) -> torch.Tensor:
+    out = torch.empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x.contiguous(), op=op)
+    return out
+
+
+def fp64_reduce_scatter(x: torch.Tensor, average: bool) -> torch.Tensor:
+    """The exact answer: every rank's input gathered by NCCL, summed in fp64, this rank's slice."""
+    w, r = dist.get_world_size(), dist.get_rank()
+    everything = nccl_all_gather(x.contiguous().reshape(1, -1)).double()  # (w, numel)
+    total = everything.sum(0).reshape(x.shape)
+    n = x.shape[0] // w
+    mine = total[r * n:(r + 1) * n]
+    return mine / w if average else mine
+
+
+# Shard shapes: 1 element, sizes that are not multiples of 16 bytes, multi-dim, tile tails, a few MiB.
+SHAPES = [(1,), (3,), (7,), (8,), (4097,), (5, 3, 7), (65536 + 5,), (1 << 20, 3), (3 << 20,)]
+
+
+def case_kernels(device) -> None:
+    w, r = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator(device=device).manual_seed(1234 + r)
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            x = torch.randn(shape, device=device, dtype=dtype, generator=g)
+            poison_allocator(x.numel() * x.element_size() * w * 2, device)
+            ours = collectives.all_gather(x)
+            assert torch.equal(ours, nccl_all_gather(x)), f"all_gather {dtype} {shape} differs from NCCL"
+            # reduce-scatter input: dim 0 divisible by the group
+            y = torch.randn((shape[0] * w, *shape[1:]), device=device, dtype=dtype, generator=g)
+            for op, name in ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "avg")):
+                poison_allocator(y.numel() * y.element_size() * 2, device)
+                got = collectives.reduce_scatter(y, name)
+                exact = fp64_reduce_scatter(y, name == "avg")
+                err = ((got.double() - exact).abs() / exact.abs().clamp_min(1e-3)).max().item()
+                # fp32 accumulation, one rounding to the output type
+                bound = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 1e-6}[dtype]
+                assert err <= bound * 1.01, f"reduce_scatter {name} {dtype} {shape}: rel err {err:.3g} > {bound:.3g}"
+                ref = nccl_reduce_scatter(y, op)
+                assert torch.allclose(got.float(), ref.float(), rtol=2 * bound, atol=1e-5), f"{name} {dtype} {shape} vs NCCL"
+        log(f"ok: all_gather bit-identical and reduce_scatter exact to one rounding, {dtype}, {len(SHAPES)} shapes")
+
+    # Strided and transposed inputs are gathered as their contiguous values.
+    base = torch.randn(64, 48, device=device, dtype=torch.bfloat16, generator=g)
+    for view in (base.t(), base[:, ::3], base[5:37]):
+        assert torch.equal(collectives.all_gather(view), nccl_all_gather(view.contiguous()))
+    log("ok: strided and transposed views")
+
+    # Async: the caller's stream keeps computing while the channel's stream moves data.
+    x = torch.randn(8 << 20, device=device, dtype=torch.bfloat16, generator=g)
+    work, out = collectives.all_gather(x, async_op=True)
+    busy = torch.randn(4096, 4096, device=device)
+    for _ in range(4):
+        busy = busy @ busy * 1e-3
+    work.wait()
+    assert torch.equal(out, nccl_all_gather(x))
+    log("ok: async all_gather with compute in between")
+
+    # Many calls of mixed sizes and both ops through one channel (flags and buffer cells reused throughout).
+    for i in range(200):
+        n = [1, 1000, 12345, 1 << 18, 3 << 20][i % 5]
+        x = torch.full((n,), float(r + i), device=device, dtype=torch.float32)
+        if i % 2:
+            got = collectives.all_gather(x)
+            expect = torch.cat([torch.full((n,), float(q + i), device=device) for q in range(w)])
+        else:
+            got = collectives.reduce_scatter(torch.cat([x] * w))
+            expect = torch.full((n,), float(sum(q + i for q in range(w))), device=device)
+        assert torch.equal(got, expect), f"call {i} (n={n}) wrong"
+    log("ok: 200 mixed calls on one channel")
+
+    # 1 GiB gathered (the largest size the issue names), through the 64 MiB staging buffer many times over.
+    x = torch.randn((1 << 29) // w, device=device, dtype=torch.bfloat16, generator=g)
+    assert torch.equal(collectives.all_gather(x), nccl_all_gather(x)), "1 GiB all_gather differs"
+    y = torch.randn(1 << 29, device=device, dtype=torch.bfloat16, generator=g)
+    got = collectives.reduce_scatter(y)
+    ref = nccl_reduce_scatter(y, dist.ReduceOp.SUM)
+    assert torch.allclose(got.float(), ref.float(), rtol=2 ** -7, atol=1e-3), "1 GiB reduce_scatter differs"
+    del x, y, got, ref
+    log("ok: 1 GiB all_gather and reduce_scatter")
+
+    # Errors name the problem.
+    for bad, msg in ((torch.zeros(3, device=device, dtype=torch.int32), "support"),
+                     (torch.zeros(3, device=device), "divisible")):
+        try:
+            if bad.dtype == torch.int32:
+                collectives.all_gather(bad)
+            else:
+                collectives.reduce_scatter(bad)
+        except ValueError as e:
+            assert msg in str(e), e
+        else:
+            raise AssertionError(f"no error for {msg}")
+    log("ok: bad inputs raise")
+
+
+def case_small(device) -> None:
+    """A few shapes of each op and dtype (for compute-sanitizer, which is slow)."""
+    r = dist.get_rank()
+    for dtype in DTYPES:
+        for shape in ((1,), (4097,), (5, 3, 7), (70000,)):
+            x = torch.randn(shape, device=device, dtype=dtype) + r
+            assert torch.equal(collectives.all_gather(x), nccl_all_gather(x))
+            y = torch.cat([x] * dist.get_world_size())
+            got = collectives.reduce_scatter(y)
+            assert torch.allclose(got.float(), nccl_reduce_scatter(y, dist.ReduceOp.SUM).float(), rtol=1e-2, atol=1e-2)
+    log("ok: small")
+
+
+def case_timeout(device) -> None:
+    """Rank 0 calls a collective that rank 1 never joins: a clear error after the timeout, no hang."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    ch = collectives.Channel(group, device, collectives.ChannelConfig(blocks=4, buffer_bytes=8 << 20, timeout_s=2.0))
+    if dist.get_rank() == 0:
+        x = torch.ones(1 << 20, device=device)
+        t0 = time.monotonic()
+        work, _ = ch.all_gather(x, async_op=True)
+        torch.cuda.synchronize(device)
+        waited = time.monotonic() - t0
+        assert 1.5 < waited < 60, f"kernel returned after {waited:.1f} s"
+        for attempt in (lambda: work.wait(), lambda: ch.all_gather(x)):
+            try:
+                attempt()
+            except collectives.CollectiveTimeoutError as e:
+                text = str(e)
+                assert "timed out" in text and "rank 1" in text and "all_gather" in text, text
+            else:
+                raise AssertionError("no CollectiveTimeoutError")
+        print(f"ok: timeout after {waited:.1f} s: {text}", flush=True)
+    dist.barrier()
+    # The default channel (another group) is unaffected.
+    x = torch.full((5,), float(dist.get_rank()), device=device)
+    assert torch.equal(collectives.all_gather(x), nccl_all_gather(x))
+    log("ok: other channels still work")
+
+
+def case_thunder(device) -> None:
+    """Thunder FSDP with executors=[tk]: tk claims the collectives, waits stay late (overlap), grads match."""
+    import thunder
+    from thunder.distributed import fsdp
+
+    import thunder_tk
+    from thunder_tk import tk
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from models import Block
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 128, 256, device=device)
+    losses = {}
+    for mode in ("torch", "tk"):
+        if mode == "torch":
+            os.environ["THUNDER_TK_DISABLE"] = "collective"
+        else:
+            os.environ.pop("THUNDER_TK_DISABLE", None)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Block(256, 4), Block(256, 4)).to(device)
+        jm = fsdp(thunder.jit(model, executors=[tk]))
+        opt = torch.optim.SGD(jm.parameters(), lr=0.1)
+        losses[mode] = []
+        for _ in range(30):
+            loss = jm(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[mode].append(loss.item())
+        fwd = str(thunder.last_traces(jm)[-1])
+        bwd = str(thunder.last_backward_traces(jm)[-1])
+        report = thunder_tk.explain(jm)
+        colls = [d for d in report.rows if d.symbol in ("all_gather", "reduce_scatter")]
+        assert colls, "explain lists no collectives"
+        if mode == "tk":
+            assert "tk_all_gather" in fwd and "tk_reduce_scatter" in bwd, "tk did not run the collectives"
+            assert all(d.claimed_by_tk for d in colls), [(d.symbol, d.reason) for d in colls]
+            lines = [ln.strip() for ln in fwd.splitlines()]
+            gathers = [i for i, ln in enumerate(lines) if "= tk_all_gather(" in ln]
+            waits = [i for i, ln in enumerate(lines) if "= torch_wait_prim_impl(" in ln]
+            assert gathers and waits and max(gathers) < max(waits)
+            # Overlap: between the last all_gather issued and the last wait there is compute.
+            between = [ln for ln in lines[max(gathers) + 1:max(waits)] if ln and not ln.startswith("#")
+                       and "torch_wait_prim_impl" not in ln]
+            assert between, "no work between the all_gathers and their waits"
+            if dist.get_rank() == 0:
+                print("forward execution trace (excerpt: tk's all_gathers are issued first, waits sit next to "
+                      "their first use):")
+                for ln in lines[gathers[0]:max(waits) + 2]:
+                    if ln and not ln.startswith("#"):
+                        print("   ", ln[:150])
+        else:
+            assert "tk_all_gather" not in fwd and "torch_all_gather_prim_impl" in fwd
+            assert all(not d.claimed_by_tk and "THUNDER_TK_DISABLE" in d.reason for d in colls), colls
+    for a, b in zip(losses["torch"], losses["tk"]):
+        assert abs(a - b) <= 1e-3 * abs(a) + 1e-6, (losses["torch"], losses["tk"])
+    log(f"ok: FSDP 30 steps, losses with NCCL {losses['torch'][0]:.5f}..{losses['torch'][-1]:.5f}, "
+        f"with tk {losses['tk'][0]:.5f}..{losses['tk'][-1]:.5f}")
+
+
+def main() -> None:
+    local = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    try:
+        for case in sys.argv[1:]:
+            globals()[f"case_{case}"](device)
+        torch.cuda.synchronize()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""tk's all-gather and reduce-scatter between the GPUs of one node, over NVLink peer memory.
+
+Each (process group, GPU) gets a `Channel` on first use: one buffer from torch's symmetric memory (allocated and
+exchanged once, then reused by every call), and a CUDA stream the channel's kernels run on. The data movement
+and the flags the ranks synchronise with are tk's own kernels (csrc/kernels/collectives); torch only provides
+the memory and its peer mappings. NVLink multicast is never used.
+
+Calls are stream-ordered like NCCL's: the channel's stream waits for the caller's stream, runs the kernel, and
+`Work.wait()` makes the caller's stream wait for it, so communication overlaps the caller's later compute. A
+peer that never arrives makes the kernel stop after the channel's timeout; the next `wait()` or call on that
+channel raises `CollectiveTimeoutError` naming the op and the peer.
+
+Environment knobs (read when a channel is made, so set them alike on every rank):
+- THUNDER_TK_COLLECTIVE_TIMEOUT_S (default 600): how long a kernel waits for a peer.
+- THUNDER_TK_COLLECTIVE_BLOCKS (default 32): thread blocks (SMs) a collective uses.
+- THUNDER_TK_COLLECTIVE_BUFFER_MB (default 64): staging buffer per rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+MAX_RANKS = 16  # the kernels' peer table
+MIN_CHUNK_BYTES = 8192  # smallest unit of work one block moves
+SLOTS = 2  # staging cells per (block, peer): one being drained while the next is written
+
+
+class CollectiveError(RuntimeError):
+    """A tk collective failed; the channel it ran on is closed."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A peer did not reach the same collective within the channel's timeout."""
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# Which groups tk can serve (metadata only: environment, device count, peer-access table; no GPU work)
+
+
+def _group_ranks(group) -> list[int]:
+    import torch.distributed as dist
+
+    return list(dist.get_process_group_ranks(group))
+
+
+@lru_cache(maxsize=None)
+def _peer_access(i: int, j: int) -> bool:
+    return torch.cuda.can_device_access_peer(i, j)
+
+
+def _visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def group_support_reason(group, *, planning: bool = False) -> str:
+    """Why tk cannot run collectives on `group` ("" when it can).
+
+    A group qualifies when it has 2..16 ranks, all on this node, and every pair of their GPUs has peer access.
+    Ranks map to nodes and GPUs the way torchrun assigns them: node = rank // LOCAL_WORLD_SIZE, GPU = the
+    rank's local index. While planning without GPUs only the first two checks apply.
+    """
+    try:
+        size = group.size()
+    except Exception as e:  # not a ProcessGroup
+        return f"not a process group ({type(group).__name__}: {e})"
+    if size < 2:
+        return "the process group has one rank (nothing to exchange)"
+    if size > MAX_RANKS:
+        return f"the process group has {size} ranks; tk's collectives serve up to {MAX_RANKS} GPUs of one node"
+    ranks = _group_ranks(group)
+    local_world = _env_int("LOCAL_WORLD_SIZE", 0)
+    if local_world > 0:
+        nodes = sorted({r // local_world for r in ranks})
+        if len(nodes) > 1:
+            return (f"the process group spans {len(nodes)} nodes (ranks {ranks}, {local_world} per node); "
+                    "tk's collectives work within one node, so NCCL runs it")
+        local = [r % local_world for r in ranks]
+    else:
+        local = ranks
+    if planning:
+        return ""
+    visible = _visible_gpus()
+    if max(local) >= visible:
+        where = "LOCAL_WORLD_SIZE is not set and " if local_world <= 0 else ""
+        return (f"{where}this process sees {visible} GPU(s) but the group's local ranks are {local}; tk needs every "
+                "GPU of the group visible to each rank (one GPU per local rank, as torchrun sets it up)")
+    for a in local:
+        for b in local:
+            if a != b and not _peer_access(a, b):
+                return f"GPUs {a} and {b} have no peer access (no NVLink/PCIe P2P between them)"
+    return ""
+
+
+# ------------------------------------------------------------------------------------------------
+# Channels
+
+
+_ERROR_FIELDS = ("code", "op", "peer", "block", "expected", "seen", "rank")
+_OPS = {1: "all_gather", 2: "reduce_scatter"}
+
+
+@dataclass(frozen=True)
+class ChannelConfig:
+    blocks: int
+    buffer_bytes: int
+    timeout_s: float
+
+    @staticmethod
+    def from_env() -> "ChannelConfig":
+        return ChannelConfig(
+            blocks=_env_int("THUNDER_TK_COLLECTIVE_BLOCKS", 32),
+            buffer_bytes=_env_int("THUNDER_TK_COLLECTIVE_BUFFER_MB", 64) << 20,
+            timeout_s=_env_float("THUNDER_TK_COLLECTIVE_TIMEOUT_S", 600.0),
+        )
+
+
+class Channel:
+    """One rank's end of tk's peer-memory channel for a process group on one GPU. Making one is collective."""
+
+    def __init__(self, group, device: torch.device, config: ChannelConfig | None = None):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from thunder_tk import _extension
+
+        ext = _extension.extension()
+        if ext is None:
+            raise CollectiveError(f"tk collectives unavailable: {_extension.unavailable_reason()}")
+        config = config or ChannelConfig.from_env()
+        if config.blocks < 1 or config.timeout_s <= 0:
+            raise ValueError(f"channel needs blocks >= 1 and a positive timeout; got {config}")
+        self.group = group
+        self.device = torch.device(device)
+        self.world = group.size()
+        self.rank = group.rank()
+        self.config = config
+        peers = max(1, self.world - 1)
+        cell = config.buffer_bytes // (config.blocks * SLOTS * peers) // 4096 * 4096
+        if cell < MIN_CHUNK_BYTES:
+            raise ValueError(f"a {config.buffer_bytes >> 20} MiB buffer is too small for {config.blocks} blocks and "
+                             f"{self.world} ranks; raise THUNDER_TK_COLLECTIVE_BUFFER_MB")
+        self.cell_bytes = cell
+        layout = ext.P2PChannel.layout(self.world, config.blocks, SLOTS, cell)
+        with torch.cuda.device(self.device):
+            self._buffer = symm_mem.empty(layout["total_bytes"], dtype=torch.uint8, device=self.device)
+            self._buffer[: layout["flag_bytes"]].zero_()
+            self._handle = symm_mem.rendezvous(self._buffer, group)
+            # Every rank's flags are zero before any rank's first launch writes into them.
+            self._handle.barrier()
+            torch.cuda.current_stream(self.device).synchronize()
+            self.stream = torch.cuda.Stream(self.device)
+        self._error = torch.zeros(len(_ERROR_FIELDS) + 1, dtype=torch.int64, pin_memory=True)
+        self._kernels = ext.P2PChannel(self.world, config.blocks, SLOTS, cell, self.rank,
+                                       [int(p) for p in self._handle.buffer_ptrs], self._error.data_ptr(),
+                                       int(config.timeout_s * 1e9))
+        self._failure: CollectiveError | None = None
+
+    def chunk_bytes(self, bytes_per_rank: int) -> int:
+        """Bytes per unit of work: the whole grid busy for mid-sized messages, full cells for large ones."""
+        per_block = -(-bytes_per_rank // self.config.blocks)
+        return min(self.cell_bytes, max(MIN_CHUNK_BYTES, -(-per_block // 16) * 16))
+
+    # -- failures ---------------------------------------------------------------------------------------
+
+    def failure(self) -> CollectiveError | None:
+        """The error a kernel on this channel recorded (read from pinned memory; no synchronisation)."""
+        if self._failure is None:
+            code = int(self._error[0])
+            if code:
+                self._failure = self._describe(code, dict(zip(_ERROR_FIELDS, self._error.tolist())))
+        return self._failure
+
+    def raise_if_failed(self) -> None:
+        failure = self.failure()
+        if failure is not None:
+            raise failure
+
+    def _describe(self, code: int, rec: dict) -> CollectiveError:
+        op = _OPS.get(rec["op"], "collective")
+        where = (f"thunder_tk {op} on rank {rec['rank']} of {self.world} (GPU {self.device}, group "
+                 f"{getattr(self.group, 'group_name', '?')})")
+        closed = "The channel is closed: later tk collectives on this group raise this error too."
+        if code == 1:
+            return CollectiveTimeoutError(
+                f"{where} timed out after {self.config.timeout_s:g} s waiting for rank {rec['peer']} (block "
+                f"{rec['block']} expected flag {rec['expected']}, saw {rec['seen']}). That rank did not reach the "
+                f"same collective. {closed}")
+        if code == 2:
+            return CollectiveError(
+                f"{where}: ranks are out of step: rank {rec['peer']} announced unit {rec['seen']} where "
+                f"{rec['expected']} was expected (the ranks issued different collectives or sizes). {closed}")
+        return CollectiveError(f"{where} failed with code {code}. {closed}")
+
+    # -- launches ---------------------------------------------------------------------------------------
+
+    def _begin(self, tensors: list[torch.Tensor]) -> torch.cuda.Stream:
+        self.raise_if_failed()
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        return caller
+
+    def _finish(self, tensors: list[torch.Tensor], caller, async_op: bool) -> "Work":
+        for t in tensors:  # the caller may free them while the channel's stream still uses them
+            t.record_stream(self.stream)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        work = Work(self, event)
+        if not async_op:
+            caller.wait_event(event)
+        return work
+
+    def all_gather(self, a: torch.Tensor, *, async_op: bool = False):
+        """Concatenation of every rank's `a` along dim 0. Returns the tensor, or (Work, tensor) if async."""
+        self._check_tensor(a)
+        a = a.contiguous()
+        out = torch.empty((a.shape[0] * self.world, *a.shape[1:]), dtype=a.dtype, device=a.device)
+        nbytes = a.numel() * a.element_size()
+        caller = self._begin([a])
+        if nbytes:
+            self._kernels.all_gather(a.data_ptr(), out.data_ptr(), nbytes, self.chunk_bytes(nbytes),
+                                     a.element_size(), self.stream.cuda_stream)
+        work = self._finish([a, out], caller, async_op)
+        return (work, out) if async_op else out
+
+    def reduce_scatter(self, a: torch.Tensor, op: str = "sum", *, async_op: bool = False):
+        """This rank's slice (along dim 0) of the sum (or average) of every rank's `a`."""
+        self._check_tensor(a)
+        if op not in ("sum", "avg"):
+            raise ValueError(f"reduce_scatter op must be 'sum' or 'avg', not {op!r}")
+        if a.ndim == 0 or a.shape[0] % self.world:
+            raise ValueError(f"reduce_scatter needs dim 0 divisible by the group size {self.world}; got {tuple(a.shape)}")
+        a = a.contiguous()
+        out = torch.empty((a.shape[0] // self.world, *a.shape[1:]), dtype=a.dtype, device=a.device)
+        n = out.numel()
+        caller = self._begin([a])
+        if n:
+            esize = a.element_size()
+            self._kernels.reduce_scatter(a.data_ptr(), out.data_ptr(), n, self.chunk_bytes(n * esize) // esize,
+                                         _DTYPE_CODES[a.dtype], op == "avg", self.stream.cuda_stream)
+        work = self._finish([a, out], caller, async_op)
+        return (work, out) if async_op else out
+
+    def _check_tensor(self, a: torch.Tensor) -> None:
+        if a.device != self.device:
+            raise ValueError(f"tensor on {a.device}, but this channel serves {self.device}")
+        if a.dtype not in _DTYPE_CODES:
+            raise ValueError(f"tk collectives support bfloat16, float16 and float32, not {a.dtype}")
+        if a.ndim == 0:
+            raise ValueError("tk collectives gather and scatter along dim 0; got a 0-d tensor")
+
+
+_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+class Work:
+    """What an async tk collective returns beside its tensor; Thunder's `wait` calls `wait()` on it."""
+
+    __slots__ = ("_channel", "_event")
+
+    def __init__(self, channel: Channel, event: torch.cuda.Event):
+        self._channel = channel
+        self._event = event
+
+    def wait(self, timeout=None) -> bool:
+        torch.cuda.current_stream(self._channel.device).wait_event(self._event)
+        self._channel.raise_if_failed()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event.query()
+
+
+_channels: dict[tuple[str, int], Channel] = {}
+
+
+def channel(group, device: torch.device) -> Channel:
+    """The channel for `group` on `device`, made on first use (a collective call: every rank must reach it)."""
+    device = torch.device(device)
+    key = (group.group_name, device.index if device.index is not None else torch.cuda.current_device())
+    ch = _channels.get(key)
+    if ch is None:
+        ch = _channels[key] = Channel(group, torch.device("cuda", key[1]))
+    return ch
+
+
+def _default_group(group):
+    import torch.distributed as dist
+
+    return group if group is not None else dist.group.WORLD
+
+
+def all_gather(a: torch.Tensor, group=None, *, async_op: bool = False):
+    """`torch.distributed.all_gather_into_tensor` along dim 0, on tk's kernels."""
+    return channel(_default_group(group), a.device).all_gather(a, async_op=async_op)
+
+
+def reduce_scatter(a: torch.Tensor, op: str = "sum", group=None, *, async_op: bool = False):
+    """`torch.distributed.reduce_scatter_tensor` along dim 0 (sum or avg), on tk's kernels."""
+    return channel(_default_group(group), a.device).reduce_scatter(a, op, async_op=async_op)
