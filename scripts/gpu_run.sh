@@ -32,9 +32,9 @@ fi
 if [ "$what" = dist ]; then
   ngpu=$(nvidia-smi -L | wc -l)
   nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
-  step dist_tests timeout ${DIST_TEST_TIMEOUT:-500} bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -s $here/tests/gpu/test_collectives_multi_gpu.py ${DIST_TEST_ARGS:-} -rs --junitxml=$here/$OUT/dist_tests.xml"
   step bench_collectives timeout ${DIST_BENCH_TIMEOUT:-300} python3 -m torch.distributed.run --nproc_per_node "$ngpu" benchmarks/collectives.py ${COLL_ARGS:-} --json "$OUT/collectives.json" --png "$OUT/collectives.png"
   cat "$OUT/bench_collectives.log"
+  step dist_tests timeout ${DIST_TEST_TIMEOUT:-500} bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -s $here/tests/gpu/test_collectives_multi_gpu.py ${DIST_TEST_ARGS:-} -rs --junitxml=$here/$OUT/dist_tests.xml"
   if [ -n "${DIST_SANITIZE:-}" ]; then
     step memcheck_dist timeout 300 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 python3 -m torch.distributed.run --nproc_per_node "$ngpu" tests/gpu/collectives_worker.py small
   fi
