@@ -78,11 +78,15 @@ void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t b
 }
 
 // One rank's end of a peer-memory channel: the layout and peer mappings are fixed when it is made, so a launch
-// only passes the tensors.
+// only passes the tensors. Launches on one channel must run in order whatever stream they are issued on: a
+// synchronous call runs on the caller's stream, an asynchronous one on the channel's stream, and each launch
+// waits for the previous one (an event) when the stream changes. Work handles are indices into a ring of events.
 class P2PChannel {
   public:
+    static constexpr int ring = 256;
+
     P2PChannel(int world, int blocks, int slots, int64_t cell_bytes, int rank, std::vector<std::uintptr_t> buffers,
-               std::uintptr_t error_record, int64_t timeout_ns) {
+               std::uintptr_t error_record, int64_t timeout_ns, std::uintptr_t comm_stream) {
         namespace c = tk::collectives;
         if (world < 2 || world > c::max_ranks)
             throw std::invalid_argument("P2PChannel: world must be 2.." + std::to_string(c::max_ranks));
@@ -101,7 +105,16 @@ class P2PChannel {
                                      cudaGetErrorString(e));
         args_.error = static_cast<int64_t*>(device_view);
         args_.timeout_ns = timeout_ns;
+        comm_ = reinterpret_cast<cudaStream_t>(comm_stream);
+        check_launch(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming), "P2PChannel event");
+        for (auto& ev : done_) check_launch(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "P2PChannel event");
     }
+    ~P2PChannel() {
+        cudaEventDestroy(inputs_ready_);
+        for (auto ev : done_) cudaEventDestroy(ev);
+    }
+    P2PChannel(const P2PChannel&) = delete;
+    P2PChannel& operator=(const P2PChannel&) = delete;
 
     static py::dict layout(int world, int blocks, int slots, int64_t cell_bytes) {
         tk::collectives::channel_layout L{world, blocks, slots, cell_bytes};
@@ -109,23 +122,52 @@ class P2PChannel {
                         py::arg("total_bytes") = L.total_bytes());
     }
 
-    void all_gather(std::uintptr_t in, std::uintptr_t out, int64_t bytes_per_rank, int64_t chunk_bytes, int elem_bytes,
-                    std::uintptr_t stream, int grid) const {
+    int all_gather(std::uintptr_t in, std::uintptr_t out, int64_t bytes_per_rank, int64_t chunk_bytes, int elem_bytes,
+                   std::uintptr_t caller, bool async, int grid) {
         tk::collectives::all_gather_args a{args_, as_ptr<void>(in), reinterpret_cast<void*>(out), bytes_per_rank,
                                            chunk_bytes, elem_bytes};
-        check_launch(tk::collectives::launch_all_gather(a, grid, reinterpret_cast<cudaStream_t>(stream)), "all_gather");
+        return ordered(caller, async, "all_gather",
+                       [&](cudaStream_t s) { return tk::collectives::launch_all_gather(a, grid, s); });
     }
 
-    void reduce_scatter(std::uintptr_t in, std::uintptr_t out, int64_t elems_per_rank, int64_t chunk_elems, int dtype,
-                        bool average, std::uintptr_t stream, int grid) const {
+    int reduce_scatter(std::uintptr_t in, std::uintptr_t out, int64_t elems_per_rank, int64_t chunk_elems, int dtype,
+                       bool average, std::uintptr_t caller, bool async, int grid) {
         tk::collectives::reduce_scatter_args a{args_, as_ptr<void>(in), reinterpret_cast<void*>(out), elems_per_rank,
                                                chunk_elems, dtype, average};
-        check_launch(tk::collectives::launch_reduce_scatter(a, grid, reinterpret_cast<cudaStream_t>(stream)),
-                     "reduce_scatter");
+        return ordered(caller, async, "reduce_scatter",
+                       [&](cudaStream_t s) { return tk::collectives::launch_reduce_scatter(a, grid, s); });
+    }
+
+    // Make `stream` wait for the asynchronous launch `handle` (a later launch reusing its event is waited for
+    // instead: later, never earlier).
+    void wait(int handle, std::uintptr_t stream) const {
+        if (handle < 0 || handle >= ring) throw std::invalid_argument("P2PChannel.wait: bad handle");
+        check_launch(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), done_[handle], 0), "wait");
     }
 
   private:
+    template <class Launch> int ordered(std::uintptr_t caller_handle, bool async, const char* what, Launch launch) {
+        cudaStream_t caller = reinterpret_cast<cudaStream_t>(caller_handle);
+        cudaStream_t s = async ? comm_ : caller;
+        if (async) {
+            check_launch(cudaEventRecord(inputs_ready_, caller), what);
+            check_launch(cudaStreamWaitEvent(comm_, inputs_ready_, 0), what);
+        }
+        if (last_ >= 0 && last_stream_ != s) check_launch(cudaStreamWaitEvent(s, done_[last_], 0), what);
+        check_launch(launch(s), what);
+        const int i = next_;
+        next_ = (next_ + 1) % ring;
+        check_launch(cudaEventRecord(done_[i], s), what);
+        last_ = i;
+        last_stream_ = s;
+        return i;
+    }
+
     tk::collectives::channel_args args_{};
+    cudaStream_t comm_ = nullptr, last_stream_ = nullptr;
+    cudaEvent_t inputs_ready_ = nullptr;
+    std::array<cudaEvent_t, ring> done_{};
+    int next_ = 0, last_ = -1;
 };
 
 }  // namespace
@@ -155,13 +197,17 @@ PYBIND11_MODULE(_C, m) {
 
     py::class_<P2PChannel>(m, "P2PChannel",
                            "One rank's end of a peer-memory channel (thunder_tk.collectives sets it up).")
-        .def(py::init<int, int, int, int64_t, int, std::vector<std::uintptr_t>, std::uintptr_t, int64_t>(),
+        .def(py::init<int, int, int, int64_t, int, std::vector<std::uintptr_t>, std::uintptr_t, int64_t,
+                      std::uintptr_t>(),
              py::arg("world"), py::arg("blocks"), py::arg("slots"), py::arg("cell_bytes"), py::arg("rank"),
-             py::arg("buffers"), py::arg("error_record"), py::arg("timeout_ns"))
+             py::arg("buffers"), py::arg("error_record"), py::arg("timeout_ns"), py::arg("comm_stream"))
         .def_static("layout", &P2PChannel::layout, py::arg("world"), py::arg("blocks"), py::arg("slots"),
                     py::arg("cell_bytes"), "Byte sizes of one rank's symmetric buffer.")
         .def("all_gather", &P2PChannel::all_gather, py::arg("inp"), py::arg("out"), py::arg("bytes_per_rank"),
-             py::arg("chunk_bytes"), py::arg("elem_bytes"), py::arg("stream"), py::arg("grid") = 0)
+             py::arg("chunk_bytes"), py::arg("elem_bytes"), py::arg("caller_stream"), py::arg("async_op"),
+             py::arg("grid") = 0, "Returns a handle for wait().")
         .def("reduce_scatter", &P2PChannel::reduce_scatter, py::arg("inp"), py::arg("out"), py::arg("elems_per_rank"),
-             py::arg("chunk_elems"), py::arg("dtype"), py::arg("average"), py::arg("stream"), py::arg("grid") = 0);
+             py::arg("chunk_elems"), py::arg("dtype"), py::arg("average"), py::arg("caller_stream"),
+             py::arg("async_op"), py::arg("grid") = 0, "Returns a handle for wait().")
+        .def("wait", &P2PChannel::wait, py::arg("handle"), py::arg("stream"));
 }

@@ -167,11 +167,12 @@ class Channel:
             # Every rank's flags are zero before any rank's first launch writes into them.
             self._handle.barrier()
             torch.cuda.current_stream(self.device).synchronize()
-            self.stream = torch.cuda.Stream(self.device)
-        self._error = torch.zeros(len(_ERROR_FIELDS) + 1, dtype=torch.int64, pin_memory=True)
-        self._kernels = ext.P2PChannel(self.world, config.blocks, SLOTS, cell, self.rank,
-                                       [int(p) for p in self._handle.buffer_ptrs], self._error.data_ptr(),
-                                       int(config.timeout_s * 1e9))
+            self.stream = torch.cuda.Stream(self.device, priority=-1)
+            self._error = torch.zeros(len(_ERROR_FIELDS) + 1, dtype=torch.int64, pin_memory=True)
+            self._error_view = self._error.numpy()  # read without going through torch ops
+            self._kernels = ext.P2PChannel(self.world, config.blocks, SLOTS, cell, self.rank,
+                                           [int(p) for p in self._handle.buffer_ptrs], self._error.data_ptr(),
+                                           int(config.timeout_s * 1e9), self.stream.cuda_stream)
         self._failure: CollectiveError | None = None
 
     def chunk_bytes(self, bytes_per_rank: int) -> int:
@@ -183,16 +184,13 @@ class Channel:
 
     def failure(self) -> CollectiveError | None:
         """The error a kernel on this channel recorded (read from pinned memory; no synchronisation)."""
-        if self._failure is None:
-            code = int(self._error[0])
-            if code:
-                self._failure = self._describe(code, dict(zip(_ERROR_FIELDS, self._error.tolist())))
+        if self._failure is None and self._error_view[0]:
+            self._failure = self._describe(int(self._error_view[0]), dict(zip(_ERROR_FIELDS, self._error.tolist())))
         return self._failure
 
     def raise_if_failed(self) -> None:
-        failure = self.failure()
-        if failure is not None:
-            raise failure
+        if self._failure is not None or self._error_view[0]:
+            raise self.failure()
 
     def _describe(self, code: int, rec: dict) -> CollectiveError:
         op = _OPS.get(rec["op"], "collective")
@@ -212,52 +210,55 @@ class Channel:
 
     # -- launches ---------------------------------------------------------------------------------------
 
-    def _begin(self, tensors: list[torch.Tensor]) -> torch.cuda.Stream:
-        self.raise_if_failed()
-        caller = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(caller)
-        return caller
+    # A synchronous call runs on the caller's stream; an asynchronous one on the channel's stream, which the
+    # caller's stream waits for in Work.wait(). The binding keeps the channel's launches in order across both.
 
-    def _finish(self, tensors: list[torch.Tensor], caller, async_op: bool) -> "Work":
-        for t in tensors:  # the caller may free them while the channel's stream still uses them
-            t.record_stream(self.stream)
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        work = Work(self, event)
+    def _finish(self, handle: int, tensors: tuple[torch.Tensor, ...], async_op: bool):
         if not async_op:
-            caller.wait_event(event)
-        return work
+            return None
+        for t in tensors:  # the caller may free them while the channel's stream still reads or writes them
+            t.record_stream(self.stream)
+        return Work(self, handle)
 
-    def all_gather(self, a: torch.Tensor, *, async_op: bool = False):
+    def all_gather(self, a: torch.Tensor, *, async_op: bool = False, out: torch.Tensor | None = None):
         """Concatenation of every rank's `a` along dim 0. Returns the tensor, or (Work, tensor) if async."""
         self._check_tensor(a)
+        self.raise_if_failed()
         a = a.contiguous()
-        out = torch.empty((a.shape[0] * self.world, *a.shape[1:]), dtype=a.dtype, device=a.device)
+        shape = (a.shape[0] * self.world, *a.shape[1:])
+        out = self._output(out, shape, a)
         nbytes = a.numel() * a.element_size()
-        caller = self._begin([a])
-        if nbytes:
-            self._kernels.all_gather(a.data_ptr(), out.data_ptr(), nbytes, self.chunk_bytes(nbytes),
-                                     a.element_size(), self.stream.cuda_stream)
-        work = self._finish([a, out], caller, async_op)
+        handle = self._kernels.all_gather(a.data_ptr(), out.data_ptr(), nbytes, self.chunk_bytes(nbytes),
+                                          a.element_size(), _raw_stream(self.device), async_op)
+        work = self._finish(handle, (a, out), async_op)
         return (work, out) if async_op else out
 
-    def reduce_scatter(self, a: torch.Tensor, op: str = "sum", *, async_op: bool = False):
+    def reduce_scatter(self, a: torch.Tensor, op: str = "sum", *, async_op: bool = False,
+                       out: torch.Tensor | None = None):
         """This rank's slice (along dim 0) of the sum (or average) of every rank's `a`."""
         self._check_tensor(a)
         if op not in ("sum", "avg"):
             raise ValueError(f"reduce_scatter op must be 'sum' or 'avg', not {op!r}")
-        if a.ndim == 0 or a.shape[0] % self.world:
+        if a.shape[0] % self.world:
             raise ValueError(f"reduce_scatter needs dim 0 divisible by the group size {self.world}; got {tuple(a.shape)}")
+        self.raise_if_failed()
         a = a.contiguous()
-        out = torch.empty((a.shape[0] // self.world, *a.shape[1:]), dtype=a.dtype, device=a.device)
-        n = out.numel()
-        caller = self._begin([a])
-        if n:
-            esize = a.element_size()
-            self._kernels.reduce_scatter(a.data_ptr(), out.data_ptr(), n, self.chunk_bytes(n * esize) // esize,
-                                         _DTYPE_CODES[a.dtype], op == "avg", self.stream.cuda_stream)
-        work = self._finish([a, out], caller, async_op)
+        out = self._output(out, (a.shape[0] // self.world, *a.shape[1:]), a)
+        n, esize = out.numel(), a.element_size()
+        handle = self._kernels.reduce_scatter(a.data_ptr(), out.data_ptr(), n, self.chunk_bytes(n * esize) // esize,
+                                              _DTYPE_CODES[a.dtype], op == "avg", _raw_stream(self.device), async_op)
+        work = self._finish(handle, (a, out), async_op)
         return (work, out) if async_op else out
+
+    @staticmethod
+    def _output(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        if out is None:
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
+        if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or out.device != like.device or (
+                not out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous {like.dtype} tensor of shape {tuple(shape)} on {like.device}; "
+                             f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+        return out
 
     def _check_tensor(self, a: torch.Tensor) -> None:
         if a.device != self.device:
@@ -271,22 +272,24 @@ class Channel:
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
+def _raw_stream(device: torch.device) -> int:
+    return torch._C._cuda_getCurrentRawStream(device.index)
+
+
 class Work:
     """What an async tk collective returns beside its tensor; Thunder's `wait` calls `wait()` on it."""
 
-    __slots__ = ("_channel", "_event")
+    __slots__ = ("_channel", "_handle")
 
-    def __init__(self, channel: Channel, event: torch.cuda.Event):
+    def __init__(self, channel: Channel, handle: int):
         self._channel = channel
-        self._event = event
+        self._handle = handle
 
     def wait(self, timeout=None) -> bool:
-        torch.cuda.current_stream(self._channel.device).wait_event(self._event)
+        """Make the current stream wait for the collective (no host synchronisation); raise if it failed."""
+        self._channel._kernels.wait(self._handle, _raw_stream(self._channel.device))
         self._channel.raise_if_failed()
         return True
-
-    def is_completed(self) -> bool:
-        return self._event.query()
 
 
 _channels: dict[tuple[str, int], Channel] = {}

@@ -2,20 +2,41 @@
 //
 // Block b of every rank handles units b, b + grid, ... of the message. Unit k of a block (counted over the
 // block's whole life, across calls) is staged in cell k % slots and announced with flag value k + 1. A sender
-// may refill a cell once every receiver has reported the unit `slots` earlier as consumed. Each block sends
-// unit k + 1 before draining unit k, so NVLink writes of one unit overlap the local drain of the previous one.
+// may refill a cell once every receiver has reported the unit `slots` earlier as consumed. Each block is two
+// teams of warps running side by side: the sending team streams units out over NVLink while the receiving team
+// drains the units that have arrived, so the link never waits for a local copy.
 #include "kernels/collectives/p2p.h"
 
 #include <algorithm>
 
 #include "kittens/common.cuh"
 #include "kittens/peer.cuh"
+#include "kittens/sync.cuh"
 
 namespace tk::collectives {
 namespace {
 
 constexpr int threads = 512;
 constexpr int unroll = 4;  // 16-byte vectors in flight per thread per destination pass
+
+// Half of the block: the senders (named barrier 1) or the receivers (named barrier 2).
+struct team {
+    static constexpr int size = threads / 2;
+    int id;  // 0: senders, 1: receivers
+    __device__ static team mine() { return {threadIdx.x < size ? 0 : 1}; }
+    __device__ int rank() const { return threadIdx.x - id * size; }
+    __device__ bool leader() const { return rank() == 0; }
+    __device__ void sync() const { sync::named_sync(1 + id, size); }
+    // The leader's verdict, seen by the whole team.
+    __device__ bool agrees(bool leader_ok) const {
+        __shared__ int ok[2];
+        if (leader()) ok[id] = leader_ok;
+        sync();
+        const bool r = ok[id] != 0;
+        sync();
+        return r;
+    }
+};
 
 // The flag area of one rank's buffer.
 struct flags_of {
@@ -87,14 +108,15 @@ __device__ bool wait_flag(const channel_args& ch, const flags_of& mine, const ui
 // Copy `bytes` from `src` to each of `n_dst` destinations with the whole block: 16-byte vectors when every
 // pointer allows, then `elem`-byte elements for the rest. Stage reads bypass L1 (cells are rewritten by peers).
 template <bool SrcIsStage>
-__device__ void copy_block(char* const* dst, int n_dst, const char* src, int64_t bytes, int elem) {
+__device__ void copy_team(const team& t, char* const* dst, int n_dst, const char* src, int64_t bytes, int elem) {
+    constexpr int threads = team::size;
     bool vec = aligned16(src);
     for (int d = 0; d < n_dst; ++d) vec = vec && aligned16(dst[d]);
     int64_t done = 0;
     if (vec) {
         const int64_t n_vec = bytes / 16;
         const uint4* s = reinterpret_cast<const uint4*>(src);
-        for (int64_t base = threadIdx.x; base < n_vec; base += int64_t(threads) * unroll) {
+        for (int64_t base = t.rank(); base < n_vec; base += int64_t(threads) * unroll) {
             uint4 r[unroll];
 #pragma unroll
             for (int u = 0; u < unroll; ++u) {
@@ -113,12 +135,12 @@ __device__ void copy_block(char* const* dst, int n_dst, const char* src, int64_t
         done = n_vec * 16;
     }
     if (elem == 4) {
-        for (int64_t i = done / 4 + threadIdx.x; i < bytes / 4; i += threads) {
+        for (int64_t i = done / 4 + t.rank(); i < bytes / 4; i += threads) {
             const uint32_t v = reinterpret_cast<const uint32_t*>(src)[i];
             for (int d = 0; d < n_dst; ++d) reinterpret_cast<uint32_t*>(dst[d])[i] = v;
         }
     } else {
-        for (int64_t i = done / 2 + threadIdx.x; i < bytes / 2; i += threads) {
+        for (int64_t i = done / 2 + t.rank(); i < bytes / 2; i += threads) {
             const uint16_t v = reinterpret_cast<const uint16_t*>(src)[i];
             for (int d = 0; d < n_dst; ++d) reinterpret_cast<uint16_t*>(dst[d])[i] = v;
         }
@@ -138,82 +160,78 @@ struct stream_state {
     __device__ flags_of flags_at(int rank) const { return {static_cast<uint64_t*>(ch.buffers[rank]), ch.layout}; }
 };
 
-// Block-uniform result of a thread-0 wait.
-__device__ __forceinline__ bool block_agrees(bool thread0_ok) {
-    __shared__ int ok;
-    if (threadIdx.x == 0) ok = thread0_ok;
-    __syncthreads();
-    const bool r = ok != 0;
-    __syncthreads();
-    return r;
-}
-
 // Before staging unit k: every receiver has drained the unit that last used this cell.
-__device__ bool wait_cell_free(const stream_state& s, int64_t k) {
+__device__ bool wait_cell_free(const team& t, const stream_state& s, int64_t k) {
     bool ok = true;
     const uint64_t v = s.value(k);
     const int slots = s.ch.layout.slots;
-    if (threadIdx.x == 0 && v > uint64_t(slots)) {
+    if (t.leader() && v > uint64_t(slots)) {
         for (int i = 1; i < s.world && ok; ++i) {
             const int p = (s.me + i) % s.world;
             ok = wait_flag(s.ch, s.mine, s.mine.consumed(s.b, s.slot(k), p), v - slots, false, s.op, p, s.b);
         }
     }
-    return block_agrees(ok);
+    return t.agrees(ok);
 }
 
-// After staging unit k at every receiver.
-__device__ void announce(const stream_state& s, int64_t k) {
-    peer::publish_block_writes();
-    if (threadIdx.x == 0)
+// After the team staged unit k at every receiver.
+__device__ void announce(const team& t, const stream_state& s, int64_t k) {
+    t.sync();
+    if (t.leader()) {
+        __threadfence_system();
         for (int i = 1; i < s.world; ++i) {
             const int p = (s.me + i) % s.world;
             peer::store_release(s.flags_at(p).ready(s.b, s.slot(k), s.me), s.value(k));
         }
+    }
 }
 
-__device__ bool wait_ready(const stream_state& s, int64_t k) {
+__device__ bool wait_ready(const team& t, const stream_state& s, int64_t k) {
     bool ok = true;
-    if (threadIdx.x == 0)
+    if (t.leader())
         for (int i = 1; i < s.world && ok; ++i) {
             const int p = (s.me + s.world - i) % s.world;
             ok = wait_flag(s.ch, s.mine, s.mine.ready(s.b, s.slot(k), p), s.value(k), true, s.op, p, s.b);
         }
-    return block_agrees(ok);
+    return t.agrees(ok);
 }
 
-__device__ void release_cells(const stream_state& s, int64_t k) {
-    __syncthreads();
-    if (threadIdx.x == 0)
+__device__ void release_cells(const team& t, const stream_state& s, int64_t k) {
+    t.sync();
+    if (t.leader())
         for (int i = 1; i < s.world; ++i) {
             const int p = (s.me + i) % s.world;
             peer::store_release(s.flags_at(p).consumed(s.b, s.slot(k), s.me), s.value(k));
         }
 }
 
-// Runs send(k+1) before recv(k). Returns false when a wait failed (the channel is then aborted).
+// The senders run send(k) for each of the block's units, the receivers recv(k); a failed wait (the channel is
+// then aborted) ends the team's loop, and the other team's waits end on the abort word.
 template <class Send, class Recv>
 __device__ void run_units(stream_state& s, int64_t units, Send send, Recv recv) {
     const int64_t mine = units > s.b ? (units - s.b + gridDim.x - 1) / gridDim.x : 0;
-    if (mine == 0) return;
-    if (!wait_cell_free(s, 0)) return;
-    send(0);
-    announce(s, 0);
+    const team t = team::mine();
     for (int64_t k = 0; k < mine; ++k) {
-        if (k + 1 < mine) {
-            if (!wait_cell_free(s, k + 1)) return;
-            send(k + 1);
-            announce(s, k + 1);
+        if (t.id == 0) {
+            if (!wait_cell_free(t, s, k)) break;
+            send(t, k);
+            announce(t, s, k);
+        } else {
+            if (!wait_ready(t, s, k)) break;
+            recv(t, k);
+            release_cells(t, s, k);
         }
-        if (!wait_ready(s, k)) return;
-        recv(k);
-        release_cells(s, k);
     }
-    if (threadIdx.x == 0) *s.mine.seq(s.b) = s.seq0 + mine;
+    __syncthreads();
+    if (threadIdx.x == 0 && *reinterpret_cast<volatile uint64_t*>(s.mine.abort_word()) == 0)
+        *s.mine.seq(s.b) = s.seq0 + mine;
 }
 
 __device__ bool channel_open(const flags_of& mine) {
-    return block_agrees(threadIdx.x != 0 || *reinterpret_cast<volatile uint64_t*>(mine.abort_word()) == 0);
+    __shared__ int open;
+    if (threadIdx.x == 0) open = *reinterpret_cast<volatile uint64_t*>(mine.abort_word()) == 0;
+    __syncthreads();
+    return open != 0;
 }
 
 __global__ void __launch_bounds__(threads) all_gather_kernel(const all_gather_args a) {
@@ -227,7 +245,7 @@ __global__ void __launch_bounds__(threads) all_gather_kernel(const all_gather_ar
     char* out = static_cast<char*>(a.out);
     auto unit_offset = [&](int64_t k) { return (s.b + k * gridDim.x) * C; };
 
-    auto send = [&](int64_t k) {
+    auto send = [&](const team& t, int64_t k) {
         const int64_t off = unit_offset(k), len = min(C, n - off);
         char* dst[max_ranks];
         dst[0] = out + s.me * n + off;
@@ -235,14 +253,14 @@ __global__ void __launch_bounds__(threads) all_gather_kernel(const all_gather_ar
             const int p = (s.me + i) % s.world;
             dst[i] = cell(ch.buffers[p], ch.layout, s.b, s.slot(k), s.me, p);
         }
-        copy_block<false>(dst, s.world, in + off, len, a.elem_bytes);
+        copy_team<false>(t, dst, s.world, in + off, len, a.elem_bytes);
     };
-    auto recv = [&](int64_t k) {
+    auto recv = [&](const team& t, int64_t k) {
         const int64_t off = unit_offset(k), len = min(C, n - off);
         for (int i = 1; i < s.world; ++i) {
             const int p = (s.me + s.world - i) % s.world;
             char* dst[1] = {out + p * n + off};
-            copy_block<true>(dst, 1, cell(ch.buffers[s.me], ch.layout, s.b, s.slot(k), p, s.me), len, a.elem_bytes);
+            copy_team<true>(t, dst, 1, cell(ch.buffers[s.me], ch.layout, s.b, s.slot(k), p, s.me), len, a.elem_bytes);
         }
     };
     run_units(s, (n + C - 1) / C, send, recv);
@@ -261,15 +279,16 @@ __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_sc
     const float scale = a.average ? 1.0f / s.world : 1.0f;
     auto unit_offset = [&](int64_t k) { return (s.b + k * gridDim.x) * C; };
 
-    auto send = [&](int64_t k) {
+    auto send = [&](const team& t, int64_t k) {
         const int64_t off = unit_offset(k), len = min(C, n - off);
         for (int i = 1; i < s.world; ++i) {
             const int p = (s.me + i) % s.world;
             char* dst[1] = {cell(ch.buffers[p], ch.layout, s.b, s.slot(k), s.me, p)};
-            copy_block<false>(dst, 1, reinterpret_cast<const char*>(in + p * n + off), len * sizeof(T), sizeof(T));
+            copy_team<false>(t, dst, 1, reinterpret_cast<const char*>(in + p * n + off), len * sizeof(T), sizeof(T));
         }
     };
-    auto recv = [&](int64_t k) {
+    auto recv = [&](const team& t, int64_t k) {
+        constexpr int threads = team::size;
         const int64_t off = unit_offset(k), len = min(C, n - off);
         const T* own = in + s.me * n + off;
         T* o = out + off;
@@ -280,26 +299,43 @@ __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_sc
         int64_t done = 0;
         if (aligned16(own) && aligned16(o)) {
             const int64_t n_vec = len / V;
-            for (int64_t i = threadIdx.x; i < n_vec; i += threads) {
-                float acc[V];
+            // `unroll` independent vectors per thread, each source's loads issued together: enough bytes in
+            // flight to drain a cell at local memory speed.
+            for (int64_t base = t.rank(); base < n_vec; base += int64_t(threads) * unroll) {
+                float acc[unroll][V];
 #pragma unroll
-                for (int e = 0; e < V; ++e) acc[e] = 0.0f;
+                for (int u = 0; u < unroll; ++u)
+#pragma unroll
+                    for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
                 for (int r = 0; r < s.world; ++r) {  // rank order: the same sum on every rank
-                    const uint4* p = reinterpret_cast<const uint4*>(source(r)) + i;
-                    const uint4 raw = r == s.me ? *p : __ldcg(p);
-                    const T* v = reinterpret_cast<const T*>(&raw);
+                    const uint4* p = reinterpret_cast<const uint4*>(source(r));
+                    uint4 raw[unroll];
 #pragma unroll
-                    for (int e = 0; e < V; ++e) acc[e] += to_float(v[e]);
+                    for (int u = 0; u < unroll; ++u) {
+                        const int64_t i = base + int64_t(u) * threads;
+                        if (i < n_vec) raw[u] = r == s.me ? p[i] : __ldcg(p + i);
+                    }
+#pragma unroll
+                    for (int u = 0; u < unroll; ++u) {
+                        const T* v = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+                        for (int e = 0; e < V; ++e) acc[u][e] += to_float(v[e]);
+                    }
                 }
-                uint4 packed_out;
-                T* w = reinterpret_cast<T*>(&packed_out);
 #pragma unroll
-                for (int e = 0; e < V; ++e) w[e] = static_cast<T>(acc[e] * scale);
-                reinterpret_cast<uint4*>(o)[i] = packed_out;
+                for (int u = 0; u < unroll; ++u) {
+                    const int64_t i = base + int64_t(u) * threads;
+                    if (i >= n_vec) break;
+                    uint4 packed_out;
+                    T* w = reinterpret_cast<T*>(&packed_out);
+#pragma unroll
+                    for (int e = 0; e < V; ++e) w[e] = static_cast<T>(acc[u][e] * scale);
+                    reinterpret_cast<uint4*>(o)[i] = packed_out;
+                }
             }
             done = n_vec * V;
         }
-        for (int64_t i = done + threadIdx.x; i < len; i += threads) {
+        for (int64_t i = done + t.rank(); i < len; i += threads) {
             float acc = 0.0f;
             for (int r = 0; r < s.world; ++r) acc += to_float(r == s.me ? own[i] : __ldcg(source(r) + i));
             o[i] = static_cast<T>(acc * scale);
