@@ -27,6 +27,7 @@ import torch
 MAX_RANKS = 16  # the kernels' peer table
 MIN_CHUNK_BYTES = 8192  # smallest unit of work one block moves
 SLOTS = 2  # staging cells per (block, peer): one being drained while the next is written
+UNITS_PER_BLOCK = 4  # aim for this many units per block, so sending and draining overlap inside each block
 
 
 class CollectiveError(RuntimeError):
@@ -176,9 +177,10 @@ class Channel:
         self._failure: CollectiveError | None = None
 
     def chunk_bytes(self, bytes_per_rank: int) -> int:
-        """Bytes per unit of work: the whole grid busy for mid-sized messages, full cells for large ones."""
-        per_block = -(-bytes_per_rank // self.config.blocks)
-        return min(self.cell_bytes, max(MIN_CHUNK_BYTES, -(-per_block // 16) * 16))
+        """Bytes per unit of work: several units per block where the message allows (a block pipelines its
+        units through its cells), never below MIN_CHUNK_BYTES nor above a cell."""
+        per_unit = -(-bytes_per_rank // (self.config.blocks * UNITS_PER_BLOCK))
+        return min(self.cell_bytes, max(MIN_CHUNK_BYTES, -(-per_unit // 16) * 16))
 
     # -- failures ---------------------------------------------------------------------------------------
 
