@@ -18,6 +18,7 @@ namespace {
 
 constexpr int threads = 512;
 constexpr int unroll = 8;  // 16-byte vectors in flight per thread per destination pass (loads are latency-bound)
+constexpr int reduce_unroll = 4;  // per source: a reduce has `world` sources in flight
 
 // Half of the block: the senders (named barrier 1) or the receivers (named barrier 2).
 struct team {
@@ -299,36 +300,36 @@ __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_sc
         int64_t done = 0;
         if (aligned16(own) && aligned16(o)) {
             const int64_t n_vec = len / V;
-            // `unroll` independent vectors per thread, each source's loads issued together: enough bytes in
+            // `reduce_unroll` independent vectors per thread, each source's loads issued together: enough bytes in
             // flight to drain a cell at local memory speed.
-            for (int64_t base = t.rank(); base < n_vec; base += int64_t(threads) * unroll) {
-                float acc[unroll][V];
-#pragma unroll
-                for (int u = 0; u < unroll; ++u)
-#pragma unroll
+            for (int64_t base = t.rank(); base < n_vec; base += int64_t(threads) * reduce_unroll) {
+                float acc[reduce_unroll][V];
+#pragma reduce_unroll
+                for (int u = 0; u < reduce_unroll; ++u)
+#pragma reduce_unroll
                     for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
                 for (int r = 0; r < s.world; ++r) {  // rank order: the same sum on every rank
                     const uint4* p = reinterpret_cast<const uint4*>(source(r));
-                    uint4 raw[unroll];
-#pragma unroll
-                    for (int u = 0; u < unroll; ++u) {
+                    uint4 raw[reduce_unroll];
+#pragma reduce_unroll
+                    for (int u = 0; u < reduce_unroll; ++u) {
                         const int64_t i = base + int64_t(u) * threads;
                         if (i < n_vec) raw[u] = r == s.me ? p[i] : __ldcg(p + i);
                     }
-#pragma unroll
-                    for (int u = 0; u < unroll; ++u) {
+#pragma reduce_unroll
+                    for (int u = 0; u < reduce_unroll; ++u) {
                         const T* v = reinterpret_cast<const T*>(&raw[u]);
-#pragma unroll
+#pragma reduce_unroll
                         for (int e = 0; e < V; ++e) acc[u][e] += to_float(v[e]);
                     }
                 }
-#pragma unroll
-                for (int u = 0; u < unroll; ++u) {
+#pragma reduce_unroll
+                for (int u = 0; u < reduce_unroll; ++u) {
                     const int64_t i = base + int64_t(u) * threads;
                     if (i >= n_vec) break;
                     uint4 packed_out;
                     T* w = reinterpret_cast<T*>(&packed_out);
-#pragma unroll
+#pragma reduce_unroll
                     for (int e = 0; e < V; ++e) w[e] = static_cast<T>(acc[u][e] * scale);
                     reinterpret_cast<uint4*>(o)[i] = packed_out;
                 }
