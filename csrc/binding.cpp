@@ -153,13 +153,24 @@ class P2PChannel {
             check_launch(cudaEventRecord(inputs_ready_, caller), what);
             check_launch(cudaStreamWaitEvent(comm_, inputs_ready_, 0), what);
         }
-        if (last_ >= 0 && last_stream_ != s) check_launch(cudaStreamWaitEvent(s, done_[last_], 0), what);
+        if (last_stream_ != nullptr && last_stream_ != s) {
+            // The previous launch ran on another stream: order after it. A synchronous launch records no event
+            // of its own, so record one on its stream now (it also covers later work there: later, never earlier).
+            if (last_ < 0) {
+                last_ = next_;
+                next_ = (next_ + 1) % ring;
+                check_launch(cudaEventRecord(done_[last_], last_stream_), what);
+            }
+            check_launch(cudaStreamWaitEvent(s, done_[last_], 0), what);
+        }
         check_launch(launch(s), what);
+        last_stream_ = s;
+        last_ = -1;
+        if (!async) return -1;  // the caller's stream is already ordered after it
         const int i = next_;
         next_ = (next_ + 1) % ring;
         check_launch(cudaEventRecord(done_[i], s), what);
         last_ = i;
-        last_stream_ = s;
         return i;
     }
 

@@ -12,7 +12,8 @@ channel raises `CollectiveTimeoutError` naming the op and the peer.
 
 Environment knobs (read when a channel is made, so set them alike on every rank):
 - THUNDER_TK_COLLECTIVE_TIMEOUT_S (default 600): how long a kernel waits for a peer.
-- THUNDER_TK_COLLECTIVE_BLOCKS (default 32): thread blocks (SMs) a collective uses.
+- THUNDER_TK_COLLECTIVE_BLOCKS (default 128): thread blocks (one SM each) a large collective may use; fewer
+  leave more SMs to overlapping compute at some cost in bandwidth (benchmarks/NOTES.md).
 - THUNDER_TK_COLLECTIVE_BUFFER_MB (default 64): staging buffer per rank.
 """
 
@@ -129,7 +130,7 @@ class ChannelConfig:
     @staticmethod
     def from_env() -> "ChannelConfig":
         return ChannelConfig(
-            blocks=_env_int("THUNDER_TK_COLLECTIVE_BLOCKS", 32),
+            blocks=_env_int("THUNDER_TK_COLLECTIVE_BLOCKS", 128),
             buffer_bytes=_env_int("THUNDER_TK_COLLECTIVE_BUFFER_MB", 64) << 20,
             timeout_s=_env_float("THUNDER_TK_COLLECTIVE_TIMEOUT_S", 600.0),
         )
@@ -151,6 +152,7 @@ class Channel:
             raise ValueError(f"channel needs blocks >= 1 and a positive timeout; got {config}")
         self.group = group
         self.device = torch.device(device)
+        self._index = self.device.index
         self.world = group.size()
         self.rank = group.rank()
         self.config = config
@@ -224,39 +226,48 @@ class Channel:
 
     def all_gather(self, a: torch.Tensor, *, async_op: bool = False, out: torch.Tensor | None = None):
         """Concatenation of every rank's `a` along dim 0. Returns the tensor, or (Work, tensor) if async."""
-        self._check_tensor(a)
-        self.raise_if_failed()
-        a = a.contiguous()
-        shape = (a.shape[0] * self.world, *a.shape[1:])
-        out = self._output(out, shape, a)
+        # Kept lean: at small sizes the host work per call is what the caller waits for.
+        if a.dtype not in _DTYPE_CODES or a.get_device() != self._index or a.ndim == 0:
+            self._check_tensor(a)
+        if self._failure is not None or self._error_view[0]:
+            raise self.failure()
+        if not a.is_contiguous():
+            a = a.contiguous()
+        out = self._output(out, (a.shape[0] * self.world, *a.shape[1:]), a)
         nbytes = a.numel() * a.element_size()
         handle = self._kernels.all_gather(a.data_ptr(), out.data_ptr(), nbytes, self.chunk_bytes(nbytes),
-                                          a.element_size(), _raw_stream(self.device), async_op)
-        work = self._finish(handle, (a, out), async_op)
-        return (work, out) if async_op else out
+                                          a.element_size(), _current_stream(self._index), async_op)
+        if not async_op:
+            return out
+        return self._finish(handle, (a, out), async_op), out
 
     def reduce_scatter(self, a: torch.Tensor, op: str = "sum", *, async_op: bool = False,
                        out: torch.Tensor | None = None):
         """This rank's slice (along dim 0) of the sum (or average) of every rank's `a`."""
-        self._check_tensor(a)
+        if a.dtype not in _DTYPE_CODES or a.get_device() != self._index or a.ndim == 0:
+            self._check_tensor(a)
         if op not in ("sum", "avg"):
             raise ValueError(f"reduce_scatter op must be 'sum' or 'avg', not {op!r}")
         if a.shape[0] % self.world:
             raise ValueError(f"reduce_scatter needs dim 0 divisible by the group size {self.world}; got {tuple(a.shape)}")
-        self.raise_if_failed()
-        a = a.contiguous()
+        if self._failure is not None or self._error_view[0]:
+            raise self.failure()
+        if not a.is_contiguous():
+            a = a.contiguous()
         out = self._output(out, (a.shape[0] // self.world, *a.shape[1:]), a)
         n, esize = out.numel(), a.element_size()
         handle = self._kernels.reduce_scatter(a.data_ptr(), out.data_ptr(), n, self.chunk_bytes(n * esize) // esize,
-                                              _DTYPE_CODES[a.dtype], op == "avg", _raw_stream(self.device), async_op)
-        work = self._finish(handle, (a, out), async_op)
-        return (work, out) if async_op else out
+                                              _DTYPE_CODES[a.dtype], op == "avg", _current_stream(self._index),
+                                              async_op)
+        if not async_op:
+            return out
+        return self._finish(handle, (a, out), async_op), out
 
     @staticmethod
     def _output(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
         if out is None:
             return torch.empty(shape, dtype=like.dtype, device=like.device)
-        if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or out.device != like.device or (
+        if out.shape != shape or out.dtype != like.dtype or out.get_device() != like.get_device() or (
                 not out.is_contiguous()):
             raise ValueError(f"out must be a contiguous {like.dtype} tensor of shape {tuple(shape)} on {like.device}; "
                              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
@@ -274,8 +285,7 @@ class Channel:
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
-def _raw_stream(device: torch.device) -> int:
-    return torch._C._cuda_getCurrentRawStream(device.index)
+_current_stream = torch._C._cuda_getCurrentRawStream  # (device index) -> cudaStream_t as int
 
 
 class Work:
@@ -289,7 +299,7 @@ class Work:
 
     def wait(self, timeout=None) -> bool:
         """Make the current stream wait for the collective (no host synchronisation); raise if it failed."""
-        self._channel._kernels.wait(self._handle, _raw_stream(self._channel.device))
+        self._channel._kernels.wait(self._handle, _current_stream(self._channel._index))
         self._channel.raise_if_failed()
         return True
 
