@@ -177,9 +177,8 @@ __device__ bool wait_cell_free(const team& t, const stream_state& s, int64_t k) 
 
 // After the team staged unit k at every receiver.
 __device__ void announce(const team& t, const stream_state& s, int64_t k) {
-    t.sync();
+    t.sync();  // the team's writes happen before the leader's release store (cumulative at system scope)
     if (t.leader()) {
-        __threadfence_system();
         for (int i = 1; i < s.world; ++i) {
             const int p = (s.me + i) % s.world;
             peer::store_release(s.flags_at(p).ready(s.b, s.slot(k), s.me), s.value(k));
@@ -226,6 +225,35 @@ __device__ void run_units(stream_state& s, int64_t units, Send send, Recv recv) 
     __syncthreads();
     if (threadIdx.x == 0 && *reinterpret_cast<volatile uint64_t*>(s.mine.abort_word()) == 0)
         *s.mine.seq(s.b) = s.seq0 + mine;
+}
+
+// Elementwise a + b (halved when `half`) of two 16-byte vectors, each result rounded once.
+template <typename T> __device__ __forceinline__ uint4 add_packed(uint4 a, uint4 b, bool half);
+template <> __device__ __forceinline__ uint4 add_packed<float>(uint4 a, uint4 b, bool half) {
+    const float m = half ? 0.5f : 1.0f;
+    return make_uint4(__float_as_uint((__uint_as_float(a.x) + __uint_as_float(b.x)) * m),
+                      __float_as_uint((__uint_as_float(a.y) + __uint_as_float(b.y)) * m),
+                      __float_as_uint((__uint_as_float(a.z) + __uint_as_float(b.z)) * m),
+                      __float_as_uint((__uint_as_float(a.w) + __uint_as_float(b.w)) * m));
+}
+template <typename T2> __device__ __forceinline__ uint32_t add2(uint32_t a, uint32_t b, bool half) {
+    const T2 r = __hadd2(*reinterpret_cast<const T2*>(&a), *reinterpret_cast<const T2*>(&b));
+    // Halving is exact (a power of two) except where it makes a subnormal, as in fp32.
+    const T2 h = half ? __hmul2(r, T2(__float2half2_rn(0.5f))) : r;
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint4 add_packed<__half>(uint4 a, uint4 b, bool half) {
+    return make_uint4(add2<__half2>(a.x, b.x, half), add2<__half2>(a.y, b.y, half), add2<__half2>(a.z, b.z, half),
+                      add2<__half2>(a.w, b.w, half));
+}
+__device__ __forceinline__ uint32_t add2_bf16(uint32_t a, uint32_t b, bool half) {
+    const __nv_bfloat162 r = __hadd2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+    const __nv_bfloat162 h = half ? __hmul2(r, __float2bfloat162_rn(0.5f)) : r;
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint4 add_packed<__nv_bfloat16>(uint4 a, uint4 b, bool half) {
+    return make_uint4(add2_bf16(a.x, b.x, half), add2_bf16(a.y, b.y, half), add2_bf16(a.z, b.z, half),
+                      add2_bf16(a.w, b.w, half));
 }
 
 __device__ bool channel_open(const flags_of& mine) {
@@ -298,7 +326,32 @@ __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_sc
         };
         constexpr int V = vec16_elems<T>;
         int64_t done = 0;
-        if (aligned16(own) && aligned16(o)) {
+        if (s.world == 2 && aligned16(own) && aligned16(o)) {
+            // Two ranks: one correctly rounded packed add per element pair (what fp32 accumulation rounds to,
+            // at a fraction of the instructions; the reduction is instruction-bound otherwise).
+            const int64_t n_vec = len / V;
+            const T* lo = source(0);
+            const T* hi = source(1);
+            for (int64_t base = t.rank(); base < n_vec; base += int64_t(threads) * reduce_unroll) {
+                uint4 x[reduce_unroll], y[reduce_unroll];
+#pragma unroll
+                for (int u = 0; u < reduce_unroll; ++u) {
+                    const int64_t i = base + int64_t(u) * threads;
+                    if (i < n_vec) {
+                        const uint4* pl = reinterpret_cast<const uint4*>(lo) + i;
+                        const uint4* ph = reinterpret_cast<const uint4*>(hi) + i;
+                        x[u] = s.me == 0 ? *pl : __ldcg(pl);
+                        y[u] = s.me == 1 ? *ph : __ldcg(ph);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < reduce_unroll; ++u) {
+                    const int64_t i = base + int64_t(u) * threads;
+                    if (i < n_vec) reinterpret_cast<uint4*>(o)[i] = add_packed<T>(x[u], y[u], a.average);
+                }
+            }
+            done = n_vec * V;
+        } else if (aligned16(own) && aligned16(o)) {
             const int64_t n_vec = len / V;
             // `reduce_unroll` independent vectors per thread, each source's loads issued together: enough bytes in
             // flight to drain a cell at local memory speed.
