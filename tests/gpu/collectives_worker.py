@@ -76,8 +76,10 @@ def case_kernels(device) -> None:
                 # fp32 accumulation, one rounding to the output type
                 bound = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 1e-6}[dtype]
                 assert err <= bound * 1.01, f"reduce_scatter {name} {dtype} {shape}: rel err {err:.3g} > {bound:.3g}"
+                # NCCL rounds each partial sum to the input type: with more than two ranks it strays further.
                 ref = nccl_reduce_scatter(y, op)
-                assert torch.allclose(got.float(), ref.float(), rtol=2 * bound, atol=1e-5), f"{name} {dtype} {shape} vs NCCL"
+                nccl_err = ((ref.double() - exact).abs() / exact.abs().clamp_min(1e-3)).max().item()
+                assert err <= max(nccl_err, bound) * 1.01, f"{name} {dtype} {shape}: {err:.3g} vs NCCL's {nccl_err:.3g}"
         log(f"ok: all_gather bit-identical and reduce_scatter exact to one rounding, {dtype}, {len(SHAPES)} shapes")
 
     # Strided and transposed inputs are gathered as their contiguous values.
@@ -114,9 +116,13 @@ def case_kernels(device) -> None:
     assert torch.equal(collectives.all_gather(x), nccl_all_gather(x)), "1 GiB all_gather differs"
     y = torch.randn(1 << 29, device=device, dtype=torch.bfloat16, generator=g)
     got = collectives.reduce_scatter(y)
-    ref = nccl_reduce_scatter(y, dist.ReduceOp.SUM)
-    assert torch.allclose(got.float(), ref.float(), rtol=2 ** -7, atol=1e-3), "1 GiB reduce_scatter differs"
-    del x, y, got, ref
+    exact = y.float()
+    dist.all_reduce(exact)  # fp32 sums: exact enough to judge a bf16 result
+    exact = exact[r * got.shape[0]:(r + 1) * got.shape[0]]
+    err = ((got.float() - exact).abs() / exact.abs().clamp_min(1e-2)).max().item()
+    assert err <= 2 ** -8 * 1.01, f"1 GiB reduce_scatter: rel err {err:.3g}"
+    ref = None
+    del x, y, got, ref, exact
     log("ok: 1 GiB all_gather and reduce_scatter")
 
     # Errors name the problem.
