@@ -8,6 +8,7 @@ kernel. The first failing check is the reason shown.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
@@ -28,8 +29,6 @@ DISABLE_ENV = "THUNDER_TK_DISABLE"
 
 
 def disabled_by_env(rule: "ClaimRule") -> bool:
-    import os
-
     names = {x.strip() for x in os.environ.get(DISABLE_ENV, "").split(",") if x.strip()}
     return rule.name in names or rule.family in names
 

@@ -25,6 +25,8 @@ from functools import lru_cache
 
 import torch
 
+from thunder_tk.ops import _DTYPE_CODES
+
 MAX_RANKS = 16  # the kernels' peer table
 MIN_CHUNK_BYTES = 8192  # smallest unit of work one block moves
 SLOTS = 2  # staging cells per (block, peer): one being drained while the next is written
@@ -39,20 +41,12 @@ class CollectiveTimeoutError(CollectiveError):
     """A peer did not reach the same collective within the channel's timeout."""
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_number(name: str, default, parse=int):
     raw = os.environ.get(name, "")
     try:
-        return int(raw) if raw else default
+        return parse(raw) if raw else default
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        return float(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+        raise ValueError(f"{name}={raw!r} is not {'an integer' if parse is int else 'a number'}") from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -90,7 +84,7 @@ def group_support_reason(group, *, planning: bool = False) -> str:
     if size > MAX_RANKS:
         return f"the process group has {size} ranks; tk's collectives serve up to {MAX_RANKS} GPUs of one node"
     ranks = _group_ranks(group)
-    local_world = _env_int("LOCAL_WORLD_SIZE", 0)
+    local_world = _env_number("LOCAL_WORLD_SIZE", 0)
     if local_world > 0:
         nodes = sorted({r // local_world for r in ranks})
         if len(nodes) > 1:
@@ -130,9 +124,9 @@ class ChannelConfig:
     @staticmethod
     def from_env() -> "ChannelConfig":
         return ChannelConfig(
-            blocks=_env_int("THUNDER_TK_COLLECTIVE_BLOCKS", 128),
-            buffer_bytes=_env_int("THUNDER_TK_COLLECTIVE_BUFFER_MB", 64) << 20,
-            timeout_s=_env_float("THUNDER_TK_COLLECTIVE_TIMEOUT_S", 600.0),
+            blocks=_env_number("THUNDER_TK_COLLECTIVE_BLOCKS", 128),
+            buffer_bytes=_env_number("THUNDER_TK_COLLECTIVE_BUFFER_MB", 64) << 20,
+            timeout_s=_env_number("THUNDER_TK_COLLECTIVE_TIMEOUT_S", 600.0, float),
         )
 
 
@@ -217,9 +211,7 @@ class Channel:
     # A synchronous call runs on the caller's stream; an asynchronous one on the channel's stream, which the
     # caller's stream waits for in Work.wait(). The binding keeps the channel's launches in order across both.
 
-    def _finish(self, handle: int, tensors: tuple[torch.Tensor, ...], async_op: bool):
-        if not async_op:
-            return None
+    def _work(self, handle: int, tensors: tuple[torch.Tensor, ...]) -> "Work":
         for t in tensors:  # the caller may free them while the channel's stream still reads or writes them
             t.record_stream(self.stream)
         return Work(self, handle)
@@ -229,8 +221,7 @@ class Channel:
         # Kept lean: at small sizes the host work per call is what the caller waits for.
         if a.dtype not in _DTYPE_CODES or a.get_device() != self._index or a.ndim == 0:
             self._check_tensor(a)
-        if self._failure is not None or self._error_view[0]:
-            raise self.failure()
+        self.raise_if_failed()
         if not a.is_contiguous():
             a = a.contiguous()
         out = self._output(out, (a.shape[0] * self.world, *a.shape[1:]), a)
@@ -239,7 +230,7 @@ class Channel:
                                           a.element_size(), _current_stream(self._index), async_op)
         if not async_op:
             return out
-        return self._finish(handle, (a, out), async_op), out
+        return self._work(handle, (a, out)), out
 
     def reduce_scatter(self, a: torch.Tensor, op: str = "sum", *, async_op: bool = False,
                        out: torch.Tensor | None = None):
@@ -250,8 +241,7 @@ class Channel:
             raise ValueError(f"reduce_scatter op must be 'sum' or 'avg', not {op!r}")
         if a.shape[0] % self.world:
             raise ValueError(f"reduce_scatter needs dim 0 divisible by the group size {self.world}; got {tuple(a.shape)}")
-        if self._failure is not None or self._error_view[0]:
-            raise self.failure()
+        self.raise_if_failed()
         if not a.is_contiguous():
             a = a.contiguous()
         out = self._output(out, (a.shape[0] // self.world, *a.shape[1:]), a)
@@ -261,7 +251,7 @@ class Channel:
                                               async_op)
         if not async_op:
             return out
-        return self._finish(handle, (a, out), async_op), out
+        return self._work(handle, (a, out)), out
 
     @staticmethod
     def _output(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
@@ -282,7 +272,6 @@ class Channel:
             raise ValueError("tk collectives gather and scatter along dim 0; got a 0-d tensor")
 
 
-_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 _current_stream = torch._C._cuda_getCurrentRawStream  # (device index) -> cudaStream_t as int

@@ -24,10 +24,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(*cases: str, timeout: int = 400, extra_env: dict | None = None) -> str:
+def _environment(**extra: str) -> dict:
+    """This process's environment with NVLink multicast kept off (NCCL, torch symmetric memory, NVSHMEM)."""
+    return {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1", **extra}
+
+
+def torchrun(*cases: str, timeout: int = 400) -> str:
     nproc = min(torch.cuda.device_count(), 8)
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NVSHMEM_DISABLE_NVLS": "1", **(extra_env or {})}
+    env = _environment()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(_free_port()), str(WORKER), *cases]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -55,8 +60,7 @@ def _pretrain(tmp_path: Path, name: str, disable: str) -> tuple[list[float], dic
     import json
 
     nproc = min(torch.cuda.device_count(), 8)
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NVSHMEM_DISABLE_NVLS": "1", "THUNDER_TK_DISABLE": disable}
+    env = _environment(THUNDER_TK_DISABLE=disable)
     out_dir = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(_free_port()), "-m", "thunder_tk.cli", "pretrain", "--config",
