@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One GPU-host job (set THUNDER_TK_COMMIT where the checkout has no .git; BENCH_ARGS=--sweep to tune): install carried wheels, build thunder_tk, run the GPU tests, compute-sanitizer and the
 # benchmarks, and print a short table last. Full logs go to $OUT (default out/gpu).
-#   bash scripts/gpu_run.sh [all|test|bench|dist]     (dist: the multi-GPU collectives tests and benchmark)
+#   bash scripts/gpu_run.sh [all|test|bench|dist|pretrain]
+#     dist: the multi-GPU collectives benchmark and tests; pretrain: `thunder-tk pretrain` with tk vs Thunder's
+#     default executors on every GPU of the host (PRETRAIN_CONFIG, default llama-2-7b; PRETRAIN_ARGS: overrides),
+#     then, with PRETRAIN_THEN_KERNELS=1, the collectives kernel checks on all GPUs.
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-out/gpu}
@@ -39,6 +42,14 @@ if [ "$what" = dist ]; then
     step memcheck_dist timeout 300 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 python3 -m torch.distributed.run --nproc_per_node "$ngpu" tests/gpu/collectives_worker.py small
   fi
   grep -E "passed|failed|error" "$OUT/dist_tests.log" 2>/dev/null | tail -n 1
+fi
+if [ "$what" = pretrain ]; then
+  ngpu=$(nvidia-smi -L | wc -l)
+  step pretrain_compare timeout ${PRETRAIN_TIMEOUT:-500} bash -c "cd /tmp && python3 $here/benchmarks/pretrain_compare.py --config $here/${PRETRAIN_CONFIG:-litgpt_configs/llama-2-7b.yaml} --nproc $ngpu --timeout ${PRETRAIN_VARIANT_TIMEOUT:-240} --work $here/$OUT/pretrain --json $here/$OUT/pretrain_compare.json --png $here/$OUT/pretrain_compare.png -- ${PRETRAIN_ARGS:-}"
+  cat "$OUT/pretrain_compare.log"
+  if [ -n "${PRETRAIN_THEN_KERNELS:-}" ]; then
+    step dist_kernels timeout ${DIST_KERNELS_TIMEOUT:-150} bash -c "cd /tmp && python3 -m torch.distributed.run --nproc_per_node $ngpu $here/tests/gpu/collectives_worker.py kernels"
+  fi
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   step bench_gemm timeout 400 python3 benchmarks/gemm.py ${GEMM_ARGS:-} --json "$OUT/gemm.json" --png "$OUT/gemm.png"

@@ -145,6 +145,24 @@ def test_tiny_config_end_to_end(tmp_path, capsys):
     assert json.loads((tmp_path / "explain.json").read_text())["rows"]
 
 
+def test_baseline_executors_without_checkpoints(tmp_path, capsys):
+    """`compiler.executors: [default]` is Thunder's default list with a general fuser in nvFuser's place;
+    --no-checkpoint (benchmark runs) writes none, and the summary carries what the comparison reads."""
+    import thunder_tk
+    from thunder_tk.executor import is_general_fuser
+    from thunder_tk.pretrain import resolve_executors
+
+    baseline = resolve_executors(["default"])
+    assert [ex.name for ex in baseline] == [ex.name for ex in thunder_tk.baseline_executors()]
+    assert thunder_tk.tk not in baseline and sum(is_general_fuser(ex) for ex in baseline) == 1
+    assert main(["pretrain", "--config", str(TINY), "--out_dir", str(tmp_path), "--train.max_steps", "3",
+                 "--compiler.executors", "[default]", "--no-checkpoint"]) == 0
+    assert not (tmp_path / "checkpoints").exists()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["executors"] == ["default"] and summary["tokens_per_s_per_device_after_first_step"] > 0
+    assert summary["peak_memory_gib"] is None and summary["mfu_after_first_step"] is None  # CPU
+
+
 def _word_tokenizer(folder: Path, corpus: list[str]) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 

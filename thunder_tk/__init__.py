@@ -28,6 +28,7 @@ from thunder_tk._extension import build_info, compiled_kernels, unavailable_reas
 __all__ = [
     "tk",
     "executors",
+    "baseline_executors",
     "explain",
     "Report",
     "Decision",
@@ -46,3 +47,18 @@ def executors() -> list[Executor]:
     (nvFuser when Thunder can load it, else tk's torch.compile fuser, registered as "tk_torchcompile").
     """
     return [tk, *tk.attention_fallbacks(), tk.default_fuser()]
+
+
+def baseline_executors() -> list[Executor]:
+    """Thunder's default executors, the baseline tk is measured against (`compiler.executors: [default]`).
+
+    Where nvFuser cannot load (our GPU hosts: no wheel for this torch), Thunder's defaults hold no general fuser
+    and would leave every elementwise op unfused; the torch.compile fuser takes nvFuser's place, keeping out the
+    GEMMs, attention and collectives just as nvFuser does (they stay with cuBLAS, SDPA and NCCL).
+    """
+    from thunder_tk.executor import is_general_fuser
+
+    found = list(thunder.get_default_executors())
+    if not any(is_general_fuser(ex) for ex in found):
+        found.append(tk.private_fuser)
+    return found

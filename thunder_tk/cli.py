@@ -57,7 +57,7 @@ def _cmd_pretrain(args) -> int:
 
     try:
         config = load_config(args.config, parse_overrides(args.overrides))
-        pretrain(config, resume=args.resume)
+        pretrain(config, resume=args.resume, checkpoints=not args.no_checkpoint)
     except ConfigError as e:
         raise CLIError(str(e)) from None
     return 0
@@ -99,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
                        description="Any config key can be overridden with --key.path value, e.g. --train.max_steps 20.")
     t.add_argument("--config", required=True, help="pretrain YAML (LitGPT schema), e.g. litgpt_configs/tiny.yaml")
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint in out_dir")
+    t.add_argument("--no-checkpoint", action="store_true",
+                   help="write no checkpoints (benchmark runs; a 7B model's are many GB per rank)")
     t.set_defaults(run=_cmd_pretrain)
     i = sub.add_parser("info", help="what this install contains")
     i.set_defaults(run=_cmd_info)

@@ -33,6 +33,10 @@ from thunder_tk.version import __version__
 ATTENTION_FALLBACKS = ("cudnn", "sdpa")
 # Fusion executors that only fuse regions holding particular ops, so they do not replace a general fuser.
 _SPECIALISED_FUSERS = ("torchcompile_cat", "torchcompile_xentropy")
+
+
+def is_general_fuser(ex: Executor) -> bool:
+    return isinstance(ex, FusionExecutor) and ex.name not in _SPECIALISED_FUSERS
 # Thunder's distributed prims never go into a fusion region (async work handles break torch.compile).
 _COLLECTIVE_IDS = frozenset(dist_prims.PrimIDs)
 
@@ -114,7 +118,7 @@ class TKExecutor(FusionExecutor):
     def _fuser_in_use(self) -> FusionExecutor | None:
         """The fuser tk delegates to, or None when the executor list names a general fuser itself."""
         for ex in self._active_executors():
-            if isinstance(ex, FusionExecutor) and ex is not self and ex.name not in _SPECIALISED_FUSERS:
+            if ex is not self and is_general_fuser(ex):
                 return None
         return self.default_fuser()
 

@@ -79,6 +79,15 @@ class Dist:
             dist.all_reduce(t)
         return t
 
+    def max_over_ranks(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor(value, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
 
 def model_config_of(config: PretrainConfig):
     _, Config = _litgpt()
@@ -96,12 +105,17 @@ def model_config_of(config: PretrainConfig):
 
 
 def resolve_executors(names: list[str]):
+    """Executor names -> executors. `default` stands for Thunder's default list (`thunder_tk.baseline_executors`:
+    the torch.compile fuser in nvFuser's place where nvFuser cannot load), the baseline tk is compared with."""
     from thunder.extend import get_executor
 
     import thunder_tk
 
     found = []
     for name in names:
+        if name == "default":
+            found.extend(ex for ex in thunder_tk.baseline_executors() if ex not in found)
+            continue
         ex = thunder_tk.tk if name == "tk" else get_executor(name)
         if ex is None:
             raise ConfigError(f"compiler.executors: no executor named {name!r} is registered here")
@@ -183,8 +197,9 @@ class Progress:
         self.stream.flush()
 
 
-def pretrain(config: PretrainConfig, *, resume: bool = False, stream=None) -> dict:
-    """Train as `config` says; returns the summary that is also written to out_dir/summary.json."""
+def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool = True, stream=None) -> dict:
+    """Train as `config` says; returns the summary that is also written to out_dir/summary.json.
+    checkpoints=False writes none (benchmark runs of large models, where a checkpoint is many GB per rank)."""
     from thunder_tk.data import SyntheticTokens, TextFiles, batch
 
     stream = stream or sys.stdout
@@ -238,6 +253,11 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, stream=None) -> di
     params = [p for p in net.parameters() if p.requires_grad]
     optimizer = build_optimizer(config.optimizer, params)
     base_lr = float(config.optimizer.init_args.get("lr", optimizer.param_groups[0]["lr"]))
+    if dist.device.type == "cuda":
+        # Peak memory of training, not of building the model: every rank materialises the whole model in fp32
+        # before FSDP shards it, which says nothing about the executors.
+        torch.cuda.synchronize(dist.device)
+        torch.cuda.reset_peak_memory_stats(dist.device)
 
     step, samples = 0, 0
     if checkpoint is not None:
@@ -292,9 +312,12 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, stream=None) -> di
         step += 1
 
         if step == first_step + 1:
-            steady_start = time.perf_counter()  # after compilation
             if config.compiler.jit and dist.main:
                 write_explain(net, out_dir)
+            dist.barrier()
+            if dist.device.type == "cuda":
+                torch.cuda.synchronize(dist.device)
+            steady_start = time.perf_counter()  # after compilation and the explain report
         if step % t.log_interval == 0 or step == total_steps:
             last_loss = float(dist.all_reduce_sum(loss_sum) / dist.world)
             if dist.device.type == "cuda":
@@ -318,23 +341,32 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, stream=None) -> di
             if dist.main:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps({"step": step, "val_loss": val}) + "\n")
-        if t.save_interval and step % t.save_interval == 0 and step < total_steps:
+        if checkpoints and t.save_interval and step % t.save_interval == 0 and step < total_steps:
             save(step)
-    if step > first_step or checkpoint is None:
+    if dist.device.type == "cuda":
+        torch.cuda.synchronize(dist.device)
+    loop_end = time.perf_counter()
+    if checkpoints and (step > first_step or checkpoint is None):
         save(step)
     elapsed = time.perf_counter() - run_start
+    steady = ((step - first_step - 1) * t.global_batch_size * seq / (loop_end - steady_start)
+              if step > first_step + 1 else None)
+    peak_gib = (dist.max_over_ranks(torch.cuda.max_memory_allocated(dist.device) / 2**30)
+                if dist.device.type == "cuda" else None)
     summary = {
         "steps": step, "final_loss": last_loss, "tokens": samples * seq, "seconds": elapsed,
         "tokens_per_s": (step - first_step) * t.global_batch_size * seq / elapsed if step > first_step else 0.0,
-        "tokens_per_s_after_first_step": ((step - first_step - 1) * t.global_batch_size * seq
-                                          / (time.perf_counter() - steady_start) if step > first_step + 1 else None),
+        "tokens_per_s_after_first_step": steady,
+        "tokens_per_s_per_device_after_first_step": steady / dist.world if steady else None,
+        "mfu_after_first_step": fpt * steady / dist.world / peak if steady and peak else None,
         "device": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu",
-        "world_size": dist.world, "peak_memory_gib": (torch.cuda.max_memory_allocated(dist.device) / 2**30
-                                                      if dist.device.type == "cuda" else None),
+        "world_size": dist.world, "seq_len": seq, "global_batch_size": t.global_batch_size,
+        "executors": list(config.compiler.executors) if config.compiler.jit else ["eager"],
+        # Largest per-rank peak of torch's allocator during training (setup excluded).
+        "peak_memory_gib": peak_gib,
     }
     if dist.main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        steady = summary["tokens_per_s_after_first_step"]
         stream.write(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, {elapsed:.1f} s"
                      + (f", {steady / 1e3:.1f}k tok/s after the first (compiling) step" if steady else "")
                      + f"; outputs in {out_dir}\n")

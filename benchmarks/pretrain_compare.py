@@ -1,0 +1,130 @@
+"""`thunder-tk pretrain` with tk's executors against Thunder's default executors, same config, same machine, one
+run: tokens/s per GPU, MFU and peak memory after the first (compiling) step.
+
+    python3 benchmarks/pretrain_compare.py --config litgpt_configs/llama-2-7b.yaml --nproc 4 \\
+        -- --train.global_batch_size 16 --train.max_steps 12
+
+Each variant is its own `torchrun` job (a fresh process group and allocator), writing no checkpoints. Everything
+after `--` is passed to `thunder-tk pretrain` as config overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bar_chart, print_table, write_results  # noqa: E402
+
+# executors as `compiler.executors` spells them
+VARIANTS = {"tk": "[tk]", "thunder default": "[default]"}
+# Thunder (inductor_cat_cudnn executors), Llama-2-7B FSDP on 8x H100, bs 1, seq 4096: tokens/s per GPU
+# (lightning-thunder issue #940; shared/docs/performance-anchors.md)
+PUBLISHED_7B_TOKENS_PER_GPU = 10.6e3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_variant(name: str, executors: str, a, overrides: list[str]) -> dict:
+    out_dir = Path(a.work) / name.replace(" ", "_")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("summary.json", "metrics.jsonl", "explain.json"):
+        (out_dir / stale).unlink(missing_ok=True)
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc),
+                 "--master_port", str(_free_port())] if a.nproc > 1 else [sys.executable])
+    cmd = [*launcher, "-m", "thunder_tk.cli", "pretrain", "--config", a.config, "--no-checkpoint",
+           "--devices", str(a.nproc), "--compiler.executors", executors, "--out_dir", str(out_dir),
+           "--train.log_interval", "1", *overrides]
+    log = out_dir / "run.log"
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = "timeout"
+    row = {"variant": name, "executors": executors, "wall_s": time.perf_counter() - t0, "rc": rc}
+    summary_path = out_dir / "summary.json"
+    if rc != 0 or not summary_path.exists():
+        tail = log.read_text().splitlines()[-15:]
+        print(f"{name}: failed ({rc}); last lines of {log}:\n" + "\n".join(tail), flush=True)
+        return row
+    s = json.loads(summary_path.read_text())
+    steps = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    first = next((r for r in steps if r.get("step") == 1), {})
+    row.update({
+        "tokens_per_s_per_gpu": s["tokens_per_s_per_device_after_first_step"],
+        "mfu": s["mfu_after_first_step"],
+        "peak_gib": s["peak_memory_gib"],
+        "first_step_s": first.get("step_seconds"),
+        "final_loss": s["final_loss"],
+        "steps": s["steps"], "world_size": s["world_size"], "seq_len": s["seq_len"],
+        "global_batch_size": s["global_batch_size"], "device": s["device"],
+    })
+    explain = out_dir / "explain.json"
+    if explain.exists():
+        rows = json.loads(explain.read_text())["rows"]
+        row["tk_claimed"] = sorted({r["symbol"] for r in rows if r["claimed_by_tk"]})
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun processes)")
+    p.add_argument("--only", nargs="*", choices=list(VARIANTS), help="variants to run (default: all)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per variant")
+    p.add_argument("--work", default="out/pretrain_compare")
+    p.add_argument("--json", default="out/pretrain_compare.json")
+    p.add_argument("--png")
+    a, overrides = p.parse_known_args()
+    if overrides[:1] == ["--"]:
+        overrides = overrides[1:]
+    rows = []
+    for name, executors in VARIANTS.items():
+        if a.only and name not in a.only:
+            continue
+        rows.append(run_variant(name, executors, a, overrides))
+        print(json.dumps(rows[-1]), flush=True)
+    ok = {r["variant"]: r for r in rows if "tokens_per_s_per_gpu" in r}
+    base = ok.get("thunder default")
+    for r in ok.values():
+        r["vs_thunder_default"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else None
+    print(f"{a.config} on {a.nproc} GPU(s), overrides {' '.join(overrides) or '-'}")
+    if ok:
+        table = list(ok.values())
+        print_table(table, ["variant", "tokens_per_s_per_gpu", "mfu", "peak_gib", "first_step_s", "final_loss",
+                            "vs_thunder_default"])
+        tk = ok.get("tk")
+        if tk and base:
+            ratio = tk["vs_thunder_default"]
+            memory = (f"; peak memory {tk['peak_gib']:.1f} vs {base['peak_gib']:.1f} GiB"
+                      if tk["peak_gib"] is not None and base["peak_gib"] is not None else "")
+            print(f"goal tk >= 1.15x Thunder default: {ratio:.2f}x ({'met' if ratio >= 1.15 else 'not met'}){memory}")
+        if tk and "7b" in a.config.lower():
+            print(f"published LitGPT + Thunder Llama-2-7B on 8x H100: {PUBLISHED_7B_TOKENS_PER_GPU / 1e3:.1f}k "
+                  f"tokens/s/GPU; tk here {tk['tokens_per_s_per_gpu'] / 1e3:.1f}k")
+    write_results(a.json, "pretrain_compare", rows)
+    if a.png and ok:
+        bar_chart(a.png, f"{Path(a.config).stem} on {a.nproc} GPU(s): tokens/s per GPU", list(ok),
+                  {"tokens/s/GPU": [r["tokens_per_s_per_gpu"] for r in ok.values()]}, "tokens/s per GPU")
+    return 0 if len(ok) == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
