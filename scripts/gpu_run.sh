@@ -9,6 +9,7 @@ set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
+OUT_ABS=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 summary=()
 step() { local name=$1; shift; local t0=$SECONDS; "$@" > "$OUT/$name.log" 2>&1; local rc=$?
@@ -28,7 +29,7 @@ so=$(python3 -c "import thunder_tk._C as m; print(m.__file__)" 2>/dev/null)
 here=$(pwd)
 if [ "$what" = all ] || [ "$what" = test ]; then
   step smoke timeout 120 bash -c "cd /tmp && python3 -c \"import torch; from thunder_tk import ops; a = torch.randn(256, 128, device='cuda', dtype=torch.bfloat16); print(float((ops.gemm(a, a.t()).float() - a.float() @ a.float().t()).abs().max()))\""
-  step gpu_tests timeout 600 bash -c "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $here/tests/gpu -rs --junitxml=$here/$OUT/gpu_tests.xml"
+  step gpu_tests timeout 600 bash -c "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $here/tests/gpu -rs --junitxml=$OUT_ABS/gpu_tests.xml"
   step memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
   step racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
 fi
@@ -37,7 +38,7 @@ if [ "$what" = dist ]; then
   nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
   step bench_collectives timeout ${DIST_BENCH_TIMEOUT:-300} python3 -m torch.distributed.run --nproc_per_node "$ngpu" benchmarks/collectives.py ${COLL_ARGS:-} --json "$OUT/collectives.json" --png "$OUT/collectives.png"
   cat "$OUT/bench_collectives.log"
-  step dist_tests timeout ${DIST_TEST_TIMEOUT:-500} bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -s $here/tests/gpu/test_collectives_multi_gpu.py ${DIST_TEST_ARGS:-} -rs --junitxml=$here/$OUT/dist_tests.xml"
+  step dist_tests timeout ${DIST_TEST_TIMEOUT:-500} bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -s $here/tests/gpu/test_collectives_multi_gpu.py ${DIST_TEST_ARGS:-} -rs --junitxml=$OUT_ABS/dist_tests.xml"
   if [ -n "${DIST_SANITIZE:-}" ]; then
     step memcheck_dist timeout 300 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 python3 -m torch.distributed.run --nproc_per_node "$ngpu" tests/gpu/collectives_worker.py small
   fi
@@ -45,7 +46,7 @@ if [ "$what" = dist ]; then
 fi
 if [ "$what" = pretrain ]; then
   ngpu=$(nvidia-smi -L | wc -l)
-  step pretrain_compare timeout ${PRETRAIN_TIMEOUT:-500} bash -c "cd /tmp && python3 $here/benchmarks/pretrain_compare.py --config $here/${PRETRAIN_CONFIG:-litgpt_configs/llama-2-7b.yaml} --nproc $ngpu --timeout ${PRETRAIN_VARIANT_TIMEOUT:-240} --work $here/$OUT/pretrain --json $here/$OUT/pretrain_compare.json --png $here/$OUT/pretrain_compare.png -- ${PRETRAIN_ARGS:-}"
+  step pretrain_compare timeout ${PRETRAIN_TIMEOUT:-500} bash -c "cd /tmp && python3 $here/benchmarks/pretrain_compare.py --config $here/${PRETRAIN_CONFIG:-litgpt_configs/llama-2-7b.yaml} --nproc $ngpu --timeout ${PRETRAIN_VARIANT_TIMEOUT:-240} --work $OUT_ABS/pretrain --json $OUT_ABS/pretrain_compare.json --png $OUT_ABS/pretrain_compare.png -- ${PRETRAIN_ARGS:-}"
   cat "$OUT/pretrain_compare.log"
   if [ -n "${PRETRAIN_THEN_KERNELS:-}" ]; then
     step dist_kernels timeout ${DIST_KERNELS_TIMEOUT:-150} bash -c "cd /tmp && python3 -m torch.distributed.run --nproc_per_node $ngpu $here/tests/gpu/collectives_worker.py kernels"

@@ -34,11 +34,12 @@ ATTENTION_FALLBACKS = ("cudnn", "sdpa")
 # Fusion executors that only fuse regions holding particular ops, so they do not replace a general fuser.
 _SPECIALISED_FUSERS = ("torchcompile_cat", "torchcompile_xentropy")
 
+# Thunder's distributed prims never go into a fusion region (async work handles break torch.compile).
+_COLLECTIVE_IDS = frozenset(dist_prims.PrimIDs)
+
 
 def is_general_fuser(ex: Executor) -> bool:
     return isinstance(ex, FusionExecutor) and ex.name not in _SPECIALISED_FUSERS
-# Thunder's distributed prims never go into a fusion region (async work handles break torch.compile).
-_COLLECTIVE_IDS = frozenset(dist_prims.PrimIDs)
 
 
 @dataclass(frozen=True)
@@ -88,11 +89,14 @@ class TKExecutor(FusionExecutor):
 
     @cached_property
     def private_fuser(self) -> FusionExecutor:
-        """Thunder's torch.compile executor, minus the symbols that must stay outside fusion regions."""
-        from thunder.executors.torch_compile import TorchCompileExecutor, cuda_device_checker
+        """Thunder's torch.compile executor, minus the symbols that must stay outside fusion regions, compiling
+        each distinct region once (`thunder_tk.fusion`)."""
+        from thunder.executors.torch_compile import cuda_device_checker
         from thunder.executors.torchex import ex as pytorch_ex
 
-        fuser = TorchCompileExecutor(name="tk_torchcompile")
+        from thunder_tk.fusion import SharingTorchCompileExecutor
+
+        fuser = SharingTorchCompileExecutor(name="tk_torchcompile")
         # Collectives inside a torch.compile region break (async work handles); GEMMs and attention are
         # ours or cuBLAS/cuDNN calls, and splitting regions at them keeps compile times short. CUDA tensors only:
         # on CPU (smoke runs, tests) compiling costs far more than it saves.

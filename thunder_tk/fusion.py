@@ -1,0 +1,88 @@
+"""The torch.compile fuser behind `executors=[tk]` where nvFuser cannot load: Thunder's torch.compile executor,
+except that structurally identical fusion regions share one compiled function.
+
+A transformer's layers produce the same fusion regions over and over (the same ops on tensors of the same
+shapes, with different proxy names). Thunder compiles every region on its own, so a 32-layer model pays dynamo
+tracing and inductor for each of ~32 copies of each region: minutes before the first step of a 7B model. Here a
+region is keyed by its program with the proxy names replaced by their order of appearance, plus its inputs'
+metadata; regions with the same key call the same compiled function, which dynamo compiles once (its guards
+then hold for every copy, since the inputs have the same shapes, dtypes and devices).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+
+from thunder.core.proxies import NumberProxy, Proxy, TensorProxy, unvariableify
+from thunder.core.symbol import BoundSymbol, Symbol
+from thunder.executors.torch_compile import TorchCompileExecutor, make_compiled
+from thunder.executors.utils import Region
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _proxies(bsyms: Sequence[BoundSymbol]):
+    for b in bsyms:
+        yield from b.flat_proxy_args
+        yield from b.flat_proxy_outs
+        yield from _proxies(b.subsymbols)
+
+
+def _metadata(p: Proxy) -> tuple:
+    if isinstance(p, TensorProxy):
+        return ("tensor", tuple(p.shape), str(p.dtype), str(p.device), bool(p.requires_grad))
+    if isinstance(p, NumberProxy):
+        return ("number", p.python_type.__name__)
+    return (type(p).__name__,)
+
+
+def region_key(bsyms: Sequence[BoundSymbol], inputs: Sequence[Proxy], outputs: Sequence[Proxy]) -> Hashable:
+    """The region's program up to a renaming of its proxies, and what its inputs look like."""
+    names = {p.name for p in _proxies(bsyms)} | {p.name for p in inputs} | {p.name for p in outputs}
+    canonical: dict[str, str] = {}
+
+    def rename(m: re.Match) -> str:
+        word = m.group(0)
+        if word not in names:
+            return word
+        return canonical.setdefault(word, f"_{len(canonical)}")
+
+    signature = " ".join(canonical.setdefault(p.name, f"_{len(canonical)}") for p in inputs)
+    program = tuple(_IDENTIFIER.sub(rename, str(b)) for b in bsyms)
+    returns = " ".join(canonical.get(p.name, "?") for p in outputs)
+    return signature, program, returns, tuple(_metadata(p) for p in inputs)
+
+
+class SharingTorchCompileExecutor(TorchCompileExecutor):
+    """TorchCompileExecutor whose identical regions (`region_key`) share one compiled function."""
+
+    # Compiled functions kept for reuse, least recently used dropped first. Traces that use a function keep it
+    # alive themselves; the cap only bounds what an ever-jitting process holds on to.
+    CAPACITY = 4096
+
+    def __init__(self, name: Hashable, required_ops: set | None = None, *, mode: str | None = None):
+        super().__init__(name, required_ops, mode=mode)
+        self._compiled: OrderedDict[Hashable, Callable] = OrderedDict()
+        self.regions_fused = 0  # fusion regions built, shared or not
+        self.functions_compiled = 0  # distinct compiled functions created
+
+    def fuse(self, region: Region, fusion_counter: int) -> BoundSymbol:
+        inputs = [unvariableify(x) for x in region.inputs]
+        outputs = [unvariableify(x) for x in region.outputs]
+        key = region_key(region.bound_symbols, inputs, outputs)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            # torch.compile is lazy: dynamo and inductor run at the first call, once per distinct key.
+            compiled = make_compiled(region.bound_symbols, inputs, outputs, mode=self.mode)
+            self._compiled[key] = compiled
+            self.functions_compiled += 1
+            if len(self._compiled) > self.CAPACITY:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        self.regions_fused += 1
+        name = f"TorchCompile{fusion_counter}"
+        symbol = Symbol(name, meta=None, is_fusion=True, executor=self)
+        return BoundSymbol(symbol, inputs, {}, outputs, region.bound_symbols, _call_ctx={name: compiled})
