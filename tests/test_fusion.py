@@ -76,3 +76,28 @@ def test_region_key_tells_shapes_and_programs_apart():
     assert key(a) == key(b)  # same program, other names
     assert key(a) != key(c)  # another constant
     assert key(a) != key(d)  # another shape
+
+
+def test_two_torch_compile_fusers_in_one_trace():
+    """Thunder's torch.compile fusers all name their regions TorchCompile<n>; with Thunder's cross-entropy fuser
+    and ours in one list (as in Thunder's defaults plus a stand-in fuser) both names would bind to one function
+    and a region would run another's code. Ours names its own regions."""
+    import thunder.executors.torch_compile as thunder_tc
+
+    xentropy = thunder_tc.TorchCompileExecutor(name="test_xentropy",
+                                               required_ops=thunder_tc.torch_compile_xentropy_ex.required_ops)
+    xentropy._implmap = {op: ImplInfo() for op in thunder_tc.torch_compile_xentropy_ex._implmap}  # CPU too
+    fuser = _fuser("test_sharing_pair")
+    head = torch.nn.Linear(16, 40)
+
+    def loss_fn(x, rope, targets):
+        logits = head(torch.nn.functional.gelu(x * rope))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 40).float(), targets.reshape(-1))
+
+    x, rope, targets = torch.randn(1, 6, 16), torch.randn(6, 16), torch.randint(40, (1, 6))
+    jitted = thunder.jit(loss_fn, executors=[xentropy, fuser])
+    torch.testing.assert_close(jitted(x, rope, targets), loss_fn(x, rope, targets))
+    fusions = [(b.sym.name, b.sym.executor.name) for b in thunder.last_traces(jitted)[-1].bound_symbols
+               if b.sym.is_fusion]
+    assert {ex for _, ex in fusions} == {"test_xentropy", "test_sharing_pair"}, fusions
+    assert len({name for name, _ in fusions}) == len(fusions), fusions

@@ -22,7 +22,7 @@ class Row:
     symbol: str  # e.g. "ltorch.scaled_dot_product_attention"
     inputs: str
     claimed_by_tk: bool
-    ran_by: str  # e.g. "tk: tk_attention_bwd_delta", "sdpa: sdpaex_grad_forward_...", "TorchCompile0 (tk_torchcompile)"
+    ran_by: str  # e.g. "tk: tk_attention_bwd_delta", "sdpa: sdpaex_grad_forward_...", "tk_torchcompile_0 (tk_torchcompile)"
     backward_ran_by: str  # for a symbol claimed with its gradient: the ops that ran its backward
     reason: str  # why tk declined; empty when tk claimed it
 

@@ -67,6 +67,7 @@ class SharingTorchCompileExecutor(TorchCompileExecutor):
         self._compiled: OrderedDict[Hashable, Callable] = OrderedDict()
         self.regions_fused = 0  # fusion regions built, shared or not
         self.functions_compiled = 0  # distinct compiled functions created
+        self._prefix = re.sub(r"\W", "_", str(name)) + "_"
 
     def fuse(self, region: Region, fusion_counter: int) -> BoundSymbol:
         inputs = [unvariableify(x) for x in region.inputs]
@@ -83,6 +84,8 @@ class SharingTorchCompileExecutor(TorchCompileExecutor):
         else:
             self._compiled.move_to_end(key)
         self.regions_fused += 1
-        name = f"TorchCompile{fusion_counter}"
+        # Not Thunder's "TorchCompile<n>": every torch.compile fuser counts from 0, and a trace binds each name
+        # to one function, so ours next to Thunder's cross-entropy fuser would call the wrong region.
+        name = f"{self._prefix}{fusion_counter}"
         symbol = Symbol(name, meta=None, is_fusion=True, executor=self)
         return BoundSymbol(symbol, inputs, {}, outputs, region.bound_symbols, _call_ctx={name: compiled})
