@@ -23,8 +23,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bar_chart, print_table, write_results  # noqa: E402
 
-# executors as `compiler.executors` spells them
-VARIANTS = {"tk": "[tk]", "thunder default": "[default]"}
+# name -> (executors as `compiler.executors` spells them, environment). The "tk -" variants switch one kernel
+# family off (THUNDER_TK_DISABLE) to show what each contributes; run them with --only.
+VARIANTS = {
+    "tk": ("[tk]", {}),
+    "thunder default": ("[default]", {}),
+    "tk - collectives": ("[tk]", {"THUNDER_TK_DISABLE": "collective"}),
+    "tk - gemm": ("[tk]", {"THUNDER_TK_DISABLE": "gemm"}),
+    "tk, 32 collective blocks": ("[tk]", {"THUNDER_TK_COLLECTIVE_BLOCKS": "32"}),
+}
+DEFAULT_VARIANTS = ("tk", "thunder default")
 # Thunder (inductor_cat_cudnn executors), Llama-2-7B FSDP on 8x H100, bs 1, seq 4096: tokens/s per GPU
 # (lightning-thunder issue #940; shared/docs/performance-anchors.md)
 PUBLISHED_7B_TOKENS_PER_GPU = 10.6e3
@@ -36,8 +44,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_variant(name: str, executors: str, a, overrides: list[str]) -> dict:
-    out_dir = Path(a.work) / name.replace(" ", "_")
+def run_variant(name: str, executors: str, env: dict, a, overrides: list[str]) -> dict:
+    out_dir = Path(a.work) / "".join(c if c.isalnum() else "_" for c in name)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("summary.json", "metrics.jsonl", "explain.json"):
         (out_dir / stale).unlink(missing_ok=True)
@@ -51,14 +59,15 @@ def run_variant(name: str, executors: str, a, overrides: list[str]) -> dict:
     with log.open("w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **env})
         try:
             rc = proc.wait(timeout=a.timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = "timeout"
-    row = {"variant": name, "executors": executors, "wall_s": time.perf_counter() - t0, "rc": rc}
+    row = {"variant": name, "executors": executors, "env": env, "wall_s": time.perf_counter() - t0, "rc": rc}
     summary_path = out_dir / "summary.json"
     if rc != 0 or not summary_path.exists():
         tail = log.read_text().splitlines()[-15:]
@@ -87,7 +96,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun processes)")
-    p.add_argument("--only", nargs="*", choices=list(VARIANTS), help="variants to run (default: all)")
+    p.add_argument("--only", nargs="*", choices=list(VARIANTS), default=list(DEFAULT_VARIANTS),
+                   help=f"variants to run, in order (default: {', '.join(DEFAULT_VARIANTS)})")
     p.add_argument("--timeout", type=float, default=600, help="seconds per variant")
     p.add_argument("--work", default="out/pretrain_compare")
     p.add_argument("--json", default="out/pretrain_compare.json")
@@ -96,10 +106,9 @@ def main():
     if overrides[:1] == ["--"]:
         overrides = overrides[1:]
     rows = []
-    for name, executors in VARIANTS.items():
-        if a.only and name not in a.only:
-            continue
-        rows.append(run_variant(name, executors, a, overrides))
+    for name in a.only:
+        executors, env = VARIANTS[name]
+        rows.append(run_variant(name, executors, env, a, overrides))
         print(json.dumps(rows[-1]), flush=True)
     ok = {r["variant"]: r for r in rows if "tokens_per_s_per_gpu" in r}
     base = ok.get("thunder default")

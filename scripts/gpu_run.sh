@@ -3,7 +3,8 @@
 # benchmarks, and print a short table last. Full logs go to $OUT (default out/gpu).
 #   bash scripts/gpu_run.sh [all|test|bench|dist|pretrain]
 #     dist: the multi-GPU collectives benchmark and tests; pretrain: `thunder-tk pretrain` with tk vs Thunder's
-#     default executors on every GPU of the host (PRETRAIN_CONFIG, default llama-2-7b; PRETRAIN_ARGS: overrides),
+#     default executors on every GPU of the host (PRETRAIN_CONFIG, default llama-2-7b; PRETRAIN_ARGS: overrides;
+#     PRETRAIN_ONLY='"tk - gemm" tk': variants of benchmarks/pretrain_compare.py),
 #     then, with PRETRAIN_THEN_KERNELS=1, the collectives kernel checks on all GPUs.
 set -uo pipefail
 what=${1:-all}
@@ -46,7 +47,7 @@ if [ "$what" = dist ]; then
 fi
 if [ "$what" = pretrain ]; then
   ngpu=$(nvidia-smi -L | wc -l)
-  step pretrain_compare timeout ${PRETRAIN_TIMEOUT:-500} bash -c "cd /tmp && python3 $here/benchmarks/pretrain_compare.py --config $here/${PRETRAIN_CONFIG:-litgpt_configs/llama-2-7b.yaml} --nproc $ngpu --timeout ${PRETRAIN_VARIANT_TIMEOUT:-240} --work $OUT_ABS/pretrain --json $OUT_ABS/pretrain_compare.json --png $OUT_ABS/pretrain_compare.png -- ${PRETRAIN_ARGS:-}"
+  step pretrain_compare timeout ${PRETRAIN_TIMEOUT:-500} bash -c "cd /tmp && python3 $here/benchmarks/pretrain_compare.py --config $here/${PRETRAIN_CONFIG:-litgpt_configs/llama-2-7b.yaml} --nproc $ngpu ${PRETRAIN_ONLY:+--only $PRETRAIN_ONLY} --timeout ${PRETRAIN_VARIANT_TIMEOUT:-240} --work $OUT_ABS/pretrain --json $OUT_ABS/pretrain_compare.json --png $OUT_ABS/pretrain_compare.png -- ${PRETRAIN_ARGS:-}"
   cat "$OUT/pretrain_compare.log"
   if [ -n "${PRETRAIN_THEN_KERNELS:-}" ]; then
     step dist_kernels timeout ${DIST_KERNELS_TIMEOUT:-150} bash -c "cd /tmp && python3 -m torch.distributed.run --nproc_per_node $ngpu $here/tests/gpu/collectives_worker.py kernels"
