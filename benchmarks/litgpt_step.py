@@ -5,6 +5,11 @@ Model: LitGPT's Llama-3.2-1B config (fewer layers with --n-layer, stated in the 
 AdamW, fp32 cross-entropy, sequence 2048. Each variant: warm-up steps, then timed steps (CUDA events).
 
     python benchmarks/litgpt_step.py --n-layer 4 --json out/litgpt_step.json --png out/litgpt_step.png
+
+Several GPUs of one node, sharded (`torchrun --nproc_per_node 2 benchmarks/litgpt_step.py --fsdp`): eager and
+torch.compile shard with PyTorch's FSDP2 (`fully_shard` per transformer block and the root), the Thunder variants
+with `thunder.distributed.fsdp` (tk's collectives where they claim). `--batch` is per GPU; tokens/s counts every
+GPU's tokens, and peak memory is the largest rank's.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,37 +28,74 @@ from common import bar_chart, print_table, write_results  # noqa: E402
 from thunder_tk.pretrain import LossModule  # noqa: E402  (model + fp32 cross-entropy, as pretrain runs it)
 
 
-def build(model_name: str, n_layer: int | None, seq: int):
+def build(model_name: str, n_layer: int | None, seq: int, device: torch.device):
     from litgpt import GPT, Config
 
     cfg = Config.from_name(model_name, **({"n_layer": n_layer} if n_layer else {}))
-    with torch.device("cuda"):
+    with device:
         model = GPT(cfg)
         model.max_seq_length = seq
     return model.to(torch.bfloat16), cfg
 
 
-def variants():
+def _fsdp2(module: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in module.model.transformer.h:
+        fully_shard(block)
+    fully_shard(module)
+    return module
+
+
+def variants(fsdp: bool, device: torch.device):
+    """name -> wrap(LossModule) returning the module to call; the optimizer takes its parameters afterwards."""
     import thunder
 
     import thunder_tk
 
+    def thunder_variant(executors):
+        def wrap(m):
+            jitted = thunder.jit(m, executors=executors)
+            if not fsdp:
+                return jitted
+            from thunder.distributed import fsdp as thunder_fsdp
+
+            return thunder_fsdp(jitted, device=device)
+
+        return wrap
+
     return {
-        "eager": lambda m: m,
-        "torch.compile": lambda m: torch.compile(m),
+        "eager": _fsdp2 if fsdp else (lambda m: m),
+        # FSDP2 first, then compile the whole sharded module (its hooks run in eager between graphs)
+        "torch.compile": (lambda m: torch.compile(_fsdp2(m))) if fsdp else torch.compile,
         # Thunder's defaults with the torch.compile fuser standing in for nvFuser (which cannot load here)
-        "thunder default": lambda m: thunder.jit(m, executors=thunder_tk.baseline_executors()),
-        "thunder [tk]": lambda m: thunder.jit(m, executors=[thunder_tk.tk]),
+        "thunder default": thunder_variant(thunder_tk.baseline_executors()),
+        "thunder [tk]": thunder_variant([thunder_tk.tk]),
     }
 
 
-def run(name, wrap, args):
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    if _world() == 1:
+        return value
+    t = torch.tensor(value, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t)
+
+
+def run(name, wrap, args, device: torch.device):
     torch.manual_seed(0)
-    model, cfg = build(args.model, args.n_layer, args.seq)
+    model, cfg = build(args.model, args.n_layer, args.seq, device)
     net = wrap(LossModule(model))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    x = torch.randint(cfg.padded_vocab_size, (args.batch, args.seq), device="cuda")
-    y = torch.randint(cfg.padded_vocab_size, (args.batch, args.seq), device="cuda")
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4, fused=cuda)
+    rank = torch.distributed.get_rank() if _world() > 1 else 0
+    gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch
+    x = torch.randint(cfg.padded_vocab_size, (args.batch, args.seq), generator=gen).to(device)
+    y = torch.randint(cfg.padded_vocab_size, (args.batch, args.seq), generator=gen).to(device)
 
     def step():
         loss = net(x, y)
@@ -63,17 +106,21 @@ def run(name, wrap, args):
 
     for _ in range(args.warmup):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    if _world() > 1:
+        torch.distributed.barrier()
+    t0 = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
-    end.record()
-    end.synchronize()
-    ms = start.elapsed_time(end) / args.steps
-    row = {"variant": name, "tokens_per_s": args.batch * args.seq / ms * 1e3,
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss)}
+    if cuda:
+        torch.cuda.synchronize(device)
+    seconds = _max_over_ranks(time.perf_counter() - t0, device) / args.steps
+    tokens = args.batch * args.seq * _world()
+    peak = _max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30, device) if cuda else None
+    row = {"variant": name, "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / _world(),
+           "peak_gib": peak, "loss": float(loss.detach().float().mean())}
     if name == "thunder [tk]":
         import thunder_tk
 
@@ -91,24 +138,46 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--only", nargs="*", help="variant names to run")
+    p.add_argument("--fsdp", action="store_true", help="shard over the torchrun processes (one GPU each)")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the code paths")
     p.add_argument("--json", default="out/litgpt_step.json")
     p.add_argument("--png")
     a = p.parse_args()
+    device = torch.device(a.device)
+    if a.fsdp:
+        import os
+
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    main_rank = _world() == 1 or torch.distributed.get_rank() == 0
     rows = []
-    for name, wrap in variants().items():
+    for name, wrap in variants(a.fsdp, device).items():
         if a.only and name not in a.only:
             continue
-        rows.append(run(name, wrap, a))
-        print(rows[-1], flush=True)
+        rows.append(run(name, wrap, a, device))
+        if main_rank:
+            print(rows[-1], flush=True)
         gc.collect()  # the variant's model and optimizer went out of scope with run()
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if not main_rank:
+        torch.distributed.destroy_process_group()
+        return
     base = {r["variant"]: r["tokens_per_s"] for r in rows}
     for r in rows:
         r["vs_thunder_default"] = r["tokens_per_s"] / base["thunder default"] if "thunder default" in base else None
         r["vs_torch_compile"] = r["tokens_per_s"] / base["torch.compile"] if "torch.compile" in base else None
-    print(f"{a.model}, {a.n_layer} layers, batch {a.batch} x {a.seq} tokens, bf16, fused AdamW")
-    print_table(rows, ["variant", "tokens_per_s", "peak_gib", "vs_thunder_default", "vs_torch_compile"])
-    write_results(a.json, "litgpt_step", rows)
+    where = f"FSDP over {_world()} GPUs, batch {a.batch} per GPU" if a.fsdp else f"batch {a.batch}"
+    print(f"{a.model}, {a.n_layer} layers, {where} x {a.seq} tokens, bf16, fused AdamW")
+    print_table(rows, ["variant", "tokens_per_s", "tokens_per_s_per_gpu", "peak_gib", "vs_thunder_default",
+                       "vs_torch_compile"])
+    write_results(a.json, "litgpt_step_fsdp" if a.fsdp else "litgpt_step",
+                  [{**r, "world_size": _world(), "n_layer": a.n_layer, "seq": a.seq, "batch_per_gpu": a.batch}
+                   for r in rows])
+    if a.fsdp:
+        torch.distributed.destroy_process_group()
     if a.png:
         bar_chart(a.png, f"{a.model} ({a.n_layer} layers) training tokens/s", [r["variant"] for r in rows],
                   {"tokens/s": [r["tokens_per_s"] for r in rows]}, "tokens/s")

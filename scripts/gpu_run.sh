@@ -39,6 +39,10 @@ if [ "$what" = dist ]; then
   nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
   step bench_collectives timeout ${DIST_BENCH_TIMEOUT:-300} python3 -m torch.distributed.run --nproc_per_node "$ngpu" benchmarks/collectives.py ${COLL_ARGS:-} --json "$OUT/collectives.json" --png "$OUT/collectives.png"
   cat "$OUT/bench_collectives.log"
+  if [ -n "${DIST_LITGPT:-}" ]; then  # the end-to-end step sharded over every GPU (LITGPT_FSDP_ARGS)
+    step bench_litgpt_fsdp timeout ${DIST_LITGPT_TIMEOUT:-400} python3 -m torch.distributed.run --nproc_per_node "$ngpu" benchmarks/litgpt_step.py --fsdp ${LITGPT_FSDP_ARGS:-} --json "$OUT/litgpt_step_fsdp.json" --png "$OUT/litgpt_step_fsdp.png"
+    cat "$OUT/bench_litgpt_fsdp.log"
+  fi
   step dist_tests timeout ${DIST_TEST_TIMEOUT:-500} bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -s $here/tests/gpu/test_collectives_multi_gpu.py ${DIST_TEST_ARGS:-} -rs --junitxml=$OUT_ABS/dist_tests.xml"
   if [ -n "${DIST_SANITIZE:-}" ]; then
     step memcheck_dist timeout 300 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 python3 -m torch.distributed.run --nproc_per_node "$ngpu" tests/gpu/collectives_worker.py small
