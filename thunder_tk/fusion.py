@@ -15,6 +15,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
+from thunder.core.compile_data import get_compile_data
 from thunder.core.proxies import NumberProxy, Proxy, TensorProxy, unvariableify
 from thunder.core.symbol import BoundSymbol, Symbol
 from thunder.executors.torch_compile import TorchCompileExecutor, make_compiled
@@ -72,7 +73,10 @@ class SharingTorchCompileExecutor(TorchCompileExecutor):
     def fuse(self, region: Region, fusion_counter: int) -> BoundSymbol:
         inputs = [unvariableify(x) for x in region.inputs]
         outputs = [unvariableify(x) for x in region.outputs]
-        key = region_key(region.bound_symbols, inputs, outputs)
+        # make_compiled reads this option of the current jit: regions compiled under another setting differ.
+        cd = get_compile_data()
+        fullgraph = cd.compile_options.get("torch_compile_fullgraph") if cd is not None else None
+        key = (region_key(region.bound_symbols, inputs, outputs), fullgraph)
         compiled = self._compiled.get(key)
         if compiled is None:
             # torch.compile is lazy: dynamo and inductor run at the first call, once per distinct key.
