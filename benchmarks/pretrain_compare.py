@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,19 +37,14 @@ DEFAULT_VARIANTS = ("tk", "thunder default")
 PUBLISHED_7B_TOKENS_PER_GPU = 10.6e3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_variant(name: str, executors: str, env: dict, a, overrides: list[str]) -> dict:
     out_dir = Path(a.work) / "".join(c if c.isalnum() else "_" for c in name)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("summary.json", "metrics.jsonl", "explain.json"):
         (out_dir / stale).unlink(missing_ok=True)
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc),
-                 "--master_port", str(_free_port())] if a.nproc > 1 else [sys.executable])
+    # --standalone: a rendezvous on a free local port
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(a.nproc)]
+                if a.nproc > 1 else [sys.executable])
     cmd = [*launcher, "-m", "thunder_tk.cli", "pretrain", "--config", a.config, "--no-checkpoint",
            "--devices", str(a.nproc), "--compiler.executors", executors, "--out_dir", str(out_dir),
            "--train.log_interval", "1", *overrides]

@@ -2,7 +2,6 @@
 session, so a broken path must show here first."""
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,15 +13,9 @@ pytest.importorskip("litgpt")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_litgpt_step_fsdp_paths(tmp_path):
     out = tmp_path / "step.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "benchmarks" / "litgpt_step.py"), "--fsdp", "--device", "cpu", "--model", "pythia-14m",
            "--n-layer", "1", "--seq", "32", "--batch", "1", "--warmup", "1", "--steps", "1",
            "--only", "eager", "thunder default", "thunder [tk]", "--json", str(out)]
