@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import bar_chart, print_table, write_results  # noqa: E402
 
-from thunder_tk.pretrain import LossModule  # noqa: E402  (model + fp32 cross-entropy, as pretrain runs it)
+from thunder_tk.pretrain import LossModule, max_over_ranks  # noqa: E402  (LossModule: as pretrain runs it)
 
 
 def build(model_name: str, n_layer: int | None, seq: int, device: torch.device):
@@ -78,14 +78,6 @@ def _world() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
-def _max_over_ranks(value: float, device: torch.device) -> float:
-    if _world() == 1:
-        return value
-    t = torch.tensor(value, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return float(t)
-
-
 def run(name, wrap, args, device: torch.device):
     torch.manual_seed(0)
     model, cfg = build(args.model, args.n_layer, args.seq, device)
@@ -116,9 +108,9 @@ def run(name, wrap, args, device: torch.device):
         loss = step()
     if cuda:
         torch.cuda.synchronize(device)
-    seconds = _max_over_ranks(time.perf_counter() - t0, device) / args.steps
+    seconds = max_over_ranks(time.perf_counter() - t0, device) / args.steps
     tokens = args.batch * args.seq * _world()
-    peak = _max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30, device) if cuda else None
+    peak = max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30, device) if cuda else None
     row = {"variant": name, "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / _world(),
            "peak_gib": peak, "loss": float(loss.detach().float().mean())}
     if name == "thunder [tk]":

@@ -42,6 +42,17 @@ class LossModule(torch.nn.Module):
 # Setup
 
 
+def max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest `value` over the ranks of the default process group (`value` itself without one)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor(value, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 class Dist:
     def __init__(self, config: PretrainConfig):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -80,13 +91,7 @@ class Dist:
         return t
 
     def max_over_ranks(self, value: float) -> float:
-        if self.world == 1:
-            return value
-        import torch.distributed as dist
-
-        t = torch.tensor(value, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+        return max_over_ranks(value, self.device)
 
 
 def model_config_of(config: PretrainConfig):
