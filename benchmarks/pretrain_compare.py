@@ -30,6 +30,9 @@ VARIANTS = {
     "tk - collectives": ("[tk]", {"THUNDER_TK_DISABLE": "collective"}),
     "tk - gemm": ("[tk]", {"THUNDER_TK_DISABLE": "gemm"}),
     "tk, 32 collective blocks": ("[tk]", {"THUNDER_TK_COLLECTIVE_BLOCKS": "32"}),
+    "tk, dynamic GEMM schedule": ("[tk]", {"THUNDER_TK_GEMM_SCHEDULE": "dynamic"}),
+    "tk, dynamic GEMM, 32 collective blocks": ("[tk]", {"THUNDER_TK_GEMM_SCHEDULE": "dynamic",
+                                                         "THUNDER_TK_COLLECTIVE_BLOCKS": "32"}),
 }
 DEFAULT_VARIANTS = ("tk", "thunder default")
 # Thunder (inductor_cat_cudnn executors), Llama-2-7B FSDP on 8x H100, bs 1, seq 4096: tokens/s per GPU
