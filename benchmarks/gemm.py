@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer shapes")
     p.add_argument("--sweep", action="store_true", help="also time other L2 group sizes of the schedule")
     p.add_argument("--cluster", action="store_true", help="also time clusters of two blocks (B multicast)")
+    p.add_argument("--dynamic", action="store_true", help="also time the dynamic tile schedule")
     a = p.parse_args()
 
     rows = []
@@ -71,13 +72,22 @@ def main() -> None:
             rows.append({"problem": name, "layout": layout, "M": lhs.shape[0], "N": rhs.shape[1], "K": lhs.shape[1],
                          "tk_tflops": flops / t_tk / 1e9, "cublas_tflops": flops / t_cublas / 1e9,
                          "ratio": t_cublas / t_tk})
+            if a.dynamic:
+                t = median_ms(lambda: ops.gemm(lhs, rhs, _schedule="dynamic"))
+                rows[-1]["tk_dynamic_tflops"] = flops / t / 1e9
+                rows[-1]["dynamic_ratio"] = t_cublas / t
             print(f"{name:>16} {layout:>3}: tk {rows[-1]['tk_tflops']:6.0f}  cuBLAS {rows[-1]['cublas_tflops']:6.0f} "
                   f"TFLOP/s  ratio {rows[-1]['ratio']:.3f}", flush=True)
         del x, w, dy
         torch.cuda.empty_cache()
-    print_table(rows, ["problem", "layout", "tk_tflops", "cublas_tflops", "ratio"])
+    columns = ["problem", "layout", "tk_tflops", "cublas_tflops", "ratio"]
+    columns += ["tk_dynamic_tflops", "dynamic_ratio"] if a.dynamic else []
+    print_table(rows, columns)
     geomean = math.exp(sum(math.log(r["ratio"]) for r in rows) / len(rows))
     print(f"geometric-mean ratio tk/cuBLAS: {geomean:.3f}; lowest {min(r['ratio'] for r in rows):.3f}")
+    if a.dynamic:
+        g = math.exp(sum(math.log(r["dynamic_ratio"]) for r in rows) / len(rows))
+        print(f"dynamic schedule: geometric-mean ratio {g:.3f}; lowest {min(r['dynamic_ratio'] for r in rows):.3f}")
     path = write_results(a.json, "gemm", rows)
     print(f"wrote {path}")
     if a.png:

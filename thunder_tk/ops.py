@@ -1,10 +1,13 @@
 """Python entry points of the kernels: argument checks, output allocation and the launch.
 
 Each op validates what the kernel assumes and raises an error naming the problem, so a bad call never
-reaches the GPU. Launches go on the current stream of the inputs' device and never synchronise.
+reaches the GPU. Launches go on the current stream of the inputs' device and never synchronise (except once per
+device, when the dynamic GEMM schedule's counters are first made).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -130,8 +133,37 @@ def check_gemm_args(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None)
         raise ValueError(f"bias must be a 1-D {a.dtype} tensor of {b.shape[1]} elements on {a.device}")
 
 
+# Tile schedule of the GEMM: "static" (block i takes tiles i, i + grid, ...) or "dynamic" (blocks take tiles from
+# a counter as they get to them: blocks that start late, on SMs another kernel held, take fewer).
+GEMM_SCHEDULE_ENV = "THUNDER_TK_GEMM_SCHEDULE"
+# Dynamic-schedule counters: per device a ring of zeroed int32 counters 128 bytes apart, one per launch (a launch
+# re-zeroes its own). A counter comes round again after _TICKET_RING launches, far beyond any queue's depth.
+_TICKET_RING = 4096
+_ticket_rings: dict[int, torch.Tensor] = {}
+_ticket_next: dict[int, int] = {}
+
+
+def _gemm_tickets(device: torch.device, schedule: str | None) -> int:
+    """The counter address for one launch, or 0 for the static schedule."""
+    schedule = schedule or os.environ.get(GEMM_SCHEDULE_ENV, "static")
+    if schedule not in ("static", "dynamic"):
+        raise ValueError(f"gemm schedule must be 'static' or 'dynamic' (from {GEMM_SCHEDULE_ENV}); got {schedule!r}")
+    # Under CUDA-graph capture a launch would keep its counter for every replay, however far apart: static.
+    if schedule == "static" or torch.cuda.is_current_stream_capturing():
+        return 0
+    ring = _ticket_rings.get(device.index)
+    if ring is None:
+        ring = torch.zeros(_TICKET_RING * 32, dtype=torch.int32, device=device)
+        torch.cuda.current_stream(device).synchronize()  # once per device: launches on any stream see zeros
+        _ticket_rings[device.index] = ring
+    i = _ticket_next.get(device.index, 0)
+    _ticket_next[device.index] = (i + 1) % _TICKET_RING
+    return ring.data_ptr() + 128 * i
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
-         out: torch.Tensor | None = None, _group_rows: int = 0, _cluster: int = 0) -> torch.Tensor:
+         out: torch.Tensor | None = None, _group_rows: int = 0, _cluster: int = 0,
+         _schedule: str | None = None) -> torch.Tensor:
     """a (M, K) @ b (K, N) (+ bias (N,)) by the tk kernel, bf16/fp16 with fp32 accumulation.
 
     Operands are read in place when one of their strides is 1 (either major) and the other a multiple of 8;
@@ -163,7 +195,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     with torch.cuda.device(a.device):
         ext.gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr(),
                  _DTYPE_CODES[a.dtype], M, N, K, a_sm, a_sk, b_sk, b_sn, out.stride(0) if M > 1 else N,
-                 _stream_handle(a.device), _group_rows, _cluster)
+                 _stream_handle(a.device), _group_rows, _cluster, _gemm_tickets(a.device, _schedule))
     return out
 
 

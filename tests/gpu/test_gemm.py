@@ -98,6 +98,43 @@ def test_degenerate_and_errors():
         ops.gemm(torch.randn(4, 16, device="cuda", dtype=torch.half), torch.randn(8, 4, device="cuda", dtype=torch.half))
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 7, 64), (129, 257, 72), (1000, 513, 64), (4096, 4096, 512), (8192, 2048, 256)])
+@pytest.mark.parametrize("a_k_major", [True, False])
+def test_dynamic_schedule(M, N, K, a_k_major):
+    """Tiles taken from a counter: right on every shape, run after run (each launch re-zeroes its counter), with
+    launches on two streams at once, and where a busy GPU starts blocks late."""
+    if not a_k_major and M % 8:
+        pytest.skip("that layout's leading stride is M")
+    a = operand(M, K, torch.bfloat16, a_k_major)
+    b = operand(K, N, torch.bfloat16, True)
+    ref = reference(a, b)
+    outs = []
+    for _ in range(3):
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        outs.append(ops.gemm(a, b, out=out, _schedule="dynamic"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        outs.append(ops.gemm(a, b, _schedule="dynamic"))
+    outs.append(ops.gemm(a, b, _schedule="dynamic"))
+    torch.cuda.current_stream().wait_stream(side)
+    busy_stream = torch.cuda.Stream()
+    with torch.cuda.stream(busy_stream):  # other work holding SMs, so the GEMM's blocks start as SMs come free
+        busy = torch.randn(4096, 4096, device="cuda")
+        for _ in range(4):
+            busy = busy @ busy.t() * 1e-3
+    outs.append(ops.gemm(a, b, _schedule="dynamic"))
+    torch.cuda.current_stream().wait_stream(busy_stream)
+    for out in outs:
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < TOL[torch.bfloat16]
+    ring = ops._ticket_rings[torch.cuda.current_device()]
+    torch.cuda.synchronize()
+    assert int(ring.view(-1, 32)[:, 0].abs().sum()) == 0, "a launch left its counter non-zero"
+    with pytest.raises(ValueError, match="schedule"):
+        ops.gemm(a, b, _schedule="fastest")
+
+
 def test_repeatable_and_graph_capturable():
     a = torch.randn(1000, 2048, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(2048, 3000, device="cuda", dtype=torch.bfloat16)

@@ -357,32 +357,32 @@ __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_sc
             // flight to drain a cell at local memory speed.
             for (int64_t base = t.rank(); base < n_vec; base += int64_t(threads) * reduce_unroll) {
                 float acc[reduce_unroll][V];
-#pragma reduce_unroll
+#pragma unroll
                 for (int u = 0; u < reduce_unroll; ++u)
-#pragma reduce_unroll
+#pragma unroll
                     for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
                 for (int r = 0; r < s.world; ++r) {  // rank order: the same sum on every rank
                     const uint4* p = reinterpret_cast<const uint4*>(source(r));
                     uint4 raw[reduce_unroll];
-#pragma reduce_unroll
+#pragma unroll
                     for (int u = 0; u < reduce_unroll; ++u) {
                         const int64_t i = base + int64_t(u) * threads;
                         if (i < n_vec) raw[u] = r == s.me ? p[i] : __ldcg(p + i);
                     }
-#pragma reduce_unroll
+#pragma unroll
                     for (int u = 0; u < reduce_unroll; ++u) {
                         const T* v = reinterpret_cast<const T*>(&raw[u]);
-#pragma reduce_unroll
+#pragma unroll
                         for (int e = 0; e < V; ++e) acc[u][e] += to_float(v[e]);
                     }
                 }
-#pragma reduce_unroll
+#pragma unroll
                 for (int u = 0; u < reduce_unroll; ++u) {
                     const int64_t i = base + int64_t(u) * threads;
                     if (i >= n_vec) break;
                     uint4 packed_out;
                     T* w = reinterpret_cast<T*>(&packed_out);
-#pragma reduce_unroll
+#pragma unroll
                     for (int e = 0; e < V; ++e) w[e] = static_cast<T>(acc[u][e] * scale);
                     reinterpret_cast<uint4*>(o)[i] = packed_out;
                 }

@@ -29,6 +29,9 @@ struct shared_state {
     alignas(1024) T c_stage[CONSUMERS][2][64 * 64];
     sync::barrier full[STAGES];   // TMA bytes landed
     sync::barrier empty[STAGES];  // consumers done reading
+    // The tile (index into the schedule) whose first k-block a stage holds, written by the producer before it
+    // arms the stage's `full` barrier; -1: no more tiles.
+    int tile_at[STAGES];
     static constexpr uint32_t stage_bytes = (BM + BN) * BK * sizeof(T);
 };
 
@@ -37,6 +40,7 @@ struct kernel_params {
     schedule::grouped_order order;
     int k_blocks;
     bool tma_store;  // C rows 16-byte aligned: stage the epilogue in shared memory and store with TMA
+    int* tickets;    // dynamic schedule counter, or null (static: block i takes tiles i, i + grid, ...)
 };
 
 template <typename T>
@@ -56,8 +60,8 @@ __device__ __forceinline__ void store_pair(T* p, float x, float y, bool vector) 
 
 // Consumer warpgroups: wgmma over the ring, then the epilogue of each tile.
 template <typename T, major MA, major MB, int CLUSTER, typename State, typename TileOf>
-__device__ __forceinline__ void consume(State& st, const kernel_params& p, const CUtensorMap& map_c, int pairs,
-                                        int cluster, int clusters, TileOf tile_of) {
+__device__ __forceinline__ void consume(State& st, const kernel_params& p, const CUtensorMap& map_c,
+                                        TileOf tile_of) {
     // A stage is free once every consumer warp of both blocks is done with it: the peer's producer writes
     // its share of B into our copy of the stage too.
     auto release = [](sync::barrier& b) {
@@ -80,12 +84,16 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
     uint32_t phase = 0;
     float d[BN / 2];
 
-    for (int t = cluster; t < pairs; t += clusters) {
+    for (;;) {
+        // The producer names each tile in the stage holding its first k-block (the schedule may be dynamic).
+        sync::wait(st.full[s], phase);
+        const int t = st.tile_at[s];
+        if (t < 0) break;
         const auto tile = tile_of(t);
         // Keep one wgmma group in flight: stage s is released once the group after it has been issued.
         int previous = -1;
         for (int kb = 0; kb < p.k_blocks; ++kb) {
-            sync::wait(st.full[s], phase);
+            if (kb > 0) sync::wait(st.full[s], phase);
             wgmma::fence();
 #pragma unroll
             for (int k16 = 0; k16 < BK / 16; ++k16)
@@ -197,12 +205,21 @@ __global__ void __launch_bounds__(THREADS, 1)
             tma::prefetch_map(&map_b);
             int s = 0;
             uint32_t phase = 0;
-            for (int t = cluster; t < pairs; t += clusters) {
+            // Dynamic: every block takes tickets until one is past the end, so a launch hands out exactly
+            // pairs + grid tickets, and the holder of the last one resets the counter for the next launch.
+            auto next_tile = [&](int t) {
+                if (p.tickets == nullptr) return t < 0 ? cluster : t + clusters;
+                const int ticket = atomicAdd(p.tickets, 1);
+                if (ticket == pairs + int(gridDim.x) - 1) atomicExch(p.tickets, 0);
+                return ticket;
+            };
+            for (int t = next_tile(-1); t < pairs; t = next_tile(t)) {
                 const auto tile = tile_of(t);
                 const int m0 = tile.m * BM, n0 = tile.n * BN;
                 for (int kb = 0; kb < p.k_blocks; ++kb) {
                     const int k0 = kb * BK;
                     sync::wait(st.empty[s], phase ^ 1);
+                    if (kb == 0) st.tile_at[s] = t;
                     sync::arrive_expect_bytes(st.full[s], state_t::stage_bytes);
                     if constexpr (MA == major::k) {
                         tma::load_2d(st.a[s].data, &map_a, k0, m0, st.full[s]);
@@ -230,9 +247,13 @@ __global__ void __launch_bounds__(THREADS, 1)
                     if (++s == STAGES) s = 0, phase ^= 1;
                 }
             }
+            // End of work: a stage with no bytes whose tile is -1.
+            sync::wait(st.empty[s], phase ^ 1);
+            st.tile_at[s] = -1;
+            sync::arrive(st.full[s]);
         }
     } else {
-        consume<T, MA, MB, CLUSTER>(st, p, map_c, pairs, cluster, clusters, tile_of);
+        consume<T, MA, MB, CLUSTER>(st, p, map_c, tile_of);
     }
     // No block leaves while its peer may still write into its shared memory or arrive on its barriers.
     if constexpr (CLUSTER > 1) sync::cluster_sync();
@@ -278,6 +299,7 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     p.order = {(tiles_m + CLUSTER - 1) / CLUSTER, int((g.N + BN - 1) / BN),
                g.group_rows > 0 ? std::max(1, g.group_rows / CLUSTER) : GROUP_ROWS / CLUSTER};
     p.k_blocks = int((g.K + BK - 1) / BK);
+    p.tickets = CLUSTER == 1 ? g.tickets : nullptr;
 
     cudaLaunchConfig_t config{};
     cudaLaunchAttribute attribute[1];

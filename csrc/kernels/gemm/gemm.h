@@ -17,6 +17,11 @@ struct gemm_args {
     int64_t a_stride_m, a_stride_k, b_stride_k, b_stride_n, c_stride_m;
     int group_rows;  // tile rows per L2 group of the persistent schedule (0: the tuned default)
     int cluster;     // blocks per cluster sharing B by multicast: 1 or 2 (0: the default)
+    // Dynamic tile schedule (clusters of 1 only): blocks take tiles from this zeroed counter as they get to
+    // them, so blocks that start late (SMs busy with other kernels, e.g. an overlapping collective) take fewer
+    // tiles instead of stretching the kernel. The kernel leaves it zeroed again. Null: each block takes every
+    // grid-th tile. A counter must not be shared by launches that may run at the same time.
+    int* tickets;
 };
 
 // Why `args` cannot run (empty when it can): strides, alignment, sizes. Checked by launch_gemm too.
