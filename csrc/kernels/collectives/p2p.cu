@@ -156,6 +156,13 @@ struct stream_state {
     uint64_t seq0;  // units this block had done before this launch
     int64_t op;
 
+    // The block's state at the start of a launch of `op` on channel `ch`.
+    __device__ static stream_state of(const channel_args& ch, int64_t op) {
+        const flags_of mine{static_cast<uint64_t*>(ch.buffers[ch.rank]), ch.layout};
+        return {ch, mine, static_cast<int>(blockIdx.x), ch.rank, ch.layout.world, *mine.seq(blockIdx.x), op};
+    }
+    // Where the block's unit k starts, in units of `unit` (bytes or elements): units go round the grid.
+    __device__ int64_t unit_offset(int64_t k, int64_t unit) const { return (b + k * gridDim.x) * unit; }
     __device__ int slot(int64_t k) const { return static_cast<int>((seq0 + k) % ch.layout.slots); }
     __device__ uint64_t value(int64_t k) const { return seq0 + k + 1; }
     __device__ flags_of flags_at(int rank) const { return {static_cast<uint64_t*>(ch.buffers[rank]), ch.layout}; }
@@ -265,14 +272,12 @@ __device__ bool channel_open(const flags_of& mine) {
 
 __global__ void __launch_bounds__(threads) all_gather_kernel(const all_gather_args a) {
     const channel_args& ch = a.ch;
-    const flags_of mine{static_cast<uint64_t*>(ch.buffers[ch.rank]), ch.layout};
-    if (!channel_open(mine)) return;
-    stream_state s{ch, mine, static_cast<int>(blockIdx.x), ch.rank, ch.layout.world, *mine.seq(blockIdx.x),
-                   op_all_gather};
+    stream_state s = stream_state::of(ch, op_all_gather);
+    if (!channel_open(s.mine)) return;
     const int64_t n = a.bytes_per_rank, C = a.chunk_bytes;
     const char* in = static_cast<const char*>(a.in);
     char* out = static_cast<char*>(a.out);
-    auto unit_offset = [&](int64_t k) { return (s.b + k * gridDim.x) * C; };
+    auto unit_offset = [&](int64_t k) { return s.unit_offset(k, C); };
 
     auto send = [&](const team& t, int64_t k) {
         const int64_t off = unit_offset(k), len = min(C, n - off);
@@ -298,15 +303,13 @@ __global__ void __launch_bounds__(threads) all_gather_kernel(const all_gather_ar
 template <typename T>
 __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_scatter_args a) {
     const channel_args& ch = a.ch;
-    const flags_of mine{static_cast<uint64_t*>(ch.buffers[ch.rank]), ch.layout};
-    if (!channel_open(mine)) return;
-    stream_state s{ch, mine, static_cast<int>(blockIdx.x), ch.rank, ch.layout.world, *mine.seq(blockIdx.x),
-                   op_reduce_scatter};
+    stream_state s = stream_state::of(ch, op_reduce_scatter);
+    if (!channel_open(s.mine)) return;
     const int64_t n = a.elems_per_rank, C = a.chunk_elems;
     const T* in = static_cast<const T*>(a.in);
     T* out = static_cast<T*>(a.out);
     const float scale = a.average ? 1.0f / s.world : 1.0f;
-    auto unit_offset = [&](int64_t k) { return (s.b + k * gridDim.x) * C; };
+    auto unit_offset = [&](int64_t k) { return s.unit_offset(k, C); };
 
     auto send = [&](const team& t, int64_t k) {
         const int64_t off = unit_offset(k), len = min(C, n - off);
