@@ -45,6 +45,11 @@ def main() -> None:
     p.add_argument("--cluster", action="store_true", help="also time clusters of two blocks (B multicast)")
     p.add_argument("--dynamic", action="store_true", help="also time the dynamic tile schedule")
     a = p.parse_args()
+    if a.cluster:
+        import thunder_tk._C as kernels
+
+        print(f"persistent grid: {kernels.gemm_resident_blocks(1)} blocks without clusters, "
+              f"{kernels.gemm_resident_blocks(2)} in clusters of 2 (cluster occupancy query)", flush=True)
 
     rows = []
     for name, M, N, K in problems(a.quick):

@@ -61,6 +61,8 @@ using warp = lanes<32>;
 // ---------------------------------------------------------------------------------------------
 // Host-side helpers shared by launchers.
 int multiprocessor_count();  // of the current device, cached per device
+constexpr int max_devices = 128;  // per-device caches in launchers are indexed by device id
+int current_device();  // the current device's id, or -1 if there is none or it is >= max_devices
 
 inline bool is_aligned(const void* p, std::size_t bytes) {
     return (reinterpret_cast<std::uintptr_t>(p) % bytes) == 0;

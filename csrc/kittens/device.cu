@@ -2,11 +2,17 @@
 
 namespace tk {
 
+int current_device() {
+    int device = -1;
+    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= max_devices) return -1;
+    return device;
+}
+
 int multiprocessor_count() {
     // Device attributes never change while the process runs; read each device once.
-    static int cached[128] = {0};
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 128) return 132;
+    static int cached[max_devices] = {0};
+    const int device = current_device();
+    if (device < 0) return 132;
     if (cached[device] == 0) {
         int count = 0;
         if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count <= 0)

@@ -187,3 +187,20 @@ def test_mlp_training_step_runs_every_gemm_on_tk():
     assert len(gemms) >= 7  # 3 forward; dX of proj and dW of all three (x needs no gradient)
     assert all(r.claimed_by_tk for r in gemms), str(report)
     assert {r.ran_by for r in gemms} == {"tk: tk_linear", "tk: tk_matmul"}
+
+
+def test_persistent_grid_and_every_device():
+    """The grid is one block per SM (clusters: what fits at once), and a process can use every GPU: the
+    shared-memory opt-in and the grid are per device."""
+    import thunder_tk._C as kernels
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert kernels.gemm_resident_blocks(1) == sms
+    pair = kernels.gemm_resident_blocks(2)
+    assert pair % 2 == 0 and 0 < pair <= sms, pair
+    for index in range(torch.cuda.device_count()):
+        with torch.cuda.device(index):
+            a = torch.randn(300, 256, device=f"cuda:{index}", dtype=torch.bfloat16)
+            b = torch.randn(256, 500, device=f"cuda:{index}", dtype=torch.bfloat16)
+            for schedule in ("static", "dynamic"):
+                assert rel_err(ops.gemm(a, b, _schedule=schedule), reference(a, b)) < TOL[torch.bfloat16]

@@ -6,6 +6,7 @@
 #include "../../kittens/kittens.cuh"
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 
 namespace tk::gemm {
@@ -264,17 +265,58 @@ CUtensorMapDataType tma_type() {
     return std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
 }
 
+template <typename T, major MA, major MB>
+constexpr int smem_bytes_of = sizeof(shared_state<T, MA, MB>) + 1024;  // + alignment to 1024 bytes
+
+template <int CLUSTER>
+cudaLaunchConfig_t launch_config(cudaLaunchAttribute* attribute, int smem_bytes, cudaStream_t stream) {
+    cudaLaunchConfig_t config{};
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = CLUSTER;
+    attribute[0].val.clusterDim.y = 1;
+    attribute[0].val.clusterDim.z = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    config.blockDim = dim3(THREADS);
+    config.dynamicSmemBytes = smem_bytes;
+    config.stream = stream;
+    return config;
+}
+
+// Per device, once: the kernel's shared-memory opt-in (an attribute of the kernel in each device's context) and
+// the persistent grid: one block per SM, or for clusters as many as the occupancy query says fit at once.
 template <typename T, major MA, major MB, int CLUSTER>
-cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
-    using state_t = shared_state<T, MA, MB>;
-    auto kernel = gemm_kernel<T, MA, MB, CLUSTER>;
-    constexpr int smem_bytes = sizeof(state_t) + 1024;
-    static bool configured = false;  // the attribute is per function, not per device
-    if (!configured) {
+cudaError_t prepare(int* grid_blocks) {
+    static std::atomic<int> blocks[max_devices];
+    const int device = current_device();
+    if (device < 0) return cudaErrorInvalidDevice;
+    int known = blocks[device].load(std::memory_order_acquire);
+    if (known == 0) {
+        auto kernel = gemm_kernel<T, MA, MB, CLUSTER>;
+        constexpr int smem_bytes = smem_bytes_of<T, MA, MB>;
         cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         if (e != cudaSuccess) return e;
-        configured = true;
+        known = multiprocessor_count();
+        if constexpr (CLUSTER > 1) {
+            cudaLaunchAttribute attribute[1];
+            cudaLaunchConfig_t config = launch_config<CLUSTER>(attribute, smem_bytes, nullptr);
+            config.gridDim = dim3(CLUSTER * multiprocessor_count());
+            int fit = 0;
+            e = cudaOccupancyMaxActiveClusters(&fit, kernel, &config);
+            known = CLUSTER * (e == cudaSuccess && fit > 0 ? fit : multiprocessor_count() / CLUSTER);
+        }
+        blocks[device].store(known, std::memory_order_release);
     }
+    *grid_blocks = known;
+    return cudaSuccess;
+}
+
+template <typename T, major MA, major MB, int CLUSTER>
+cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
+    auto kernel = gemm_kernel<T, MA, MB, CLUSTER>;
+    constexpr int smem_bytes = smem_bytes_of<T, MA, MB>;
+    int resident = 0;
+    if (cudaError_t e = prepare<T, MA, MB, CLUSTER>(&resident); e != cudaSuccess) return e;
 
     CUtensorMap map_a, map_b;
     const auto sw = tma::swizzle::b128;
@@ -301,29 +343,13 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     p.k_blocks = int((g.K + BK - 1) / BK);
     p.tickets = CLUSTER == 1 ? g.tickets : nullptr;
 
-    cudaLaunchConfig_t config{};
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeClusterDimension;
-    attribute[0].val.clusterDim.x = CLUSTER;
-    attribute[0].val.clusterDim.y = 1;
-    attribute[0].val.clusterDim.z = 1;
-    config.attrs = attribute;
-    config.numAttrs = 1;
-    config.blockDim = dim3(THREADS);
-    config.dynamicSmemBytes = smem_bytes;
-    config.stream = stream;
+    const int clusters = std::max(1, std::min(p.order.count(), resident / CLUSTER));
     if constexpr (CLUSTER == 1) {
-        const int grid = std::max(1, std::min(p.order.count(), multiprocessor_count()));
-        kernel<<<grid, THREADS, smem_bytes, stream>>>(map_a, map_b, map_c, p);
+        kernel<<<clusters, THREADS, smem_bytes, stream>>>(map_a, map_b, map_c, p);
         return cudaGetLastError();
     }
-    static int max_clusters = 0;  // clusters that fit at once, read once per instantiation
-    if (max_clusters == 0) {
-        config.gridDim = dim3(CLUSTER * 132);
-        cudaError_t e = cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config);
-        if (e != cudaSuccess || max_clusters <= 0) max_clusters = multiprocessor_count() / CLUSTER;
-    }
-    const int clusters = std::max(1, std::min(p.order.count(), max_clusters));
+    cudaLaunchAttribute attribute[1];
+    cudaLaunchConfig_t config = launch_config<CLUSTER>(attribute, smem_bytes, stream);
     config.gridDim = dim3(CLUSTER * clusters);
     return cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, p);
 }
@@ -360,6 +386,13 @@ const char* gemm_unsupported(const gemm_args& g) {
     if (a_lead % 8 || b_lead % 8) return "leading strides must be multiples of 8 elements";
     if (!aligned16(g.a) || !aligned16(g.b)) return "A and B must be 16-byte aligned";
     return nullptr;
+}
+
+int gemm_resident_blocks(int cluster) {
+    int blocks = 0;
+    const cudaError_t e = cluster == 2 ? prepare<__nv_bfloat16, major::k, major::k, 2>(&blocks)
+                                       : prepare<__nv_bfloat16, major::k, major::k, 1>(&blocks);
+    return e == cudaSuccess ? blocks : -1;
 }
 
 cudaError_t launch_gemm(const gemm_args& g, cudaStream_t stream) {

@@ -30,4 +30,8 @@ const char* gemm_unsupported(const gemm_args& args);
 // Enqueues on `stream`; never synchronises.
 cudaError_t launch_gemm(const gemm_args& args, cudaStream_t stream);
 
+// Blocks of the persistent grid on the current device for clusters of `cluster` (1 or 2): one per SM, or what
+// the cluster occupancy query says fits at once. -1 on error. For diagnostics (benchmarks/gemm.py --cluster).
+int gemm_resident_blocks(int cluster);
+
 }  // namespace tk::gemm
