@@ -30,8 +30,8 @@ struct shared_state {
     alignas(1024) T c_stage[CONSUMERS][2][64 * 64];
     sync::barrier full[STAGES];   // TMA bytes landed
     sync::barrier empty[STAGES];  // consumers done reading
-    // The tile (index into the schedule) whose first k-block a stage holds, written by the producer before it
-    // arms the stage's `full` barrier; -1: no more tiles.
+    // Dynamic schedule: the tile (index into the schedule) whose first k-block a stage holds, written by the
+    // producer before it arms the stage's `full` barrier; -1: no more tiles.
     int tile_at[STAGES];
     static constexpr uint32_t stage_bytes = (BM + BN) * BK * sizeof(T);
 };
@@ -61,8 +61,8 @@ __device__ __forceinline__ void store_pair(T* p, float x, float y, bool vector) 
 
 // Consumer warpgroups: wgmma over the ring, then the epilogue of each tile.
 template <typename T, major MA, major MB, int CLUSTER, typename State, typename TileOf>
-__device__ __forceinline__ void consume(State& st, const kernel_params& p, const CUtensorMap& map_c,
-                                        TileOf tile_of) {
+__device__ __forceinline__ void consume(State& st, const kernel_params& p, const CUtensorMap& map_c, int pairs,
+                                        int cluster, int clusters, TileOf tile_of) {
     // A stage is free once every consumer warp of both blocks is done with it: the peer's producer writes
     // its share of B into our copy of the stage too.
     auto release = [](sync::barrier& b) {
@@ -85,16 +85,22 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
     uint32_t phase = 0;
     float d[BN / 2];
 
-    for (;;) {
-        // The producer names each tile in the stage holding its first k-block (the schedule may be dynamic).
-        sync::wait(st.full[s], phase);
-        const int t = st.tile_at[s];
-        if (t < 0) break;
+    const bool dynamic = p.tickets != nullptr;
+    for (int t = cluster;; t += clusters) {
+        // Static: every grid-th tile. Dynamic: the producer names each tile in the stage that holds its first
+        // k-block, and -1 when there are no more.
+        if (dynamic) {
+            sync::wait(st.full[s], phase);
+            t = st.tile_at[s];
+            if (t < 0) break;
+        } else if (t >= pairs) {
+            break;
+        }
         const auto tile = tile_of(t);
         // Keep one wgmma group in flight: stage s is released once the group after it has been issued.
         int previous = -1;
         for (int kb = 0; kb < p.k_blocks; ++kb) {
-            if (kb > 0) sync::wait(st.full[s], phase);
+            if (kb > 0 || !dynamic) sync::wait(st.full[s], phase);
             wgmma::fence();
 #pragma unroll
             for (int k16 = 0; k16 < BK / 16; ++k16)
@@ -220,7 +226,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 for (int kb = 0; kb < p.k_blocks; ++kb) {
                     const int k0 = kb * BK;
                     sync::wait(st.empty[s], phase ^ 1);
-                    if (kb == 0) st.tile_at[s] = t;
+                    if (kb == 0 && p.tickets != nullptr) st.tile_at[s] = t;
                     sync::arrive_expect_bytes(st.full[s], state_t::stage_bytes);
                     if constexpr (MA == major::k) {
                         tma::load_2d(st.a[s].data, &map_a, k0, m0, st.full[s]);
@@ -248,13 +254,14 @@ __global__ void __launch_bounds__(THREADS, 1)
                     if (++s == STAGES) s = 0, phase ^= 1;
                 }
             }
-            // End of work: a stage with no bytes whose tile is -1.
-            sync::wait(st.empty[s], phase ^ 1);
-            st.tile_at[s] = -1;
-            sync::arrive(st.full[s]);
+            if (p.tickets != nullptr) {  // dynamic: end of work is a stage with no bytes whose tile is -1
+                sync::wait(st.empty[s], phase ^ 1);
+                st.tile_at[s] = -1;
+                sync::arrive(st.full[s]);
+            }
         }
     } else {
-        consume<T, MA, MB, CLUSTER>(st, p, map_c, tile_of);
+        consume<T, MA, MB, CLUSTER>(st, p, map_c, pairs, cluster, clusters, tile_of);
     }
     // No block leaves while its peer may still write into its shared memory or arrive on its barriers.
     if constexpr (CLUSTER > 1) sync::cluster_sync();
