@@ -33,6 +33,26 @@ def median_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
         return times[len(times) // 2]
 
 
+def interleaved_ms(fns: dict, *, rounds: int = 4, warmup_ms: float = 10, rep_ms: float = 30) -> dict:
+    """Median times (ms) of several functions timed in turns, each round in a rotated order.
+
+    A GPU's clock drifts with its temperature and power over a benchmark; timing peers one after the other
+    hands whichever runs first the cooler chip. Rounds in rotating order share that drift out evenly, and
+    the median over rounds drops a round that a clock change hit.
+    """
+    names = list(fns)
+    times: dict = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(median_ms(fns[name], warmup_ms=warmup_ms, rep_ms=rep_ms))
+    out = {}
+    for name, ts in times.items():
+        ts.sort()
+        mid = len(ts) // 2
+        out[name] = ts[mid] if len(ts) % 2 else 0.5 * (ts[mid - 1] + ts[mid])
+    return out
+
+
 def environment() -> dict:
     commit = os.environ.get("THUNDER_TK_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -5,7 +5,8 @@
   dW:   dW = dY^T X   (N x K, reduce M)     dY (M, N), X (M, K)
 
 Shapes: squares 4096/8192/16384 and 8192 tokens against LLM weights (K x N as listed in the issue).
-TFLOP/s = 2 * (product of the three dims) / time. Prints ratios and the geometric mean, writes JSON and a PNG.
+TFLOP/s = 2 * (product of the three dims) / time; tk and cuBLAS (and the
+optional variants) are timed in turns, in rotating order, and each gets the median over the rounds. Prints ratios and the geometric mean, writes JSON and a PNG.
 
     python benchmarks/gemm.py --json out/gemm.json --png out/gemm.png
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bar_chart, median_ms, print_table, write_results  # noqa: E402
+from common import bar_chart, interleaved_ms, median_ms, print_table, write_results  # noqa: E402
 
 from thunder_tk import ops  # noqa: E402
 
@@ -44,6 +45,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time other L2 group sizes of the schedule")
     p.add_argument("--cluster", action="store_true", help="also time clusters of two blocks (B multicast)")
     p.add_argument("--dynamic", action="store_true", help="also time the dynamic tile schedule")
+    p.add_argument("--rounds", type=int, default=4, help="timing rounds per point, peers in rotating order")
     a = p.parse_args()
     if a.cluster:
         import thunder_tk._C as kernels
@@ -63,12 +65,16 @@ def main() -> None:
             assert err < 1e-2, f"{name} {layout}: rel err {err}"
             del out, ref
             flops = 2.0 * lhs.shape[0] * lhs.shape[1] * rhs.shape[1]
-            t_tk = median_ms(lambda: ops.gemm(lhs, rhs))
-            t_cublas = median_ms(lambda: torch.matmul(lhs, rhs))
+            variants = {"tk": lambda: ops.gemm(lhs, rhs), "cuBLAS": lambda: torch.matmul(lhs, rhs)}
             if a.cluster:
-                t = median_ms(lambda: ops.gemm(lhs, rhs, _cluster=2))
-                print(f"  cluster2 {name} {layout}: {flops / t / 1e9:.0f} TFLOP/s (default {flops / t_tk / 1e9:.0f})",
-                      flush=True)
+                variants["cluster2"] = lambda: ops.gemm(lhs, rhs, _cluster=2)
+            if a.dynamic:
+                variants["dynamic"] = lambda: ops.gemm(lhs, rhs, _schedule="dynamic")
+            ms = interleaved_ms(variants, rounds=a.rounds)
+            t_tk, t_cublas = ms["tk"], ms["cuBLAS"]
+            if a.cluster:
+                print(f"  cluster2 {name} {layout}: {flops / ms['cluster2'] / 1e9:.0f} TFLOP/s "
+                      f"(default {flops / t_tk / 1e9:.0f})", flush=True)
             if a.sweep:
                 for g in (2, 4, 16, 32):
                     t = median_ms(lambda: ops.gemm(lhs, rhs, _group_rows=g))
@@ -78,9 +84,8 @@ def main() -> None:
                          "tk_tflops": flops / t_tk / 1e9, "cublas_tflops": flops / t_cublas / 1e9,
                          "ratio": t_cublas / t_tk})
             if a.dynamic:
-                t = median_ms(lambda: ops.gemm(lhs, rhs, _schedule="dynamic"))
-                rows[-1]["tk_dynamic_tflops"] = flops / t / 1e9
-                rows[-1]["dynamic_ratio"] = t_cublas / t
+                rows[-1]["tk_dynamic_tflops"] = flops / ms["dynamic"] / 1e9
+                rows[-1]["dynamic_ratio"] = t_cublas / ms["dynamic"]
             print(f"{name:>16} {layout:>3}: tk {rows[-1]['tk_tflops']:6.0f}  cuBLAS {rows[-1]['cublas_tflops']:6.0f} "
                   f"TFLOP/s  ratio {rows[-1]['ratio']:.3f}", flush=True)
         del x, w, dy

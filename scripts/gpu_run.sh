@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU-host job (set THUNDER_TK_COMMIT where the checkout has no .git; BENCH_ARGS=--sweep to tune): install carried wheels, build thunder_tk, run the GPU tests, compute-sanitizer and the
+# One GPU-host job (set THUNDER_TK_COMMIT where the checkout has no .git; BENCH_ARGS=--sweep to tune;
+# BENCHES='gemm litgpt delta' picks benchmarks): install carried wheels, build thunder_tk, run the GPU tests, compute-sanitizer and the
 # benchmarks, and print a short table last. Full logs go to $OUT (default out/gpu).
 #   bash scripts/gpu_run.sh [all|test|bench|dist|pretrain]
 #     dist: the multi-GPU collectives benchmark and tests; pretrain: `thunder-tk pretrain` with tk vs Thunder's
@@ -57,11 +58,16 @@ if [ "$what" = pretrain ]; then
     step dist_kernels timeout ${DIST_KERNELS_TIMEOUT:-150} bash -c "cd /tmp && python3 -m torch.distributed.run --nproc_per_node $ngpu $here/tests/gpu/collectives_worker.py kernels"
   fi
 fi
-if [ "$what" = all ] || [ "$what" = bench ]; then
+benches=" ${BENCHES:-gemm litgpt delta} "  # which benchmarks `all` and `bench` run
+if { [ "$what" = all ] || [ "$what" = bench ]; } && [[ $benches == *" gemm "* ]]; then
   step bench_gemm timeout 400 python3 benchmarks/gemm.py ${GEMM_ARGS:-} --json "$OUT/gemm.json" --png "$OUT/gemm.png"
   cat "$OUT/bench_gemm.log"
+fi
+if { [ "$what" = all ] || [ "$what" = bench ]; } && [[ $benches == *" litgpt "* ]]; then
   step bench_litgpt timeout 500 python3 benchmarks/litgpt_step.py ${LITGPT_ARGS:-} --json "$OUT/litgpt_step.json" --png "$OUT/litgpt_step.png"
   cat "$OUT/bench_litgpt.log"
+fi
+if { [ "$what" = all ] || [ "$what" = bench ]; } && [[ $benches == *" delta "* ]]; then
   step bench_delta python3 benchmarks/attention_bwd_delta.py ${BENCH_ARGS:-} --json "$OUT/attention_bwd_delta.json" --png "$OUT/attention_bwd_delta.png"
   cat "$OUT/bench_delta.log"
 fi
