@@ -33,7 +33,7 @@ def median_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
         return times[len(times) // 2]
 
 
-def interleaved_ms(fns: dict, *, rounds: int = 4, warmup_ms: float = 10, rep_ms: float = 30) -> dict:
+def interleaved_ms(fns: dict, *, rounds: int = 5, warmup_ms: float = 10, rep_ms: float = 50) -> dict:
     """Median times (ms) of several functions timed in turns, each round in a rotated order.
 
     A GPU's clock drifts with its temperature and power over a benchmark; timing peers one after the other

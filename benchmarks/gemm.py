@@ -43,9 +43,13 @@ def main() -> None:
     p.add_argument("--png")
     p.add_argument("--quick", action="store_true", help="fewer shapes")
     p.add_argument("--sweep", action="store_true", help="also time other L2 group sizes of the schedule")
-    p.add_argument("--cluster", action="store_true", help="also time clusters of two blocks (B multicast)")
+    p.add_argument("--cluster", action="store_true",
+                   help="also time clusters of two blocks, sharing B by multicast and (diagnostic) not sharing it")
     p.add_argument("--dynamic", action="store_true", help="also time the dynamic tile schedule")
-    p.add_argument("--rounds", type=int, default=4, help="timing rounds per point, peers in rotating order")
+    p.add_argument("--rounds", type=int, default=5, help="timing rounds per point, peers in rotating order")
+    p.add_argument("--only", nargs="*", help="problems to run (names as printed, e.g. sq8192 8192x4096x4096)")
+    p.add_argument("--once", action="store_true",
+                   help="run each variant once per problem and layout, untimed (for a profiler such as ncu)")
     a = p.parse_args()
     if a.cluster:
         import thunder_tk._C as kernels
@@ -55,6 +59,8 @@ def main() -> None:
 
     rows = []
     for name, M, N, K in problems(a.quick):
+        if a.only and name not in a.only:
+            continue
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
@@ -66,15 +72,20 @@ def main() -> None:
             del out, ref
             flops = 2.0 * lhs.shape[0] * lhs.shape[1] * rhs.shape[1]
             variants = {"tk": lambda: ops.gemm(lhs, rhs), "cuBLAS": lambda: torch.matmul(lhs, rhs)}
-            if a.cluster:
-                variants["cluster2"] = lambda: ops.gemm(lhs, rhs, _cluster=2)
             if a.dynamic:
                 variants["dynamic"] = lambda: ops.gemm(lhs, rhs, _schedule="dynamic")
+            if a.once:
+                for fn in variants.values():
+                    fn()
+                torch.cuda.synchronize()
+                continue
             ms = interleaved_ms(variants, rounds=a.rounds)
             t_tk, t_cublas = ms["tk"], ms["cuBLAS"]
-            if a.cluster:
-                print(f"  cluster2 {name} {layout}: {flops / ms['cluster2'] / 1e9:.0f} TFLOP/s "
-                      f"(default {flops / t_tk / 1e9:.0f})", flush=True)
+            if a.cluster:  # diagnostics, timed apart from the comparison
+                for label, c in (("cluster2", 2), ("cluster2 private B", 3)):
+                    t = median_ms(lambda: ops.gemm(lhs, rhs, _cluster=c), warmup_ms=10, rep_ms=30)
+                    print(f"  {label} {name} {layout}: {flops / t / 1e9:.0f} TFLOP/s (default {flops / t_tk / 1e9:.0f})",
+                          flush=True)
             if a.sweep:
                 for g in (2, 4, 16, 32):
                     t = median_ms(lambda: ops.gemm(lhs, rhs, _group_rows=g))
@@ -90,6 +101,8 @@ def main() -> None:
                   f"TFLOP/s  ratio {rows[-1]['ratio']:.3f}", flush=True)
         del x, w, dy
         torch.cuda.empty_cache()
+    if a.once:
+        return
     columns = ["problem", "layout", "tk_tflops", "cublas_tflops", "ratio"]
     columns += ["tk_dynamic_tflops", "dynamic_ratio"] if a.dynamic else []
     print_table(rows, columns)

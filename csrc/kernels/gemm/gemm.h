@@ -7,6 +7,8 @@
 
 namespace tk::gemm {
 
+constexpr int cluster_private = 3;
+
 struct gemm_args {
     const void* a;     // A(m, k) at a + m * a_stride_m + k * a_stride_k; one of the two strides is 1
     const void* b;     // B(k, n) at b + k * b_stride_k + n * b_stride_n; one of the two strides is 1
@@ -16,7 +18,8 @@ struct gemm_args {
     int64_t M, N, K;
     int64_t a_stride_m, a_stride_k, b_stride_k, b_stride_n, c_stride_m;
     int group_rows;  // tile rows per L2 group of the persistent schedule (0: the tuned default)
-    int cluster;     // blocks per cluster sharing B by multicast: 1 or 2 (0: the default)
+    int cluster;     // blocks per cluster sharing B by multicast: 1 or 2 (0: the default; cluster_private: a
+                     // diagnostic, clusters of 2 whose blocks each load all of B)
     // Dynamic tile schedule (clusters of 1 only): blocks take tiles from this zeroed counter as they get to
     // them, so blocks that start late (SMs busy with other kernels, e.g. an overlapping collective) take fewer
     // tiles instead of stretching the kernel. The kernel leaves it zeroed again. Null: each block takes every
