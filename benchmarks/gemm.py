@@ -82,7 +82,7 @@ def main() -> None:
             ms = interleaved_ms(variants, rounds=a.rounds)
             t_tk, t_cublas = ms["tk"], ms["cuBLAS"]
             if a.cluster:  # diagnostics, timed apart from the comparison
-                for label, c in (("cluster2", 2), ("cluster2 private B", 3)):
+                for label, c in (("cluster2", 2), ("cluster2 private B", 3), ("cluster2 private B, lockstep", 4)):
                     t = median_ms(lambda: ops.gemm(lhs, rhs, _cluster=c), warmup_ms=10, rep_ms=30)
                     print(f"  {label} {name} {layout}: {flops / t / 1e9:.0f} TFLOP/s (default {flops / t_tk / 1e9:.0f})",
                           flush=True)

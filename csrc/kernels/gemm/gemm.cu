@@ -42,7 +42,9 @@ struct kernel_params {
     int k_blocks;
     bool tma_store;  // C rows 16-byte aligned: stage the epilogue in shared memory and store with TMA
     int* tickets;    // dynamic schedule counter, or null (static: block i takes tiles i, i + grid, ...)
-    bool share_b;    // clusters: blocks share B by multicast (false: a diagnostic, each block loads all of B)
+    // Clusters: blocks share B by multicast, and so free a stage only once every block of the cluster is done
+    // with it (cross_release). The diagnostics turn off one or both.
+    bool multicast_b, cross_release;
 };
 
 template <typename T>
@@ -67,7 +69,7 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
     // A stage is free once every consumer warp of both blocks is done with it: the peer's producer writes
     // its share of B into our copy of the stage too.
     auto release = [&p](sync::barrier& b) {
-        if (CLUSTER == 1 || !p.share_b) {
+        if (CLUSTER == 1 || !p.cross_release) {
             sync::arrive(b);
         } else {
 #pragma unroll
@@ -187,8 +189,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             sync::init(st.full[s], 1);
-            // lane 0 of every consumer warp of the cluster (of the block, when the blocks do not share B)
-            sync::init(st.empty[s], (p.share_b ? CLUSTER : 1) * CONSUMERS * 4);
+            // lane 0 of every consumer warp of the cluster (of the block, without cross_release)
+            sync::init(st.empty[s], (p.cross_release ? CLUSTER : 1) * CONSUMERS * 4);
         }
         sync::fence_init();
     }
@@ -238,7 +240,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                     }
                     constexpr uint16_t everyone = (1u << CLUSTER) - 1;
                     constexpr int b_rows = BN / CLUSTER;  // this block's share of the B tile
-                    if (CLUSTER > 1 && !p.share_b) {  // the whole B tile, in CLUSTER boxes
+                    if (CLUSTER > 1 && !p.multicast_b) {  // the whole B tile, in CLUSTER boxes
                         if constexpr (MB == major::k) {
                             for (int r = 0; r < CLUSTER; ++r)
                                 tma::load_2d(st.b[s].data + r * b_rows * BK, &map_b, k0, n0 + r * b_rows, st.full[s]);
@@ -274,7 +276,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         consume<T, MA, MB, CLUSTER>(st, p, map_c, pairs, cluster, clusters, tile_of);
     }
     // No block leaves while its peer may still write into its shared memory or arrive on its barriers.
-    if constexpr (CLUSTER > 1) sync::cluster_sync();
+    // (Lane 0 of the producer warp arrives late: reconverge the warp first, the cluster barrier is .aligned.)
+    if constexpr (CLUSTER > 1) {
+        __syncwarp();
+        sync::cluster_sync();
+    }
 }
 
 template <typename T>
@@ -359,7 +365,8 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
                g.group_rows > 0 ? std::max(1, g.group_rows / CLUSTER) : GROUP_ROWS / CLUSTER};
     p.k_blocks = int((g.K + BK - 1) / BK);
     p.tickets = CLUSTER == 1 ? g.tickets : nullptr;
-    p.share_b = CLUSTER > 1 && g.cluster != cluster_private;
+    p.multicast_b = CLUSTER > 1 && g.cluster == 2;
+    p.cross_release = CLUSTER > 1 && g.cluster != cluster_private;
 
     const int clusters = std::max(1, std::min(p.order.count(), resident / CLUSTER));
     if constexpr (CLUSTER == 1) {
@@ -384,7 +391,7 @@ cudaError_t dispatch_majors(const gemm_args& g, cudaStream_t stream) {
 template <typename T>
 cudaError_t dispatch_cluster(const gemm_args& g, cudaStream_t stream) {
     // Default: no cluster. Clusters of two with B multicast measured 2x slower on H100 (see benchmarks/NOTES.md).
-    if (g.cluster == 2 || g.cluster == cluster_private) return dispatch_majors<T, 2>(g, stream);
+    if (g.cluster >= 2) return dispatch_majors<T, 2>(g, stream);
     return dispatch_majors<T, 1>(g, stream);
 }
 
