@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <type_traits>
 
 namespace tk::gemm {
@@ -45,6 +46,8 @@ struct kernel_params {
     // Clusters: blocks share B by multicast, and so free a stage only once every block of the cluster is done
     // with it (cross_release). The diagnostics turn off one or both.
     bool multicast_b, cross_release;
+    int cluster_sync_mode;  // diagnostic (THUNDER_TK_GEMM_CLUSTER_SYNC): bit 0 block-scope remote arrives, bit 1
+                            // the producer polls its empty barriers instead of try_wait
 };
 
 template <typename T>
@@ -73,7 +76,12 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
             sync::arrive(b);
         } else {
 #pragma unroll
-            for (uint32_t r = 0; r < CLUSTER; ++r) sync::arrive_cluster(b, r);
+            for (uint32_t r = 0; r < CLUSTER; ++r) {
+                if (p.cluster_sync_mode & 1)
+                    sync::arrive_remote(b, r);
+                else
+                    sync::arrive_cluster(b, r);
+            }
         }
     };
     warpgroup::increase_registers<232>();
@@ -229,7 +237,10 @@ __global__ void __launch_bounds__(THREADS, 1)
                 const int m0 = tile.m * BM, n0 = tile.n * BN;
                 for (int kb = 0; kb < p.k_blocks; ++kb) {
                     const int k0 = kb * BK;
-                    sync::wait(st.empty[s], phase ^ 1);
+                    if (CLUSTER > 1 && (p.cluster_sync_mode & 2))
+                        sync::wait_polling(st.empty[s], phase ^ 1);
+                    else
+                        sync::wait(st.empty[s], phase ^ 1);
                     if (kb == 0 && p.tickets != nullptr) st.tile_at[s] = t;
                     sync::arrive_expect_bytes(st.full[s], state_t::stage_bytes);
                     if constexpr (MA == major::k) {
@@ -367,6 +378,11 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     p.tickets = CLUSTER == 1 ? g.tickets : nullptr;
     p.multicast_b = CLUSTER > 1 && g.cluster == 2;
     p.cross_release = CLUSTER > 1 && g.cluster != cluster_private;
+    static const int cluster_sync_mode = [] {
+        const char* v = std::getenv("THUNDER_TK_GEMM_CLUSTER_SYNC");
+        return v ? std::atoi(v) : 0;
+    }();
+    p.cluster_sync_mode = cluster_sync_mode;
 
     const int clusters = std::max(1, std::min(p.order.count(), resident / CLUSTER));
     if constexpr (CLUSTER == 1) {
