@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bar_chart, interleaved_ms, median_ms, print_table, write_results  # noqa: E402
+from common import bar_chart, interleaved_ms, print_table, write_results  # noqa: E402
 
 from thunder_tk import ops  # noqa: E402
 
 SQUARES = [4096, 8192, 16384]
 SWEEP_GROUPS = (4, 16, 32)
+EXTRA_VARIANTS = ("dynamic", "cluster2")  # optional tk variants, timed in the same rotation
 TOKENS = 8192
 WEIGHTS = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]
 
@@ -44,8 +45,7 @@ def main() -> None:
     p.add_argument("--png")
     p.add_argument("--quick", action="store_true", help="fewer shapes")
     p.add_argument("--sweep", action="store_true", help="also time other L2 group sizes of the schedule")
-    p.add_argument("--cluster", action="store_true",
-                   help="also time clusters of two blocks, sharing B by multicast and (diagnostic) not sharing it")
+    p.add_argument("--cluster", action="store_true", help="also time clusters of two blocks sharing B by multicast")
     p.add_argument("--dynamic", action="store_true", help="also time the dynamic tile schedule")
     p.add_argument("--rounds", type=int, default=5, help="timing rounds per point, peers in rotating order")
     p.add_argument("--only", nargs="*", help="problems to run (names as printed, e.g. sq8192 8192x4096x4096)")
@@ -75,6 +75,8 @@ def main() -> None:
             variants = {"tk": lambda: ops.gemm(lhs, rhs), "cuBLAS": lambda: torch.matmul(lhs, rhs)}
             if a.dynamic:
                 variants["dynamic"] = lambda: ops.gemm(lhs, rhs, _schedule="dynamic")
+            if a.cluster:
+                variants["cluster2"] = lambda: ops.gemm(lhs, rhs, _cluster=2)
             if a.sweep:  # other L2 group sizes of the tile order, in the same rotation
                 for g in SWEEP_GROUPS:
                     variants[f"group_rows={g}"] = (lambda g=g: ops.gemm(lhs, rhs, _group_rows=g))
@@ -85,11 +87,6 @@ def main() -> None:
                 continue
             ms = interleaved_ms(variants, rounds=a.rounds)
             t_tk, t_cublas = ms["tk"], ms["cuBLAS"]
-            if a.cluster:  # diagnostics, timed apart from the comparison
-                for label, c in (("cluster2", 2), ("cluster2 private B", 3), ("cluster2 private B, lockstep", 4)):
-                    t = median_ms(lambda: ops.gemm(lhs, rhs, _cluster=c), warmup_ms=10, rep_ms=30)
-                    print(f"  {label} {name} {layout}: {flops / t / 1e9:.0f} TFLOP/s (default {flops / t_tk / 1e9:.0f})",
-                          flush=True)
             if a.sweep:
                 print(f"  sweep {name} {layout}: default {flops / t_tk / 1e9:.0f}, " + ", ".join(
                     f"group_rows={g} {flops / ms[f'group_rows={g}'] / 1e9:.0f}" for g in SWEEP_GROUPS) + " TFLOP/s",
@@ -97,9 +94,10 @@ def main() -> None:
             rows.append({"problem": name, "layout": layout, "M": lhs.shape[0], "N": rhs.shape[1], "K": lhs.shape[1],
                          "tk_tflops": flops / t_tk / 1e9, "cublas_tflops": flops / t_cublas / 1e9,
                          "ratio": t_cublas / t_tk})
-            if a.dynamic:
-                rows[-1]["tk_dynamic_tflops"] = flops / ms["dynamic"] / 1e9
-                rows[-1]["dynamic_ratio"] = t_cublas / ms["dynamic"]
+            for v in EXTRA_VARIANTS:
+                if v in ms:
+                    rows[-1][f"tk_{v}_tflops"] = flops / ms[v] / 1e9
+                    rows[-1][f"{v}_ratio"] = t_cublas / ms[v]
             print(f"{name:>16} {layout:>3}: tk {rows[-1]['tk_tflops']:6.0f}  cuBLAS {rows[-1]['cublas_tflops']:6.0f} "
                   f"TFLOP/s  ratio {rows[-1]['ratio']:.3f}", flush=True)
         del x, w, dy
@@ -107,13 +105,14 @@ def main() -> None:
     if a.once:
         return
     columns = ["problem", "layout", "tk_tflops", "cublas_tflops", "ratio"]
-    columns += ["tk_dynamic_tflops", "dynamic_ratio"] if a.dynamic else []
+    extras = [v for v in EXTRA_VARIANTS if rows and f"{v}_ratio" in rows[0]]
+    columns += [c for v in extras for c in (f"tk_{v}_tflops", f"{v}_ratio")]
     print_table(rows, columns)
     geomean = math.exp(sum(math.log(r["ratio"]) for r in rows) / len(rows))
     print(f"geometric-mean ratio tk/cuBLAS: {geomean:.3f}; lowest {min(r['ratio'] for r in rows):.3f}")
-    if a.dynamic:
-        g = math.exp(sum(math.log(r["dynamic_ratio"]) for r in rows) / len(rows))
-        print(f"dynamic schedule: geometric-mean ratio {g:.3f}; lowest {min(r['dynamic_ratio'] for r in rows):.3f}")
+    for v in extras:
+        g = math.exp(sum(math.log(r[f"{v}_ratio"]) for r in rows) / len(rows))
+        print(f"{v}: geometric-mean ratio {g:.3f}; lowest {min(r[f'{v}_ratio'] for r in rows):.3f}")
     path = write_results(a.json, "gemm", rows)
     print(f"wrote {path}")
     if a.png:

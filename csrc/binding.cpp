@@ -71,8 +71,7 @@ void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t b
     g.c_stride_m = c_stride_m;
     if (group_rows < 0 || group_rows > 64) throw std::invalid_argument("group_rows must be 0 (automatic) to 64");
     g.group_rows = group_rows;
-    if (cluster < 0 || cluster > tk::gemm::cluster_lockstep)
-        throw std::invalid_argument("cluster must be 0 (automatic), 1, 2, or 3 / 4 (diagnostics: see gemm.h)");
+    if (cluster < 0 || cluster > 2) throw std::invalid_argument("cluster must be 0 (automatic), 1 or 2");
     g.cluster = cluster;
     g.tickets = reinterpret_cast<int*>(tickets);
     if (const char* why = tk::gemm::gemm_unsupported(g)) throw std::invalid_argument(std::string("thunder_tk gemm: ") + why);

@@ -84,34 +84,14 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// Arrive on the barrier at the same shared-memory offset in cluster block `rank`, with release semantics at
-// block scope: enough to free a stage that this thread read only through wgmma it has waited for.
-__device__ __forceinline__ void arrive_remote(barrier& b, uint32_t rank) {
-    asm volatile(
-        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(&b)),
-        "r"(rank)
-        : "memory");
-}
-
-// As try_wait's loop, but polling without suspending the thread (test_wait never sleeps).
-__device__ __forceinline__ void wait_polling(barrier& b, uint32_t parity) {
-    uint32_t done = 0;
-    while (!done) {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.test_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n}"
-            : "=r"(done)
-            : "r"(smem_addr(&b)), "r"(parity)
-            : "memory");
-    }
-}
-
-// Arrive on the barrier at the same shared-memory offset in cluster block `rank`, release at cluster scope.
+// Arrive on the barrier at the same shared-memory offset in cluster block `rank` (this block's own too), with
+// release semantics at block scope, which is what freeing a pipeline stage needs: the arriving thread read the
+// stage only through wgmma that it has already waited for. Release at cluster scope (.release.cluster) made
+// every such arrive wait like a fence and ran the two-block GEMM at 0.4x (benchmarks/NOTES.md).
 __device__ __forceinline__ void arrive_cluster(barrier& b, uint32_t rank) {
     asm volatile(
         "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(&b)),
+        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(&b)),
         "r"(rank)
         : "memory");
 }

@@ -23,5 +23,6 @@ for M, N, K in [(129, 257, 72), (64, 300, 128)]:
         for b in (torch.randn(K, N, device="cuda", dtype=torch.bfloat16), torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t()):
             _ops.gemm(a, b, torch.randn(N, device="cuda", dtype=torch.bfloat16))
             _ops.gemm(a, b, _schedule="dynamic")
+            _ops.gemm(a, b, _cluster=2)
 torch.cuda.synchronize()
 print("gemm sanitize targets ran")

@@ -57,11 +57,10 @@ def test_matches_fp32_reference(M, N, K, a_k_major, b_n_major, dtype):
 @pytest.mark.parametrize("M,N,K", [(129, 257, 72), (300, 100, 1000), (1000, 513, 64)])
 @pytest.mark.parametrize("a_k_major", [True, False])
 @pytest.mark.parametrize("b_n_major", [True, False])
-@pytest.mark.parametrize("cluster", [2, 3, 4])  # 3, 4: diagnostics (blocks load all of B; see gemm.h)
-def test_cluster_variant(M, N, K, a_k_major, b_n_major, cluster):
+def test_cluster_variant(M, N, K, a_k_major, b_n_major):
     a = operand(M, K, torch.bfloat16, a_k_major)
     b = operand(K, N, torch.bfloat16, b_n_major) if not (b_n_major and N % 8) else operand(K, N, torch.bfloat16, False)
-    out = ops.gemm(a, b, _cluster=cluster)
+    out = ops.gemm(a, b, _cluster=2)
     assert rel_err(out, reference(a, b)) < TOL[torch.bfloat16]
 
 

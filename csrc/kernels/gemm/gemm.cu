@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <type_traits>
 
 namespace tk::gemm {
@@ -43,11 +42,6 @@ struct kernel_params {
     int k_blocks;
     bool tma_store;  // C rows 16-byte aligned: stage the epilogue in shared memory and store with TMA
     int* tickets;    // dynamic schedule counter, or null (static: block i takes tiles i, i + grid, ...)
-    // Clusters: blocks share B by multicast, and so free a stage only once every block of the cluster is done
-    // with it (cross_release). The diagnostics turn off one or both.
-    bool multicast_b, cross_release;
-    int cluster_sync_mode;  // diagnostic (THUNDER_TK_GEMM_CLUSTER_SYNC): bit 0 block-scope remote arrives, bit 1
-                            // the producer polls its empty barriers instead of try_wait
 };
 
 template <typename T>
@@ -71,17 +65,12 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
                                         int cluster, int clusters, TileOf tile_of) {
     // A stage is free once every consumer warp of both blocks is done with it: the peer's producer writes
     // its share of B into our copy of the stage too.
-    auto release = [&p](sync::barrier& b) {
-        if (CLUSTER == 1 || !p.cross_release) {
+    auto release = [](sync::barrier& b) {
+        if constexpr (CLUSTER == 1) {
             sync::arrive(b);
         } else {
 #pragma unroll
-            for (uint32_t r = 0; r < CLUSTER; ++r) {
-                if (p.cluster_sync_mode & 1)
-                    sync::arrive_remote(b, r);
-                else
-                    sync::arrive_cluster(b, r);
-            }
+            for (uint32_t r = 0; r < CLUSTER; ++r) sync::arrive_cluster(b, r);
         }
     };
     warpgroup::increase_registers<232>();
@@ -197,8 +186,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             sync::init(st.full[s], 1);
-            // lane 0 of every consumer warp of the cluster (of the block, without cross_release)
-            sync::init(st.empty[s], (p.cross_release ? CLUSTER : 1) * CONSUMERS * 4);
+            sync::init(st.empty[s], CLUSTER * CONSUMERS * 4);  // lane 0 of every consumer warp of the cluster
         }
         sync::fence_init();
     }
@@ -237,10 +225,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 const int m0 = tile.m * BM, n0 = tile.n * BN;
                 for (int kb = 0; kb < p.k_blocks; ++kb) {
                     const int k0 = kb * BK;
-                    if (CLUSTER > 1 && (p.cluster_sync_mode & 2))
-                        sync::wait_polling(st.empty[s], phase ^ 1);
-                    else
-                        sync::wait(st.empty[s], phase ^ 1);
+                    sync::wait(st.empty[s], phase ^ 1);
                     if (kb == 0 && p.tickets != nullptr) st.tile_at[s] = t;
                     sync::arrive_expect_bytes(st.full[s], state_t::stage_bytes);
                     if constexpr (MA == major::k) {
@@ -251,15 +236,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                     }
                     constexpr uint16_t everyone = (1u << CLUSTER) - 1;
                     constexpr int b_rows = BN / CLUSTER;  // this block's share of the B tile
-                    if (CLUSTER > 1 && !p.multicast_b) {  // the whole B tile, in CLUSTER boxes
-                        if constexpr (MB == major::k) {
-                            for (int r = 0; r < CLUSTER; ++r)
-                                tma::load_2d(st.b[s].data + r * b_rows * BK, &map_b, k0, n0 + r * b_rows, st.full[s]);
-                        } else {
-                            for (int panel = 0; panel < BN / 64; ++panel)
-                                tma::load_2d(st.b[s].data + panel * 64 * BK, &map_b, n0 + panel * 64, k0, st.full[s]);
-                        }
-                    } else if constexpr (CLUSTER == 1 && MB == major::k) {
+                    if constexpr (CLUSTER == 1 && MB == major::k) {
                         tma::load_2d(st.b[s].data, &map_b, k0, n0, st.full[s]);
                     } else if constexpr (CLUSTER == 1) {
                         for (int panel = 0; panel < BN / 64; ++panel)
@@ -376,13 +353,6 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
                g.group_rows > 0 ? std::max(1, g.group_rows / CLUSTER) : GROUP_ROWS / CLUSTER};
     p.k_blocks = int((g.K + BK - 1) / BK);
     p.tickets = CLUSTER == 1 ? g.tickets : nullptr;
-    p.multicast_b = CLUSTER > 1 && g.cluster == 2;
-    p.cross_release = CLUSTER > 1 && g.cluster != cluster_private;
-    static const int cluster_sync_mode = [] {
-        const char* v = std::getenv("THUNDER_TK_GEMM_CLUSTER_SYNC");
-        return v ? std::atoi(v) : 0;
-    }();
-    p.cluster_sync_mode = cluster_sync_mode;
 
     const int clusters = std::max(1, std::min(p.order.count(), resident / CLUSTER));
     if constexpr (CLUSTER == 1) {
@@ -407,7 +377,7 @@ cudaError_t dispatch_majors(const gemm_args& g, cudaStream_t stream) {
 template <typename T>
 cudaError_t dispatch_cluster(const gemm_args& g, cudaStream_t stream) {
     // Default: no cluster. Clusters of two with B multicast measured 2x slower on H100 (see benchmarks/NOTES.md).
-    if (g.cluster >= 2) return dispatch_majors<T, 2>(g, stream);
+    if (g.cluster == 2) return dispatch_majors<T, 2>(g, stream);
     return dispatch_majors<T, 1>(g, stream);
 }
 

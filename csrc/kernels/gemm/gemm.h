@@ -7,10 +7,6 @@
 
 namespace tk::gemm {
 
-// Diagnostics of the cluster variant: clusters of two whose blocks each load all of B, freeing stages alone
-// (cluster_private) or only once both blocks are done with them (cluster_lockstep).
-constexpr int cluster_private = 3, cluster_lockstep = 4;
-
 struct gemm_args {
     const void* a;     // A(m, k) at a + m * a_stride_m + k * a_stride_k; one of the two strides is 1
     const void* b;     // B(k, n) at b + k * b_stride_k + n * b_stride_n; one of the two strides is 1
@@ -20,7 +16,7 @@ struct gemm_args {
     int64_t M, N, K;
     int64_t a_stride_m, a_stride_k, b_stride_k, b_stride_n, c_stride_m;
     int group_rows;  // tile rows per L2 group of the persistent schedule (0: the tuned default)
-    int cluster;     // blocks per cluster sharing B by multicast: 1 or 2 (0: the default), or a diagnostic below
+    int cluster;     // blocks per cluster sharing B by multicast: 1 or 2 (0: the default)
     // Dynamic tile schedule (clusters of 1 only): blocks take tiles from this zeroed counter as they get to
     // them, so blocks that start late (SMs busy with other kernels, e.g. an overlapping collective) take fewer
     // tiles instead of stretching the kernel. The kernel leaves it zeroed again. Null: each block takes every
