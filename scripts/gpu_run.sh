@@ -6,7 +6,8 @@
 #     dist: the multi-GPU collectives benchmark and tests; pretrain: `thunder-tk pretrain` with tk vs Thunder's
 #     default executors on every GPU of the host (PRETRAIN_CONFIG, default llama-2-7b; PRETRAIN_ARGS: overrides;
 #     PRETRAIN_ONLY='"tk - gemm" tk': variants of benchmarks/pretrain_compare.py),
-#     then, with PRETRAIN_THEN_KERNELS=1, the collectives kernel checks on all GPUs.
+#     then, with PRETRAIN_THEN_KERNELS=1, the collectives kernel checks on all GPUs. WITH_TESTS=1 runs the
+#     one-GPU tests and sanitizers first in any mode.
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-out/gpu}
@@ -29,26 +30,28 @@ so=$(python3 -c "import thunder_tk._C as m; print(m.__file__)" 2>/dev/null)
 
 # Run from outside the checkout so the installed package (with its compiled module) is the one imported.
 here=$(pwd)
-if [ "$what" = all ] || [ "$what" = test ]; then
+if [ "$what" = all ] || [ "$what" = test ] || [ -n "${WITH_TESTS:-}" ]; then  # WITH_TESTS=1: also before dist
   step smoke timeout 120 bash -c "cd /tmp && python3 -c \"import torch; from thunder_tk import ops; a = torch.randn(256, 128, device='cuda', dtype=torch.bfloat16); print(float((ops.gemm(a, a.t()).float() - a.float() @ a.float().t()).abs().max()))\""
   step gpu_tests timeout 600 bash -c "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $here/tests/gpu -rs --junitxml=$OUT_ABS/gpu_tests.xml"
   step memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
   step racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
 fi
-if [ "$what" = dist ]; then
+if [ "$what" = dist ]; then  # checks first, then the benchmarks (the longest last), so a cut-off run keeps the checks
   ngpu=$(nvidia-smi -L | wc -l)
   nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+  step dist_tests timeout ${DIST_TEST_TIMEOUT:-500} bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -s $here/tests/gpu/test_collectives_multi_gpu.py ${DIST_TEST_ARGS:-} -rs --junitxml=$OUT_ABS/dist_tests.xml"
+  grep -E "passed|failed|error" "$OUT/dist_tests.log" 2>/dev/null | tail -n 1
+  if [ -n "${DIST_SANITIZE:-}" ]; then
+    for tool in memcheck racecheck; do
+      step ${tool}_dist timeout ${DIST_SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool --target-processes all --error-exitcode 9 python3 -m torch.distributed.run --nproc_per_node "$ngpu" tests/gpu/collectives_worker.py small
+    done
+  fi
   step bench_collectives timeout ${DIST_BENCH_TIMEOUT:-300} python3 -m torch.distributed.run --nproc_per_node "$ngpu" benchmarks/collectives.py ${COLL_ARGS:-} --json "$OUT/collectives.json" --png "$OUT/collectives.png"
   cat "$OUT/bench_collectives.log"
   if [ -n "${DIST_LITGPT:-}" ]; then  # the end-to-end step sharded over every GPU (LITGPT_FSDP_ARGS)
     step bench_litgpt_fsdp timeout ${DIST_LITGPT_TIMEOUT:-400} python3 -m torch.distributed.run --nproc_per_node "$ngpu" benchmarks/litgpt_step.py --fsdp ${LITGPT_FSDP_ARGS:-} --json "$OUT/litgpt_step_fsdp.json" --png "$OUT/litgpt_step_fsdp.png"
     cat "$OUT/bench_litgpt_fsdp.log"
   fi
-  step dist_tests timeout ${DIST_TEST_TIMEOUT:-500} bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -s $here/tests/gpu/test_collectives_multi_gpu.py ${DIST_TEST_ARGS:-} -rs --junitxml=$OUT_ABS/dist_tests.xml"
-  if [ -n "${DIST_SANITIZE:-}" ]; then
-    step memcheck_dist timeout 300 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 python3 -m torch.distributed.run --nproc_per_node "$ngpu" tests/gpu/collectives_worker.py small
-  fi
-  grep -E "passed|failed|error" "$OUT/dist_tests.log" 2>/dev/null | tail -n 1
 fi
 if [ "$what" = pretrain ]; then
   ngpu=$(nvidia-smi -L | wc -l)
