@@ -46,17 +46,9 @@ __device__ __forceinline__ bool try_wait(barrier& b, uint32_t parity) {
     return done != 0;
 }
 
-// Waits in the hardware: each try_wait may suspend the thread until the phase completes (or the hint, 10 ms,
-// runs out), instead of returning at once to a spinning loop. Twelve warps polling barriers cost a GEMM ~45%
-// more issued instructions than cuBLAS and, through power, its clock (benchmarks/NOTES.md).
 __device__ __forceinline__ void wait(barrier& b, uint32_t parity) {
-    asm volatile(
-        "{\n.reg .pred done;\n"
-        "waiting:\n"
-        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1, %2;\n"
-        "@!done bra waiting;\n}" ::"r"(smem_addr(&b)),
-        "r"(parity), "n"(10000000)
-        : "memory");
+    while (!try_wait(b, parity)) {
+    }
 }
 
 // Named barrier over `threads` threads (a multiple of 32), id 1..15 (0 is __syncthreads).
