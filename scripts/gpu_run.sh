@@ -42,8 +42,10 @@ if [ "$what" = dist ]; then  # checks first, then the benchmarks (the longest la
   step dist_tests timeout ${DIST_TEST_TIMEOUT:-500} bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -s $here/tests/gpu/test_collectives_multi_gpu.py ${DIST_TEST_ARGS:-} -rs --junitxml=$OUT_ABS/dist_tests.xml"
   grep -E "passed|failed|error" "$OUT/dist_tests.log" 2>/dev/null | tail -n 1
   if [ -n "${DIST_SANITIZE:-}" ]; then
+    # API return codes are left out: NCCL's init probes kernels of other architectures and torch probes fabric
+    # handles, each an expected error (18 of them on the 2x H200 host), not a memory error of ours.
     for tool in memcheck racecheck; do
-      step ${tool}_dist timeout ${DIST_SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool --target-processes all --error-exitcode 9 python3 -m torch.distributed.run --nproc_per_node "$ngpu" tests/gpu/collectives_worker.py small
+      step ${tool}_dist timeout ${DIST_SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool --report-api-errors no --target-processes all --error-exitcode 9 python3 -m torch.distributed.run --nproc_per_node "$ngpu" tests/gpu/collectives_worker.py small
     done
   fi
   step bench_collectives timeout ${DIST_BENCH_TIMEOUT:-300} python3 -m torch.distributed.run --nproc_per_node "$ngpu" benchmarks/collectives.py ${COLL_ARGS:-} --json "$OUT/collectives.json" --png "$OUT/collectives.png"
