@@ -1,9 +1,7 @@
 // Single include for kernels: the thunder_tk tile library.
 #pragma once
 #include "common.cuh"
-#include "register_tile.cuh"
 #include "schedule.cuh"
-#include "shared_vec.cuh"
 #include "sync.cuh"
 #include "tma.cuh"
 #include "warpgroup.cuh"
