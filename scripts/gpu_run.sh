@@ -24,8 +24,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 step build env THUNDER_TK_PTXAS_VERBOSE=1 python3 -m pip install -v --no-build-isolation --no-index --no-deps .
-step info python3 -c "import thunder_tk.cli as c; c.main(['info'])"
-so=$(python3 -c "import thunder_tk._C as m; print(m.__file__)" 2>/dev/null)
+# From outside the checkout, so that the installed package (with its compiled module) is the one imported.
+step info bash -c "cd /tmp && python3 -c \"import thunder_tk.cli as c; c.main(['info'])\""
+so=$(cd /tmp && python3 -c "import thunder_tk._C as m; print(m.__file__)" 2>/dev/null)
 [ -n "$so" ] && cuobjdump --dump-sass "$so" 2>/dev/null | grep -oE "HGMMA|UTMALDG|SYNCS" | sort | uniq -c > "$OUT/sass.txt"
 
 # Run from outside the checkout so the installed package (with its compiled module) is the one imported.

@@ -61,3 +61,17 @@ def test_info(capsys):
     assert main(["info"]) == 0
     text = capsys.readouterr().out
     assert "executors=[tk] amounts to: ['tk'" in text
+
+
+def test_a_source_checkout_without_kernels_says_so(tmp_path):
+    # Imported from a checkout (pyproject.toml and csrc/ beside the package), thunder_tk shadows the installed
+    # build; the reason names the directory and the way out instead of a bare "not installed".
+    from thunder_tk import _extension
+
+    package = tmp_path / "thunder_tk"
+    package.mkdir()
+    assert "not installed with its build step" in _extension._no_build_reason(package)
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "csrc").mkdir()
+    reason = _extension._no_build_reason(package)
+    assert str(package) in reason and "run from another directory" in reason

@@ -23,8 +23,17 @@ def build_info() -> dict:
     """What the install recorded: whether the kernels were compiled and, if not, why."""
     path = Path(__file__).with_name("_build_info.json")
     if not path.exists():
-        return {"kernels_built": False, "reason": "thunder_tk was not installed with its build step (no _build_info.json)"}
+        return {"kernels_built": False, "reason": _no_build_reason(Path(__file__).parent)}
     return json.loads(path.read_text())
+
+
+def _no_build_reason(package_dir: Path) -> str:
+    # Python imports a package from the current directory before the installed one: in a source checkout that
+    # shadows the installed build, which is what users (and our GPU script once) ran into.
+    if (package_dir.parent / "pyproject.toml").exists() and (package_dir.parent / "csrc").is_dir():
+        return (f"thunder_tk was imported from its source tree ({package_dir}), which holds no compiled kernels; "
+                "run from another directory to use the installed package, or install it with `pip install .`")
+    return "thunder_tk was not installed with its build step (no _build_info.json)"
 
 
 @lru_cache(maxsize=1)
