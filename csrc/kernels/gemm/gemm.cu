@@ -28,8 +28,7 @@ struct shared_state {
     // Output staging for the TMA-store epilogue: per consumer, one half tile (64 x 128) as two swizzled
     // 64 x 64 panels.
     alignas(1024) T c_stage[CONSUMERS][2][64 * 64];
-    sync::barrier full[STAGES];   // TMA bytes landed
-    sync::barrier empty[STAGES];  // consumers done reading
+    pipeline::ring<STAGES> ring;  // full: TMA bytes landed; empty: every consumer warp (of the cluster) is done
     // Dynamic schedule: the tile (index into the schedule) whose first k-block a stage holds, written by the
     // producer before it arms the stage's `full` barrier; -1: no more tiles.
     int tile_at[STAGES];
@@ -81,8 +80,7 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
     const bool vector_store = (g.c_stride_m % 2 == 0) && (reinterpret_cast<uintptr_t>(g.c) % 4 == 0);
     const bool leader = warpgroup::thread() == 0;
     const int barrier_id = 1 + slice;  // named barrier of this consumer warpgroup
-    int s = 0;
-    uint32_t phase = 0;
+    pipeline::cursor<STAGES> at;
     float d[BN / 2];
 
     const bool dynamic = p.tickets != nullptr;
@@ -90,8 +88,8 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
         // Static: every grid-th tile. Dynamic: the producer names each tile in the stage that holds its first
         // k-block, and -1 when there are no more.
         if (dynamic) {
-            sync::wait(st.full[s], phase);
-            t = st.tile_at[s];
+            st.ring.wait_full(at);
+            t = st.tile_at[at.stage];
             if (t < 0) break;
         } else if (t >= pairs) {
             break;
@@ -100,20 +98,20 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
         // Keep one wgmma group in flight: stage s is released once the group after it has been issued.
         int previous = -1;
         for (int kb = 0; kb < p.k_blocks; ++kb) {
-            if (kb > 0 || !dynamic) sync::wait(st.full[s], phase);
+            if (kb > 0 || !dynamic) st.ring.wait_full(at);
             wgmma::fence();
 #pragma unroll
             for (int k16 = 0; k16 < BK / 16; ++k16)
-                wgmma::mma<BN, T>(d, st.a[s], slice * 64, st.b[s], 0, k16, (kb | k16) != 0);
+                wgmma::mma<BN, T>(d, st.a[at.stage], slice * 64, st.b[at.stage], 0, k16, (kb | k16) != 0);
             wgmma::commit();
             wgmma::wait<1>();
-            if (previous >= 0 && (threadIdx.x & 31) == 0) release(st.empty[previous]);
-            previous = s;
-            if (++s == STAGES) s = 0, phase ^= 1;
+            if (previous >= 0 && (threadIdx.x & 31) == 0) release(st.ring.empty[previous]);
+            previous = at.stage;
+            at.advance();
         }
         wgmma::wait<0>();
         wgmma::pin(d);
-        if (previous >= 0 && (threadIdx.x & 31) == 0) release(st.empty[previous]);
+        if (previous >= 0 && (threadIdx.x & 31) == 0) release(st.ring.empty[previous]);
 
         const int64_t row0 = int64_t(tile.m) * BM + slice * 64, col0 = int64_t(tile.n) * BN;
         if (p.tma_store) {
@@ -184,10 +182,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     auto& st = *reinterpret_cast<state_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            sync::init(st.full[s], 1);
-            sync::init(st.empty[s], CLUSTER * CONSUMERS * 4);  // lane 0 of every consumer warp of the cluster
-        }
+        st.ring.init(1, CLUSTER * CONSUMERS * 4);  // the producer; lane 0 of every consumer warp of the cluster
         sync::fence_init();
     }
     if constexpr (CLUSTER == 1)
@@ -210,8 +205,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (threadIdx.x == 0) {
             tma::prefetch_map(&map_a);
             tma::prefetch_map(&map_b);
-            int s = 0;
-            uint32_t phase = 0;
+            pipeline::cursor<STAGES> at;
             // Dynamic: every block takes tickets until one is past the end, so a launch hands out exactly
             // pairs + grid tickets, and the holder of the last one resets the counter for the next launch.
             auto next_tile = [&](int t) {
@@ -225,39 +219,41 @@ __global__ void __launch_bounds__(THREADS, 1)
                 const int m0 = tile.m * BM, n0 = tile.n * BN;
                 for (int kb = 0; kb < p.k_blocks; ++kb) {
                     const int k0 = kb * BK;
-                    sync::wait(st.empty[s], phase ^ 1);
+                    st.ring.wait_empty(at);
+                    const int s = at.stage;
+                    sync::barrier& full = st.ring.full[s];
                     if (kb == 0 && p.tickets != nullptr) st.tile_at[s] = t;
-                    sync::arrive_expect_bytes(st.full[s], state_t::stage_bytes);
+                    sync::arrive_expect_bytes(full, state_t::stage_bytes);
                     if constexpr (MA == major::k) {
-                        tma::load_2d(st.a[s].data, &map_a, k0, m0, st.full[s]);
+                        tma::load_2d(st.a[s].data, &map_a, k0, m0, full);
                     } else {
                         for (int panel = 0; panel < BM / 64; ++panel)
-                            tma::load_2d(st.a[s].data + panel * 64 * BK, &map_a, m0 + panel * 64, k0, st.full[s]);
+                            tma::load_2d(st.a[s].data + panel * 64 * BK, &map_a, m0 + panel * 64, k0, full);
                     }
                     constexpr uint16_t everyone = (1u << CLUSTER) - 1;
                     constexpr int b_rows = BN / CLUSTER;  // this block's share of the B tile
                     if constexpr (CLUSTER == 1 && MB == major::k) {
-                        tma::load_2d(st.b[s].data, &map_b, k0, n0, st.full[s]);
+                        tma::load_2d(st.b[s].data, &map_b, k0, n0, full);
                     } else if constexpr (CLUSTER == 1) {
                         for (int panel = 0; panel < BN / 64; ++panel)
-                            tma::load_2d(st.b[s].data + panel * 64 * BK, &map_b, n0 + panel * 64, k0, st.full[s]);
+                            tma::load_2d(st.b[s].data + panel * 64 * BK, &map_b, n0 + panel * 64, k0, full);
                     } else if constexpr (MB == major::k) {
                         tma::load_2d_multicast(st.b[s].data + rank * b_rows * BK, &map_b, k0, n0 + rank * b_rows,
-                                               st.full[s], everyone);
+                                               full, everyone);
                     } else {
                         for (int panel = 0; panel < b_rows / 64; ++panel) {
                             const int row = rank * b_rows + panel * 64;
-                            tma::load_2d_multicast(st.b[s].data + row * BK, &map_b, n0 + row, k0, st.full[s],
+                            tma::load_2d_multicast(st.b[s].data + row * BK, &map_b, n0 + row, k0, full,
                                                    everyone);
                         }
                     }
-                    if (++s == STAGES) s = 0, phase ^= 1;
+                    at.advance();
                 }
             }
             if (p.tickets != nullptr) {  // dynamic: end of work is a stage with no bytes whose tile is -1
-                sync::wait(st.empty[s], phase ^ 1);
-                st.tile_at[s] = -1;
-                sync::arrive(st.full[s]);
+                st.ring.wait_empty(at);
+                st.tile_at[at.stage] = -1;
+                sync::arrive(st.ring.full[at.stage]);
             }
         }
     } else {
