@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -45,12 +46,7 @@ def interleaved_ms(fns: dict, *, rounds: int = 5, warmup_ms: float = 10, rep_ms:
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(median_ms(fns[name], warmup_ms=warmup_ms, rep_ms=rep_ms))
-    out = {}
-    for name, ts in times.items():
-        ts.sort()
-        mid = len(ts) // 2
-        out[name] = ts[mid] if len(ts) % 2 else 0.5 * (ts[mid - 1] + ts[mid])
-    return out
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def environment() -> dict:

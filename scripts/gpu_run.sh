@@ -64,16 +64,17 @@ if [ "$what" = pretrain ]; then
     step dist_kernels timeout ${DIST_KERNELS_TIMEOUT:-150} bash -c "cd /tmp && python3 -m torch.distributed.run --nproc_per_node $ngpu $here/tests/gpu/collectives_worker.py kernels"
   fi
 fi
-benches=" ${BENCHES:-gemm litgpt delta} "  # which benchmarks `all` and `bench` run
-if { [ "$what" = all ] || [ "$what" = bench ]; } && [[ $benches == *" gemm "* ]]; then
+# Whether `all` / `bench` runs benchmark $1 (BENCHES, default every one).
+bench_wanted() { { [ "$what" = all ] || [ "$what" = bench ]; } && [[ " ${BENCHES:-gemm litgpt delta} " == *" $1 "* ]]; }
+if bench_wanted gemm; then
   step bench_gemm timeout 400 python3 benchmarks/gemm.py ${GEMM_ARGS:-} --json "$OUT/gemm.json" --png "$OUT/gemm.png"
   cat "$OUT/bench_gemm.log"
 fi
-if { [ "$what" = all ] || [ "$what" = bench ]; } && [[ $benches == *" litgpt "* ]]; then
+if bench_wanted litgpt; then
   step bench_litgpt timeout 500 python3 benchmarks/litgpt_step.py ${LITGPT_ARGS:-} --json "$OUT/litgpt_step.json" --png "$OUT/litgpt_step.png"
   cat "$OUT/bench_litgpt.log"
 fi
-if { [ "$what" = all ] || [ "$what" = bench ]; } && [[ $benches == *" delta "* ]]; then
+if bench_wanted delta; then
   step bench_delta python3 benchmarks/attention_bwd_delta.py ${BENCH_ARGS:-} --json "$OUT/attention_bwd_delta.json" --png "$OUT/attention_bwd_delta.png"
   cat "$OUT/bench_delta.log"
 fi

@@ -1,6 +1,6 @@
-// Persistent, warp-specialised Hopper GEMM in clusters of two blocks: one producer warpgroup per block streams
-// A and (shared within the cluster) B tiles with TMA into a 4-stage shared-memory ring; two consumer warpgroups each multiply a 64 x 256 slice of the 128 x 256 output
-// tile with wgmma and write it out (bias fused). Operand majors are template parameters, so the three
+// Persistent, warp-specialised Hopper GEMM: one producer warpgroup per block streams A and B tiles with TMA into
+// a 4-stage shared-memory ring (optionally in clusters of two blocks that share B); two consumer warpgroups each
+// multiply a 64 x 256 slice of the 128 x 256 output tile with wgmma and write it out (bias fused). Operand majors are template parameters, so the three
 // products of a linear layer (X Wt, dY W, dYt X) read their operands in place, with no transposed copies.
 #include "gemm.h"
 #include "../../kittens/kittens.cuh"
@@ -372,7 +372,8 @@ cudaError_t dispatch_majors(const gemm_args& g, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t dispatch_cluster(const gemm_args& g, cudaStream_t stream) {
-    // Default: no cluster. Clusters of two with B multicast measured 2x slower on H100 (see benchmarks/NOTES.md).
+    // Default: no cluster. Clusters of two with B multicast run at parity on the H100, not faster
+    // (benchmarks/NOTES.md).
     if (g.cluster == 2) return dispatch_majors<T, 2>(g, stream);
     return dispatch_majors<T, 1>(g, stream);
 }
