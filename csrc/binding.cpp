@@ -13,12 +13,16 @@
 #include "kernels/attention/bwd_delta.h"
 #include "kernels/collectives/p2p.h"
 #include "kernels/gemm/gemm.h"
+#include "kernels/selftest/kittens_selftest.h"
 
 namespace py = pybind11;
 
 namespace {
 
 using strides3 = std::array<int64_t, 3>;
+
+// tk::dtype's codes (csrc/kittens/common.cuh is device code; this file is compiled as host C++).
+enum dtype_code : int { code_bf16 = 0, code_fp16 = 1, code_fp32 = 2 };
 
 void check_launch(cudaError_t status, const char* kernel) {
     if (status != cudaSuccess)
@@ -184,6 +188,47 @@ class P2PChannel {
 
 }  // namespace
 
+// Tile-library unit kernels (tests/gpu/test_kittens.py): raw pointers, one warpgroup each.
+void register_selftests(py::module_& m) {
+    auto s = m.def_submodule("selftest", "Single-primitive kernels of the tile library, for its GPU unit tests.");
+    s.def(
+        "row_softmax",
+        [](std::uintptr_t in, std::uintptr_t out, std::uintptr_t row_max, std::uintptr_t row_sum, int cols,
+           std::uintptr_t stream) {
+            if (cols != 64 && cols != 128 && cols != 256) throw std::invalid_argument("cols must be 64, 128 or 256");
+            check_launch(tk::selftest::row_softmax(as_ptr<float>(in), reinterpret_cast<float*>(out),
+                                                   reinterpret_cast<float*>(row_max), reinterpret_cast<float*>(row_sum),
+                                                   cols, reinterpret_cast<cudaStream_t>(stream)),
+                         "selftest.row_softmax");
+        },
+        py::arg("inp"), py::arg("out"), py::arg("row_max"), py::arg("row_sum"), py::arg("cols"), py::arg("stream"));
+    s.def(
+        "mma_registers_a",
+        [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t out, int n, bool b_mn_major, int dtype,
+           std::uintptr_t stream) {
+            if (n != 64 && n != 128 && n != 256) throw std::invalid_argument("n must be 64, 128 or 256");
+            if (dtype != code_bf16 && dtype != code_fp16)
+                throw std::invalid_argument("dtype must be bfloat16 or float16");
+            check_launch(tk::selftest::mma_registers_a(as_ptr<float>(a), as_ptr<void>(b), reinterpret_cast<float*>(out),
+                                                       n, b_mn_major, dtype, reinterpret_cast<cudaStream_t>(stream)),
+                         "selftest.mma_registers_a");
+        },
+        py::arg("a"), py::arg("b"), py::arg("out"), py::arg("n"), py::arg("b_mn_major"), py::arg("dtype"),
+        py::arg("stream"));
+    s.def(
+        "reduce_add",
+        [](std::uintptr_t dst, std::uintptr_t src, int dtype, int64_t rows, int64_t cols, int64_t stride, int row0,
+           int col0, std::uintptr_t stream) {
+            if (dtype != code_fp32 && dtype != code_bf16)
+                throw std::invalid_argument("dtype must be float32 or bfloat16");
+            check_launch(tk::selftest::reduce_add(reinterpret_cast<void*>(dst), as_ptr<void>(src), dtype, rows, cols,
+                                                  stride, row0, col0, reinterpret_cast<cudaStream_t>(stream)),
+                         "selftest.reduce_add");
+        },
+        py::arg("dst"), py::arg("src"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("stride"),
+        py::arg("row0"), py::arg("col0"), py::arg("stream"));
+}
+
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
@@ -195,7 +240,8 @@ PYBIND11_MODULE(_C, m) {
         return v;
     });
     m.attr("target_arch") = "sm_90a";
-    m.attr("dtype_codes") = py::dict(py::arg("bfloat16") = 0, py::arg("float16") = 1, py::arg("float32") = 2);
+    m.attr("dtype_codes") =
+        py::dict(py::arg("bfloat16") = int(code_bf16), py::arg("float16") = int(code_fp16), py::arg("float32") = int(code_fp32));
 
     m.def("attention_bwd_delta", &attention_bwd_delta, py::arg("o"), py::arg("grad_o"), py::arg("delta"),
           py::arg("dtype"), py::arg("batch"), py::arg("heads"), py::arg("seq"), py::arg("head_dim"),
@@ -226,4 +272,6 @@ PYBIND11_MODULE(_C, m) {
              py::arg("chunk_elems"), py::arg("dtype"), py::arg("average"), py::arg("caller_stream"),
              py::arg("async_op"), py::arg("grid") = 0, "Returns a handle for wait().")
         .def("wait", &P2PChannel::wait, py::arg("handle"), py::arg("stream"));
+
+    register_selftests(m);
 }

@@ -2,7 +2,9 @@
 #pragma once
 #include "common.cuh"
 #include "pipeline.cuh"
+#include "register_tile.cuh"
 #include "schedule.cuh"
+#include "shared_vec.cuh"
 #include "sync.cuh"
 #include "tma.cuh"
 #include "warpgroup.cuh"

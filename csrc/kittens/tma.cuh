@@ -51,6 +51,14 @@ __device__ __forceinline__ void store_2d(const CUtensorMap* map, const void* src
                  "r"(inner), "r"(outer), "r"(sync::smem_addr(src))
                  : "memory");
 }
+// As store_2d, but adds the tile to what global memory holds (element type from the map: f32, f16, bf16), as
+// one atomic reduction per element: how partial results of several blocks meet in one output (attention's dQ).
+__device__ __forceinline__ void store_add_2d(const CUtensorMap* map, const void* src, int32_t inner, int32_t outer) {
+    asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(inner), "r"(outer), "r"(sync::smem_addr(src))
+                 : "memory");
+}
 __device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Wait until the committed stores have finished reading shared memory (it may then be overwritten).
 __device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "register_tile.cuh"
 #include "sync.cuh"
 #include "wgmma_ops.cuh"
 
@@ -67,6 +68,14 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], const TileA& a, int a_row
                                     int accumulate) {
     detail::mma_ss<N, T>::template run<int(TileA::layout), int(TileB::layout)>(d, a.slice(a_row0, k16),
                                                                              b.slice(b_row0, k16), accumulate);
+}
+
+// D(64 x N) (+)= A[:, 16-slice a_k16] * B[b_row0 : b_row0 + N, 16-slice b_k16]^T with A in registers (for
+// instance P = softmax(S) converted by rt::to_a_operand). Registers of A written since the last fence() need one.
+template <int N, typename T, int K, typename TileB>
+__device__ __forceinline__ void mma(float (&d)[N / 2], const rt::a_operand<T, K>& a, int a_k16, const TileB& b,
+                                    int b_row0, int b_k16, int accumulate) {
+    detail::mma_rs<N, T>::template run<int(TileB::layout)>(d, a.r[a_k16], b.slice(b_row0, b_k16), accumulate);
 }
 
 // Position of accumulator element d[i] of the calling thread in its warpgroup's 64 x N tile.

@@ -26,3 +26,19 @@ for M, N, K in [(129, 257, 72), (64, 300, 128)]:
             _ops.gemm(a, b, _cluster=2)
 torch.cuda.synchronize()
 print("gemm sanitize targets ran")
+
+# Tile-library unit kernels: register tiles and shared vectors, wgmma with A in registers, TMA reduce-store.
+from thunder_tk import _extension  # noqa: E402
+
+_st = _extension.extension().selftest
+_s = torch.cuda.current_stream().cuda_stream
+x = torch.randn(64, 128, device="cuda")
+outs = [torch.empty(64, 128, device="cuda"), torch.empty(64, device="cuda"), torch.empty(64, device="cuda")]
+_st.row_softmax(x.data_ptr(), outs[0].data_ptr(), outs[1].data_ptr(), outs[2].data_ptr(), 128, _s)
+for mn_major in (False, True):
+    b = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
+    _st.mma_registers_a(x[:, :64].contiguous().data_ptr(), b.data_ptr(), outs[0].data_ptr(), 128, mn_major, 0, _s)
+dst = torch.randn(100, 72, device="cuda")
+_st.reduce_add(dst.data_ptr(), torch.randn(64, 32, device="cuda").data_ptr(), 2, 100, 70, 72, 60, 40, _s)
+torch.cuda.synchronize()
+print("tile-library sanitize targets ran")
