@@ -221,6 +221,8 @@ void register_selftests(py::module_& m) {
            int col0, std::uintptr_t stream) {
             if (dtype != code_fp32 && dtype != code_bf16)
                 throw std::invalid_argument("dtype must be float32 or bfloat16");
+            if (col0 < 0 || row0 < 0 || (int64_t(col0) * (dtype == code_fp32 ? 4 : 2)) % 16)
+                throw std::invalid_argument("col0 must be >= 0 and a multiple of 16 bytes (a TMA store's inner coordinate)");
             check_launch(tk::selftest::reduce_add(reinterpret_cast<void*>(dst), as_ptr<void>(src), dtype, rows, cols,
                                                   stride, row0, col0, reinterpret_cast<cudaStream_t>(stream)),
                          "selftest.reduce_add");

@@ -51,6 +51,8 @@ __device__ __forceinline__ void store_2d(const CUtensorMap* map, const void* src
                  "r"(inner), "r"(outer), "r"(sync::smem_addr(src))
                  : "memory");
 }
+// Stores and reductions need the box's inner coordinate at a 16-byte boundary (inner * element bytes % 16 == 0):
+// an unaligned one is an illegal instruction (seen on the H100), not a clipped copy.
 // As store_2d, but adds the tile to what global memory holds (element type from the map: f32, f16, bf16), as
 // one atomic reduction per element: how partial results of several blocks meet in one output (attention's dQ).
 __device__ __forceinline__ void store_add_2d(const CUtensorMap* map, const void* src, int32_t inner, int32_t outer) {

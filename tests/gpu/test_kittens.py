@@ -58,7 +58,7 @@ def test_wgmma_with_a_in_registers(dtype, n, b_mn_major):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,cols,row0,col0", [(64, 32, 0, 0), (200, 300, 70, 35), (100, 70, 60, 40)])
+@pytest.mark.parametrize("rows,cols,row0,col0", [(64, 32, 0, 0), (200, 300, 70, 32), (100, 70, 61, 40)])
 def test_tma_reduce_store_adds_in_place(dtype, rows, cols, row0, col0):
     element = torch.tensor([], dtype=dtype).element_size()
     width = 128 // element  # the tile is 128 bytes wide
@@ -86,3 +86,5 @@ def test_bad_arguments_raise():
         selftest().row_softmax(0, 0, 0, 0, 100, stream())
     with pytest.raises(ValueError, match="dtype must be"):
         selftest().reduce_add(0, 0, 1, 64, 64, 64, 0, 0, stream())
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):  # an unaligned TMA store is an illegal instruction
+        selftest().reduce_add(0, 0, 2, 64, 64, 64, 0, 3, stream())
