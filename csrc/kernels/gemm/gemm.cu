@@ -89,7 +89,10 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
         // k-block, and -1 when there are no more.
         if (dynamic) {
             st.ring.wait_full(at);
-            t = st.tile_at[at.stage];
+            // Lane 0 alone reads the tile and hands it to its warp: it is the lane whose arrive frees the stage,
+            // so the producer's next write of tile_at is ordered after every read of it (racecheck flagged the
+            // other lanes' reads, ordered before that arrive only by the warp's convergence).
+            t = __shfl_sync(0xffffffffu, (threadIdx.x & 31) == 0 ? st.tile_at[at.stage] : 0, 0);
             if (t < 0) break;
         } else if (t >= pairs) {
             break;
