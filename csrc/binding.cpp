@@ -250,7 +250,12 @@ PYBIND11_MODULE(_C, m) {
           py::arg("o_stride"), py::arg("grad_o_stride"), py::arg("delta_stride"), py::arg("stream"),
           py::arg("rows_per_group") = 0, py::arg("resident_grid") = true,
           "delta[b,h,s] = sum_d grad_o[b,h,s,d] * o[b,h,s,d] in fp32, enqueued on `stream`.");
-    m.def("gemm_resident_blocks", &tk::gemm::gemm_resident_blocks, py::arg("cluster"),
+    m.def("gemm_resident_blocks",
+          [](int cluster) {
+              if (cluster != 1 && cluster != 2) throw std::invalid_argument("cluster must be 1 or 2");
+              return tk::gemm::gemm_resident_blocks(cluster);
+          },
+          py::arg("cluster"),
           "Blocks of the GEMM's persistent grid on the current device for clusters of `cluster` (1 or 2).");
     m.def("gemm", &gemm, py::arg("a"), py::arg("b"), py::arg("c"), py::arg("bias"), py::arg("dtype"), py::arg("M"),
           py::arg("N"), py::arg("K"), py::arg("a_stride_m"), py::arg("a_stride_k"), py::arg("b_stride_k"),

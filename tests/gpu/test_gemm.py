@@ -198,6 +198,8 @@ def test_persistent_grid_and_every_device():
     assert kernels.gemm_resident_blocks(1) == sms
     pair = kernels.gemm_resident_blocks(2)
     assert pair % 2 == 0 and 0 < pair <= sms, pair
+    with pytest.raises(ValueError, match="cluster must be 1 or 2"):
+        kernels.gemm_resident_blocks(3)
     for index in range(torch.cuda.device_count()):
         with torch.cuda.device(index):
             a = torch.randn(300, 256, device=f"cuda:{index}", dtype=torch.bfloat16)
