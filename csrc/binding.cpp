@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/attention/bwd_delta.h"
+#include "kernels/attention/forward.h"
 #include "kernels/collectives/p2p.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/selftest/kittens_selftest.h"
@@ -54,6 +55,37 @@ void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t
         args.delta_stride[i] = delta_stride[i];
     }
     check_launch(tk::attention::launch_bwd_delta(args, reinterpret_cast<cudaStream_t>(stream)), "attention_bwd_delta");
+}
+
+void attention_forward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o, std::uintptr_t lse,
+                       int dtype, int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t q_len, int64_t kv_len,
+                       int64_t head_dim, strides3 q_stride, strides3 k_stride, strides3 v_stride, strides3 o_stride,
+                       std::array<int64_t, 2> lse_stride, float scale, bool causal, std::uintptr_t stream) {
+    tk::attention::forward_args args{};
+    args.q = as_ptr<void>(q);
+    args.k = as_ptr<void>(k);
+    args.v = as_ptr<void>(v);
+    args.o = reinterpret_cast<void*>(o);
+    args.lse = reinterpret_cast<float*>(lse);
+    args.dtype = dtype;
+    args.batch = batch;
+    args.q_heads = q_heads;
+    args.kv_heads = kv_heads;
+    args.q_len = q_len;
+    args.kv_len = kv_len;
+    args.head_dim = head_dim;
+    for (int i = 0; i < 3; ++i) {
+        args.q_stride[i] = q_stride[i];
+        args.k_stride[i] = k_stride[i];
+        args.v_stride[i] = v_stride[i];
+        args.o_stride[i] = o_stride[i];
+    }
+    args.lse_stride[0] = lse_stride[0];
+    args.lse_stride[1] = lse_stride[1];
+    args.scale = scale;
+    args.causal = causal;
+    if (const char* reason = tk::attention::forward_unsupported(args)) throw std::invalid_argument(reason);
+    check_launch(tk::attention::launch_forward(args, reinterpret_cast<cudaStream_t>(stream)), "attention_forward");
 }
 
 void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t bias, int dtype, int64_t M, int64_t N,
@@ -223,6 +255,8 @@ void register_selftests(py::module_& m) {
                 throw std::invalid_argument("dtype must be float32 or bfloat16");
             if (col0 < 0 || row0 < 0 || (int64_t(col0) * (dtype == code_fp32 ? 4 : 2)) % 16)
                 throw std::invalid_argument("col0 must be >= 0 and a multiple of 16 bytes (a TMA store's inner coordinate)");
+            if ((cols * (dtype == code_fp32 ? 4 : 2)) % 16)
+                throw std::invalid_argument("cols must span a multiple of 16 bytes (TMA stores clip at 16-byte chunks)");
             check_launch(tk::selftest::reduce_add(reinterpret_cast<void*>(dst), as_ptr<void>(src), dtype, rows, cols,
                                                   stride, row0, col0, reinterpret_cast<cudaStream_t>(stream)),
                          "selftest.reduce_add");
@@ -234,7 +268,7 @@ void register_selftests(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_bwd_delta", "gemm", "reduce_scatter"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_bwd_delta", "attention_forward", "gemm", "reduce_scatter"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -250,6 +284,12 @@ PYBIND11_MODULE(_C, m) {
           py::arg("o_stride"), py::arg("grad_o_stride"), py::arg("delta_stride"), py::arg("stream"),
           py::arg("rows_per_group") = 0, py::arg("resident_grid") = true,
           "delta[b,h,s] = sum_d grad_o[b,h,s,d] * o[b,h,s,d] in fp32, enqueued on `stream`.");
+    m.def("attention_forward", &attention_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+          py::arg("lse"), py::arg("dtype"), py::arg("batch"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("q_len"),
+          py::arg("kv_len"), py::arg("head_dim"), py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"),
+          py::arg("o_stride"), py::arg("lse_stride"), py::arg("scale"), py::arg("causal"), py::arg("stream"),
+          "o = softmax(scale q k^T (causal mask)) v and lse (fp32, natural log) per query row, (B, H, S, D) tensors "
+          "with strides (batch, head, sequence) in elements; enqueued on `stream`.");
     m.def("gemm_resident_blocks",
           [](int cluster) {
               if (cluster != 1 && cluster != 2) throw std::invalid_argument("cluster must be 1 or 2");

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-host job (set THUNDER_TK_COMMIT where the checkout has no .git; BENCH_ARGS=--sweep to tune;
-# BENCHES='gemm litgpt delta' picks benchmarks): install carried wheels, build thunder_tk, run the GPU tests, compute-sanitizer and the
+# BENCHES='gemm attention litgpt delta' picks benchmarks): install carried wheels, build thunder_tk, run the GPU tests, compute-sanitizer and the
 # benchmarks, and print a short table last. Full logs go to $OUT (default out/gpu).
 #   bash scripts/gpu_run.sh [all|test|bench|dist|pretrain]
 #     dist: the multi-GPU collectives benchmark and tests; pretrain: `thunder-tk pretrain` with tk vs Thunder's
@@ -33,7 +33,7 @@ so=$(cd /tmp && python3 -c "import thunder_tk._C as m; print(m.__file__)" 2>/dev
 here=$(pwd)
 if [ "$what" = all ] || [ "$what" = test ] || [ -n "${WITH_TESTS:-}" ]; then  # WITH_TESTS=1: also before dist
   step smoke timeout 120 bash -c "cd /tmp && python3 -c \"import torch; from thunder_tk import ops; a = torch.randn(256, 128, device='cuda', dtype=torch.bfloat16); print(float((ops.gemm(a, a.t()).float() - a.float() @ a.float().t()).abs().max()))\""
-  step gpu_tests timeout 600 bash -c "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $here/tests/gpu -rs --junitxml=$OUT_ABS/gpu_tests.xml"
+  step gpu_tests timeout 600 bash -c "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $(for t in ${GPU_TESTS:-tests/gpu}; do printf "%s " "$here/$t"; done)-rs --junitxml=$OUT_ABS/gpu_tests.xml"
   step memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
   step racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
 fi
@@ -65,10 +65,14 @@ if [ "$what" = pretrain ]; then
   fi
 fi
 # Whether `all` / `bench` runs benchmark $1 (BENCHES, default every one).
-bench_wanted() { { [ "$what" = all ] || [ "$what" = bench ]; } && [[ " ${BENCHES:-gemm litgpt delta} " == *" $1 "* ]]; }
+bench_wanted() { { [ "$what" = all ] || [ "$what" = bench ]; } && [[ " ${BENCHES:-gemm attention litgpt delta} " == *" $1 "* ]]; }
 if bench_wanted gemm; then
   step bench_gemm timeout 400 python3 benchmarks/gemm.py ${GEMM_ARGS:-} --json "$OUT/gemm.json" --png "$OUT/gemm.png"
   cat "$OUT/bench_gemm.log"
+fi
+if bench_wanted attention; then
+  step bench_attention timeout ${ATTN_TIMEOUT:-400} python3 benchmarks/attention.py ${ATTN_ARGS:-} --json "$OUT/attention.json" --png "$OUT/attention.png"
+  cat "$OUT/bench_attention.log"
 fi
 if bench_wanted litgpt; then
   step bench_litgpt timeout 500 python3 benchmarks/litgpt_step.py ${LITGPT_ARGS:-} --json "$OUT/litgpt_step.json" --png "$OUT/litgpt_step.png"

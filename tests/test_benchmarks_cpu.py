@@ -40,3 +40,23 @@ def test_pretrain_compare_runs_both_variants(tmp_path):
     assert rows["tk"]["final_loss"] == pytest.approx(rows["thunder default"]["final_loss"], rel=1e-4)
     assert "goal tk >= 1.15x Thunder default" in r.stdout
     assert not list((tmp_path / "work").rglob("*.pt"))  # --no-checkpoint
+
+
+def test_attention_benchmark_imports_and_parses_on_cpu():
+    import importlib.util
+
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "--no-backward" in r.stdout, r.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("attention_bench", ROOT / "benchmarks" / "attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # no CUDA work at import time
+    pts = list(bench.points(bench.SEQ_LENS, (128, 64)))
+    assert len(pts) == 24 and all(B * S == 16384 and H * D == 2048 for B, H, S, D, _ in pts)
+    assert bench.fwd_flops(2, 3, 5, 7, True) == bench.fwd_flops(2, 3, 5, 7, False) / 2 == 2 * 2 * 3 * 5 * 5 * 7
+    assert bench.bwd_flops(1, 1, 4, 8, False) == 2.5 * 4 * 4 * 4 * 8
+    rows = [{"S": 2048, "D": 128, "fwd_vs_cudnn": 0.5}, {"S": 16384, "D": 128, "fwd_vs_cudnn": 2.0},
+            {"S": 1024, "D": 128, "fwd_vs_cudnn": 0.1}, {"S": 4096, "D": 64, "fwd_vs_cudnn": 0.1},
+            {"S": 8192, "D": 128, "fwd_vs_cudnn": None}]
+    line = bench.summary(rows)
+    assert "2 points" in line and "geometric mean 1.000" in line and "minimum 0.500" in line

@@ -7,6 +7,7 @@ device, when the dynamic GEMM schedule's counters are first made).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -91,6 +92,97 @@ def attention_bwd_delta(
             *_tuning,
         )
     return delta
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention forward: O = softmax(scale Q K^T (causal)) V and the log-sum-exp of each query row
+
+ATTENTION_HEAD_DIMS = (64, 128)
+_ATTENTION_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                         scale: float | None = None) -> None:
+    """Raises an error naming the first problem with the arguments of attention_forward."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise TypeError("attention expects three tensors (q, k, v)")
+    if not (q.ndim == k.ndim == v.ndim == 4):
+        raise ValueError(f"attention expects 4-D (B, H, S, D) tensors; got {q.ndim}-D, {k.ndim}-D, {v.ndim}-D")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in _ATTENTION_DTYPES:
+        raise ValueError(f"attention supports bfloat16 and float16, not {q.dtype}")
+    if not (q.device == k.device == v.device) or q.device.type != "cuda":
+        raise ValueError(f"q, k and v must be CUDA tensors on one device; got {q.device}, {k.device}, {v.device}")
+    (B, Hq, Sq, D), (Bk, Hkv, Sk, Dk) = q.shape, k.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if B != Bk:
+        raise ValueError(f"batch sizes differ: q {B}, k/v {Bk}")
+    if D != Dk:
+        raise ValueError(f"head dims differ: q {D}, k/v {Dk}")
+    if D not in ATTENTION_HEAD_DIMS:
+        raise ValueError(f"head_dim {D} is not supported (64 or 128)")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    if Sk == 0 and Sq > 0:
+        raise ValueError("key/value length is 0: every query row would be empty")
+    if is_causal and Sq != Sk:
+        raise ValueError(f"causal attention needs equal query and key lengths; got {Sq} and {Sk}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale must be finite; got {scale}")
+
+
+def _tma_readable(t: torch.Tensor) -> torch.Tensor:
+    """t itself when TMA can read it in place (unit last stride, other strides multiples of 16 bytes, 16-byte
+    aligned), else a contiguous copy."""
+    strides_ok = all(size == 1 or (stride > 0 and stride % 8 == 0) for size, stride in zip(t.shape[:3], t.stride()[:3]))
+    if t.stride(-1) == 1 and strides_ok and t.data_ptr() % 16 == 0:
+        return t
+    return t.contiguous()
+
+
+def attention_forward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
+                                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 math: (o, lse) as attention_forward defines them (o in float64 here)."""
+    Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[-1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    k = k.double().repeat_interleave(Hq // Hkv, dim=1)
+    v = v.double().repeat_interleave(Hq // Hkv, dim=1)
+    s = (q.double() @ k.transpose(-1, -2)) * scale
+    if is_causal:
+        Sq, Sk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.softmax(s, dim=-1) @ v, lse
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
+                      scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """o = softmax(scale q k^T, causal mask) v and lse = logsumexp of the scaled scores, by the tk kernel.
+
+    q is (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) with Hkv dividing Hq (query head h reads key/value head
+    h // (Hq // Hkv)); bf16 or fp16; D 64 or 128; scale defaults to 1/sqrt(D); causal masks key j > query i and
+    needs Sq == Sk. Inputs are read in place when the last dim is contiguous and the other strides are multiples
+    of 8 elements (LitGPT's transposed views qualify); others are copied first. Returns o (B, Hq, Sq, D) in the
+    input dtype and lse (B, Hq, Sq) in float32 (natural log), which the backward pass consumes.
+    """
+    check_attention_args(q, k, v, is_causal, scale)
+    ext = _require_kernels(q.device)
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    o = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    q, k, v = _tma_readable(q), _tma_readable(k), _tma_readable(v)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    with torch.cuda.device(q.device):
+        ext.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                              _DTYPE_CODES[q.dtype], B, Hq, Hkv, Sq, Sk, D, list(q.stride()[:3]),
+                              list(k.stride()[:3]), list(v.stride()[:3]), list(o.stride()[:3]),
+                              list(lse.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device))
+    return o, lse
 
 
 # ------------------------------------------------------------------------------------------------

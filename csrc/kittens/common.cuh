@@ -22,6 +22,13 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(float x) { return x; }
 
+// 2^x by the special-function unit (ex2.approx, flush-to-zero: about 2 ulp; exp2(-inf) = 0). Softmax's exponent.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Elements of T that fit one 16-byte access.
 template <typename T> constexpr int vec16_elems = 16 / static_cast<int>(sizeof(T));
 

@@ -22,6 +22,14 @@ CUresult make_tensor_map_2d(CUtensorMap* map, const void* base, CUtensorMapDataT
                             uint64_t inner, uint64_t outer, uint64_t outer_stride, uint32_t box_inner,
                             uint32_t box_outer, swizzle sw);
 
+// A 4-D strided view (attention's (B, H, S, D) tensors): dims[0] contiguous elements, dims[i] (i = 1..3) strides[i - 1]
+// elements apart; boxes of box[0] x box[1] elements (one index of dims 2 and 3). Out-of-bounds rows read as zero
+// and are not written, so a box never reaches into the next head or batch. Checked as make_tensor_map_2d, and
+// every stride of a dimension longer than 1 a non-zero multiple of 16 bytes.
+CUresult make_tensor_map_4d(CUtensorMap* map, const void* base, CUtensorMapDataType dtype, int element_bytes,
+                            const uint64_t (&dims)[4], const int64_t (&strides)[3], uint32_t box_inner,
+                            uint32_t box_outer, swizzle sw);
+
 // ---------------------------------------------------------------------------------------------
 // Device side (one thread issues)
 
@@ -43,7 +51,9 @@ __device__ __forceinline__ void load_2d(void* dst, const CUtensorMap* map, int32
 
 namespace tk::tma {
 
-// Shared memory at `src` -> box at element coordinates (inner, outer); clipped at the tensor's bounds.
+// Shared memory at `src` -> box at element coordinates (inner, outer); clipped at the tensor's bounds, but only at
+// 16-byte granularity: a map whose inner extent is not a multiple of 16 bytes gets the rest of its last chunk
+// overwritten (seen on the H100). Store only through maps with inner extent * element bytes % 16 == 0.
 // Writers of `src` must have run fence_shared_to_async() and synchronised with the issuing thread.
 __device__ __forceinline__ void store_2d(const CUtensorMap* map, const void* src, int32_t inner, int32_t outer) {
     asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
@@ -53,7 +63,7 @@ __device__ __forceinline__ void store_2d(const CUtensorMap* map, const void* src
 }
 // Stores and reductions need the box's inner coordinate at a 16-byte boundary (inner * element bytes % 16 == 0):
 // an unaligned one is an illegal instruction (seen on the H100), not a clipped copy.
-// As store_2d, but adds the tile to what global memory holds (element type from the map: f32, f16, bf16), as
+// As store_2d (same 16-byte clipping), but adds the tile to what global memory holds (element type from the map: f32, f16, bf16), as
 // one atomic reduction per element: how partial results of several blocks meet in one output (attention's dQ).
 __device__ __forceinline__ void store_add_2d(const CUtensorMap* map, const void* src, int32_t inner, int32_t outer) {
     asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
@@ -61,6 +71,23 @@ __device__ __forceinline__ void store_add_2d(const CUtensorMap* map, const void*
                  "r"(inner), "r"(outer), "r"(sync::smem_addr(src))
                  : "memory");
 }
+// 4-D forms: a box at (inner, row, c2, c3), from make_tensor_map_4d maps.
+__device__ __forceinline__ void load_4d(void* dst, const CUtensorMap* map, int32_t inner, int32_t row, int32_t c2,
+                                        int32_t c3, sync::barrier& bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];" ::"r"(sync::smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(row), "r"(c2), "r"(c3), "r"(sync::smem_addr(&bar))
+        : "memory");
+}
+__device__ __forceinline__ void store_4d(const CUtensorMap* map, const void* src, int32_t inner, int32_t row,
+                                         int32_t c2, int32_t c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(inner), "r"(row), "r"(c2), "r"(c3), "r"(sync::smem_addr(src))
+                 : "memory");
+}
+
 __device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Wait until the committed stores have finished reading shared memory (it may then be overwritten).
 __device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }

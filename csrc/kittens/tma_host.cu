@@ -45,4 +45,37 @@ CUresult make_tensor_map_2d(CUtensorMap* map, const void* base, CUtensorMapDataT
                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
+CUresult make_tensor_map_4d(CUtensorMap* map, const void* base, CUtensorMapDataType dtype, int element_bytes,
+                            const uint64_t (&dims)[4], const int64_t (&strides)[3], uint32_t box_inner,
+                            uint32_t box_outer, swizzle sw) {
+    const uint32_t span = sw == swizzle::b128 ? 128 : sw == swizzle::b64 ? 64 : sw == swizzle::b32 ? 32 : 0;
+    if (reinterpret_cast<uintptr_t>(base) % 16 || box_inner > 256 || box_outer > 256 ||
+        (span && box_inner * element_bytes > span))
+        return CUDA_ERROR_INVALID_VALUE;
+    cuuint64_t global_dims[4];
+    cuuint64_t global_strides[3];
+    uint64_t extent = dims[0] * element_bytes;  // a placeholder stride for dimensions of length 1
+    for (int i = 0; i < 4; ++i) {
+        if (dims[i] == 0) return CUDA_ERROR_INVALID_VALUE;
+        global_dims[i] = dims[i];
+    }
+    for (int i = 0; i < 3; ++i) {
+        const int64_t bytes = strides[i] * element_bytes;
+        if (dims[i + 1] == 1) {  // never stepped over: any valid multiple of 16 serves
+            global_strides[i] = ((extent + 15) / 16) * 16;
+        } else {
+            if (bytes <= 0 || bytes % 16) return CUDA_ERROR_INVALID_VALUE;
+            global_strides[i] = uint64_t(bytes);
+        }
+        extent = global_strides[i] * dims[i + 1];
+    }
+    encode_fn encode = encoder();
+    if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
+    const cuuint32_t box[4] = {box_inner, box_outer, 1, 1};
+    const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+    return encode(map, dtype, 4, const_cast<void*>(base), global_dims, global_strides, box, element_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, static_cast<CUtensorMapSwizzle>(static_cast<int>(sw)),
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
 }  // namespace tk::tma

@@ -39,6 +39,14 @@ for mn_major in (False, True):
     b = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
     _st.mma_registers_a(x[:, :64].contiguous().data_ptr(), b.data_ptr(), outs[0].data_ptr(), 128, mn_major, 0, _s)
 dst = torch.randn(100, 72, device="cuda")
-_st.reduce_add(dst.data_ptr(), torch.randn(64, 32, device="cuda").data_ptr(), 2, 100, 70, 72, 60, 40, _s)
+_st.reduce_add(dst.data_ptr(), torch.randn(64, 32, device="cuda").data_ptr(), 2, 100, 68, 72, 60, 40, _s)
 torch.cuda.synchronize()
 print("tile-library sanitize targets ran")
+
+# Attention forward: tails in both lengths, causal, grouped-query heads, a transposed (B, S, H, D) view, D 64/128.
+for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (2, 2, 1, 70, 300, 64, False), (1, 1, 1, 1, 1, 64, False)]:
+    q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)
+    ops.attention_forward(q, k, torch.randn_like(k), is_causal=causal)
+torch.cuda.synchronize()
+print("attention sanitize targets ran")

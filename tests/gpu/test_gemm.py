@@ -206,3 +206,20 @@ def test_persistent_grid_and_every_device():
             b = torch.randn(256, 500, device=f"cuda:{index}", dtype=torch.bfloat16)
             for schedule in ("static", "dynamic"):
                 assert rel_err(ops.gemm(a, b, _schedule=schedule), reference(a, b)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("M,N", [(1, 70), (200, 70), (130, 301)])
+def test_out_view_with_padding_is_written_only_inside(M, N):
+    """TMA stores write whole 16-byte chunks: a C whose rows end off a chunk must not use them, else the columns
+    after N (another tensor's data in a view) are overwritten."""
+    K = 256
+    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+    stride = (N + 8 + 7) // 8 * 8  # 16-byte rows with at least one spare chunk after column N
+    base = torch.full((M, stride), 7.0, device="cuda", dtype=torch.bfloat16)
+    out = base[:, :N]
+    out.fill_(float("nan"))
+    ops.gemm(a, b, out=out)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, reference(a, b)) < TOL[torch.bfloat16]
+    assert (base[:, N:] == 7.0).all()

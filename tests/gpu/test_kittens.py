@@ -58,7 +58,7 @@ def test_wgmma_with_a_in_registers(dtype, n, b_mn_major):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,cols,row0,col0", [(64, 32, 0, 0), (200, 300, 70, 32), (100, 70, 61, 40)])
+@pytest.mark.parametrize("rows,cols,row0,col0", [(64, 32, 0, 0), (200, 300, 70, 32), (100, 72, 61, 48)])
 def test_tma_reduce_store_adds_in_place(dtype, rows, cols, row0, col0):
     element = torch.tensor([], dtype=dtype).element_size()
     width = 128 // element  # the tile is 128 bytes wide
@@ -75,7 +75,9 @@ def test_tma_reduce_store_adds_in_place(dtype, rows, cols, row0, col0):
     expected[row0:r1, col0:c1] += src.double()[: r1 - row0, : c1 - col0]
     tol = 1e-6 if dtype == torch.float32 else 1e-2  # one rounding of the sum in the element type
     assert (dst.double() - expected).abs().max().item() <= tol * expected.abs().max().item()
-    assert torch.equal(base[:, cols:], padding)  # the box is clipped at the view's columns, not its stride
+    # The box is clipped at the view's columns, not its stride (TMA clips at 16-byte chunks, so the view's
+    # width is a multiple of 16 bytes here; the binding refuses any other).
+    assert torch.equal(base[:, cols:], padding)
     outside = torch.ones(rows, cols, dtype=torch.bool, device="cuda")
     outside[row0:r1, col0:c1] = False
     assert torch.equal(dst[outside], before[outside])  # nothing written outside the box or the tensor
@@ -88,3 +90,5 @@ def test_bad_arguments_raise():
         selftest().reduce_add(0, 0, 1, 64, 64, 64, 0, 0, stream())
     with pytest.raises(ValueError, match="multiple of 16 bytes"):  # an unaligned TMA store is an illegal instruction
         selftest().reduce_add(0, 0, 2, 64, 64, 64, 0, 3, stream())
+    with pytest.raises(ValueError, match="cols must span a multiple of 16 bytes"):  # would write past column 70
+        selftest().reduce_add(0, 0, 2, 64, 70, 72, 0, 0, stream())

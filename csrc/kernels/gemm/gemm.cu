@@ -338,7 +338,10 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
                        : tma::make_tensor_map_2d(&map_b, g.b, tma_type<T>(), 2, g.N, g.K, g.b_stride_k, 64, BK, sw);
     if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
     CUtensorMap map_c{};
-    const bool tma_store = reinterpret_cast<uintptr_t>(g.c) % 16 == 0 && (g.M == 1 || g.c_stride_m % 8 == 0);
+    // TMA stores write whole 16-byte chunks: with N * 2 bytes off a 16-byte multiple the last chunk of a row would
+    // overwrite up to 14 bytes past column N (another tensor's data in a view), so such C takes the register path.
+    const bool tma_store = reinterpret_cast<uintptr_t>(g.c) % 16 == 0 && g.N % 8 == 0 &&
+                           (g.M == 1 || g.c_stride_m % 8 == 0);
     if (tma_store &&
         tma::make_tensor_map_2d(&map_c, g.c, tma_type<T>(), 2, g.N, g.M, g.c_stride_m, 64, 64, sw) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;

@@ -1,0 +1,340 @@
+// Attention forward for Hopper, FlashAttention-style: one block per 128 query rows of one head. A producer warp
+// streams K and V in 128-key stages with TMA (separate rings, so S = Q K^T can start before V lands); two
+// consumer warpgroups each own 64 query rows, keep S, P and O in registers, and overlap the softmax of key block j
+// with the P V product of block j - 1 (issued before it, waited for after it). Tails in both lengths are handled
+// in-kernel: TMA zero-fills rows past the end, the softmax masks keys past kv_len, and the O store is clipped.
+#include "forward.h"
+#include "../../kittens/kittens.cuh"
+
+#include <atomic>
+#include <cmath>
+#include <type_traits>
+
+namespace tk::attention {
+namespace {
+
+using wgmma::major;
+
+constexpr int BM = 128;  // query rows per block, 64 per consumer warpgroup
+constexpr int BN = 128;  // keys per stage
+constexpr int STAGES = 2;
+constexpr int CONSUMERS = 2, THREADS = (CONSUMERS + 1) * warpgroup::threads;
+constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
+
+template <typename T, int D>
+struct shared_state {
+    wgmma::operand_tile<T, BM, major::k> q[D / 64];           // 64-wide panels of D; each warpgroup stages O in its rows
+    wgmma::operand_tile<T, BN, major::k> k[STAGES][D / 64];   // S = Q K^T: keys are B's N, D is the reduction
+    wgmma::operand_tile<T, D, major::mn> v[STAGES][BN / 64];  // O += P V: D is B's N (contiguous), keys the reduction
+    pipeline::ring<STAGES> k_ring, v_ring;  // full: the stage's bytes landed; empty: every consumer warp is done
+    sync::barrier q_full;
+    static constexpr uint32_t q_bytes = BM * D * sizeof(T), kv_bytes = BN * D * sizeof(T);
+};
+
+struct kernel_params {
+    forward_args args;
+    int q_tiles;
+    int kv_group;      // query heads per key/value head
+    float scale_log2;  // scale * log2(e): scores go to base 2, so the exponent is one ex2
+};
+
+struct block_work {
+    int q_tile, head, batch, kv_blocks;
+};
+
+// Causal blocks differ in work (row tile i sees i + 1 key blocks): the heaviest tiles of every head start first.
+// Otherwise the query tiles of one head are neighbours, so blocks running together share its K and V in L2.
+__device__ __forceinline__ block_work work_of(const kernel_params& p) {
+    const forward_args& a = p.args;
+    const int64_t bh_count = a.batch * a.q_heads;
+    const int64_t linear = blockIdx.x;
+    int q_tile;
+    int64_t bh;
+    if (a.causal) {
+        bh = linear % bh_count;
+        q_tile = p.q_tiles - 1 - int(linear / bh_count);
+    } else {
+        q_tile = int(linear % p.q_tiles);
+        bh = linear / p.q_tiles;
+    }
+    int kv_blocks = int((a.kv_len + BN - 1) / BN);
+    if (a.causal) kv_blocks = min(kv_blocks, (q_tile * BM + BM + BN - 1) / BN);
+    return {q_tile, int(bh % a.q_heads), int(bh / a.q_heads), kv_blocks};
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void produce(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
+                                        const CUtensorMap& map_q, const CUtensorMap& map_k, const CUtensorMap& map_v) {
+    tma::prefetch_map(&map_q);
+    tma::prefetch_map(&map_k);
+    tma::prefetch_map(&map_v);
+    const int kv_head = w.head / p.kv_group;
+    sync::arrive_expect_bytes(st.q_full, shared_state<T, D>::q_bytes);
+    for (int dp = 0; dp < D / 64; ++dp)
+        for (int r = 0; r < BM / 64; ++r)
+            tma::load_4d(st.q[dp].data + r * 64 * 64, &map_q, dp * 64, w.q_tile * BM + r * 64, w.head, w.batch,
+                         st.q_full);
+    pipeline::cursor<STAGES> at;
+    for (int j = 0; j < w.kv_blocks; ++j) {
+        const int s = at.stage, key0 = j * BN;
+        st.k_ring.wait_empty(at);
+        sync::arrive_expect_bytes(st.k_ring.full[s], shared_state<T, D>::kv_bytes);
+        for (int dp = 0; dp < D / 64; ++dp)
+            for (int r = 0; r < BN / 64; ++r)
+                tma::load_4d(st.k[s][dp].data + r * 64 * 64, &map_k, dp * 64, key0 + r * 64, kv_head, w.batch,
+                             st.k_ring.full[s]);
+        st.v_ring.wait_empty(at);
+        sync::arrive_expect_bytes(st.v_ring.full[s], shared_state<T, D>::kv_bytes);
+        for (int kp = 0; kp < BN / 64; ++kp)
+            for (int dp = 0; dp < D / 64; ++dp)  // panel dp of the MN-major tile: 64 keys (lines) x 64 of D
+                tma::load_4d(st.v[s][kp].data + dp * 64 * 64, &map_v, dp * 64, key0 + kp * 64, kv_head, w.batch,
+                             st.v_ring.full[s]);
+        at.advance();
+    }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
+                                        const CUtensorMap& map_o) {
+    const forward_args& a = p.args;
+    const int slice = warpgroup::index() - 1;  // query rows [64 slice, 64 slice + 64) of the block
+    const int64_t row0 = int64_t(w.q_tile) * BM + slice * 64;
+    const bool lane0 = (threadIdx.x & 31) == 0;
+    rt::acc_tile<BN> s;
+    rt::acc_tile<D> o;
+    rt::a_operand<T, BN> pr;
+    rt::fill(o, 0.0f);
+    rt::row_vec m{-INFINITY, -INFINITY};  // running row max of the base-2 scores
+    rt::row_vec l{0.0f, 0.0f};            // running row sum over this thread's columns (quad-reduced at the end)
+    pipeline::cursor<STAGES> at_k, at_v;
+
+    auto scores = [&](int stage) {  // s = Q K^T (unscaled), one wgmma group
+        wgmma::fence();
+#pragma unroll
+        for (int dp = 0; dp < D / 64; ++dp)
+#pragma unroll
+            for (int k16 = 0; k16 < 4; ++k16)
+                wgmma::mma<BN, T>(s.d, st.q[dp], slice * 64, st.k[stage][dp], 0, k16, (dp | k16) != 0);
+        wgmma::commit();
+    };
+    auto accumulate_pv = [&](int stage) {  // o += P V, one wgmma group
+        wgmma::fence();
+#pragma unroll
+        for (int kv16 = 0; kv16 < BN / 16; ++kv16)
+            wgmma::mma<D, T>(o.d, pr, kv16, st.v[stage][kv16 / 4], 0, kv16 % 4, 1);
+        wgmma::commit();
+    };
+    // Online softmax of key block j in place (s becomes exp2(scaled s - new max)); returns the factor that
+    // rescales what o and l held before this block.
+    auto softmax = [&](int j) {
+        const int64_t key0 = int64_t(j) * BN;
+        const bool mask = key0 + BN > a.kv_len || (a.causal && key0 + BN - 1 > row0);
+        const int top = rt::top_row();
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+            float x = s.d[i] * p.scale_log2;
+            if (mask) {
+                const int64_t key = key0 + rt::column(i), row = row0 + top + (rt::is_bottom(i) ? 8 : 0);
+                if (key >= a.kv_len || (a.causal && key > row)) x = -INFINITY;
+            }
+            s.d[i] = x;
+        }
+        rt::row_vec block_max;
+        rt::row_max(block_max, s);
+        const rt::row_vec m_new{fmaxf(m.top, block_max.top), fmaxf(m.bottom, block_max.bottom)};
+        // A row with every key masked so far keeps -inf: subtract 0 there so the exponents are 0, not NaN.
+        const rt::row_vec base{m_new.top == -INFINITY ? 0.0f : m_new.top,
+                               m_new.bottom == -INFINITY ? 0.0f : m_new.bottom};
+        const rt::row_vec alpha{exp2_approx(m.top - base.top), exp2_approx(m.bottom - base.bottom)};
+        float sum_top = 0.0f, sum_bottom = 0.0f;
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+            const bool bottom = rt::is_bottom(i);
+            const float e = exp2_approx(s.d[i] - (bottom ? base.bottom : base.top));
+            s.d[i] = e;
+            if (bottom)
+                sum_bottom += e;
+            else
+                sum_top += e;
+        }
+        l = {l.top * alpha.top + sum_top, l.bottom * alpha.bottom + sum_bottom};
+        m = m_new;
+        return alpha;
+    };
+
+    sync::wait(st.q_full, 0);
+    // Block 0: scores, softmax, P.
+    st.k_ring.wait_full(at_k);
+    scores(at_k.stage);
+    wgmma::wait<0>();
+    wgmma::pin(s.d);
+    if (lane0) sync::arrive(st.k_ring.empty[at_k.stage]);
+    at_k.advance();
+    softmax(0);
+    rt::to_a_operand(pr, s);
+    // Block j: issue its scores and block j - 1's P V, softmax block j while P V runs, then rescale o.
+    for (int j = 1; j < w.kv_blocks; ++j) {
+        st.k_ring.wait_full(at_k);
+        scores(at_k.stage);
+        st.v_ring.wait_full(at_v);
+        accumulate_pv(at_v.stage);
+        wgmma::wait<1>();  // the scores (committed first) are done; P V may still run
+        wgmma::pin(s.d);
+        if (lane0) sync::arrive(st.k_ring.empty[at_k.stage]);
+        at_k.advance();
+        const rt::row_vec alpha = softmax(j);
+        wgmma::wait<0>();
+        wgmma::pin(o.d);
+        wgmma::pin(s.d);  // P's registers are rewritten only after the P V that reads them is done
+        if (lane0) sync::arrive(st.v_ring.empty[at_v.stage]);
+        at_v.advance();
+        rt::mul_rows(o, o, alpha);
+        rt::to_a_operand(pr, s);
+    }
+    st.v_ring.wait_full(at_v);
+    accumulate_pv(at_v.stage);
+    wgmma::wait<0>();
+    wgmma::pin(o.d);
+    if (lane0) sync::arrive(st.v_ring.empty[at_v.stage]);
+
+    // Epilogue: full row sums, O / l, the log-sum-exp, O staged in this warpgroup's Q rows and stored by TMA.
+#pragma unroll
+    for (int offset = 1; offset < 4; offset *= 2) {
+        l.top += __shfl_xor_sync(0xffffffffu, l.top, offset);
+        l.bottom += __shfl_xor_sync(0xffffffffu, l.bottom, offset);
+    }
+    rt::div_rows(o, o, l);
+    if ((threadIdx.x & 3) == 0) {
+        const int64_t top = row0 + rt::top_row();
+        float* lse = a.lse + int64_t(w.batch) * a.lse_stride[0] + int64_t(w.head) * a.lse_stride[1];
+        if (top < a.q_len) lse[top] = (m.top + __log2f(l.top)) * LN2;
+        if (top + 8 < a.q_len) lse[top + 8] = (m.bottom + __log2f(l.bottom)) * LN2;
+    }
+#pragma unroll
+    for (int i = 0; i < D / 2; i += 2) {
+        const auto pos = wgmma::accumulator_position(i);
+        uint8_t* panel = reinterpret_cast<uint8_t*>(st.q[pos.col / 64].data);
+        *reinterpret_cast<uint32_t*>(panel + tma::swizzled_offset_128b(slice * 64 + pos.row, pos.col % 64)) =
+            rt::pack2<T>(o.d[i], o.d[i + 1]);
+    }
+    tma::fence_shared_to_async();
+    sync::named_sync(1 + slice, warpgroup::threads);
+    if (warpgroup::thread() == 0 && row0 < a.q_len) {
+        for (int dp = 0; dp < D / 64; ++dp)
+            tma::store_4d(&map_o, st.q[dp].data + slice * 64 * 64, dp * 64, int32_t(row0), w.head, w.batch);
+        tma::store_commit();
+        tma::store_wait();  // the staging must outlive the store's reads
+    }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(THREADS, 1)
+    forward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                   const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_o,
+                   const __grid_constant__ kernel_params p) {
+    using state_t = shared_state<T, D>;
+    extern __shared__ uint8_t raw_smem[];
+    auto& st = *reinterpret_cast<state_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+    if (threadIdx.x == 0) {
+        st.k_ring.init(1, CONSUMERS * 4);  // the producer; lane 0 of every consumer warp
+        st.v_ring.init(1, CONSUMERS * 4);
+        sync::init(st.q_full, 1);
+        sync::fence_init();
+    }
+    __syncthreads();
+    const block_work w = work_of(p);
+    if (warpgroup::index() == 0) {
+        warpgroup::decrease_registers<24>();
+        if (threadIdx.x == 0) produce<T, D>(st, p, w, map_q, map_k, map_v);
+    } else {
+        warpgroup::increase_registers<240>();
+        consume<T, D>(st, p, w, map_o);
+    }
+}
+
+template <typename T>
+CUtensorMapDataType tma_type() {
+    return std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+}
+
+template <typename T, int D>
+constexpr int smem_bytes_of = sizeof(shared_state<T, D>) + 1024;  // + alignment to 1024 bytes
+
+// The kernel's shared-memory opt-in, once per device (an attribute of the kernel in each device's context).
+template <typename T, int D>
+cudaError_t prepare() {
+    static std::atomic<bool> ready[max_devices];
+    const int device = current_device();
+    if (device < 0) return cudaErrorInvalidDevice;
+    if (ready[device].load(std::memory_order_acquire)) return cudaSuccess;
+    const cudaError_t e = cudaFuncSetAttribute(forward_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               smem_bytes_of<T, D>);
+    if (e == cudaSuccess) ready[device].store(true, std::memory_order_release);
+    return e;
+}
+
+CUresult map_of(CUtensorMap* map, const void* base, CUtensorMapDataType type, int64_t batch, int64_t heads,
+                int64_t len, int64_t head_dim, const int64_t (&stride)[3]) {
+    const uint64_t dims[4] = {uint64_t(head_dim), uint64_t(len), uint64_t(heads), uint64_t(batch)};
+    const int64_t strides[3] = {stride[2], stride[1], stride[0]};  // sequence, head, batch
+    return tma::make_tensor_map_4d(map, base, type, 2, dims, strides, 64, 64, tma::swizzle::b128);
+}
+
+template <typename T, int D>
+cudaError_t launch(const forward_args& a, cudaStream_t stream) {
+    if (cudaError_t e = prepare<T, D>(); e != cudaSuccess) return e;
+    CUtensorMap map_q{}, map_k{}, map_v{}, map_o{};
+    const CUtensorMapDataType type = tma_type<T>();
+    if (map_of(&map_q, a.q, type, a.batch, a.q_heads, a.q_len, D, a.q_stride) != CUDA_SUCCESS ||
+        map_of(&map_k, a.k, type, a.batch, a.kv_heads, a.kv_len, D, a.k_stride) != CUDA_SUCCESS ||
+        map_of(&map_v, a.v, type, a.batch, a.kv_heads, a.kv_len, D, a.v_stride) != CUDA_SUCCESS ||
+        map_of(&map_o, a.o, type, a.batch, a.q_heads, a.q_len, D, a.o_stride) != CUDA_SUCCESS)
+        return cudaErrorInvalidValue;
+    kernel_params p;
+    p.args = a;
+    p.q_tiles = int((a.q_len + BM - 1) / BM);
+    p.kv_group = int(a.q_heads / a.kv_heads);
+    p.scale_log2 = a.scale * LOG2E;
+    const int64_t blocks = int64_t(p.q_tiles) * a.batch * a.q_heads;
+    forward_kernel<T, D><<<unsigned(blocks), THREADS, smem_bytes_of<T, D>, stream>>>(map_q, map_k, map_v, map_o, p);
+    return cudaGetLastError();
+}
+
+bool strides_ok(const int64_t (&stride)[3], int64_t batch, int64_t heads, int64_t len) {
+    const int64_t sizes[3] = {batch, heads, len};
+    for (int i = 0; i < 3; ++i)
+        if (sizes[i] > 1 && (stride[i] <= 0 || stride[i] % 8)) return false;  // 16 bytes of 16-bit elements
+    return true;
+}
+
+}  // namespace
+
+const char* forward_unsupported(const forward_args& a) {
+    if (a.dtype != int(dtype::bf16) && a.dtype != int(dtype::fp16)) return "dtype must be bfloat16 or float16";
+    if (a.head_dim != 64 && a.head_dim != 128) return "head_dim must be 64 or 128";
+    if (a.batch < 1 || a.q_heads < 1 || a.kv_heads < 1 || a.q_len < 1 || a.kv_len < 1)
+        return "batch, heads and lengths must be at least 1";
+    if (a.q_heads % a.kv_heads) return "q_heads must be a multiple of kv_heads";
+    if (a.causal && a.q_len != a.kv_len) return "causal attention needs q_len == kv_len";
+    if (a.q_len >= (int64_t(1) << 31) || a.kv_len >= (int64_t(1) << 31)) return "sequence length too large";
+    if (a.batch * a.q_heads * ((a.q_len + BM - 1) / BM) >= (int64_t(1) << 31)) return "too many blocks";
+    if (a.batch * a.q_heads >= (int64_t(1) << 31)) return "too many heads";
+    if (!std::isfinite(a.scale)) return "scale must be finite";
+    if (a.lse == nullptr) return "lse must be given";
+    const void* tensors[4] = {a.q, a.k, a.v, a.o};
+    for (const void* t : tensors)
+        if (t == nullptr || !is_aligned(t, 16)) return "q, k, v and o must be 16-byte aligned";
+    if (!strides_ok(a.q_stride, a.batch, a.q_heads, a.q_len) || !strides_ok(a.k_stride, a.batch, a.kv_heads, a.kv_len) ||
+        !strides_ok(a.v_stride, a.batch, a.kv_heads, a.kv_len) || !strides_ok(a.o_stride, a.batch, a.q_heads, a.q_len))
+        return "strides of q, k, v and o must be positive multiples of 8 elements";
+    return nullptr;
+}
+
+cudaError_t launch_forward(const forward_args& a, cudaStream_t stream) {
+    if (forward_unsupported(a) != nullptr) return cudaErrorInvalidValue;
+    const bool bf16 = a.dtype == int(dtype::bf16);
+    if (a.head_dim == 64) return bf16 ? launch<__nv_bfloat16, 64>(a, stream) : launch<__half, 64>(a, stream);
+    return bf16 ? launch<__nv_bfloat16, 128>(a, stream) : launch<__half, 128>(a, stream);
+}
+
+}  // namespace tk::attention

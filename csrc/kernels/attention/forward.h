@@ -1,0 +1,31 @@
+// Attention forward: O = softmax(scale * Q K^T (+ causal mask)) V and the log-sum-exp of each query row.
+// Host-visible declarations only (no device code).
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace tk::attention {
+
+// Tensors in torch's (B, H, S, D) layout with the last dimension contiguous; strides in elements (batch, head,
+// sequence). Query head h reads key/value head h / (q_heads / kv_heads) (grouped-query attention).
+struct forward_args {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* o;       // (B, q_heads, q_len, D), input dtype
+    float* lse;    // (B, q_heads, q_len) natural-log log-sum-exp of the scaled scores; lse_stride: batch, head
+    int dtype;     // tk::dtype: bf16 or fp16
+    int64_t batch, q_heads, kv_heads, q_len, kv_len, head_dim;
+    int64_t q_stride[3], k_stride[3], v_stride[3], o_stride[3], lse_stride[2];
+    float scale;   // multiplies Q K^T
+    bool causal;   // mask key j > query i (top-left aligned; q_len == kv_len)
+};
+
+// Why `args` cannot run (null when it can): head dim, dtype, sizes, strides, alignment.
+const char* forward_unsupported(const forward_args& args);
+
+// Enqueues on `stream`; never synchronises.
+cudaError_t launch_forward(const forward_args& args, cudaStream_t stream);
+
+}  // namespace tk::attention

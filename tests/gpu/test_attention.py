@@ -1,0 +1,320 @@
+"""The attention forward kernel (ops.attention_forward) against an fp64 math reference.
+
+Covers short and long, equal and unequal sequence lengths, D 64 and 128, grouped-query ratios 1/2/4/8, causal
+(top-left mask, as torch SDPA's is_causal) and not, bf16 and fp16, a custom scale, strided views, large scores,
+repeatability, outputs written in full (the caching allocator is filled with NaN first) and argument errors.
+"""
+
+import pytest
+import torch
+
+from thunder_tk import ops
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not hasattr(ops, "attention_forward"), reason="ops.attention_forward does not exist yet"),
+]
+
+# Tolerances on ||o - ref|| / ||ref||. The kernel rounds P to the input dtype for the P @ V product and o to it on
+# the way out (bf16 keeps 8 mantissa bits, fp16 11); both are well inside these.
+O_TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
+# lse is fp32 from fp32 scores of the same rounded inputs: only the summation order differs.
+LSE_TOL = 1e-2
+
+
+def reference(q, k, v, causal=False, scale=None):
+    """o and lse in float64: query head h reads kv head h // (Hq // Hkv); causal is the top-left aligned mask."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    q64 = q.double()
+    k64 = k.double().repeat_interleave(group, dim=1)
+    v64 = v.double().repeat_interleave(group, dim=1)
+    s = (q64 @ k64.transpose(-1, -2)) * scale
+    if causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.exp(s - lse[..., None]) @ v64
+    return o, lse
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def poison_allocator(*specs):
+    """Leaves NaN-filled blocks of each (shape, dtype) in the CUDA caching allocator, so the op's own output
+    allocations most likely land on NaN: an element the kernel never writes stays NaN."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no stale free blocks of a fitting size that hold finite garbage
+    blocks = [torch.full(shape, float("nan"), device="cuda", dtype=dtype) for shape, dtype in specs for _ in range(2)]
+    del blocks
+    probe = torch.empty(specs[0][0], device="cuda", dtype=specs[0][1])
+    assert torch.isnan(probe).all(), "the caching allocator did not hand back a poisoned block"
+    del probe
+
+
+def run(q, k, v, causal=False, scale=None):
+    """The op on freshly poisoned memory, with the output contract checked."""
+    B, Hq, Sq, D = q.shape
+    poison_allocator(((B, Hq, Sq, D), q.dtype), ((B, Hq, Sq), torch.float32))
+    o, lse = ops.attention_forward(q, k, v, is_causal=causal, scale=scale)
+    assert o.shape == q.shape and o.dtype == q.dtype and o.device == q.device
+    assert lse.shape == (B, Hq, Sq) and lse.dtype == torch.float32
+    assert torch.isfinite(o).all(), "o has unwritten (NaN) or overflowed elements"
+    assert torch.isfinite(lse).all(), "lse has unwritten (NaN) or overflowed elements"
+    return o, lse
+
+
+def check(q, k, v, causal=False, scale=None, lse_tol=LSE_TOL):
+    o, lse = run(q, k, v, causal, scale)
+    ref_o, ref_lse = reference(q, k, v, causal, scale)
+    err = rel_err(o, ref_o)
+    assert err < O_TOL[q.dtype], f"o rel err {err}"
+    lse_err = (lse.double() - ref_lse).abs().max().item()
+    assert lse_err < lse_tol, f"lse abs err {lse_err}"
+    return o, lse
+
+
+def make(B, Hq, Hkv, Sq, Sk, D, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Hq, Sq, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=dtype, generator=g)
+    return q, k, v
+
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+# (B, Hq, Hkv, Sq, Sk, D, causal). At S = 4097 the fp64 reference holds Sq x Sk doubles per head: few heads there.
+CASES = [
+    (1, 1, 1, 1, 1, 64, False),
+    (1, 1, 1, 1, 1, 128, True),
+    (2, 4, 4, 17, 17, 64, False),
+    (2, 4, 4, 17, 17, 128, True),
+    (1, 8, 4, 128, 128, 128, False),  # GQA 2
+    (1, 8, 2, 128, 128, 64, True),  # GQA 4
+    (1, 8, 1, 1000, 1000, 128, True),  # GQA 8
+    (2, 16, 2, 1000, 1000, 64, False),  # GQA 8
+    (16, 16, 16, 128, 128, 128, True),  # B*H = 256: many blocks
+    (8, 32, 8, 256, 256, 64, False),  # B*H = 256, GQA 4
+    (1, 2, 1, 4097, 4097, 128, True),
+    (1, 1, 1, 4097, 4097, 64, False),
+    (1, 4, 2, 17, 1000, 128, False),  # Sq < Sk
+    (3, 4, 1, 1000, 1, 64, False),  # one key: o is v, lse the one score
+    (1, 2, 2, 1, 4097, 128, False),  # one query against a long cache
+    (1, 4, 4, 4097, 128, 64, False),  # Sq > Sk
+    (1, 2, 1, 128, 17, 128, False),
+]
+
+
+def case_id(c):
+    B, Hq, Hkv, Sq, Sk, D, causal = c
+    return f"B{B}-H{Hq}kv{Hkv}-S{Sq}x{Sk}-D{D}" + ("-causal" if causal else "")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_fp64_reference(case, dtype):
+    B, Hq, Hkv, Sq, Sk, D, causal = case
+    check(*make(B, Hq, Hkv, Sq, Sk, D, dtype), causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("scale,causal,D", [(0.3, False, 64), (1.0, True, 128)])
+def test_custom_scale(scale, causal, D, dtype):
+    q, k, v = make(2, 4, 2, 300, 300, D, dtype)
+    o, lse = check(q, k, v, causal=causal, scale=scale)
+    o_default, _ = ops.attention_forward(q, k, v, is_causal=causal)
+    assert not torch.equal(o, o_default), "the scale argument was ignored"
+
+
+@pytest.mark.parametrize("S", [1, 77, 129, 1000])
+@pytest.mark.parametrize("D", [64, 128])
+def test_causal_odd_lengths(S, D):
+    dtype = torch.bfloat16 if D == 128 else torch.float16
+    check(*make(2, 3, 3, S, S, D, dtype), causal=True)
+
+
+def test_causal_first_row_is_v0():
+    # Top-left mask: query 0 sees key 0 only, so o[..., 0, :] is v[..., 0, :] and lse the one score.
+    q, k, v = make(1, 2, 1, 64, 64, 128, torch.bfloat16)
+    o, lse = run(q, k, v, causal=True)
+    ref_row = v[:, [0, 0], 0].float()
+    assert (o[:, :, 0].float() - ref_row).abs().max().item() < 1e-2
+    score = (q[:, :, 0].double() * k[:, [0, 0], 0].double()).sum(-1) * 128 ** -0.5
+    assert (lse[:, :, 0].double() - score).abs().max().item() < 1e-3
+
+
+def strided_inputs(layout, B, Hq, Hkv, S, D, dtype):
+    """Non-contiguous (B, H, S, D) views with a unit last stride; returns (q, k, v, base buffers)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
+
+    if layout == "bshd":  # LitGPT's (B, S, H, D) storage viewed as (B, H, S, D)
+        bufs = [randn(B, S, Hq, D), randn(B, S, Hkv, D), randn(B, S, Hkv, D)]
+        q, k, v = (t.transpose(1, 2) for t in bufs)
+    elif layout == "fused_qkv":  # one (B, S, Hq + 2 Hkv, D) buffer, split by heads
+        bufs = [randn(B, S, Hq + 2 * Hkv, D)]
+        qkv = bufs[0].transpose(1, 2)
+        q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
+    elif layout == "seq_slice":  # a slice of a longer sequence dim (a preallocated cache)
+        bufs = [randn(B, Hq, S + 40, D), randn(B, Hkv, S + 24, D), randn(B, Hkv, S + 8, D)]
+        q, k, v = bufs[0][:, :, 3:3 + S], bufs[1][:, :, :S], bufs[2][:, :, 8:]
+    elif layout == "wide_rows":  # rows of 2D elements of which the first D are used
+        bufs = [randn(B, Hq, S, 2 * D), randn(B, Hkv, S, 2 * D), randn(B, S, Hkv, 3 * D)]
+        q, k = bufs[0][..., :D], bufs[1][..., D:]
+        v = bufs[2].transpose(1, 2)[..., 2 * D:]
+    else:
+        raise AssertionError(layout)
+    for t in (q, k, v):
+        assert not t.is_contiguous() and t.stride(-1) == 1
+    return q, k, v, bufs
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", ["bshd", "fused_qkv", "seq_slice", "wide_rows"])
+def test_strided_views_match_contiguous_bitwise(layout, causal):
+    D = 128 if layout in ("bshd", "seq_slice") else 64
+    q, k, v, bufs = strided_inputs(layout, 2, 8, 2, 333, D, torch.bfloat16)
+    before = [b.clone() for b in bufs]
+    o, lse = check(q, k, v, causal=causal)
+    o_c, lse_c = ops.attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=causal)
+    assert torch.equal(o, o_c) and torch.equal(lse, lse_c), "a strided run differs from the contiguous one"
+    assert all(torch.equal(b, c) for b, c in zip(bufs, before)), "the inputs were written to"
+
+
+@pytest.mark.parametrize(
+    "case,dtype",
+    [((4, 16, 16, 2048, 2048, 128, False), torch.bfloat16),
+     ((4, 16, 16, 2048, 2048, 64, True), torch.float16),
+     ((2, 32, 4, 1500, 1500, 128, True), torch.bfloat16)],
+    ids=["full-bf16", "causal-fp16", "gqa8-causal-bf16"],
+)
+def test_repeatable_bitwise(case, dtype):
+    # Many blocks on every SM: a race or an order-dependent reduction shows as a result that moves.
+    B, Hq, Hkv, Sq, Sk, D, causal = case
+    q, k, v = make(B, Hq, Hkv, Sq, Sk, D, dtype, seed=2)
+    o, lse = run(q, k, v, causal)
+    for _ in range(2):
+        o2, lse2 = run(q, k, v, causal)
+        assert torch.equal(o, o2) and torch.equal(lse, lse2), "results differ between identical runs"
+
+
+@pytest.mark.parametrize(
+    "case",
+    [(3, 5, 5, 1, 1, 64, False), (1, 3, 1, 129, 129, 128, True), (2, 7, 7, 1000, 333, 64, False),
+     (1, 4, 4, 4097, 4097, 128, True)],
+    ids=case_id,
+)
+def test_output_written_entirely(case):
+    # Partial tiles at every edge (rows, keys, odd head counts); run() poisons the allocator and checks finiteness.
+    B, Hq, Hkv, Sq, Sk, D, causal = case
+    q, k, v = make(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, seed=3)
+    o, lse = run(q, k, v, causal)
+    # Zeros where nothing was written would also be finite: the values must match too.
+    ref_o, ref_lse = reference(q, k, v, causal)
+    assert rel_err(o, ref_o) < O_TOL[torch.bfloat16]
+    assert (lse.double() - ref_lse).abs().max().item() < LSE_TOL
+
+
+@pytest.mark.parametrize(
+    "D,causal,dtype",
+    [(64, False, torch.bfloat16), (128, False, torch.bfloat16), (64, True, torch.bfloat16),
+     (128, True, torch.bfloat16), (128, True, torch.float16)],
+)
+def test_large_scores(D, causal, dtype):
+    # Inputs x 30: scores of order +-1000 (exp overflows fp32 without the running max), and softmax rows are
+    # nearly one-hot, so each new key block may raise the max and rescale what was accumulated.
+    q, k, v = make(2, 4, 2, 700, 700, D, dtype, seed=4)
+    q, k = q * 30, k * 30
+    ref_lse = reference(q, k, v, causal)[1]
+    # |lse| reaches ~4000 here, where an fp32 ulp is 2.4e-4 and the scores' fp32 sums carry error of a few 1e-4:
+    # allow the absolute lse tolerance plus a relative 1e-5.
+    check(q, k, v, causal=causal, lse_tol=LSE_TOL + 1e-5 * ref_lse.abs().max().item())
+
+
+def test_large_positive_offset():
+    # All scores large and positive with a tiny spread: lse ~ offset + log(Sk), softmax nearly uniform.
+    q, k, v = make(1, 4, 4, 300, 500, 64, torch.bfloat16, seed=5)
+    q = (q * 0.05 + 4).to(torch.bfloat16)
+    k = (k * 0.05 + 4).to(torch.bfloat16)
+    ref_lse = reference(q, k, v)[1]
+    check(q, k, v, lse_tol=LSE_TOL + 1e-5 * ref_lse.abs().max().item())
+
+
+def test_runs_on_the_current_stream():
+    q, k, v = make(2, 8, 2, 513, 513, 64, torch.float16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        o, lse = ops.attention_forward(q, k, v, is_causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    ref_o, ref_lse = reference(q, k, v, True)
+    assert rel_err(o, ref_o) < O_TOL[torch.float16]
+    assert (lse.double() - ref_lse).abs().max().item() < LSE_TOL
+
+
+def test_reference_matches_torch_sdpa():
+    # The reference itself, against torch's math SDPA in fp64 (GQA through enable_gqa), so a failure above is
+    # the kernel's.
+    q, k, v = make(2, 8, 2, 65, 65, 64, torch.bfloat16)
+    for causal in (False, True):
+        o, _ = reference(q, k, v, causal)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q.double(), k.double(), v.double(), is_causal=causal, enable_gqa=True)
+        assert rel_err(sdpa, o) < 1e-12
+
+
+def _bad(name):
+    q, k, v = make(2, 4, 2, 32, 32, 64, torch.bfloat16)
+    if name == "head_dim_96":
+        return make(2, 4, 2, 32, 32, 96, torch.bfloat16)
+    if name == "float32":
+        return q.float(), k.float(), v.float()
+    if name == "mixed_dtype":
+        return q, k.half(), v.half()
+    if name == "heads_not_multiple":
+        return make(2, 6, 4, 32, 32, 64, torch.bfloat16)
+    if name == "batch_mismatch":
+        return q, k[:1], v[:1]
+    if name == "kv_mismatch":
+        return q, k, v[:, :, :16]
+    if name == "scale_not_finite":
+        return q, k, v
+    if name == "cpu":
+        return q.cpu(), k.cpu(), v.cpu()
+    if name == "three_dims":
+        return q[0], k[0], v[0]
+    raise AssertionError(name)
+
+
+BAD_ARGUMENTS = {  # name -> a loose pattern the error message must contain
+    "head_dim_96": r"head dim|head_dim|head size|\b96\b",
+    "float32": r"dtype|float32",
+    "mixed_dtype": r"dtype",
+    "heads_not_multiple": r"heads|Hq|Hkv|multiple",
+    "batch_mismatch": r"batch|shape",
+    "kv_mismatch": r"shape|same|length",
+    "scale_not_finite": r"scale",
+    "cpu": r"cuda|CUDA|device",
+    "three_dims": r"dim|4-D|4D|shape|\(B, H",
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ARGUMENTS))
+def test_bad_arguments_raise_named_errors(name):
+    q, k, v = _bad(name)
+    with pytest.raises((ValueError, TypeError), match=BAD_ARGUMENTS[name]):
+        ops.attention_forward(q, k, v, scale=float("inf") if name == "scale_not_finite" else None)
+
+
+def test_layouts_tma_cannot_read_are_copied():
+    """A last dim that is not contiguous, or a stride off 16 bytes, is copied first: the result is still right."""
+    q, k, v = make(2, 4, 2, 33, 40, 64, torch.bfloat16)
+    v_t = v.transpose(-1, -2).contiguous().transpose(-1, -2)  # last-dim stride 40
+    wide = torch.randn(2, 2, 40, 68, device="cuda", dtype=torch.bfloat16)  # rows 136 bytes apart
+    wide[..., :64] = k
+    check(q, wide[..., :64], v_t)
