@@ -175,8 +175,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse
-    q, k, v = _tma_readable(q), _tma_readable(k), _tma_readable(v)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if scale < 0:  # the kernel takes row maxima of raw scores, so it wants scale > 0: (-q) k^T |scale| is the same
+        q, scale = -q, -scale
+    elif scale == 0:  # uniform weights; scores times 1e-30 round to 0 in the exponent, and lse to log(Sk)
+        scale = 1e-30
+    q, k, v = _tma_readable(q), _tma_readable(k), _tma_readable(v)
     with torch.cuda.device(q.device):
         ext.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                               _DTYPE_CODES[q.dtype], B, Hq, Hkv, Sq, Sk, D, list(q.stride()[:3]),

@@ -55,6 +55,11 @@ __device__ __forceinline__ void wait(barrier& b, uint32_t parity) {
 __device__ __forceinline__ void named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// Counts this thread's arrival at named barrier `id` without waiting (the waiters use named_sync with the same
+// total): how one warpgroup hands a turn to another.
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 
 }  // namespace tk::sync
 

@@ -318,3 +318,10 @@ def test_layouts_tma_cannot_read_are_copied():
     wide = torch.randn(2, 2, 40, 68, device="cuda", dtype=torch.bfloat16)  # rows 136 bytes apart
     wide[..., :64] = k
     check(q, wide[..., :64], v_t)
+
+
+@pytest.mark.parametrize("scale", [-0.2, 0.0])
+def test_negative_and_zero_scale(scale):
+    """The kernel wants scale > 0; the op folds a negative one into q and treats 0 as uniform weights."""
+    q, k, v = make(1, 2, 1, 70, 90, 64, torch.bfloat16)
+    check(q, k, v, causal=False, scale=scale)

@@ -1,7 +1,9 @@
 // Attention forward for Hopper, FlashAttention-style: one block per 128 query rows of one head. A producer warp
 // streams K and V in 128-key stages with TMA (separate rings, so S = Q K^T can start before V lands); two
 // consumer warpgroups each own 64 query rows, keep S, P and O in registers, and overlap the softmax of key block j
-// with the P V product of block j - 1 (issued before it, waited for after it). Tails in both lengths are handled
+// with the P V product of block j - 1 (issued before it, waited for after it); the two warpgroups take turns to
+// issue their products (ping-pong), so one's softmax runs while the other's products keep the tensor cores
+// busy. Tails in both lengths are handled
 // in-kernel: TMA zero-fills rows past the end, the softmax masks keys past kv_len, and the O store is clipped.
 #include "forward.h"
 #include "../../kittens/kittens.cuh"
@@ -35,7 +37,7 @@ struct kernel_params {
     forward_args args;
     int q_tiles;
     int kv_group;      // query heads per key/value head
-    float scale_log2;  // scale * log2(e): scores go to base 2, so the exponent is one ex2
+    float scale_log2;  // scale * log2(e) > 0: scores go to base 2, so each exponent is one FFMA and one ex2
 };
 
 struct block_work {
@@ -126,22 +128,21 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     };
     // Online softmax of key block j in place (s becomes exp2(scaled s - new max)); returns the factor that
     // rescales what o and l held before this block.
+    // The maximum is taken on raw scores (scale > 0 keeps their order) and scaled once per row.
+    const float c = p.scale_log2;
     auto softmax = [&](int j) {
         const int64_t key0 = int64_t(j) * BN;
-        const bool mask = key0 + BN > a.kv_len || (a.causal && key0 + BN - 1 > row0);
-        const int top = rt::top_row();
+        if (key0 + BN > a.kv_len || (a.causal && key0 + BN - 1 > row0)) {
+            const int top = rt::top_row();
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {
-            float x = s.d[i] * p.scale_log2;
-            if (mask) {
+            for (int i = 0; i < BN / 2; ++i) {
                 const int64_t key = key0 + rt::column(i), row = row0 + top + (rt::is_bottom(i) ? 8 : 0);
-                if (key >= a.kv_len || (a.causal && key > row)) x = -INFINITY;
+                if (key >= a.kv_len || (a.causal && key > row)) s.d[i] = -INFINITY;
             }
-            s.d[i] = x;
         }
         rt::row_vec block_max;
         rt::row_max(block_max, s);
-        const rt::row_vec m_new{fmaxf(m.top, block_max.top), fmaxf(m.bottom, block_max.bottom)};
+        const rt::row_vec m_new{fmaxf(m.top, block_max.top * c), fmaxf(m.bottom, block_max.bottom * c)};
         // A row with every key masked so far keeps -inf: subtract 0 there so the exponents are 0, not NaN.
         const rt::row_vec base{m_new.top == -INFINITY ? 0.0f : m_new.top,
                                m_new.bottom == -INFINITY ? 0.0f : m_new.bottom};
@@ -150,7 +151,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) {
             const bool bottom = rt::is_bottom(i);
-            const float e = exp2_approx(s.d[i] - (bottom ? base.bottom : base.top));
+            const float e = exp2_approx(fmaf(s.d[i], c, -(bottom ? base.bottom : base.top)));
             s.d[i] = e;
             if (bottom)
                 sum_bottom += e;
@@ -162,10 +163,19 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         return alpha;
     };
 
+    // Ping-pong: a warpgroup issues its products only in its turn and then hands the turn over. Every turn is
+    // matched: warpgroup 1 opens with a hand-over and leaves out its last one.
+    constexpr int turn_threads = 2 * warpgroup::threads;
+    auto my_turn = [&] { sync::named_sync(3 + slice, turn_threads); };
+    auto hand_over = [&] { sync::named_arrive(3 + (slice ^ 1), turn_threads); };
+    if (slice == 1) hand_over();
+
     sync::wait(st.q_full, 0);
     // Block 0: scores, softmax, P.
     st.k_ring.wait_full(at_k);
+    my_turn();
     scores(at_k.stage);
+    hand_over();
     wgmma::wait<0>();
     wgmma::pin(s.d);
     if (lane0) sync::arrive(st.k_ring.empty[at_k.stage]);
@@ -175,9 +185,11 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     // Block j: issue its scores and block j - 1's P V, softmax block j while P V runs, then rescale o.
     for (int j = 1; j < w.kv_blocks; ++j) {
         st.k_ring.wait_full(at_k);
-        scores(at_k.stage);
         st.v_ring.wait_full(at_v);
+        my_turn();
+        scores(at_k.stage);
         accumulate_pv(at_v.stage);
+        hand_over();
         wgmma::wait<1>();  // the scores (committed first) are done; P V may still run
         wgmma::pin(s.d);
         if (lane0) sync::arrive(st.k_ring.empty[at_k.stage]);
@@ -192,7 +204,9 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         rt::to_a_operand(pr, s);
     }
     st.v_ring.wait_full(at_v);
+    my_turn();
     accumulate_pv(at_v.stage);
+    if (slice == 0) hand_over();
     wgmma::wait<0>();
     wgmma::pin(o.d);
     if (lane0) sync::arrive(st.v_ring.empty[at_v.stage]);
@@ -319,7 +333,8 @@ const char* forward_unsupported(const forward_args& a) {
     if (a.q_len >= (int64_t(1) << 31) || a.kv_len >= (int64_t(1) << 31)) return "sequence length too large";
     if (a.batch * a.q_heads * ((a.q_len + BM - 1) / BM) >= (int64_t(1) << 31)) return "too many blocks";
     if (a.batch * a.q_heads >= (int64_t(1) << 31)) return "too many heads";
-    if (!std::isfinite(a.scale)) return "scale must be finite";
+    // ops.attention_forward folds a negative scale into q and replaces 0 with a tiny positive one.
+    if (!std::isfinite(a.scale) || !(a.scale > 0.0f)) return "scale must be positive and finite";
     if (a.lse == nullptr) return "lse must be given";
     const void* tensors[4] = {a.q, a.k, a.v, a.o};
     for (const void* t : tensors)

@@ -18,7 +18,7 @@ struct forward_args {
     int dtype;     // tk::dtype: bf16 or fp16
     int64_t batch, q_heads, kv_heads, q_len, kv_len, head_dim;
     int64_t q_stride[3], k_stride[3], v_stride[3], o_stride[3], lse_stride[2];
-    float scale;   // multiplies Q K^T
+    float scale;   // multiplies Q K^T; positive
     bool causal;   // mask key j > query i (top-left aligned; q_len == kv_len)
 };
 
