@@ -84,3 +84,12 @@ def kernels_built(monkeypatch):
 
     monkeypatch.setattr(_extension, "_load", lambda: (FakeModule, ""))
     yield
+
+
+@pytest.fixture
+def standin_tk_build(monkeypatch):
+    """As if built with this version's kernels, the attention kernels standing in on CPU tensors
+    (`standins.StandinBuild`; `.add(name)` and `.remove(name)` change which kernels the build has)."""
+    from standins import StandinBuild
+
+    return StandinBuild(monkeypatch)

@@ -72,3 +72,84 @@ def make_standin_attention(name="standin_sdpa") -> OperatorExecutor:
     ex.register_implementation(ltorch.scaled_dot_product_attention, checker=checker, execution_transform=execution,
                                grad_transform=grad)
     return ex
+
+
+# ------------------------------------------------------------------------------------------------
+# tk's attention kernels on CPU
+
+
+def attention_forward_standin(q, k, v, *, is_causal=False, scale=None):
+    """ops.attention_forward's contract in float64 math on any device: o in the input dtype, lse float32."""
+    from thunder_tk import ops
+
+    assert q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype, (q.dtype, k.dtype, v.dtype)
+    assert q.shape[1] % k.shape[1] == 0 and k.shape[2] > 0 and q.shape[-1] in ops.ATTENTION_HEAD_DIMS
+    o, lse = ops.attention_forward_reference(q, k, v, is_causal=is_causal, scale=scale)
+    return o.to(q.dtype), lse.float()
+
+
+def attention_backward_standin(q, k, v, o, lse, grad_o, *, is_causal=False, scale=None):
+    """The coming ops.attention_backward's contract, in float64 math from the saved o and lse (as the kernel
+    would: the probabilities are rebuilt as exp(scale q k^T - lse), never renormalised)."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    assert lse.shape == (B, Hq, Sq) and lse.dtype == torch.float32 and o.shape == grad_o.shape == q.shape
+    scale = D ** -0.5 if scale is None else scale
+    q64, o64, do64 = q.double(), o.double(), grad_o.double()
+    k64 = k.double().repeat_interleave(group, dim=1)
+    v64 = v.double().repeat_interleave(group, dim=1)
+    s = (q64 @ k64.transpose(-1, -2)) * scale
+    if is_causal:
+        s = s.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.exp(s - lse.double().unsqueeze(-1))
+    dv = p.transpose(-1, -2) @ do64
+    dp = do64 @ v64.transpose(-1, -2)
+    delta = (do64 * o64).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    dq = (ds @ k64) * scale
+    dk = (ds.transpose(-1, -2) @ q64) * scale
+
+    def per_kv_head(t):  # sum the query heads that share a key/value head
+        return t.view(B, Hkv, group, Sk, D).sum(2)
+
+    return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
+
+
+class StandinBuild:
+    """A fake compiled module whose kernels run on CPU tensors, for routing tests that also execute.
+
+    Installs (through `monkeypatch`): the module, reporting this version's KERNELS_IN_SOURCE (`add` and
+    `remove` change that), claim rules that take CPU tensors for a GPU, and the attention stand-ins above as
+    ops.attention_forward / ops.attention_backward. Only the attention ops are stood in for: claim nothing else
+    (bf16 GEMMs, say) with it in place.
+    """
+
+    def __init__(self, monkeypatch):
+        from thunder_tk import _extension, claim_rules, ops
+
+        self._kernels = set(claim_rules.KERNELS_IN_SOURCE)
+        monkeypatch.setattr(_extension, "_load", lambda: (self, ""))
+        monkeypatch.setattr(claim_rules, "check_devices", _check_one_device)
+        monkeypatch.setattr(ops, "attention_forward", attention_forward_standin)
+        monkeypatch.setattr(ops, "attention_backward", attention_backward_standin, raising=False)
+
+    def kernels(self):
+        return sorted(self._kernels)
+
+    def add(self, name: str) -> "StandinBuild":
+        self._kernels.add(name)
+        return self
+
+    def remove(self, name: str) -> "StandinBuild":
+        self._kernels.discard(name)
+        return self
+
+
+def _check_one_device(tensors):
+    from thunder_tk.claim_rules import ACCEPT, decline
+
+    if not tensors:
+        return decline("no tensor arguments")
+    devices = {str(t.device) for t in tensors}
+    return ACCEPT if len(devices) == 1 else decline(f"tensors on several devices: {', '.join(sorted(devices))}")

@@ -38,6 +38,7 @@ def judge(symbol, *args, **kwargs):
 
 
 SDPA = ltorch.scaled_dot_product_attention
+SDPA_NAME = "ltorch.scaled_dot_product_attention"
 
 
 def test_one_rule_per_claimed_symbol():
@@ -75,17 +76,61 @@ def test_sdpa_shape_constraints_accept(D, hq, hkv):
          "mixed dtypes"),
         (lambda: (proxy(2, 16, 128, 128), proxy(2, 16, 128, 64), proxy(2, 16, 128, 64), None, 0.0, False),
          "head dims differ"),
+        (lambda: (proxy(2, 16, 128, 64), proxy(2, 16, 0, 64), proxy(2, 16, 0, 64), None, 0.0, False),
+         "key/value length is 0"),
+        (lambda: (proxy(2, 16, 0, 64), proxy(2, 16, 0, 64), proxy(2, 16, 0, 64), None, 0.0, True),
+         "key/value length is 0"),
+        (lambda: (proxy(1, 16, 1, 128), proxy(1, 16, 512, 128), proxy(1, 16, 512, 128), None, 0.0, True),
+         "causal with Sq=1 != Sk=512"),
+        (lambda: (proxy(2, 4, 128, 64),) * 3 + (None, 0.0, False, float("inf")), "scale=inf is not finite"),
+        (lambda: (proxy(2, 4, 128, 64),) * 3 + (None, 0.0, False, float("nan")), "scale=nan is not finite"),
+        (lambda: (proxy(2, 2, 128, 64), proxy(2, 4, 128, 64), proxy(2, 4, 128, 64), None, 0.0, False),
+         "query heads 2 not a multiple of key/value heads 4"),
+        (lambda: (proxy(1, 4, 128, 64), proxy(2, 4, 128, 64), proxy(2, 4, 128, 64), None, 0.0, False),
+         "batch sizes differ: 1, 2, 2"),
     ],
 )
 def test_sdpa_declines_with_reason(make_args, reason):
-    verdict = judge(SDPA, *make_args())
+    args = make_args()
+    scale = args[6] if len(args) > 6 else None
+    verdict = judge(SDPA, *args[:6], scale=scale)
     assert not verdict and reason in verdict.reason, verdict.reason
 
 
-def test_sdpa_declines_until_its_kernel_exists():
+class FakeBuild:
+    def __init__(self, *kernels):
+        self._kernels = kernels
+
+    def kernels(self):
+        return list(self._kernels)
+
+
+def test_sdpa_needs_the_forward_kernel_and_its_gradient_the_backward_kernel(monkeypatch):
+    from thunder_tk import tk  # its rules carry the lowering (thunder_tk.lowering)
+
+    sdpa = {r.symbol_id: r for r in tk.rules}[SDPA.id]
+    assert (sdpa.kernel, sdpa.grad_kernel) == ("attention_forward", "attention_backward")
+    assert sdpa.execution_transform is not None and sdpa.grad_transform is not None
+    monkeypatch.setattr(_extension, "_real_capability", lambda index: (9, 0))
     q = proxy(2, 16, 1024, 128)
-    verdict = judge(SDPA, q, q, q, None, 0.0, True, scale=None)
-    assert not verdict and "tk has no attention kernel yet" in verdict.reason
+    args = (q, q, q, None, 0.0, True)
+
+    monkeypatch.setattr(_extension, "_load", lambda: (FakeBuild("gemm"), ""))
+    verdict = sdpa.judge(*args, scale=None)
+    assert verdict.reason == "tk has no attention kernel yet (attention_forward is not in this build)"
+
+    monkeypatch.setattr(_extension, "_load", lambda: (FakeBuild("gemm", "attention_forward"), ""))
+    assert sdpa.judge(*args, scale=None)
+    verdict = sdpa.judge_gradient()
+    assert verdict.reason == "tk has no attention backward kernel in this build (attention_backward)"
+
+    monkeypatch.setattr(_extension, "_load", lambda: (FakeBuild("attention_forward", "attention_backward"), ""))
+    assert sdpa.judge(*args, scale=None) and sdpa.judge_gradient()
+    # A rule without a lowering has no gradient; the table's rules get theirs from the executor.
+    assert RULES_BY_ID[SDPA.id].judge_gradient().reason == f"tk has no gradient for {SDPA_NAME}"
+    # A symbol whose gradient needs no kernel of its own.
+    delta = {r.symbol_id: r for r in tk.rules}[attention_bwd_delta_symbol.id]
+    assert delta.grad_kernel is None and delta.judge_gradient()
 
 
 # -- devices and the build --------------------------------------------------------------------------

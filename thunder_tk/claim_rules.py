@@ -8,6 +8,7 @@ kernel. The first failing check is the reason shown.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -58,6 +59,9 @@ class ClaimRule:
     family: str  # "attention", "gemm", "collective", "attention_bwd_delta"
     kernel: str  # the compiled kernel the claim needs
     check: Callable[..., Verdict]  # the symbol's own constraints, on normalized bound-symbol args
+    # The compiled kernel tk's gradient of the symbol needs besides `kernel` (None: the gradient is made of
+    # `kernel` and ops Thunder runs anyway). In a training trace tk takes the symbol only with its gradient.
+    grad_kernel: str | None = None
     # Filled by the executor once the kernel exists: how a claimed symbol is lowered.
     execution_transform: Callable | None = field(default=None, compare=False)
     grad_transform: Callable | None = field(default=None, compare=False)
@@ -77,6 +81,14 @@ class ClaimRule:
             return verdict
         if not _extension.kernel_in_build(self.kernel):
             return decline(f"tk has no {self.family} kernel yet ({self.kernel} is not in this build)")
+        return ACCEPT
+
+    def judge_gradient(self) -> Verdict:
+        """Whether tk can also run the gradient of a symbol whose forward `judge` accepted (metadata only)."""
+        if self.grad_transform is None:
+            return decline(f"tk has no gradient for {self.name}")
+        if self.grad_kernel is not None and not _extension.kernel_in_build(self.grad_kernel):
+            return decline(f"tk has no {self.family} backward kernel in this build ({self.grad_kernel})")
         return ACCEPT
 
 
@@ -144,6 +156,12 @@ ATTENTION_HEAD_DIMS = (64, 128)
 
 
 def check_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> Verdict:
+    """What `ops.attention_forward` (and the backward) can compute of ltorch.scaled_dot_product_attention.
+
+    Thunder 0.2.6's symbol has no `enable_gqa`: its math broadcasts heads, so only Hkv == Hq or Hkv == 1 trace
+    at all; the kernel reads key/value head h // (Hq // Hkv) for query head h, which is that broadcast (and
+    torch's `enable_gqa` grouping for any Hkv dividing Hq).
+    """
     if attn_mask is not None:
         return decline("attn_mask is given (only is_causal masking is supported)")
     if pyval(dropout_p) != 0.0:
@@ -164,8 +182,12 @@ def check_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         return decline(f"head_dim {D} not in {{64, 128}}")
     if Hkv == 0 or Hq % Hkv:
         return decline(f"query heads {Hq} not a multiple of key/value heads {Hkv}")
+    if Sk == 0:
+        return decline("key/value length is 0 (every softmax row would be empty)")
     if pyval(is_causal) and Sq != Sk:
         return decline(f"causal with Sq={Sq} != Sk={Sk}")
+    if scale is not None and not math.isfinite(pyval(scale)):
+        return decline(f"scale={pyval(scale)} is not finite")
     return ACCEPT
 
 
@@ -251,7 +273,7 @@ def check_attention_bwd_delta(o, grad_o) -> Verdict:
 
 RULES: tuple[ClaimRule, ...] = (
     ClaimRule(ltorch.scaled_dot_product_attention.id, "ltorch.scaled_dot_product_attention", "attention",
-              "attention_fwd", check_sdpa),
+              "attention_forward", check_sdpa, grad_kernel="attention_backward"),
     ClaimRule(ltorch.linear.id, "ltorch.linear", "gemm", "gemm", check_linear),
     ClaimRule(prims.PrimIDs.LINEAR, "prims.linear", "gemm", "gemm", check_linear),
     ClaimRule(ltorch.matmul.id, "ltorch.matmul", "gemm", "gemm", check_matmul),

@@ -3,6 +3,9 @@
 `thunder.jit(model, executors=[tk])` is meant to be complete on its own:
 - symbols whose claim rule accepts run on tk's kernels;
 - an attention that tk declines goes to Thunder's cuDNN or SDPA executor (not to the decomposed math);
+- in a training trace tk takes a symbol only together with its gradient: where tk could run the forward but
+  this build has no backward kernel, the executor that takes the gradient takes the forward too (see
+  `get_grad_transform`); a trace compiled without gradients (inference, torch.no_grad) runs tk's forward;
 - the remaining elementwise and reduction work is fused by nvFuser when Thunder can load it, else by
   Thunder's torch.compile executor (a private instance that never swallows the distributed collectives);
 - declined GEMMs and collectives stay with the torch executor (cuBLAS, NCCL).
@@ -13,6 +16,7 @@ what no later executor in the list would take: a listed fuser or attention execu
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -69,6 +73,7 @@ class TKExecutor(FusionExecutor):
     def __init__(self, rules: tuple[ClaimRule, ...]):
         super().__init__("tk", version=__version__)
         self._last_site: Site | None = None
+        self._last_judged: BoundSymbol | None = None
         self._rules: dict[Hashable, ClaimRule] = {r.symbol_id: r for r in rules}
         for r in rules:
             self.implmap[r.symbol_id] = ImplInfo(checker=lambda *a, _r=r, **k: bool(_r.judge(*a, **k)))
@@ -81,10 +86,8 @@ class TKExecutor(FusionExecutor):
 
     def set_lowering(self, symbol_id: Hashable, *, execution_transform: Callable, grad_transform: Callable | None):
         """Attach how a claimed symbol becomes tk kernel calls (done where the kernel's op is defined)."""
-        rule = self._rules[symbol_id]
-        self._rules[symbol_id] = ClaimRule(
-            rule.symbol_id, rule.name, rule.family, rule.kernel, rule.check,
-            execution_transform=execution_transform, grad_transform=grad_transform,
+        self._rules[symbol_id] = dataclasses.replace(
+            self._rules[symbol_id], execution_transform=execution_transform, grad_transform=grad_transform
         )
 
     @cached_property
@@ -132,18 +135,39 @@ class TKExecutor(FusionExecutor):
         active = set(ex.name for ex in self._active_executors())
         return tuple(ex for ex in self.attention_fallbacks() if ex.name not in active)
 
+    def _gradient_fallbacks(self, rule: ClaimRule) -> tuple[Executor, ...]:
+        """Who may take forward and gradient of a symbol tk cannot differentiate: tk's own fallbacks (in the order
+        the forward is delegated), then the executors listed after tk (Thunder would have asked them next)."""
+        active = self._active_executors()
+        later = active[active.index(self) + 1:] if self in active else ()
+        return (*self._fallbacks_in_use(rule), *later)
+
     # -- judging ---------------------------------------------------------------------------------
 
-    def _decide(self, rule: ClaimRule, args, kwargs) -> _Route:
+    def _decide(self, rule: ClaimRule, args, kwargs, *, gradient: bool = False) -> _Route:
+        """Where the symbol goes: to tk (verdict accepts) or to a fallback executor, or nowhere (None).
+
+        With `gradient`, forward and gradient are judged together, as Thunder asks when it differentiates the
+        symbol: tk keeps it only if it has the gradient too, and a fallback must have a grad transform."""
         verdict = rule.judge(*args, **kwargs)
         if verdict and rule.execution_transform is None:
             verdict = claim_rules.decline(f"tk has no lowering for {rule.name} yet")
+        forward_accepted = bool(verdict)
+        if verdict and gradient:
+            verdict = rule.judge_gradient()
         if verdict:
             return _Route(rule, verdict, None)
-        for ex in self._fallbacks_in_use(rule):
+        for ex in self._gradient_fallbacks(rule) if gradient else self._fallbacks_in_use(rule):
             impl = ex.implmap.get(rule.symbol_id)
-            if impl is not None and (impl.checker is None or impl.checker(*args, **kwargs)):
+            if impl is None or (gradient and impl.grad_transform is None):
+                continue
+            if impl.checker is None or impl.checker(*args, **kwargs):
+                if forward_accepted:
+                    verdict = claim_rules.decline(f"{verdict.reason}; {ex.name} takes forward and backward")
                 return _Route(rule, verdict, ex)
+        if forward_accepted:
+            verdict = claim_rules.decline(f"{verdict.reason}; no executor takes its gradient, so Thunder "
+                                          "differentiates its decomposition")
         return _Route(rule, verdict, None)
 
     def _route(self, bsym: BoundSymbol) -> _Route | None:
@@ -152,6 +176,7 @@ class TKExecutor(FusionExecutor):
             return None
         route = self._decide(rule, bsym.args, bsym.kwargs)
         self._last_site = _record(bsym, route)
+        self._last_judged = bsym
         return route
 
     # -- the Executor interface ------------------------------------------------------------------
@@ -178,24 +203,31 @@ class TKExecutor(FusionExecutor):
         return transform if transform is not None else route.fallback.implmap[bsym.sym.id].symbol
 
     def get_grad_transform(self, sym: Symbol) -> Callable | None:
+        """How Thunder differentiates a symbol tk said it takes: tk's own grad transform, the grad transform of
+        the executor that takes forward and gradient instead (tk ran only the forward, e.g. no backward kernel in
+        this build), or None (Thunder then differentiates the symbol's decomposition)."""
         rule = self._rules.get(sym.id)
         if rule is None or (rule.grad_transform is None and rule.family != "attention"):
-            return None
+            return None  # e.g. GEMMs: Thunder's own gradient, whose GEMMs tk claims in turn
 
-        # Thunder asks for the grad transform by symbol right after `can_execute_or_fuse(bsym)` said yes, so
-        # the route is decided again here from the same arguments, and the site is the one just judged.
+        # Thunder asks for the grad transform by symbol right after `can_execute_or_fuse(bsym)` said yes for
+        # the bound symbol just judged: judge it again, forward and gradient together, and record that.
+        bsym, site, decided = self._last_judged, self._last_site, None
+        if bsym is not None and bsym.sym.id == sym.id:
+            decided = self._decide(rule, bsym.args, bsym.kwargs, gradient=True)
+            site = _record(bsym, decided)
+            if not decided.taken:
+                return None
+
         def grad_transform(*args, **kwargs):
-            site = self._last_site
-            route = self._decide(rule, args, kwargs)
+            route = decided if decided is not None else self._decide(rule, args, kwargs, gradient=True)
             if route.fallback is not None:
-                transform = route.fallback.get_grad_transform(sym)
-                if transform is None:
-                    raise AssertionError(f"{route.fallback.name} takes {rule.name} but has no grad transform")
-                runner = route.fallback
-            elif route.verdict and rule.grad_transform is not None:
+                transform, runner = route.fallback.get_grad_transform(sym), route.fallback
+            elif route.verdict:
                 transform, runner = rule.grad_transform, self
             else:
-                raise AssertionError(f"tk was asked for the gradient of a {rule.name} it does not take")
+                raise AssertionError(f"tk was asked for the gradient of a {rule.name} that no executor takes "
+                                     f"({route.verdict.reason})")
             scope = get_tracectx().peek_scope()
             first = len(scope)
             result = transform(*args, **kwargs)
@@ -207,6 +239,8 @@ class TKExecutor(FusionExecutor):
                             p.tags.add(site)
             return result
 
+        # The route depends on the build and the executor list, so Thunder must not reuse a split made earlier.
+        grad_transform._disable_caching = True
         return grad_transform
 
     def fusion_pass(self, trace):

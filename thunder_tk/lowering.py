@@ -9,7 +9,7 @@ import thunder
 import thunder.torch as ltorch
 from thunder.core import prims
 from thunder.core.prims import OpTags
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import TensorProxy, pyval
 from thunder.core.transforms import get_grad, put_grads
 from thunder.distributed import prims as dist_prims
 
@@ -49,6 +49,73 @@ tk.set_lowering(
     grad_transform=_attention_bwd_delta_grad,
 )
 tk._lookasides[functional.attention_bwd_delta] = functional.attention_bwd_delta_symbol
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention: ltorch.scaled_dot_product_attention (the claim rule has already declined masks, dropout and what
+# the kernels cannot compute, so only q, k, v, is_causal and scale reach the operators).
+# - inference: tk_attention, the forward kernel returning o alone;
+# - training: tk_attention_forward returns (o, lse), and tk_attention_backward turns the saved (q, k, v, o, lse)
+#   and dO into (dq, dk, dv), dk and dv with the key/value heads. The executor uses this grad transform only
+#   while the build has the backward kernel (the rule's grad_kernel); until then the attention executor that
+#   takes the gradient takes the forward too.
+# The kernel entry points are looked up when called, so that tests can stand in for them.
+
+
+def _attention_out_meta(q: TensorProxy, k: TensorProxy, v: TensorProxy, is_causal: bool, scale) -> TensorProxy:
+    return TensorProxy(like=q, shape=(*q.shape[:-1], v.shape[-1]))
+
+
+def _attention_forward_meta(q: TensorProxy, k: TensorProxy, v: TensorProxy, is_causal: bool, scale):
+    lse = TensorProxy(like=q, shape=tuple(q.shape[:3]), dtype=thunder.float32, requires_grad=False)
+    return _attention_out_meta(q, k, v, is_causal, scale), lse
+
+
+def _attention_backward_meta(q, k, v, o, lse, grad_o, is_causal: bool, scale):
+    return TensorProxy(like=q), TensorProxy(like=k), TensorProxy(like=v)
+
+
+def _attention_impl(q, k, v, is_causal, scale):
+    o, _ = ops.attention_forward(q, k, v, is_causal=is_causal, scale=scale)
+    return o
+
+
+def _attention_forward_impl(q, k, v, is_causal, scale):
+    return ops.attention_forward(q, k, v, is_causal=is_causal, scale=scale)
+
+
+def _attention_backward_impl(q, k, v, o, lse, grad_o, is_causal, scale):
+    return ops.attention_backward(q, k, v, o, lse, grad_o, is_causal=is_causal, scale=scale)
+
+
+tk_attention = tk.register_operator("tk_attention", meta=_attention_out_meta, fn=_attention_impl)
+tk_attention_forward = tk.register_operator(
+    "tk_attention_forward", meta=_attention_forward_meta, fn=_attention_forward_impl,
+    tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,),
+)
+tk_attention_backward = tk.register_operator(
+    "tk_attention_backward", meta=_attention_backward_meta, fn=_attention_backward_impl
+)
+
+
+def _sdpa_flags(is_causal, scale) -> tuple[bool, float | None]:
+    return bool(pyval(is_causal)), None if scale is None else float(pyval(scale))
+
+
+def _sdpa_lowering(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
+    return tk_attention(query, key, value, *_sdpa_flags(is_causal, scale))
+
+
+def _sdpa_grad(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
+    is_causal, scale = _sdpa_flags(is_causal, scale)
+    o, lse = tk_attention_forward(query, key, value, is_causal, scale)
+    grads = tk_attention_backward(query, key, value, o, lse, get_grad(o), is_causal, scale)
+    put_grads((query, key, value), grads)
+    return o
+
+
+tk.set_lowering(ltorch.scaled_dot_product_attention.id, execution_transform=_sdpa_lowering,
+                grad_transform=_sdpa_grad)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,241 @@
+"""Attention on real Thunder traces (CPU, with tk's attention kernels standing in: `standins.StandinBuild`).
+
+Inference runs on tk's forward kernel; training runs on tk's forward and backward kernels when the build has
+both, and otherwise on the attention executor that takes the gradient (forward and backward), with the reason
+in `explain`.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import thunder
+
+import thunder_tk
+import thunder_tk.executor as tk_executor
+from thunder_tk import tk
+
+SDPA = "ltorch.scaled_dot_product_attention"
+bf16 = torch.bfloat16
+
+
+def ops_of(trace):
+    return [(b.sym.name, getattr(b.sym.executor, "name", None)) for b in trace.bound_symbols]
+
+
+def attention_row(jitted):
+    (row,) = [r for r in thunder_tk.explain(jitted).rows if r.symbol == SDPA]
+    return row
+
+
+def qkv(B=2, Hq=4, Hkv=4, Sq=16, Sk=16, D=64, dtype=bf16, requires_grad=False):
+    torch.manual_seed(0)
+    q = torch.randn(B, Hq, Sq, D, dtype=dtype)
+    k, v = torch.randn(B, Hkv, Sk, D, dtype=dtype), torch.randn(B, Hkv, Sk, D, dtype=dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def reference(q, k, v, grad_o=None, **options):
+    """Eager PyTorch in float32 from the same (bf16) values: output and, given grad_o, (dq, dk, dv)."""
+    ref = [t.detach().float().requires_grad_(grad_o is not None) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*ref, **options)
+    if grad_o is None:
+        return out, None
+    out.backward(grad_o.float())
+    return out, [t.grad for t in ref]
+
+
+def assert_close_bf16(actual, expected):
+    # bf16 outputs: an error of a few units in the last place, relative to the tensor's scale
+    err = (actual.float() - expected).norm() / expected.norm().clamp_min(1e-6)
+    assert err.item() < 1e-2, err.item()
+
+
+# -- inference -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("hkv,is_causal,scale", [(4, False, None), (4, True, None), (1, True, 0.3), (1, False, 2.0)])
+def test_inference_runs_on_tk_attention(standin_tk_build, standin_attention, D, hkv, is_causal, scale):
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+
+    q, k, v = qkv(Hkv=hkv, D=D)
+    jf = thunder.jit(f, executors=[tk])
+    assert_close_bf16(jf(q, k, v), reference(q, k, v, is_causal=is_causal, scale=scale)[0])
+    assert ("tk_attention", "tk") in ops_of(thunder.last_traces(jf)[-1])
+    row = attention_row(jf)
+    assert row.claimed_by_tk and row.ran_by == "tk: tk_attention" and row.trace == "forward" and not row.reason
+    assert f"bf16[2, {hkv}, 16, {D}]" in row.inputs
+
+
+def _mask(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(q.shape[2], k.shape[2], dtype=torch.bool))
+
+
+def _dropout(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+
+def _plain(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def _causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize(
+    "fn, shapes, dtype, reason, fallback",
+    [
+        (_mask, {}, bf16, "attn_mask is given", None),  # the stand-in executor takes no masks: decomposed
+        (_dropout, {}, bf16, "dropout_p=0.5 > 0", None),
+        (_plain, {"D": 96}, bf16, "head_dim 96 not in {64, 128}", "standin_sdpa"),
+        (_causal, {"Sq": 8, "Sk": 16}, bf16, "causal with Sq=8 != Sk=16", "standin_sdpa"),
+        (_plain, {}, torch.float32, "dtype float32 not in {bfloat16, float16}", "standin_sdpa"),
+        (_plain, {"Sk": 0}, bf16, "key/value length is 0", "standin_sdpa"),
+    ],
+    ids=["attn_mask", "dropout", "D96", "causal_Sq_ne_Sk", "fp32", "Sk0"],
+)
+def test_declined_attention_falls_back_with_its_reason(standin_tk_build, standin_attention, fn, shapes, dtype,
+                                                       reason, fallback):
+    q, k, v = qkv(dtype=dtype, **shapes)
+    jf = thunder.jit(fn, executors=[tk])
+    out = jf(q, k, v)
+    if fn is not _dropout:
+        torch.testing.assert_close(out, fn(q, k, v), equal_nan=True, atol=2e-2, rtol=2e-2)
+    row = attention_row(jf)
+    assert not row.claimed_by_tk and reason in row.reason, row.reason
+    if fallback is not None:
+        assert row.ran_by == f"{fallback}: {fallback}_fwd"
+    assert all(ex != "tk" for _, ex in ops_of(thunder.last_traces(jf)[-1]))
+
+
+# -- training ------------------------------------------------------------------------------------------
+
+
+def run_training(fn, inputs, executors):
+    jf = thunder.jit(fn, executors=executors)
+    out = jf(*inputs)
+    grad_o = torch.randn_like(out)
+    out.backward(grad_o)
+    return jf, out, grad_o
+
+
+@pytest.mark.parametrize("hkv,is_causal", [(4, True), (1, False)])
+def test_training_without_backward_kernel_goes_to_the_attention_executor(standin_tk_build, standin_attention,
+                                                                         hkv, is_causal):
+    standin_tk_build.remove("attention_backward")
+    inputs = qkv(Hkv=hkv, requires_grad=True)
+    jf, out, grad_o = run_training(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal),
+                                   inputs, [tk])
+    ref_out, ref_grads = reference(*inputs, grad_o, is_causal=is_causal)
+    assert_close_bf16(out, ref_out)
+    for t, g in zip(inputs, ref_grads):
+        assert_close_bf16(t.grad, g)
+    fwd, bwd = thunder.last_traces(jf)[-1], thunder.last_backward_traces(jf)[-1]
+    assert ("standin_sdpa_fwd", "standin_sdpa") in ops_of(fwd)
+    assert ("standin_sdpa_bwd", "standin_sdpa") in ops_of(bwd)
+    assert all(ex != "tk" for _, ex in ops_of(fwd) + ops_of(bwd))
+    row = attention_row(jf)
+    assert not row.claimed_by_tk
+    assert row.reason == ("tk has no attention backward kernel in this build (attention_backward); "
+                          "standin_sdpa takes forward and backward")
+    assert row.ran_by == "standin_sdpa: standin_sdpa_fwd" and row.backward_ran_by == "standin_sdpa: standin_sdpa_bwd"
+
+
+@pytest.mark.parametrize("hkv,is_causal,scale", [(4, True, None), (1, False, None), (2, True, 0.25)])
+def test_training_with_backward_kernel_runs_tk_forward_and_backward(standin_tk_build, standin_attention,
+                                                                    hkv, is_causal, scale):
+    standin_tk_build.add("attention_backward")
+
+    def f(q, k, v):
+        # Thunder 0.2.6 traces Hkv == Hq or Hkv == 1 only (its sdpa broadcasts heads, it has no enable_gqa),
+        # so grouped heads come in expanded by the caller here; Hkv == 1 reaches the kernel as is.
+        if 1 < k.shape[1] < q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+
+    inputs = qkv(Hkv=hkv, requires_grad=True)
+    jf, out, grad_o = run_training(f, inputs, [tk])
+    expanded = [t.repeat_interleave(4 // t.shape[1], dim=1) if 1 < t.shape[1] < 4 else t for t in inputs]
+    ref_out, ref_grads = reference(*expanded, grad_o, is_causal=is_causal, scale=scale)
+    if hkv == 2:  # the reference's grads are per expanded head: sum them back
+        ref_grads[1:] = [g.view(2, 2, 2, 16, 64).sum(2) for g in ref_grads[1:]]
+    assert_close_bf16(out, ref_out)
+    for t, g in zip(inputs, ref_grads):
+        assert t.grad.shape == t.shape and t.grad.dtype == bf16
+        assert_close_bf16(t.grad, g)
+    fwd, bwd = thunder.last_traces(jf)[-1], thunder.last_backward_traces(jf)[-1]
+    assert ("tk_attention_forward", "tk") in ops_of(fwd)
+    assert ("tk_attention_backward", "tk") in ops_of(bwd)
+    assert all(not name.startswith("standin_sdpa") for name, _ in ops_of(fwd) + ops_of(bwd))
+    row = attention_row(jf)
+    assert row.claimed_by_tk and not row.reason
+    assert row.ran_by == "tk: tk_attention_forward" and row.backward_ran_by == "tk: tk_attention_backward"
+
+
+def test_training_in_an_explicit_list_goes_to_the_listed_attention_executor(standin_tk_build, standin_attention):
+    standin_tk_build.remove("attention_backward")
+    inputs = qkv(requires_grad=True)
+    jf, out, grad_o = run_training(_causal, inputs, [tk, standin_attention])
+    ref_out, ref_grads = reference(*inputs, grad_o, is_causal=True)
+    for t, g in zip(inputs, ref_grads):
+        assert_close_bf16(t.grad, g)
+    row = attention_row(jf)
+    assert not row.claimed_by_tk and row.reason.endswith("standin_sdpa takes forward and backward")
+    assert row.ran_by == "standin_sdpa: standin_sdpa_fwd" and row.backward_ran_by == "standin_sdpa: standin_sdpa_bwd"
+
+
+def test_training_with_no_attention_executor_differentiates_the_decomposition(standin_tk_build, monkeypatch):
+    standin_tk_build.remove("attention_backward")
+    monkeypatch.setattr(tk_executor, "ATTENTION_FALLBACKS", ())
+    inputs = qkv(requires_grad=True)
+    jf, out, grad_o = run_training(_causal, inputs, [tk])
+    ref_out, ref_grads = reference(*inputs, grad_o, is_causal=True)
+    assert_close_bf16(out, ref_out)
+    for t, g in zip(inputs, ref_grads):
+        assert_close_bf16(t.grad, g)
+    fwd, bwd = thunder.last_traces(jf)[-1], thunder.last_backward_traces(jf)[-1]
+    assert all(ex != "tk" for _, ex in ops_of(fwd) + ops_of(bwd))
+    row = attention_row(jf)
+    assert not row.claimed_by_tk
+    assert row.reason == ("tk has no attention backward kernel in this build (attention_backward); no executor "
+                          "takes its gradient, so Thunder differentiates its decomposition")
+
+
+def test_model_under_no_grad_runs_tk_forward_and_with_grad_the_fallback(standin_tk_build, standin_attention):
+    """A model whose parameters need gradients: called under no_grad it is an inference trace (tk's forward);
+    called with grad enabled it is a training trace, where (Thunder 0.2.6 differentiating every floating-point
+    symbol) the attention goes with its gradient to the fallback while the build lacks the backward kernel."""
+    standin_tk_build.remove("attention_backward")
+
+    class Attend(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Parameter(qkv()[0])
+
+        def forward(self, k, v):
+            return _causal(self.q, k, v)
+
+    model, (_, k, v) = Attend(), qkv()
+    jm = thunder.jit(model, executors=[tk])
+    with torch.no_grad():
+        out = jm(k, v)
+    assert not out.requires_grad
+    assert_close_bf16(out, reference(model.q, k, v, is_causal=True)[0])
+    row = attention_row(jm)
+    assert row.claimed_by_tk and row.ran_by == "tk: tk_attention" and not row.backward_ran_by
+
+    jm(k, v).float().sum().backward()
+    assert model.q.grad is not None
+    row = attention_row(jm)
+    assert not row.claimed_by_tk and row.ran_by == "standin_sdpa: standin_sdpa_fwd"
+
+
+def test_rebuilt_with_backward_kernel_a_new_jit_uses_it(standin_tk_build, standin_attention):
+    """Thunder keeps no forward/backward split across builds: the route is judged per compilation."""
+    inputs = qkv(requires_grad=True)
+    standin_tk_build.remove("attention_backward")
+    assert not attention_row(run_training(_causal, inputs, [tk])[0]).claimed_by_tk
+    standin_tk_build.add("attention_backward")
+    assert attention_row(run_training(_causal, inputs, [tk])[0]).claimed_by_tk
