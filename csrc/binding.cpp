@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/attention/bwd_delta.h"
+#include "kernels/attention/backward.h"
 #include "kernels/attention/forward.h"
 #include "kernels/collectives/p2p.h"
 #include "kernels/gemm/gemm.h"
@@ -86,6 +87,47 @@ void attention_forward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std
     args.causal = causal;
     if (const char* reason = tk::attention::forward_unsupported(args)) throw std::invalid_argument(reason);
     check_launch(tk::attention::launch_forward(args, reinterpret_cast<cudaStream_t>(stream)), "attention_forward");
+}
+
+void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t dout, std::uintptr_t lse,
+                        std::uintptr_t delta, std::uintptr_t dq_accum, std::uintptr_t dk, std::uintptr_t dv, int dtype,
+                        int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t q_len, int64_t kv_len,
+                        int64_t head_dim, strides3 q_stride, strides3 k_stride, strides3 v_stride, strides3 dout_stride,
+                        strides3 dk_stride, strides3 dv_stride, std::array<int64_t, 2> lse_stride,
+                        std::array<int64_t, 2> delta_stride, float scale, bool causal, std::uintptr_t stream) {
+    tk::attention::backward_args args{};
+    args.q = as_ptr<void>(q);
+    args.k = as_ptr<void>(k);
+    args.v = as_ptr<void>(v);
+    args.dout = as_ptr<void>(dout);
+    args.lse = as_ptr<float>(lse);
+    args.delta = as_ptr<float>(delta);
+    args.dq_accum = reinterpret_cast<float*>(dq_accum);
+    args.dk = reinterpret_cast<void*>(dk);
+    args.dv = reinterpret_cast<void*>(dv);
+    args.dtype = dtype;
+    args.batch = batch;
+    args.q_heads = q_heads;
+    args.kv_heads = kv_heads;
+    args.q_len = q_len;
+    args.kv_len = kv_len;
+    args.head_dim = head_dim;
+    for (int i = 0; i < 3; ++i) {
+        args.q_stride[i] = q_stride[i];
+        args.k_stride[i] = k_stride[i];
+        args.v_stride[i] = v_stride[i];
+        args.dout_stride[i] = dout_stride[i];
+        args.dk_stride[i] = dk_stride[i];
+        args.dv_stride[i] = dv_stride[i];
+    }
+    for (int i = 0; i < 2; ++i) {
+        args.lse_stride[i] = lse_stride[i];
+        args.delta_stride[i] = delta_stride[i];
+    }
+    args.scale = scale;
+    args.causal = causal;
+    if (const char* reason = tk::attention::backward_unsupported(args)) throw std::invalid_argument(reason);
+    check_launch(tk::attention::launch_backward(args, reinterpret_cast<cudaStream_t>(stream)), "attention_backward");
 }
 
 void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t bias, int dtype, int64_t M, int64_t N,
@@ -268,7 +310,7 @@ void register_selftests(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_bwd_delta", "attention_forward", "gemm", "reduce_scatter"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "gemm", "reduce_scatter"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -290,6 +332,14 @@ PYBIND11_MODULE(_C, m) {
           py::arg("o_stride"), py::arg("lse_stride"), py::arg("scale"), py::arg("causal"), py::arg("stream"),
           "o = softmax(scale q k^T (causal mask)) v and lse (fp32, natural log) per query row, (B, H, S, D) tensors "
           "with strides (batch, head, sequence) in elements; enqueued on `stream`.");
+    m.def("attention_backward", &attention_backward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"),
+          py::arg("lse"), py::arg("delta"), py::arg("dq_accum"), py::arg("dk"), py::arg("dv"), py::arg("dtype"),
+          py::arg("batch"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("q_len"), py::arg("kv_len"),
+          py::arg("head_dim"), py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"), py::arg("dout_stride"),
+          py::arg("dk_stride"), py::arg("dv_stride"), py::arg("lse_stride"), py::arg("delta_stride"), py::arg("scale"),
+          py::arg("causal"), py::arg("stream"),
+          "dK, dV (input dtype, summed over each key/value head's query heads) and dS K added into the zeroed fp32 "
+          "dq_accum, from the forward's lse and delta = rowsum(dO O); enqueued on `stream`.");
     m.def("gemm_resident_blocks",
           [](int cluster) {
               if (cluster != 1 && cluster != 2) throw std::invalid_argument("cluster must be 1 or 2");

@@ -23,7 +23,7 @@ from thunder_tk import _extension
 from thunder_tk.functional import attention_bwd_delta_symbol
 
 # Kernels this version's csrc/ provides (a GPU test checks the build reports exactly these).
-KERNELS_IN_SOURCE = frozenset({"all_gather", "attention_bwd_delta", "attention_forward", "gemm", "reduce_scatter"})
+KERNELS_IN_SOURCE = frozenset({"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "gemm", "reduce_scatter"})
 
 DISABLE_ENV = "THUNDER_TK_DISABLE"
 """Comma-separated rule names or families tk must not claim (e.g. ``collective`` or ``ltorch.linear``)."""

@@ -189,6 +189,59 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     return o, lse
 
 
+def attention_backward_reference(q, k, v, o, lse, grad_o, *, is_causal=False, scale=None):
+    """float64 autograd through attention_forward_reference: (dq, dk, dv) in float64 (o and lse unused)."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, _ = attention_forward_reference(q64, k64, v64, is_causal=is_causal, scale=scale)
+    return torch.autograd.grad(out, (q64, k64, v64), grad_o.double())
+
+
+def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                       grad_o: torch.Tensor, *, is_causal: bool = False,
+                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of attention_forward's o, by the tk kernels, from its o and lse.
+
+    Same arguments and layouts as attention_forward; o and grad_o are (B, Hq, Sq, D), lse (B, Hq, Sq) float32.
+    dk and dv have k's (B, Hkv, Sk, D) shape, summed over each key/value head's query heads. All come back in the
+    input dtype. The kernels: delta = rowsum(grad_o * o), then one pass over key blocks that keeps dK and dV in
+    registers and adds dQ into an fp32 buffer, which is scaled and rounded at the end.
+    """
+    check_attention_args(q, k, v, is_causal, scale)
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    for name, t in (("o", o), ("grad_o", grad_o)):
+        if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}")
+    if not isinstance(lse, torch.Tensor) or lse.shape != (B, Hq, Sq) or lse.dtype != torch.float32 \
+            or lse.device != q.device:
+        raise ValueError(f"lse must be a float32 tensor of shape {(B, Hq, Sq)} on {q.device}")
+    ext = _require_kernels(q.device)
+    dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=q.device)
+    dv = torch.empty_like(dk)
+    if q.numel() == 0 or dk.numel() == 0:
+        return torch.zeros_like(q), dk.zero_(), dv.zero_()
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    sign = 1.0
+    if scale < 0:  # as in attention_forward: (-q) k^T |scale|, so dq flips sign
+        q, scale, sign = -q, -scale, -1.0
+    elif scale == 0:
+        scale = 1e-30
+    q, k, v, grad_o = _tma_readable(q), _tma_readable(k), _tma_readable(v), _tma_readable(grad_o)
+    if lse.stride(-1) != 1:
+        lse = lse.contiguous()
+    delta = attention_bwd_delta(o, grad_o)
+    dq_accum = torch.zeros((B, Hq, Sq, D), dtype=torch.float32, device=q.device)
+    with torch.cuda.device(q.device):
+        ext.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_o.data_ptr(), lse.data_ptr(),
+                               delta.data_ptr(), dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                               _DTYPE_CODES[q.dtype], B, Hq, Hkv, Sq, Sk, D, list(q.stride()[:3]),
+                               list(k.stride()[:3]), list(v.stride()[:3]), list(grad_o.stride()[:3]),
+                               list(dk.stride()[:3]), list(dv.stride()[:3]), list(lse.stride()[:2]),
+                               list(delta.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device))
+    dq = (dq_accum * (sign * scale)).to(q.dtype)
+    return dq, dk, dv
+
+
 # ------------------------------------------------------------------------------------------------
 # GEMM: C = A B (+ bias)
 

@@ -88,6 +88,16 @@ __device__ __forceinline__ void store_4d(const CUtensorMap* map, const void* src
                  : "memory");
 }
 
+// As store_4d, adding to global memory (element type from the map): attention's dQ, summed over key blocks.
+__device__ __forceinline__ void store_add_4d(const CUtensorMap* map, const void* src, int32_t inner, int32_t row,
+                                             int32_t c2, int32_t c3) {
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];" ::"l"(
+            reinterpret_cast<uint64_t>(map)),
+        "r"(inner), "r"(row), "r"(c2), "r"(c3), "r"(sync::smem_addr(src))
+        : "memory");
+}
+
 __device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Wait until the committed stores have finished reading shared memory (it may then be overwritten).
 __device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
@@ -97,6 +107,12 @@ __device__ __forceinline__ void store_wait() { asm volatile("cp.async.bulk.wait_
 // Orders this thread's ordinary shared-memory writes before later async-proxy (TMA, wgmma) reads.
 __device__ __forceinline__ void fence_shared_to_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Byte offset of byte `byte_col` of line `row` in lines of 128 bytes written with the 128-byte swizzle (16-byte
+// chunks XOR-ed with the row within 8): any element type, e.g. fp32 tiles of 32 columns.
+__device__ __forceinline__ uint32_t swizzled_byte_offset_128b(int row, int byte_col) {
+    return row * 128 + ((((byte_col >> 4) ^ (row & 7))) << 4) + (byte_col & 15);
 }
 
 // Byte offset of element (row, col) in a 64-column panel of 16-bit elements written with the 128-byte

@@ -48,6 +48,15 @@ struct operand_tile {
     }
 };
 
+// The tile `Tile` laid over shared memory that TMA filled with 64 x 64 boxes (1024-byte aligned). A box of 64 lines
+// of 64 elements is both a K-major tile (lines = rows, elements = K) and one panel of an MN-major tile (lines = K,
+// elements = rows), so one copy of Q, K or dO in shared memory serves products that need it either way round
+// (attention's backward reads Q as B of S^T = K Q^T and as B of dK = dS^T Q).
+template <typename Tile>
+__device__ __forceinline__ const Tile& tile_at(const void* boxes) {
+    return *reinterpret_cast<const Tile*>(boxes);
+}
+
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int Pending>

@@ -50,3 +50,11 @@ for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (2, 2, 1, 
     ops.attention_forward(q, k, torch.randn_like(k), is_causal=causal)
 torch.cuda.synchronize()
 print("attention sanitize targets ran")
+
+# Attention backward: causal with tails and GQA, and a non-causal key tail.
+for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (1, 2, 1, 70, 150, 64, False)]:
+    q, k, v = (torch.randn(B, h, s, D, device="cuda", dtype=torch.bfloat16) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
+    o, lse = ops.attention_forward(q, k, v, is_causal=causal)
+    ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), is_causal=causal)
+torch.cuda.synchronize()
+print("attention backward sanitize targets ran")

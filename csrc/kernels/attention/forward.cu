@@ -22,6 +22,8 @@ constexpr int BN = 128;  // keys per stage
 constexpr int STAGES = 2;
 constexpr int CONSUMERS = 2, THREADS = (CONSUMERS + 1) * warpgroup::threads;
 constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
+constexpr int PRODUCER_REGISTERS = 24, CONSUMER_REGISTERS = 240;
+static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, CONSUMER_REGISTERS));
 
 template <typename T, int D>
 struct shared_state {
@@ -258,10 +260,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     __syncthreads();
     const block_work w = work_of(p);
     if (warpgroup::index() == 0) {
-        warpgroup::decrease_registers<24>();
+        warpgroup::decrease_registers<PRODUCER_REGISTERS>();
         if (threadIdx.x == 0) produce<T, D>(st, p, w, map_q, map_k, map_v);
     } else {
-        warpgroup::increase_registers<240>();
+        warpgroup::increase_registers<CONSUMER_REGISTERS>();
         consume<T, D>(st, p, w, map_o);
     }
 }

@@ -19,7 +19,9 @@ constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
 // and the copy engine writes them into both blocks' shared memory (halving L2 -> SM traffic for B).
 // C = 1 is the plain persistent kernel.
 constexpr int CONSUMERS = 2, THREADS = (CONSUMERS + 1) * warpgroup::threads;
-constexpr int GROUP_ROWS = 8;  // default tile rows per L2 group of the persistent schedule
+constexpr int GROUP_ROWS = 8;
+constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, CONSUMER_REGISTERS));  // default tile rows per L2 group of the persistent schedule
 
 template <typename T, major MA, major MB>
 struct shared_state {
@@ -72,7 +74,7 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
             for (uint32_t r = 0; r < CLUSTER; ++r) sync::arrive_cluster(b, r);
         }
     };
-    warpgroup::increase_registers<232>();
+    warpgroup::increase_registers<CONSUMER_REGISTERS>();
     const int slice = warpgroup::index() - 1;  // rows [64 slice, 64 slice + 64) of the tile
     const gemm_args& g = p.args;
     T* __restrict__ c = static_cast<T*>(g.c);
@@ -204,7 +206,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     };
     if (warpgroup::index() == 0) {
         // ---------------- producer ----------------
-        warpgroup::decrease_registers<40>();
+        warpgroup::decrease_registers<PRODUCER_REGISTERS>();
         if (threadIdx.x == 0) {
             tma::prefetch_map(&map_a);
             tma::prefetch_map(&map_b);

@@ -1,0 +1,410 @@
+// Attention backward for Hopper: one block per 128 keys of one key/value head, walking every query tile (64 rows)
+// of every query head of its group. A producer warp streams Q and dO tiles with TMA (another producer warp
+// copies the tiles' log-sum-exp and delta rows); two consumer warpgroups each own 64 keys and keep dK and dV
+// for them in registers for the whole walk, so both leave the block once, already summed over the group
+// (grouped-query attention needs no atomics for them). Per query tile a consumer computes
+//   S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - delta),
+//   dV += P^T dO, dK += dS^T Q        (A operands from registers)
+// and the block's dQ tile, dS K over its 128 keys, is added into an fp32 accumulator with TMA reduce-stores.
+// The same shared-memory boxes of Q, dO and K serve as K-major and MN-major operands (wgmma::tile_at).
+#include "backward.h"
+#include "../../kittens/kittens.cuh"
+
+#include <atomic>
+#include <cmath>
+#include <type_traits>
+
+namespace tk::attention {
+namespace {
+
+using wgmma::major;
+
+constexpr int BQ = 64;   // query rows per step
+constexpr int BK = 128;  // keys per block, 64 per consumer warpgroup
+constexpr int STAGES = 2;
+constexpr int CONSUMERS = 2, THREADS = (CONSUMERS + 1) * warpgroup::threads;
+constexpr int BOX = 64 * 64;  // elements of one 64 x 64 TMA box
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr int PRODUCER_REGISTERS = 24, CONSUMER_REGISTERS = 240;
+static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, CONSUMER_REGISTERS));
+
+template <typename T, int D>
+struct shared_state {
+    alignas(1024) T k[2][D / 64][BOX];  // [key chunk][D panel]: chunk w belongs to consumer w
+    alignas(1024) T v[2][D / 64][BOX];
+    alignas(1024) T q[STAGES][D / 64][BOX];
+    alignas(1024) T dout[STAGES][D / 64][BOX];
+    alignas(1024) T ds[2][2][BOX];          // [step parity][key chunk]: dS^T as the MN-major A of dQ = dS K
+    alignas(1024) float dq[CONSUMERS][BOX];  // each consumer's 64 x 64 fp32 share of dQ, as two 64 x 32 boxes
+    float lse2[STAGES][BQ];                  // log-sum-exp * log2(e); +inf past q_len (P = 0 there)
+    float delta[STAGES][BQ];
+    pipeline::ring<STAGES> ring;  // full: Q, dO bytes and the lse/delta rows; empty: every consumer warp is done
+    sync::barrier kv_full;
+    static constexpr uint32_t kv_bytes = 2 * BK * D * sizeof(T), step_bytes = 2 * BQ * D * sizeof(T);
+};
+
+struct kernel_params {
+    backward_args args;
+    int q_tiles, kv_tiles, group;
+    float scale_log2;
+};
+
+struct block_work {
+    int kv_tile, kv_head, batch, first_q_tile;
+};
+
+// Causal: key tile 0 sees every query tile, so the low key tiles (the heaviest) of every head start first.
+__device__ __forceinline__ block_work work_of(const kernel_params& p) {
+    const backward_args& a = p.args;
+    const int64_t heads = a.batch * a.kv_heads, linear = blockIdx.x;
+    int kv_tile;
+    int64_t bh;
+    if (a.causal) {
+        bh = linear % heads;
+        kv_tile = int(linear / heads);
+    } else {
+        kv_tile = int(linear % p.kv_tiles);
+        bh = linear / p.kv_tiles;
+    }
+    // Causal: query tiles that end before the block's first key see none of its keys.
+    const int first = a.causal ? (kv_tile * BK) / BQ : 0;
+    return {kv_tile, int(bh % a.kv_heads), int(bh / a.kv_heads), first};
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
+                                              const CUtensorMap& map_q, const CUtensorMap& map_k,
+                                              const CUtensorMap& map_v, const CUtensorMap& map_do) {
+    tma::prefetch_map(&map_q);
+    tma::prefetch_map(&map_do);
+    const int kv0 = w.kv_tile * BK;
+    sync::arrive_expect_bytes(st.kv_full, shared_state<T, D>::kv_bytes);
+    for (int c = 0; c < 2; ++c)
+        for (int dp = 0; dp < D / 64; ++dp) {
+            tma::load_4d(st.k[c][dp], &map_k, dp * 64, kv0 + 64 * c, w.kv_head, w.batch, st.kv_full);
+            tma::load_4d(st.v[c][dp], &map_v, dp * 64, kv0 + 64 * c, w.kv_head, w.batch, st.kv_full);
+        }
+    pipeline::cursor<STAGES> at;
+    for (int g = 0; g < p.group; ++g) {
+        const int head = w.kv_head * p.group + g;
+        for (int i = w.first_q_tile; i < p.q_tiles; ++i) {
+            st.ring.wait_empty(at);
+            sync::barrier& full = st.ring.full[at.stage];
+            sync::arrive_expect_bytes(full, shared_state<T, D>::step_bytes);
+            for (int dp = 0; dp < D / 64; ++dp) {
+                tma::load_4d(st.q[at.stage][dp], &map_q, dp * 64, i * BQ, head, w.batch, full);
+                tma::load_4d(st.dout[at.stage][dp], &map_do, dp * 64, i * BQ, head, w.batch, full);
+            }
+            at.advance();
+        }
+    }
+}
+
+// One warp copies each step's lse (times log2 e) and delta rows into the stage, then arrives on its `full`.
+template <typename T, int D>
+__device__ __forceinline__ void produce_rows(shared_state<T, D>& st, const kernel_params& p, const block_work& w) {
+    const backward_args& a = p.args;
+    const int lane = threadIdx.x & 31;
+    pipeline::cursor<STAGES> at;
+    for (int g = 0; g < p.group; ++g) {
+        const int head = w.kv_head * p.group + g;
+        const float* lse = a.lse + int64_t(w.batch) * a.lse_stride[0] + int64_t(head) * a.lse_stride[1];
+        const float* delta = a.delta + int64_t(w.batch) * a.delta_stride[0] + int64_t(head) * a.delta_stride[1];
+        for (int i = w.first_q_tile; i < p.q_tiles; ++i) {
+            st.ring.wait_empty(at);
+            for (int r = lane; r < BQ; r += 32) {
+                const int64_t row = int64_t(i) * BQ + r;
+                const bool in = row < a.q_len;
+                st.lse2[at.stage][r] = in ? lse[row] * LOG2E : INFINITY;
+                st.delta[at.stage][r] = in ? delta[row] : 0.0f;
+            }
+            __syncwarp();
+            if (lane == 0) sync::arrive(st.ring.full[at.stage]);  // release: the rows are visible to its waiters
+            at.advance();
+        }
+    }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
+                                        const CUtensorMap& map_dq, const CUtensorMap& map_dk,
+                                        const CUtensorMap& map_dv) {
+    using k_major64 = wgmma::operand_tile<T, 64, major::k>;  // 64 rows x 64 deep
+    using mn_major_d = wgmma::operand_tile<T, D, major::mn>;  // D rows (N) x 64 deep, from D/64 boxes
+    using mn_major64 = wgmma::operand_tile<T, 64, major::mn>;
+    const backward_args& a = p.args;
+    const int slice = warpgroup::index() - 1;  // keys [64 slice, 64 slice + 64) of the block
+    const int64_t key0 = int64_t(w.kv_tile) * BK + 64 * slice;
+    const bool lane0 = (threadIdx.x & 31) == 0, leader = warpgroup::thread() == 0;
+    const float c = p.scale_log2;
+    const int top = rt::top_row();
+    // dQ columns this warpgroup computes: D = 128 splits them, D = 64 leaves them to warpgroup 0.
+    constexpr int DQ_COLS = D == 128 ? 64 : 64;
+    const bool computes_dq = D == 128 || slice == 0;
+    const int dq_col0 = D == 128 ? 64 * slice : 0;
+
+    rt::acc_tile<D> dv, dk;
+    rt::fill(dv, 0.0f);
+    rt::fill(dk, 0.0f);
+    rt::acc_tile<64> s, dp;
+    rt::acc_tile<DQ_COLS> dq;
+    rt::a_operand<T, 64> pt, dst;
+    pipeline::cursor<STAGES> at;
+    int step = 0;
+
+    sync::wait(st.kv_full, 0);
+    for (int g = 0; g < p.group; ++g) {
+        const int head = w.kv_head * p.group + g;
+        for (int i = w.first_q_tile; i < p.q_tiles; ++i, ++step) {
+            const int64_t q0 = int64_t(i) * BQ;
+            st.ring.wait_full(at);
+            const int stage = at.stage;
+            // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each).
+            wgmma::fence();
+#pragma unroll
+            for (int d = 0; d < D / 64; ++d)
+#pragma unroll
+                for (int k16 = 0; k16 < 4; ++k16)
+                    wgmma::mma<64, T>(s.d, wgmma::tile_at<k_major64>(st.k[slice][d]), 0,
+                                      wgmma::tile_at<k_major64>(st.q[stage][d]), 0, k16, (d | k16) != 0);
+            wgmma::commit();
+#pragma unroll
+            for (int d = 0; d < D / 64; ++d)
+#pragma unroll
+                for (int k16 = 0; k16 < 4; ++k16)
+                    wgmma::mma<64, T>(dp.d, wgmma::tile_at<k_major64>(st.v[slice][d]), 0,
+                                      wgmma::tile_at<k_major64>(st.dout[stage][d]), 0, k16, (d | k16) != 0);
+            wgmma::commit();
+            wgmma::wait<1>();
+            wgmma::pin(s.d);
+            // P^T = exp2(c S^T - lse2[query]); causal: 0 where key > query.
+            const bool mask = a.causal && key0 + 63 > q0;
+#pragma unroll
+            for (int e = 0; e < 32; ++e) {
+                const int col = rt::column(e);
+                float x = exp2_approx(fmaf(s.d[e], c, -st.lse2[stage][col]));
+                if (mask && key0 + top + (rt::is_bottom(e) ? 8 : 0) > q0 + col) x = 0.0f;
+                s.d[e] = x;
+            }
+            rt::to_a_operand(pt, s);
+            // dV += P^T dO: dO's boxes as the MN-major B (D rows, 64 queries deep).
+            wgmma::fence();
+#pragma unroll
+            for (int k16 = 0; k16 < 4; ++k16)
+                wgmma::mma<D, T>(dv.d, pt, k16, wgmma::tile_at<mn_major_d>(st.dout[stage][0]), 0, k16, 1);
+            wgmma::commit();
+            wgmma::wait<1>();  // dP^T is done (dV may run on)
+            wgmma::pin(dp.d);
+            // dS^T = P^T (dP^T - delta[query]).
+#pragma unroll
+            for (int e = 0; e < 32; ++e) dp.d[e] = s.d[e] * (dp.d[e] - st.delta[stage][rt::column(e)]);
+            rt::to_a_operand(dst, dp);
+            wgmma::fence();
+#pragma unroll
+            for (int k16 = 0; k16 < 4; ++k16)
+                wgmma::mma<D, T>(dk.d, dst, k16, wgmma::tile_at<mn_major_d>(st.q[stage][0]), 0, k16, 1);
+            wgmma::commit();
+            // dS^T into shared memory (keys = lines, queries = elements): the A of dQ = dS K, MN-major.
+            T* ds = st.ds[step & 1][slice];
+#pragma unroll
+            for (int e = 0; e < 32; e += 2) {
+                const int row = top + (rt::is_bottom(e) ? 8 : 0), col = rt::column(e);
+                *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(ds) + tma::swizzled_offset_128b(row, col)) =
+                    rt::pack2<T>(dp.d[e], dp.d[e + 1]);
+            }
+            tma::fence_shared_to_async();
+            sync::named_sync(3, CONSUMERS * warpgroup::threads);  // both halves of dS are in
+            if (computes_dq) {
+                // dQ (64 queries x DQ_COLS) = dS (64 x 128 keys) K (128 keys x D)[:, dq_col0 ...].
+#pragma unroll
+                for (int chunk = 0; chunk < 2; ++chunk)
+#pragma unroll
+                    for (int k16 = 0; k16 < 4; ++k16)
+                        wgmma::mma<DQ_COLS, T>(dq.d, wgmma::tile_at<mn_major64>(st.ds[step & 1][chunk]), 0,
+                                               wgmma::tile_at<mn_major_d>(st.k[chunk][0]), dq_col0, k16,
+                                               (chunk | k16) != 0);
+                wgmma::commit();
+            }
+            wgmma::wait<0>();
+            wgmma::pin(dv.d);
+            wgmma::pin(dk.d);
+            // Every lane read the stage's lse/delta rows: order those reads before lane 0's releasing arrive.
+            __syncwarp();
+            if (lane0) sync::arrive(st.ring.empty[stage]);
+            at.advance();
+            if (!computes_dq) continue;
+            wgmma::pin(dq.d);
+            // dQ tile -> fp32 staging (two 64 x 32 boxes, 128-byte swizzle) -> TMA reduce-add into dq_accum.
+            if (leader) tma::store_wait_read();
+            sync::named_sync(1 + slice, warpgroup::threads);
+            uint8_t* staging = reinterpret_cast<uint8_t*>(st.dq[slice]);
+#pragma unroll
+            for (int e = 0; e < DQ_COLS / 2; e += 2) {
+                const auto pos = wgmma::accumulator_position(e);
+                const int box = pos.col / 32;
+                *reinterpret_cast<float2*>(staging + box * 64 * 128 +
+                                           tma::swizzled_byte_offset_128b(pos.row, (pos.col % 32) * 4)) =
+                    make_float2(dq.d[e], dq.d[e + 1]);
+            }
+            tma::fence_shared_to_async();
+            sync::named_sync(1 + slice, warpgroup::threads);
+            if (leader) {
+                for (int box = 0; box < DQ_COLS / 32; ++box)
+                    tma::store_add_4d(&map_dq, staging + box * 64 * 128, dq_col0 + 32 * box, int32_t(q0), head,
+                                      w.batch);
+                tma::store_commit();
+            }
+        }
+    }
+
+    // dK (times scale) and dV -> the input dtype, staged in this consumer's Q / dO stage, stored by TMA.
+    sync::named_sync(3, CONSUMERS * warpgroup::threads);  // neither consumer reads a stage any more
+    const float scale = a.scale;
+    rt::mul(dk, dk, scale);
+#pragma unroll
+    for (int e = 0; e < D / 2; e += 2) {
+        const auto pos = wgmma::accumulator_position(e);
+        const uint32_t offset = tma::swizzled_offset_128b(pos.row, pos.col % 64);
+        *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(st.q[slice][pos.col / 64]) + offset) =
+            rt::pack2<T>(dk.d[e], dk.d[e + 1]);
+        *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(st.dout[slice][pos.col / 64]) + offset) =
+            rt::pack2<T>(dv.d[e], dv.d[e + 1]);
+    }
+    tma::fence_shared_to_async();
+    sync::named_sync(1 + slice, warpgroup::threads);
+    if (leader) {
+        if (key0 < a.kv_len) {
+            for (int d = 0; d < D / 64; ++d) {
+                tma::store_4d(&map_dk, st.q[slice][d], d * 64, int32_t(key0), w.kv_head, w.batch);
+                tma::store_4d(&map_dv, st.dout[slice][d], d * 64, int32_t(key0), w.kv_head, w.batch);
+            }
+        }
+        tma::store_commit();
+        tma::store_wait();  // staging (and the dQ reductions) must outlive their reads
+    }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(THREADS, 1)
+    backward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                    const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
+                    const __grid_constant__ CUtensorMap map_dq, const __grid_constant__ CUtensorMap map_dk,
+                    const __grid_constant__ CUtensorMap map_dv, const __grid_constant__ kernel_params p) {
+    using state_t = shared_state<T, D>;
+    extern __shared__ uint8_t raw_smem[];
+    auto& st = *reinterpret_cast<state_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+    if (threadIdx.x == 0) {
+        st.ring.init(2, CONSUMERS * 4);  // full: the TMA thread and the rows warp; empty: lane 0 of each consumer warp
+        sync::init(st.kv_full, 1);
+        sync::fence_init();
+    }
+    __syncthreads();
+    const block_work w = work_of(p);
+    if (warpgroup::index() == 0) {
+        // setmaxnreg moves registers within the block's launch allocation (168 x 384): 24 x 128 + 240 x 256 is all
+        // of it (asking for more blocks the consumers forever). The producers' loops spill 40 bytes at 24; they
+        // only wait and issue copies, while the consumers' dK and dV accumulators need every register of theirs.
+        warpgroup::decrease_registers<PRODUCER_REGISTERS>();
+        if (threadIdx.x == 0) produce_tiles<T, D>(st, p, w, map_q, map_k, map_v, map_do);
+        if (threadIdx.x / 32 == 1) produce_rows<T, D>(st, p, w);
+    } else {
+        warpgroup::increase_registers<CONSUMER_REGISTERS>();
+        consume<T, D>(st, p, w, map_dq, map_dk, map_dv);
+    }
+}
+
+template <typename T>
+CUtensorMapDataType tma_type() {
+    return std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+}
+
+template <typename T, int D>
+constexpr int smem_bytes_of = sizeof(shared_state<T, D>) + 1024;
+
+template <typename T, int D>
+cudaError_t prepare() {
+    static std::atomic<bool> ready[max_devices];
+    const int device = current_device();
+    if (device < 0) return cudaErrorInvalidDevice;
+    if (ready[device].load(std::memory_order_acquire)) return cudaSuccess;
+    const cudaError_t e = cudaFuncSetAttribute(backward_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               smem_bytes_of<T, D>);
+    if (e == cudaSuccess) ready[device].store(true, std::memory_order_release);
+    return e;
+}
+
+CUresult map_of(CUtensorMap* map, const void* base, CUtensorMapDataType type, int element_bytes, int64_t batch,
+                int64_t heads, int64_t len, int64_t head_dim, const int64_t (&stride)[3], uint32_t box_inner) {
+    const uint64_t dims[4] = {uint64_t(head_dim), uint64_t(len), uint64_t(heads), uint64_t(batch)};
+    const int64_t strides[3] = {stride[2], stride[1], stride[0]};
+    return tma::make_tensor_map_4d(map, base, type, element_bytes, dims, strides, box_inner, 64, tma::swizzle::b128);
+}
+
+template <typename T, int D>
+cudaError_t launch(const backward_args& a, cudaStream_t stream) {
+    if (cudaError_t e = prepare<T, D>(); e != cudaSuccess) return e;
+    const CUtensorMapDataType type = tma_type<T>();
+    const int64_t dq_stride[3] = {a.q_heads * a.q_len * D, a.q_len * D, D};
+    CUtensorMap maps[7];
+    if (map_of(&maps[0], a.q, type, 2, a.batch, a.q_heads, a.q_len, D, a.q_stride, 64) != CUDA_SUCCESS ||
+        map_of(&maps[1], a.k, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.k_stride, 64) != CUDA_SUCCESS ||
+        map_of(&maps[2], a.v, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.v_stride, 64) != CUDA_SUCCESS ||
+        map_of(&maps[3], a.dout, type, 2, a.batch, a.q_heads, a.q_len, D, a.dout_stride, 64) != CUDA_SUCCESS ||
+        map_of(&maps[4], a.dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, a.batch, a.q_heads, a.q_len, D, dq_stride,
+               32) != CUDA_SUCCESS ||
+        map_of(&maps[5], a.dk, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.dk_stride, 64) != CUDA_SUCCESS ||
+        map_of(&maps[6], a.dv, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.dv_stride, 64) != CUDA_SUCCESS)
+        return cudaErrorInvalidValue;
+    kernel_params p;
+    p.args = a;
+    p.q_tiles = int((a.q_len + BQ - 1) / BQ);
+    p.kv_tiles = int((a.kv_len + BK - 1) / BK);
+    p.group = int(a.q_heads / a.kv_heads);
+    p.scale_log2 = a.scale * LOG2E;
+    const int64_t blocks = int64_t(p.kv_tiles) * a.batch * a.kv_heads;
+    backward_kernel<T, D><<<unsigned(blocks), THREADS, smem_bytes_of<T, D>, stream>>>(
+        maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], p);
+    return cudaGetLastError();
+}
+
+bool strides_ok(const int64_t (&stride)[3], int64_t batch, int64_t heads, int64_t len) {
+    const int64_t sizes[3] = {batch, heads, len};
+    for (int i = 0; i < 3; ++i)
+        if (sizes[i] > 1 && (stride[i] <= 0 || stride[i] % 8)) return false;
+    return true;
+}
+
+}  // namespace
+
+const char* backward_unsupported(const backward_args& a) {
+    if (a.dtype != int(dtype::bf16) && a.dtype != int(dtype::fp16)) return "dtype must be bfloat16 or float16";
+    if (a.head_dim != 64 && a.head_dim != 128) return "head_dim must be 64 or 128";
+    if (a.batch < 1 || a.q_heads < 1 || a.kv_heads < 1 || a.q_len < 1 || a.kv_len < 1)
+        return "batch, heads and lengths must be at least 1";
+    if (a.q_heads % a.kv_heads) return "q_heads must be a multiple of kv_heads";
+    if (a.causal && a.q_len != a.kv_len) return "causal attention needs q_len == kv_len";
+    if (a.q_len >= (int64_t(1) << 31) || a.kv_len >= (int64_t(1) << 31)) return "sequence length too large";
+    if (a.batch * a.kv_heads * ((a.kv_len + BK - 1) / BK) >= (int64_t(1) << 31)) return "too many blocks";
+    if (!std::isfinite(a.scale) || !(a.scale > 0.0f)) return "scale must be positive and finite";
+    if (a.lse == nullptr || a.delta == nullptr) return "lse and delta must be given";
+    const void* tensors[7] = {a.q, a.k, a.v, a.dout, a.dq_accum, a.dk, a.dv};
+    for (const void* t : tensors)
+        if (t == nullptr || !is_aligned(t, 16)) return "q, k, v, dout, dq_accum, dk and dv must be 16-byte aligned";
+    if (!strides_ok(a.q_stride, a.batch, a.q_heads, a.q_len) ||
+        !strides_ok(a.dout_stride, a.batch, a.q_heads, a.q_len) ||
+        !strides_ok(a.k_stride, a.batch, a.kv_heads, a.kv_len) ||
+        !strides_ok(a.v_stride, a.batch, a.kv_heads, a.kv_len) ||
+        !strides_ok(a.dk_stride, a.batch, a.kv_heads, a.kv_len) ||
+        !strides_ok(a.dv_stride, a.batch, a.kv_heads, a.kv_len))
+        return "strides of q, k, v, dout, dk and dv must be positive multiples of 8 elements";
+    return nullptr;
+}
+
+cudaError_t launch_backward(const backward_args& a, cudaStream_t stream) {
+    if (backward_unsupported(a) != nullptr) return cudaErrorInvalidValue;
+    const bool bf16 = a.dtype == int(dtype::bf16);
+    if (a.head_dim == 64) return bf16 ? launch<__nv_bfloat16, 64>(a, stream) : launch<__half, 64>(a, stream);
+    return bf16 ? launch<__nv_bfloat16, 128>(a, stream) : launch<__half, 128>(a, stream);
+}
+
+}  // namespace tk::attention

@@ -1,0 +1,35 @@
+// Attention backward: dQ, dK, dV of O = softmax(scale Q K^T (+ causal mask)) V from the forward's log-sum-exp.
+// Host-visible declarations only (no device code).
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace tk::attention {
+
+// Layouts as forward_args: (B, H, S, D) with the last dimension contiguous, strides in elements (batch, head,
+// sequence). q, dout: q_heads; k, v, dk, dv: kv_heads.
+struct backward_args {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* dout;      // dO, the gradient of O
+    const float* lse;      // the forward's log-sum-exp (natural log), (B, q_heads, q_len): strides batch, head
+    const float* delta;    // rowsum(dO * O) in fp32, (B, q_heads, q_len): strides batch, head
+    float* dq_accum;       // zeroed fp32 (B, q_heads, q_len, D), contiguous: receives dS K (not yet times scale)
+    void* dk;              // input dtype, (B, kv_heads, kv_len, D): times scale, summed over the head group
+    void* dv;
+    int dtype;             // tk::dtype: bf16 or fp16
+    int64_t batch, q_heads, kv_heads, q_len, kv_len, head_dim;
+    int64_t q_stride[3], k_stride[3], v_stride[3], dout_stride[3], dk_stride[3], dv_stride[3];
+    int64_t lse_stride[2], delta_stride[2];
+    float scale;  // positive
+    bool causal;  // q_len == kv_len
+};
+
+const char* backward_unsupported(const backward_args& args);
+
+// Enqueues on `stream`; never synchronises.
+cudaError_t launch_backward(const backward_args& args, cudaStream_t stream);
+
+}  // namespace tk::attention
