@@ -118,8 +118,7 @@ __device__ __forceinline__ void produce_rows(shared_state<T, D>& st, const kerne
                 st.lse2[at.stage][r] = in ? lse[row] * LOG2E : INFINITY;
                 st.delta[at.stage][r] = in ? delta[row] : 0.0f;
             }
-            __syncwarp();
-            if (lane == 0) sync::arrive(st.ring.full[at.stage]);  // release: the rows are visible to its waiters
+            sync::arrive(st.ring.full[at.stage]);  // every lane (release): its own rows are visible to the waiters
             at.advance();
         }
     }
@@ -135,7 +134,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     const backward_args& a = p.args;
     const int slice = warpgroup::index() - 1;  // keys [64 slice, 64 slice + 64) of the block
     const int64_t key0 = int64_t(w.kv_tile) * BK + 64 * slice;
-    const bool lane0 = (threadIdx.x & 31) == 0, leader = warpgroup::thread() == 0;
+    const bool leader = warpgroup::thread() == 0;
     const float c = p.scale_log2;
     const int top = rt::top_row();
     // dQ columns this warpgroup computes: D = 128 splits them, D = 64 leaves them to warpgroup 0.
@@ -228,9 +227,9 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             wgmma::wait<0>();
             wgmma::pin(dv.d);
             wgmma::pin(dk.d);
-            // Every lane read the stage's lse/delta rows: order those reads before lane 0's releasing arrive.
-            __syncwarp();
-            if (lane0) sync::arrive(st.ring.empty[stage]);
+            // Every consumer thread read the stage's lse/delta rows, so every one arrives (release): each read is
+            // ordered before the rows warp rewrites the stage, by the thread's own arrive.
+            sync::arrive(st.ring.empty[stage]);
             at.advance();
             if (!computes_dq) continue;
             wgmma::pin(dq.d);
@@ -294,7 +293,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     extern __shared__ uint8_t raw_smem[];
     auto& st = *reinterpret_cast<state_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
     if (threadIdx.x == 0) {
-        st.ring.init(2, CONSUMERS * 4);  // full: the TMA thread and the rows warp; empty: lane 0 of each consumer warp
+        // full: the TMA thread and the 32 lanes of the rows warp; empty: every consumer thread (each read the rows).
+        st.ring.init(1 + 32, CONSUMERS * warpgroup::threads);
         sync::init(st.kv_full, 1);
         sync::fence_init();
     }
