@@ -41,18 +41,22 @@ fi
 if [ "$what" = dist ]; then  # checks first, then the benchmarks (the longest last), so a cut-off run keeps the checks
   ngpu=$(nvidia-smi -L | wc -l)
   nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
-  step dist_tests timeout ${DIST_TEST_TIMEOUT:-500} bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -s $here/tests/gpu/test_collectives_multi_gpu.py ${DIST_TEST_ARGS:-} -rs --junitxml=$OUT_ABS/dist_tests.xml"
+  # DIST_ONLY='litgpt' (or 'tests', 'collectives', any of them): only those parts of the multi-GPU run.
+  dist_wanted() { [[ " ${DIST_ONLY:-tests collectives${DIST_LITGPT:+ litgpt}} " == *" $1 "* ]]; }
+  dist_wanted tests && step dist_tests timeout ${DIST_TEST_TIMEOUT:-500} bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -s $here/tests/gpu/test_collectives_multi_gpu.py ${DIST_TEST_ARGS:-} -rs --junitxml=$OUT_ABS/dist_tests.xml"
   grep -E "passed|failed|error" "$OUT/dist_tests.log" 2>/dev/null | tail -n 1
-  if [ -n "${DIST_SANITIZE:-}" ]; then
+  if [ -n "${DIST_SANITIZE:-}" ] && dist_wanted tests; then
     # API return codes are left out: NCCL's init probes kernels of other architectures and torch probes fabric
     # handles, each an expected error (18 of them on the 2x H200 host), not a memory error of ours.
     for tool in memcheck racecheck; do
       step ${tool}_dist timeout ${DIST_SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool --report-api-errors no --target-processes all --error-exitcode 9 python3 -m torch.distributed.run --nproc_per_node "$ngpu" tests/gpu/collectives_worker.py small
     done
   fi
-  step bench_collectives timeout ${DIST_BENCH_TIMEOUT:-300} python3 -m torch.distributed.run --nproc_per_node "$ngpu" benchmarks/collectives.py ${COLL_ARGS:-} --json "$OUT/collectives.json" --png "$OUT/collectives.png"
-  cat "$OUT/bench_collectives.log"
-  if [ -n "${DIST_LITGPT:-}" ]; then  # the end-to-end step sharded over every GPU (LITGPT_FSDP_ARGS)
+  if dist_wanted collectives; then
+    step bench_collectives timeout ${DIST_BENCH_TIMEOUT:-300} python3 -m torch.distributed.run --nproc_per_node "$ngpu" benchmarks/collectives.py ${COLL_ARGS:-} --json "$OUT/collectives.json" --png "$OUT/collectives.png"
+    cat "$OUT/bench_collectives.log"
+  fi
+  if dist_wanted litgpt; then  # the end-to-end step sharded over every GPU (LITGPT_FSDP_ARGS)
     step bench_litgpt_fsdp timeout ${DIST_LITGPT_TIMEOUT:-400} python3 -m torch.distributed.run --nproc_per_node "$ngpu" benchmarks/litgpt_step.py --fsdp ${LITGPT_FSDP_ARGS:-} --json "$OUT/litgpt_step_fsdp.json" --png "$OUT/litgpt_step_fsdp.png"
     cat "$OUT/bench_litgpt_fsdp.log"
   fi
