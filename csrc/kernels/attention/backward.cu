@@ -151,6 +151,38 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     pipeline::cursor<STAGES> at;
     int step = 0;
 
+    // The end of a step runs under the next step's first products: once step i's dV, dK and dQ are done, its
+    // stage goes back to the producers and its dQ tile (fp32 staging, two 64 x 32 boxes with the 128-byte
+    // swizzle) is added into dq_accum by TMA.
+    int previous_stage = -1, previous_head = 0;
+    int64_t previous_q0 = 0;
+    auto finish_previous = [&] {
+        // Every consumer thread read the stage's lse/delta rows, so every one arrives (release): each read is
+        // ordered before the rows warp rewrites the stage, by the thread's own arrive.
+        sync::arrive(st.ring.empty[previous_stage]);
+        if (!computes_dq) return;
+        wgmma::pin(dq.d);
+        if (leader) tma::store_wait_read();
+        sync::named_sync(1 + slice, warpgroup::threads);
+        uint8_t* staging = reinterpret_cast<uint8_t*>(st.dq[slice]);
+#pragma unroll
+        for (int e = 0; e < DQ_COLS / 2; e += 2) {
+            const auto pos = wgmma::accumulator_position(e);
+            const int box = pos.col / 32;
+            *reinterpret_cast<float2*>(staging + box * 64 * 128 +
+                                       tma::swizzled_byte_offset_128b(pos.row, (pos.col % 32) * 4)) =
+                make_float2(dq.d[e], dq.d[e + 1]);
+        }
+        tma::fence_shared_to_async();
+        sync::named_sync(1 + slice, warpgroup::threads);
+        if (leader) {
+            for (int box = 0; box < DQ_COLS / 32; ++box)
+                tma::store_add_4d(&map_dq, staging + box * 64 * 128, dq_col0 + 32 * box, int32_t(previous_q0),
+                                  previous_head, w.batch);
+            tma::store_commit();
+        }
+    };
+
     sync::wait(st.kv_full, 0);
     for (int g = 0; g < p.group; ++g) {
         const int head = w.kv_head * p.group + g;
@@ -158,7 +190,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             const int64_t q0 = int64_t(i) * BQ;
             st.ring.wait_full(at);
             const int stage = at.stage;
-            // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each).
+            // S^T = K Q^T (64 keys x 64 queries); the previous step finishes under it; then dP^T = V dO^T.
             wgmma::fence();
 #pragma unroll
             for (int d = 0; d < D / 64; ++d)
@@ -167,6 +199,15 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
                     wgmma::mma<64, T>(s.d, wgmma::tile_at<k_major64>(st.k[slice][d]), 0,
                                       wgmma::tile_at<k_major64>(st.q[stage][d]), 0, k16, (d | k16) != 0);
             wgmma::commit();
+            if (previous_stage >= 0) {
+                // Everything before S^T: the previous dV, dK and dQ. (Finishing here rather than after dP^T is
+                // issued keeps dP^T's accumulators free while dQ's are live: no spills at D = 128.)
+                wgmma::wait<1>();
+                wgmma::pin(dv.d);
+                wgmma::pin(dk.d);
+                finish_previous();
+            }
+            wgmma::fence();
 #pragma unroll
             for (int d = 0; d < D / 64; ++d)
 #pragma unroll
@@ -176,14 +217,20 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             wgmma::commit();
             wgmma::wait<1>();
             wgmma::pin(s.d);
-            // P^T = exp2(c S^T - lse2[query]); causal: 0 where key > query.
+            // P^T = exp2(c S^T - lse2[query]); causal: 0 where key > query. Rows come in column pairs.
             const bool mask = a.causal && key0 + 63 > q0;
 #pragma unroll
-            for (int e = 0; e < 32; ++e) {
+            for (int e = 0; e < 32; e += 2) {
                 const int col = rt::column(e);
-                float x = exp2_approx(fmaf(s.d[e], c, -st.lse2[stage][col]));
-                if (mask && key0 + top + (rt::is_bottom(e) ? 8 : 0) > q0 + col) x = 0.0f;
-                s.d[e] = x;
+                const float2 l2 = *reinterpret_cast<const float2*>(&st.lse2[stage][col]);
+                float x0 = exp2_approx(fmaf(s.d[e], c, -l2.x)), x1 = exp2_approx(fmaf(s.d[e + 1], c, -l2.y));
+                if (mask) {
+                    const int64_t key = key0 + top + (rt::is_bottom(e) ? 8 : 0);
+                    if (key > q0 + col) x0 = 0.0f;
+                    if (key > q0 + col + 1) x1 = 0.0f;
+                }
+                s.d[e] = x0;
+                s.d[e + 1] = x1;
             }
             rt::to_a_operand(pt, s);
             // dV += P^T dO: dO's boxes as the MN-major B (D rows, 64 queries deep).
@@ -196,7 +243,11 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             wgmma::pin(dp.d);
             // dS^T = P^T (dP^T - delta[query]).
 #pragma unroll
-            for (int e = 0; e < 32; ++e) dp.d[e] = s.d[e] * (dp.d[e] - st.delta[stage][rt::column(e)]);
+            for (int e = 0; e < 32; e += 2) {
+                const float2 dl = *reinterpret_cast<const float2*>(&st.delta[stage][rt::column(e)]);
+                dp.d[e] = s.d[e] * (dp.d[e] - dl.x);
+                dp.d[e + 1] = s.d[e + 1] * (dp.d[e + 1] - dl.y);
+            }
             rt::to_a_operand(dst, dp);
             wgmma::fence();
 #pragma unroll
@@ -224,37 +275,16 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
                                                (chunk | k16) != 0);
                 wgmma::commit();
             }
-            wgmma::wait<0>();
-            wgmma::pin(dv.d);
-            wgmma::pin(dk.d);
-            // Every consumer thread read the stage's lse/delta rows, so every one arrives (release): each read is
-            // ordered before the rows warp rewrites the stage, by the thread's own arrive.
-            sync::arrive(st.ring.empty[stage]);
+            previous_stage = stage;
+            previous_q0 = q0;
+            previous_head = head;
             at.advance();
-            if (!computes_dq) continue;
-            wgmma::pin(dq.d);
-            // dQ tile -> fp32 staging (two 64 x 32 boxes, 128-byte swizzle) -> TMA reduce-add into dq_accum.
-            if (leader) tma::store_wait_read();
-            sync::named_sync(1 + slice, warpgroup::threads);
-            uint8_t* staging = reinterpret_cast<uint8_t*>(st.dq[slice]);
-#pragma unroll
-            for (int e = 0; e < DQ_COLS / 2; e += 2) {
-                const auto pos = wgmma::accumulator_position(e);
-                const int box = pos.col / 32;
-                *reinterpret_cast<float2*>(staging + box * 64 * 128 +
-                                           tma::swizzled_byte_offset_128b(pos.row, (pos.col % 32) * 4)) =
-                    make_float2(dq.d[e], dq.d[e + 1]);
-            }
-            tma::fence_shared_to_async();
-            sync::named_sync(1 + slice, warpgroup::threads);
-            if (leader) {
-                for (int box = 0; box < DQ_COLS / 32; ++box)
-                    tma::store_add_4d(&map_dq, staging + box * 64 * 128, dq_col0 + 32 * box, int32_t(q0), head,
-                                      w.batch);
-                tma::store_commit();
-            }
         }
     }
+    wgmma::wait<0>();
+    wgmma::pin(dv.d);
+    wgmma::pin(dk.d);
+    if (previous_stage >= 0) finish_previous();
 
     // dK (times scale) and dV -> the input dtype, staged in this consumer's Q / dO stage, stored by TMA.
     sync::named_sync(3, CONSUMERS * warpgroup::threads);  // neither consumer reads a stage any more
