@@ -5,8 +5,7 @@
 // (grouped-query attention needs no atomics for them). Per query tile a consumer computes
 //   S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - delta),
 //   dV += P^T dO, dK += dS^T Q        (A operands from registers)
-// and dQ = dS K is added into an fp32 accumulator with TMA reduce-stores (D = 128: the block's tile over its 128
-// keys, half the columns per consumer; D = 64: each consumer's share over its own 64 keys).
+// and the block's dQ tile, dS K over its 128 keys, is added into an fp32 accumulator with TMA reduce-stores.
 // The same shared-memory boxes of Q, dO and K serve as K-major and MN-major operands (wgmma::tile_at).
 #include "backward.h"
 #include "../../kittens/kittens.cuh"
@@ -138,12 +137,10 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     const bool leader = warpgroup::thread() == 0;
     const float c = p.scale_log2;
     const int top = rt::top_row();
-    // Who computes dQ = dS K. D = 128: each warpgroup 64 of its columns over all 128 keys, so the two exchange dS
-    // halves at a barrier every step. D = 64: each warpgroup all 64 columns over its own 64 keys, and both add their
-    // share into dq_accum (twice the reduce traffic of one 64 x 64 tile), with no barrier between them.
-    constexpr bool OWN_KEYS = D == 64;
-    constexpr int DQ_COLS = 64;
-    const int dq_col0 = OWN_KEYS ? 0 : 64 * slice;
+    // dQ columns this warpgroup computes: D = 128 splits them, D = 64 leaves them to warpgroup 0.
+    constexpr int DQ_COLS = D == 128 ? 64 : 64;
+    const bool computes_dq = D == 128 || slice == 0;
+    const int dq_col0 = D == 128 ? 64 * slice : 0;
 
     rt::acc_tile<D> dv, dk;
     rt::fill(dv, 0.0f);
@@ -163,6 +160,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         // Every consumer thread read the stage's lse/delta rows, so every one arrives (release): each read is
         // ordered before the rows warp rewrites the stage, by the thread's own arrive.
         sync::arrive(st.ring.empty[previous_stage]);
+        if (!computes_dq) return;
         wgmma::pin(dq.d);
         if (leader) tma::store_wait_read();
         sync::named_sync(1 + slice, warpgroup::threads);
@@ -265,19 +263,9 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
                     rt::pack2<T>(dp.d[e], dp.d[e + 1]);
             }
             tma::fence_shared_to_async();
-            if constexpr (OWN_KEYS) {
-                sync::named_sync(1 + slice, warpgroup::threads);  // this warpgroup's dS is in
-                // dQ share (64 queries x 64) = dS (64 x this warpgroup's 64 keys) K (those keys x 64).
-                wgmma::fence();
-#pragma unroll
-                for (int k16 = 0; k16 < 4; ++k16)
-                    wgmma::mma<DQ_COLS, T>(dq.d, wgmma::tile_at<mn_major64>(st.ds[step & 1][slice]), 0,
-                                           wgmma::tile_at<mn_major_d>(st.k[slice][0]), 0, k16, k16 != 0);
-                wgmma::commit();
-            } else {
-                sync::named_sync(3, CONSUMERS * warpgroup::threads);  // both halves of dS are in
-                // dQ (64 queries x 64) = dS (64 x 128 keys) K (128 keys x D)[:, dq_col0 ...].
-                wgmma::fence();
+            sync::named_sync(3, CONSUMERS * warpgroup::threads);  // both halves of dS are in
+            if (computes_dq) {
+                // dQ (64 queries x DQ_COLS) = dS (64 x 128 keys) K (128 keys x D)[:, dq_col0 ...].
 #pragma unroll
                 for (int chunk = 0; chunk < 2; ++chunk)
 #pragma unroll
