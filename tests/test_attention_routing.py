@@ -66,6 +66,8 @@ def test_inference_runs_on_tk_attention(standin_tk_build, standin_attention, D, 
     row = attention_row(jf)
     assert row.claimed_by_tk and row.ran_by == "tk: tk_attention" and row.trace == "forward" and not row.reason
     assert f"bf16[2, {hkv}, 16, {D}]" in row.inputs
+    assert ("is_causal=True" in row.inputs) == is_causal  # flags that differ from their defaults are shown
+    assert ("scale=" in row.inputs) == (scale is not None)
 
 
 def _mask(q, k, v):

@@ -17,13 +17,14 @@ what no later executor in the list would take: a listed fuser or attention execu
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import cached_property
 
 from thunder.core.compile_data import _compile_data, get_compile_data
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import TensorProxy, pyval
 from thunder.core.symbol import BoundSymbol, Symbol
 from thunder.core.trace import get_tracectx
 from thunder.distributed import prims as dist_prims
@@ -273,12 +274,32 @@ def sites_of(proxy) -> list[Site]:
     return [t for t in getattr(proxy, "tags", ()) if isinstance(t, Site)]
 
 
-def describe_inputs(args, kwargs) -> str:
+def describe_inputs(args, kwargs, check: Callable | None = None) -> str:
+    """Tensor shapes, then the scalar arguments that differ from their defaults in the rule's checker's signature
+    (attention's is_causal and scale, which Thunder may pass positionally)."""
     parts = []
     for a in (*args, *kwargs.values()):
         if isinstance(a, TensorProxy):
             parts.append(f"{a.dtype.shortname()}{list(a.shape)}")
-    parts += [f"{k}={v}" for k, v in kwargs.items() if not isinstance(v, TensorProxy) and v is not None]
+    try:
+        bound = inspect.signature(check).bind(*args, **kwargs) if check is not None else None
+    except TypeError:
+        bound = None
+    if bound is None:
+        parts += [f"{k}={v}" for k, v in kwargs.items() if not isinstance(v, TensorProxy) and v is not None]
+        return ", ".join(parts)
+    for name, param in inspect.signature(check).parameters.items():
+        if name not in bound.arguments or param.default is inspect.Parameter.empty:
+            continue
+        value = bound.arguments[name]
+        if isinstance(value, TensorProxy) or value is None:
+            continue
+        try:
+            value = pyval(value)
+        except Exception:  # a proxy without a known value: show it as traced
+            pass
+        if value != param.default:
+            parts.append(f"{name}={value}")
     return ", ".join(parts)
 
 
@@ -306,7 +327,7 @@ def _record(bsym: BoundSymbol, route: _Route) -> Site | None:
     decision = Decision(
         symbol=route.rule.name,
         family=route.rule.family,
-        inputs=describe_inputs(bsym.args, bsym.kwargs),
+        inputs=describe_inputs(bsym.args, bsym.kwargs, route.rule.check),
         site=site,
         claimed_by=claimed_by,
         reason="" if route.verdict else route.verdict.reason,
