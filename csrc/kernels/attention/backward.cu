@@ -137,8 +137,8 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     const bool leader = warpgroup::thread() == 0;
     const float c = p.scale_log2;
     const int top = rt::top_row();
-    // dQ columns this warpgroup computes: D = 128 splits them, D = 64 leaves them to warpgroup 0.
-    constexpr int DQ_COLS = D == 128 ? 64 : 64;
+    // dQ columns (64) this warpgroup computes: D = 128 splits them, D = 64 leaves them to warpgroup 0.
+    constexpr int DQ_COLS = 64;
     const bool computes_dq = D == 128 || slice == 0;
     const int dq_col0 = D == 128 ? 64 * slice : 0;
 
