@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import bar_chart, print_table, write_results  # noqa: E402
 
-from thunder_tk.pretrain import LossModule, max_over_ranks  # noqa: E402  (LossModule: as pretrain runs it)
+from thunder_tk.pretrain import LossModule, max_over_ranks, tracing_without_cyclic_gc  # noqa: E402
 
 
 def build(model_name: str, n_layer: int | None, seq: int, device: torch.device):
@@ -96,8 +96,9 @@ def run(name, wrap, args, device: torch.device):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(args.warmup):
-        step()
+    for i in range(args.warmup):
+        with tracing_without_cyclic_gc(i == 0):  # Thunder traces in the first step
+            step()
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -7,6 +7,8 @@ or many (torchrun + Thunder FSDP).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import json
 import math
@@ -36,6 +38,25 @@ class LossModule(torch.nn.Module):
     def forward(self, idx, targets):
         logits = self.model(idx)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+@contextlib.contextmanager
+def tracing_without_cyclic_gc(active: bool = True):
+    """Around the calls in which Thunder traces a model (its first calls). Thunder's interpreter can fail with
+    "dictionary changed size during iteration" when the cyclic garbage collector frees a module in the middle of a
+    trace and dynamo's registry of modules (a weak dict the interpreter walks) shrinks (lightning-thunder#2095;
+    seen once in our CI). Collect first, then keep the cyclic collector off until the trace is done."""
+    if not active:
+        yield
+        return
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -283,9 +304,13 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
             "rng": torch.get_rng_state(), "config": asdict(config),
         })
 
+    traced_eval = False
+
     def evaluate() -> float:
+        nonlocal traced_eval
         losses = []
-        with torch.no_grad():
+        with torch.no_grad(), tracing_without_cyclic_gc(not traced_eval):  # the first call traces (no grad)
+            traced_eval = True
             for i in range(config.eval.max_iters):
                 # Validation samples come from a range training never reaches.
                 first = (1 << 40) + (i * dist.world + dist.rank) * t.micro_batch_size
@@ -303,12 +328,13 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=dist.device)
-        for micro in range(accum):
-            first = samples + (micro * dist.world + dist.rank) * t.micro_batch_size
-            x, y = batch(data, list(range(first, first + t.micro_batch_size)), dist.device)
-            loss = net(x, y) / accum
-            loss.backward()
-            loss_sum += loss.detach().float()
+        with tracing_without_cyclic_gc(step == first_step):  # the first step traces forward and backward
+            for micro in range(accum):
+                first = samples + (micro * dist.world + dist.rank) * t.micro_batch_size
+                x, y = batch(data, list(range(first, first + t.micro_batch_size)), dist.device)
+                loss = net(x, y) / accum
+                loss.backward()
+                loss_sum += loss.detach().float()
         if t.max_norm is not None:
             clip_gradients(params, t.max_norm, dist)
         optimizer.step()
