@@ -19,7 +19,7 @@ from thunder.core import prims
 from thunder.core.proxies import TensorProxy, pyval
 from thunder.distributed import prims as dist_prims
 
-from thunder_tk import _extension
+from thunder_tk import _extension, ops
 from thunder_tk.functional import attention_bwd_delta_symbol
 
 # Kernels this version's csrc/ provides (a GPU test checks the build reports exactly these).
@@ -152,7 +152,7 @@ def _first_failure(*verdicts: Callable[[], Verdict]) -> Verdict:
 # ------------------------------------------------------------------------------------------------
 # Attention
 
-ATTENTION_HEAD_DIMS = (64, 128)
+ATTENTION_HEAD_DIMS = ops.ATTENTION_HEAD_DIMS  # what the kernels take
 
 
 def check_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> Verdict:

@@ -133,6 +133,16 @@ def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
         raise ValueError(f"scale must be finite; got {scale}")
 
 
+def _kernel_scale(q: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, float, float]:
+    """(q, scale, sign) as the kernels take them: they want scale > 0 (row maxima of raw scores), so a negative
+    scale is folded into q ((-q) k^T |scale| is the same scores; dq flips sign), and 0 (uniform weights) becomes
+    1e-30 (scores times it round to 0 in the exponent, lse to log(Sk))."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if scale < 0:
+        return -q, -scale, -1.0
+    return q, (scale if scale > 0 else 1e-30), 1.0
+
+
 def _tma_readable(t: torch.Tensor) -> torch.Tensor:
     """t itself when TMA can read it in place (unit last stride, other strides multiples of 16 bytes, 16-byte
     aligned), else a contiguous copy."""
@@ -175,11 +185,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if scale < 0:  # the kernel takes row maxima of raw scores, so it wants scale > 0: (-q) k^T |scale| is the same
-        q, scale = -q, -scale
-    elif scale == 0:  # uniform weights; scores times 1e-30 round to 0 in the exponent, and lse to log(Sk)
-        scale = 1e-30
+    q, scale, _ = _kernel_scale(q, scale)
     q, k, v = _tma_readable(q), _tma_readable(k), _tma_readable(v)
     with torch.cuda.device(q.device):
         ext.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
@@ -220,12 +226,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     dv = torch.empty_like(dk)
     if q.numel() == 0 or dk.numel() == 0:
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    sign = 1.0
-    if scale < 0:  # as in attention_forward: (-q) k^T |scale|, so dq flips sign
-        q, scale, sign = -q, -scale, -1.0
-    elif scale == 0:
-        scale = 1e-30
+    q, scale, sign = _kernel_scale(q, scale)
     q, k, v, grad_o = _tma_readable(q), _tma_readable(k), _tma_readable(v), _tma_readable(grad_o)
     if lse.stride(-1) != 1:
         lse = lse.contiguous()
