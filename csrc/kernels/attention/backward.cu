@@ -201,8 +201,13 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             wgmma::commit();
             if (previous_stage >= 0) {
                 // Everything before S^T: the previous dV, dK and dQ. (Finishing here rather than after dP^T is
-                // issued keeps dP^T's accumulators free while dQ's are live: no spills at D = 128.)
-                wgmma::wait<1>();
+                // issued keeps dP^T's accumulators free while dQ's are live: no spills at D = 128.) At D = 128
+                // ptxas cannot tell that wait<1> covers dQ and serialises every wgmma of the kernel (C7514)
+                // unless S^T is waited for too; D = 64 keeps the overlap.
+                if constexpr (D == 128)
+                    wgmma::wait<0>();
+                else
+                    wgmma::wait<1>();
                 wgmma::pin(dv.d);
                 wgmma::pin(dk.d);
                 finish_previous();
