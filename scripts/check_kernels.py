@@ -41,12 +41,7 @@ SPILL_BUDGET = {
 }
 
 # Sources whose wgmma serialisation is known, with the reason; the check reports it without failing.
-KNOWN_SERIALISED = {
-    # D = 128 (C7514; C7512 before df2da85): accumulators of one step's products in flight while the next
-    # step's are issued. D = 64 (C7520): the dQ product sits in a branch only warpgroup 0 takes. Fixed on branch
-    # attention-next, which waits for a GPU run; the README's measured speeds are with the serialisation.
-    "kernels/attention/backward.cu": "every instance (branch attention-next has the fixes)",
-}
+KNOWN_SERIALISED: dict[str, str] = {}
 
 ENTRY = re.compile(r"Compiling entry function '(\S+)'")
 SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
