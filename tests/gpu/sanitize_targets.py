@@ -44,7 +44,9 @@ torch.cuda.synchronize()
 print("tile-library sanitize targets ran")
 
 # Attention forward: tails in both lengths, causal, grouped-query heads, a transposed (B, S, H, D) view, D 64/128.
-for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (2, 2, 1, 70, 300, 64, False), (1, 1, 1, 1, 1, 64, False)]:
+# (2, 16, 8, 600, ...): 160 tiles, more than the H100's 132 blocks, so blocks of the persistent grid take several.
+for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (2, 2, 1, 70, 300, 64, False), (1, 1, 1, 1, 1, 64, False),
+                                      (2, 16, 8, 600, 600, 64, True)]:
     q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)
     ops.attention_forward(q, k, torch.randn_like(k), is_causal=causal)

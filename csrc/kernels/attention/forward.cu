@@ -1,4 +1,6 @@
-// Attention forward for Hopper, FlashAttention-style: one block per 128 query rows of one head. A producer warp
+// Attention forward for Hopper, FlashAttention-style: a persistent grid (one block per SM) walks tiles of 128 query
+// rows of one head, heaviest first when causal; Q is double-buffered, so the next tile's Q and first K/V stages
+// load while a tile's output is written. A producer warp
 // streams K and V in 128-key stages with TMA (separate rings, so S = Q K^T can start before V lands); two
 // consumer warpgroups each own 64 query rows, keep S, P and O in registers, and overlap the softmax of key block j
 // with the P V product of block j - 1 (issued before it, waited for after it); the two warpgroups take turns to
@@ -8,6 +10,7 @@
 #include "forward.h"
 #include "../../kittens/kittens.cuh"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <type_traits>
@@ -27,17 +30,19 @@ static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, C
 
 template <typename T, int D>
 struct shared_state {
-    wgmma::operand_tile<T, BM, major::k> q[D / 64];           // 64-wide panels of D; each warpgroup stages O in its rows
+    // [tile parity][64-wide panel of D]; each warpgroup stages its O rows here once its last scores are done
+    wgmma::operand_tile<T, BM, major::k> q[2][D / 64];
     wgmma::operand_tile<T, BN, major::k> k[STAGES][D / 64];   // S = Q K^T: keys are B's N, D is the reduction
     wgmma::operand_tile<T, D, major::mn> v[STAGES][BN / 64];  // O += P V: D is B's N (contiguous), keys the reduction
     pipeline::ring<STAGES> k_ring, v_ring;  // full: the stage's bytes landed; empty: every consumer warp is done
-    sync::barrier q_full;
+    pipeline::ring<2> q_ring;               // full: Q landed; empty: both warpgroups' O stores have read the buffer
     static constexpr uint32_t q_bytes = BM * D * sizeof(T), kv_bytes = BN * D * sizeof(T);
 };
 
 struct kernel_params {
     forward_args args;
     int q_tiles;
+    int64_t tiles;     // q_tiles * batch * q_heads
     int kv_group;      // query heads per key/value head
     float scale_log2;  // scale * log2(e) > 0: scores go to base 2, so each exponent is one FFMA and one ex2
 };
@@ -48,10 +53,9 @@ struct block_work {
 
 // Causal blocks differ in work (row tile i sees i + 1 key blocks): the heaviest tiles of every head start first.
 // Otherwise the query tiles of one head are neighbours, so blocks running together share its K and V in L2.
-__device__ __forceinline__ block_work work_of(const kernel_params& p) {
+__device__ __forceinline__ block_work work_of(const kernel_params& p, int64_t linear) {
     const forward_args& a = p.args;
     const int64_t bh_count = a.batch * a.q_heads;
-    const int64_t linear = blockIdx.x;
     int q_tile;
     int64_t bh;
     if (a.causal) {
@@ -67,41 +71,49 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p) {
 }
 
 template <typename T, int D>
-__device__ __forceinline__ void produce(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
-                                        const CUtensorMap& map_q, const CUtensorMap& map_k, const CUtensorMap& map_v) {
+__device__ __forceinline__ void produce(shared_state<T, D>& st, const kernel_params& p, const CUtensorMap& map_q,
+                                        const CUtensorMap& map_k, const CUtensorMap& map_v) {
     tma::prefetch_map(&map_q);
     tma::prefetch_map(&map_k);
     tma::prefetch_map(&map_v);
-    const int kv_head = w.head / p.kv_group;
-    sync::arrive_expect_bytes(st.q_full, shared_state<T, D>::q_bytes);
-    for (int dp = 0; dp < D / 64; ++dp)
-        for (int r = 0; r < BM / 64; ++r)
-            tma::load_4d(st.q[dp].data + r * 64 * 64, &map_q, dp * 64, w.q_tile * BM + r * 64, w.head, w.batch,
-                         st.q_full);
-    pipeline::cursor<STAGES> at;
-    for (int j = 0; j < w.kv_blocks; ++j) {
-        const int s = at.stage, key0 = j * BN;
-        st.k_ring.wait_empty(at);
-        sync::arrive_expect_bytes(st.k_ring.full[s], shared_state<T, D>::kv_bytes);
+    pipeline::cursor<2> at_q;
+    pipeline::cursor<STAGES> at;  // K and V stages run on across tiles
+    for (int64_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+        const block_work w = work_of(p, t);
+        const int kv_head = w.head / p.kv_group;
+        st.q_ring.wait_empty(at_q);  // both warpgroups' O stores have read this buffer (two tiles ago)
+        sync::barrier& q_full = st.q_ring.full[at_q.stage];
+        sync::arrive_expect_bytes(q_full, shared_state<T, D>::q_bytes);
         for (int dp = 0; dp < D / 64; ++dp)
-            for (int r = 0; r < BN / 64; ++r)
-                tma::load_4d(st.k[s][dp].data + r * 64 * 64, &map_k, dp * 64, key0 + r * 64, kv_head, w.batch,
-                             st.k_ring.full[s]);
-        st.v_ring.wait_empty(at);
-        sync::arrive_expect_bytes(st.v_ring.full[s], shared_state<T, D>::kv_bytes);
-        for (int kp = 0; kp < BN / 64; ++kp)
-            for (int dp = 0; dp < D / 64; ++dp)  // panel dp of the MN-major tile: 64 keys (lines) x 64 of D
-                tma::load_4d(st.v[s][kp].data + dp * 64 * 64, &map_v, dp * 64, key0 + kp * 64, kv_head, w.batch,
-                             st.v_ring.full[s]);
-        at.advance();
+            for (int r = 0; r < BM / 64; ++r)
+                tma::load_4d(st.q[at_q.stage][dp].data + r * 64 * 64, &map_q, dp * 64, w.q_tile * BM + r * 64,
+                             w.head, w.batch, q_full);
+        at_q.advance();
+        for (int j = 0; j < w.kv_blocks; ++j) {
+            const int s = at.stage, key0 = j * BN;
+            st.k_ring.wait_empty(at);
+            sync::arrive_expect_bytes(st.k_ring.full[s], shared_state<T, D>::kv_bytes);
+            for (int dp = 0; dp < D / 64; ++dp)
+                for (int r = 0; r < BN / 64; ++r)
+                    tma::load_4d(st.k[s][dp].data + r * 64 * 64, &map_k, dp * 64, key0 + r * 64, kv_head, w.batch,
+                                 st.k_ring.full[s]);
+            st.v_ring.wait_empty(at);
+            sync::arrive_expect_bytes(st.v_ring.full[s], shared_state<T, D>::kv_bytes);
+            for (int kp = 0; kp < BN / 64; ++kp)
+                for (int dp = 0; dp < D / 64; ++dp)  // panel dp of the MN-major tile: 64 keys (lines) x 64 of D
+                    tma::load_4d(st.v[s][kp].data + dp * 64 * 64, &map_v, dp * 64, key0 + kp * 64, kv_head,
+                                 w.batch, st.v_ring.full[s]);
+            at.advance();
+        }
     }
 }
 
 template <typename T, int D>
-__device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
-                                        const CUtensorMap& map_o) {
+__device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
+                                             int qb, bool last_tile, pipeline::cursor<STAGES>& at_k,
+                                             pipeline::cursor<STAGES>& at_v, const CUtensorMap& map_o) {
     const forward_args& a = p.args;
-    const int slice = warpgroup::index() - 1;  // query rows [64 slice, 64 slice + 64) of the block
+    const int slice = warpgroup::index() - 1;  // query rows [64 slice, 64 slice + 64) of the tile
     const int64_t row0 = int64_t(w.q_tile) * BM + slice * 64;
     const bool lane0 = (threadIdx.x & 31) == 0;
     rt::acc_tile<BN> s;
@@ -110,7 +122,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     rt::fill(o, 0.0f);
     rt::row_vec m{-INFINITY, -INFINITY};  // running row max of the base-2 scores
     rt::row_vec l{0.0f, 0.0f};            // running row sum over this thread's columns (quad-reduced at the end)
-    pipeline::cursor<STAGES> at_k, at_v;
+    auto& q = st.q[qb];
 
     auto scores = [&](int stage) {  // s = Q K^T (unscaled), one wgmma group
         wgmma::fence();
@@ -118,7 +130,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         for (int dp = 0; dp < D / 64; ++dp)
 #pragma unroll
             for (int k16 = 0; k16 < 4; ++k16)
-                wgmma::mma<BN, T>(s.d, st.q[dp], slice * 64, st.k[stage][dp], 0, k16, (dp | k16) != 0);
+                wgmma::mma<BN, T>(s.d, q[dp], slice * 64, st.k[stage][dp], 0, k16, (dp | k16) != 0);
         wgmma::commit();
     };
     auto accumulate_pv = [&](int stage) {  // o += P V, one wgmma group
@@ -166,13 +178,11 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     };
 
     // Ping-pong: a warpgroup issues its products only in its turn and then hands the turn over. Every turn is
-    // matched: warpgroup 1 opens with a hand-over and leaves out its last one.
+    // matched over the whole walk: warpgroup 1 opens with a hand-over (in consume) and leaves out its very last.
     constexpr int turn_threads = 2 * warpgroup::threads;
     auto my_turn = [&] { sync::named_sync(3 + slice, turn_threads); };
     auto hand_over = [&] { sync::named_arrive(3 + (slice ^ 1), turn_threads); };
-    if (slice == 1) hand_over();
 
-    sync::wait(st.q_full, 0);
     // Block 0: scores, softmax, P.
     st.k_ring.wait_full(at_k);
     my_turn();
@@ -208,7 +218,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     st.v_ring.wait_full(at_v);
     my_turn();
     accumulate_pv(at_v.stage);
-    if (slice == 0) hand_over();
+    if (slice == 0 || !last_tile) hand_over();
     wgmma::wait<0>();
     wgmma::pin(o.d);
     if (lane0) sync::arrive(st.v_ring.empty[at_v.stage]);
@@ -229,18 +239,34 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
 #pragma unroll
     for (int i = 0; i < D / 2; i += 2) {
         const auto pos = wgmma::accumulator_position(i);
-        uint8_t* panel = reinterpret_cast<uint8_t*>(st.q[pos.col / 64].data);
+        uint8_t* panel = reinterpret_cast<uint8_t*>(q[pos.col / 64].data);
         *reinterpret_cast<uint32_t*>(panel + tma::swizzled_offset_128b(slice * 64 + pos.row, pos.col % 64)) =
             rt::pack2<T>(o.d[i], o.d[i + 1]);
     }
     tma::fence_shared_to_async();
     sync::named_sync(1 + slice, warpgroup::threads);
-    if (warpgroup::thread() == 0 && row0 < a.q_len) {
-        for (int dp = 0; dp < D / 64; ++dp)
-            tma::store_4d(&map_o, st.q[dp].data + slice * 64 * 64, dp * 64, int32_t(row0), w.head, w.batch);
-        tma::store_commit();
-        tma::store_wait();  // the staging must outlive the store's reads
+    if (warpgroup::thread() == 0) {
+        if (row0 < a.q_len) {
+            for (int dp = 0; dp < D / 64; ++dp)
+                tma::store_4d(&map_o, q[dp].data + slice * 64 * 64, dp * 64, int32_t(row0), w.head, w.batch);
+            tma::store_commit();
+        }
+        tma::store_wait_read();  // the buffer takes the tile after next's Q once the store has read it
+        sync::arrive(st.q_ring.empty[qb]);
     }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_params& p, const CUtensorMap& map_o) {
+    if (warpgroup::index() == 2) sync::named_arrive(3, 2 * warpgroup::threads);  // warpgroup 0 takes the first turn
+    pipeline::cursor<2> at_q;
+    pipeline::cursor<STAGES> at_k, at_v;
+    for (int64_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+        st.q_ring.wait_full(at_q);
+        consume_tile<T, D>(st, p, work_of(p, t), at_q.stage, t + gridDim.x >= p.tiles, at_k, at_v, map_o);
+        at_q.advance();
+    }
+    if (warpgroup::thread() == 0) tma::store_wait();  // the last outputs are in global memory
 }
 
 template <typename T, int D>
@@ -254,17 +280,16 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (threadIdx.x == 0) {
         st.k_ring.init(1, CONSUMERS * 4);  // the producer; lane 0 of every consumer warp
         st.v_ring.init(1, CONSUMERS * 4);
-        sync::init(st.q_full, 1);
+        st.q_ring.init(1, CONSUMERS);  // the producer; one thread of each consumer warpgroup
         sync::fence_init();
     }
     __syncthreads();
-    const block_work w = work_of(p);
     if (warpgroup::index() == 0) {
         warpgroup::decrease_registers<PRODUCER_REGISTERS>();
-        if (threadIdx.x == 0) produce<T, D>(st, p, w, map_q, map_k, map_v);
+        if (threadIdx.x == 0) produce<T, D>(st, p, map_q, map_k, map_v);
     } else {
         warpgroup::increase_registers<CONSUMER_REGISTERS>();
-        consume<T, D>(st, p, w, map_o);
+        consume<T, D>(st, p, map_o);
     }
 }
 
@@ -311,7 +336,8 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
     p.q_tiles = int((a.q_len + BM - 1) / BM);
     p.kv_group = int(a.q_heads / a.kv_heads);
     p.scale_log2 = a.scale * LOG2E;
-    const int64_t blocks = int64_t(p.q_tiles) * a.batch * a.q_heads;
+    p.tiles = int64_t(p.q_tiles) * a.batch * a.q_heads;
+    const int64_t blocks = std::min<int64_t>(p.tiles, multiprocessor_count());  // persistent: one block per SM
     forward_kernel<T, D><<<unsigned(blocks), THREADS, smem_bytes_of<T, D>, stream>>>(map_q, map_k, map_v, map_o, p);
     return cudaGetLastError();
 }
