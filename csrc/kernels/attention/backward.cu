@@ -124,7 +124,9 @@ __device__ __forceinline__ void produce_rows(shared_state<T, D>& st, const kerne
     }
 }
 
-template <typename T, int D>
+// COMPUTES_DQ: whether this warpgroup issues a dQ product. A template parameter, not a branch on the warpgroup
+// index: ptxas serialises every wgmma of a kernel that issues one in a warpgroup-divergent branch (C7520).
+template <typename T, int D, bool COMPUTES_DQ>
 __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
                                         const CUtensorMap& map_dq, const CUtensorMap& map_dk,
                                         const CUtensorMap& map_dv) {
@@ -139,7 +141,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     const int top = rt::top_row();
     // dQ columns (64) this warpgroup computes: D = 128 splits them, D = 64 leaves them to warpgroup 0.
     constexpr int DQ_COLS = 64;
-    const bool computes_dq = D == 128 || slice == 0;
+    constexpr bool computes_dq = COMPUTES_DQ;
     const int dq_col0 = D == 128 ? 64 * slice : 0;
 
     rt::acc_tile<D> dv, dk;
@@ -151,16 +153,13 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     pipeline::cursor<STAGES> at;
     int step = 0;
 
-    // The end of a step runs under the next step's first products: once step i's dV, dK and dQ are done, its
-    // stage goes back to the producers and its dQ tile (fp32 staging, two 64 x 32 boxes with the 128-byte
-    // swizzle) is added into dq_accum by TMA.
-    int previous_stage = -1, previous_head = 0;
-    int64_t previous_q0 = 0;
-    auto finish_previous = [&] {
+    // The end of a step, once its products are done: its stage goes back to the producers and its dQ tile (fp32
+    // staging, two 64 x 32 boxes with the 128-byte swizzle) is added into dq_accum by TMA.
+    auto finish_step = [&](int stage, int64_t q0, int head) {
         // Every consumer thread read the stage's lse/delta rows, so every one arrives (release): each read is
         // ordered before the rows warp rewrites the stage, by the thread's own arrive.
-        sync::arrive(st.ring.empty[previous_stage]);
-        if (!computes_dq) return;
+        sync::arrive(st.ring.empty[stage]);
+        if constexpr (!computes_dq) return;
         wgmma::pin(dq.d);
         if (leader) tma::store_wait_read();
         sync::named_sync(1 + slice, warpgroup::threads);
@@ -177,8 +176,8 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         sync::named_sync(1 + slice, warpgroup::threads);
         if (leader) {
             for (int box = 0; box < DQ_COLS / 32; ++box)
-                tma::store_add_4d(&map_dq, staging + box * 64 * 128, dq_col0 + 32 * box, int32_t(previous_q0),
-                                  previous_head, w.batch);
+                tma::store_add_4d(&map_dq, staging + box * 64 * 128, dq_col0 + 32 * box, int32_t(q0), head,
+                                  w.batch);
             tma::store_commit();
         }
     };
@@ -190,7 +189,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             const int64_t q0 = int64_t(i) * BQ;
             st.ring.wait_full(at);
             const int stage = at.stage;
-            // S^T = K Q^T (64 keys x 64 queries); the previous step finishes under it; then dP^T = V dO^T.
+            // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each).
             wgmma::fence();
 #pragma unroll
             for (int d = 0; d < D / 64; ++d)
@@ -199,19 +198,6 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
                     wgmma::mma<64, T>(s.d, wgmma::tile_at<k_major64>(st.k[slice][d]), 0,
                                       wgmma::tile_at<k_major64>(st.q[stage][d]), 0, k16, (d | k16) != 0);
             wgmma::commit();
-            if (previous_stage >= 0) {
-                // Everything before S^T: the previous dV, dK and dQ. (Finishing here rather than after dP^T is
-                // issued keeps dP^T's accumulators free while dQ's are live: no spills at D = 128.) At D = 128
-                // ptxas cannot tell that wait<1> covers dQ and serialises every wgmma of the kernel (C7514)
-                // unless S^T is waited for too; D = 64 keeps the overlap.
-                if constexpr (D == 128)
-                    wgmma::wait<0>();
-                else
-                    wgmma::wait<1>();
-                wgmma::pin(dv.d);
-                wgmma::pin(dk.d);
-                finish_previous();
-            }
             wgmma::fence();
 #pragma unroll
             for (int d = 0; d < D / 64; ++d)
@@ -265,11 +251,11 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             for (int e = 0; e < 32; e += 2) {
                 const int row = top + (rt::is_bottom(e) ? 8 : 0), col = rt::column(e);
                 *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(ds) + tma::swizzled_offset_128b(row, col)) =
-                    rt::pack2<T>(dp.d[e], dp.d[e + 1]);
+                    dst.r[e / 8][(e % 8) / 2];  // the pair (e, e + 1) as the A fragment packed it
             }
             tma::fence_shared_to_async();
             sync::named_sync(3, CONSUMERS * warpgroup::threads);  // both halves of dS are in
-            if (computes_dq) {
+            if constexpr (computes_dq) {
                 // dQ (64 queries x DQ_COLS) = dS (64 x 128 keys) K (128 keys x D)[:, dq_col0 ...].
 #pragma unroll
                 for (int chunk = 0; chunk < 2; ++chunk)
@@ -280,16 +266,17 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
                                                (chunk | k16) != 0);
                 wgmma::commit();
             }
-            previous_stage = stage;
-            previous_q0 = q0;
-            previous_head = head;
+            // Nothing stays in flight across steps: with accumulators of this step's products still in flight
+            // while the next step's are issued, ptxas runs short of registers at D = 128 (C7512) or cannot
+            // follow the waits (C7514) and then makes every wgmma of the kernel synchronous, which costs far
+            // more than this wait (scripts/check_kernels.py checks it).
+            wgmma::wait<0>();
+            wgmma::pin(dv.d);
+            wgmma::pin(dk.d);
+            finish_step(stage, q0, head);
             at.advance();
         }
     }
-    wgmma::wait<0>();
-    wgmma::pin(dv.d);
-    wgmma::pin(dk.d);
-    if (previous_stage >= 0) finish_previous();
 
     // dK (times scale) and dV -> the input dtype, staged in this consumer's Q / dO stage, stored by TMA.
     sync::named_sync(3, CONSUMERS * warpgroup::threads);  // neither consumer reads a stage any more
@@ -344,7 +331,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (threadIdx.x / 32 == 1) produce_rows<T, D>(st, p, w);
     } else {
         warpgroup::increase_registers<CONSUMER_REGISTERS>();
-        consume<T, D>(st, p, w, map_dq, map_dk, map_dv);
+        // D = 128: both warpgroups compute half of dQ's columns; D = 64: warpgroup 0 all of them.
+        if (D == 128 || warpgroup::index() == 1)
+            consume<T, D, true>(st, p, w, map_dq, map_dk, map_dv);
+        else
+            consume<T, D, false>(st, p, w, map_dq, map_dk, map_dv);
     }
 }
 
