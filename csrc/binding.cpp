@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <stdexcept>
@@ -34,6 +35,12 @@ void check_launch(cudaError_t status, const char* kernel) {
 
 template <typename T> const T* as_ptr(std::uintptr_t p) { return reinterpret_cast<const T*>(p); }
 
+// Strides as the kernels' argument structs hold them.
+template <std::size_t N>
+void copy_strides(int64_t (&dst)[N], const std::array<int64_t, N>& src) {
+    std::copy(src.begin(), src.end(), dst);
+}
+
 void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t delta, int dtype, int64_t batch,
                          int64_t heads, int64_t seq, int64_t head_dim, strides3 o_stride, strides3 grad_o_stride,
                          strides3 delta_stride, std::uintptr_t stream, int rows_per_group, bool resident_grid) {
@@ -50,11 +57,9 @@ void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t
         throw std::invalid_argument("rows_per_group must be 0 (automatic), 1, 2 or 4");
     args.rows_per_group = rows_per_group;
     args.resident_grid = resident_grid;
-    for (int i = 0; i < 3; ++i) {
-        args.o_stride[i] = o_stride[i];
-        args.grad_o_stride[i] = grad_o_stride[i];
-        args.delta_stride[i] = delta_stride[i];
-    }
+    copy_strides(args.o_stride, o_stride);
+    copy_strides(args.grad_o_stride, grad_o_stride);
+    copy_strides(args.delta_stride, delta_stride);
     check_launch(tk::attention::launch_bwd_delta(args, reinterpret_cast<cudaStream_t>(stream)), "attention_bwd_delta");
 }
 
@@ -75,14 +80,11 @@ void attention_forward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std
     args.q_len = q_len;
     args.kv_len = kv_len;
     args.head_dim = head_dim;
-    for (int i = 0; i < 3; ++i) {
-        args.q_stride[i] = q_stride[i];
-        args.k_stride[i] = k_stride[i];
-        args.v_stride[i] = v_stride[i];
-        args.o_stride[i] = o_stride[i];
-    }
-    args.lse_stride[0] = lse_stride[0];
-    args.lse_stride[1] = lse_stride[1];
+    copy_strides(args.q_stride, q_stride);
+    copy_strides(args.k_stride, k_stride);
+    copy_strides(args.v_stride, v_stride);
+    copy_strides(args.o_stride, o_stride);
+    copy_strides(args.lse_stride, lse_stride);
     args.scale = scale;
     args.causal = causal;
     if (const char* reason = tk::attention::forward_unsupported(args)) throw std::invalid_argument(reason);
@@ -112,18 +114,14 @@ void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, st
     args.q_len = q_len;
     args.kv_len = kv_len;
     args.head_dim = head_dim;
-    for (int i = 0; i < 3; ++i) {
-        args.q_stride[i] = q_stride[i];
-        args.k_stride[i] = k_stride[i];
-        args.v_stride[i] = v_stride[i];
-        args.dout_stride[i] = dout_stride[i];
-        args.dk_stride[i] = dk_stride[i];
-        args.dv_stride[i] = dv_stride[i];
-    }
-    for (int i = 0; i < 2; ++i) {
-        args.lse_stride[i] = lse_stride[i];
-        args.delta_stride[i] = delta_stride[i];
-    }
+    copy_strides(args.q_stride, q_stride);
+    copy_strides(args.k_stride, k_stride);
+    copy_strides(args.v_stride, v_stride);
+    copy_strides(args.dout_stride, dout_stride);
+    copy_strides(args.dk_stride, dk_stride);
+    copy_strides(args.dv_stride, dv_stride);
+    copy_strides(args.lse_stride, lse_stride);
+    copy_strides(args.delta_stride, delta_stride);
     args.scale = scale;
     args.causal = causal;
     if (const char* reason = tk::attention::backward_unsupported(args)) throw std::invalid_argument(reason);

@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <atomic>
 #include <cstdint>
 
 namespace tk {
@@ -70,6 +71,19 @@ using warp = lanes<32>;
 int multiprocessor_count();  // of the current device, cached per device
 constexpr int max_devices = 128;  // per-device caches in launchers are indexed by device id
 int current_device();  // the current device's id, or -1 if there is none or it is >= max_devices
+
+// Opts `Kernel` in to `bytes` of dynamic shared memory on the current device, once per device (the attribute
+// belongs to the kernel in each device's context, so a second GPU in the process needs its own).
+template <auto Kernel>
+cudaError_t opt_in_shared_memory(int bytes) {
+    static std::atomic<bool> ready[max_devices];
+    const int device = current_device();
+    if (device < 0) return cudaErrorInvalidDevice;
+    if (ready[device].load(std::memory_order_acquire)) return cudaSuccess;
+    const cudaError_t e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e == cudaSuccess) ready[device].store(true, std::memory_order_release);
+    return e;
+}
 
 inline bool is_aligned(const void* p, std::size_t bytes) {
     return (reinterpret_cast<std::uintptr_t>(p) % bytes) == 0;

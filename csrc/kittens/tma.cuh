@@ -3,7 +3,10 @@
 #pragma once
 
 #include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "sync.cuh"
 
@@ -13,6 +16,15 @@ namespace tk::tma {
 // Host side
 
 enum class swizzle { none = 0, b32 = 1, b64 = 2, b128 = 3 };
+
+// The tensor-map element type of T (bf16, fp16 or fp32).
+template <typename T>
+constexpr CUtensorMapDataType element_type() {
+    static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half> || std::is_same_v<T, float>);
+    return std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+           : std::is_same_v<T, __half>      ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                            : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+}
 
 // A 2-D view: `inner` contiguous elements per line, `outer` lines `outer_stride` elements apart; boxes of
 // box_inner x box_outer elements. Out-of-bounds parts of a box read as zero. Returns a CUDA driver status.

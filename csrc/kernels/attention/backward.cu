@@ -9,6 +9,7 @@
 // The same shared-memory boxes of Q, dO and K serve as K-major and MN-major operands (wgmma::tile_at).
 #include "backward.h"
 #include "../../kittens/kittens.cuh"
+#include "layout.cuh"
 
 #include <atomic>
 #include <cmath>
@@ -339,47 +340,24 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 }
 
-template <typename T>
-CUtensorMapDataType tma_type() {
-    return std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-}
-
 template <typename T, int D>
 constexpr int smem_bytes_of = sizeof(shared_state<T, D>) + 1024;
 
 template <typename T, int D>
-cudaError_t prepare() {
-    static std::atomic<bool> ready[max_devices];
-    const int device = current_device();
-    if (device < 0) return cudaErrorInvalidDevice;
-    if (ready[device].load(std::memory_order_acquire)) return cudaSuccess;
-    const cudaError_t e = cudaFuncSetAttribute(backward_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               smem_bytes_of<T, D>);
-    if (e == cudaSuccess) ready[device].store(true, std::memory_order_release);
-    return e;
-}
-
-CUresult map_of(CUtensorMap* map, const void* base, CUtensorMapDataType type, int element_bytes, int64_t batch,
-                int64_t heads, int64_t len, int64_t head_dim, const int64_t (&stride)[3], uint32_t box_inner) {
-    const uint64_t dims[4] = {uint64_t(head_dim), uint64_t(len), uint64_t(heads), uint64_t(batch)};
-    const int64_t strides[3] = {stride[2], stride[1], stride[0]};
-    return tma::make_tensor_map_4d(map, base, type, element_bytes, dims, strides, box_inner, 64, tma::swizzle::b128);
-}
-
-template <typename T, int D>
 cudaError_t launch(const backward_args& a, cudaStream_t stream) {
-    if (cudaError_t e = prepare<T, D>(); e != cudaSuccess) return e;
-    const CUtensorMapDataType type = tma_type<T>();
+    if (cudaError_t e = opt_in_shared_memory<backward_kernel<T, D>>(smem_bytes_of<T, D>); e != cudaSuccess) return e;
+    constexpr CUtensorMapDataType type = tma::element_type<T>();
     const int64_t dq_stride[3] = {a.q_heads * a.q_len * D, a.q_len * D, D};
     CUtensorMap maps[7];
-    if (map_of(&maps[0], a.q, type, 2, a.batch, a.q_heads, a.q_len, D, a.q_stride, 64) != CUDA_SUCCESS ||
-        map_of(&maps[1], a.k, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.k_stride, 64) != CUDA_SUCCESS ||
-        map_of(&maps[2], a.v, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.v_stride, 64) != CUDA_SUCCESS ||
-        map_of(&maps[3], a.dout, type, 2, a.batch, a.q_heads, a.q_len, D, a.dout_stride, 64) != CUDA_SUCCESS ||
-        map_of(&maps[4], a.dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, a.batch, a.q_heads, a.q_len, D, dq_stride,
+    using layout::map_of;
+    if (map_of(&maps[0], a.q, type, 2, a.batch, a.q_heads, a.q_len, D, a.q_stride) != CUDA_SUCCESS ||
+        map_of(&maps[1], a.k, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.k_stride) != CUDA_SUCCESS ||
+        map_of(&maps[2], a.v, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.v_stride) != CUDA_SUCCESS ||
+        map_of(&maps[3], a.dout, type, 2, a.batch, a.q_heads, a.q_len, D, a.dout_stride) != CUDA_SUCCESS ||
+        map_of(&maps[4], a.dq_accum, tma::element_type<float>(), 4, a.batch, a.q_heads, a.q_len, D, dq_stride,
                32) != CUDA_SUCCESS ||
-        map_of(&maps[5], a.dk, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.dk_stride, 64) != CUDA_SUCCESS ||
-        map_of(&maps[6], a.dv, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.dv_stride, 64) != CUDA_SUCCESS)
+        map_of(&maps[5], a.dk, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.dk_stride) != CUDA_SUCCESS ||
+        map_of(&maps[6], a.dv, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.dv_stride) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;
     kernel_params p;
     p.args = a;
@@ -393,29 +371,18 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-bool strides_ok(const int64_t (&stride)[3], int64_t batch, int64_t heads, int64_t len) {
-    const int64_t sizes[3] = {batch, heads, len};
-    for (int i = 0; i < 3; ++i)
-        if (sizes[i] > 1 && (stride[i] <= 0 || stride[i] % 8)) return false;
-    return true;
-}
-
 }  // namespace
 
 const char* backward_unsupported(const backward_args& a) {
-    if (a.dtype != int(dtype::bf16) && a.dtype != int(dtype::fp16)) return "dtype must be bfloat16 or float16";
-    if (a.head_dim != 64 && a.head_dim != 128) return "head_dim must be 64 or 128";
-    if (a.batch < 1 || a.q_heads < 1 || a.kv_heads < 1 || a.q_len < 1 || a.kv_len < 1)
-        return "batch, heads and lengths must be at least 1";
-    if (a.q_heads % a.kv_heads) return "q_heads must be a multiple of kv_heads";
-    if (a.causal && a.q_len != a.kv_len) return "causal attention needs q_len == kv_len";
-    if (a.q_len >= (int64_t(1) << 31) || a.kv_len >= (int64_t(1) << 31)) return "sequence length too large";
+    if (const char* reason = layout::shape_unsupported(a.dtype, a.head_dim, a.batch, a.q_heads, a.kv_heads, a.q_len,
+                                                       a.kv_len, a.causal, a.scale))
+        return reason;
     if (a.batch * a.kv_heads * ((a.kv_len + BK - 1) / BK) >= (int64_t(1) << 31)) return "too many blocks";
-    if (!std::isfinite(a.scale) || !(a.scale > 0.0f)) return "scale must be positive and finite";
     if (a.lse == nullptr || a.delta == nullptr) return "lse and delta must be given";
     const void* tensors[7] = {a.q, a.k, a.v, a.dout, a.dq_accum, a.dk, a.dv};
     for (const void* t : tensors)
         if (t == nullptr || !is_aligned(t, 16)) return "q, k, v, dout, dq_accum, dk and dv must be 16-byte aligned";
+    using layout::strides_ok;
     if (!strides_ok(a.q_stride, a.batch, a.q_heads, a.q_len) ||
         !strides_ok(a.dout_stride, a.batch, a.q_heads, a.q_len) ||
         !strides_ok(a.k_stride, a.batch, a.kv_heads, a.kv_len) ||

@@ -272,11 +272,6 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 }
 
-template <typename T>
-CUtensorMapDataType tma_type() {
-    return std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-}
-
 template <typename T, major MA, major MB>
 constexpr int smem_bytes_of = sizeof(shared_state<T, MA, MB>) + 1024;  // + alignment to 1024 bytes
 
@@ -333,11 +328,11 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     CUtensorMap map_a, map_b;
     const auto sw = tma::swizzle::b128;
     CUresult r = MA == major::k
-                     ? tma::make_tensor_map_2d(&map_a, g.a, tma_type<T>(), 2, g.K, g.M, g.a_stride_m, BK, BM, sw)
-                     : tma::make_tensor_map_2d(&map_a, g.a, tma_type<T>(), 2, g.M, g.K, g.a_stride_k, 64, BK, sw);
+                     ? tma::make_tensor_map_2d(&map_a, g.a, tma::element_type<T>(), 2, g.K, g.M, g.a_stride_m, BK, BM, sw)
+                     : tma::make_tensor_map_2d(&map_a, g.a, tma::element_type<T>(), 2, g.M, g.K, g.a_stride_k, 64, BK, sw);
     if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
-    r = MB == major::k ? tma::make_tensor_map_2d(&map_b, g.b, tma_type<T>(), 2, g.K, g.N, g.b_stride_n, BK, BN / CLUSTER, sw)
-                       : tma::make_tensor_map_2d(&map_b, g.b, tma_type<T>(), 2, g.N, g.K, g.b_stride_k, 64, BK, sw);
+    r = MB == major::k ? tma::make_tensor_map_2d(&map_b, g.b, tma::element_type<T>(), 2, g.K, g.N, g.b_stride_n, BK, BN / CLUSTER, sw)
+                       : tma::make_tensor_map_2d(&map_b, g.b, tma::element_type<T>(), 2, g.N, g.K, g.b_stride_k, 64, BK, sw);
     if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
     CUtensorMap map_c{};
     // TMA stores write whole 16-byte chunks: with N * 2 bytes off a 16-byte multiple the last chunk of a row would
@@ -345,7 +340,7 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     const bool tma_store = reinterpret_cast<uintptr_t>(g.c) % 16 == 0 && g.N % 8 == 0 &&
                            (g.M == 1 || g.c_stride_m % 8 == 0);
     if (tma_store &&
-        tma::make_tensor_map_2d(&map_c, g.c, tma_type<T>(), 2, g.N, g.M, g.c_stride_m, 64, 64, sw) != CUDA_SUCCESS)
+        tma::make_tensor_map_2d(&map_c, g.c, tma::element_type<T>(), 2, g.N, g.M, g.c_stride_m, 64, 64, sw) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;
 
     kernel_params p;

@@ -1,0 +1,46 @@
+// Host-side pieces the attention kernels share: the (B, H, S, D) tensor maps and the argument checks common to
+// forward and backward.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "../../kittens/kittens.cuh"
+
+namespace tk::attention::layout {
+
+// A (B, H, S, D) tensor with strides (batch, head, sequence) in elements, as a 4-D map of boxes of box_inner of D
+// by 64 rows, 128-byte swizzled.
+inline CUresult map_of(CUtensorMap* map, const void* base, CUtensorMapDataType type, int element_bytes,
+                       int64_t batch, int64_t heads, int64_t len, int64_t head_dim, const int64_t (&stride)[3],
+                       uint32_t box_inner = 64) {
+    const uint64_t dims[4] = {uint64_t(head_dim), uint64_t(len), uint64_t(heads), uint64_t(batch)};
+    const int64_t strides[3] = {stride[2], stride[1], stride[0]};  // sequence, head, batch
+    return tma::make_tensor_map_4d(map, base, type, element_bytes, dims, strides, box_inner, 64, tma::swizzle::b128);
+}
+
+// Whether TMA can step over a tensor with these strides: every stride of a dimension longer than 1 a positive
+// multiple of 16 bytes (8 elements of 16 bits).
+inline bool strides_ok(const int64_t (&stride)[3], int64_t batch, int64_t heads, int64_t len) {
+    const int64_t sizes[3] = {batch, heads, len};
+    for (int i = 0; i < 3; ++i)
+        if (sizes[i] > 1 && (stride[i] <= 0 || stride[i] % 8)) return false;
+    return true;
+}
+
+// Why these sizes and options cannot run (null when they can), for forward and backward alike.
+inline const char* shape_unsupported(int dtype_code, int64_t head_dim, int64_t batch, int64_t q_heads,
+                                     int64_t kv_heads, int64_t q_len, int64_t kv_len, bool causal, float scale) {
+    if (dtype_code != int(dtype::bf16) && dtype_code != int(dtype::fp16)) return "dtype must be bfloat16 or float16";
+    if (head_dim != 64 && head_dim != 128) return "head_dim must be 64 or 128";
+    if (batch < 1 || q_heads < 1 || kv_heads < 1 || q_len < 1 || kv_len < 1)
+        return "batch, heads and lengths must be at least 1";
+    if (q_heads % kv_heads) return "q_heads must be a multiple of kv_heads";
+    if (causal && q_len != kv_len) return "causal attention needs q_len == kv_len";
+    if (q_len >= (int64_t(1) << 31) || kv_len >= (int64_t(1) << 31)) return "sequence length too large";
+    // ops.attention_forward/backward fold a negative scale into q and replace 0 with a tiny positive one.
+    if (!std::isfinite(scale) || !(scale > 0.0f)) return "scale must be positive and finite";
+    return nullptr;
+}
+
+}  // namespace tk::attention::layout
