@@ -154,6 +154,19 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     pipeline::cursor<STAGES> at;
     int step = 0;
 
+    // acc = A B^T over D for this warpgroup's 64 keys (A: its K or V rows) and the step's 64 queries (B: Q or dO
+    // rows), both as K-major boxes, committed as one wgmma group.
+    auto keys_times = [&](rt::acc_tile<64>& acc, const T (&a)[D / 64][BOX], const T (&b)[D / 64][BOX]) {
+        wgmma::fence();
+#pragma unroll
+        for (int d = 0; d < D / 64; ++d)
+#pragma unroll
+            for (int k16 = 0; k16 < 4; ++k16)
+                wgmma::mma<64, T>(acc.d, wgmma::tile_at<k_major64>(a[d]), 0, wgmma::tile_at<k_major64>(b[d]), 0, k16,
+                                  (d | k16) != 0);
+        wgmma::commit();
+    };
+
     // The end of a step, once its products are done: its stage goes back to the producers and its dQ tile (fp32
     // staging, two 64 x 32 boxes with the 128-byte swizzle) is added into dq_accum by TMA.
     auto finish_step = [&](int stage, int64_t q0, int head) {
@@ -190,23 +203,9 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             const int64_t q0 = int64_t(i) * BQ;
             st.ring.wait_full(at);
             const int stage = at.stage;
-            // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each).
-            wgmma::fence();
-#pragma unroll
-            for (int d = 0; d < D / 64; ++d)
-#pragma unroll
-                for (int k16 = 0; k16 < 4; ++k16)
-                    wgmma::mma<64, T>(s.d, wgmma::tile_at<k_major64>(st.k[slice][d]), 0,
-                                      wgmma::tile_at<k_major64>(st.q[stage][d]), 0, k16, (d | k16) != 0);
-            wgmma::commit();
-            wgmma::fence();
-#pragma unroll
-            for (int d = 0; d < D / 64; ++d)
-#pragma unroll
-                for (int k16 = 0; k16 < 4; ++k16)
-                    wgmma::mma<64, T>(dp.d, wgmma::tile_at<k_major64>(st.v[slice][d]), 0,
-                                      wgmma::tile_at<k_major64>(st.dout[stage][d]), 0, k16, (d | k16) != 0);
-            wgmma::commit();
+            // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each), one wgmma group each.
+            keys_times(s, st.k[slice], st.q[stage]);
+            keys_times(dp, st.v[slice], st.dout[stage]);
             wgmma::wait<1>();
             wgmma::pin(s.d);
             // P^T = exp2(c S^T - lse2[query]); causal: 0 where key > query. Rows come in column pairs.
