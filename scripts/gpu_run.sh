@@ -31,6 +31,12 @@ so=$(cd /tmp && python3 -c "import thunder_tk._C as m; print(m.__file__)" 2>/dev
 
 # Run from outside the checkout so the installed package (with its compiled module) is the one imported.
 here=$(pwd)
+if [ -n "${ATTN_PROBE:-}" ]; then  # attention cases one child process each, a hang reported per shape; stops here on any
+  step attention_probe timeout 400 bash -c "cd /tmp && python3 $here/scripts/attention_hang_probe.py --backward"
+  cat "$OUT/attention_probe.log"
+  if [ -n "$so" ]; then cuobjdump --dump-sass "$so" 2>/dev/null | awk '/Function : .*forward_kernel.*bfloat16.*Li64/{p=1} p&&/Function : /&&!/forward_kernel.*bfloat16.*Li64/{p=0} p' > "$OUT/forward_sass.txt"; fi
+  grep -qE "^(HANG|rc=)" "$OUT/attention_probe.log" && { printf '%s\n' "${summary[@]}"; exit 1; }
+fi
 if [ "$what" = all ] || [ "$what" = test ] || [ -n "${WITH_TESTS:-}" ]; then  # WITH_TESTS=1: also before dist
   step smoke timeout 120 bash -c "cd /tmp && python3 -c \"import torch; from thunder_tk import ops; a = torch.randn(256, 128, device='cuda', dtype=torch.bfloat16); print(float((ops.gemm(a, a.t()).float() - a.float() @ a.float().t()).abs().max()))\""
   step gpu_tests timeout ${GPU_TESTS_TIMEOUT:-600} bash -c "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $(for t in ${GPU_TESTS:-tests/gpu}; do printf "%s " "$here/$t"; done)-rs --junitxml=$OUT_ABS/gpu_tests.xml"

@@ -168,7 +168,7 @@ def attention_forward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
-                      scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float | None = None, _max_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """o = softmax(scale q k^T, causal mask) v and lse = logsumexp of the scaled scores, by the tk kernel.
 
     q is (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) with Hkv dividing Hq (query head h reads key/value head
@@ -176,6 +176,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     needs Sq == Sk. Inputs are read in place when the last dim is contiguous and the other strides are multiples
     of 8 elements (LitGPT's transposed views qualify); others are copied first. Returns o (B, Hq, Sq, D) in the
     input dtype and lse (B, Hq, Sq) in float32 (natural log), which the backward pass consumes.
+    _max_blocks (tests only) caps the persistent grid, so that small shapes walk several tiles per block.
     """
     check_attention_args(q, k, v, is_causal, scale)
     ext = _require_kernels(q.device)
@@ -191,7 +192,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
         ext.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                               _DTYPE_CODES[q.dtype], B, Hq, Hkv, Sq, Sk, D, list(q.stride()[:3]),
                               list(k.stride()[:3]), list(v.stride()[:3]), list(o.stride()[:3]),
-                              list(lse.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device))
+                              list(lse.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device),
+                              int(_max_blocks))
     return o, lse
 
 

@@ -255,6 +255,7 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kerne
         tma::store_wait_read();  // the buffer takes the tile after next's Q once the store has read it
         sync::arrive(st.q_ring.empty[qb]);
     }
+    __syncwarp();  // the next tile's named barriers and wgmma are .aligned: lane 0 rejoins its warp first
 }
 
 template <typename T, int D>
@@ -314,7 +315,7 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
     p.kv_group = int(a.q_heads / a.kv_heads);
     p.scale_log2 = a.scale * LOG2E;
     p.tiles = int64_t(p.q_tiles) * a.batch * a.q_heads;
-    const int64_t blocks = std::min<int64_t>(p.tiles, multiprocessor_count());  // persistent: one block per SM
+    const int64_t blocks = std::min<int64_t>(p.tiles, a.max_blocks > 0 ? a.max_blocks : multiprocessor_count());
     forward_kernel<T, D><<<unsigned(blocks), THREADS, smem_bytes_of<T, D>, stream>>>(map_q, map_k, map_v, map_o, p);
     return cudaGetLastError();
 }
@@ -328,6 +329,7 @@ const char* forward_unsupported(const forward_args& a) {
     if (a.batch * a.q_heads * ((a.q_len + BM - 1) / BM) >= (int64_t(1) << 31)) return "too many blocks";
     if (a.batch * a.q_heads >= (int64_t(1) << 31)) return "too many heads";
     if (a.lse == nullptr) return "lse must be given";
+    if (a.max_blocks < 0) return "max_blocks must be >= 0";
     const void* tensors[4] = {a.q, a.k, a.v, a.o};
     for (const void* t : tensors)
         if (t == nullptr || !is_aligned(t, 16)) return "q, k, v and o must be 16-byte aligned";

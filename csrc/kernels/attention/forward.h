@@ -20,6 +20,7 @@ struct forward_args {
     int64_t q_stride[3], k_stride[3], v_stride[3], o_stride[3], lse_stride[2];
     float scale;   // multiplies Q K^T; positive
     bool causal;   // mask key j > query i (top-left aligned; q_len == kv_len)
+    int max_blocks = 0;  // grid limit (0: one block per SM); tests set it to walk several tiles per block cheaply
 };
 
 // Why `args` cannot run (null when it can): head dim, dtype, sizes, strides, alignment.
