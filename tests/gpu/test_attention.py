@@ -120,6 +120,25 @@ def test_matches_fp64_reference(case, dtype):
     check(*make(B, Hq, Hkv, Sq, Sk, D, dtype), causal=causal)
 
 
+@pytest.mark.parametrize("max_blocks", [1, 3])
+@pytest.mark.parametrize("B,Hq,Hkv,S,D,causal", [
+    (1, 2, 1, 300, 300, 64, False),  # kv blocks 3 per tile, tiles 6
+    (2, 2, 2, 257, 257, 128, True),  # tiles of 1 to 3 key blocks, heaviest first
+    (3, 4, 4, 128, 128, 128, True),  # one key block per tile
+])
+def test_persistent_grid_walks_many_tiles(B, Hq, Hkv, S, D, causal, max_blocks):
+    # The forward runs one block per SM; a capped grid makes every block walk several tiles (K/V stages, Q buffers
+    # and the warpgroups' turns run on across tiles) at shapes small enough for the fp64 reference.
+    q, k, v = make(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=3)
+    poison_allocator(((B, Hq, S, D), q.dtype), ((B, Hq, S), torch.float32))
+    o, lse = ops.attention_forward(q, k, v, is_causal=causal, _max_blocks=max_blocks)
+    ref_o, ref_lse = reference(q, k, v, causal)
+    assert rel_err(o, ref_o) < O_TOL[q.dtype]
+    assert (lse.double() - ref_lse).abs().max().item() < LSE_TOL
+    o_full, _ = ops.attention_forward(q, k, v, is_causal=causal)
+    assert torch.equal(o, o_full), "the result depends on how tiles are spread over blocks"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("scale,causal,D", [(0.3, False, 64), (1.0, True, 128)])
 def test_custom_scale(scale, causal, D, dtype):

@@ -223,6 +223,7 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kerne
     wgmma::wait<0>();
     wgmma::pin(o.d);
     if (lane0) sync::arrive(st.v_ring.empty[at_v.stage]);
+    at_v.advance();  // the cursors run on into the next tile
 
     // Epilogue: full row sums, O / l, the log-sum-exp, O staged in this warpgroup's Q rows and stored by TMA.
 #pragma unroll
@@ -255,7 +256,7 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kerne
         tma::store_wait_read();  // the buffer takes the tile after next's Q once the store has read it
         sync::arrive(st.q_ring.empty[qb]);
     }
-    __syncwarp();  // the next tile's named barriers and wgmma are .aligned: lane 0 rejoins its warp first
+    __syncwarp();  // lane 0 rejoins its warp before the next tile's .aligned barriers and wgmma
 }
 
 template <typename T, int D>
