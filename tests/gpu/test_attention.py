@@ -122,9 +122,9 @@ def test_matches_fp64_reference(case, dtype):
 
 @pytest.mark.parametrize("max_blocks", [1, 3])
 @pytest.mark.parametrize("B,Hq,Hkv,S,D,causal", [
-    (1, 2, 1, 300, 300, 64, False),  # kv blocks 3 per tile, tiles 6
-    (2, 2, 2, 257, 257, 128, True),  # tiles of 1 to 3 key blocks, heaviest first
-    (3, 4, 4, 128, 128, 128, True),  # one key block per tile
+    (1, 2, 1, 300, 64, False),  # 3 key blocks per tile, 6 tiles
+    (2, 2, 2, 257, 128, True),  # tiles of 1 to 3 key blocks, heaviest first
+    (3, 4, 4, 128, 128, True),  # one key block per tile
 ])
 def test_persistent_grid_walks_many_tiles(B, Hq, Hkv, S, D, causal, max_blocks):
     # The forward runs one block per SM; a capped grid makes every block walk several tiles (K/V stages, Q buffers
