@@ -118,7 +118,9 @@ def run(name, wrap, args, device: torch.device):
         import thunder_tk
 
         report = thunder_tk.explain(net)
-        row["tk_claimed"] = sorted({r.ran_by for r in report.rows if r.claimed_by_tk})
+        # what tk ran, the backward ops of a symbol claimed with its gradient included
+        row["tk_claimed"] = sorted({op for r in report.rows if r.claimed_by_tk
+                                    for op in (r.ran_by, *r.backward_ran_by.split(", ")) if op})
     return row
 
 
