@@ -391,6 +391,16 @@ def test_backward_matches_fp64_autograd(case, dtype):
     backward_check(*make(B, Hq, Hkv, Sq, Sk, D, dtype, seed=3), causal=causal)
 
 
+@pytest.mark.parametrize("B,H,S,D", [(3, 6, 2048, 128), (2, 8, 4097, 64)])
+def test_causal_head_chunks_with_a_partial_last_chunk(B, H, S, D):
+    # Causal tiles go heaviest first within chunks of heads sized to L2 (16 MiB of shared bytes): at S = 2048,
+    # D = 128 the forward's chunks hold 16 heads and the backward's 8 (18 heads: a last chunk of 2); at S = 4097,
+    # D = 64, 15 and 7 (16 heads: last chunks of 1 and 2).
+    q, k, v = make(B, H, H, S, S, D, torch.bfloat16, seed=5)
+    check(q, k, v, causal=True)
+    backward_check(q, k, v, causal=True)
+
+
 @pytest.mark.parametrize("scale", [0.3, -0.2])
 def test_backward_custom_scale(scale):
     backward_check(*make(1, 4, 2, 150, 150, 64, torch.bfloat16, seed=4), causal=True, scale=scale)

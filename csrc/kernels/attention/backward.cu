@@ -47,6 +47,7 @@ struct shared_state {
 struct kernel_params {
     backward_args args;
     int q_tiles, kv_tiles, group;
+    int chunk_heads;  // causal: key/value heads per L2 chunk of the block order (layout::chunked_order)
     float scale_log2;
 };
 
@@ -54,15 +55,17 @@ struct block_work {
     int kv_tile, kv_head, batch, first_q_tile;
 };
 
-// Causal: key tile 0 sees every query tile, so the low key tiles (the heaviest) of every head start first.
+// Causal: key tile 0 sees every query tile, so within each L2 chunk of heads the low key tiles (the heaviest)
+// start first; the blocks of a chunk share its heads' Q, dO and dQ in L2.
 __device__ __forceinline__ block_work work_of(const kernel_params& p) {
     const backward_args& a = p.args;
     const int64_t heads = a.batch * a.kv_heads, linear = blockIdx.x;
     int kv_tile;
     int64_t bh;
     if (a.causal) {
-        bh = linear % heads;
-        kv_tile = int(linear / heads);
+        const layout::chunked_tile t = layout::chunked_order(int(linear), int(heads), p.kv_tiles, p.chunk_heads);
+        bh = t.head;
+        kv_tile = t.rank;
     } else {
         kv_tile = int(linear % p.kv_tiles);
         bh = linear / p.kv_tiles;
@@ -364,6 +367,9 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
     p.kv_tiles = int((a.kv_len + BK - 1) / BK);
     p.group = int(a.q_heads / a.kv_heads);
     p.scale_log2 = a.scale * LOG2E;
+    // The bytes a chunk's blocks share per key/value head: Q and dO (input dtype) and dQ (fp32) of its group.
+    p.chunk_heads = layout::heads_per_chunk(int64_t(p.group) * a.q_len * D * (2 * int64_t(sizeof(T)) + 4),
+                                            a.batch * a.kv_heads);
     const int64_t blocks = int64_t(p.kv_tiles) * a.batch * a.kv_heads;
     backward_kernel<T, D><<<unsigned(blocks), THREADS, smem_bytes_of<T, D>, stream>>>(
         maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], p);

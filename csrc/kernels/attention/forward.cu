@@ -45,6 +45,7 @@ struct kernel_params {
     int q_tiles;
     int64_t tiles;     // q_tiles * batch * q_heads
     int kv_group;      // query heads per key/value head
+    int chunk_heads;   // causal: heads per L2 chunk of the tile order (layout::chunked_order)
     float scale_log2;  // scale * log2(e) > 0: scores go to base 2, so each exponent is one FFMA and one ex2
 };
 
@@ -52,16 +53,18 @@ struct block_work {
     int q_tile, head, batch, kv_blocks;
 };
 
-// Causal blocks differ in work (row tile i sees i + 1 key blocks): the heaviest tiles of every head start first.
-// Otherwise the query tiles of one head are neighbours, so blocks running together share its K and V in L2.
+// Causal tiles differ in work (row tile i sees i + 1 key blocks): within each L2 chunk of heads the heaviest
+// tiles start first. Otherwise the query tiles of one head are neighbours, so blocks running together share its
+// K and V in L2.
 __device__ __forceinline__ block_work work_of(const kernel_params& p, int64_t linear) {
     const forward_args& a = p.args;
     const int64_t bh_count = a.batch * a.q_heads;
     int q_tile;
     int64_t bh;
     if (a.causal) {
-        bh = linear % bh_count;
-        q_tile = p.q_tiles - 1 - int(linear / bh_count);
+        const layout::chunked_tile t = layout::chunked_order(int(linear), int(bh_count), p.q_tiles, p.chunk_heads);
+        bh = t.head;
+        q_tile = p.q_tiles - 1 - t.rank;
     } else {
         q_tile = int(linear % p.q_tiles);
         bh = linear / p.q_tiles;
@@ -316,6 +319,8 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
     p.kv_group = int(a.q_heads / a.kv_heads);
     p.scale_log2 = a.scale * LOG2E;
     p.tiles = int64_t(p.q_tiles) * a.batch * a.q_heads;
+    // The bytes a chunk's tiles share: each query head's K and V (shared again within a group: a bound).
+    p.chunk_heads = layout::heads_per_chunk(2 * a.kv_len * D * int64_t(sizeof(T)), a.batch * a.q_heads);
     const int64_t blocks = std::min<int64_t>(p.tiles, a.max_blocks > 0 ? a.max_blocks : multiprocessor_count());
     forward_kernel<T, D><<<unsigned(blocks), THREADS, smem_bytes_of<T, D>, stream>>>(map_q, map_k, map_v, map_o, p);
     return cudaGetLastError();

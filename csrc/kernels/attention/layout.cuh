@@ -43,4 +43,28 @@ inline const char* shape_unsupported(int dtype_code, int64_t head_dim, int64_t b
     return nullptr;
 }
 
+// Causal tiles differ in work, so the kernels start the heaviest first; but heaviest-first over all heads makes
+// every wave of blocks touch a different head each, and the tensors that blocks of one head share (K/V in the
+// forward; Q, dO and dQ in the backward) stop fitting in L2 (at S = 2048 the causal backward took as long as the
+// full one). So heads go in chunks whose shared bytes fit this budget, heaviest tiles first within a chunk.
+constexpr int64_t l2_chunk_budget = int64_t(16) << 20;
+
+// Heads per chunk: at least 1, at most `heads`.
+inline int heads_per_chunk(int64_t bytes_per_head, int64_t heads) {
+    const int64_t fit = bytes_per_head > 0 ? l2_chunk_budget / bytes_per_head : heads;
+    return int(fit < 1 ? 1 : (fit > heads ? heads : fit));
+}
+
+// Tile `linear` of a chunked, heaviest-first order over `heads` heads of `tiles` tiles each: (head, rank), where
+// rank 0 is a head's heaviest tile. Chunks of `chunk` heads (the last may hold fewer) follow each other; within a
+// chunk rank r of every head comes before rank r + 1 of any. 32-bit: the launchers keep heads * tiles < 2^31.
+struct chunked_tile {
+    int head, rank;
+};
+__host__ __device__ inline chunked_tile chunked_order(int linear, int heads, int tiles, int chunk) {
+    const int per_chunk = chunk * tiles, first = linear / per_chunk * chunk, r = linear % per_chunk;
+    const int here = heads - first < chunk ? heads - first : chunk;
+    return {first + r % here, r / here};
+}
+
 }  // namespace tk::attention::layout
