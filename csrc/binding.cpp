@@ -67,7 +67,7 @@ void attention_forward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std
                        int dtype, int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t q_len, int64_t kv_len,
                        int64_t head_dim, strides3 q_stride, strides3 k_stride, strides3 v_stride, strides3 o_stride,
                        std::array<int64_t, 2> lse_stride, float scale, bool causal, std::uintptr_t stream,
-                       int max_blocks) {
+                       int max_blocks, std::uintptr_t tickets) {
     tk::attention::forward_args args{};
     args.q = as_ptr<void>(q);
     args.k = as_ptr<void>(k);
@@ -89,6 +89,7 @@ void attention_forward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std
     args.scale = scale;
     args.causal = causal;
     args.max_blocks = max_blocks;
+    args.tickets = reinterpret_cast<int*>(tickets);
     if (const char* reason = tk::attention::forward_unsupported(args)) throw std::invalid_argument(reason);
     check_launch(tk::attention::launch_forward(args, reinterpret_cast<cudaStream_t>(stream)), "attention_forward");
 }
@@ -330,7 +331,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("lse"), py::arg("dtype"), py::arg("batch"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("q_len"),
           py::arg("kv_len"), py::arg("head_dim"), py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"),
           py::arg("o_stride"), py::arg("lse_stride"), py::arg("scale"), py::arg("causal"), py::arg("stream"),
-          py::arg("max_blocks") = 0,
+          py::arg("max_blocks") = 0, py::arg("tickets") = 0,
           "o = softmax(scale q k^T (causal mask)) v and lse (fp32, natural log) per query row, (B, H, S, D) tensors "
           "with strides (batch, head, sequence) in elements; enqueued on `stream`.");
     m.def("attention_backward", &attention_backward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"),

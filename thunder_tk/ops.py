@@ -168,7 +168,8 @@ def attention_forward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
-                      scale: float | None = None, _max_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float | None = None, _max_blocks: int = 0,
+                      _schedule: str = "dynamic") -> tuple[torch.Tensor, torch.Tensor]:
     """o = softmax(scale q k^T, causal mask) v and lse = logsumexp of the scaled scores, by the tk kernel.
 
     q is (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) with Hkv dividing Hq (query head h reads key/value head
@@ -176,7 +177,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     needs Sq == Sk. Inputs are read in place when the last dim is contiguous and the other strides are multiples
     of 8 elements (LitGPT's transposed views qualify); others are copied first. Returns o (B, Hq, Sq, D) in the
     input dtype and lse (B, Hq, Sq) in float32 (natural log), which the backward pass consumes.
-    _max_blocks (tests only) caps the persistent grid, so that small shapes walk several tiles per block.
+    _max_blocks (tests only) caps the persistent grid, so that small shapes walk several tiles per block;
+    _schedule "dynamic" (blocks take the next tile from a counter; causal tiles heaviest first within chunks of
+    heads that fit L2) or "static" (block i takes tiles i, i + grid, ...; what CUDA-graph capture gets).
     """
     check_attention_args(q, k, v, is_causal, scale)
     ext = _require_kernels(q.device)
@@ -193,7 +196,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
                               _DTYPE_CODES[q.dtype], B, Hq, Hkv, Sq, Sk, D, list(q.stride()[:3]),
                               list(k.stride()[:3]), list(v.stride()[:3]), list(o.stride()[:3]),
                               list(lse.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device),
-                              int(_max_blocks))
+                              int(_max_blocks), _launch_tickets(q.device, _schedule, "attention"))
     return o, lse
 
 
@@ -295,11 +298,10 @@ _ticket_rings: dict[int, torch.Tensor] = {}
 _ticket_next: dict[int, int] = {}
 
 
-def _gemm_tickets(device: torch.device, schedule: str | None) -> int:
-    """The counter address for one launch, or 0 for the static schedule."""
-    schedule = schedule or os.environ.get(GEMM_SCHEDULE_ENV, "static")
+def _launch_tickets(device: torch.device, schedule: str, what: str) -> int:
+    """The counter address for one launch of a kernel with the dynamic schedule, or 0 for the static one."""
     if schedule not in ("static", "dynamic"):
-        raise ValueError(f"gemm schedule must be 'static' or 'dynamic' (from {GEMM_SCHEDULE_ENV}); got {schedule!r}")
+        raise ValueError(f"{what} schedule must be 'static' or 'dynamic'; got {schedule!r}")
     # Under CUDA-graph capture a launch would keep its counter for every replay, however far apart: static.
     if schedule == "static" or torch.cuda.is_current_stream_capturing():
         return 0
@@ -311,6 +313,11 @@ def _gemm_tickets(device: torch.device, schedule: str | None) -> int:
     i = _ticket_next.get(device.index, 0)
     _ticket_next[device.index] = (i + 1) % _TICKET_RING
     return ring.data_ptr() + 128 * i
+
+
+def _gemm_tickets(device: torch.device, schedule: str | None) -> int:
+    return _launch_tickets(device, schedule or os.environ.get(GEMM_SCHEDULE_ENV, "static"),
+                           f"gemm (from {GEMM_SCHEDULE_ENV})")
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -120,18 +120,19 @@ def test_matches_fp64_reference(case, dtype):
     check(*make(B, Hq, Hkv, Sq, Sk, D, dtype), causal=causal)
 
 
+@pytest.mark.parametrize("schedule", ["dynamic", "static"])
 @pytest.mark.parametrize("max_blocks", [1, 3])
 @pytest.mark.parametrize("B,Hq,Hkv,S,D,causal", [
     (1, 2, 1, 300, 64, False),  # 3 key blocks per tile, 6 tiles
     (2, 2, 2, 257, 128, True),  # tiles of 1 to 3 key blocks, heaviest first
     (3, 4, 4, 128, 128, True),  # one key block per tile
 ])
-def test_persistent_grid_walks_many_tiles(B, Hq, Hkv, S, D, causal, max_blocks):
+def test_persistent_grid_walks_many_tiles(B, Hq, Hkv, S, D, causal, max_blocks, schedule):
     # The forward runs one block per SM; a capped grid makes every block walk several tiles (K/V stages, Q buffers
     # and the warpgroups' turns run on across tiles) at shapes small enough for the fp64 reference.
     q, k, v = make(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=3)
     poison_allocator(((B, Hq, S, D), q.dtype), ((B, Hq, S), torch.float32))
-    o, lse = ops.attention_forward(q, k, v, is_causal=causal, _max_blocks=max_blocks)
+    o, lse = ops.attention_forward(q, k, v, is_causal=causal, _max_blocks=max_blocks, _schedule=schedule)
     ref_o, ref_lse = reference(q, k, v, causal)
     assert rel_err(o, ref_o) < O_TOL[q.dtype]
     assert (lse.double() - ref_lse).abs().max().item() < LSE_TOL
@@ -398,6 +399,9 @@ def test_causal_head_chunks_with_a_partial_last_chunk(B, H, S, D):
     # D = 64, 15 and 7 (16 heads: last chunks of 1 and 2).
     q, k, v = make(B, H, H, S, S, D, torch.bfloat16, seed=5)
     check(q, k, v, causal=True)
+    o_static, _ = ops.attention_forward(q, k, v, is_causal=True, _schedule="static")
+    o_dynamic, _ = ops.attention_forward(q, k, v, is_causal=True)
+    assert torch.equal(o_static, o_dynamic), "the result depends on the tile schedule"
     backward_check(q, k, v, causal=True)
 
 

@@ -37,13 +37,15 @@ struct shared_state {
     wgmma::operand_tile<T, D, major::mn> v[STAGES][BN / 64];  // O += P V: D is B's N (contiguous), keys the reduction
     pipeline::ring<STAGES> k_ring, v_ring;  // full: the stage's bytes landed; empty: every consumer warp is done
     pipeline::ring<2> q_ring;               // full: Q landed; empty: both warpgroups' O stores have read the buffer
+    int q_tile_of[2];                       // the tile whose Q a buffer holds (-1: no more tiles), with its `full`
     static constexpr uint32_t q_bytes = BM * D * sizeof(T), kv_bytes = BN * D * sizeof(T);
 };
 
 struct kernel_params {
     forward_args args;
     int q_tiles;
-    int64_t tiles;     // q_tiles * batch * q_heads
+    int tiles;         // q_tiles * batch * q_heads
+    int* tickets;      // dynamic schedule counter (blocks take the next tile when they get to it), or null: static
     int kv_group;      // query heads per key/value head
     int chunk_heads;   // causal: heads per L2 chunk of the tile order (layout::chunked_order)
     float scale_log2;  // scale * log2(e) > 0: scores go to base 2, so each exponent is one FFMA and one ex2
@@ -56,13 +58,13 @@ struct block_work {
 // Causal tiles differ in work (row tile i sees i + 1 key blocks): within each L2 chunk of heads the heaviest
 // tiles start first. Otherwise the query tiles of one head are neighbours, so blocks running together share its
 // K and V in L2.
-__device__ __forceinline__ block_work work_of(const kernel_params& p, int64_t linear) {
+__device__ __forceinline__ block_work work_of(const kernel_params& p, int linear) {
     const forward_args& a = p.args;
     const int64_t bh_count = a.batch * a.q_heads;
     int q_tile;
     int64_t bh;
     if (a.causal) {
-        const layout::chunked_tile t = layout::chunked_order(int(linear), int(bh_count), p.q_tiles, p.chunk_heads);
+        const layout::chunked_tile t = layout::chunked_order(linear, int(bh_count), p.q_tiles, p.chunk_heads);
         bh = t.head;
         q_tile = p.q_tiles - 1 - t.rank;
     } else {
@@ -82,11 +84,25 @@ __device__ __forceinline__ void produce(shared_state<T, D>& st, const kernel_par
     tma::prefetch_map(&map_v);
     pipeline::cursor<2> at_q;
     pipeline::cursor<STAGES> at;  // K and V stages run on across tiles
-    for (int64_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
-        const block_work w = work_of(p, t);
-        const int kv_head = w.head / p.kv_group;
+    // Static: tiles blockIdx.x, + grid, ... Dynamic: every block takes tickets until one is past the end, so a
+    // launch hands out exactly tiles + grid of them, and the holder of the last one resets the counter.
+    auto next_tile = [&](int previous) {
+        if (p.tickets == nullptr) return previous < 0 ? int(blockIdx.x) : previous + int(gridDim.x);
+        const int ticket = atomicAdd(p.tickets, 1);
+        if (ticket == p.tiles + int(gridDim.x) - 1) atomicExch(p.tickets, 0);
+        return ticket;
+    };
+    for (int t = next_tile(-1);; t = next_tile(t)) {
         st.q_ring.wait_empty(at_q);  // both warpgroups' O stores have read this buffer (two tiles ago)
         sync::barrier& q_full = st.q_ring.full[at_q.stage];
+        if (t >= p.tiles) {  // the end: a buffer with no bytes whose tile is -1
+            st.q_tile_of[at_q.stage] = -1;
+            sync::arrive(q_full);
+            return;
+        }
+        st.q_tile_of[at_q.stage] = t;
+        const block_work w = work_of(p, t);
+        const int kv_head = w.head / p.kv_group;
         sync::arrive_expect_bytes(q_full, shared_state<T, D>::q_bytes);
         for (int dp = 0; dp < D / 64; ++dp)
             for (int r = 0; r < BM / 64; ++r)
@@ -114,7 +130,7 @@ __device__ __forceinline__ void produce(shared_state<T, D>& st, const kernel_par
 
 template <typename T, int D>
 __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
-                                             int qb, bool last_tile, pipeline::cursor<STAGES>& at_k,
+                                             int qb, pipeline::cursor<STAGES>& at_k,
                                              pipeline::cursor<STAGES>& at_v, const CUtensorMap& map_o) {
     const forward_args& a = p.args;
     const int slice = warpgroup::index() - 1;  // query rows [64 slice, 64 slice + 64) of the tile
@@ -182,7 +198,8 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kerne
     };
 
     // Ping-pong: a warpgroup issues its products only in its turn and then hands the turn over. Every turn is
-    // matched over the whole walk: warpgroup 1 opens with a hand-over (in consume) and leaves out its very last.
+    // matched over the whole walk: warpgroup 1 opens with a hand-over and warpgroup 0 takes a last, empty turn
+    // (both in consume).
     constexpr int turn_threads = 2 * warpgroup::threads;
     auto my_turn = [&] { sync::named_sync(3 + slice, turn_threads); };
     auto hand_over = [&] { sync::named_arrive(3 + (slice ^ 1), turn_threads); };
@@ -222,7 +239,7 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kerne
     st.v_ring.wait_full(at_v);
     my_turn();
     accumulate_pv(at_v.stage);
-    if (slice == 0 || !last_tile) hand_over();
+    hand_over();
     wgmma::wait<0>();
     wgmma::pin(o.d);
     if (lane0) sync::arrive(st.v_ring.empty[at_v.stage]);
@@ -267,11 +284,13 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     if (warpgroup::index() == 2) sync::named_arrive(3, 2 * warpgroup::threads);  // warpgroup 0 takes the first turn
     pipeline::cursor<2> at_q;
     pipeline::cursor<STAGES> at_k, at_v;
-    for (int64_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+    for (;; at_q.advance()) {
         st.q_ring.wait_full(at_q);
-        consume_tile<T, D>(st, p, work_of(p, t), at_q.stage, t + gridDim.x >= p.tiles, at_k, at_v, map_o);
-        at_q.advance();
+        const int t = st.q_tile_of[at_q.stage];
+        if (t < 0) break;
+        consume_tile<T, D>(st, p, work_of(p, t), at_q.stage, at_k, at_v, map_o);
     }
+    if (warpgroup::index() == 1) sync::named_sync(3, 2 * warpgroup::threads);  // warpgroup 1's last hand-over
     if (warpgroup::thread() == 0) tma::store_wait();  // the last outputs are in global memory
 }
 
@@ -318,10 +337,16 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
     p.q_tiles = int((a.q_len + BM - 1) / BM);
     p.kv_group = int(a.q_heads / a.kv_heads);
     p.scale_log2 = a.scale * LOG2E;
-    p.tiles = int64_t(p.q_tiles) * a.batch * a.q_heads;
-    // The bytes a chunk's tiles share: each query head's K and V (shared again within a group: a bound).
-    p.chunk_heads = layout::heads_per_chunk(2 * a.kv_len * D * int64_t(sizeof(T)), a.batch * a.q_heads);
+    p.tiles = int(int64_t(p.q_tiles) * a.batch * a.q_heads);
+    p.tickets = a.tickets;
+    // The bytes a chunk's tiles share: each query head's K and V (shared again within a group: a bound). Chunks
+    // need the dynamic schedule: a static one deals a chunk's uneven tiles out unevenly (up to 1.3x the mean per
+    // block), so it keeps one heaviest-first order over all heads.
+    p.chunk_heads = a.tickets != nullptr
+                        ? layout::heads_per_chunk(2 * a.kv_len * D * int64_t(sizeof(T)), a.batch * a.q_heads)
+                        : int(a.batch * a.q_heads);
     const int64_t blocks = std::min<int64_t>(p.tiles, a.max_blocks > 0 ? a.max_blocks : multiprocessor_count());
+    if (blocks <= 0) return cudaErrorInvalidValue;
     forward_kernel<T, D><<<unsigned(blocks), THREADS, smem_bytes_of<T, D>, stream>>>(map_q, map_k, map_v, map_o, p);
     return cudaGetLastError();
 }
@@ -332,7 +357,8 @@ const char* forward_unsupported(const forward_args& a) {
     if (const char* reason = layout::shape_unsupported(a.dtype, a.head_dim, a.batch, a.q_heads, a.kv_heads, a.q_len,
                                                        a.kv_len, a.causal, a.scale))
         return reason;
-    if (a.batch * a.q_heads * ((a.q_len + BM - 1) / BM) >= (int64_t(1) << 31)) return "too many blocks";
+    // Tiles and the dynamic schedule's tickets (tiles + grid of them) count in int.
+    if (a.batch * a.q_heads * ((a.q_len + BM - 1) / BM) >= (int64_t(1) << 31) - 65536) return "too many tiles";
     if (a.batch * a.q_heads >= (int64_t(1) << 31)) return "too many heads";
     if (a.lse == nullptr) return "lse must be given";
     if (a.max_blocks < 0) return "max_blocks must be >= 0";

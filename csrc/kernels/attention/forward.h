@@ -21,6 +21,9 @@ struct forward_args {
     float scale;   // multiplies Q K^T; positive
     bool causal;   // mask key j > query i (top-left aligned; q_len == kv_len)
     int max_blocks = 0;  // grid limit (0: one block per SM); tests set it to walk several tiles per block cheaply
+    // Dynamic tile schedule: a zeroed int in device memory that the launch leaves zeroed again (null: static,
+    // e.g. under CUDA-graph capture, where every replay would reuse the one counter).
+    int* tickets = nullptr;
 };
 
 // Why `args` cannot run (null when it can): head dim, dtype, sizes, strides, alignment.
