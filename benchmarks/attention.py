@@ -98,6 +98,8 @@ def run_point(ops, B, H, S, D, causal, a):
     # Forward: check tk against the first SDPA backend that runs, then time all in turns.
     o, lse = ops.attention_forward(q, k, v, is_causal=causal)
     fwd = {"tk": lambda: ops.attention_forward(q, k, v, is_causal=causal)}
+    if a.static_too:  # the forward's static tile schedule (what CUDA-graph capture gets), timed in the same turns
+        fwd["tk_static"] = lambda: ops.attention_forward(q, k, v, is_causal=causal, _schedule="static")
     ref = None
     for name, backend in backends.items():
         fn = sdpa_forward(backend, q, k, v, causal)
@@ -121,6 +123,10 @@ def run_point(ops, B, H, S, D, causal, a):
         row[f"{name}_fwd_tflops"] = flops / ms[name] / 1e9 if name in ms else None
     for name in PEERS:
         row[f"fwd_vs_{name}"] = ms[name] / ms["tk"] if name in ms else None
+    if "tk_static" in ms:
+        row["tk_static_fwd_tflops"] = flops / ms["tk_static"] / 1e9
+        print(f"  {shape} causal={causal}: fwd tk dynamic {row['tk_fwd_tflops']:.0f}, static "
+              f"{row['tk_static_fwd_tflops']:.0f} TFLOP/s", flush=True)
 
     # Backward: SDPA's through autograd on a graph kept alive; tk's from o and lse of its forward.
     if not a.no_backward:
@@ -177,6 +183,7 @@ def main() -> None:
     p.add_argument("--head-dims", type=int, nargs="+", choices=(64, 128), help="head dims (default 128 64)")
     p.add_argument("--seq-lens", type=int, nargs="+", help=f"sequence lengths (default {' '.join(map(str, SEQ_LENS))})")
     p.add_argument("--no-backward", action="store_true", help="time the forward only")
+    p.add_argument("--static-too", action="store_true", help="also time the forward's static tile schedule")
     p.add_argument("--rounds", type=int, default=5, help="timing rounds per point, peers in rotating order")
     a = p.parse_args()
     if not torch.cuda.is_available():

@@ -36,7 +36,7 @@ struct shared_state {
     wgmma::operand_tile<T, BN, major::k> k[STAGES][D / 64];   // S = Q K^T: keys are B's N, D is the reduction
     wgmma::operand_tile<T, D, major::mn> v[STAGES][BN / 64];  // O += P V: D is B's N (contiguous), keys the reduction
     pipeline::ring<STAGES> k_ring, v_ring;  // full: the stage's bytes landed; empty: every consumer warp is done
-    pipeline::ring<2> q_ring;               // full: Q landed; empty: both warpgroups' O stores have read the buffer
+    pipeline::ring<2> q_ring;               // full: Q landed; empty: every consumer is done with the buffer
     int q_tile_of[2];                       // the tile whose Q a buffer holds (-1: no more tiles), with its `full`
     static constexpr uint32_t q_bytes = BM * D * sizeof(T), kv_bytes = BN * D * sizeof(T);
 };
@@ -274,9 +274,11 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kerne
             tma::store_commit();
         }
         tma::store_wait_read();  // the buffer takes the tile after next's Q once the store has read it
-        sync::arrive(st.q_ring.empty[qb]);
     }
     __syncwarp();  // lane 0 rejoins its warp before the next tile's .aligned barriers and wgmma
+    // Every consumer thread read the buffer's tile index, so every one hands the buffer back itself (release),
+    // the leader after its store has read the staged O.
+    sync::arrive(st.q_ring.empty[qb]);
 }
 
 template <typename T, int D>
@@ -305,7 +307,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (threadIdx.x == 0) {
         st.k_ring.init(1, CONSUMERS * 4);  // the producer; lane 0 of every consumer warp
         st.v_ring.init(1, CONSUMERS * 4);
-        st.q_ring.init(1, CONSUMERS);  // the producer; one thread of each consumer warpgroup
+        st.q_ring.init(1, CONSUMERS * warpgroup::threads);  // the producer; every consumer thread
         sync::fence_init();
     }
     __syncthreads();
