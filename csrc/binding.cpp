@@ -13,6 +13,7 @@
 
 #include "kernels/attention/bwd_delta.h"
 #include "kernels/attention/backward.h"
+#include "kernels/attention/dq_finalize.h"
 #include "kernels/attention/forward.h"
 #include "kernels/collectives/p2p.h"
 #include "kernels/gemm/gemm.h"
@@ -92,6 +93,16 @@ void attention_forward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std
     args.tickets = reinterpret_cast<int*>(tickets);
     if (const char* reason = tk::attention::forward_unsupported(args)) throw std::invalid_argument(reason);
     check_launch(tk::attention::launch_forward(args, reinterpret_cast<cudaStream_t>(stream)), "attention_forward");
+}
+
+void attention_dq_finalize(std::uintptr_t accum, std::uintptr_t out, int dtype, int64_t count, float scale,
+                           std::uintptr_t stream) {
+    const float* in = as_ptr<float>(accum);
+    void* dst = reinterpret_cast<void*>(out);
+    if (const char* reason = tk::attention::dq_finalize_unsupported(in, dst, dtype, count))
+        throw std::invalid_argument(reason);
+    check_launch(tk::attention::launch_dq_finalize(in, dst, dtype, count, scale, reinterpret_cast<cudaStream_t>(stream)),
+                 "attention_dq_finalize");
 }
 
 void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t dout, std::uintptr_t lse,
@@ -327,6 +338,10 @@ PYBIND11_MODULE(_C, m) {
           py::arg("o_stride"), py::arg("grad_o_stride"), py::arg("delta_stride"), py::arg("stream"),
           py::arg("rows_per_group") = 0, py::arg("resident_grid") = true,
           "delta[b,h,s] = sum_d grad_o[b,h,s,d] * o[b,h,s,d] in fp32, enqueued on `stream`.");
+    m.def("attention_dq_finalize", &attention_dq_finalize, py::arg("accum"), py::arg("out"), py::arg("dtype"),
+          py::arg("count"), py::arg("scale"), py::arg("stream"),
+          "out = scale * accum (fp32, contiguous) rounded to bf16/fp16, `count` elements (a multiple of 8); "
+          "the attention backward's last step, enqueued on `stream`.");
     m.def("attention_forward", &attention_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
           py::arg("lse"), py::arg("dtype"), py::arg("batch"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("q_len"),
           py::arg("kv_len"), py::arg("head_dim"), py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"),

@@ -215,7 +215,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     Same arguments and layouts as attention_forward; o and grad_o are (B, Hq, Sq, D), lse (B, Hq, Sq) float32.
     dk and dv have k's (B, Hkv, Sk, D) shape, summed over each key/value head's query heads. All come back in the
     input dtype. The kernels: delta = rowsum(grad_o * o), then one pass over key blocks that keeps dK and dV in
-    registers and adds dQ into an fp32 buffer, which is scaled and rounded at the end.
+    registers and adds dQ into an fp32 buffer, which a last pass scales and rounds.
     """
     check_attention_args(q, k, v, is_causal, scale)
     B, Hq, Sq, D = q.shape
@@ -244,7 +244,9 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
                                list(k.stride()[:3]), list(v.stride()[:3]), list(grad_o.stride()[:3]),
                                list(dk.stride()[:3]), list(dv.stride()[:3]), list(lse.stride()[:2]),
                                list(delta.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device))
-    dq = (dq_accum * (sign * scale)).to(q.dtype)
+        dq = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
+        ext.attention_dq_finalize(dq_accum.data_ptr(), dq.data_ptr(), _DTYPE_CODES[q.dtype], dq.numel(),
+                                  sign * scale, _stream_handle(q.device))
     return dq, dk, dv
 
 

@@ -434,3 +434,25 @@ def test_backward_through_autograd_matches_sdpa():
     exact = ops.attention_backward_reference(q, k, v, o, lse, g, is_causal=True)
     for got, theirs, truth in zip(ours, ref, exact):
         assert rel_err(got, truth) < 2 * rel_err(theirs, truth) + 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_dq_finalize_scales_and_rounds_like_torch(dtype):
+    # The backward's last pass: dq = scale * dq_accum rounded to the input dtype, bitwise what torch's two steps
+    # give (an fp32 product, then round to nearest even), overflow to inf included for fp16.
+    ext = ops._require_kernels(torch.device("cuda"))
+    accum = torch.randn(3, 5, 77, 64, device="cuda") * 100
+    accum[0, 0, 0, :8] = torch.tensor([7e4, -7e4, 1e-30, 0.0, -0.0, 3.0, float("inf"), float("nan")])
+    out = torch.full(accum.shape, float("nan"), dtype=dtype, device="cuda")
+    ext.attention_dq_finalize(accum.data_ptr(), out.data_ptr(), ops._DTYPE_CODES[dtype], accum.numel(), -0.125,
+                              ops._stream_handle(accum.device))
+    expected = (accum * -0.125).to(dtype)
+    assert torch.equal(out.isnan(), expected.isnan())  # NaN stays NaN (its payload may differ)
+    keep = ~expected.isnan()
+    assert torch.equal(out[keep].view(torch.int16), expected[keep].view(torch.int16))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ext.attention_dq_finalize(accum.data_ptr(), out.data_ptr(), ops._DTYPE_CODES[dtype], 12, 1.0,
+                                  ops._stream_handle(accum.device))
+    with pytest.raises(ValueError, match="aligned"):
+        ext.attention_dq_finalize(accum.data_ptr() + 4, out.data_ptr(), ops._DTYPE_CODES[dtype], 8, 1.0,
+                                  ops._stream_handle(accum.device))
