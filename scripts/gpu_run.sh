@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-host job (set THUNDER_TK_COMMIT where the checkout has no .git; BENCH_ARGS=--sweep to tune;
-# BENCHES='gemm attention litgpt delta' picks benchmarks): install carried wheels, build thunder_tk, run the GPU tests, compute-sanitizer and the
+# BENCHES='gemm attention litgpt delta' picks benchmarks; a carried .ab_ref (scripts/ab_ref.sh) adds a same-machine
+# A/B, AB_BENCH): install carried wheels, build thunder_tk, run the GPU tests, compute-sanitizer and the
 # benchmarks, and print a short table last. Full logs go to $OUT (default out/gpu).
 #   bash scripts/gpu_run.sh [all|test|bench|dist|pretrain]
 #     dist: the multi-GPU collectives benchmark and tests; pretrain: `thunder-tk pretrain` with tk vs Thunder's
@@ -74,6 +75,12 @@ if [ "$what" = pretrain ]; then
   if [ -n "${PRETRAIN_THEN_KERNELS:-}" ]; then
     step dist_kernels timeout ${DIST_KERNELS_TIMEOUT:-150} bash -c "cd /tmp && python3 -m torch.distributed.run --nproc_per_node $ngpu $here/tests/gpu/collectives_worker.py kernels"
   fi
+fi
+if [ -d .ab_ref ] && { [ "$what" = all ] || [ "$what" = bench ]; }; then
+  # Same-machine A/B against another commit (scripts/ab_ref.sh <commit>; carry .ab_ref): build it beside, run in turns.
+  step build_ref python3 -m pip install --no-build-isolation --no-index --no-deps --target /tmp/ref_site ./.ab_ref
+  step ab_compare timeout ${AB_TIMEOUT:-500} python3 benchmarks/ab_compare.py --ref-site /tmp/ref_site --rounds ${AB_ROUNDS:-2} --json "$OUT/ab_compare.json" ${AB_BENCH:-attention --no-backward --seq-lens 512 2048 8192}
+  cat "$OUT/ab_compare.log"
 fi
 # Whether `all` / `bench` runs benchmark $1 (BENCHES, default every one).
 bench_wanted() { { [ "$what" = all ] || [ "$what" = bench ]; } && [[ " ${BENCHES:-gemm attention litgpt delta} " == *" $1 "* ]]; }

@@ -1,0 +1,63 @@
+"""benchmarks/ab_compare.py on a stand-in benchmark: the reference package found through --ref-site, the current
+one through the ordinary path, runs in turns, medians and ratios per point and metric."""
+import importlib.util
+import json
+from pathlib import Path
+
+FAKE_BENCH = '''
+import argparse, json
+import abfake
+p = argparse.ArgumentParser()
+p.add_argument("--size", type=int)
+p.add_argument("--json")
+a = p.parse_args()
+rows = [{"shape": f"{a.size}x{d}", "causal": c, "tk_fwd_ms": 1.0, "tk_fwd_tflops": abfake.SPEED * d,
+         "cudnn_fwd_tflops": 50.0} for d in (1, 2) for c in (False, True)]
+json.dump({"rows": rows}, open(a.json, "w"))
+'''
+
+
+def load_ab_compare():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ab_compare.py"
+    spec = importlib.util.spec_from_file_location("ab_compare", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_alternating_runs_compare_tk_metrics_per_point(tmp_path, monkeypatch, capsys):
+    ab = load_ab_compare()
+    bench_dir, current, ref = tmp_path / "bench", tmp_path / "current", tmp_path / "ref"
+    for d in (bench_dir, current, ref):
+        d.mkdir()
+    (bench_dir / "fake.py").write_text(FAKE_BENCH)
+    (current / "abfake.py").write_text("SPEED = 110.0\n")
+    (ref / "abfake.py").write_text("SPEED = 100.0\n")
+    monkeypatch.setattr(ab, "BENCH_DIR", bench_dir)
+    monkeypatch.setenv("PYTHONPATH", str(current))
+    out = tmp_path / "ab.json"
+    ab.main(["--ref-site", str(ref), "--ref-label", "abc1234", "--rounds", "3", "--json", str(out),
+             "fake", "--size", "7"])
+    data = json.loads(out.read_text())
+    assert data["reference"] == "abc1234" and data["rounds"] == 3
+    # Four points, one tk metric each (tk_fwd_ms is not a rate; cuDNN is not ours).
+    assert len(data["results"]) == 4
+    for r in data["results"]:
+        assert r["metric"] == "tk_fwd_tflops"
+        assert len(r["current_all"]) == 3 and len(r["reference_all"]) == 3
+        assert abs(r["ratio"] - 1.1) < 1e-9
+    assert "shape=7x2 causal=True" in {r["point"] for r in data["results"]}
+    assert "geometric mean current/abc1234: 1.100" in capsys.readouterr().out
+    assert (tmp_path / "ab_runs.log").read_text().count("$ ") == 6
+
+
+def test_a_failing_side_stops_with_its_name(tmp_path, monkeypatch):
+    ab = load_ab_compare()
+    (tmp_path / "broken.py").write_text("raise SystemExit('no kernels here')\n")
+    monkeypatch.setattr(ab, "BENCH_DIR", tmp_path)
+    try:
+        ab.main(["--ref-site", str(tmp_path), "--json", str(tmp_path / "x.json"), "broken"])
+    except SystemExit as e:
+        assert "current run failed" in str(e)
+    else:
+        raise AssertionError("expected the failed run to stop the comparison")
