@@ -25,7 +25,7 @@ METRIC_SUFFIXES = ("_tflops", "_gbps", "_busbw")
 def point_of(row: dict) -> str:
     """A row's identity: its descriptive fields (shape, flags), not its measurements."""
     parts = [f"{k}={v}" for k, v in row.items()
-             if isinstance(v, (str, bool, int)) and not isinstance(v, float) and k not in ("notes", "checked_against")]
+             if isinstance(v, (str, bool, int)) and k not in ("notes", "checked_against")]
     return " ".join(parts)
 
 

@@ -46,7 +46,8 @@ def main():
         args = [str(int(x)) for x in case] + [str(int(bwd))]
         try:
             r = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True, text=True, timeout=25)
-            out = (r.stdout.strip() or r.stderr.strip().splitlines()[-1]) if r.returncode == 0 or r.stderr else "?"
+            lines = (r.stdout.strip() or r.stderr.strip()).splitlines()
+            out = lines[-1] if lines else ""  # the errors, or a failure's last line
             status = "ok" if r.returncode == 0 else f"rc={r.returncode}"
         except subprocess.TimeoutExpired:
             status, out = "HANG", ""

@@ -35,7 +35,6 @@ here=$(pwd)
 if [ -n "${ATTN_PROBE:-}" ]; then  # attention cases one child process each, a hang reported per shape; stops here on any
   step attention_probe timeout 400 bash -c "cd /tmp && python3 $here/scripts/attention_hang_probe.py --backward"
   cat "$OUT/attention_probe.log"
-  if [ -n "$so" ]; then cuobjdump --dump-sass "$so" 2>/dev/null | awk '/Function : .*forward_kernel.*bfloat16.*Li64/{p=1} p&&/Function : /&&!/forward_kernel.*bfloat16.*Li64/{p=0} p' > "$OUT/forward_sass.txt"; fi
   grep -qE "^(HANG|rc=)" "$OUT/attention_probe.log" && { printf '%s\n' "${summary[@]}"; exit 1; }
 fi
 if [ "$what" = all ] || [ "$what" = test ] || [ -n "${WITH_TESTS:-}" ]; then  # WITH_TESTS=1: also before dist
@@ -76,14 +75,15 @@ if [ "$what" = pretrain ]; then
     step dist_kernels timeout ${DIST_KERNELS_TIMEOUT:-150} bash -c "cd /tmp && python3 -m torch.distributed.run --nproc_per_node $ngpu $here/tests/gpu/collectives_worker.py kernels"
   fi
 fi
-if [ -d .ab_ref ] && { [ "$what" = all ] || [ "$what" = bench ]; }; then
+# Whether this mode runs benchmarks (`all`, `bench`), and whether it runs benchmark $1 (BENCHES, default every one).
+benching() { [ "$what" = all ] || [ "$what" = bench ]; }
+bench_wanted() { benching && [[ " ${BENCHES:-gemm attention litgpt delta} " == *" $1 "* ]]; }
+if [ -d .ab_ref ] && benching; then
   # Same-machine A/B against another commit (scripts/ab_ref.sh <commit>; carry .ab_ref): build it beside, run in turns.
   step build_ref python3 -m pip install --no-build-isolation --no-index --no-deps --target /tmp/ref_site ./.ab_ref
   step ab_compare timeout ${AB_TIMEOUT:-500} python3 benchmarks/ab_compare.py --ref-site /tmp/ref_site --rounds ${AB_ROUNDS:-2} --json "$OUT/ab_compare.json" ${AB_BENCH:-attention --no-backward --seq-lens 512 2048 8192}
   cat "$OUT/ab_compare.log"
 fi
-# Whether `all` / `bench` runs benchmark $1 (BENCHES, default every one).
-bench_wanted() { { [ "$what" = all ] || [ "$what" = bench ]; } && [[ " ${BENCHES:-gemm attention litgpt delta} " == *" $1 "* ]]; }
 if bench_wanted gemm; then
   step bench_gemm timeout 400 python3 benchmarks/gemm.py ${GEMM_ARGS:-} --json "$OUT/gemm.json" --png "$OUT/gemm.png"
   cat "$OUT/bench_gemm.log"
