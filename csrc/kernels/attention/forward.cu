@@ -130,7 +130,7 @@ __device__ __forceinline__ void produce(shared_state<T, D>& st, const kernel_par
 
 template <typename T, int D>
 __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
-                                             int qb, pipeline::cursor<STAGES>& at_k,
+                                             int qb, int& pending, pipeline::cursor<STAGES>& at_k,
                                              pipeline::cursor<STAGES>& at_v, const CUtensorMap& map_o) {
     const forward_args& a = p.args;
     const int slice = warpgroup::index() - 1;  // query rows [64 slice, 64 slice + 64) of the tile
@@ -209,6 +209,14 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kerne
     my_turn();
     scores(at_k.stage);
     hand_over();
+    if (pending >= 0) {  // the previous tile's O store has had these scores' time to read its staging
+        if (warpgroup::thread() == 0) {
+            tma::store_wait_read();
+            sync::arrive(st.q_ring.empty[pending]);  // the leader's share of handing that Q buffer back
+        }
+        __syncwarp();  // lane 0 rejoins its warp before the .aligned wgmma wait
+        pending = -1;
+    }
     wgmma::wait<0>();
     wgmma::pin(s.d);
     if (lane0) sync::arrive(st.k_ring.empty[at_k.stage]);
@@ -267,18 +275,17 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kerne
     }
     tma::fence_shared_to_async();
     sync::named_sync(1 + slice, warpgroup::threads);
-    if (warpgroup::thread() == 0) {
-        if (row0 < a.q_len) {
-            for (int dp = 0; dp < D / 64; ++dp)
-                tma::store_4d(&map_o, q[dp].data + slice * 64 * 64, dp * 64, int32_t(row0), w.head, w.batch);
-            tma::store_commit();
-        }
-        tma::store_wait_read();  // the buffer takes the tile after next's Q once the store has read it
+    if (warpgroup::thread() == 0 && row0 < a.q_len) {
+        for (int dp = 0; dp < D / 64; ++dp)
+            tma::store_4d(&map_o, q[dp].data + slice * 64 * 64, dp * 64, int32_t(row0), w.head, w.batch);
+        tma::store_commit();
     }
     __syncwarp();  // lane 0 rejoins its warp before the next tile's .aligned barriers and wgmma
-    // Every consumer thread read the buffer's tile index, so every one hands the buffer back itself (release),
-    // the leader after its store has read the staged O.
-    sync::arrive(st.q_ring.empty[qb]);
+    // Every consumer thread read the buffer's tile index, so every one hands the buffer back itself (release):
+    // the others now, the leader once its store has read the staged O, which it checks in the next tile after
+    // its first products are issued (waiting here held the whole warpgroup's next turn on the store).
+    if (warpgroup::thread() != 0) sync::arrive(st.q_ring.empty[qb]);
+    pending = qb;
 }
 
 template <typename T, int D>
@@ -286,11 +293,12 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     if (warpgroup::index() == 2) sync::named_arrive(3, 2 * warpgroup::threads);  // warpgroup 0 takes the first turn
     pipeline::cursor<2> at_q;
     pipeline::cursor<STAGES> at_k, at_v;
+    int pending = -1;  // the Q buffer whose O store the leader has yet to see read (its hand-back is owed)
     for (;; at_q.advance()) {
         st.q_ring.wait_full(at_q);
         const int t = st.q_tile_of[at_q.stage];
         if (t < 0) break;
-        consume_tile<T, D>(st, p, work_of(p, t), at_q.stage, at_k, at_v, map_o);
+        consume_tile<T, D>(st, p, work_of(p, t), at_q.stage, pending, at_k, at_v, map_o);
     }
     if (warpgroup::index() == 1) sync::named_sync(3, 2 * warpgroup::threads);  // warpgroup 1's last hand-over
     if (warpgroup::thread() == 0) tma::store_wait();  // the last outputs are in global memory
