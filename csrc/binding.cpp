@@ -64,17 +64,16 @@ void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t
     check_launch(tk::attention::launch_bwd_delta(args, reinterpret_cast<cudaStream_t>(stream)), "attention_bwd_delta");
 }
 
-void attention_forward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o, std::uintptr_t lse,
-                       int dtype, int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t q_len, int64_t kv_len,
-                       int64_t head_dim, strides3 q_stride, strides3 k_stride, strides3 v_stride, strides3 o_stride,
-                       std::array<int64_t, 2> lse_stride, float scale, bool causal, std::uintptr_t stream,
-                       int max_blocks, std::uintptr_t tickets) {
-    tk::attention::forward_args args{};
+// The fields forward_args and backward_args share, set in one place so that a new shared field cannot be set
+// for one direction only.
+template <typename Args>
+void fill_attention_common(Args& args, std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, int dtype, int64_t batch,
+                           int64_t q_heads, int64_t kv_heads, int64_t q_len, int64_t kv_len, int64_t head_dim,
+                           const strides3& q_stride, const strides3& k_stride, const strides3& v_stride,
+                           const std::array<int64_t, 2>& lse_stride, float scale, bool causal) {
     args.q = as_ptr<void>(q);
     args.k = as_ptr<void>(k);
     args.v = as_ptr<void>(v);
-    args.o = reinterpret_cast<void*>(o);
-    args.lse = reinterpret_cast<float*>(lse);
     args.dtype = dtype;
     args.batch = batch;
     args.q_heads = q_heads;
@@ -85,10 +84,22 @@ void attention_forward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std
     copy_strides(args.q_stride, q_stride);
     copy_strides(args.k_stride, k_stride);
     copy_strides(args.v_stride, v_stride);
-    copy_strides(args.o_stride, o_stride);
     copy_strides(args.lse_stride, lse_stride);
     args.scale = scale;
     args.causal = causal;
+}
+
+void attention_forward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o, std::uintptr_t lse,
+                       int dtype, int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t q_len, int64_t kv_len,
+                       int64_t head_dim, strides3 q_stride, strides3 k_stride, strides3 v_stride, strides3 o_stride,
+                       std::array<int64_t, 2> lse_stride, float scale, bool causal, std::uintptr_t stream,
+                       int max_blocks, std::uintptr_t tickets) {
+    tk::attention::forward_args args{};
+    fill_attention_common(args, q, k, v, dtype, batch, q_heads, kv_heads, q_len, kv_len, head_dim, q_stride, k_stride,
+                          v_stride, lse_stride, scale, causal);
+    args.o = reinterpret_cast<void*>(o);
+    args.lse = reinterpret_cast<float*>(lse);
+    copy_strides(args.o_stride, o_stride);
     args.max_blocks = max_blocks;
     args.tickets = reinterpret_cast<int*>(tickets);
     if (const char* reason = tk::attention::forward_unsupported(args)) throw std::invalid_argument(reason);
@@ -112,32 +123,18 @@ void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, st
                         strides3 dk_stride, strides3 dv_stride, std::array<int64_t, 2> lse_stride,
                         std::array<int64_t, 2> delta_stride, float scale, bool causal, std::uintptr_t stream) {
     tk::attention::backward_args args{};
-    args.q = as_ptr<void>(q);
-    args.k = as_ptr<void>(k);
-    args.v = as_ptr<void>(v);
+    fill_attention_common(args, q, k, v, dtype, batch, q_heads, kv_heads, q_len, kv_len, head_dim, q_stride, k_stride,
+                          v_stride, lse_stride, scale, causal);
     args.dout = as_ptr<void>(dout);
     args.lse = as_ptr<float>(lse);
     args.delta = as_ptr<float>(delta);
     args.dq_accum = reinterpret_cast<float*>(dq_accum);
     args.dk = reinterpret_cast<void*>(dk);
     args.dv = reinterpret_cast<void*>(dv);
-    args.dtype = dtype;
-    args.batch = batch;
-    args.q_heads = q_heads;
-    args.kv_heads = kv_heads;
-    args.q_len = q_len;
-    args.kv_len = kv_len;
-    args.head_dim = head_dim;
-    copy_strides(args.q_stride, q_stride);
-    copy_strides(args.k_stride, k_stride);
-    copy_strides(args.v_stride, v_stride);
     copy_strides(args.dout_stride, dout_stride);
     copy_strides(args.dk_stride, dk_stride);
     copy_strides(args.dv_stride, dv_stride);
-    copy_strides(args.lse_stride, lse_stride);
     copy_strides(args.delta_stride, delta_stride);
-    args.scale = scale;
-    args.causal = causal;
     if (const char* reason = tk::attention::backward_unsupported(args)) throw std::invalid_argument(reason);
     check_launch(tk::attention::launch_backward(args, reinterpret_cast<cudaStream_t>(stream)), "attention_backward");
 }
