@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
 import sys
 import time
 from pathlib import Path
@@ -78,6 +79,63 @@ def _world() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
+# Where a step's GPU time goes: kernels by kind (names as CUDA reports them).
+KERNEL_KINDS = (
+    ("tk", re.compile(r"\btk::|tk_")),
+    ("attention", re.compile(r"flash|fmha|attention|cudnn|sdpa|efficient", re.I)),  # before gemm: cuDNN's say sm90
+    ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|sm90_|splitK", re.I)),
+    ("optimizer", re.compile(r"multi_tensor|adam|foreach", re.I)),
+    ("fused (triton)", re.compile(r"triton", re.I)),
+    ("copy/fill", re.compile(r"copy|fill|memset|memcpy|cat|index", re.I)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+
+
+def profile_step(step, device: torch.device, top: int) -> dict:
+    """One step under the CUDA profiler: wall time, summed kernel time (the gap is launch overhead and idle GPU),
+    time per kernel kind and the `top` kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+    kernels = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            kernels[e.key] = (kernels.get(e.key, (0.0, 0))[0] + us / 1e3, kernels.get(e.key, (0.0, 0))[1] + e.count)
+    kinds: dict[str, float] = {}
+    for name, (ms, _) in kernels.items():
+        kinds[kind := kernel_kind(name)] = kinds.get(kind, 0.0) + ms
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"wall_ms": wall * 1e3, "kernel_ms": sum(ms for ms, _ in kernels.values()),
+            "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top": [{"kernel": k[:140], "ms": ms, "calls": n, "kind": kernel_kind(k)} for k, (ms, n) in ranked]}
+
+
+def print_profiles(rows: list[dict]) -> None:
+    profiled = [r for r in rows if r.get("profile")]
+    if not profiled:
+        return
+    kinds = sorted({k for r in profiled for k in r["profile"]["kinds_ms"]})
+    print("\nGPU time per step (ms), one profiled step")
+    print_table([{"variant": r["variant"], "wall": r["profile"]["wall_ms"], "kernels": r["profile"]["kernel_ms"],
+                  **{k: r["profile"]["kinds_ms"].get(k, 0.0) for k in kinds}} for r in profiled],
+                ["variant", "wall", "kernels", *kinds])
+    for r in profiled:
+        print(f"\n{r['variant']}: top kernels")
+        for k in r["profile"]["top"]:
+            print(f"  {k['ms']:8.3f} ms {k['calls']:5d}x  {k['kind']:<15} {k['kernel'][:100]}")
+
+
 def run(name, wrap, args, device: torch.device):
     torch.manual_seed(0)
     model, cfg = build(args.model, args.n_layer, args.seq, device)
@@ -114,6 +172,11 @@ def run(name, wrap, args, device: torch.device):
     peak = max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30, device) if cuda else None
     row = {"variant": name, "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / _world(),
            "peak_gib": peak, "loss": float(loss.detach().float().mean())}
+    if args.profile and cuda and name != "eager":
+        try:  # a profiler failure must not cost the timing above
+            row["profile"] = profile_step(step, device, args.profile)
+        except Exception as e:  # noqa: BLE001
+            row["profile_error"] = f"{type(e).__name__}: {e}"
     if name == "thunder [tk]":
         import thunder_tk
 
@@ -137,6 +200,8 @@ def main():
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the code paths")
     p.add_argument("--json", default="out/litgpt_step.json")
     p.add_argument("--png")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile one step per variant: GPU time by kernel kind and the N largest kernels")
     a = p.parse_args()
     device = torch.device(a.device)
     if a.fsdp:
@@ -168,6 +233,7 @@ def main():
     print(f"{a.model}, {a.n_layer} layers, {where} x {a.seq} tokens, bf16, fused AdamW")
     print_table(rows, ["variant", "tokens_per_s", "tokens_per_s_per_gpu", "peak_gib", "vs_thunder_default",
                        "vs_torch_compile"])
+    print_profiles(rows)
     write_results(a.json, "litgpt_step_fsdp" if a.fsdp else "litgpt_step",
                   [{**r, "world_size": _world(), "n_layer": a.n_layer, "seq": a.seq, "batch_per_gpu": a.batch}
                    for r in rows])

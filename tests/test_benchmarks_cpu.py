@@ -60,3 +60,26 @@ def test_attention_benchmark_imports_and_parses_on_cpu():
             {"S": 8192, "D": 128, "fwd_vs_cudnn": None}]
     line = bench.summary(rows)
     assert "2 points" in line and "geometric mean 1.000" in line and "minimum 0.500" in line
+
+
+def test_litgpt_step_profile_kinds_and_table(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("litgpt_step_bench", ROOT / "benchmarks" / "litgpt_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    kinds = {name: bench.kernel_kind(name) for name in [
+        "void tk::gemm::(anonymous namespace)::gemm_kernel<__nv_bfloat16, (tk::wgmma::major)0>(CUtensorMap)",
+        "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NTN",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>",
+        "triton_per_fused__to_copy_mul_rsqrt_0",
+        "void at::native::elementwise_kernel<128, 2>(direct_copy_kernel_cuda)",
+        "some_other_kernel"]}
+    assert list(kinds.values()) == ["tk", "gemm", "attention", "optimizer", "fused (triton)", "copy/fill", "other"]
+    profile = {"wall_ms": 40.0, "kernel_ms": 38.5, "kinds_ms": {"gemm": 20.0, "other": 18.5},
+               "top": [{"kernel": "nvjet_x", "ms": 20.0, "calls": 30, "kind": "gemm"}]}
+    bench.print_profiles([{"variant": "thunder default", "profile": profile}, {"variant": "eager"}])
+    out = capsys.readouterr().out
+    assert "GPU time per step" in out and "thunder default: top kernels" in out and "nvjet_x" in out
+    assert "eager" not in out  # not profiled, not listed

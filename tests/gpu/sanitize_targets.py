@@ -24,6 +24,12 @@ for M, N, K in [(129, 257, 72), (64, 300, 128)]:
             _ops.gemm(a, b, torch.randn(N, device="cuda", dtype=torch.bfloat16))
             _ops.gemm(a, b, _schedule="dynamic")
             _ops.gemm(a, b, _cluster=2)
+# The TMA-store epilogue (N % 8 == 0) with more tiles (153) than blocks: a block stages a tile's second half while
+# its next tile runs.
+a = torch.randn(1100, 64, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(64, 4104, device="cuda", dtype=torch.bfloat16)
+for schedule in ("static", "dynamic"):
+    _ops.gemm(a, b, torch.randn(4104, device="cuda", dtype=torch.bfloat16), _schedule=schedule)
 torch.cuda.synchronize()
 print("gemm sanitize targets ran")
 

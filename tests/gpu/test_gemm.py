@@ -75,6 +75,24 @@ def test_bias_and_linear(dtype):
     assert rel_err(y, torch.nn.functional.linear(x.float(), w.float(), bias.float())) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K", [64, 520])
+@pytest.mark.parametrize("bias_offset", [0, 1])
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+def test_bias_through_the_tma_epilogue_over_many_tiles(dtype, K, bias_offset, schedule):
+    """N % 8 == 0 takes the TMA-store epilogue, whose second half of each tile is written while the block's next
+    tile runs: 289 tiles on at most 132 blocks, K of one k-block (the half is staged during the only one) and of
+    several; the bias 4-byte aligned (read in pairs) or a view 2 bytes off (read one by one)."""
+    M, N = 2100, 4104
+    a = torch.randn(M, K, device="cuda", dtype=dtype)
+    b = operand(K, N, dtype, False) / 8
+    bias = torch.randn(N + 1, device="cuda", dtype=dtype)[bias_offset:bias_offset + N]
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+    ops.gemm(a, b, bias, out=out, _schedule=schedule)
+    assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
+    assert rel_err(out, reference(a, b, bias)) < TOL[dtype]
+
+
 def test_strided_views_and_copy_path():
     base = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
     check(base[:, 128:640], torch.randn(512, 96, device="cuda", dtype=torch.bfloat16))  # leading stride 1024
