@@ -114,7 +114,8 @@ def profile_step(step, device: torch.device, top: int) -> dict:
             kernels[e.key] = (kernels.get(e.key, (0.0, 0))[0] + us / 1e3, kernels.get(e.key, (0.0, 0))[1] + e.count)
     kinds: dict[str, float] = {}
     for name, (ms, _) in kernels.items():
-        kinds[kind := kernel_kind(name)] = kinds.get(kind, 0.0) + ms
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + ms
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
     return {"wall_ms": wall * 1e3, "kernel_ms": sum(ms for ms, _ in kernels.values()),
             "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
