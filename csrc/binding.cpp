@@ -17,6 +17,7 @@
 #include "kernels/attention/forward.h"
 #include "kernels/collectives/p2p.h"
 #include "kernels/gemm/gemm.h"
+#include "kernels/loss/cross_entropy.h"
 #include "kernels/selftest/kittens_selftest.h"
 
 namespace py = pybind11;
@@ -137,6 +138,47 @@ void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, st
     copy_strides(args.delta_stride, delta_stride);
     if (const char* reason = tk::attention::backward_unsupported(args)) throw std::invalid_argument(reason);
     check_launch(tk::attention::launch_backward(args, reinterpret_cast<cudaStream_t>(stream)), "attention_backward");
+}
+
+tk::loss::cross_entropy_args cross_entropy_common(std::uintptr_t logits, std::uintptr_t target, int dtype, int64_t rows,
+                                                 int64_t classes, int64_t logits_row_stride, int64_t ignore_index) {
+    tk::loss::cross_entropy_args args{};
+    args.logits = as_ptr<void>(logits);
+    args.target = as_ptr<int64_t>(target);
+    args.dtype = dtype;
+    args.rows = rows;
+    args.classes = classes;
+    args.logits_row_stride = logits_row_stride;
+    args.ignore_index = ignore_index;
+    return args;
+}
+
+void cross_entropy_forward(std::uintptr_t logits, std::uintptr_t target, std::uintptr_t loss, std::uintptr_t lse,
+                           int dtype, int64_t rows, int64_t classes, int64_t logits_row_stride, int64_t ignore_index,
+                           std::uintptr_t stream) {
+    auto args = cross_entropy_common(logits, target, dtype, rows, classes, logits_row_stride, ignore_index);
+    args.loss = reinterpret_cast<float*>(loss);
+    args.lse = reinterpret_cast<float*>(lse);
+    if (const char* why = tk::loss::cross_entropy_unsupported(args, false))
+        throw std::invalid_argument(std::string("thunder_tk cross_entropy: ") + why);
+    check_launch(tk::loss::launch_cross_entropy_forward(args, reinterpret_cast<cudaStream_t>(stream)),
+                 "cross_entropy_forward");
+}
+
+void cross_entropy_backward(std::uintptr_t logits, std::uintptr_t target, std::uintptr_t lse, std::uintptr_t grad_loss,
+                            int64_t grad_loss_stride, std::uintptr_t grad, int64_t grad_row_stride, int dtype,
+                            int64_t rows, int64_t classes, int64_t logits_row_stride, int64_t ignore_index,
+                            std::uintptr_t stream) {
+    auto args = cross_entropy_common(logits, target, dtype, rows, classes, logits_row_stride, ignore_index);
+    args.lse = reinterpret_cast<float*>(lse);
+    args.grad_loss = as_ptr<float>(grad_loss);
+    args.grad_loss_stride = grad_loss_stride;
+    args.grad = reinterpret_cast<void*>(grad);
+    args.grad_row_stride = grad_row_stride;
+    if (const char* why = tk::loss::cross_entropy_unsupported(args, true))
+        throw std::invalid_argument(std::string("thunder_tk cross_entropy: ") + why);
+    check_launch(tk::loss::launch_cross_entropy_backward(args, reinterpret_cast<cudaStream_t>(stream)),
+                 "cross_entropy_backward");
 }
 
 void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t bias, int dtype, int64_t M, int64_t N,
@@ -319,7 +361,7 @@ void register_selftests(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "gemm", "reduce_scatter"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "cross_entropy_backward", "cross_entropy_forward", "gemm", "reduce_scatter"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -354,6 +396,17 @@ PYBIND11_MODULE(_C, m) {
           py::arg("causal"), py::arg("stream"),
           "dK, dV (input dtype, summed over each key/value head's query heads) and dS K added into the zeroed fp32 "
           "dq_accum, from the forward's lse and delta = rowsum(dO O); enqueued on `stream`.");
+    m.def("cross_entropy_forward", &cross_entropy_forward, py::arg("logits"), py::arg("target"), py::arg("loss"),
+          py::arg("lse"), py::arg("dtype"), py::arg("rows"), py::arg("classes"), py::arg("logits_row_stride"),
+          py::arg("ignore_index"), py::arg("stream"),
+          "Per row of (rows, classes) logits: loss = lse - logit[target] (0 where target == ignore_index, NaN for a "
+          "target outside [0, classes)) and lse, both fp32 (rows,); enqueued on `stream`.");
+    m.def("cross_entropy_backward", &cross_entropy_backward, py::arg("logits"), py::arg("target"), py::arg("lse"),
+          py::arg("grad_loss"), py::arg("grad_loss_stride"), py::arg("grad"), py::arg("grad_row_stride"),
+          py::arg("dtype"), py::arg("rows"), py::arg("classes"), py::arg("logits_row_stride"), py::arg("ignore_index"),
+          py::arg("stream"),
+          "grad[r, c] = grad_loss[r] * (softmax[r, c] - (c == target[r])), zero rows where target == ignore_index; "
+          "enqueued on `stream`.");
     m.def("gemm_resident_blocks",
           [](int cluster) {
               if (cluster != 1 && cluster != 2) throw std::invalid_argument("cluster must be 1 or 2");

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-host job (set THUNDER_TK_COMMIT where the checkout has no .git; BENCH_ARGS=--sweep to tune;
-# BENCHES='gemm attention litgpt delta' picks benchmarks; a carried .ab_ref (scripts/ab_ref.sh) adds a same-machine
+# BENCHES='gemm attention loss litgpt delta' picks benchmarks; a carried .ab_ref (scripts/ab_ref.sh) adds a same-machine
 # A/B, AB_BENCH): install carried wheels, build thunder_tk, run the GPU tests, compute-sanitizer and the
 # benchmarks, and print a short table last. Full logs go to $OUT (default out/gpu).
 #   bash scripts/gpu_run.sh [all|test|bench|dist|pretrain]
@@ -77,7 +77,7 @@ if [ "$what" = pretrain ]; then
 fi
 # Whether this mode runs benchmarks (`all`, `bench`), and whether it runs benchmark $1 (BENCHES, default every one).
 benching() { [ "$what" = all ] || [ "$what" = bench ]; }
-bench_wanted() { benching && [[ " ${BENCHES:-gemm attention litgpt delta} " == *" $1 "* ]]; }
+bench_wanted() { benching && [[ " ${BENCHES:-gemm attention loss litgpt delta} " == *" $1 "* ]]; }
 if [ -d .ab_ref ] && benching; then
   # Same-machine A/B against another commit (scripts/ab_ref.sh <commit>; carry .ab_ref): build it beside, run in turns.
   step build_ref python3 -m pip install --no-build-isolation --no-index --no-deps --target /tmp/ref_site ./.ab_ref
@@ -91,6 +91,10 @@ fi
 if bench_wanted attention; then
   step bench_attention timeout ${ATTN_TIMEOUT:-400} python3 benchmarks/attention.py ${ATTN_ARGS:-} --json "$OUT/attention.json" --png "$OUT/attention.png"
   cat "$OUT/bench_attention.log"
+fi
+if bench_wanted loss; then
+  step bench_loss timeout 300 python3 benchmarks/cross_entropy.py ${LOSS_ARGS:-} --json "$OUT/cross_entropy.json" --png "$OUT/cross_entropy.png"
+  cat "$OUT/bench_loss.log"
 fi
 if bench_wanted litgpt; then
   step bench_litgpt timeout 500 python3 benchmarks/litgpt_step.py ${LITGPT_ARGS:-} --json "$OUT/litgpt_step.json" --png "$OUT/litgpt_step.png"

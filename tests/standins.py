@@ -1,4 +1,5 @@
-"""Stand-ins for executors that cannot run here: nvFuser (no build for torch 2.11) and a CPU attention executor.
+"""Stand-ins for executors that cannot run here: nvFuser (no build for torch 2.11), a CPU attention executor, and
+tk's attention and cross-entropy kernels in float64 math on CPU (`StandinBuild`).
 
 They behave like the real ones as far as routing is concerned, so tests can check where work goes.
 """
@@ -116,13 +117,57 @@ def attention_backward_standin(q, k, v, o, lse, grad_o, *, is_causal=False, scal
     return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
 
 
+# ------------------------------------------------------------------------------------------------
+# tk's cross-entropy kernels on CPU
+
+
+def _check_cross_entropy_standin_args(logits, target):
+    """ops.check_cross_entropy_args without its CUDA-only check."""
+    assert logits.ndim == 2 and target.ndim == 1 and target.shape[0] == logits.shape[0], (logits.shape, target.shape)
+    assert logits.dtype in (torch.bfloat16, torch.float16, torch.float32), logits.dtype
+    assert target.dtype == torch.int64 and logits.shape[1] > 0 and target.device == logits.device
+
+
+def cross_entropy_forward_standin(logits, target, ignore_index=-100):
+    """ops.cross_entropy_forward's contract in float64 math on any device: per row (lse - logits[target], lse),
+    both float32 (rows,); the loss 0 where target == ignore_index and NaN where a target is outside [0, classes)."""
+    _check_cross_entropy_standin_args(logits, target)
+    x = logits.double()
+    classes = x.shape[1]
+    lse = torch.logsumexp(x, dim=1)
+    valid = (target >= 0) & (target < classes)
+    picked = x.gather(1, target.clamp(0, classes - 1).unsqueeze(1)).squeeze(1)
+    loss = torch.where(valid, lse - picked, torch.full_like(lse, float("nan")))
+    loss = torch.where(target == ignore_index, torch.zeros_like(loss), loss)
+    return loss.float(), lse.float()
+
+
+def cross_entropy_backward_standin(logits, target, lse, grad_loss, ignore_index=-100):
+    """ops.cross_entropy_backward's contract in float64 math: grad_loss[r] * (softmax - onehot(target[r])) in the
+    logits' dtype, the probabilities rebuilt from the saved lse as the kernel does (exp(x - lse)); zero rows where
+    target == ignore_index. grad_loss is float32 (rows,) of any stride (an expanded scalar has stride 0)."""
+    _check_cross_entropy_standin_args(logits, target)
+    rows, classes = logits.shape
+    for t in (lse, grad_loss):
+        assert t.dtype == torch.float32 and tuple(t.shape) == (rows,) and t.device == logits.device, (t.dtype, t.shape)
+    x = logits.double()
+    p = torch.exp(x - lse.double().unsqueeze(1))
+    valid = (target >= 0) & (target < classes)
+    onehot = torch.zeros_like(p)
+    onehot[valid, target[valid]] = 1.0
+    grad = grad_loss.double().unsqueeze(1) * (p - onehot)
+    grad[target == ignore_index] = 0.0
+    return grad.to(logits.dtype).contiguous()  # ops allocates a contiguous (rows, classes) gradient
+
+
 class StandinBuild:
     """A fake compiled module whose kernels run on CPU tensors, for routing tests that also execute.
 
     Installs (through `monkeypatch`): the module, reporting this version's KERNELS_IN_SOURCE (`add` and
-    `remove` change that), claim rules that take CPU tensors for a GPU, and the attention stand-ins above as
-    ops.attention_forward / ops.attention_backward. Only the attention ops are stood in for: claim nothing else
-    (bf16 GEMMs, say) with it in place.
+    `remove` change that), claim rules that take CPU tensors for a GPU, and the stand-ins above as
+    ops.attention_forward / ops.attention_backward and ops.cross_entropy_forward / ops.cross_entropy_backward.
+    Only the attention and cross-entropy ops are stood in for: claim nothing else (bf16 GEMMs, say) with it in
+    place.
     """
 
     def __init__(self, monkeypatch):
@@ -133,6 +178,8 @@ class StandinBuild:
         monkeypatch.setattr(claim_rules, "check_devices", _check_one_device)
         monkeypatch.setattr(ops, "attention_forward", attention_forward_standin)
         monkeypatch.setattr(ops, "attention_backward", attention_backward_standin, raising=False)
+        monkeypatch.setattr(ops, "cross_entropy_forward", cross_entropy_forward_standin, raising=False)
+        monkeypatch.setattr(ops, "cross_entropy_backward", cross_entropy_backward_standin, raising=False)
 
     def kernels(self):
         return sorted(self._kernels)

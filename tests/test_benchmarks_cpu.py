@@ -24,8 +24,11 @@ def test_litgpt_step_fsdp_paths(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [row["variant"] for row in rows] == ["eager", "thunder default", "thunder [tk]"]
     assert all(row["world_size"] == 2 and row["tokens_per_s"] > 0 for row in rows)
-    losses = [row["loss"] for row in rows]  # same model, same batches: the same first-step loss
-    assert max(losses) - min(losses) < 1e-3, losses
+    # Same model, same batches: the same first-step loss, up to the rounding of the per-token losses to the model's
+    # dtype, which each executor does at its own point (LossModule: 16-bit per-token losses averaged in fp32; over
+    # these 32 tokens a spread of a few 1e-3 near 11).
+    losses = [row["loss"] for row in rows]
+    assert max(losses) - min(losses) < 1e-2, losses
 
 
 def test_pretrain_compare_runs_both_variants(tmp_path):
@@ -83,3 +86,9 @@ def test_litgpt_step_profile_kinds_and_table(capsys):
     out = capsys.readouterr().out
     assert "GPU time per step" in out and "thunder default: top kernels" in out and "nvjet_x" in out
     assert "eager" not in out  # not profiled, not listed
+
+
+def test_cross_entropy_benchmark_imports_and_parses_on_cpu():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cross_entropy.py"), "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "--quick" in r.stdout, r.stderr[-3000:]

@@ -23,7 +23,8 @@ from thunder_tk import _extension, ops
 from thunder_tk.functional import attention_bwd_delta_symbol
 
 # Kernels this version's csrc/ provides (a GPU test checks the build reports exactly these).
-KERNELS_IN_SOURCE = frozenset({"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "gemm", "reduce_scatter"})
+KERNELS_IN_SOURCE = frozenset({"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward",
+                               "cross_entropy_backward", "cross_entropy_forward", "gemm", "reduce_scatter"})
 
 DISABLE_ENV = "THUNDER_TK_DISABLE"
 """Comma-separated rule names or families tk must not claim (e.g. ``collective`` or ``ltorch.linear``)."""
@@ -224,6 +225,40 @@ def check_matmul(a, b) -> Verdict:
 
 
 # ------------------------------------------------------------------------------------------------
+# Cross-entropy (the loss of a language model: its logits are the largest activation of the step)
+
+_LOSS_DTYPES = (thunder.bfloat16, thunder.float16, thunder.float32)
+
+
+def check_cross_entropy(a, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                        reduction="mean", label_smoothing=0.0) -> Verdict:
+    """What `ops.cross_entropy_forward` / `_backward` compute of ltorch.cross_entropy: 2-D logits and class-index
+    targets, no class weights or label smoothing, reduction mean, sum or none."""
+    if weight is not None:
+        return decline("class weights are given")
+    if size_average is not None or reduce is not None:
+        return decline("deprecated size_average/reduce arguments")
+    if pyval(label_smoothing) != 0.0:
+        return decline(f"label_smoothing={pyval(label_smoothing)} (only 0 is supported)")
+    if pyval(reduction) not in ops.CROSS_ENTROPY_REDUCTIONS:
+        return decline(f"reduction={pyval(reduction)!r} not in {{mean, sum, none}}")
+    if a.ndim != 2:
+        return decline(f"logits are {a.ndim}-D; only (rows, classes) is claimed")
+    if target.ndim != 1 or target.shape[0] != a.shape[0]:
+        return decline(f"target of shape {tuple(target.shape)} is not one class index per row (probability "
+                       "targets are not supported)")
+    if a.dtype not in _LOSS_DTYPES:
+        return decline(f"dtype {_dtype_name(a.dtype)} not in {{bfloat16, float16, float32}}")
+    if target.dtype != thunder.int64:
+        return decline(f"target dtype {_dtype_name(target.dtype)} is not int64")
+    if a.shape[0] == 0 or a.shape[1] == 0:
+        return decline(f"empty logits {tuple(a.shape)}")
+    if a.shape[0] >= 2**31:
+        return decline(f"{a.shape[0]} rows (at most 2^31 - 1)")
+    return ACCEPT
+
+
+# ------------------------------------------------------------------------------------------------
 # Collectives
 
 _COLLECTIVE_DTYPES = (thunder.bfloat16, thunder.float16, thunder.float32)
@@ -277,6 +312,8 @@ RULES: tuple[ClaimRule, ...] = (
     ClaimRule(ltorch.linear.id, "ltorch.linear", "gemm", "gemm", check_linear),
     ClaimRule(prims.PrimIDs.LINEAR, "prims.linear", "gemm", "gemm", check_linear),
     ClaimRule(ltorch.matmul.id, "ltorch.matmul", "gemm", "gemm", check_matmul),
+    ClaimRule(ltorch.cross_entropy.id, "ltorch.cross_entropy", "loss", "cross_entropy_forward", check_cross_entropy,
+              grad_kernel="cross_entropy_backward"),
     ClaimRule(prims.PrimIDs.MATMUL, "prims.matmul", "gemm", "gemm", check_matmul),
     ClaimRule(dist_prims.PrimIDs.ALL_GATHER, "all_gather", "collective", "all_gather", check_all_gather),
     ClaimRule(dist_prims.PrimIDs.REDUCE_SCATTER, "reduce_scatter", "collective", "reduce_scatter",

@@ -199,9 +199,29 @@ class TKExecutor(FusionExecutor):
         if route is None or not route.taken:
             return None  # kept for the fusion pass
         if route.fallback is None:
-            return route.rule.execution_transform
+            return self._tagging(route.rule.execution_transform, self._last_site)
         transform = route.fallback.get_execution_transform(bsym)
         return transform if transform is not None else route.fallback.implmap[bsym.sym.id].symbol
+
+    def _tagging(self, transform: Callable, site) -> Callable:
+        """`transform`, tagging what tk's own ops in it compute with the symbol's site, so that `explain` names the
+        kernel op even where a cheap op of another executor makes the symbol's result (the cross-entropy's
+        reduction of its per-row losses)."""
+        if site is None:
+            return transform
+
+        def tagged(*args, **kwargs):
+            ctx = get_tracectx()
+            scope = ctx.peek_scope() if ctx is not None else None
+            first = len(scope) if scope is not None else 0
+            result = transform(*args, **kwargs)
+            for b in scope[first:] if scope is not None else ():
+                if b.sym.executor is self:
+                    for p in b.flat_proxy_outs:
+                        p.tags.add(site)
+            return result
+
+        return tagged
 
     def get_grad_transform(self, sym: Symbol) -> Callable | None:
         """How Thunder differentiates a symbol tk said it takes: tk's own grad transform, the grad transform of

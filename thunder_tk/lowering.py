@@ -10,7 +10,7 @@ import thunder.torch as ltorch
 from thunder.core import prims
 from thunder.core.prims import OpTags
 from thunder.core.proxies import TensorProxy, pyval
-from thunder.core.transforms import get_grad, put_grads
+from thunder.core.transforms import get_grad, put_grad, put_grads
 from thunder.distributed import prims as dist_prims
 
 from thunder_tk import collectives, functional, ops
@@ -141,6 +141,79 @@ for _symbol_id in (ltorch.linear.id, prims.PrimIDs.LINEAR):
     tk.set_lowering(_symbol_id, execution_transform=tk_linear, grad_transform=None)
 for _symbol_id in (ltorch.matmul.id, prims.PrimIDs.MATMUL):
     tk.set_lowering(_symbol_id, execution_transform=tk_matmul, grad_transform=None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Cross-entropy: ltorch.cross_entropy (the claim rule has declined weights, label smoothing and anything but 2-D
+# logits with int64 class indices).
+# - inference: tk_cross_entropy_forward's per-row losses, reduced as PyTorch does;
+# - training: the same forward also returns each row's log-sum-exp, and tk_cross_entropy_backward turns the saved
+#   (logits, target, lse) and the per-row incoming gradient into the logits' gradient in their dtype.
+
+
+def _cross_entropy_forward_meta(a: TensorProxy, target: TensorProxy, ignore_index: int):
+    rows = TensorProxy(like=a, shape=(a.shape[0],), dtype=thunder.float32)
+    lse = TensorProxy(like=a, shape=(a.shape[0],), dtype=thunder.float32, requires_grad=False)
+    return rows, lse
+
+
+def _cross_entropy_backward_meta(a, target, lse, grad_rows, ignore_index: int):
+    return TensorProxy(like=a)
+
+
+def _cross_entropy_forward_impl(a, target, ignore_index):
+    return ops.cross_entropy_forward(a, target, ignore_index)
+
+
+def _cross_entropy_backward_impl(a, target, lse, grad_rows, ignore_index):
+    return ops.cross_entropy_backward(a, target, lse, grad_rows, ignore_index)
+
+
+tk_cross_entropy_forward = tk.register_operator(
+    "tk_cross_entropy_forward", meta=_cross_entropy_forward_meta, fn=_cross_entropy_forward_impl,
+    tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,),
+)
+tk_cross_entropy_backward = tk.register_operator(
+    "tk_cross_entropy_backward", meta=_cross_entropy_backward_meta, fn=_cross_entropy_backward_impl
+)
+
+
+def _valid_rows(target, ignore_index: int):
+    return ltorch.sum(ltorch.to(ltorch.ne(target, ignore_index), thunder.float32))
+
+
+def _reduce_rows(a, rows, target, ignore_index: int, reduction: str):
+    if reduction == "none":
+        return ltorch.to(rows, a.dtype)
+    total = ltorch.sum(rows)
+    if reduction == "sum":
+        return ltorch.to(total, a.dtype)
+    return ltorch.to(ltorch.true_divide(total, _valid_rows(target, ignore_index)), a.dtype)
+
+
+def _cross_entropy_lowering(a, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                            reduction="mean", label_smoothing=0.0):
+    ignore_index, reduction = int(pyval(ignore_index)), pyval(reduction)
+    rows, _ = tk_cross_entropy_forward(a, target, ignore_index)
+    return _reduce_rows(a, rows, target, ignore_index, reduction)
+
+
+def _cross_entropy_grad(a, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                        reduction="mean", label_smoothing=0.0):
+    ignore_index, reduction = int(pyval(ignore_index)), pyval(reduction)
+    rows, lse = tk_cross_entropy_forward(a, target, ignore_index)
+    loss = _reduce_rows(a, rows, target, ignore_index, reduction)
+    g = ltorch.to(get_grad(loss), thunder.float32)
+    if reduction == "mean":
+        g = ltorch.true_divide(g, _valid_rows(target, ignore_index))
+    if reduction != "none":
+        g = ltorch.expand(g, (a.shape[0],))
+    put_grad(a, tk_cross_entropy_backward(a, target, lse, g, ignore_index))
+    return loss
+
+
+tk.set_lowering(ltorch.cross_entropy.id, execution_transform=_cross_entropy_lowering,
+                grad_transform=_cross_entropy_grad)
 
 
 # ------------------------------------------------------------------------------------------------

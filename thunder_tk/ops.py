@@ -367,3 +367,95 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lead = x.shape[:-1]
     y = gemm(x.reshape(-1, x.shape[-1]), weight.t(), bias)
     return y.reshape(*lead, weight.shape[0])
+
+
+# ------------------------------------------------------------------------------------------------
+# Cross-entropy over the classes of (rows, classes) logits, fused: fp32 math on 16-bit logits without an fp32 copy.
+
+CROSS_ENTROPY_REDUCTIONS = ("mean", "sum", "none")
+
+
+def check_cross_entropy_args(logits: torch.Tensor, target: torch.Tensor) -> None:
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError("cross_entropy expects tensors (logits, target)")
+    if logits.ndim != 2:
+        raise ValueError(f"cross_entropy expects (rows, classes) logits; got {logits.ndim}-D")
+    if target.ndim != 1 or target.shape[0] != logits.shape[0]:
+        raise ValueError(f"target must be 1-D with {logits.shape[0]} class indices; got shape {tuple(target.shape)}")
+    if logits.dtype not in _DTYPE_CODES:
+        raise ValueError(f"cross_entropy supports bfloat16, float16 and float32 logits, not {logits.dtype}")
+    if target.dtype != torch.int64:
+        raise ValueError(f"target must hold int64 class indices; got {target.dtype}")
+    if logits.shape[1] == 0:
+        raise ValueError("cross_entropy needs at least one class")
+    if logits.device.type != "cuda" or target.device != logits.device:
+        raise ValueError(f"cross_entropy runs on CUDA tensors on one device; got {logits.device} and {target.device}")
+
+
+def _cross_entropy_operands(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
+        logits = logits.contiguous()
+    return logits, target.contiguous()
+
+
+def cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: (lse - logits[target], lse), fp32 (rows,), by the tk kernel; loss 0 where target == ignore_index and
+    NaN where a target is outside [0, classes) (PyTorch would assert on the device)."""
+    check_cross_entropy_args(logits, target)
+    ext = _require_kernels(logits.device)
+    logits, target = _cross_entropy_operands(logits, target)
+    rows, classes = logits.shape
+    loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    with torch.cuda.device(logits.device):
+        ext.cross_entropy_forward(logits.data_ptr(), target.data_ptr(), loss.data_ptr(), lse.data_ptr(),
+                                  _DTYPE_CODES[logits.dtype], rows, classes, logits.stride(0) if rows > 1 else classes,
+                                  int(ignore_index), _stream_handle(logits.device))
+    return loss, lse
+
+
+def cross_entropy_backward(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, grad_loss: torch.Tensor,
+                           ignore_index: int = -100) -> torch.Tensor:
+    """d loss / d logits = grad_loss[r] * (softmax(logits[r]) - onehot(target[r])), in the logits' dtype; zero rows
+    where target == ignore_index. `grad_loss` is fp32 (rows,), any stride (an expanded scalar has stride 0)."""
+    check_cross_entropy_args(logits, target)
+    rows = logits.shape[0]
+    for name, t in (("lse", lse), ("grad_loss", grad_loss)):
+        if t.dtype != torch.float32 or tuple(t.shape) != (rows,) or t.device != logits.device:
+            raise ValueError(f"{name} must be float32 of shape ({rows},) on {logits.device}; "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    ext = _require_kernels(logits.device)
+    logits, target = _cross_entropy_operands(logits, target)
+    lse = lse.contiguous()
+    classes = logits.shape[1]
+    grad = torch.empty((rows, classes), dtype=logits.dtype, device=logits.device)
+    with torch.cuda.device(logits.device):
+        ext.cross_entropy_backward(logits.data_ptr(), target.data_ptr(), lse.data_ptr(), grad_loss.data_ptr(),
+                                   grad_loss.stride(0) if rows > 1 else 0, grad.data_ptr(), classes,
+                                   _DTYPE_CODES[logits.dtype], rows, classes,
+                                   logits.stride(0) if rows > 1 else classes, int(ignore_index),
+                                   _stream_handle(logits.device))
+    return grad
+
+
+def reduce_cross_entropy(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """PyTorch's reductions of the per-row losses: mean over the rows not ignored, sum, or none; in `dtype`."""
+    if reduction == "none":
+        return rows.to(dtype)
+    if reduction == "sum":
+        return rows.sum().to(dtype)
+    if reduction == "mean":
+        return (rows.sum() / (target != ignore_index).sum()).to(dtype)
+    raise ValueError(f"reduction must be one of {CROSS_ENTROPY_REDUCTIONS}; got {reduction!r}")
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100,
+                  reduction: str = "mean") -> torch.Tensor:
+    """`torch.nn.functional.cross_entropy(logits, target)` (2-D logits, class indices) forward only, by the tk kernel;
+    the loss in the logits' dtype, computed in fp32."""
+    if reduction not in CROSS_ENTROPY_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {CROSS_ENTROPY_REDUCTIONS}; got {reduction!r}")
+    rows, _ = cross_entropy_forward(logits, target, ignore_index)
+    return reduce_cross_entropy(rows, target, ignore_index, reduction, logits.dtype)

@@ -37,7 +37,12 @@ class LossModule(torch.nn.Module):
 
     def forward(self, idx, targets):
         logits = self.model(idx)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        # The logits stay in the model's dtype: an fp32 copy of them (tokens x vocabulary, 4 GiB at 8192 tokens and
+        # a 128k vocabulary) would be the step's largest tensor, and tk's cross-entropy computes in fp32 anyway.
+        # Per-token losses in that dtype, averaged in fp32, keep the reported loss to ~1e-4 (a bf16 mean would
+        # round it to 1/16 near 10).
+        per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+        return per_token.float().mean()
 
 
 @contextlib.contextmanager

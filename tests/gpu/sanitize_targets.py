@@ -66,3 +66,26 @@ for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (1, 2, 1, 
     ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), is_causal=causal)
 torch.cuda.synchronize()
 print("attention backward sanitize targets ran")
+
+# Cross-entropy forward and backward: bf16 rows 16-byte aligned with a vector tail (1009 classes), a row long enough
+# for the unrolled loop (20000 classes), fp32 and fp16 with odd rows, a misaligned bf16 view (element-wise path), an
+# ignored row and a target outside the classes, grad_loss per row and as an expanded scalar (stride 0).
+for rows, classes, dtype in [(5, 1009, torch.bfloat16), (2, 20000, torch.bfloat16), (3, 4097, torch.float32),
+                             (4, 9, torch.float16), (1, 1, torch.float32)]:
+    logits = torch.randn(rows, classes, device="cuda", dtype=dtype)
+    target = torch.randint(0, classes, (rows,), device="cuda")
+    target[-1] = -100
+    if rows > 2:
+        target[0] = classes
+    loss, lse = ops.cross_entropy_forward(logits, target)
+    ops.cross_entropy_backward(logits, target, lse, torch.randn(rows, device="cuda"))
+    ops.cross_entropy_backward(logits, target, lse, torch.ones((), device="cuda").expand(rows))
+logits = torch.randn(1 + 4 * 1000, device="cuda", dtype=torch.bfloat16)[1:].view(4, 1000)
+target = torch.tensor([3, -100, 999, 0], device="cuda")
+loss, lse = ops.cross_entropy_forward(logits, target)
+ops.cross_entropy_backward(logits, target, lse, torch.randn(4, device="cuda"))
+wide = torch.randn(6, 1040, device="cuda", dtype=torch.bfloat16)[:, :1000]
+loss, lse = ops.cross_entropy_forward(wide, target.repeat(2)[:6].clamp_min(0), ignore_index=0)
+ops.cross_entropy_backward(wide, target.repeat(2)[:6].clamp_min(0), lse, torch.randn(6, device="cuda"), ignore_index=0)
+torch.cuda.synchronize()
+print("cross-entropy sanitize targets ran")

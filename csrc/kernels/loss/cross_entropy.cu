@@ -1,0 +1,236 @@
+// One block per row. The forward keeps a running (max, sum of exp) per thread over 16-byte vectors (online softmax
+// normaliser), merges them across the block and finishes the row's log-sum-exp and loss; the backward streams the
+// row again and writes softmax - one-hot, times the row's incoming gradient. Both are memory-bound: 16-byte loads,
+// four in flight per thread, and rows whose start is not 16-byte aligned take an element-wise path.
+#include "cross_entropy.h"
+#include "../../kittens/kittens.cuh"
+
+#include <cmath>
+#include <type_traits>
+
+namespace tk::loss {
+namespace {
+
+constexpr int THREADS = 512;
+constexpr int UNROLL = 4;  // vectors in flight per thread
+constexpr float LOG2E = 1.4426950408889634f;
+
+template <typename T>
+struct vec {
+    static constexpr int n = 16 / sizeof(T);  // elements per 16-byte vector
+    uint4 raw;
+    __device__ __forceinline__ float at(int i) const {
+        if constexpr (std::is_same_v<T, float>) {
+            return reinterpret_cast<const float*>(&raw)[i];
+        } else {
+            return to_float(reinterpret_cast<const T*>(&raw)[i]);
+        }
+    }
+    __device__ __forceinline__ void set(int i, float x) { reinterpret_cast<T*>(&raw)[i] = T(x); }
+};
+
+// Running softmax normaliser: the maximum so far and the sum of exp(x - max). exp(y) is taken as exp2(y log2 e) with y
+// = x - max formed first, so large logits lose no accuracy to the scaling.
+__device__ __forceinline__ float exp_of(float y) { return exp2f(y * LOG2E); }
+
+struct normaliser {
+    float max = -INFINITY, sum = 0.f;
+    __device__ __forceinline__ void add(float x) {
+        if (x > max) {
+            sum = sum * exp_of(max - x) + 1.f;  // exp(-inf) = 0 for the first finite value
+            max = x;
+        } else if (x != -INFINITY) {  // -inf adds nothing (and -inf - -inf would be NaN); NaN carries on
+            sum += exp_of(x - max);
+        }
+    }
+    __device__ __forceinline__ void merge(float other_max, float other_sum) {
+        const float m = fmaxf(max, other_max);
+        if (m == -INFINITY) return;  // both empty
+        sum = (max == -INFINITY ? 0.f : sum * exp_of(max - m)) +
+              (other_max == -INFINITY ? 0.f : other_sum * exp_of(other_max - m));
+        max = m;
+    }
+};
+
+template <typename T>
+__device__ __forceinline__ const T* row_of(const cross_entropy_args& a, int64_t r) {
+    return static_cast<const T*>(a.logits) + r * a.logits_row_stride;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant__ cross_entropy_args a) {
+    const int64_t r = blockIdx.x;
+    const T* x = row_of<T>(a, r);
+    const int64_t C = a.classes;
+    normaliser nm;
+    constexpr int N = vec<T>::n;
+    const bool vector = (reinterpret_cast<uintptr_t>(x) % 16) == 0;
+    int64_t done = 0;
+    if (vector) {
+        const uint4* xv = reinterpret_cast<const uint4*>(x);
+        const int64_t vectors = C / N;
+        int64_t i = threadIdx.x;
+        for (; i + (UNROLL - 1) * THREADS < vectors; i += UNROLL * THREADS) {
+            vec<T> v[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) v[u].raw = __ldcs(xv + i + u * THREADS);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                float m = -INFINITY;
+#pragma unroll
+                for (int e = 0; e < N; ++e) m = fmaxf(m, v[u].at(e));
+                // One rescale per vector: fold the vector's maximum in first.
+                if (m > nm.max) {
+                    nm.sum = nm.max == -INFINITY ? 0.f : nm.sum * exp_of(nm.max - m);
+                    nm.max = m;
+                }
+                if (nm.max != -INFINITY) {  // exp(-inf - finite) = 0; a NaN element makes the sum NaN
+#pragma unroll
+                    for (int e = 0; e < N; ++e) nm.sum += exp_of(v[u].at(e) - nm.max);
+                }
+            }
+        }
+        for (; i < vectors; i += THREADS) {
+            vec<T> v;
+            v.raw = __ldcs(xv + i);
+#pragma unroll
+            for (int e = 0; e < N; ++e) nm.add(v.at(e));
+        }
+        done = vectors * N;
+    }
+    for (int64_t c = done + threadIdx.x; c < C; c += THREADS) nm.add(to_float(x[c]));
+
+    // Block merge: warps by shuffles, then the warps' results through shared memory.
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const float om = __shfl_xor_sync(0xffffffffu, nm.max, offset);
+        const float os = __shfl_xor_sync(0xffffffffu, nm.sum, offset);
+        nm.merge(om, os);
+    }
+    __shared__ float warp_max[THREADS / 32], warp_sum[THREADS / 32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+        warp_max[warp] = nm.max;
+        warp_sum[warp] = nm.sum;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        normaliser total;
+        for (int w = 0; w < THREADS / 32; ++w) total.merge(warp_max[w], warp_sum[w]);
+        // A row of -inf gives lse -inf; a NaN anywhere gives NaN (fmaxf skips NaN, so the sum carries it).
+        const float lse = total.max + logf(total.sum);
+        a.lse[r] = lse;
+        const int64_t t = a.target[r];
+        float loss;
+        if (t == a.ignore_index)
+            loss = 0.f;
+        else if (t < 0 || t >= C)
+            loss = NAN;  // PyTorch asserts on the device; here the row's loss says it
+        else
+            loss = lse - to_float(x[t]);
+        a.loss[r] = loss;
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(THREADS) backward_kernel(const __grid_constant__ cross_entropy_args a) {
+    const int64_t r = blockIdx.x;
+    const T* x = row_of<T>(a, r);
+    T* g = static_cast<T*>(a.grad) + r * a.grad_row_stride;
+    const int64_t C = a.classes;
+    const int64_t t = a.target[r];
+    constexpr int N = vec<T>::n;
+    const bool vector = (reinterpret_cast<uintptr_t>(x) % 16) == 0 && (reinterpret_cast<uintptr_t>(g) % 16) == 0;
+    if (t == a.ignore_index) {  // an ignored row's gradient is zero
+        int64_t done = 0;
+        if (vector) {
+            const int64_t vectors = C / N;
+            for (int64_t i = threadIdx.x; i < vectors; i += THREADS) reinterpret_cast<uint4*>(g)[i] = make_uint4(0, 0, 0, 0);
+            done = vectors * N;
+        }
+        for (int64_t c = done + threadIdx.x; c < C; c += THREADS) g[c] = T(0.f);
+        return;
+    }
+    const float scale = a.grad_loss[r * a.grad_loss_stride];
+    const float lse = a.lse[r];
+    auto grad_of = [&](float xv, int64_t c) {
+        const float p = exp_of(xv - lse);
+        return scale * (c == t ? p - 1.f : p);
+    };
+    int64_t done = 0;
+    if (vector) {
+        const uint4* xv = reinterpret_cast<const uint4*>(x);
+        uint4* gv = reinterpret_cast<uint4*>(g);
+        const int64_t vectors = C / N;
+        int64_t i = threadIdx.x;
+        for (; i + (UNROLL - 1) * THREADS < vectors; i += UNROLL * THREADS) {
+            vec<T> v[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) v[u].raw = __ldcs(xv + i + u * THREADS);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                vec<T> o;
+#pragma unroll
+                for (int e = 0; e < N; ++e) o.set(e, grad_of(v[u].at(e), (i + u * THREADS) * N + e));
+                __stcs(gv + i + u * THREADS, o.raw);
+            }
+        }
+        for (; i < vectors; i += THREADS) {
+            vec<T> v, o;
+            v.raw = __ldcs(xv + i);
+#pragma unroll
+            for (int e = 0; e < N; ++e) o.set(e, grad_of(v.at(e), i * N + e));
+            __stcs(gv + i, o.raw);
+        }
+        done = vectors * N;
+    }
+    for (int64_t c = done + threadIdx.x; c < C; c += THREADS) g[c] = T(grad_of(to_float(x[c]), c));
+}
+
+template <typename T>
+cudaError_t launch(const cross_entropy_args& a, bool backward, cudaStream_t stream) {
+    if (a.rows == 0) return cudaSuccess;
+    const dim3 grid(unsigned(a.rows));
+    if (backward)
+        backward_kernel<T><<<grid, THREADS, 0, stream>>>(a);
+    else
+        forward_kernel<T><<<grid, THREADS, 0, stream>>>(a);
+    return cudaGetLastError();
+}
+
+cudaError_t dispatch(const cross_entropy_args& a, bool backward, cudaStream_t stream) {
+    if (cross_entropy_unsupported(a, backward) != nullptr) return cudaErrorInvalidValue;
+    switch (dtype(a.dtype)) {
+        case dtype::bf16: return launch<__nv_bfloat16>(a, backward, stream);
+        case dtype::fp16: return launch<__half>(a, backward, stream);
+        default: return launch<float>(a, backward, stream);
+    }
+}
+
+}  // namespace
+
+const char* cross_entropy_unsupported(const cross_entropy_args& a, bool backward) {
+    if (a.dtype != int(dtype::bf16) && a.dtype != int(dtype::fp16) && a.dtype != int(dtype::fp32))
+        return "logits dtype must be bfloat16, float16 or float32";
+    if (a.rows < 0 || a.classes <= 0) return "rows must be >= 0 and classes > 0";
+    if (a.rows > 0x7fffffff) return "more than 2^31 - 1 rows";
+    if (a.rows > 0 && (a.logits == nullptr || a.target == nullptr)) return "logits and target are required";
+    if (a.logits_row_stride < 0) return "logits row stride must be >= 0";  // overlapping rows (an expand) are only read
+    if (!backward && a.rows > 0 && (a.loss == nullptr || a.lse == nullptr)) return "loss and lse outputs are required";
+    if (backward && a.rows > 0) {
+        if (a.lse == nullptr || a.grad_loss == nullptr || a.grad == nullptr) return "lse, grad_loss and grad are required";
+        if (a.grad_row_stride < a.classes && a.rows > 1) return "grad rows overlap (row stride < classes)";
+        if (a.grad_loss_stride < 0) return "grad_loss stride must be >= 0";
+    }
+    return nullptr;
+}
+
+cudaError_t launch_cross_entropy_forward(const cross_entropy_args& args, cudaStream_t stream) {
+    return dispatch(args, false, stream);
+}
+
+cudaError_t launch_cross_entropy_backward(const cross_entropy_args& args, cudaStream_t stream) {
+    return dispatch(args, true, stream);
+}
+
+}  // namespace tk::loss
