@@ -1,7 +1,8 @@
 // One block per row. The forward keeps a running (max, sum of exp) per thread over 16-byte vectors (online softmax
 // normaliser), merges them across the block and finishes the row's log-sum-exp and loss; the backward streams the
 // row again and writes softmax - one-hot, times the row's incoming gradient. Both are memory-bound: 16-byte loads,
-// four in flight per thread, and rows whose start is not 16-byte aligned take an element-wise path.
+// four in flight per thread; the elements before a row's first 16-byte boundary and after its last whole vector go
+// one by one.
 #include "cross_entropy.h"
 #include "../../kittens/kittens.cuh"
 
@@ -57,6 +58,14 @@ __device__ __forceinline__ const T* row_of(const cross_entropy_args& a, int64_t 
     return static_cast<const T*>(a.logits) + r * a.logits_row_stride;
 }
 
+// Elements before the row's first 16-byte boundary (at most C): they and the tail after the last whole vector go
+// element by element, the rest in 16-byte vectors. (Rows of an odd vocabulary, e.g. 50257, start at every 2-byte
+// offset in turn.)
+template <typename T>
+__device__ __forceinline__ int64_t head_of(const void* row, int64_t C) {
+    return min(C, int64_t((16 - reinterpret_cast<uintptr_t>(row) % 16) % 16 / sizeof(T)));
+}
+
 template <typename T>
 __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant__ cross_entropy_args a) {
     const int64_t r = blockIdx.x;
@@ -64,11 +73,9 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant_
     const int64_t C = a.classes;
     normaliser nm;
     constexpr int N = vec<T>::n;
-    const bool vector = (reinterpret_cast<uintptr_t>(x) % 16) == 0;
-    int64_t done = 0;
-    if (vector) {
-        const uint4* xv = reinterpret_cast<const uint4*>(x);
-        const int64_t vectors = C / N;
+    const int64_t head = head_of<T>(x, C), vectors = (C - head) / N;
+    {
+        const uint4* xv = reinterpret_cast<const uint4*>(x + head);
         int64_t i = threadIdx.x;
         for (; i + (UNROLL - 1) * THREADS < vectors; i += UNROLL * THREADS) {
             vec<T> v[UNROLL];
@@ -96,9 +103,9 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant_
 #pragma unroll
             for (int e = 0; e < N; ++e) nm.add(v.at(e));
         }
-        done = vectors * N;
     }
-    for (int64_t c = done + threadIdx.x; c < C; c += THREADS) nm.add(to_float(x[c]));
+    if (threadIdx.x < head) nm.add(to_float(x[threadIdx.x]));
+    for (int64_t c = head + vectors * N + threadIdx.x; c < C; c += THREADS) nm.add(to_float(x[c]));
 
     // Block merge: warps by shuffles, then the warps' results through shared memory.
 #pragma unroll
@@ -140,15 +147,16 @@ __global__ void __launch_bounds__(THREADS) backward_kernel(const __grid_constant
     const int64_t C = a.classes;
     const int64_t t = a.target[r];
     constexpr int N = vec<T>::n;
-    const bool vector = (reinterpret_cast<uintptr_t>(x) % 16) == 0 && (reinterpret_cast<uintptr_t>(g) % 16) == 0;
+    // Vectors where the logits and gradient rows are equally far from a 16-byte boundary (contiguous rows of one
+    // width always are); otherwise element by element.
+    const bool vector = reinterpret_cast<uintptr_t>(x) % 16 == reinterpret_cast<uintptr_t>(g) % 16;
+    const int64_t head = vector ? head_of<T>(x, C) : C, vectors = vector ? (C - head) / N : 0;
+    const int64_t tail = head + vectors * N;  // first element after the vectors
     if (t == a.ignore_index) {  // an ignored row's gradient is zero
-        int64_t done = 0;
-        if (vector) {
-            const int64_t vectors = C / N;
-            for (int64_t i = threadIdx.x; i < vectors; i += THREADS) reinterpret_cast<uint4*>(g)[i] = make_uint4(0, 0, 0, 0);
-            done = vectors * N;
-        }
-        for (int64_t c = done + threadIdx.x; c < C; c += THREADS) g[c] = T(0.f);
+        for (int64_t i = threadIdx.x; i < vectors; i += THREADS)
+            reinterpret_cast<uint4*>(g + head)[i] = make_uint4(0, 0, 0, 0);
+        for (int64_t c = threadIdx.x; c < head; c += THREADS) g[c] = T(0.f);
+        for (int64_t c = tail + threadIdx.x; c < C; c += THREADS) g[c] = T(0.f);
         return;
     }
     const float scale = a.grad_loss[r * a.grad_loss_stride];
@@ -157,11 +165,9 @@ __global__ void __launch_bounds__(THREADS) backward_kernel(const __grid_constant
         const float p = exp_of(xv - lse);
         return scale * (c == t ? p - 1.f : p);
     };
-    int64_t done = 0;
-    if (vector) {
-        const uint4* xv = reinterpret_cast<const uint4*>(x);
-        uint4* gv = reinterpret_cast<uint4*>(g);
-        const int64_t vectors = C / N;
+    {
+        const uint4* xv = reinterpret_cast<const uint4*>(x + head);
+        uint4* gv = reinterpret_cast<uint4*>(g + head);
         int64_t i = threadIdx.x;
         for (; i + (UNROLL - 1) * THREADS < vectors; i += UNROLL * THREADS) {
             vec<T> v[UNROLL];
@@ -171,7 +177,7 @@ __global__ void __launch_bounds__(THREADS) backward_kernel(const __grid_constant
             for (int u = 0; u < UNROLL; ++u) {
                 vec<T> o;
 #pragma unroll
-                for (int e = 0; e < N; ++e) o.set(e, grad_of(v[u].at(e), (i + u * THREADS) * N + e));
+                for (int e = 0; e < N; ++e) o.set(e, grad_of(v[u].at(e), head + (i + u * THREADS) * N + e));
                 __stcs(gv + i + u * THREADS, o.raw);
             }
         }
@@ -179,12 +185,12 @@ __global__ void __launch_bounds__(THREADS) backward_kernel(const __grid_constant
             vec<T> v, o;
             v.raw = __ldcs(xv + i);
 #pragma unroll
-            for (int e = 0; e < N; ++e) o.set(e, grad_of(v.at(e), i * N + e));
+            for (int e = 0; e < N; ++e) o.set(e, grad_of(v.at(e), head + i * N + e));
             __stcs(gv + i, o.raw);
         }
-        done = vectors * N;
     }
-    for (int64_t c = done + threadIdx.x; c < C; c += THREADS) g[c] = T(grad_of(to_float(x[c]), c));
+    for (int64_t c = threadIdx.x; c < head; c += THREADS) g[c] = T(grad_of(to_float(x[c]), c));
+    for (int64_t c = tail + threadIdx.x; c < C; c += THREADS) g[c] = T(grad_of(to_float(x[c]), c));
 }
 
 template <typename T>
