@@ -32,7 +32,16 @@ TOKENS = 8192
 WEIGHTS = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]
 
 
-def problems(quick: bool):
+# Llama-3.2-1B's weights (K x N: fused qkv, attention projection, fc_1 / fc_2, MLP projection, lm_head): the GEMMs of
+# benchmarks/litgpt_step.py, K = 2048 for most
+LLAMA_1B_WEIGHTS = [(2048, 3072), (2048, 2048), (2048, 8192), (8192, 2048), (2048, 128256)]
+
+
+def problems(quick: bool, llama_1b: bool = False):
+    if llama_1b:
+        for k, n in LLAMA_1B_WEIGHTS:
+            yield f"{TOKENS}x{k}x{n}", TOKENS, n, k
+        return
     for s in SQUARES[:2] if quick else SQUARES:
         yield f"sq{s}", s, s, s
     for k, n in WEIGHTS[:2] if quick else WEIGHTS:
@@ -44,6 +53,8 @@ def main() -> None:
     p.add_argument("--json", default="out/gemm.json")
     p.add_argument("--png")
     p.add_argument("--quick", action="store_true", help="fewer shapes")
+    p.add_argument("--llama-1b", action="store_true",
+                   help="instead: 8192 tokens against Llama-3.2-1B's weights (the end-to-end benchmark's GEMMs)")
     p.add_argument("--sweep", action="store_true", help="also time other L2 group sizes of the schedule")
     p.add_argument("--cluster", action="store_true", help="also time clusters of two blocks sharing B by multicast")
     p.add_argument("--dynamic", action="store_true", help="also time the dynamic tile schedule")
@@ -59,7 +70,7 @@ def main() -> None:
               f"{kernels.gemm_resident_blocks(2)} in clusters of 2 (cluster occupancy query)", flush=True)
 
     rows = []
-    for name, M, N, K in problems(a.quick):
+    for name, M, N, K in problems(a.quick, a.llama_1b):
         if a.only and name not in a.only:
             continue
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)

@@ -92,3 +92,15 @@ def test_cross_entropy_benchmark_imports_and_parses_on_cpu():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cross_entropy.py"), "--help"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "--quick" in r.stdout, r.stderr[-3000:]
+
+
+def test_gemm_benchmark_llama_1b_problems():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gemm_bench", ROOT / "benchmarks" / "gemm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # no CUDA work at import time
+    shapes = list(bench.problems(False, llama_1b=True))
+    assert [(M, N, K) for _, M, N, K in shapes] == [(8192, 3072, 2048), (8192, 2048, 2048), (8192, 8192, 2048),
+                                                     (8192, 2048, 8192), (8192, 128256, 2048)]
+    assert len(list(bench.problems(False))) == 9 and len(list(bench.problems(True))) == 4
