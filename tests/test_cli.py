@@ -20,13 +20,16 @@ def test_explain_yaml_plans_without_a_gpu(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["planned"] and any(r["trace"] == "backward" for r in data["rows"])
     assert all(r["inputs"].startswith("bf16") for r in data["rows"] if r["symbol"] == "prims.linear")
+    # training plans the model with its loss, as `thunder-tk pretrain` runs it
+    (loss,) = [r for r in data["rows"] if r["symbol"] == "ltorch.cross_entropy"]
+    assert loss["inputs"].startswith("bf16[1024, ") and loss["claimed_by_tk"], loss
 
 
 def test_explain_default_model_and_inference(capsys):
     assert main(["explain", "--seq", "128", "--inference"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("Llama-3.2-1B: Llama-3.2-1B, 2 layers, hidden 2048")
-    assert "backward" not in text
+    assert "backward" not in text and "cross_entropy" not in text  # inference plans the model alone
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,12 @@ def _cmd_explain(args) -> int:
     if args.inference:
         meta_model.requires_grad_(False)
     tokens = torch.empty(spec.micro_batch_size, spec.seq_len, dtype=torch.int64, device="meta")
-    report = plan(meta_model, [tokens], device=args.device)
+    if args.inference:
+        report = plan(meta_model, [tokens], device=args.device)
+    else:  # training: the model with its loss, as `thunder-tk pretrain` jits it
+        from thunder_tk.pretrain import LossModule
+
+        report = plan(LossModule(meta_model), [tokens, torch.empty_like(tokens)], device=args.device)
     cfg = spec.config
     print(f"{spec.source}: {cfg.name or 'model'}, {cfg.n_layer} layers, hidden {cfg.n_embd}, {cfg.n_head} heads "
           f"(head_dim {cfg.head_size}, {cfg.n_query_groups} kv groups), batch {spec.micro_batch_size} x "
