@@ -26,7 +26,7 @@ from common import bar_chart, interleaved_ms, print_table, write_results  # noqa
 from thunder_tk import ops  # noqa: E402
 
 SQUARES = [4096, 8192, 16384]
-SWEEP_GROUPS = (4, 16, 32)
+SWEEP_GROUPS = (4, 16, 32, 64)
 EXTRA_VARIANTS = ("dynamic", "cluster2")  # optional tk variants, timed in the same rotation
 TOKENS = 8192
 WEIGHTS = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]
