@@ -2,7 +2,9 @@
 # One GPU-host job (set THUNDER_TK_COMMIT where the checkout has no .git; BENCH_ARGS=--sweep to tune;
 # BENCHES='gemm attention loss litgpt delta' picks benchmarks; a carried .ab_ref (scripts/ab_ref.sh) adds a same-machine
 # A/B, AB_BENCH): install carried wheels, build thunder_tk, run the GPU tests, compute-sanitizer and the
-# benchmarks, and print a short table last. Full logs go to $OUT (default out/gpu).
+# benchmarks, and print a short table last. Full logs go to $OUT (default out/gpu), packed into logs.tgz and charts.tgz
+# beside the JSON results at the end (the device tool fetches at most 8 files; PACK_OUT=0 leaves them loose, e.g. to
+# grep a log in the same command after this script).
 #   bash scripts/gpu_run.sh [all|test|bench|dist|pretrain]
 #     dist: the multi-GPU collectives benchmark and tests; pretrain: `thunder-tk pretrain` with tk vs Thunder's
 #     default executors on every GPU of the host (PRETRAIN_CONFIG, default llama-2-7b; PRETRAIN_ARGS: overrides;
@@ -109,3 +111,12 @@ grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 1
 [ -f "$OUT/sass.txt" ] && echo "sass: $(tr -s ' \n' ' ' < "$OUT/sass.txt")"
 grep -E "registers|spill" "$OUT/build.log" 2>/dev/null | sort | uniq -c | sort -rn | head -n 4
 printf '%s\n' "${summary[@]}"
+# The device tool fetches at most 8 files from $OUT: keep the results (JSON) and the run log loose, and pack the logs
+# and charts into two archives (PACK_OUT=0 leaves everything loose).
+if [ "${PACK_OUT:-1}" = 1 ]; then
+  ( cd "$OUT" && shopt -s nullglob
+    logs=(*.log *.txt *.xml); charts=(*.png)
+    [ ${#logs[@]} -gt 0 ] && tar czf logs.tgz "${logs[@]}" && rm -f "${logs[@]}"
+    [ ${#charts[@]} -gt 0 ] && tar czf charts.tgz "${charts[@]}" && rm -f "${charts[@]}"
+    echo "in \$OUT: $(ls | tr '\n' ' ')" )
+fi
