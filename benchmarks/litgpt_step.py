@@ -79,15 +79,18 @@ def _world() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
-# Where a step's GPU time goes: kernels by kind (names as CUDA reports them).
+# Where a step's GPU time goes: kernels by what they compute, whoever's they are (names as CUDA reports them; tk's
+# kernels live in namespaces tk::gemm, tk::attention, tk::loss, tk::p2p...). The first pattern that matches wins.
 KERNEL_KINDS = (
-    ("tk", re.compile(r"\btk::|tk_")),
-    ("attention", re.compile(r"flash|fmha|attention|cudnn|sdpa|efficient", re.I)),  # before gemm: cuDNN's say sm90
+    ("loss", re.compile(r"tk::loss|nll_loss|log_softmax|cross_entropy|xentropy", re.I)),
+    ("attention", re.compile(r"tk::attention|flash|fmha|attention|cudnn|sdpa|efficient", re.I)),  # cuDNN's say sm90
     ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|sm90_|splitK", re.I)),
+    ("collective", re.compile(r"tk::p2p|tk::coll|nccl", re.I)),
     ("optimizer", re.compile(r"multi_tensor|adam|foreach", re.I)),
     ("fused (triton)", re.compile(r"triton", re.I)),
     ("copy/fill", re.compile(r"copy|fill|memset|memcpy|cat|index", re.I)),
 )
+TK_KERNEL = re.compile(r"\btk::")
 
 
 def kernel_kind(name: str) -> str:
@@ -118,8 +121,10 @@ def profile_step(step, device: torch.device, top: int) -> dict:
         kinds[kind] = kinds.get(kind, 0.0) + ms
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
     return {"wall_ms": wall * 1e3, "kernel_ms": sum(ms for ms, _ in kernels.values()),
+            "tk_ms": sum(ms for name, (ms, _) in kernels.items() if TK_KERNEL.search(name)),
             "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-            "top": [{"kernel": k[:140], "ms": ms, "calls": n, "kind": kernel_kind(k)} for k, (ms, n) in ranked]}
+            "top": [{"kernel": k[:140], "ms": ms, "calls": n, "kind": kernel_kind(k),
+                     "tk": bool(TK_KERNEL.search(k))} for k, (ms, n) in ranked]}
 
 
 def print_profiles(rows: list[dict]) -> None:
@@ -129,12 +134,14 @@ def print_profiles(rows: list[dict]) -> None:
     kinds = sorted({k for r in profiled for k in r["profile"]["kinds_ms"]})
     print("\nGPU time per step (ms), one profiled step")
     print_table([{"variant": r["variant"], "wall": r["profile"]["wall_ms"], "kernels": r["profile"]["kernel_ms"],
+                  "of which tk": r["profile"].get("tk_ms", 0.0),
                   **{k: r["profile"]["kinds_ms"].get(k, 0.0) for k in kinds}} for r in profiled],
-                ["variant", "wall", "kernels", *kinds])
+                ["variant", "wall", "kernels", "of which tk", *kinds])
     for r in profiled:
         print(f"\n{r['variant']}: top kernels")
         for k in r["profile"]["top"]:
-            print(f"  {k['ms']:8.3f} ms {k['calls']:5d}x  {k['kind']:<15} {k['kernel'][:100]}")
+            owner = "tk " if k.get("tk") else ""
+            print(f"  {k['ms']:8.3f} ms {k['calls']:5d}x  {owner + k['kind']:<18} {k['kernel'][:100]}")
 
 
 def run(name, wrap, args, device: torch.device):

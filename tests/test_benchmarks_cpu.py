@@ -74,17 +74,23 @@ def test_litgpt_step_profile_kinds_and_table(capsys):
     kinds = {name: bench.kernel_kind(name) for name in [
         "void tk::gemm::(anonymous namespace)::gemm_kernel<__nv_bfloat16, (tk::wgmma::major)0>(CUtensorMap)",
         "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NTN",
+        "void tk::attention::(anonymous namespace)::backward_kernel<__nv_bfloat16, 64>(CUtensorMap_st)",
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3",
+        "void tk::loss::(anonymous namespace)::forward_kernel<__nv_bfloat16>(tk::loss::cross_entropy_args)",
+        "triton_red_fused__log_softmax__to_copy_prepare_softmax_online_9",
         "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>",
         "triton_per_fused__to_copy_mul_rsqrt_0",
         "void at::native::elementwise_kernel<128, 2>(direct_copy_kernel_cuda)",
         "some_other_kernel"]}
-    assert list(kinds.values()) == ["tk", "gemm", "attention", "optimizer", "fused (triton)", "copy/fill", "other"]
-    profile = {"wall_ms": 40.0, "kernel_ms": 38.5, "kinds_ms": {"gemm": 20.0, "other": 18.5},
-               "top": [{"kernel": "nvjet_x", "ms": 20.0, "calls": 30, "kind": "gemm"}]}
+    assert list(kinds.values()) == ["gemm", "gemm", "attention", "attention", "loss", "loss", "optimizer",
+                                    "fused (triton)", "copy/fill", "other"]
+    assert bench.TK_KERNEL.search("void tk::gemm::gemm_kernel") and not bench.TK_KERNEL.search("nvjet_tk")
+    profile = {"wall_ms": 40.0, "kernel_ms": 38.5, "tk_ms": 20.0, "kinds_ms": {"gemm": 20.0, "other": 18.5},
+               "top": [{"kernel": "nvjet_x", "ms": 20.0, "calls": 30, "kind": "gemm", "tk": False}]}
     bench.print_profiles([{"variant": "thunder default", "profile": profile}, {"variant": "eager"}])
     out = capsys.readouterr().out
     assert "GPU time per step" in out and "thunder default: top kernels" in out and "nvjet_x" in out
+    assert "of which tk" in out
     assert "eager" not in out  # not profiled, not listed
 
 
