@@ -131,14 +131,10 @@ def _check_cross_entropy_standin_args(logits, target):
 def cross_entropy_forward_standin(logits, target, ignore_index=-100):
     """ops.cross_entropy_forward's contract in float64 math on any device: per row (lse - logits[target], lse),
     both float32 (rows,); the loss 0 where target == ignore_index and NaN where a target is outside [0, classes)."""
+    from thunder_tk import ops
+
     _check_cross_entropy_standin_args(logits, target)
-    x = logits.double()
-    classes = x.shape[1]
-    lse = torch.logsumexp(x, dim=1)
-    valid = (target >= 0) & (target < classes)
-    picked = x.gather(1, target.clamp(0, classes - 1).unsqueeze(1)).squeeze(1)
-    loss = torch.where(valid, lse - picked, torch.full_like(lse, float("nan")))
-    loss = torch.where(target == ignore_index, torch.zeros_like(loss), loss)
+    loss, lse = ops.cross_entropy_reference(logits, target, ignore_index)
     return loss.float(), lse.float()
 
 

@@ -392,6 +392,19 @@ def check_cross_entropy_args(logits: torch.Tensor, target: torch.Tensor) -> None
         raise ValueError(f"cross_entropy runs on CUDA tensors on one device; got {logits.device} and {target.device}")
 
 
+def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 reference of cross_entropy_forward on any device: per row (lse - logits[target], lse), the loss 0
+    where target == ignore_index and NaN where a target is outside [0, classes)."""
+    x = logits.double()
+    classes = x.shape[1]
+    lse = torch.logsumexp(x, dim=1)
+    valid = (target >= 0) & (target < classes)
+    picked = x.gather(1, target.clamp(0, classes - 1).unsqueeze(1)).squeeze(1)
+    loss = torch.where(valid, lse - picked, torch.full_like(lse, float("nan")))
+    return torch.where(target == ignore_index, torch.zeros_like(loss), loss), lse
+
+
 def _cross_entropy_operands(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if logits.shape[1] > 1 and logits.stride(1) != 1:
         logits = logits.contiguous()
