@@ -182,30 +182,33 @@ def _valid_rows(target, ignore_index: int):
     return ltorch.sum(ltorch.to(ltorch.ne(target, ignore_index), thunder.float32))
 
 
-def _reduce_rows(a, rows, target, ignore_index: int, reduction: str):
+def _reduce_rows(a, rows, valid_rows, reduction: str):
+    """PyTorch's reduction of the per-row losses; `valid_rows` (the rows not ignored) is used by "mean" only."""
     if reduction == "none":
         return ltorch.to(rows, a.dtype)
     total = ltorch.sum(rows)
     if reduction == "sum":
         return ltorch.to(total, a.dtype)
-    return ltorch.to(ltorch.true_divide(total, _valid_rows(target, ignore_index)), a.dtype)
+    return ltorch.to(ltorch.true_divide(total, valid_rows), a.dtype)
 
 
 def _cross_entropy_lowering(a, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                             reduction="mean", label_smoothing=0.0):
     ignore_index, reduction = int(pyval(ignore_index)), pyval(reduction)
     rows, _ = tk_cross_entropy_forward(a, target, ignore_index)
-    return _reduce_rows(a, rows, target, ignore_index, reduction)
+    valid_rows = _valid_rows(target, ignore_index) if reduction == "mean" else None
+    return _reduce_rows(a, rows, valid_rows, reduction)
 
 
 def _cross_entropy_grad(a, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                         reduction="mean", label_smoothing=0.0):
     ignore_index, reduction = int(pyval(ignore_index)), pyval(reduction)
     rows, lse = tk_cross_entropy_forward(a, target, ignore_index)
-    loss = _reduce_rows(a, rows, target, ignore_index, reduction)
+    valid_rows = _valid_rows(target, ignore_index) if reduction == "mean" else None  # counted once, used twice
+    loss = _reduce_rows(a, rows, valid_rows, reduction)
     g = ltorch.to(get_grad(loss), thunder.float32)
     if reduction == "mean":
-        g = ltorch.true_divide(g, _valid_rows(target, ignore_index))
+        g = ltorch.true_divide(g, valid_rows)
     if reduction != "none":
         g = ltorch.expand(g, (a.shape[0],))
     put_grad(a, tk_cross_entropy_backward(a, target, lse, g, ignore_index))
