@@ -30,6 +30,8 @@ a = torch.randn(1100, 64, device="cuda", dtype=torch.bfloat16)
 b = torch.randn(64, 4104, device="cuda", dtype=torch.bfloat16)
 for schedule in ("static", "dynamic"):
     _ops.gemm(a, b, torch.randn(4104, device="cuda", dtype=torch.bfloat16), _schedule=schedule)
+    _ops.gemm(a, b, torch.randn(4104, device="cuda", dtype=torch.bfloat16), _schedule=schedule, _tile_n=128)
+    _ops.gemm(a.t().contiguous().t(), b.t().contiguous().t(), _schedule=schedule, _tile_n=128)
 torch.cuda.synchronize()
 print("gemm sanitize targets ran")
 

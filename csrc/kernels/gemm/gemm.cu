@@ -14,7 +14,11 @@ namespace {
 
 using wgmma::major;
 
-constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
+constexpr int BM = 128, BK = 64;
+// Tile widths: 256 by default; 128 where 256-wide tiles would leave much of the last wave of the persistent grid
+// idle (e.g. a 3072 x 2048 weight gradient: 192 tiles of 128 x 256 are 1.45 waves on 132 SMs, 384 of 128 x 128
+// are 2.9). The narrower tile's stages are half as large, so it keeps more of them in flight.
+constexpr int stages_of(int tn) { return tn == 256 ? 4 : 6; }
 // With clusters of C = 2 blocks, the blocks share their B tile: block r loads rows [128 r, 128 r + 128) of it
 // and the copy engine writes them into both blocks' shared memory (halving L2 -> SM traffic for B).
 // C = 1 is the plain persistent kernel.
@@ -23,8 +27,9 @@ constexpr int GROUP_ROWS = 8;
 constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
 static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, CONSUMER_REGISTERS));  // default tile rows per L2 group of the persistent schedule
 
-template <typename T, major MA, major MB>
+template <typename T, major MA, major MB, int BN>
 struct shared_state {
+    static constexpr int STAGES = stages_of(BN);
     wgmma::operand_tile<T, BM, MA> a[STAGES];
     wgmma::operand_tile<T, BN, MB> b[STAGES];
     // Output staging for the TMA-store epilogue: per consumer, one half tile (64 x 128) as two swizzled
@@ -61,7 +66,7 @@ __device__ __forceinline__ void store_pair(T* p, float x, float y, bool vector) 
 }
 
 // Consumer warpgroups: wgmma over the ring, then the epilogue of each tile.
-template <typename T, major MA, major MB, int CLUSTER, typename State, typename TileOf>
+template <typename T, major MA, major MB, int CLUSTER, int BN, typename State, typename TileOf>
 __device__ __forceinline__ void consume(State& st, const kernel_params& p, const CUtensorMap& map_c, int pairs,
                                         int cluster, int clusters, TileOf tile_of) {
     // A stage is free once every consumer warp of both blocks is done with it: the peer's producer writes
@@ -82,6 +87,7 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
     const bool vector_store = (g.c_stride_m % 2 == 0) && (reinterpret_cast<uintptr_t>(g.c) % 4 == 0);
     const bool leader = warpgroup::thread() == 0;
     const int barrier_id = 1 + slice;  // named barrier of this consumer warpgroup
+    constexpr int STAGES = State::STAGES;
     pipeline::cursor<STAGES> at;
     float d[BN / 2];
 
@@ -120,10 +126,10 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
 
         const int64_t row0 = int64_t(tile.m) * BM + slice * 64, col0 = int64_t(tile.n) * BN;
         if (p.tma_store) {
-            // Two halves of 128 columns: registers (+ bias) -> swizzled staging -> TMA store, which runs on
+            // Halves of 128 columns: registers (+ bias) -> swizzled staging -> TMA store, which runs on
             // while this warpgroup starts its next tile.
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
+            for (int half = 0; half < BN / 128; ++half) {
                 if (leader) tma::store_wait_read();
                 sync::named_sync(barrier_id, warpgroup::threads);
                 uint8_t* stage = reinterpret_cast<uint8_t*>(st.c_stage[slice]);
@@ -178,11 +184,12 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
     if (leader) tma::store_wait();  // staging must outlive the stores' reads
 }
 
-template <typename T, major MA, major MB, int CLUSTER>
+template <typename T, major MA, major MB, int CLUSTER, int BN>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                 const __grid_constant__ CUtensorMap map_c, const __grid_constant__ kernel_params p) {
-    using state_t = shared_state<T, MA, MB>;
+    using state_t = shared_state<T, MA, MB, BN>;
+    constexpr int STAGES = state_t::STAGES;
     extern __shared__ uint8_t raw_smem[];
     auto& st = *reinterpret_cast<state_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
 
@@ -262,7 +269,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
         }
     } else {
-        consume<T, MA, MB, CLUSTER>(st, p, map_c, pairs, cluster, clusters, tile_of);
+        consume<T, MA, MB, CLUSTER, BN>(st, p, map_c, pairs, cluster, clusters, tile_of);
     }
     // No block leaves while its peer may still write into its shared memory or arrive on its barriers.
     // (Lane 0 of the producer warp arrives late: reconverge the warp first, the cluster barrier is .aligned.)
@@ -272,8 +279,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 }
 
-template <typename T, major MA, major MB>
-constexpr int smem_bytes_of = sizeof(shared_state<T, MA, MB>) + 1024;  // + alignment to 1024 bytes
+template <typename T, major MA, major MB, int BN>
+constexpr int smem_bytes_of = sizeof(shared_state<T, MA, MB, BN>) + 1024;  // + alignment to 1024 bytes
+static_assert(smem_bytes_of<__nv_bfloat16, major::k, major::k, 256> <= 227 * 1024 &&
+              smem_bytes_of<__nv_bfloat16, major::k, major::k, 128> <= 227 * 1024, "shared memory per block");
 
 template <int CLUSTER>
 cudaLaunchConfig_t launch_config(cudaLaunchAttribute* attribute, int smem_bytes, cudaStream_t stream) {
@@ -292,15 +301,15 @@ cudaLaunchConfig_t launch_config(cudaLaunchAttribute* attribute, int smem_bytes,
 
 // Per device, once: the kernel's shared-memory opt-in (an attribute of the kernel in each device's context) and
 // the persistent grid: one block per SM, or for clusters as many as the occupancy query says fit at once.
-template <typename T, major MA, major MB, int CLUSTER>
+template <typename T, major MA, major MB, int CLUSTER, int BN>
 cudaError_t prepare(int* grid_blocks) {
     static std::atomic<int> blocks[max_devices];
     const int device = current_device();
     if (device < 0) return cudaErrorInvalidDevice;
     int known = blocks[device].load(std::memory_order_acquire);
     if (known == 0) {
-        auto kernel = gemm_kernel<T, MA, MB, CLUSTER>;
-        constexpr int smem_bytes = smem_bytes_of<T, MA, MB>;
+        auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN>;
+        constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN>;
         cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         if (e != cudaSuccess) return e;
         known = multiprocessor_count();
@@ -318,12 +327,12 @@ cudaError_t prepare(int* grid_blocks) {
     return cudaSuccess;
 }
 
-template <typename T, major MA, major MB, int CLUSTER>
+template <typename T, major MA, major MB, int CLUSTER, int BN>
 cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
-    auto kernel = gemm_kernel<T, MA, MB, CLUSTER>;
-    constexpr int smem_bytes = smem_bytes_of<T, MA, MB>;
+    auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN>;
+    constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN>;
     int resident = 0;
-    if (cudaError_t e = prepare<T, MA, MB, CLUSTER>(&resident); e != cudaSuccess) return e;
+    if (cudaError_t e = prepare<T, MA, MB, CLUSTER, BN>(&resident); e != cudaSuccess) return e;
 
     CUtensorMap map_a, map_b;
     const auto sw = tma::swizzle::b128;
@@ -364,21 +373,38 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     return cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, p);
 }
 
-template <typename T, int C>
+template <typename T, int C, int BN>
 cudaError_t dispatch_majors(const gemm_args& g, cudaStream_t stream) {
     const bool a_k = g.a_stride_k == 1, b_k = g.b_stride_k == 1;
-    if (a_k && b_k) return launch<T, major::k, major::k, C>(g, stream);
-    if (a_k) return launch<T, major::k, major::mn, C>(g, stream);
-    if (b_k) return launch<T, major::mn, major::k, C>(g, stream);
-    return launch<T, major::mn, major::mn, C>(g, stream);
+    if (a_k && b_k) return launch<T, major::k, major::k, C, BN>(g, stream);
+    if (a_k) return launch<T, major::k, major::mn, C, BN>(g, stream);
+    if (b_k) return launch<T, major::mn, major::k, C, BN>(g, stream);
+    return launch<T, major::mn, major::mn, C, BN>(g, stream);
+}
+
+// The share of the persistent grid's slots (waves x SMs) that tiles fill, for tiles `tn` wide.
+double wave_fill(const gemm_args& g, int tn, int sms) {
+    const int64_t tiles = ((g.M + BM - 1) / BM) * ((g.N + tn - 1) / tn);
+    const int64_t waves = (tiles + sms - 1) / sms;
+    return double(tiles) / double(waves * sms);
+}
+
+int tile_n_of(const gemm_args& g) {
+    if (g.tile_n == 128 || g.tile_n == 256) return g.tile_n;
+    // 128 wide only where 256-wide tiles leave a good part of the grid idle in their last wave and the narrower
+    // ones fill it clearly better: they move a third more bytes from L2 per product.
+    const int sms = multiprocessor_count();
+    const double wide = wave_fill(g, 256, sms), narrow = wave_fill(g, 128, sms);
+    return wide < 0.8 && narrow > wide + 0.1 ? 128 : 256;
 }
 
 template <typename T>
 cudaError_t dispatch_cluster(const gemm_args& g, cudaStream_t stream) {
     // Default: no cluster. Clusters of two with B multicast run at parity on the H100, not faster
-    // (benchmarks/NOTES.md).
-    if (g.cluster == 2) return dispatch_majors<T, 2>(g, stream);
-    return dispatch_majors<T, 1>(g, stream);
+    // (benchmarks/NOTES.md); they use 256-wide tiles only.
+    if (g.cluster == 2) return dispatch_majors<T, 2, 256>(g, stream);
+    if (tile_n_of(g) == 128) return dispatch_majors<T, 1, 128>(g, stream);
+    return dispatch_majors<T, 1, 256>(g, stream);
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -390,6 +416,8 @@ const char* gemm_unsupported(const gemm_args& g) {
     if (g.M <= 0 || g.N <= 0 || g.K <= 0) return "M, N and K must be positive";
     if (g.M > INT32_MAX / 2 || g.N > INT32_MAX / 2 || g.K > INT32_MAX / 2) return "a dimension exceeds 2^30";
     if (g.K % 8) return "K must be a multiple of 8";
+    if (g.tile_n != 0 && g.tile_n != 128 && g.tile_n != 256) return "tile_n must be 0 (automatic), 128 or 256";
+    if (g.tile_n == 128 && g.cluster == 2) return "clusters of two use 256-wide tiles only";
     if (g.a_stride_k != 1 && g.a_stride_m != 1) return "A needs a unit stride along M or K";
     if (g.b_stride_k != 1 && g.b_stride_n != 1) return "B needs a unit stride along K or N";
     const int64_t a_lead = g.a_stride_k == 1 ? g.a_stride_m : g.a_stride_k;
@@ -401,8 +429,8 @@ const char* gemm_unsupported(const gemm_args& g) {
 
 int gemm_resident_blocks(int cluster) {
     int blocks = 0;
-    const cudaError_t e = cluster == 2 ? prepare<__nv_bfloat16, major::k, major::k, 2>(&blocks)
-                                       : prepare<__nv_bfloat16, major::k, major::k, 1>(&blocks);
+    const cudaError_t e = cluster == 2 ? prepare<__nv_bfloat16, major::k, major::k, 2, 256>(&blocks)
+                                       : prepare<__nv_bfloat16, major::k, major::k, 1, 256>(&blocks);
     return e == cudaSuccess ? blocks : -1;
 }
 

@@ -17,6 +17,7 @@ struct gemm_args {
     int64_t a_stride_m, a_stride_k, b_stride_k, b_stride_n, c_stride_m;
     int group_rows;  // tile rows per L2 group of the persistent schedule (0: the tuned default)
     int cluster;     // blocks per cluster sharing B by multicast: 1 or 2 (0: the default)
+    int tile_n;      // output tile width: 128 or 256 (0: 256 unless 128 fills the grid's last wave clearly better)
     // Dynamic tile schedule (clusters of 1 only): blocks take tiles from this zeroed counter as they get to
     // them, so blocks that start late (SMs busy with other kernels, e.g. an overlapping collective) take fewer
     // tiles instead of stretching the kernel. The kernel leaves it zeroed again. Null: each block takes every
