@@ -133,8 +133,9 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
                 if (leader) tma::store_wait_read();
                 sync::named_sync(barrier_id, warpgroup::threads);
                 uint8_t* stage = reinterpret_cast<uint8_t*>(st.c_stage[slice]);
+                // 128 columns x 64 rows over the warpgroup's 128 threads: 64 accumulator values per half.
 #pragma unroll
-                for (int i = half * (BN / 4); i < (half + 1) * (BN / 4); i += 2) {
+                for (int i = half * 64; i < (half + 1) * 64; i += 2) {
                     const auto pos = wgmma::accumulator_position(i);
                     const int col = pos.col - half * 128;
                     float x = d[i], y = d[i + 1];
