@@ -171,6 +171,10 @@ def main() -> None:
     p.add_argument("--blocks", type=int, nargs="+",
                    help="tk block counts: the first is reported as tk, the others as tk_b{B} (default: env channel)")
     p.add_argument("--buffer-mib", type=int, default=64, help="staging buffer of the --blocks channels")
+    p.add_argument("--configs", nargs="+", default=[], metavar="B:S:MIB[:U]",
+                   help="more tk channels timed beside tk: B blocks, S slots, MIB staging buffer, U vectors in flight "
+                        "per source of the two-rank reduce-scatter (4 or 8), e.g. 128:4:128 128:2:64:8")
+    p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     a = p.parse_args()
 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -186,6 +190,11 @@ def main() -> None:
             blocks=b, buffer_bytes=a.buffer_mib << 20, timeout_s=60)) for i, b in enumerate(dict.fromkeys(a.blocks))}
     else:
         channels = {"tk": collectives.channel(group, device)}
+    for spec in a.configs:
+        b, slots, mib, *unroll = (int(v) for v in spec.split(":"))
+        cfg = collectives.ChannelConfig(blocks=b, buffer_bytes=mib << 20, timeout_s=60, slots=slots,
+                                        pair_unroll=unroll[0] if unroll else 0)
+        channels[f"tk_b{b}s{slots}m{mib}" + (f"u{unroll[0]}" if unroll else "")] = collectives.Channel(group, device, cfg)
     names = list(channels)
     if rank == 0:
         cfg = channels["tk"].config
@@ -196,7 +205,7 @@ def main() -> None:
     rows = []
     for size_mib in QUICK_SIZES_MIB if a.quick else a.sizes_mib:
         per_rank = max(1, int(size_mib * 2**20) // esize // world)
-        for op in OPS:
+        for op in a.ops:
             row = bench_op(op, per_rank, world, a.dtype, channels)
             rows.append(row)
             torch.cuda.empty_cache()  # the 1 GiB sizes need their memory back

@@ -262,9 +262,11 @@ class P2PChannel {
     }
 
     int reduce_scatter(std::uintptr_t in, std::uintptr_t out, int64_t elems_per_rank, int64_t chunk_elems, int dtype,
-                       bool average, std::uintptr_t caller, bool async, int grid) {
+                       bool average, std::uintptr_t caller, bool async, int grid, int pair_unroll) {
+        if (pair_unroll != 0 && pair_unroll != 4 && pair_unroll != 8)
+            throw std::invalid_argument("P2PChannel.reduce_scatter: pair_unroll must be 0, 4 or 8");
         tk::collectives::reduce_scatter_args a{args_, as_ptr<void>(in), reinterpret_cast<void*>(out), elems_per_rank,
-                                               chunk_elems, dtype, average};
+                                               chunk_elems, dtype, average, pair_unroll};
         return ordered(caller, async, "reduce_scatter",
                        [&](cudaStream_t s) { return tk::collectives::launch_reduce_scatter(a, grid, s); });
     }
@@ -436,7 +438,9 @@ PYBIND11_MODULE(_C, m) {
              py::arg("grid") = 0, "Returns a handle for wait().")
         .def("reduce_scatter", &P2PChannel::reduce_scatter, py::arg("inp"), py::arg("out"), py::arg("elems_per_rank"),
              py::arg("chunk_elems"), py::arg("dtype"), py::arg("average"), py::arg("caller_stream"),
-             py::arg("async_op"), py::arg("grid") = 0, "Returns a handle for wait().")
+             py::arg("async_op"), py::arg("grid") = 0, py::arg("pair_unroll") = 0,
+             "Returns a handle for wait(). pair_unroll: vectors in flight per source of the two-rank reduction "
+             "(4 or 8; 0: 4).")
         .def("wait", &P2PChannel::wait, py::arg("handle"), py::arg("stream"));
 
     register_selftests(m);

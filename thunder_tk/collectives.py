@@ -15,6 +15,8 @@ Environment knobs (read when a channel is made, so set them alike on every rank)
 - THUNDER_TK_COLLECTIVE_BLOCKS (default 128): thread blocks (one SM each) a large collective may use; fewer
   leave more SMs to overlapping compute at some cost in bandwidth (benchmarks/NOTES.md).
 - THUNDER_TK_COLLECTIVE_BUFFER_MB (default 64): staging buffer per rank.
+- THUNDER_TK_COLLECTIVE_SLOTS (default 2): staging cells per (block, peer); the buffer is split into
+  blocks x slots x peers cells.
 """
 
 from __future__ import annotations
@@ -120,6 +122,8 @@ class ChannelConfig:
     blocks: int
     buffer_bytes: int
     timeout_s: float
+    slots: int = SLOTS  # staging cells per (block, peer); more let senders run further ahead of the receivers
+    pair_unroll: int = 0  # two-rank reduce-scatter: vectors in flight per source (4 or 8; 0: the kernel's 4)
 
     @staticmethod
     def from_env() -> "ChannelConfig":
@@ -127,6 +131,7 @@ class ChannelConfig:
             blocks=_env_number("THUNDER_TK_COLLECTIVE_BLOCKS", 128),
             buffer_bytes=_env_number("THUNDER_TK_COLLECTIVE_BUFFER_MB", 64) << 20,
             timeout_s=_env_number("THUNDER_TK_COLLECTIVE_TIMEOUT_S", 600.0, float),
+            slots=_env_number("THUNDER_TK_COLLECTIVE_SLOTS", SLOTS),
         )
 
 
@@ -142,8 +147,9 @@ class Channel:
         if ext is None:
             raise CollectiveError(f"tk collectives unavailable: {_extension.unavailable_reason()}")
         config = config or ChannelConfig.from_env()
-        if config.blocks < 1 or config.timeout_s <= 0:
-            raise ValueError(f"channel needs blocks >= 1 and a positive timeout; got {config}")
+        if config.blocks < 1 or config.timeout_s <= 0 or config.slots < 2 or config.pair_unroll not in (0, 4, 8):
+            raise ValueError(f"channel needs blocks >= 1, a positive timeout, slots >= 2 and pair_unroll 0, 4 or 8; "
+                             f"got {config}")
         self.group = group
         self.device = torch.device(device)
         self._index = self.device.index
@@ -151,12 +157,12 @@ class Channel:
         self.rank = group.rank()
         self.config = config
         peers = max(1, self.world - 1)
-        cell = config.buffer_bytes // (config.blocks * SLOTS * peers) // 4096 * 4096
+        cell = config.buffer_bytes // (config.blocks * config.slots * peers) // 4096 * 4096
         if cell < MIN_CHUNK_BYTES:
             raise ValueError(f"a {config.buffer_bytes >> 20} MiB buffer is too small for {config.blocks} blocks and "
-                             f"{self.world} ranks; raise THUNDER_TK_COLLECTIVE_BUFFER_MB")
+                             f"{self.world} ranks with {config.slots} slots; raise THUNDER_TK_COLLECTIVE_BUFFER_MB")
         self.cell_bytes = cell
-        layout = ext.P2PChannel.layout(self.world, config.blocks, SLOTS, cell)
+        layout = ext.P2PChannel.layout(self.world, config.blocks, config.slots, cell)
         with torch.cuda.device(self.device):
             self._buffer = symm_mem.empty(layout["total_bytes"], dtype=torch.uint8, device=self.device)
             self._buffer[: layout["flag_bytes"]].zero_()
@@ -167,7 +173,7 @@ class Channel:
             self.stream = torch.cuda.Stream(self.device, priority=-1)
             self._error = torch.zeros(len(_ERROR_FIELDS) + 1, dtype=torch.int64, pin_memory=True)
             self._error_view = self._error.numpy()  # read without going through torch ops
-            self._kernels = ext.P2PChannel(self.world, config.blocks, SLOTS, cell, self.rank,
+            self._kernels = ext.P2PChannel(self.world, config.blocks, config.slots, cell, self.rank,
                                            [int(p) for p in self._handle.buffer_ptrs], self._error.data_ptr(),
                                            int(config.timeout_s * 1e9), self.stream.cuda_stream)
         self._failure: CollectiveError | None = None
@@ -248,7 +254,7 @@ class Channel:
         n, esize = out.numel(), a.element_size()
         handle = self._kernels.reduce_scatter(a.data_ptr(), out.data_ptr(), n, self.chunk_bytes(n * esize) // esize,
                                               _DTYPE_CODES[a.dtype], op == "avg", _current_stream(self._index),
-                                              async_op)
+                                              async_op, pair_unroll=self.config.pair_unroll)
         if not async_op:
             return out
         return self._work(handle, (a, out)), out

@@ -263,6 +263,33 @@ template <> __device__ __forceinline__ uint4 add_packed<__nv_bfloat16>(uint4 a, 
                       add2_bf16(a.w, b.w, half));
 }
 
+// out[i] = lo[i] + hi[i] over n_vec 16-byte vectors, U vectors in flight per source and thread; the cell (the
+// source that is not rank `me`'s own input) is read past L1, since peers rewrite it.
+template <typename T, int U>
+__device__ __forceinline__ void add_pairs(const team& t, const T* lo, const T* hi, T* out, int64_t n_vec, int me,
+                                          bool half) {
+    constexpr int threads = team::size;
+    const uint4* pl = reinterpret_cast<const uint4*>(lo);
+    const uint4* ph = reinterpret_cast<const uint4*>(hi);
+    uint4* po = reinterpret_cast<uint4*>(out);
+    for (int64_t base = t.rank(); base < n_vec; base += int64_t(threads) * U) {
+        uint4 x[U], y[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int64_t i = base + int64_t(u) * threads;
+            if (i < n_vec) {
+                x[u] = me == 0 ? pl[i] : __ldcg(pl + i);
+                y[u] = me == 1 ? ph[i] : __ldcg(ph + i);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int64_t i = base + int64_t(u) * threads;
+            if (i < n_vec) po[i] = add_packed<T>(x[u], y[u], half);
+        }
+    }
+}
+
 __device__ bool channel_open(const flags_of& mine) {
     __shared__ int open;
     if (threadIdx.x == 0) open = *reinterpret_cast<volatile uint64_t*>(mine.abort_word()) == 0;
@@ -300,7 +327,9 @@ __global__ void __launch_bounds__(threads) all_gather_kernel(const all_gather_ar
     run_units(s, (n + C - 1) / C, send, recv);
 }
 
-template <typename T>
+// PairUnroll: vectors in flight per source in the two-rank reduction (a template parameter, so that the wider
+// variant's registers do not raise the other's).
+template <typename T, int PairUnroll>
 __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_scatter_args a) {
     const channel_args& ch = a.ch;
     stream_state s = stream_state::of(ch, op_reduce_scatter);
@@ -333,26 +362,7 @@ __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_sc
             // Two ranks: one correctly rounded packed add per element pair (what fp32 accumulation rounds to,
             // at a fraction of the instructions; the reduction is instruction-bound otherwise).
             const int64_t n_vec = len / V;
-            const T* lo = source(0);
-            const T* hi = source(1);
-            for (int64_t base = t.rank(); base < n_vec; base += int64_t(threads) * reduce_unroll) {
-                uint4 x[reduce_unroll], y[reduce_unroll];
-#pragma unroll
-                for (int u = 0; u < reduce_unroll; ++u) {
-                    const int64_t i = base + int64_t(u) * threads;
-                    if (i < n_vec) {
-                        const uint4* pl = reinterpret_cast<const uint4*>(lo) + i;
-                        const uint4* ph = reinterpret_cast<const uint4*>(hi) + i;
-                        x[u] = s.me == 0 ? *pl : __ldcg(pl);
-                        y[u] = s.me == 1 ? *ph : __ldcg(ph);
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < reduce_unroll; ++u) {
-                    const int64_t i = base + int64_t(u) * threads;
-                    if (i < n_vec) reinterpret_cast<uint4*>(o)[i] = add_packed<T>(x[u], y[u], a.average);
-                }
-            }
+            add_pairs<T, PairUnroll>(t, source(0), source(1), o, n_vec, s.me, a.average);
             done = n_vec * V;
         } else if (aligned16(own) && aligned16(o)) {
             const int64_t n_vec = len / V;
@@ -406,6 +416,14 @@ int grid_for(int64_t units, int grid, int blocks) {
     return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(units, cap)));
 }
 
+template <typename T>
+void launch_rs(const reduce_scatter_args& args, int grid, bool wide, cudaStream_t stream) {
+    if (wide)
+        reduce_scatter_kernel<T, 8><<<grid, threads, 0, stream>>>(args);
+    else
+        reduce_scatter_kernel<T, 4><<<grid, threads, 0, stream>>>(args);
+}
+
 cudaError_t check(const channel_args& ch) {
     const auto& L = ch.layout;
     if (L.world < 2 || L.world > max_ranks || ch.rank < 0 || ch.rank >= L.world || L.blocks < 1 || L.slots < 2 ||
@@ -430,15 +448,17 @@ cudaError_t launch_all_gather(const all_gather_args& args, int grid, cudaStream_
 cudaError_t launch_reduce_scatter(const reduce_scatter_args& args, int grid, cudaStream_t stream) {
     if (cudaError_t e = check(args.ch); e != cudaSuccess) return e;
     const int elem = args.dtype == static_cast<int>(dtype::fp32) ? 4 : 2;
-    if (args.chunk_elems < 1 || (args.chunk_elems * elem) % 16 || args.chunk_elems * elem > args.ch.layout.cell_bytes)
+    if (args.chunk_elems < 1 || (args.chunk_elems * elem) % 16 || args.chunk_elems * elem > args.ch.layout.cell_bytes ||
+        (args.pair_unroll != 0 && args.pair_unroll != 4 && args.pair_unroll != 8))
         return cudaErrorInvalidValue;
     if (args.elems_per_rank == 0) return cudaSuccess;
     const int64_t units = (args.elems_per_rank + args.chunk_elems - 1) / args.chunk_elems;
     const int g = grid_for(units, grid, args.ch.layout.blocks);
+    const bool wide = args.pair_unroll == 8 && args.ch.layout.world == 2;
     switch (static_cast<dtype>(args.dtype)) {
-        case dtype::bf16: reduce_scatter_kernel<__nv_bfloat16><<<g, threads, 0, stream>>>(args); break;
-        case dtype::fp16: reduce_scatter_kernel<__half><<<g, threads, 0, stream>>>(args); break;
-        case dtype::fp32: reduce_scatter_kernel<float><<<g, threads, 0, stream>>>(args); break;
+        case dtype::bf16: launch_rs<__nv_bfloat16>(args, g, wide, stream); break;
+        case dtype::fp16: launch_rs<__half>(args, g, wide, stream); break;
+        case dtype::fp32: launch_rs<float>(args, g, wide, stream); break;
         default: return cudaErrorInvalidValue;
     }
     return cudaGetLastError();

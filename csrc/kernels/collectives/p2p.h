@@ -65,6 +65,7 @@ struct reduce_scatter_args {
     int64_t chunk_elems;  // per unit of work; chunk_elems * element size <= cell_bytes, 16-byte multiple
     int dtype;            // tk::dtype
     bool average;
+    int pair_unroll;      // two ranks: 16-byte vectors in flight per source while reducing, 4 or 8 (0: 4)
 };
 
 // Enqueue on `stream`; never synchronise. `grid` <= layout.blocks (0: as many as the message needs).
