@@ -217,7 +217,7 @@ class P2PChannel {
     static constexpr int ring = 256;
 
     P2PChannel(int world, int blocks, int slots, int64_t cell_bytes, int rank, std::vector<std::uintptr_t> buffers,
-               std::uintptr_t error_record, int64_t timeout_ns, std::uintptr_t comm_stream) {
+               std::uintptr_t error_record, int64_t timeout_ns, std::uintptr_t comm_stream, int sender_warps) {
         namespace c = tk::collectives;
         if (world < 2 || world > c::max_ranks)
             throw std::invalid_argument("P2PChannel: world must be 2.." + std::to_string(c::max_ranks));
@@ -236,6 +236,9 @@ class P2PChannel {
                                      cudaGetErrorString(e));
         args_.error = static_cast<int64_t*>(device_view);
         args_.timeout_ns = timeout_ns;
+        if (sender_warps < 0 || sender_warps > 15)
+            throw std::invalid_argument("P2PChannel: sender_warps must be 0 (half the block) or 1..15");
+        args_.sender_warps = sender_warps;
         comm_ = reinterpret_cast<cudaStream_t>(comm_stream);
         check_launch(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming), "P2PChannel event");
         for (auto& ev : done_) check_launch(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "P2PChannel event");
@@ -428,9 +431,10 @@ PYBIND11_MODULE(_C, m) {
     py::class_<P2PChannel>(m, "P2PChannel",
                            "One rank's end of a peer-memory channel (thunder_tk.collectives sets it up).")
         .def(py::init<int, int, int, int64_t, int, std::vector<std::uintptr_t>, std::uintptr_t, int64_t,
-                      std::uintptr_t>(),
+                      std::uintptr_t, int>(),
              py::arg("world"), py::arg("blocks"), py::arg("slots"), py::arg("cell_bytes"), py::arg("rank"),
-             py::arg("buffers"), py::arg("error_record"), py::arg("timeout_ns"), py::arg("comm_stream"))
+             py::arg("buffers"), py::arg("error_record"), py::arg("timeout_ns"), py::arg("comm_stream"),
+             py::arg("sender_warps") = 0)
         .def_static("layout", &P2PChannel::layout, py::arg("world"), py::arg("blocks"), py::arg("slots"),
                     py::arg("cell_bytes"), "Byte sizes of one rank's symmetric buffer.")
         .def("all_gather", &P2PChannel::all_gather, py::arg("inp"), py::arg("out"), py::arg("bytes_per_rank"),

@@ -124,6 +124,7 @@ class ChannelConfig:
     timeout_s: float
     slots: int = SLOTS  # staging cells per (block, peer); more let senders run further ahead of the receivers
     pair_unroll: int = 0  # two-rank reduce-scatter: vectors in flight per source (4 or 8; 0: the kernel's 4)
+    sender_warps: int = 0  # of a block's 16 warps, how many send (the rest receive); 0: 8
 
     @staticmethod
     def from_env() -> "ChannelConfig":
@@ -147,9 +148,10 @@ class Channel:
         if ext is None:
             raise CollectiveError(f"tk collectives unavailable: {_extension.unavailable_reason()}")
         config = config or ChannelConfig.from_env()
-        if config.blocks < 1 or config.timeout_s <= 0 or config.slots < 2 or config.pair_unroll not in (0, 4, 8):
-            raise ValueError(f"channel needs blocks >= 1, a positive timeout, slots >= 2 and pair_unroll 0, 4 or 8; "
-                             f"got {config}")
+        if config.blocks < 1 or config.timeout_s <= 0 or config.slots < 2 or config.pair_unroll not in (0, 4, 8) \
+                or not 0 <= config.sender_warps <= 15:
+            raise ValueError(f"channel needs blocks >= 1, a positive timeout, slots >= 2, pair_unroll 0, 4 or 8 and "
+                             f"sender_warps 0..15; got {config}")
         self.group = group
         self.device = torch.device(device)
         self._index = self.device.index
@@ -175,7 +177,8 @@ class Channel:
             self._error_view = self._error.numpy()  # read without going through torch ops
             self._kernels = ext.P2PChannel(self.world, config.blocks, config.slots, cell, self.rank,
                                            [int(p) for p in self._handle.buffer_ptrs], self._error.data_ptr(),
-                                           int(config.timeout_s * 1e9), self.stream.cuda_stream)
+                                           int(config.timeout_s * 1e9), self.stream.cuda_stream,
+                                           sender_warps=config.sender_warps)
         self._failure: CollectiveError | None = None
 
     def chunk_bytes(self, bytes_per_rank: int) -> int:

@@ -20,12 +20,16 @@ constexpr int threads = 512;
 constexpr int unroll = 8;  // 16-byte vectors in flight per thread per destination pass (loads are latency-bound)
 constexpr int reduce_unroll = 4;  // per source: a reduce has `world` sources in flight
 
-// Half of the block: the senders (named barrier 1) or the receivers (named barrier 2).
+// Part of the block: the senders (the first `senders` threads, named barrier 1) or the receivers (the rest, named
+// barrier 2).
 struct team {
-    static constexpr int size = threads / 2;
-    int id;  // 0: senders, 1: receivers
-    __device__ static team mine() { return {threadIdx.x < size ? 0 : 1}; }
-    __device__ int rank() const { return threadIdx.x - id * size; }
+    int id;    // 0: senders, 1: receivers
+    int size;  // threads in the team, a multiple of 32
+    int first; // the team's first thread
+    __device__ static team mine(int senders) {
+        return threadIdx.x < senders ? team{0, senders, 0} : team{1, threads - senders, senders};
+    }
+    __device__ int rank() const { return threadIdx.x - first; }
     __device__ bool leader() const { return rank() == 0; }
     __device__ void sync() const { sync::named_sync(1 + id, size); }
     // The leader's verdict, seen by the whole team.
@@ -110,7 +114,7 @@ __device__ bool wait_flag(const channel_args& ch, const flags_of& mine, const ui
 // pointer allows, then `elem`-byte elements for the rest. Stage reads bypass L1 (cells are rewritten by peers).
 template <bool SrcIsStage>
 __device__ void copy_team(const team& t, char* const* dst, int n_dst, const char* src, int64_t bytes, int elem) {
-    constexpr int threads = team::size;
+    const int threads = t.size;
     bool vec = aligned16(src);
     for (int d = 0; d < n_dst; ++d) vec = vec && aligned16(dst[d]);
     int64_t done = 0;
@@ -155,11 +159,13 @@ struct stream_state {
     int b, me, world;
     uint64_t seq0;  // units this block had done before this launch
     int64_t op;
+    int senders;    // threads of the sending team
 
     // The block's state at the start of a launch of `op` on channel `ch`.
     __device__ static stream_state of(const channel_args& ch, int64_t op) {
         const flags_of mine{static_cast<uint64_t*>(ch.buffers[ch.rank]), ch.layout};
-        return {ch, mine, static_cast<int>(blockIdx.x), ch.rank, ch.layout.world, *mine.seq(blockIdx.x), op};
+        return {ch, mine, static_cast<int>(blockIdx.x), ch.rank, ch.layout.world, *mine.seq(blockIdx.x), op,
+                32 * (ch.sender_warps > 0 ? ch.sender_warps : threads / 64)};
     }
     // Where the block's unit k starts, in units of `unit` (bytes or elements): units go round the grid.
     __device__ int64_t unit_offset(int64_t k, int64_t unit) const { return (b + k * gridDim.x) * unit; }
@@ -217,7 +223,7 @@ __device__ void release_cells(const team& t, const stream_state& s, int64_t k) {
 template <class Send, class Recv>
 __device__ void run_units(stream_state& s, int64_t units, Send send, Recv recv) {
     const int64_t mine = units > s.b ? (units - s.b + gridDim.x - 1) / gridDim.x : 0;
-    const team t = team::mine();
+    const team t = team::mine(s.senders);
     for (int64_t k = 0; k < mine; ++k) {
         if (t.id == 0) {
             if (!wait_cell_free(t, s, k)) break;
@@ -268,7 +274,7 @@ template <> __device__ __forceinline__ uint4 add_packed<__nv_bfloat16>(uint4 a, 
 template <typename T, int U>
 __device__ __forceinline__ void add_pairs(const team& t, const T* lo, const T* hi, T* out, int64_t n_vec, int me,
                                           bool half) {
-    constexpr int threads = team::size;
+    const int threads = t.size;
     const uint4* pl = reinterpret_cast<const uint4*>(lo);
     const uint4* ph = reinterpret_cast<const uint4*>(hi);
     uint4* po = reinterpret_cast<uint4*>(out);
@@ -349,7 +355,7 @@ __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_sc
         }
     };
     auto recv = [&](const team& t, int64_t k) {
-        constexpr int threads = team::size;
+        const int threads = t.size;
         const int64_t off = unit_offset(k), len = min(C, n - off);
         const T* own = in + s.me * n + off;
         T* o = out + off;
@@ -427,7 +433,7 @@ void launch_rs(const reduce_scatter_args& args, int grid, bool wide, cudaStream_
 cudaError_t check(const channel_args& ch) {
     const auto& L = ch.layout;
     if (L.world < 2 || L.world > max_ranks || ch.rank < 0 || ch.rank >= L.world || L.blocks < 1 || L.slots < 2 ||
-        L.cell_bytes < 16 || L.cell_bytes % 16)
+        L.cell_bytes < 16 || L.cell_bytes % 16 || ch.sender_warps < 0 || ch.sender_warps >= threads / 32)
         return cudaErrorInvalidValue;
     return cudaSuccess;
 }

@@ -38,6 +38,7 @@ struct channel_args {
     void* buffers[max_ranks];     // every rank's symmetric buffer, as mapped in this process
     int64_t* error;               // host-mapped error record (error_record), shared by the channel's launches
     int64_t timeout_ns;           // how long a block waits for a peer before giving up
+    int sender_warps;             // warps of a block's sending team (the rest receive); 0: half the block
 };
 
 // Written (once, by the first block that fails) into channel_args::error.
