@@ -217,7 +217,7 @@ class P2PChannel {
     static constexpr int ring = 256;
 
     P2PChannel(int world, int blocks, int slots, int64_t cell_bytes, int rank, std::vector<std::uintptr_t> buffers,
-               std::uintptr_t error_record, int64_t timeout_ns, std::uintptr_t comm_stream, int sender_warps) {
+               std::uintptr_t error_record, int64_t timeout_ns, std::uintptr_t comm_stream) {
         namespace c = tk::collectives;
         if (world < 2 || world > c::max_ranks)
             throw std::invalid_argument("P2PChannel: world must be 2.." + std::to_string(c::max_ranks));
@@ -236,9 +236,6 @@ class P2PChannel {
                                      cudaGetErrorString(e));
         args_.error = static_cast<int64_t*>(device_view);
         args_.timeout_ns = timeout_ns;
-        if (sender_warps < 0 || sender_warps > 15)
-            throw std::invalid_argument("P2PChannel: sender_warps must be 0 (half the block) or 1..15");
-        args_.sender_warps = sender_warps;
         comm_ = reinterpret_cast<cudaStream_t>(comm_stream);
         check_launch(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming), "P2PChannel event");
         for (auto& ev : done_) check_launch(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "P2PChannel event");
@@ -257,19 +254,19 @@ class P2PChannel {
     }
 
     int all_gather(std::uintptr_t in, std::uintptr_t out, int64_t bytes_per_rank, int64_t chunk_bytes, int elem_bytes,
-                   std::uintptr_t caller, bool async, int grid) {
+                   std::uintptr_t caller, bool async, int grid, int sender_warps) {
+        check_sender_warps(sender_warps);
         tk::collectives::all_gather_args a{args_, as_ptr<void>(in), reinterpret_cast<void*>(out), bytes_per_rank,
-                                           chunk_bytes, elem_bytes};
+                                           chunk_bytes, elem_bytes, sender_warps};
         return ordered(caller, async, "all_gather",
                        [&](cudaStream_t s) { return tk::collectives::launch_all_gather(a, grid, s); });
     }
 
     int reduce_scatter(std::uintptr_t in, std::uintptr_t out, int64_t elems_per_rank, int64_t chunk_elems, int dtype,
-                       bool average, std::uintptr_t caller, bool async, int grid, int pair_unroll) {
-        if (pair_unroll != 0 && pair_unroll != 4 && pair_unroll != 8)
-            throw std::invalid_argument("P2PChannel.reduce_scatter: pair_unroll must be 0, 4 or 8");
+                       bool average, std::uintptr_t caller, bool async, int grid, int sender_warps) {
+        check_sender_warps(sender_warps);
         tk::collectives::reduce_scatter_args a{args_, as_ptr<void>(in), reinterpret_cast<void*>(out), elems_per_rank,
-                                               chunk_elems, dtype, average, pair_unroll};
+                                               chunk_elems, dtype, average, sender_warps};
         return ordered(caller, async, "reduce_scatter",
                        [&](cudaStream_t s) { return tk::collectives::launch_reduce_scatter(a, grid, s); });
     }
@@ -282,6 +279,11 @@ class P2PChannel {
     }
 
   private:
+    static void check_sender_warps(int warps) {
+        if (warps < 1 || warps > 15)
+            throw std::invalid_argument("P2PChannel: sender_warps must be 1..15 (of a block's 16 warps)");
+    }
+
     template <class Launch> int ordered(std::uintptr_t caller_handle, bool async, const char* what, Launch launch) {
         cudaStream_t caller = reinterpret_cast<cudaStream_t>(caller_handle);
         cudaStream_t s = async ? comm_ : caller;
@@ -431,20 +433,19 @@ PYBIND11_MODULE(_C, m) {
     py::class_<P2PChannel>(m, "P2PChannel",
                            "One rank's end of a peer-memory channel (thunder_tk.collectives sets it up).")
         .def(py::init<int, int, int, int64_t, int, std::vector<std::uintptr_t>, std::uintptr_t, int64_t,
-                      std::uintptr_t, int>(),
+                      std::uintptr_t>(),
              py::arg("world"), py::arg("blocks"), py::arg("slots"), py::arg("cell_bytes"), py::arg("rank"),
-             py::arg("buffers"), py::arg("error_record"), py::arg("timeout_ns"), py::arg("comm_stream"),
-             py::arg("sender_warps") = 0)
+             py::arg("buffers"), py::arg("error_record"), py::arg("timeout_ns"), py::arg("comm_stream"))
         .def_static("layout", &P2PChannel::layout, py::arg("world"), py::arg("blocks"), py::arg("slots"),
                     py::arg("cell_bytes"), "Byte sizes of one rank's symmetric buffer.")
         .def("all_gather", &P2PChannel::all_gather, py::arg("inp"), py::arg("out"), py::arg("bytes_per_rank"),
              py::arg("chunk_bytes"), py::arg("elem_bytes"), py::arg("caller_stream"), py::arg("async_op"),
-             py::arg("grid") = 0, "Returns a handle for wait().")
+             py::arg("grid") = 0, py::arg("sender_warps") = 8,
+             "Returns a handle for wait(). sender_warps: of a block's 16 warps, how many send.")
         .def("reduce_scatter", &P2PChannel::reduce_scatter, py::arg("inp"), py::arg("out"), py::arg("elems_per_rank"),
              py::arg("chunk_elems"), py::arg("dtype"), py::arg("average"), py::arg("caller_stream"),
-             py::arg("async_op"), py::arg("grid") = 0, py::arg("pair_unroll") = 0,
-             "Returns a handle for wait(). pair_unroll: vectors in flight per source of the two-rank reduction "
-             "(4 or 8; 0: 4).")
+             py::arg("async_op"), py::arg("grid") = 0, py::arg("sender_warps") = 8,
+             "Returns a handle for wait(). sender_warps: of a block's 16 warps, how many send (the rest reduce).")
         .def("wait", &P2PChannel::wait, py::arg("handle"), py::arg("stream"));
 
     register_selftests(m);

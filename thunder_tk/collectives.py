@@ -123,8 +123,10 @@ class ChannelConfig:
     buffer_bytes: int
     timeout_s: float
     slots: int = SLOTS  # staging cells per (block, peer); more let senders run further ahead of the receivers
-    pair_unroll: int = 0  # two-rank reduce-scatter: vectors in flight per source (4 or 8; 0: the kernel's 4)
-    sender_warps: int = 0  # of a block's 16 warps, how many send (the rest receive); 0: 8
+    # Of a block's 16 warps, how many send (the rest receive). Reduce-scatter's receivers read two sources and
+    # reduce, so they get more warps (2x H200: 4 senders 1.2-1.3x the busbw of 8 at >= 256 MiB, NOTES.md).
+    ag_sender_warps: int = 8
+    rs_sender_warps: int = 4
 
     @staticmethod
     def from_env() -> "ChannelConfig":
@@ -148,10 +150,10 @@ class Channel:
         if ext is None:
             raise CollectiveError(f"tk collectives unavailable: {_extension.unavailable_reason()}")
         config = config or ChannelConfig.from_env()
-        if config.blocks < 1 or config.timeout_s <= 0 or config.slots < 2 or config.pair_unroll not in (0, 4, 8) \
-                or not 0 <= config.sender_warps <= 15:
-            raise ValueError(f"channel needs blocks >= 1, a positive timeout, slots >= 2, pair_unroll 0, 4 or 8 and "
-                             f"sender_warps 0..15; got {config}")
+        if config.blocks < 1 or config.timeout_s <= 0 or config.slots < 2 \
+                or not (1 <= config.ag_sender_warps <= 15 and 1 <= config.rs_sender_warps <= 15):
+            raise ValueError(f"channel needs blocks >= 1, a positive timeout, slots >= 2 and sender "
+                             f"warps 1..15; got {config}")
         self.group = group
         self.device = torch.device(device)
         self._index = self.device.index
@@ -177,8 +179,7 @@ class Channel:
             self._error_view = self._error.numpy()  # read without going through torch ops
             self._kernels = ext.P2PChannel(self.world, config.blocks, config.slots, cell, self.rank,
                                            [int(p) for p in self._handle.buffer_ptrs], self._error.data_ptr(),
-                                           int(config.timeout_s * 1e9), self.stream.cuda_stream,
-                                           sender_warps=config.sender_warps)
+                                           int(config.timeout_s * 1e9), self.stream.cuda_stream)
         self._failure: CollectiveError | None = None
 
     def chunk_bytes(self, bytes_per_rank: int) -> int:
@@ -236,7 +237,8 @@ class Channel:
         out = self._output(out, (a.shape[0] * self.world, *a.shape[1:]), a)
         nbytes = a.numel() * a.element_size()
         handle = self._kernels.all_gather(a.data_ptr(), out.data_ptr(), nbytes, self.chunk_bytes(nbytes),
-                                          a.element_size(), _current_stream(self._index), async_op)
+                                          a.element_size(), _current_stream(self._index), async_op, 0,
+                                          self.config.ag_sender_warps)
         if not async_op:
             return out
         return self._work(handle, (a, out)), out
@@ -257,7 +259,7 @@ class Channel:
         n, esize = out.numel(), a.element_size()
         handle = self._kernels.reduce_scatter(a.data_ptr(), out.data_ptr(), n, self.chunk_bytes(n * esize) // esize,
                                               _DTYPE_CODES[a.dtype], op == "avg", _current_stream(self._index),
-                                              async_op, pair_unroll=self.config.pair_unroll)
+                                              async_op, 0, self.config.rs_sender_warps)
         if not async_op:
             return out
         return self._work(handle, (a, out)), out

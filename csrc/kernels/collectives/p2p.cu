@@ -162,10 +162,10 @@ struct stream_state {
     int senders;    // threads of the sending team
 
     // The block's state at the start of a launch of `op` on channel `ch`.
-    __device__ static stream_state of(const channel_args& ch, int64_t op) {
+    __device__ static stream_state of(const channel_args& ch, int64_t op, int sender_warps) {
         const flags_of mine{static_cast<uint64_t*>(ch.buffers[ch.rank]), ch.layout};
         return {ch, mine, static_cast<int>(blockIdx.x), ch.rank, ch.layout.world, *mine.seq(blockIdx.x), op,
-                32 * (ch.sender_warps > 0 ? ch.sender_warps : threads / 64)};
+                32 * sender_warps};
     }
     // Where the block's unit k starts, in units of `unit` (bytes or elements): units go round the grid.
     __device__ int64_t unit_offset(int64_t k, int64_t unit) const { return (b + k * gridDim.x) * unit; }
@@ -269,29 +269,30 @@ template <> __device__ __forceinline__ uint4 add_packed<__nv_bfloat16>(uint4 a, 
                       add2_bf16(a.w, b.w, half));
 }
 
-// out[i] = lo[i] + hi[i] over n_vec 16-byte vectors, U vectors in flight per source and thread; the cell (the
-// source that is not rank `me`'s own input) is read past L1, since peers rewrite it.
+// out[i] = own[i] + cell[i] over n_vec 16-byte vectors, U vectors in flight per source and thread. With two
+// terms the order is immaterial (a + b == b + a, rounded once), so the loads need not depend on the rank: the
+// cell is read past L1 (peers rewrite it), the input through it.
 template <typename T, int U>
-__device__ __forceinline__ void add_pairs(const team& t, const T* lo, const T* hi, T* out, int64_t n_vec, int me,
+__device__ __forceinline__ void add_pairs(const team& t, const T* own, const T* cell, T* out, int64_t n_vec,
                                           bool half) {
     const int threads = t.size;
-    const uint4* pl = reinterpret_cast<const uint4*>(lo);
-    const uint4* ph = reinterpret_cast<const uint4*>(hi);
-    uint4* po = reinterpret_cast<uint4*>(out);
+    const uint4* po = reinterpret_cast<const uint4*>(own);
+    const uint4* pc = reinterpret_cast<const uint4*>(cell);
+    uint4* pout = reinterpret_cast<uint4*>(out);
     for (int64_t base = t.rank(); base < n_vec; base += int64_t(threads) * U) {
         uint4 x[U], y[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int64_t i = base + int64_t(u) * threads;
             if (i < n_vec) {
-                x[u] = me == 0 ? pl[i] : __ldcg(pl + i);
-                y[u] = me == 1 ? ph[i] : __ldcg(ph + i);
+                x[u] = po[i];
+                y[u] = __ldcg(pc + i);
             }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int64_t i = base + int64_t(u) * threads;
-            if (i < n_vec) po[i] = add_packed<T>(x[u], y[u], half);
+            if (i < n_vec) pout[i] = add_packed<T>(x[u], y[u], half);
         }
     }
 }
@@ -305,7 +306,7 @@ __device__ bool channel_open(const flags_of& mine) {
 
 __global__ void __launch_bounds__(threads) all_gather_kernel(const all_gather_args a) {
     const channel_args& ch = a.ch;
-    stream_state s = stream_state::of(ch, op_all_gather);
+    stream_state s = stream_state::of(ch, op_all_gather, a.sender_warps);
     if (!channel_open(s.mine)) return;
     const int64_t n = a.bytes_per_rank, C = a.chunk_bytes;
     const char* in = static_cast<const char*>(a.in);
@@ -333,12 +334,12 @@ __global__ void __launch_bounds__(threads) all_gather_kernel(const all_gather_ar
     run_units(s, (n + C - 1) / C, send, recv);
 }
 
-// PairUnroll: vectors in flight per source in the two-rank reduction (a template parameter, so that the wider
-// variant's registers do not raise the other's).
-template <typename T, int PairUnroll>
+// TwoRanks: the packed two-term path only; otherwise the fp32 accumulation over any number of ranks. Separate
+// kernels, so that the general path's accumulators do not cost the two-rank kernel registers.
+template <typename T, bool TwoRanks>
 __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_scatter_args a) {
     const channel_args& ch = a.ch;
-    stream_state s = stream_state::of(ch, op_reduce_scatter);
+    stream_state s = stream_state::of(ch, op_reduce_scatter, a.sender_warps);
     if (!channel_open(s.mine)) return;
     const int64_t n = a.elems_per_rank, C = a.chunk_elems;
     const T* in = static_cast<const T*>(a.in);
@@ -364,12 +365,14 @@ __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_sc
         };
         constexpr int V = vec16_elems<T>;
         int64_t done = 0;
-        if (s.world == 2 && aligned16(own) && aligned16(o)) {
+        if constexpr (TwoRanks) {
+          if (aligned16(own) && aligned16(o)) {
             // Two ranks: one correctly rounded packed add per element pair (what fp32 accumulation rounds to,
             // at a fraction of the instructions; the reduction is instruction-bound otherwise).
             const int64_t n_vec = len / V;
-            add_pairs<T, PairUnroll>(t, source(0), source(1), o, n_vec, s.me, a.average);
+            add_pairs<T, 4>(t, own, source(1 - s.me), o, n_vec, a.average);
             done = n_vec * V;
+          }
         } else if (aligned16(own) && aligned16(o)) {
             const int64_t n_vec = len / V;
             // `reduce_unroll` independent vectors per thread, each source's loads issued together: enough bytes in
@@ -423,17 +426,17 @@ int grid_for(int64_t units, int grid, int blocks) {
 }
 
 template <typename T>
-void launch_rs(const reduce_scatter_args& args, int grid, bool wide, cudaStream_t stream) {
-    if (wide)
-        reduce_scatter_kernel<T, 8><<<grid, threads, 0, stream>>>(args);
+void launch_rs(const reduce_scatter_args& args, int grid, cudaStream_t stream) {
+    if (args.ch.layout.world == 2)
+        reduce_scatter_kernel<T, true><<<grid, threads, 0, stream>>>(args);
     else
-        reduce_scatter_kernel<T, 4><<<grid, threads, 0, stream>>>(args);
+        reduce_scatter_kernel<T, false><<<grid, threads, 0, stream>>>(args);
 }
 
 cudaError_t check(const channel_args& ch) {
     const auto& L = ch.layout;
     if (L.world < 2 || L.world > max_ranks || ch.rank < 0 || ch.rank >= L.world || L.blocks < 1 || L.slots < 2 ||
-        L.cell_bytes < 16 || L.cell_bytes % 16 || ch.sender_warps < 0 || ch.sender_warps >= threads / 32)
+        L.cell_bytes < 16 || L.cell_bytes % 16)
         return cudaErrorInvalidValue;
     return cudaSuccess;
 }
@@ -445,6 +448,7 @@ cudaError_t launch_all_gather(const all_gather_args& args, int grid, cudaStream_
     if (args.chunk_bytes < 16 || args.chunk_bytes % 16 || args.chunk_bytes > args.ch.layout.cell_bytes ||
         (args.elem_bytes != 2 && args.elem_bytes != 4) || args.bytes_per_rank % args.elem_bytes)
         return cudaErrorInvalidValue;
+    if (args.sender_warps < 1 || args.sender_warps >= threads / 32) return cudaErrorInvalidValue;
     if (args.bytes_per_rank == 0) return cudaSuccess;
     const int64_t units = (args.bytes_per_rank + args.chunk_bytes - 1) / args.chunk_bytes;
     all_gather_kernel<<<grid_for(units, grid, args.ch.layout.blocks), threads, 0, stream>>>(args);
@@ -455,16 +459,15 @@ cudaError_t launch_reduce_scatter(const reduce_scatter_args& args, int grid, cud
     if (cudaError_t e = check(args.ch); e != cudaSuccess) return e;
     const int elem = args.dtype == static_cast<int>(dtype::fp32) ? 4 : 2;
     if (args.chunk_elems < 1 || (args.chunk_elems * elem) % 16 || args.chunk_elems * elem > args.ch.layout.cell_bytes ||
-        (args.pair_unroll != 0 && args.pair_unroll != 4 && args.pair_unroll != 8))
+        args.sender_warps < 1 || args.sender_warps >= threads / 32)
         return cudaErrorInvalidValue;
     if (args.elems_per_rank == 0) return cudaSuccess;
     const int64_t units = (args.elems_per_rank + args.chunk_elems - 1) / args.chunk_elems;
     const int g = grid_for(units, grid, args.ch.layout.blocks);
-    const bool wide = args.pair_unroll == 8 && args.ch.layout.world == 2;
     switch (static_cast<dtype>(args.dtype)) {
-        case dtype::bf16: launch_rs<__nv_bfloat16>(args, g, wide, stream); break;
-        case dtype::fp16: launch_rs<__half>(args, g, wide, stream); break;
-        case dtype::fp32: launch_rs<float>(args, g, wide, stream); break;
+        case dtype::bf16: launch_rs<__nv_bfloat16>(args, g, stream); break;
+        case dtype::fp16: launch_rs<__half>(args, g, stream); break;
+        case dtype::fp32: launch_rs<float>(args, g, stream); break;
         default: return cudaErrorInvalidValue;
     }
     return cudaGetLastError();

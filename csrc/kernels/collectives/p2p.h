@@ -38,7 +38,6 @@ struct channel_args {
     void* buffers[max_ranks];     // every rank's symmetric buffer, as mapped in this process
     int64_t* error;               // host-mapped error record (error_record), shared by the channel's launches
     int64_t timeout_ns;           // how long a block waits for a peer before giving up
-    int sender_warps;             // warps of a block's sending team (the rest receive); 0: half the block
 };
 
 // Written (once, by the first block that fails) into channel_args::error.
@@ -54,6 +53,7 @@ struct all_gather_args {
     int64_t bytes_per_rank;
     int64_t chunk_bytes;  // per unit of work; <= cell_bytes, multiple of 16
     int elem_bytes;       // 2 or 4: the unit of unaligned copies
+    int sender_warps;     // of a block's 16 warps, how many send (1..15); the rest receive
 };
 
 // out[i] = sum over ranks r of (input of rank r)[rank * elems_per_rank + i], accumulated in fp32 in rank order,
@@ -66,7 +66,7 @@ struct reduce_scatter_args {
     int64_t chunk_elems;  // per unit of work; chunk_elems * element size <= cell_bytes, 16-byte multiple
     int dtype;            // tk::dtype
     bool average;
-    int pair_unroll;      // two ranks: 16-byte vectors in flight per source while reducing, 4 or 8 (0: 4)
+    int sender_warps;     // of a block's 16 warps, how many send (1..15); the rest receive and reduce
 };
 
 // Enqueue on `stream`; never synchronise. `grid` <= layout.blocks (0: as many as the message needs).
