@@ -127,6 +127,7 @@ class ChannelConfig:
     # reduce, so they get more warps (2x H200: 4 senders 1.2-1.3x the busbw of 8 at >= 256 MiB, NOTES.md).
     ag_sender_warps: int = 8
     rs_sender_warps: int = 4
+    min_chunk_bytes: int = MIN_CHUNK_BYTES  # smallest unit of work one block moves (a multiple of 16)
 
     @staticmethod
     def from_env() -> "ChannelConfig":
@@ -151,9 +152,9 @@ class Channel:
             raise CollectiveError(f"tk collectives unavailable: {_extension.unavailable_reason()}")
         config = config or ChannelConfig.from_env()
         if config.blocks < 1 or config.timeout_s <= 0 or config.slots < 2 \
-                or not (1 <= config.ag_sender_warps <= 15 and 1 <= config.rs_sender_warps <= 15):
-            raise ValueError(f"channel needs blocks >= 1, a positive timeout, slots >= 2 and sender "
-                             f"warps 1..15; got {config}")
+                or config.min_chunk_bytes < 16 or config.min_chunk_bytes % 16 or not (1 <= config.ag_sender_warps <= 15 and 1 <= config.rs_sender_warps <= 15):
+            raise ValueError(f"channel needs blocks >= 1, a positive timeout, slots >= 2, sender warps "
+                             f"1..15 and min_chunk_bytes a positive multiple of 16; got {config}")
         self.group = group
         self.device = torch.device(device)
         self._index = self.device.index
@@ -162,7 +163,7 @@ class Channel:
         self.config = config
         peers = max(1, self.world - 1)
         cell = config.buffer_bytes // (config.blocks * config.slots * peers) // 4096 * 4096
-        if cell < MIN_CHUNK_BYTES:
+        if cell < config.min_chunk_bytes:
             raise ValueError(f"a {config.buffer_bytes >> 20} MiB buffer is too small for {config.blocks} blocks and "
                              f"{self.world} ranks with {config.slots} slots; raise THUNDER_TK_COLLECTIVE_BUFFER_MB")
         self.cell_bytes = cell
@@ -184,9 +185,9 @@ class Channel:
 
     def chunk_bytes(self, bytes_per_rank: int) -> int:
         """Bytes per unit of work: several units per block where the message allows (a block pipelines its
-        units through its cells), never below MIN_CHUNK_BYTES nor above a cell."""
+        units through its cells), never below the config's min_chunk_bytes nor above a cell."""
         per_unit = -(-bytes_per_rank // (self.config.blocks * UNITS_PER_BLOCK))
-        return min(self.cell_bytes, max(MIN_CHUNK_BYTES, -(-per_unit // 16) * 16))
+        return min(self.cell_bytes, max(self.config.min_chunk_bytes, -(-per_unit // 16) * 16))
 
     # -- failures ---------------------------------------------------------------------------------------
 
