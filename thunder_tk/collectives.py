@@ -124,10 +124,24 @@ class ChannelConfig:
     timeout_s: float
     slots: int = SLOTS  # staging cells per (block, peer); more let senders run further ahead of the receivers
     # Of a block's 16 warps, how many send (the rest receive). Reduce-scatter's receivers read two sources and
-    # reduce, so they get more warps (2x H200: 4 senders 1.2-1.3x the busbw of 8 at >= 256 MiB, NOTES.md).
+    # add, and were its bottleneck with 8 (2x H200, 1 GiB: 240 GB/s with 8 senders, 361 with 4; NOTES.md).
     ag_sender_warps: int = 8
     rs_sender_warps: int = 4
     min_chunk_bytes: int = MIN_CHUNK_BYTES  # smallest unit of work one block moves (a multiple of 16)
+
+    def __post_init__(self):
+        problems = [f"{name} {why}" for name, bad, why in (
+            ("blocks", self.blocks < 1, "must be >= 1"),
+            ("buffer_bytes", self.buffer_bytes < 1, "must be positive"),
+            ("timeout_s", not self.timeout_s > 0, "must be positive"),
+            ("slots", self.slots < 2, "must be >= 2 (one cell drains while the next fills)"),
+            ("ag_sender_warps", not 1 <= self.ag_sender_warps <= 15, "must be 1..15 (of a block's 16 warps)"),
+            ("rs_sender_warps", not 1 <= self.rs_sender_warps <= 15, "must be 1..15 (of a block's 16 warps)"),
+            ("min_chunk_bytes", self.min_chunk_bytes < 16 or self.min_chunk_bytes % 16,
+             "must be a positive multiple of 16"),
+        ) if bad]
+        if problems:
+            raise ValueError(f"ChannelConfig: {'; '.join(problems)} (got {self})")
 
     @staticmethod
     def from_env() -> "ChannelConfig":
@@ -151,10 +165,6 @@ class Channel:
         if ext is None:
             raise CollectiveError(f"tk collectives unavailable: {_extension.unavailable_reason()}")
         config = config or ChannelConfig.from_env()
-        if config.blocks < 1 or config.timeout_s <= 0 or config.slots < 2 \
-                or config.min_chunk_bytes < 16 or config.min_chunk_bytes % 16 or not (1 <= config.ag_sender_warps <= 15 and 1 <= config.rs_sender_warps <= 15):
-            raise ValueError(f"channel needs blocks >= 1, a positive timeout, slots >= 2, sender warps "
-                             f"1..15 and min_chunk_bytes a positive multiple of 16; got {config}")
         self.group = group
         self.device = torch.device(device)
         self._index = self.device.index

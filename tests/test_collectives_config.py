@@ -1,0 +1,38 @@
+"""Channel settings: defaults, environment knobs and named errors (no GPU needed: checked when the config is made)."""
+
+import pytest
+
+from thunder_tk import collectives
+from thunder_tk.collectives import ChannelConfig
+
+
+def test_defaults_give_reduce_scatter_more_receiving_warps():
+    cfg = ChannelConfig(blocks=128, buffer_bytes=64 << 20, timeout_s=600)
+    assert (cfg.slots, cfg.ag_sender_warps, cfg.rs_sender_warps) == (2, 8, 4)
+    assert cfg.min_chunk_bytes == collectives.MIN_CHUNK_BYTES
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("blocks", 0, "blocks must be >= 1"),
+    ("timeout_s", 0.0, "timeout_s must be positive"),
+    ("slots", 1, "slots must be >= 2"),
+    ("ag_sender_warps", 16, "ag_sender_warps must be 1..15"),
+    ("rs_sender_warps", 0, "rs_sender_warps must be 1..15"),
+    ("min_chunk_bytes", 8200, "min_chunk_bytes must be a positive multiple of 16"),
+])
+def test_a_bad_setting_is_named(field, value, words):
+    kwargs = dict(blocks=128, buffer_bytes=64 << 20, timeout_s=600.0)
+    kwargs[field] = value
+    with pytest.raises(ValueError, match=words):
+        ChannelConfig(**kwargs)
+
+
+def test_environment_knobs(monkeypatch):
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_BLOCKS", "32")
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_BUFFER_MB", "16")
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_SLOTS", "4")
+    cfg = ChannelConfig.from_env()
+    assert (cfg.blocks, cfg.buffer_bytes, cfg.slots) == (32, 16 << 20, 4)
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_SLOTS", "1")
+    with pytest.raises(ValueError, match="slots must be >= 2"):
+        ChannelConfig.from_env()
