@@ -127,6 +127,69 @@ def profile_step(step, device: torch.device, top: int) -> dict:
                      "tk": bool(TK_KERNEL.search(k))} for k, (ms, n) in ranked]}
 
 
+def _site(frames: list[dict]) -> str:
+    """Where an allocation was made: the innermost frame outside torch itself (a tk wrapper, a Thunder trace
+    line, LitGPT), with its caller."""
+    mine = [f for f in frames if "/torch/" not in f.get("filename", "") and not f.get("filename", "").startswith("<frozen")]
+    if not mine:
+        return frames[0].get("name", "?") if frames else "?"
+    where = lambda f: f"{f.get('name', '?')} ({Path(f.get('filename', '?')).name}:{f.get('line', 0)})"  # noqa: E731
+    return where(mine[0]) + (f" <- {where(mine[1])}" if len(mine) > 1 else "")
+
+
+def live_at_peak(trace: list[dict], top: int) -> dict:
+    """Replays one device's allocator trace (torch.cuda.memory._snapshot()["device_traces"][i]): the moment the
+    bytes allocated during the trace peaked, and what was live then, grouped by allocation site. Blocks that
+    existed before the trace began are not in it (their frees are ignored)."""
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for e in trace:
+        action, addr = e.get("action"), e.get("addr")
+        if action == "alloc":
+            live[addr] = (e["size"], _site(e.get("frames", [])))
+            total += e["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif action in ("free_requested", "free_completed") and addr in live:
+            total -= live.pop(addr)[0]
+    sites: dict[str, list] = {}
+    for size, site in at_peak.values():
+        entry = sites.setdefault(site, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"peak_mib": peak / 2**20,
+            "top": [{"site": site, "mib": b / 2**20, "blocks": n} for site, (b, n) in ranked]}
+
+
+def memory_step(step, device: torch.device, top: int) -> dict:
+    """One step with the allocator recording Python stacks: memory allocated before the step, the peak the step
+    added on top of it, and the `top` allocation sites live at that peak."""
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize(device)
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snap["device_traces"][device.index or 0]
+    return {"before_step_gib": base / 2**30, **live_at_peak(trace, top)}
+
+
+def print_memory(rows: list[dict]) -> None:
+    for r in rows:
+        m = r.get("memory")
+        if not m:
+            continue
+        print(f"\n{r['variant']}: {m['before_step_gib']:.2f} GiB before the step, peak {m['peak_mib']:.0f} MiB "
+              f"above it; live at that peak:")
+        print_table([{"MiB": f"{t['mib']:.1f}", "blocks": t["blocks"], "allocated at": t["site"][:150]}
+                     for t in m["top"]], ["MiB", "blocks", "allocated at"])
+
+
 def print_profiles(rows: list[dict]) -> None:
     profiled = [r for r in rows if r.get("profile")]
     if not profiled:
@@ -185,6 +248,11 @@ def run(name, wrap, args, device: torch.device):
             row["profile"] = profile_step(step, device, args.profile)
         except Exception as e:  # noqa: BLE001
             row["profile_error"] = f"{type(e).__name__}: {e}"
+    if args.memory and cuda and name != "eager":
+        try:  # like the profile: a diagnostic, never at the cost of the timing
+            row["memory"] = memory_step(step, device, args.memory)
+        except Exception as e:  # noqa: BLE001
+            row["memory_error"] = f"{type(e).__name__}: {e}"
     if name == "thunder [tk]":
         import thunder_tk
 
@@ -210,6 +278,9 @@ def main():
     p.add_argument("--png")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile one step per variant: GPU time by kernel kind and the N largest kernels")
+    p.add_argument("--memory", type=int, default=0, metavar="N",
+                   help="after timing, record one step's allocations per variant and list the N largest allocation "
+                        "sites live at the step's memory peak")
     a = p.parse_args()
     device = torch.device(a.device)
     if a.fsdp:
@@ -242,6 +313,7 @@ def main():
     print_table(rows, ["variant", "tokens_per_s", "tokens_per_s_per_gpu", "peak_gib", "vs_thunder_default",
                        "vs_torch_compile"])
     print_profiles(rows)
+    print_memory(rows)
     write_results(a.json, "litgpt_step_fsdp" if a.fsdp else "litgpt_step",
                   [{**r, "world_size": _world(), "n_layer": a.n_layer, "seq": a.seq, "batch_per_gpu": a.batch}
                    for r in rows])

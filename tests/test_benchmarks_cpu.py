@@ -110,3 +110,35 @@ def test_gemm_benchmark_llama_1b_problems():
     assert [(M, N, K) for _, M, N, K in shapes] == [(8192, 3072, 2048), (8192, 2048, 2048), (8192, 8192, 2048),
                                                      (8192, 2048, 8192), (8192, 128256, 2048)]
     assert len(list(bench.problems(False))) == 9 and len(list(bench.problems(True))) == 4
+
+
+def test_litgpt_step_memory_replay_finds_what_is_live_at_the_peak(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("litgpt_step_bench_mem", ROOT / "benchmarks" / "litgpt_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch_frame = {"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"}
+    mib = 2**20
+
+    def alloc(addr, size, name, caller="backward_fn"):
+        return {"action": "alloc", "addr": addr, "size": size * mib,
+                "frames": [torch_frame, {"filename": "/x/thunder_tk/ops.py", "line": 7, "name": name},
+                           {"filename": "thunder.backward_fn_3", "line": 9, "name": caller}]}
+
+    trace = [
+        {"action": "free_requested", "addr": 99, "size": 5 * mib},  # allocated before the trace: ignored
+        alloc(1, 100, "gemm"), alloc(2, 64, "attention_backward"),
+        {"action": "free_requested", "addr": 1, "size": 100 * mib},
+        {"action": "free_completed", "addr": 1, "size": 100 * mib},  # counted once
+        alloc(3, 50, "gemm"), alloc(4, 60, "gemm"),  # peak: 64 + 50 + 60 = 174 MiB
+        {"action": "free_requested", "addr": 4, "size": 60 * mib},
+        alloc(5, 10, "cross_entropy_backward"),
+    ]
+    got = bench.live_at_peak(trace, top=5)
+    assert got["peak_mib"] == 174
+    assert [(t["mib"], t["blocks"]) for t in got["top"]] == [(110, 2), (64, 1)]
+    assert got["top"][0]["site"] == "gemm (ops.py:7) <- backward_fn (thunder.backward_fn_3:9)"
+    bench.print_memory([{"variant": "thunder [tk]", "memory": {"before_step_gib": 1.5, **got}}, {"variant": "eager"}])
+    out = capsys.readouterr().out
+    assert "thunder [tk]: 1.50 GiB before the step, peak 174 MiB" in out and "attention_backward" in out
