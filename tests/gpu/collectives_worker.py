@@ -127,6 +127,27 @@ def case_kernels(device) -> None:
     del x, y, got, exact
     log("ok: 1 GiB all_gather and reduce_scatter")
 
+    # Every channel setting is a valid input: extreme sender/receiver splits, 3 slots, tiny units, odd grids.
+    settings = [dict(blocks=8, slots=3, ag_sender_warps=1, rs_sender_warps=15),
+                dict(blocks=5, slots=2, ag_sender_warps=15, rs_sender_warps=1, min_chunk_bytes=16)]
+    for cfg in settings:
+        ch = collectives.Channel(dist.group.WORLD, device,
+                                 collectives.ChannelConfig(buffer_bytes=8 << 20, timeout_s=60.0, **cfg))
+        for dtype in DTYPES:
+            for shape in ((1,), (7,), (4097,), (65536 + 5,), (3 << 20,)):
+                x = torch.randn(shape, device=device, dtype=dtype, generator=g)
+                poison_allocator(x.numel() * x.element_size() * w * 2, device)
+                assert torch.equal(ch.all_gather(x), nccl_all_gather(x)), f"all_gather {cfg} {dtype} {shape}"
+                y = torch.randn((shape[0] * w, *shape[1:]), device=device, dtype=dtype, generator=g)
+                poison_allocator(y.numel() * y.element_size() * 2, device)
+                got = ch.reduce_scatter(y, "sum")
+                exact = fp64_reduce_scatter(y, False)
+                scale = fp64_reduce_scatter(y.abs(), False).clamp_min(1e-30)
+                err = ((got.double() - exact).abs() / scale).max().item()
+                bound = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: (w - 1) * 2 ** -24}[dtype]
+                assert err <= bound * 1.01, f"reduce_scatter {cfg} {dtype} {shape}: rel err {err:.3g}"
+    log(f"ok: {len(settings)} channel settings (sender splits 1/15 and 15/1, 3 slots, 16-byte units)")
+
     # Errors name the problem.
     for bad, msg in ((torch.zeros(3, device=device, dtype=torch.int32), "support"),
                      (torch.zeros(3, device=device), "divisible")):
