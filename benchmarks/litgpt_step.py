@@ -75,6 +75,25 @@ def variants(fsdp: bool, device: torch.device):
     }
 
 
+VARIANT_NAMES = ("eager", "torch.compile", "thunder default", "thunder [tk]")
+# Spellings without spaces or brackets, which survive shell word splitting (gpu_run.sh's LITGPT_ARGS).
+_ALIASES = {"compile": "torch.compile", "torch_compile": "torch.compile", "default": "thunder default",
+            "thunder_default": "thunder default", "tk": "thunder [tk]", "thunder_tk": "thunder [tk]"}
+
+
+def variant_names(given: list[str] | None) -> list[str] | None:
+    """--only's names as the variants are called (aliases resolved); an unknown name is an error, not a run
+    that silently measures nothing."""
+    if not given:
+        return None
+    names = [_ALIASES.get(g.lower().replace("-", "_"), g) for g in given]
+    unknown = [g for g, n in zip(given, names) if n not in VARIANT_NAMES]
+    if unknown:
+        raise SystemExit(f"--only: unknown variant(s) {unknown}; choose from {list(VARIANT_NAMES)} or "
+                         f"{sorted(_ALIASES)}")
+    return names
+
+
 def _world() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
@@ -271,7 +290,8 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--only", nargs="*", help="variant names to run")
+    p.add_argument("--only", nargs="*", help=f"variants to run: {', '.join(VARIANT_NAMES)} (or without spaces: "
+                                             f"eager, compile, default, tk)")
     p.add_argument("--fsdp", action="store_true", help="shard over the torchrun processes (one GPU each)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the code paths")
     p.add_argument("--json", default="out/litgpt_step.json")
@@ -282,6 +302,7 @@ def main():
                    help="after timing, record one step's allocations per variant and list the N largest allocation "
                         "sites live at the step's memory peak")
     a = p.parse_args()
+    a.only = variant_names(a.only)
     device = torch.device(a.device)
     if a.fsdp:
         import os
@@ -292,7 +313,9 @@ def main():
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     main_rank = _world() == 1 or torch.distributed.get_rank() == 0
     rows = []
-    for name, wrap in variants(a.fsdp, device).items():
+    chosen = variants(a.fsdp, device)
+    assert tuple(chosen) == VARIANT_NAMES, "VARIANT_NAMES must list variants()"
+    for name, wrap in chosen.items():
         if a.only and name not in a.only:
             continue
         rows.append(run(name, wrap, a, device))

@@ -142,3 +142,16 @@ def test_litgpt_step_memory_replay_finds_what_is_live_at_the_peak(capsys):
     bench.print_memory([{"variant": "thunder [tk]", "memory": {"before_step_gib": 1.5, **got}}, {"variant": "eager"}])
     out = capsys.readouterr().out
     assert "thunder [tk]: 1.50 GiB before the step, peak 174 MiB" in out and "attention_backward" in out
+
+
+def test_litgpt_step_only_takes_aliases_and_rejects_unknown_names():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("litgpt_step_bench_only", ROOT / "benchmarks" / "litgpt_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.variant_names(None) is None
+    assert bench.variant_names(["tk", "thunder-default", "compile", "eager", "thunder [tk]"]) == [
+        "thunder [tk]", "thunder default", "torch.compile", "eager", "thunder [tk]"]
+    with pytest.raises(SystemExit, match="unknown variant"):
+        bench.variant_names(["thunder_defualt"])
