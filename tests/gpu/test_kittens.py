@@ -57,6 +57,16 @@ def test_wgmma_with_a_in_registers(dtype, n, b_mn_major):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cols", [64, 128, 256])
+def test_stmatrix_stores_the_accumulator_into_swizzled_panels(dtype, cols):
+    x = torch.randn(64, cols, device="cuda") * 3
+    out = poisoned(64, cols, dtype=dtype)
+    selftest().store_matrices(x.data_ptr(), out.data_ptr(), cols, CODES[dtype], stream())
+    torch.cuda.synchronize()
+    assert torch.equal(out, x.to(dtype))  # every element where it belongs, rounded once
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,cols,row0,col0", [(64, 32, 0, 0), (200, 296, 70, 32), (100, 72, 61, 48)])
 def test_tma_reduce_store_adds_in_place(dtype, rows, cols, row0, col0):

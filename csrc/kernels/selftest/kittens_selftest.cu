@@ -89,6 +89,48 @@ __global__ void __launch_bounds__(128) reduce_add_kernel(const __grid_constant__
     }
 }
 
+template <int N, typename T>
+__global__ void __launch_bounds__(128) store_matrices_kernel(const float* in, T* out) {
+    __shared__ alignas(1024) T tile[64 * N];  // N / 64 panels of 64 rows x 128 bytes, 128-byte swizzle
+    uint8_t* base = reinterpret_cast<uint8_t*>(tile);
+    rt::acc_tile<N> t;
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) t.d[i] = in[row_of(i) * N + rt::column(i)];
+    // Lane 8m + r addresses row r of matrix m; matrices: (group, top), (group, bottom), (group + 1, top), ...
+    const int lane = threadIdx.x & 31, m = lane / 8;
+    const int row = ((threadIdx.x / 32) & 3) * 16 + (m & 1) * 8 + (lane & 7);
+#pragma unroll
+    for (int group = 0; group < N / 8; group += 2) {
+        uint32_t r[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int i = (group + k / 2) * 4 + (k & 1) * 2;
+            r[k] = rt::pack2<T>(t.d[i], t.d[i + 1]);
+        }
+        const int col = (group + m / 2) * 8;
+        rt::store_matrices_x4(static_cast<uint32_t>(__cvta_generic_to_shared(
+                                  base + (col / 64) * 64 * 128 + tma::swizzled_offset_128b(row, col % 64))),
+                              r[0], r[1], r[2], r[3]);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < 64 * N; e += blockDim.x) {
+        const int rr = e / N, c = e % N;
+        out[e] = *reinterpret_cast<const T*>(base + (c / 64) * 64 * 128 + tma::swizzled_offset_128b(rr, c % 64));
+    }
+}
+
+template <typename T>
+cudaError_t launch_store_matrices(const float* in, void* out, int cols, cudaStream_t stream) {
+    T* o = static_cast<T*>(out);
+    switch (cols) {
+        case 64: store_matrices_kernel<64, T><<<1, 128, 0, stream>>>(in, o); break;
+        case 128: store_matrices_kernel<128, T><<<1, 128, 0, stream>>>(in, o); break;
+        case 256: store_matrices_kernel<256, T><<<1, 128, 0, stream>>>(in, o); break;
+        default: return cudaErrorInvalidValue;
+    }
+    return cudaGetLastError();
+}
+
 template <int N, typename T, major MB>
 cudaError_t launch_mma_rs(const float* a, const void* b, float* out, cudaStream_t stream) {
     constexpr int smem = sizeof(wgmma::operand_tile<T, N, MB>) + 1024;
@@ -132,6 +174,12 @@ cudaError_t mma_registers_a(const float* a, const void* b, float* out, int n, bo
                             cudaStream_t stream) {
     if (dtype == int(tk::dtype::bf16)) return dispatch_n<__nv_bfloat16>(a, b, out, n, b_mn_major, stream);
     if (dtype == int(tk::dtype::fp16)) return dispatch_n<__half>(a, b, out, n, b_mn_major, stream);
+    return cudaErrorInvalidValue;
+}
+
+cudaError_t store_matrices(const float* in, void* out, int cols, int dtype, cudaStream_t stream) {
+    if (dtype == int(tk::dtype::bf16)) return launch_store_matrices<__nv_bfloat16>(in, out, cols, stream);
+    if (dtype == int(tk::dtype::fp16)) return launch_store_matrices<__half>(in, out, cols, stream);
     return cudaErrorInvalidValue;
 }
 

@@ -23,4 +23,9 @@ cudaError_t mma_registers_a(const float* a, const void* b, float* out, int n, bo
 cudaError_t reduce_add(void* dst, const void* src, int dtype, int64_t rows, int64_t cols, int64_t stride, int row0,
                        int col0, cudaStream_t stream);
 
+// out (64 x cols, dtype bf16 or fp16, row-major) = in (64 x cols fp32, row-major) rounded, on the way through the
+// wgmma accumulator layout in registers, stmatrix (rt::store_matrices_x4) into 128-byte-swizzled 64-column panels of
+// shared memory, and plain reads of those panels; cols 64, 128 or 256.
+cudaError_t store_matrices(const float* in, void* out, int cols, int dtype, cudaStream_t stream);
+
 }  // namespace tk::selftest
