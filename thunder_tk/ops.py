@@ -406,10 +406,13 @@ def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, ignore_i
     return torch.where(target == ignore_index, torch.zeros_like(loss), loss), lse
 
 
-def _cross_entropy_operands(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _cross_entropy_operands(logits: torch.Tensor, target: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The logits with unit class stride (copied if not), contiguous targets and the logits' row stride as the
+    kernels take it (a single row's is its width)."""
     if logits.shape[1] > 1 and logits.stride(1) != 1:
         logits = logits.contiguous()
-    return logits, target.contiguous()
+    return logits, target.contiguous(), logits.stride(0) if logits.shape[0] > 1 else logits.shape[1]
 
 
 def cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100
@@ -418,14 +421,14 @@ def cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, ignore_ind
     NaN where a target is outside [0, classes) (PyTorch would assert on the device)."""
     check_cross_entropy_args(logits, target)
     ext = _require_kernels(logits.device)
-    logits, target = _cross_entropy_operands(logits, target)
+    logits, target, row_stride = _cross_entropy_operands(logits, target)
     rows, classes = logits.shape
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     with torch.cuda.device(logits.device):
         ext.cross_entropy_forward(logits.data_ptr(), target.data_ptr(), loss.data_ptr(), lse.data_ptr(),
-                                  _DTYPE_CODES[logits.dtype], rows, classes, logits.stride(0) if rows > 1 else classes,
-                                  int(ignore_index), _stream_handle(logits.device))
+                                  _DTYPE_CODES[logits.dtype], rows, classes, row_stride, int(ignore_index),
+                                  _stream_handle(logits.device))
     return loss, lse
 
 
@@ -440,15 +443,14 @@ def cross_entropy_backward(logits: torch.Tensor, target: torch.Tensor, lse: torc
             raise ValueError(f"{name} must be float32 of shape ({rows},) on {logits.device}; "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     ext = _require_kernels(logits.device)
-    logits, target = _cross_entropy_operands(logits, target)
+    logits, target, row_stride = _cross_entropy_operands(logits, target)
     lse = lse.contiguous()
     classes = logits.shape[1]
     grad = torch.empty((rows, classes), dtype=logits.dtype, device=logits.device)
     with torch.cuda.device(logits.device):
         ext.cross_entropy_backward(logits.data_ptr(), target.data_ptr(), lse.data_ptr(), grad_loss.data_ptr(),
                                    grad_loss.stride(0) if rows > 1 else 0, grad.data_ptr(), classes,
-                                   _DTYPE_CODES[logits.dtype], rows, classes,
-                                   logits.stride(0) if rows > 1 else classes, int(ignore_index),
+                                   _DTYPE_CODES[logits.dtype], rows, classes, row_stride, int(ignore_index),
                                    _stream_handle(logits.device))
     return grad
 

@@ -66,6 +66,31 @@ __device__ __forceinline__ int64_t head_of(const void* row, int64_t C) {
     return min(C, int64_t((16 - reinterpret_cast<uintptr_t>(row) % 16) % 16 / sizeof(T)));
 }
 
+// One thread's share of a row of C elements at x: whole 16-byte vectors from the first 16-byte boundary on (UNROLL
+// loads in flight, then one at a time), then the `head` elements before that boundary and the tail after the last
+// whole vector, element by element. vector(v, i) gets the row's i-th vector (its first class is head + i * N),
+// element(value, c) the value of class c.
+template <typename T, class Vector, class Element>
+__device__ __forceinline__ void walk_row(const T* x, int64_t C, int64_t head, int64_t vectors, Vector vector,
+                                         Element element) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x + head);
+    int64_t i = threadIdx.x;
+    for (; i + (UNROLL - 1) * THREADS < vectors; i += UNROLL * THREADS) {
+        vec<T> v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) v[u].raw = __ldcs(xv + i + u * THREADS);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) vector(v[u], i + u * THREADS);
+    }
+    for (; i < vectors; i += THREADS) {
+        vec<T> v;
+        v.raw = __ldcs(xv + i);
+        vector(v, i);
+    }
+    for (int64_t c = threadIdx.x; c < head; c += THREADS) element(to_float(x[c]), c);
+    for (int64_t c = head + vectors * vec<T>::n + threadIdx.x; c < C; c += THREADS) element(to_float(x[c]), c);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant__ cross_entropy_args a) {
     const int64_t r = blockIdx.x;
@@ -74,38 +99,23 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant_
     normaliser nm;
     constexpr int N = vec<T>::n;
     const int64_t head = head_of<T>(x, C), vectors = (C - head) / N;
-    {
-        const uint4* xv = reinterpret_cast<const uint4*>(x + head);
-        int64_t i = threadIdx.x;
-        for (; i + (UNROLL - 1) * THREADS < vectors; i += UNROLL * THREADS) {
-            vec<T> v[UNROLL];
+    walk_row<T>(
+        x, C, head, vectors,
+        [&](const vec<T>& v, int64_t) {
+            float m = -INFINITY;
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) v[u].raw = __ldcs(xv + i + u * THREADS);
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                float m = -INFINITY;
-#pragma unroll
-                for (int e = 0; e < N; ++e) m = fmaxf(m, v[u].at(e));
-                // One rescale per vector: fold the vector's maximum in first.
-                if (m > nm.max) {
-                    nm.sum = nm.max == -INFINITY ? 0.f : nm.sum * exp_of(nm.max - m);
-                    nm.max = m;
-                }
-                if (nm.max != -INFINITY) {  // exp(-inf - finite) = 0; a NaN element makes the sum NaN
-#pragma unroll
-                    for (int e = 0; e < N; ++e) nm.sum += exp_of(v[u].at(e) - nm.max);
-                }
+            for (int e = 0; e < N; ++e) m = fmaxf(m, v.at(e));
+            // One rescale per vector: fold the vector's maximum in first.
+            if (m > nm.max) {
+                nm.sum = nm.max == -INFINITY ? 0.f : nm.sum * exp_of(nm.max - m);
+                nm.max = m;
             }
-        }
-        for (; i < vectors; i += THREADS) {
-            vec<T> v;
-            v.raw = __ldcs(xv + i);
+            if (nm.max != -INFINITY) {  // exp(-inf - finite) = 0; a NaN element makes the sum NaN
 #pragma unroll
-            for (int e = 0; e < N; ++e) nm.add(v.at(e));
-        }
-    }
-    if (threadIdx.x < head) nm.add(to_float(x[threadIdx.x]));
-    for (int64_t c = head + vectors * N + threadIdx.x; c < C; c += THREADS) nm.add(to_float(x[c]));
+                for (int e = 0; e < N; ++e) nm.sum += exp_of(v.at(e) - nm.max);
+            }
+        },
+        [&](float value, int64_t) { nm.add(value); });
 
     // Block merge: warps by shuffles, then the warps' results through shared memory.
 #pragma unroll
@@ -140,7 +150,7 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant_
 }
 
 template <typename T>
-__global__ void __launch_bounds__(THREADS) backward_kernel(const __grid_constant__ cross_entropy_args a) {
+__global__ void __launch_bounds__(THREADS, 4) backward_kernel(const __grid_constant__ cross_entropy_args a) {
     const int64_t r = blockIdx.x;
     const T* x = row_of<T>(a, r);
     T* g = static_cast<T*>(a.grad) + r * a.grad_row_stride;
@@ -165,32 +175,16 @@ __global__ void __launch_bounds__(THREADS) backward_kernel(const __grid_constant
         const float p = exp_of(xv - lse);
         return scale * (c == t ? p - 1.f : p);
     };
-    {
-        const uint4* xv = reinterpret_cast<const uint4*>(x + head);
-        uint4* gv = reinterpret_cast<uint4*>(g + head);
-        int64_t i = threadIdx.x;
-        for (; i + (UNROLL - 1) * THREADS < vectors; i += UNROLL * THREADS) {
-            vec<T> v[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) v[u].raw = __ldcs(xv + i + u * THREADS);
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                vec<T> o;
-#pragma unroll
-                for (int e = 0; e < N; ++e) o.set(e, grad_of(v[u].at(e), head + (i + u * THREADS) * N + e));
-                __stcs(gv + i + u * THREADS, o.raw);
-            }
-        }
-        for (; i < vectors; i += THREADS) {
-            vec<T> v, o;
-            v.raw = __ldcs(xv + i);
+    uint4* gv = reinterpret_cast<uint4*>(g + head);
+    walk_row<T>(
+        x, C, head, vectors,
+        [&](const vec<T>& v, int64_t i) {
+            vec<T> o;
 #pragma unroll
             for (int e = 0; e < N; ++e) o.set(e, grad_of(v.at(e), head + i * N + e));
             __stcs(gv + i, o.raw);
-        }
-    }
-    for (int64_t c = threadIdx.x; c < head; c += THREADS) g[c] = T(grad_of(to_float(x[c]), c));
-    for (int64_t c = tail + threadIdx.x; c < C; c += THREADS) g[c] = T(grad_of(to_float(x[c]), c));
+        },
+        [&](float value, int64_t c) { g[c] = T(grad_of(value, c)); });
 }
 
 template <typename T>
