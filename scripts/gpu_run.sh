@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-host job (set THUNDER_TK_COMMIT where the checkout has no .git; BENCH_ARGS=--sweep to tune;
 # BENCHES='gemm attention loss litgpt delta' picks benchmarks; a carried .ab_ref (scripts/ab_ref.sh) adds a same-machine
-# A/B, AB_BENCH): install carried wheels, build thunder_tk, run the GPU tests, compute-sanitizer and the
+# A/B, AB_BENCH, several separated by ';'): install carried wheels, build thunder_tk, run the GPU tests, compute-sanitizer and the
 # benchmarks, and print a short table last. Full logs go to $OUT (default out/gpu), packed into logs.tgz and charts.tgz
 # beside the JSON results at the end (the device tool fetches at most 8 files; PACK_OUT=0 leaves them loose, e.g. to
 # grep a log in the same command after this script).
@@ -83,8 +83,13 @@ bench_wanted() { benching && [[ " ${BENCHES:-gemm attention loss litgpt delta} "
 if [ -d .ab_ref ] && benching; then
   # Same-machine A/B against another commit (scripts/ab_ref.sh <commit>; carry .ab_ref): build it beside, run in turns.
   step build_ref python3 -m pip install --no-build-isolation --no-index --no-deps --target /tmp/ref_site ./.ab_ref
-  step ab_compare timeout ${AB_TIMEOUT:-500} python3 benchmarks/ab_compare.py --ref-site /tmp/ref_site --rounds ${AB_ROUNDS:-2} --json "$OUT/ab_compare.json" ${AB_BENCH:-attention --no-backward --seq-lens 512 2048 8192}
-  cat "$OUT/ab_compare.log"
+  # AB_BENCH may name several benchmarks separated by ';' (each its own ab_<bench> log and JSON).
+  IFS=';' read -ra ab_benches <<< "${AB_BENCH:-attention --no-backward --seq-lens 512 2048 8192}"
+  for ab in "${ab_benches[@]}"; do
+    read -ra ab_args <<< "$ab"; [ ${#ab_args[@]} = 0 ] && continue
+    step ab_${ab_args[0]} timeout ${AB_TIMEOUT:-500} python3 benchmarks/ab_compare.py --ref-site /tmp/ref_site --rounds ${AB_ROUNDS:-2} --json "$OUT/ab_${ab_args[0]}.json" "${ab_args[@]}"
+    cat "$OUT/ab_${ab_args[0]}.log"
+  done
 fi
 if bench_wanted gemm; then
   step bench_gemm timeout 400 python3 benchmarks/gemm.py ${GEMM_ARGS:-} --json "$OUT/gemm.json" --png "$OUT/gemm.png"
