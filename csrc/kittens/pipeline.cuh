@@ -18,6 +18,12 @@ struct cursor {
     __device__ __forceinline__ void advance() {
         if (++stage == Stages) stage = 0, phase ^= 1;
     }
+    // Past n stages that another consumer drains (n >= 0).
+    __device__ __forceinline__ void skip(int n) {
+        const int to = stage + n;
+        stage = to % Stages;
+        phase ^= uint32_t(to / Stages) & 1u;
+    }
 };
 
 template <int Stages>

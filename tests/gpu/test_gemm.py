@@ -112,6 +112,40 @@ def test_narrow_tiles(M, N, K, a_k_major, b_n_major, dtype):
         assert rel_err(out, reference(a, b, bias)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("a_k_major", [True, False])
+@pytest.mark.parametrize("b_n_major", [True, False])
+@pytest.mark.parametrize("M,N,K", [(1, 7, 64), (129, 257, 72), (300, 500, 1000), (3072, 2048, 1024), (777, 1500, 520),
+                                   (4096, 4104, 136)])
+def test_pingpong(M, N, K, a_k_major, b_n_major, dtype):
+    """The ping-pong kernel (the consumer warpgroups take 128 x 128 tiles in turns), forced on every operand major,
+    with tails, bias and both schedules: blocks with no tile, one tile (one warpgroup idle), and many (up to 8 per
+    warpgroup at 4096 x 4104); K from one k-block (72: two) to more than the ring's stages."""
+    if (not a_k_major and M % 8) or (b_n_major and N % 8):
+        pytest.skip("that layout's leading stride is M or N; the copy path is tested separately")
+    a = operand(M, K, dtype, a_k_major)
+    b = operand(K, N, dtype, b_n_major)
+    bias = torch.randn(N, device="cuda", dtype=dtype)
+    ref = reference(a, b, bias)
+    for schedule in ("static", "dynamic"):
+        for _ in range(2):  # the dynamic schedule's counter must be left zeroed for the next launch
+            out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+            ops.gemm(a, b, bias, out=out, _pingpong=1, _schedule=schedule)
+            assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
+            assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_pingpong_errors():
+    a = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="ping-pong"):
+        ops.gemm(a, b, _pingpong=1, _tile_n=256)
+    with pytest.raises(ValueError, match="ping-pong"):
+        ops.gemm(a, b, _pingpong=1, _cluster=2)
+    with pytest.raises(ValueError, match="pingpong"):
+        ops.gemm(a, b, _pingpong=2)
+
+
 def test_tile_width_choice_and_errors():
     """3072 x 2048 outputs: 192 wide tiles are 1.45 waves on 132 SMs, so the automatic choice takes narrow ones;
     either way the result is the same product. Bad widths are named errors."""

@@ -1,7 +1,12 @@
 // Persistent, warp-specialised Hopper GEMM: one producer warpgroup per block streams A and B tiles with TMA into
 // a 4-stage shared-memory ring (optionally in clusters of two blocks that share B); two consumer warpgroups each
-// multiply a 64 x 256 slice of the 128 x 256 output tile with wgmma and write it out (bias fused). Operand majors are template parameters, so the three
-// products of a linear layer (X Wt, dY W, dYt X) read their operands in place, with no transposed copies.
+// multiply a 64 x 256 slice of the 128 x 256 output tile with wgmma and write it out (bias fused). Operand majors
+// are template parameters, so the three products of a linear layer (X Wt, dY W, dYt X) read their operands in
+// place, with no transposed copies.
+//
+// Ping-pong variant: the consumers take 128 x 128 tiles of their own in turns (the ring's tiles alternate between
+// them), so one writes its tile out while the other's products keep the tensor cores busy. The cooperative
+// kernel leaves them idle during each tile's epilogue, which weighs most where K is short (K = 2048: ~5%).
 #include "gemm.h"
 #include "../../kittens/kittens.cuh"
 
@@ -27,8 +32,9 @@ constexpr int GROUP_ROWS = 8;
 constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
 static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, CONSUMER_REGISTERS));  // default tile rows per L2 group of the persistent schedule
 
-template <typename T, major MA, major MB, int BN>
+template <typename T, major MA, major MB, int TileN>
 struct shared_state {
+    static constexpr int BN = TileN;
     static constexpr int STAGES = stages_of(BN);
     wgmma::operand_tile<T, BM, MA> a[STAGES];
     wgmma::operand_tile<T, BN, MB> b[STAGES];
@@ -65,6 +71,80 @@ __device__ __forceinline__ void store_pair(T* p, float x, float y, bool vector) 
     p[1] = T(y);
 }
 
+// A consumer warpgroup's 64 x COLS block of output (accumulator fragment d; first row row0, first column col0),
+// plus bias, to C: 128 columns at a time through the warpgroup's swizzled staging and TMA stores, which run on
+// while the warpgroup goes on; or, where C's rows are not 16-byte aligned, straight from registers.
+template <typename T, int COLS, typename State>
+__device__ __forceinline__ void write_rows64(State& st, const kernel_params& p, const CUtensorMap& map_c, int wg,
+                                             const float (&d)[COLS / 2], int64_t row0, int64_t col0) {
+    const gemm_args& g = p.args;
+    const T* __restrict__ bias = static_cast<const T*>(g.bias);
+    const bool leader = warpgroup::thread() == 0;
+    const int barrier_id = 1 + wg;  // named barrier of this consumer warpgroup
+    if (p.tma_store) {
+#pragma unroll
+        for (int half = 0; half < COLS / 128; ++half) {
+            if (leader) tma::store_wait_read();
+            sync::named_sync(barrier_id, warpgroup::threads);
+            uint8_t* stage = reinterpret_cast<uint8_t*>(st.c_stage[wg]);
+            // Two 8-column groups per stmatrix.x4 (matrices: group top rows, group bottom rows, next group
+            // top, next group bottom); lane 8k + r names row r of matrix k.
+            const int lane = threadIdx.x & 31, warp_row = ((threadIdx.x / 32) & 3) * 16;
+            const int k = lane / 8, row = warp_row + (k & 1) * 8 + (lane & 7);
+#pragma unroll
+            for (int grp = 0; grp < 16; grp += 2) {  // 8-column groups of this half
+                uint32_t r[4];
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    const int i = (half * 16 + grp + m / 2) * 4 + (m & 1) * 2;  // d[i], d[i + 1]: a row's pair
+                    float x = d[i], y = d[i + 1];
+                    if (bias != nullptr) {
+                        const int64_t gc = col0 + wgmma::accumulator_position(i).col;
+                        if (gc < g.N) x += to_float(bias[gc]);
+                        if (gc + 1 < g.N) y += to_float(bias[gc + 1]);
+                    }
+                    r[m] = rt::pack2<T>(x, y);
+                }
+                const int col = (grp + k / 2) * 8;  // this lane's matrix's first column within the half
+                rt::store_matrices_x4(
+                    static_cast<uint32_t>(__cvta_generic_to_shared(stage + (col / 64) * 64 * 128 +
+                                                                    tma::swizzled_offset_128b(row, col % 64))),
+                    r[0], r[1], r[2], r[3]);
+            }
+            tma::fence_shared_to_async();
+            sync::named_sync(barrier_id, warpgroup::threads);
+            if (leader) {
+                for (int panel = 0; panel < 2; ++panel) {
+                    const int64_t gc = col0 + half * 128 + panel * 64;
+                    if (gc < g.N && row0 < g.M)
+                        tma::store_2d(&map_c, st.c_stage[wg][panel], int32_t(gc), int32_t(row0));
+                }
+                tma::store_commit();
+            }
+        }
+        return;
+    }
+    T* __restrict__ c = static_cast<T*>(g.c);
+    const bool vector_store = (g.c_stride_m % 2 == 0) && (reinterpret_cast<uintptr_t>(g.c) % 4 == 0);
+#pragma unroll
+    for (int i = 0; i < COLS / 2; i += 2) {
+        const auto pos = wgmma::accumulator_position(i);
+        const int64_t row = row0 + pos.row, col = col0 + pos.col;
+        if (row >= g.M || col >= g.N) continue;
+        float x = d[i], y = d[i + 1];
+        const bool pair = col + 1 < g.N;
+        if (bias != nullptr) {
+            x += to_float(bias[col]);
+            if (pair) y += to_float(bias[col + 1]);
+        }
+        T* out = c + row * g.c_stride_m + col;
+        if (pair)
+            store_pair(out, x, y, vector_store);
+        else
+            out[0] = T(x);
+    }
+}
+
 // Consumer warpgroups: wgmma over the ring, then the epilogue of each tile.
 template <typename T, major MA, major MB, int CLUSTER, int BN, typename State, typename TileOf>
 __device__ __forceinline__ void consume(State& st, const kernel_params& p, const CUtensorMap& map_c, int pairs,
@@ -81,12 +161,6 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
     };
     warpgroup::increase_registers<CONSUMER_REGISTERS>();
     const int slice = warpgroup::index() - 1;  // rows [64 slice, 64 slice + 64) of the tile
-    const gemm_args& g = p.args;
-    T* __restrict__ c = static_cast<T*>(g.c);
-    const T* __restrict__ bias = static_cast<const T*>(g.bias);
-    const bool vector_store = (g.c_stride_m % 2 == 0) && (reinterpret_cast<uintptr_t>(g.c) % 4 == 0);
-    const bool leader = warpgroup::thread() == 0;
-    const int barrier_id = 1 + slice;  // named barrier of this consumer warpgroup
     constexpr int STAGES = State::STAGES;
     pipeline::cursor<STAGES> at;
     float d[BN / 2];
@@ -124,86 +198,91 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
         wgmma::pin(d);
         if (previous >= 0 && (threadIdx.x & 31) == 0) release(st.ring.empty[previous]);
 
-        const int64_t row0 = int64_t(tile.m) * BM + slice * 64, col0 = int64_t(tile.n) * BN;
-        if (p.tma_store) {
-            // Halves of 128 columns: registers (+ bias) -> swizzled staging -> TMA store, which runs on
-            // while this warpgroup starts its next tile.
-#pragma unroll
-            for (int half = 0; half < BN / 128; ++half) {
-                if (leader) tma::store_wait_read();
-                sync::named_sync(barrier_id, warpgroup::threads);
-                uint8_t* stage = reinterpret_cast<uint8_t*>(st.c_stage[slice]);
-                // Two 8-column groups per stmatrix.x4 (matrices: group top rows, group bottom rows, next group
-                // top, next group bottom); lane 8k + r names row r of matrix k.
-                const int lane = threadIdx.x & 31, warp_row = ((threadIdx.x / 32) & 3) * 16;
-                const int k = lane / 8, row = warp_row + (k & 1) * 8 + (lane & 7);
-#pragma unroll
-                for (int grp = 0; grp < 16; grp += 2) {  // 8-column groups of this half
-                    uint32_t r[4];
-#pragma unroll
-                    for (int m = 0; m < 4; ++m) {
-                        const int i = (half * 16 + grp + m / 2) * 4 + (m & 1) * 2;  // d[i], d[i + 1]: a row's pair
-                        float x = d[i], y = d[i + 1];
-                        if (bias != nullptr) {
-                            const int64_t gc = col0 + wgmma::accumulator_position(i).col;
-                            if (gc < g.N) x += to_float(bias[gc]);
-                            if (gc + 1 < g.N) y += to_float(bias[gc + 1]);
-                        }
-                        r[m] = rt::pack2<T>(x, y);
-                    }
-                    const int col = (grp + k / 2) * 8;  // this lane's matrix's first column within the half
-                    rt::store_matrices_x4(
-                        static_cast<uint32_t>(__cvta_generic_to_shared(stage + (col / 64) * 64 * 128 +
-                                                                        tma::swizzled_offset_128b(row, col % 64))),
-                        r[0], r[1], r[2], r[3]);
-                }
-                tma::fence_shared_to_async();
-                sync::named_sync(barrier_id, warpgroup::threads);
-                if (leader) {
-                    for (int panel = 0; panel < 2; ++panel) {
-                        const int64_t gc = col0 + half * 128 + panel * 64;
-                        if (gc < g.N && row0 < g.M)
-                            tma::store_2d(&map_c, st.c_stage[slice][panel], int32_t(gc), int32_t(row0));
-                    }
-                    tma::store_commit();
-                }
-            }
-            continue;
-        }
-
-        // Fallback epilogue (C rows not 16-byte aligned): fp32 -> T (+ bias) straight from registers.
-#pragma unroll
-        for (int i = 0; i < BN / 2; i += 2) {
-            const auto pos = wgmma::accumulator_position(i);
-            const int64_t row = row0 + pos.row, col = col0 + pos.col;
-            if (row >= g.M || col >= g.N) continue;
-            float x = d[i], y = d[i + 1];
-            const bool pair = col + 1 < g.N;
-            if (bias != nullptr) {
-                x += to_float(bias[col]);
-                if (pair) y += to_float(bias[col + 1]);
-            }
-            T* out = c + row * g.c_stride_m + col;
-            if (pair)
-                store_pair(out, x, y, vector_store);
-            else
-                out[0] = T(x);
-        }
+        write_rows64<T, BN>(st, p, map_c, slice, d, int64_t(tile.m) * BM + slice * 64, int64_t(tile.n) * BN);
     }
-    if (leader) tma::store_wait();  // staging must outlive the stores' reads
+    if (warpgroup::thread() == 0) tma::store_wait();  // staging must outlive the stores' reads
 }
 
-template <typename T, major MA, major MB, int CLUSTER, int BN>
+// Ping-pong consumers: the ring's tiles (k_blocks stages each, in the producer's order) alternate between the two
+// warpgroups, each multiplying a whole 128 x 128 tile (two 64-row halves sharing the B slice). The ring's order
+// alone staggers them: a warpgroup's next tile is loaded only as the other's tile drains, so one's epilogue runs
+// under the other's products. Dynamic schedule: the producer ends the stream with two markers, a -1 whose
+// warpgroup drains the k_blocks stages of its slot (no bytes) and then stops, and a -2 in the other's slot.
+template <typename T, major MA, major MB, typename State, typename TileOf>
+__device__ __forceinline__ void consume_pingpong(State& st, const kernel_params& p, const CUtensorMap& map_c,
+                                                 int tiles, int block, int blocks, TileOf tile_of) {
+    static_assert(State::BN == 128, "ping-pong tiles are 128 x 128");
+    warpgroup::increase_registers<CONSUMER_REGISTERS>();
+    const int wg = warpgroup::index() - 1;
+    const bool warp_leader = (threadIdx.x & 31) == 0;
+    constexpr int STAGES = State::STAGES;
+    pipeline::cursor<STAGES> at;
+    at.skip(wg * p.k_blocks);  // warpgroup 1's first tile is the ring's second
+    float d[2][64];            // rows [0, 64) and [64, 128) of the tile
+
+    const bool dynamic = p.tickets != nullptr;
+    for (int j = wg;; j += 2) {  // j: this tile's place in the block's stream
+        int t = block + j * blocks;
+        if (dynamic) {
+            st.ring.wait_full(at);
+            // Read by lane 0, the lane whose arrive frees the stage (see consume).
+            t = __shfl_sync(0xffffffffu, warp_leader ? st.tile_at[at.stage] : 0, 0);
+            if (t == -1) {  // drain this slot so that the producer can place the other warpgroup's marker
+                for (int kb = 0; kb < p.k_blocks; ++kb) {
+                    if (kb > 0) st.ring.wait_full(at);
+                    if (warp_leader) sync::arrive(st.ring.empty[at.stage]);
+                    at.advance();
+                }
+                break;
+            }
+            if (t < 0) break;
+        } else if (t >= tiles) {
+            break;
+        }
+        const auto tile = tile_of(t);
+        int previous = -1;
+        for (int kb = 0; kb < p.k_blocks; ++kb) {
+            if (kb > 0 || !dynamic) st.ring.wait_full(at);
+            wgmma::fence();
+#pragma unroll
+            for (int k16 = 0; k16 < BK / 16; ++k16) {
+                wgmma::mma<128, T>(d[0], st.a[at.stage], 0, st.b[at.stage], 0, k16, (kb | k16) != 0);
+                wgmma::mma<128, T>(d[1], st.a[at.stage], 64, st.b[at.stage], 0, k16, (kb | k16) != 0);
+            }
+            wgmma::commit();
+            wgmma::wait<1>();
+            if (previous >= 0 && warp_leader) sync::arrive(st.ring.empty[previous]);
+            previous = at.stage;
+            at.advance();
+        }
+        wgmma::wait<0>();
+        wgmma::pin(d[0]);
+        wgmma::pin(d[1]);
+        if (previous >= 0 && warp_leader) sync::arrive(st.ring.empty[previous]);
+        at.skip(p.k_blocks);  // the other warpgroup's tile
+
+        const int64_t row0 = int64_t(tile.m) * BM, col0 = int64_t(tile.n) * 128;
+        write_rows64<T, 128>(st, p, map_c, wg, d[0], row0, col0);
+        write_rows64<T, 128>(st, p, map_c, wg, d[1], row0 + 64, col0);
+    }
+    if (warpgroup::thread() == 0) tma::store_wait();  // staging must outlive the stores' reads
+}
+
+// PINGPONG: the consumers take 128 x 128 tiles in turns (BN = 128, no cluster); otherwise they share each tile.
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                 const __grid_constant__ CUtensorMap map_c, const __grid_constant__ kernel_params p) {
+    static_assert(!PINGPONG || (CLUSTER == 1 && BN == 128), "ping-pong: 128 x 128 tiles, no cluster");
     using state_t = shared_state<T, MA, MB, BN>;
     constexpr int STAGES = state_t::STAGES;
     extern __shared__ uint8_t raw_smem[];
     auto& st = *reinterpret_cast<state_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
 
     if (threadIdx.x == 0) {
-        st.ring.init(1, CLUSTER * CONSUMERS * 4);  // the producer; lane 0 of every consumer warp of the cluster
+        // The producer fills; lane 0 of every consumer warp that reads a stage frees it: all of the cluster's,
+        // or with ping-pong the four of the warpgroup whose tile it holds.
+        st.ring.init(1, PINGPONG ? 4 : CLUSTER * CONSUMERS * 4);
         sync::fence_init();
     }
     if constexpr (CLUSTER == 1)
@@ -272,11 +351,27 @@ __global__ void __launch_bounds__(THREADS, 1)
                 }
             }
             if (p.tickets != nullptr) {  // dynamic: end of work is a stage with no bytes whose tile is -1
-                st.ring.wait_empty(at);
-                st.tile_at[at.stage] = -1;
-                sync::arrive(st.ring.full[at.stage]);
+                if constexpr (PINGPONG) {
+                    // One consumer's slot: its marker and k_blocks - 1 more empty stages, which it drains; then
+                    // the other consumer's marker at the start of the next slot.
+                    for (int kb = 0; kb < p.k_blocks; ++kb) {
+                        st.ring.wait_empty(at);
+                        if (kb == 0) st.tile_at[at.stage] = -1;
+                        sync::arrive(st.ring.full[at.stage]);
+                        at.advance();
+                    }
+                    st.ring.wait_empty(at);
+                    st.tile_at[at.stage] = -2;
+                    sync::arrive(st.ring.full[at.stage]);
+                } else {
+                    st.ring.wait_empty(at);
+                    st.tile_at[at.stage] = -1;
+                    sync::arrive(st.ring.full[at.stage]);
+                }
             }
         }
+    } else if constexpr (PINGPONG) {
+        consume_pingpong<T, MA, MB>(st, p, map_c, pairs, cluster, clusters, tile_of);
     } else {
         consume<T, MA, MB, CLUSTER, BN>(st, p, map_c, pairs, cluster, clusters, tile_of);
     }
@@ -310,14 +405,14 @@ cudaLaunchConfig_t launch_config(cudaLaunchAttribute* attribute, int smem_bytes,
 
 // Per device, once: the kernel's shared-memory opt-in (an attribute of the kernel in each device's context) and
 // the persistent grid: one block per SM, or for clusters as many as the occupancy query says fit at once.
-template <typename T, major MA, major MB, int CLUSTER, int BN>
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG>
 cudaError_t prepare(int* grid_blocks) {
     static std::atomic<int> blocks[max_devices];
     const int device = current_device();
     if (device < 0) return cudaErrorInvalidDevice;
     int known = blocks[device].load(std::memory_order_acquire);
     if (known == 0) {
-        auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN>;
+        auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG>;
         constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN>;
         cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         if (e != cudaSuccess) return e;
@@ -336,12 +431,12 @@ cudaError_t prepare(int* grid_blocks) {
     return cudaSuccess;
 }
 
-template <typename T, major MA, major MB, int CLUSTER, int BN>
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG>
 cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
-    auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN>;
+    auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG>;
     constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN>;
     int resident = 0;
-    if (cudaError_t e = prepare<T, MA, MB, CLUSTER, BN>(&resident); e != cudaSuccess) return e;
+    if (cudaError_t e = prepare<T, MA, MB, CLUSTER, BN, PINGPONG>(&resident); e != cudaSuccess) return e;
 
     CUtensorMap map_a, map_b;
     const auto sw = tma::swizzle::b128;
@@ -382,13 +477,13 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     return cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, p);
 }
 
-template <typename T, int C, int BN>
+template <typename T, int C, int BN, bool PINGPONG = false>
 cudaError_t dispatch_majors(const gemm_args& g, cudaStream_t stream) {
     const bool a_k = g.a_stride_k == 1, b_k = g.b_stride_k == 1;
-    if (a_k && b_k) return launch<T, major::k, major::k, C, BN>(g, stream);
-    if (a_k) return launch<T, major::k, major::mn, C, BN>(g, stream);
-    if (b_k) return launch<T, major::mn, major::k, C, BN>(g, stream);
-    return launch<T, major::mn, major::mn, C, BN>(g, stream);
+    if (a_k && b_k) return launch<T, major::k, major::k, C, BN, PINGPONG>(g, stream);
+    if (a_k) return launch<T, major::k, major::mn, C, BN, PINGPONG>(g, stream);
+    if (b_k) return launch<T, major::mn, major::k, C, BN, PINGPONG>(g, stream);
+    return launch<T, major::mn, major::mn, C, BN, PINGPONG>(g, stream);
 }
 
 // The share of the persistent grid's slots (waves x SMs) that tiles fill, for tiles `tn` wide.
@@ -412,6 +507,7 @@ cudaError_t dispatch_cluster(const gemm_args& g, cudaStream_t stream) {
     // Default: no cluster. Clusters of two with B multicast run at parity on the H100, not faster
     // (benchmarks/NOTES.md); they use 256-wide tiles only.
     if (g.cluster == 2) return dispatch_majors<T, 2, 256>(g, stream);
+    if (g.pingpong == 1) return dispatch_majors<T, 1, 128, true>(g, stream);
     if (tile_n_of(g) == 128) return dispatch_majors<T, 1, 128>(g, stream);
     return dispatch_majors<T, 1, 256>(g, stream);
 }
@@ -427,6 +523,9 @@ const char* gemm_unsupported(const gemm_args& g) {
     if (g.K % 8) return "K must be a multiple of 8";
     if (g.tile_n != 0 && g.tile_n != 128 && g.tile_n != 256) return "tile_n must be 0 (automatic), 128 or 256";
     if (g.tile_n == 128 && g.cluster == 2) return "clusters of two use 256-wide tiles only";
+    if (g.pingpong < -1 || g.pingpong > 1) return "pingpong must be 0 (automatic), 1 (on) or -1 (off)";
+    if (g.pingpong == 1 && (g.cluster == 2 || g.tile_n == 256))
+        return "ping-pong tiles are 128 x 128 with no cluster";
     if (g.a_stride_k != 1 && g.a_stride_m != 1) return "A needs a unit stride along M or K";
     if (g.b_stride_k != 1 && g.b_stride_n != 1) return "B needs a unit stride along K or N";
     const int64_t a_lead = g.a_stride_k == 1 ? g.a_stride_m : g.a_stride_k;
@@ -438,8 +537,8 @@ const char* gemm_unsupported(const gemm_args& g) {
 
 int gemm_resident_blocks(int cluster) {
     int blocks = 0;
-    const cudaError_t e = cluster == 2 ? prepare<__nv_bfloat16, major::k, major::k, 2, 256>(&blocks)
-                                       : prepare<__nv_bfloat16, major::k, major::k, 1, 256>(&blocks);
+    const cudaError_t e = cluster == 2 ? prepare<__nv_bfloat16, major::k, major::k, 2, 256, false>(&blocks)
+                                       : prepare<__nv_bfloat16, major::k, major::k, 1, 256, false>(&blocks);
     return e == cudaSuccess ? blocks : -1;
 }
 
