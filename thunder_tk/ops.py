@@ -176,7 +176,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     h // (Hq // Hkv)); bf16 or fp16; D 64 or 128; scale defaults to 1/sqrt(D); causal masks key j > query i and
     needs Sq == Sk. Inputs are read in place when the last dim is contiguous and the other strides are multiples
     of 8 elements (LitGPT's transposed views qualify); others are copied first. Returns o (B, Hq, Sq, D) in the
-    input dtype and lse (B, Hq, Sq) in float32 (natural log), which the backward pass consumes.
+    input dtype, a transposed view of a contiguous (B, Sq, Hq, D) buffer, and lse (B, Hq, Sq) in float32 (natural
+    log), which the backward pass consumes.
     _max_blocks (tests only) caps the persistent grid, so that small shapes walk several tiles per block;
     _schedule "dynamic" (blocks take the next tile from a counter; causal tiles heaviest first within chunks of
     heads that fit L2) or "static" (block i takes tiles i, i + grid, ...; what CUDA-graph capture gets).
@@ -185,7 +186,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     ext = _require_kernels(q.device)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    o = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
+    # o is laid out (B, Sq, Hq, D) in memory, as torch's flash and cuDNN backends return it: the usual next step,
+    # o.transpose(1, 2).reshape(B, Sq, Hq * D) for the output projection, is then a view. A (B, Hq, Sq, D) o made
+    # that a copy, which the projection's weight gradient kept alive until the backward (one (B, Sq, Hq * D)
+    # activation per layer more than Thunder's default executors at the step's memory peak).
+    o = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse

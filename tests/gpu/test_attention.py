@@ -60,6 +60,7 @@ def run(q, k, v, causal=False, scale=None):
     poison_allocator(((B, Hq, Sq, D), q.dtype), ((B, Hq, Sq), torch.float32))
     o, lse = ops.attention_forward(q, k, v, is_causal=causal, scale=scale)
     assert o.shape == q.shape and o.dtype == q.dtype and o.device == q.device
+    assert o.transpose(1, 2).is_contiguous(), "o is not laid out (B, S, H, D) in memory"
     assert lse.shape == (B, Hq, Sq) and lse.dtype == torch.float32
     assert torch.isfinite(o).all(), "o has unwritten (NaN) or overflowed elements"
     assert torch.isfinite(lse).all(), "lse has unwritten (NaN) or overflowed elements"
@@ -204,6 +205,14 @@ def test_strided_views_match_contiguous_bitwise(layout, causal):
     o_c, lse_c = ops.attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=causal)
     assert torch.equal(o, o_c) and torch.equal(lse, lse_c), "a strided run differs from the contiguous one"
     assert all(torch.equal(b, c) for b, c in zip(bufs, before)), "the inputs were written to"
+
+
+def test_output_projection_input_is_a_view():
+    # LitGPT's next step after attention; a copy here was kept alive until the backward (issue 6's peak memory).
+    q, k, v = make(2, 4, 4, 77, 77, 64, torch.bfloat16)
+    o, _ = check(q, k, v, causal=True)
+    y = o.transpose(1, 2).reshape(2, 77, 4 * 64)
+    assert y.data_ptr() == o.data_ptr() and y.is_contiguous()
 
 
 @pytest.mark.parametrize(
