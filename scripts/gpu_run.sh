@@ -42,8 +42,8 @@ fi
 if [ "$what" = all ] || [ "$what" = test ] || [ -n "${WITH_TESTS:-}" ]; then  # WITH_TESTS=1: also before dist
   step smoke timeout 120 bash -c "cd /tmp && python3 -c \"import torch; from thunder_tk import ops; a = torch.randn(256, 128, device='cuda', dtype=torch.bfloat16); print(float((ops.gemm(a, a.t()).float() - a.float() @ a.float().t()).abs().max()))\""
   step gpu_tests timeout ${GPU_TESTS_TIMEOUT:-600} bash -c "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $(for t in ${GPU_TESTS:-tests/gpu}; do printf "%s " "$here/$t"; done)-rs --junitxml=$OUT_ABS/gpu_tests.xml"
-  step memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
-  step racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
+  step memcheck timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
+  step racecheck timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
   grep -q "0 hazards" "$OUT/racecheck.log" || grep -m 12 -E "Error|Write|Read|at .*0x|in .*kernel" "$OUT/racecheck.log"
 fi
 if [ "$what" = dist ]; then  # checks first, then the benchmarks (the longest last), so a cut-off run keeps the checks
@@ -91,9 +91,14 @@ if [ -d .ab_ref ] && benching; then
     cat "$OUT/ab_${ab_args[0]}.log"
   done
 fi
-if bench_wanted gemm; then
-  step bench_gemm timeout 400 python3 benchmarks/gemm.py ${GEMM_ARGS:-} --json "$OUT/gemm.json" --png "$OUT/gemm.png"
-  cat "$OUT/bench_gemm.log"
+if bench_wanted gemm; then  # GEMM_ARGS: several runs separated by ';' (gemm.json, gemm_2.json, ...)
+  IFS=';' read -ra gemm_runs <<< "${GEMM_ARGS:- }"
+  n=0
+  for run_args in "${gemm_runs[@]}"; do
+    n=$((n + 1)); sfx=$([ $n = 1 ] && echo "" || echo "_$n")
+    step bench_gemm$sfx timeout 400 python3 benchmarks/gemm.py $run_args --json "$OUT/gemm$sfx.json" --png "$OUT/gemm$sfx.png"
+    cat "$OUT/bench_gemm$sfx.log"
+  done
 fi
 if bench_wanted attention; then
   step bench_attention timeout ${ATTN_TIMEOUT:-400} python3 benchmarks/attention.py ${ATTN_ARGS:-} --json "$OUT/attention.json" --png "$OUT/attention.png"
