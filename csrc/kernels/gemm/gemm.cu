@@ -204,10 +204,12 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
 }
 
 // Ping-pong consumers: the ring's tiles (k_blocks stages each, in the producer's order) alternate between the two
-// warpgroups, each multiplying a whole 128 x 128 tile (two 64-row halves sharing the B slice). The ring's order
-// alone staggers them: a warpgroup's next tile is loaded only as the other's tile drains, so one's epilogue runs
-// under the other's products. Dynamic schedule: the producer ends the stream with two markers, a -1 whose
-// warpgroup drains the k_blocks stages of its slot (no bytes) and then stops, and a -2 in the other's slot.
+// warpgroups, each multiplying a whole 128 x 128 tile (two 64-row halves sharing the B slice), so one's epilogue
+// runs under the other's products. A warpgroup skips the other's k_blocks stages; since a parity wait cannot tell
+// a stage's lap from two laps on, it may wait for its tile's first stage only once every earlier stage has
+// landed: the warpgroups take turns, each handing the turn over (a named barrier) once it has seen its own last
+// stage land. Dynamic schedule: the producer ends the stream with two markers, a -1 whose warpgroup drains the
+// k_blocks stages of its slot (no bytes) and hands the turn over, and a -2 in the other's slot.
 template <typename T, major MA, major MB, typename State, typename TileOf>
 __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params& p, const CUtensorMap& map_c,
                                                  int tiles, int block, int blocks, TileOf tile_of) {
@@ -215,6 +217,8 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
     warpgroup::increase_registers<CONSUMER_REGISTERS>();
     const int wg = warpgroup::index() - 1;
     const bool warp_leader = (threadIdx.x & 31) == 0;
+    // Turn barriers: a warpgroup waits at its own (both warpgroups' threads), the other arrives there.
+    const int my_turn = 1 + CONSUMERS + wg, their_turn = 1 + CONSUMERS + (1 - wg);
     constexpr int STAGES = State::STAGES;
     pipeline::cursor<STAGES> at;
     at.skip(wg * p.k_blocks);  // warpgroup 1's first tile is the ring's second
@@ -223,6 +227,10 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
     const bool dynamic = p.tickets != nullptr;
     for (int j = wg;; j += 2) {  // j: this tile's place in the block's stream
         int t = block + j * blocks;
+        if (!dynamic && t >= tiles) break;
+        if (j > 0) sync::named_sync(my_turn, 2 * warpgroup::threads);
+        // Static: the other warpgroup's next tile, if any, follows this one.
+        bool hand_over = !dynamic && t + blocks < tiles;
         if (dynamic) {
             st.ring.wait_full(at);
             // Read by lane 0, the lane whose arrive frees the stage (see consume).
@@ -233,16 +241,17 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
                     if (warp_leader) sync::arrive(st.ring.empty[at.stage]);
                     at.advance();
                 }
+                sync::named_arrive(their_turn, 2 * warpgroup::threads);
                 break;
             }
             if (t < 0) break;
-        } else if (t >= tiles) {
-            break;
+            hand_over = true;  // the other warpgroup reads the next slot: a tile or a marker
         }
         const auto tile = tile_of(t);
         int previous = -1;
         for (int kb = 0; kb < p.k_blocks; ++kb) {
             if (kb > 0 || !dynamic) st.ring.wait_full(at);
+            if (kb == p.k_blocks - 1 && hand_over) sync::named_arrive(their_turn, 2 * warpgroup::threads);
             wgmma::fence();
 #pragma unroll
             for (int k16 = 0; k16 < BK / 16; ++k16) {
