@@ -516,6 +516,8 @@ cudaError_t dispatch_cluster(const gemm_args& g, cudaStream_t stream) {
     // Default: no cluster. Clusters of two with B multicast run at parity on the H100, not faster
     // (benchmarks/NOTES.md); they use 256-wide tiles only.
     if (g.cluster == 2) return dispatch_majors<T, 2, 256>(g, stream);
+    // Ping-pong only on request: its 128 x 128 tiles pull a third more bytes from L2 per product than the shared
+    // 128 x 256 ones, which costs more than the hidden epilogue gains (benchmarks/NOTES.md).
     if (g.pingpong == 1) return dispatch_majors<T, 1, 128, true>(g, stream);
     if (tile_n_of(g) == 128) return dispatch_majors<T, 1, 128>(g, stream);
     return dispatch_majors<T, 1, 256>(g, stream);
