@@ -146,6 +146,30 @@ def profile_step(step, device: torch.device, top: int) -> dict:
                      "tk": bool(TK_KERNEL.search(k))} for k, (ms, n) in ranked]}
 
 
+def host_step(step, device: torch.device, gpu_step_ms: float) -> dict:
+    """The host's own cost of one step: the step is enqueued behind a sleep kernel that keeps the GPU busy for
+    three of its step times, so the host never waits for the GPU. A step that outruns its GPU work on the host
+    runs at the host's pace. If the host had to wait for the GPU anyway (a synchronisation inside the step, or a
+    full launch queue), the sleep was over before the host finished: that is reported, not a host time."""
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    cycles_per_ms = 10_000_000 / max(start.elapsed_time(end), 1e-3)
+    sleep_ms = 3.0 * gpu_step_ms
+    done = torch.cuda.Event()
+    torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
+    done.record()
+    t0 = time.perf_counter()
+    step()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    waited = done.query()  # the sleep already over: the host may have waited for the GPU
+    torch.cuda.synchronize(device)
+    return {"host_ms": host_ms, "gpu_step_ms": gpu_step_ms, "host_waited": bool(waited)}
+
+
 def _site(frames: list[dict]) -> str:
     """Where an allocation was made: the innermost frame outside torch itself (a tk wrapper, a Thunder trace
     line, LitGPT), with its caller."""
@@ -209,6 +233,17 @@ def print_memory(rows: list[dict]) -> None:
                      for t in m["top"]], ["MiB", "blocks", "allocated at"])
 
 
+def print_host(rows: list[dict]) -> None:
+    timed = [r for r in rows if r.get("host")]
+    if not timed:
+        return
+    print("\nHost time per step (enqueued behind a GPU sleep) against the timed step, ms")
+    for r in timed:
+        h = r["host"]
+        note = "  (the host waited for the GPU: a synchronisation in the step?)" if h["host_waited"] else ""
+        print(f"  {r['variant']:<16} host {h['host_ms']:7.2f}   step {h['gpu_step_ms']:7.2f}{note}")
+
+
 def print_profiles(rows: list[dict]) -> None:
     profiled = [r for r in rows if r.get("profile")]
     if not profiled:
@@ -267,6 +302,11 @@ def run(name, wrap, args, device: torch.device):
             row["profile"] = profile_step(step, device, args.profile)
         except Exception as e:  # noqa: BLE001
             row["profile_error"] = f"{type(e).__name__}: {e}"
+    if args.host_time and cuda:
+        try:  # a diagnostic, never at the cost of the timing
+            row["host"] = host_step(step, device, seconds * 1e3)
+        except Exception as e:  # noqa: BLE001
+            row["host_error"] = f"{type(e).__name__}: {e}"
     if args.memory and cuda and name != "eager":
         try:  # like the profile: a diagnostic, never at the cost of the timing
             row["memory"] = memory_step(step, device, args.memory)
@@ -298,6 +338,9 @@ def main():
     p.add_argument("--png")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile one step per variant: GPU time by kernel kind and the N largest kernels")
+    p.add_argument("--host-time", action="store_true",
+                   help="after timing, the host's own time for one step per variant (enqueued behind a GPU sleep, "
+                        "so it never waits for the GPU), beside the timed step")
     p.add_argument("--memory", type=int, default=0, metavar="N",
                    help="after timing, record one step's allocations per variant and list the N largest allocation "
                         "sites live at the step's memory peak")
@@ -336,6 +379,7 @@ def main():
     print_table(rows, ["variant", "tokens_per_s", "tokens_per_s_per_gpu", "peak_gib", "vs_thunder_default",
                        "vs_torch_compile"])
     print_profiles(rows)
+    print_host(rows)
     print_memory(rows)
     write_results(a.json, "litgpt_step_fsdp" if a.fsdp else "litgpt_step",
                   [{**r, "world_size": _world(), "n_layer": a.n_layer, "seq": a.seq, "batch_per_gpu": a.batch}

@@ -7,6 +7,7 @@ device, when the dynamic GEMM schedule's counters are first made).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -31,8 +32,21 @@ def _require_kernels(device: torch.device) -> object:
     return ext
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch._C._cuda_getDevice()
+
+
 def _stream_handle(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+    # The raw cudaStream_t of the device's current stream, without building a torch.cuda.Stream: each tk call in
+    # a training step pays this, and a step whose host work outruns its GPU work runs at the host's pace.
+    return torch._C._cuda_getCurrentRawStream(_device_index(device))
+
+
+def _on(device: torch.device):
+    """The device guard for a launch: none where the device is current already (the usual case), which skips
+    torch.cuda.device's two device switches per call."""
+    index = _device_index(device)
+    return contextlib.nullcontext() if index == torch._C._cuda_getDevice() else torch.cuda.device(index)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -85,7 +99,7 @@ def attention_bwd_delta(
                 f"got {out.dtype} {tuple(out.shape)} on {out.device}"
             )
         delta = out
-    with torch.cuda.device(o.device):
+    with _on(o.device):
         ext.attention_bwd_delta(
             o.data_ptr(), grad_o.data_ptr(), delta.data_ptr(), _DTYPE_CODES[o.dtype], B, H, S, D,
             list(o.stride()[:3]), list(grad_o.stride()[:3]), list(delta.stride()), _stream_handle(o.device),
@@ -196,7 +210,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
         return o, lse
     q, scale, _ = _kernel_scale(q, scale)
     q, k, v = _tma_readable(q), _tma_readable(k), _tma_readable(v)
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         ext.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                               _DTYPE_CODES[q.dtype], B, Hq, Hkv, Sq, Sk, D, list(q.stride()[:3]),
                               list(k.stride()[:3]), list(v.stride()[:3]), list(o.stride()[:3]),
@@ -242,7 +256,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
         lse = lse.contiguous()
     delta = attention_bwd_delta(o, grad_o)
     dq_accum = torch.zeros((B, Hq, Sq, D), dtype=torch.float32, device=q.device)
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         ext.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_o.data_ptr(), lse.data_ptr(),
                                delta.data_ptr(), dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                                _DTYPE_CODES[q.dtype], B, Hq, Hkv, Sq, Sk, D, list(q.stride()[:3]),
@@ -360,7 +374,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     if bias is not None:
         bias = bias.contiguous()
     (a_sm, a_sk), (b_sn, b_sk) = a_layout, b_layout
-    with torch.cuda.device(a.device):
+    with _on(a.device):
         ext.gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr(),
                  _DTYPE_CODES[a.dtype], M, N, K, a_sm, a_sk, b_sk, b_sn, out.stride(0) if M > 1 else N,
                  _stream_handle(a.device), _group_rows, _cluster, _gemm_tickets(a.device, _schedule), _tile_n,
@@ -432,7 +446,7 @@ def cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, ignore_ind
     rows, classes = logits.shape
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    with torch.cuda.device(logits.device):
+    with _on(logits.device):
         ext.cross_entropy_forward(logits.data_ptr(), target.data_ptr(), loss.data_ptr(), lse.data_ptr(),
                                   _DTYPE_CODES[logits.dtype], rows, classes, row_stride, int(ignore_index),
                                   _stream_handle(logits.device))
@@ -454,7 +468,7 @@ def cross_entropy_backward(logits: torch.Tensor, target: torch.Tensor, lse: torc
     lse = lse.contiguous()
     classes = logits.shape[1]
     grad = torch.empty((rows, classes), dtype=logits.dtype, device=logits.device)
-    with torch.cuda.device(logits.device):
+    with _on(logits.device):
         ext.cross_entropy_backward(logits.data_ptr(), target.data_ptr(), lse.data_ptr(), grad_loss.data_ptr(),
                                    grad_loss.stride(0) if rows > 1 else 0, grad.data_ptr(), classes,
                                    _DTYPE_CODES[logits.dtype], rows, classes, row_stride, int(ignore_index),
