@@ -5,6 +5,7 @@
 #include "register_tile.cuh"
 #include "schedule.cuh"
 #include "shared_vec.cuh"
+#include "store_tile.cuh"
 #include "sync.cuh"
 #include "tma.cuh"
 #include "warpgroup.cuh"

@@ -266,26 +266,9 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kerne
         if (top < a.q_len) lse[top] = (m.top + __log2f(l.top)) * LN2;
         if (top + 8 < a.q_len) lse[top + 8] = (m.bottom + __log2f(l.bottom)) * LN2;
     }
-    {
-        // O rounded into the Q stage with stmatrix: per instruction two 8-column groups, matrices (group, top
-        // rows), (group, bottom), (group + 1, top), (group + 1, bottom); lane 8m + r names row r of matrix m.
-        const int lane = threadIdx.x & 31, m = lane / 8;
-        const int row = slice * 64 + ((threadIdx.x / 32) & 3) * 16 + (m & 1) * 8 + (lane & 7);
-#pragma unroll
-        for (int group = 0; group < D / 8; group += 2) {
-            uint32_t r[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int i = (group + k / 2) * 4 + (k & 1) * 2;
-                r[k] = rt::pack2<T>(o.d[i], o.d[i + 1]);
-            }
-            const int col = (group + m / 2) * 8;
-            uint8_t* panel = reinterpret_cast<uint8_t*>(q[col / 64].data);
-            rt::store_matrices_x4(
-                static_cast<uint32_t>(__cvta_generic_to_shared(panel + tma::swizzled_offset_128b(row, col % 64))),
-                r[0], r[1], r[2], r[3]);
-        }
-    }
+    // O rounded into this warpgroup's rows of the Q stage.
+    rt::store_swizzled<T, D, D>(o.d, 0, slice * 64,
+                                [&](int col) { return reinterpret_cast<uint8_t*>(q[col / 64].data); });
     tma::fence_shared_to_async();
     sync::named_sync(1 + slice, warpgroup::threads);
     if (warpgroup::thread() == 0 && row0 < a.q_len) {

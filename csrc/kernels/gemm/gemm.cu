@@ -86,31 +86,17 @@ __device__ __forceinline__ void write_rows64(State& st, const kernel_params& p, 
         for (int half = 0; half < COLS / 128; ++half) {
             if (leader) tma::store_wait_read();
             sync::named_sync(barrier_id, warpgroup::threads);
-            uint8_t* stage = reinterpret_cast<uint8_t*>(st.c_stage[wg]);
-            // Two 8-column groups per stmatrix.x4 (matrices: group top rows, group bottom rows, next group
-            // top, next group bottom); lane 8k + r names row r of matrix k.
-            const int lane = threadIdx.x & 31, warp_row = ((threadIdx.x / 32) & 3) * 16;
-            const int k = lane / 8, row = warp_row + (k & 1) * 8 + (lane & 7);
-#pragma unroll
-            for (int grp = 0; grp < 16; grp += 2) {  // 8-column groups of this half
-                uint32_t r[4];
-#pragma unroll
-                for (int m = 0; m < 4; ++m) {
-                    const int i = (half * 16 + grp + m / 2) * 4 + (m & 1) * 2;  // d[i], d[i + 1]: a row's pair
-                    float x = d[i], y = d[i + 1];
+            uint8_t* stage = reinterpret_cast<uint8_t*>(st.c_stage[wg]);  // this half's two panels
+            rt::store_swizzled<T, 128, COLS>(
+                d, half * 128, 0, [&](int col) { return stage + ((col % 128) / 64) * 64 * 128; },
+                [&](int i, float x, float y) {
                     if (bias != nullptr) {
                         const int64_t gc = col0 + wgmma::accumulator_position(i).col;
                         if (gc < g.N) x += to_float(bias[gc]);
                         if (gc + 1 < g.N) y += to_float(bias[gc + 1]);
                     }
-                    r[m] = rt::pack2<T>(x, y);
-                }
-                const int col = (grp + k / 2) * 8;  // this lane's matrix's first column within the half
-                rt::store_matrices_x4(
-                    static_cast<uint32_t>(__cvta_generic_to_shared(stage + (col / 64) * 64 * 128 +
-                                                                    tma::swizzled_offset_128b(row, col % 64))),
-                    r[0], r[1], r[2], r[3]);
-            }
+                    return make_float2(x, y);
+                });
             tma::fence_shared_to_async();
             sync::named_sync(barrier_id, warpgroup::threads);
             if (leader) {

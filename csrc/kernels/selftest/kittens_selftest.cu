@@ -96,22 +96,7 @@ __global__ void __launch_bounds__(128) store_matrices_kernel(const float* in, T*
     rt::acc_tile<N> t;
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) t.d[i] = in[row_of(i) * N + rt::column(i)];
-    // Lane 8m + r addresses row r of matrix m; matrices: (group, top), (group, bottom), (group + 1, top), ...
-    const int lane = threadIdx.x & 31, m = lane / 8;
-    const int row = ((threadIdx.x / 32) & 3) * 16 + (m & 1) * 8 + (lane & 7);
-#pragma unroll
-    for (int group = 0; group < N / 8; group += 2) {
-        uint32_t r[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int i = (group + k / 2) * 4 + (k & 1) * 2;
-            r[k] = rt::pack2<T>(t.d[i], t.d[i + 1]);
-        }
-        const int col = (group + m / 2) * 8;
-        rt::store_matrices_x4(static_cast<uint32_t>(__cvta_generic_to_shared(
-                                  base + (col / 64) * 64 * 128 + tma::swizzled_offset_128b(row, col % 64))),
-                              r[0], r[1], r[2], r[3]);
-    }
+    rt::store_swizzled<T, N, N>(t.d, 0, 0, [&](int col) { return base + (col / 64) * 64 * 128; });
     __syncthreads();
     for (int e = threadIdx.x; e < 64 * N; e += blockDim.x) {
         const int rr = e / N, c = e % N;
