@@ -131,6 +131,31 @@ __device__ __forceinline__ void write_rows64(State& st, const kernel_params& p, 
     }
 }
 
+// One tile's walk over the ring, keeping one wgmma group in flight: stage s is released once the group after it
+// has been issued, the last once all are done. `first_waited`: the caller already waited for the first stage (it
+// read the tile index there). `landed(kb)` runs once k-block kb's stage has landed, `issue(stage)` issues its
+// products (one group), `settled()` once every product is done (pin the accumulators there).
+template <int STAGES, typename State, typename Release, typename Landed, typename Issue, typename Settled>
+__device__ __forceinline__ void walk_k_blocks(State& st, pipeline::cursor<STAGES>& at, int k_blocks, bool first_waited,
+                                              Release release, Landed landed, Issue issue, Settled settled) {
+    const bool warp_leader = (threadIdx.x & 31) == 0;
+    int previous = -1;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+        if (kb > 0 || !first_waited) st.ring.wait_full(at);
+        landed(kb);
+        wgmma::fence();
+        issue(at.stage);
+        wgmma::commit();
+        wgmma::wait<1>();
+        if (previous >= 0 && warp_leader) release(st.ring.empty[previous]);
+        previous = at.stage;
+        at.advance();
+    }
+    wgmma::wait<0>();
+    settled();
+    if (previous >= 0 && warp_leader) release(st.ring.empty[previous]);
+}
+
 // Consumer warpgroups: wgmma over the ring, then the epilogue of each tile.
 template <typename T, major MA, major MB, int CLUSTER, int BN, typename State, typename TileOf>
 __device__ __forceinline__ void consume(State& st, const kernel_params& p, const CUtensorMap& map_c, int pairs,
@@ -166,23 +191,15 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
             break;
         }
         const auto tile = tile_of(t);
-        // Keep one wgmma group in flight: stage s is released once the group after it has been issued.
-        int previous = -1;
-        for (int kb = 0; kb < p.k_blocks; ++kb) {
-            if (kb > 0 || !dynamic) st.ring.wait_full(at);
-            wgmma::fence();
+        int kb = 0;
+        walk_k_blocks(
+            st, at, p.k_blocks, dynamic, release, [&](int k) { kb = k; },
+            [&](int stage) {
 #pragma unroll
-            for (int k16 = 0; k16 < BK / 16; ++k16)
-                wgmma::mma<BN, T>(d, st.a[at.stage], slice * 64, st.b[at.stage], 0, k16, (kb | k16) != 0);
-            wgmma::commit();
-            wgmma::wait<1>();
-            if (previous >= 0 && (threadIdx.x & 31) == 0) release(st.ring.empty[previous]);
-            previous = at.stage;
-            at.advance();
-        }
-        wgmma::wait<0>();
-        wgmma::pin(d);
-        if (previous >= 0 && (threadIdx.x & 31) == 0) release(st.ring.empty[previous]);
+                for (int k16 = 0; k16 < BK / 16; ++k16)
+                    wgmma::mma<BN, T>(d, st.a[stage], slice * 64, st.b[stage], 0, k16, (kb | k16) != 0);
+            },
+            [&] { wgmma::pin(d); });
 
         write_rows64<T, BN>(st, p, map_c, slice, d, int64_t(tile.m) * BM + slice * 64, int64_t(tile.n) * BN);
     }
@@ -234,26 +251,24 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
             hand_over = true;  // the other warpgroup reads the next slot: a tile or a marker
         }
         const auto tile = tile_of(t);
-        int previous = -1;
-        for (int kb = 0; kb < p.k_blocks; ++kb) {
-            if (kb > 0 || !dynamic) st.ring.wait_full(at);
-            if (kb == p.k_blocks - 1 && hand_over) sync::named_arrive(their_turn, 2 * warpgroup::threads);
-            wgmma::fence();
+        int kb = 0;
+        walk_k_blocks(
+            st, at, p.k_blocks, dynamic, [](sync::barrier& b) { sync::arrive(b); },
+            [&](int k) {
+                kb = k;
+                if (k == p.k_blocks - 1 && hand_over) sync::named_arrive(their_turn, 2 * warpgroup::threads);
+            },
+            [&](int stage) {
 #pragma unroll
-            for (int k16 = 0; k16 < BK / 16; ++k16) {
-                wgmma::mma<128, T>(d[0], st.a[at.stage], 0, st.b[at.stage], 0, k16, (kb | k16) != 0);
-                wgmma::mma<128, T>(d[1], st.a[at.stage], 64, st.b[at.stage], 0, k16, (kb | k16) != 0);
-            }
-            wgmma::commit();
-            wgmma::wait<1>();
-            if (previous >= 0 && warp_leader) sync::arrive(st.ring.empty[previous]);
-            previous = at.stage;
-            at.advance();
-        }
-        wgmma::wait<0>();
-        wgmma::pin(d[0]);
-        wgmma::pin(d[1]);
-        if (previous >= 0 && warp_leader) sync::arrive(st.ring.empty[previous]);
+                for (int k16 = 0; k16 < BK / 16; ++k16) {
+                    wgmma::mma<128, T>(d[0], st.a[stage], 0, st.b[stage], 0, k16, (kb | k16) != 0);
+                    wgmma::mma<128, T>(d[1], st.a[stage], 64, st.b[stage], 0, k16, (kb | k16) != 0);
+                }
+            },
+            [&] {
+                wgmma::pin(d[0]);
+                wgmma::pin(d[1]);
+            });
         at.skip(p.k_blocks);  // the other warpgroup's tile
 
         const int64_t row0 = int64_t(tile.m) * BM, col0 = int64_t(tile.n) * 128;
