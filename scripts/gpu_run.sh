@@ -10,7 +10,8 @@
 #     default executors on every GPU of the host (PRETRAIN_CONFIG, default llama-2-7b; PRETRAIN_ARGS: overrides;
 #     PRETRAIN_ONLY='"tk - gemm" tk': variants of benchmarks/pretrain_compare.py),
 #     then, with PRETRAIN_THEN_KERNELS=1, the collectives kernel checks on all GPUs. WITH_TESTS=1 runs the
-#     one-GPU tests and sanitizers first in any mode.
+#     one-GPU tests and sanitizers first in any mode. profile: after the build, run PROFILE (a shell command, from
+#     /tmp, with OUT and HERE (the checkout) exported), e.g. ncu over benchmarks/profile_attention.py.
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-out/gpu}
@@ -76,6 +77,10 @@ if [ "$what" = pretrain ]; then
   if [ -n "${PRETRAIN_THEN_KERNELS:-}" ]; then
     step dist_kernels timeout ${DIST_KERNELS_TIMEOUT:-150} bash -c "cd /tmp && python3 -m torch.distributed.run --nproc_per_node $ngpu $here/tests/gpu/collectives_worker.py kernels"
   fi
+fi
+if [ "$what" = profile ]; then
+  step profile timeout ${PROFILE_TIMEOUT:-500} bash -c "cd /tmp && export OUT=$OUT_ABS HERE=$here && ${PROFILE:?PROFILE: the command to run}"
+  cat "$OUT/profile.log"
 fi
 # Whether this mode runs benchmarks (`all`, `bench`), and whether it runs benchmark $1 (BENCHES, default every one).
 benching() { [ "$what" = all ] || [ "$what" = bench ]; }
