@@ -30,6 +30,17 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
+// Dynamic shared memory from its first 1024-byte boundary (what the 128-byte swizzle of TMA and wgmma needs), as a
+// State&. The offset is added to the shared array itself: a round trip of the address through an integer loses its
+// address space, and every access through the result then compiles to a generic load or store (LD.E / ST.E, on the
+// long scoreboard, with a MEMBAR before each async-proxy fence) instead of LDS / STS. Size the allocation with
+// 1023 bytes of slack.
+template <typename State>
+__device__ __forceinline__ State& aligned_shared(uint8_t* raw) {
+    const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(raw));
+    return *reinterpret_cast<State*>(raw + ((1024u - (at & 1023u)) & 1023u));
+}
+
 // Elements of T that fit one 16-byte access.
 template <typename T> constexpr int vec16_elems = 16 / static_cast<int>(sizeof(T));
 

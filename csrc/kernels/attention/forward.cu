@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                    const __grid_constant__ kernel_params p) {
     using state_t = shared_state<T, D>;
     extern __shared__ uint8_t raw_smem[];
-    auto& st = *reinterpret_cast<state_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+    auto& st = aligned_shared<state_t>(raw_smem);
     if (threadIdx.x == 0) {
         st.k_ring.init(1, CONSUMERS * 4);  // the producer; lane 0 of every consumer warp
         st.v_ring.init(1, CONSUMERS * 4);

@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     using state_t = shared_state<T, MA, MB, BN>;
     constexpr int STAGES = state_t::STAGES;
     extern __shared__ uint8_t raw_smem[];
-    auto& st = *reinterpret_cast<state_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+    auto& st = aligned_shared<state_t>(raw_smem);
 
     if (threadIdx.x == 0) {
         // The producer fills; lane 0 of every consumer warp that reads a stage frees it: all of the cluster's,

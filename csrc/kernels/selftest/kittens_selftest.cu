@@ -43,7 +43,7 @@ template <int N, typename T, major MB>
 __global__ void __launch_bounds__(128) mma_rs_kernel(const float* a, const T* b, float* out) {
     using tile_t = wgmma::operand_tile<T, N, MB>;
     extern __shared__ uint8_t raw[];
-    auto& tile = *reinterpret_cast<tile_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+    auto& tile = aligned_shared<tile_t>(raw);
     uint8_t* base = reinterpret_cast<uint8_t*>(tile.data);
     for (int e = threadIdx.x; e < N * 64; e += blockDim.x) {
         if constexpr (MB == major::k) {  // b: (N, 64) row-major; line `row` holds its 64 K elements
