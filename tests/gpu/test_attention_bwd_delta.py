@@ -11,8 +11,9 @@ from thunder_tk.claim_rules import KERNELS_IN_SOURCE
 pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-# Tolerance on ||out - ref|| / ||ref||: the kernel reads the same rounded inputs as the reference and
-# accumulates in fp32, so only the fp32 summation order differs.
+# Tolerance on ||out - ref|| / ||sum |o g| ||: the kernel reads the same rounded inputs as the reference and
+# accumulates in fp32, so only the fp32 summation order differs, and a sum's rounding error scales with the sum of
+# its terms' magnitudes, not with the sum (a single row whose products nearly cancel measured 2.3e-5 against |ref|).
 TOL = 1e-5
 
 
@@ -24,12 +25,18 @@ def rel_err(out, ref):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def delta_err(out, o, g):
+    """||out - ref|| relative to the row sums of |o g|, the scale of the summation's rounding error."""
+    scale = (o.double().abs() * g.double().abs()).sum(-1)
+    return ((out.double() - reference(o, g)).norm() / scale.norm().clamp_min(1e-30)).item()
+
+
 def check(o, g):
     # Poisoned output: any element the kernel fails to write stays NaN.
     out = torch.full(o.shape[:3], float("nan"), device=o.device, dtype=torch.float32)
     ops.attention_bwd_delta(o, g, out=out)
     assert torch.isfinite(out).all()
-    err = rel_err(out, reference(o, g))
+    err = delta_err(out, o, g)
     assert err < TOL, err
     return out
 
@@ -80,7 +87,7 @@ def test_strided_output():
     big = torch.full((3, 777, 5, 2), float("nan"), device="cuda")
     out = big[..., 0].transpose(1, 2)  # (3, 5, 777) view with odd strides
     ops.attention_bwd_delta(o, g, out=out)
-    assert rel_err(out, reference(o, g)) < TOL
+    assert delta_err(out, o, g) < TOL
     assert torch.isnan(big[..., 1]).all()  # nothing written outside the view
     with pytest.raises(ValueError, match="out must be a float32"):
         ops.attention_bwd_delta(o, g, out=out.half())
@@ -104,7 +111,7 @@ def test_runs_on_the_current_stream_and_in_a_graph():
     with torch.cuda.stream(side):
         out = ops.attention_bwd_delta(o, g)
     torch.cuda.current_stream().wait_stream(side)
-    assert rel_err(out, reference(o, g)) < TOL
+    assert delta_err(out, o, g) < TOL
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
@@ -114,7 +121,7 @@ def test_runs_on_the_current_stream_and_in_a_graph():
     o.copy_(torch.randn_like(o))
     graph.replay()
     torch.cuda.synchronize()
-    assert rel_err(captured, reference(o, g)) < TOL
+    assert delta_err(captured, o, g) < TOL
 
 
 def test_bad_arguments_raise_named_errors():
