@@ -65,6 +65,12 @@ def test_attention_benchmark_imports_and_parses_on_cpu():
     assert "2 points" in line and "geometric mean 1.000" in line and "minimum 0.500" in line
 
 
+def test_profile_attention_parses_on_cpu():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_attention.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--kernels" in r.stdout and "cudnn" in r.stdout, r.stderr[-3000:]
+
+
 def test_litgpt_step_profile_kinds_and_table(capsys):
     import importlib.util
 
