@@ -21,12 +21,34 @@ struct as_is {
 // columns), at column c % 64. `pair(i, d[i], d[i + 1])` gives the two values to round (a bias, say).
 // Matrices per instruction: (8-column group g, top rows), (g, bottom), (g + 1, top), (g + 1, bottom): the
 // accumulator's four registers of a 16-column slice in order; lane 8m + r names row r of matrix m.
+namespace detail {
+// Where this lane's stmatrix address points: lane 8m + r names row r of matrix m; odd m are the bottom 8 rows,
+// m / 2 the second 8-column group of a slice.
+struct stmatrix_lane {
+    int row, m;
+    __device__ __forceinline__ explicit stmatrix_lane(int row0) {
+        const int lane = threadIdx.x & 31;
+        m = lane / 8;
+        row = row0 + ((threadIdx.x / 32) & 3) * 16 + (m & 1) * 8 + (lane & 7);
+    }
+    // One stmatrix.x4: 8-column groups `group` and `group + 1` from fragment column col0 (one 16-column slice),
+    // their four packed registers in matrix order, to the panel holding them, in the 128-byte swizzle.
+    template <typename Panel>
+    __device__ __forceinline__ void store(int col0, int group, Panel panel, uint32_t r0, uint32_t r1, uint32_t r2,
+                                          uint32_t r3) const {
+        const int col = col0 + (group + m / 2) * 8;  // the first column of this lane's matrix
+        store_matrices_x4(static_cast<uint32_t>(__cvta_generic_to_shared(
+                              panel(col) + tma::swizzled_offset_128b(row, col % 64))),
+                          r0, r1, r2, r3);
+    }
+};
+}  // namespace detail
+
 template <typename T, int COLS, int N, typename Panel, typename Pair = as_is>
 __device__ __forceinline__ void store_swizzled(const float (&d)[N / 2], int col0, int row0, Panel panel,
                                                Pair pair = {}) {
     static_assert(COLS % 16 == 0 && COLS <= N, "whole 16-column slices of the fragment");
-    const int lane = threadIdx.x & 31, m = lane / 8;
-    const int row = row0 + ((threadIdx.x / 32) & 3) * 16 + (m & 1) * 8 + (lane & 7);
+    const detail::stmatrix_lane at(row0);
 #pragma unroll
     for (int group = 0; group < COLS / 8; group += 2) {
         uint32_t r[4];
@@ -36,11 +58,18 @@ __device__ __forceinline__ void store_swizzled(const float (&d)[N / 2], int col0
             const float2 v = pair(i, d[i], d[i + 1]);
             r[k] = pack2<T>(v.x, v.y);
         }
-        const int col = col0 + (group + m / 2) * 8;  // the first column of this lane's matrix
-        store_matrices_x4(static_cast<uint32_t>(__cvta_generic_to_shared(
-                              panel(col) + tma::swizzled_offset_128b(row, col % 64))),
-                          r[0], r[1], r[2], r[3]);
+        at.store(col0, group, panel, r[0], r[1], r[2], r[3]);
     }
+}
+
+// A 16-bit A fragment (a 64 x K tile already rounded, e.g. by to_a_operand) the same way: its registers per
+// 16-column slice are in stmatrix's matrix order already.
+template <typename T, int K, typename Panel>
+__device__ __forceinline__ void store_swizzled(const a_operand<T, K>& a, int row0, Panel panel) {
+    const detail::stmatrix_lane at(row0);
+#pragma unroll
+    for (int slice = 0; slice < K / 16; ++slice)
+        at.store(0, slice * 2, panel, a.r[slice][0], a.r[slice][1], a.r[slice][2], a.r[slice][3]);
 }
 
 }  // namespace tk::rt

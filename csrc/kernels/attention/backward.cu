@@ -143,7 +143,6 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     const bool leader = warpgroup::thread() == 0;
     const float c = p.scale_log2;
     const int top = rt::top_row();
-    const int warp_row0 = ((threadIdx.x / 32) & 3) * 16;  // the first of this warp's 16 rows
     // dQ columns (64) this warpgroup computes: D = 128 splits them, D = 64 leaves them to warpgroup 0.
     constexpr int DQ_COLS = 64;
     constexpr bool computes_dq = COMPUTES_DQ;
@@ -251,17 +250,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             wgmma::commit();
             // dS^T into shared memory (keys = lines, queries = elements): the A of dQ = dS K, MN-major.
             T* ds = st.ds[step & 1][slice];
-            // Per stmatrix.x4, two 8-column groups: the A fragment's four registers of a 16-column slice are
-            // (group, top rows), (group, bottom), (next group, top), (next group, bottom), stmatrix's matrix order.
-            // Lane 8m + r names row r of matrix m.
-#pragma unroll
-            for (int slice16 = 0; slice16 < 4; ++slice16) {
-                const int m = (threadIdx.x & 31) / 8;
-                const int row = warp_row0 + (m & 1) * 8 + (threadIdx.x & 7), col = (slice16 * 2 + m / 2) * 8;
-                rt::store_matrices_x4(static_cast<uint32_t>(__cvta_generic_to_shared(
-                                          reinterpret_cast<uint8_t*>(ds) + tma::swizzled_offset_128b(row, col))),
-                                      dst.r[slice16][0], dst.r[slice16][1], dst.r[slice16][2], dst.r[slice16][3]);
-            }
+            rt::store_swizzled(dst, 0, [&](int) { return reinterpret_cast<uint8_t*>(ds); });
             tma::fence_shared_to_async();
             sync::named_sync(3, CONSUMERS * warpgroup::threads);  // both halves of dS are in
             if constexpr (computes_dq) {
