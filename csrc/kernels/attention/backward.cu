@@ -181,13 +181,19 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         if (leader) tma::store_wait_read();
         sync::named_sync(1 + slice, warpgroup::threads);
         uint8_t* staging = reinterpret_cast<uint8_t*>(st.dq[slice]);
+        // Pairs (e, e + 1) of the accumulator: 8-column group j = e / 4 sits in box j / 4 at 16-byte chunk
+        // 2 (j % 4) + (lane % 4) / 2 of its 128-byte row, XOR-ed with the row within 8 (the same for the bottom
+        // row, 8 further, 1024 bytes on). So four chunk offsets and constants, not an address per pair.
+        const int lane = threadIdx.x & 31;
+        uint32_t chunk_at[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            chunk_at[c] = top * 128 + (lane & 1) * 8 + (((2 * c + ((lane & 3) >> 1)) ^ (top & 7)) << 4);
 #pragma unroll
         for (int e = 0; e < DQ_COLS / 2; e += 2) {
-            const auto pos = wgmma::accumulator_position(e);
-            const int box = pos.col / 32;
-            *reinterpret_cast<float2*>(staging + box * 64 * 128 +
-                                       tma::swizzled_byte_offset_128b(pos.row, (pos.col % 32) * 4)) =
-                make_float2(dq.d[e], dq.d[e + 1]);
+            const int j = e / 4;
+            *reinterpret_cast<float2*>(staging + (j / 4) * 64 * 128 + (rt::is_bottom(e) ? 1024 : 0) +
+                                       chunk_at[j % 4]) = make_float2(dq.d[e], dq.d[e + 1]);
         }
         tma::fence_shared_to_async();
         sync::named_sync(1 + slice, warpgroup::threads);
