@@ -78,7 +78,7 @@ if [ "$what" = pretrain ]; then
     step dist_kernels timeout ${DIST_KERNELS_TIMEOUT:-150} bash -c "cd /tmp && python3 -m torch.distributed.run --nproc_per_node $ngpu $here/tests/gpu/collectives_worker.py kernels"
   fi
 fi
-if [ "$what" = profile ]; then
+if [ "$what" = profile ] || [ -n "${PROFILE:-}" ]; then  # PROFILE set: in any mode, after the tests
   step profile timeout ${PROFILE_TIMEOUT:-500} bash -c "cd /tmp && export OUT=$OUT_ABS HERE=$here && ${PROFILE:?PROFILE: the command to run}"
   cat "$OUT/profile.log"
 fi
