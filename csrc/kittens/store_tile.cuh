@@ -15,12 +15,6 @@ struct as_is {
     __device__ __forceinline__ float2 operator()(int, float x, float y) const { return make_float2(x, y); }
 };
 
-// Columns [col0, col0 + COLS) of a warpgroup's 64 x N accumulator fragment d (wgmma's layout; col0 and COLS
-// multiples of 16, col0 a compile-time constant where the caller unrolls) to shared memory: fragment row r lands in
-// row row0 + r of the panel `panel(c)` returns for fragment column c (the panel's generic address; one panel per 64
-// columns), at column c % 64. `pair(i, d[i], d[i + 1])` gives the two values to round (a bias, say).
-// Matrices per instruction: (8-column group g, top rows), (g, bottom), (g + 1, top), (g + 1, bottom): the
-// accumulator's four registers of a 16-column slice in order; lane 8m + r names row r of matrix m.
 namespace detail {
 // Where this lane's stmatrix address points: lane 8m + r names row r of matrix m; odd m are the bottom 8 rows,
 // m / 2 the second 8-column group of a slice.
@@ -44,6 +38,12 @@ struct stmatrix_lane {
 };
 }  // namespace detail
 
+// Columns [col0, col0 + COLS) of a warpgroup's 64 x N accumulator fragment d (wgmma's layout; col0 and COLS
+// multiples of 16, col0 a compile-time constant where the caller unrolls) to shared memory: fragment row r lands in
+// row row0 + r of the panel `panel(c)` returns for fragment column c (the panel's generic address; one panel per 64
+// columns), at column c % 64. `pair(i, d[i], d[i + 1])` gives the two values to round (a bias, say).
+// Matrices per instruction: (8-column group g, top rows), (g, bottom), (g + 1, top), (g + 1, bottom): the
+// accumulator's four registers of a 16-column slice in order; lane 8m + r names row r of matrix m.
 template <typename T, int COLS, int N, typename Panel, typename Pair = as_is>
 __device__ __forceinline__ void store_swizzled(const float (&d)[N / 2], int col0, int row0, Panel panel,
                                                Pair pair = {}) {
