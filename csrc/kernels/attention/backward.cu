@@ -1,11 +1,12 @@
 // Attention backward for Hopper: one block per 128 keys of one key/value head, walking every query tile (64 rows)
-// of every query head of its group. A producer warp streams Q and dO tiles with TMA (another producer warp
-// copies the tiles' log-sum-exp and delta rows); two consumer warpgroups each own 64 keys and keep dK and dV
-// for them in registers for the whole walk, so both leave the block once, already summed over the group
+// of every query head of its group. A producer warp streams Q and dO tiles with TMA, another copies the tiles'
+// log-sum-exp and delta rows, a third issues the dQ reduce-adds. Two consumer warpgroups each own 64 keys and keep
+// dK and dV for them in registers for the whole walk, so both leave the block once, already summed over the group
 // (grouped-query attention needs no atomics for them). Per query tile a consumer computes
 //   S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - delta),
 //   dV += P^T dO, dK += dS^T Q        (A operands from registers)
-// and the block's dQ tile, dS K over its 128 keys, is added into an fp32 accumulator with TMA reduce-stores.
+// and the block's dQ tile, dS K over its 128 keys, is staged in shared memory (two buffers) and added into an
+// fp32 accumulator by the writer warp's TMA reduce-stores.
 // The same shared-memory boxes of Q, dO and K serve as K-major and MN-major operands (wgmma::tile_at).
 #include "backward.h"
 #include "../../kittens/kittens.cuh"
@@ -29,6 +30,21 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr int PRODUCER_REGISTERS = 24, CONSUMER_REGISTERS = 240;
 static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, CONSUMER_REGISTERS));
 
+// Consumer warpgroups that compute a share of dQ (its 64-column slices): D = 128 both, D = 64 the first.
+template <int D>
+constexpr int DQ_SLICES = D == 128 ? CONSUMERS : 1;
+
+// Named barriers (0 is __syncthreads). Each consumer warpgroup's own and both consumers'; and dQ's hand-over between
+// a consumer and the dQ writer warp, per slice and staging buffer: `staged` (the consumer arrives, the writer waits)
+// and `free` (the writer arrives once its reduce-add has read the buffer; the consumer waits before restaging it).
+namespace barrier_id {
+__device__ __forceinline__ int warpgroup(int slice) { return 1 + slice; }
+constexpr int consumers = 3;
+__device__ __forceinline__ int dq_staged(int slice, int buf) { return 4 + 2 * slice + buf; }
+__device__ __forceinline__ int dq_free(int slice, int buf) { return 8 + 2 * slice + buf; }
+}  // namespace barrier_id
+constexpr int DQ_HANDOFF_THREADS = warpgroup::threads + 32;  // a consumer warpgroup and the writer warp
+
 template <typename T, int D>
 struct shared_state {
     alignas(1024) T k[2][D / 64][BOX];  // [key chunk][D panel]: chunk w belongs to consumer w
@@ -36,7 +52,7 @@ struct shared_state {
     alignas(1024) T q[STAGES][D / 64][BOX];
     alignas(1024) T dout[STAGES][D / 64][BOX];
     alignas(1024) T ds[2][2][BOX];          // [step parity][key chunk]: dS^T as the MN-major A of dQ = dS K
-    alignas(1024) float dq[CONSUMERS][BOX];  // each consumer's 64 x 64 fp32 share of dQ, as two 64 x 32 boxes
+    alignas(1024) float dq[2][DQ_SLICES<D>][BOX];  // [step parity][slice]: 64 x 64 fp32 of dQ, two 64 x 32 boxes
     float lse2[STAGES][BQ];                  // log-sum-exp * log2(e); +inf past q_len (P = 0 there)
     float delta[STAGES][BQ];
     pipeline::ring<STAGES> ring;  // full: Q, dO bytes and the lse/delta rows; empty: every consumer warp is done
@@ -128,12 +144,48 @@ __device__ __forceinline__ void produce_rows(shared_state<T, D>& st, const kerne
     }
 }
 
+// One producer warp issues every dQ reduce-add, so a consumer only stores its share, fences and arrives. Per step
+// and slice it waits for the staged buffer and adds its two 64 x 32 boxes into dq_accum; once they have been read,
+// the buffer goes back to its consumer for the step after next.
+template <typename T, int D>
+__device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
+                                         const CUtensorMap& map_dq) {
+    const bool issuer = (threadIdx.x & 31) == 0;
+    if (issuer) tma::prefetch_map(&map_dq);
+    const int steps = p.group * (p.q_tiles - w.first_q_tile);
+    int head = w.kv_head * p.group, i = w.first_q_tile;
+#pragma unroll 1  // unrolled, its copies spill at the producers' 24 registers
+    for (int step = 0; step < steps; ++step) {
+        const int buf = step & 1;
+        for (int slice = 0; slice < DQ_SLICES<D>; ++slice) {
+            sync::named_sync(barrier_id::dq_staged(slice, buf), DQ_HANDOFF_THREADS);
+            if (issuer) {
+                const uint8_t* staging = reinterpret_cast<const uint8_t*>(st.dq[buf][slice]);
+                for (int box = 0; box < 2; ++box)
+                    tma::store_add_4d(&map_dq, staging + box * 64 * 128, 64 * slice + 32 * box, i * BQ, head,
+                                      w.batch);
+                tma::store_commit();
+            }
+        }
+        if (step + 2 < steps) {  // a consumer waits for this buffer two steps on
+            if (issuer) tma::store_wait_read();
+            __syncwarp();
+            for (int slice = 0; slice < DQ_SLICES<D>; ++slice)
+                sync::named_arrive(barrier_id::dq_free(slice, buf), DQ_HANDOFF_THREADS);
+        }
+        if (++i == p.q_tiles) {
+            i = w.first_q_tile;
+            ++head;
+        }
+    }
+    if (issuer) tma::store_wait_read();  // the staging outlives the last reads
+}
+
 // COMPUTES_DQ: whether this warpgroup issues a dQ product. A template parameter, not a branch on the warpgroup
 // index: ptxas serialises every wgmma of a kernel that issues one in a warpgroup-divergent branch (C7520).
 template <typename T, int D, bool COMPUTES_DQ>
 __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
-                                        const CUtensorMap& map_dq, const CUtensorMap& map_dk,
-                                        const CUtensorMap& map_dv) {
+                                        const CUtensorMap& map_dk, const CUtensorMap& map_dv) {
     using k_major64 = wgmma::operand_tile<T, 64, major::k>;  // 64 rows x 64 deep
     using mn_major_d = wgmma::operand_tile<T, D, major::mn>;  // D rows (N) x 64 deep, from D/64 boxes
     using mn_major64 = wgmma::operand_tile<T, 64, major::mn>;
@@ -170,17 +222,19 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         wgmma::commit();
     };
 
-    // The end of a step, once its products are done: its stage goes back to the producers and its dQ tile (fp32
-    // staging, two 64 x 32 boxes with the 128-byte swizzle) is added into dq_accum by TMA.
-    auto finish_step = [&](int stage, int64_t q0, int head) {
+    // The end of a step, once its products are done: its stage goes back to the producers, and its dQ tile is
+    // stored (fp32, two 64 x 32 boxes with the 128-byte swizzle) into the staging buffer the writer warp freed.
+    // The fence and hand-over wait for the next step's S^T product to be issued, so the stores drain under it
+    // (the stores themselves there would make ptxas wait for that product first: C7517).
+    auto finish_step = [&](int stage) {
         // Every consumer thread read the stage's lse/delta rows, so every one arrives (release): each read is
         // ordered before the rows warp rewrites the stage, by the thread's own arrive.
         sync::arrive(st.ring.empty[stage]);
         if constexpr (!computes_dq) return;
         wgmma::pin(dq.d);
-        if (leader) tma::store_wait_read();
-        sync::named_sync(1 + slice, warpgroup::threads);
-        uint8_t* staging = reinterpret_cast<uint8_t*>(st.dq[slice]);
+        const int buf = step & 1;
+        if (step >= 2) sync::named_sync(barrier_id::dq_free(slice, buf), DQ_HANDOFF_THREADS);
+        uint8_t* staging = reinterpret_cast<uint8_t*>(st.dq[buf][slice]);
         // Pairs (e, e + 1) of the accumulator: 8-column group j = e / 4 sits in box j / 4 at 16-byte chunk
         // 2 (j % 4) + (lane % 4) / 2 of its 128-byte row, XOR-ed with the row within 8 (the same for the bottom
         // row, 8 further, 1024 bytes on). So four chunk offsets and constants, not an address per pair.
@@ -195,25 +249,24 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             *reinterpret_cast<float2*>(staging + (j / 4) * 64 * 128 + (rt::is_bottom(e) ? 1024 : 0) +
                                        chunk_at[j % 4]) = make_float2(dq.d[e], dq.d[e + 1]);
         }
+    };
+    // Hands the dQ tile staged by the step before to the writer warp.
+    auto publish_dq = [&] {
+        if constexpr (!computes_dq) return;
+        if (step == 0) return;
         tma::fence_shared_to_async();
-        sync::named_sync(1 + slice, warpgroup::threads);
-        if (leader) {
-            for (int box = 0; box < DQ_COLS / 32; ++box)
-                tma::store_add_4d(&map_dq, staging + box * 64 * 128, dq_col0 + 32 * box, int32_t(q0), head,
-                                  w.batch);
-            tma::store_commit();
-        }
+        sync::named_arrive(barrier_id::dq_staged(slice, (step - 1) & 1), DQ_HANDOFF_THREADS);
     };
 
     sync::wait(st.kv_full, 0);
     for (int g = 0; g < p.group; ++g) {
-        const int head = w.kv_head * p.group + g;
         for (int i = w.first_q_tile; i < p.q_tiles; ++i, ++step) {
             const int64_t q0 = int64_t(i) * BQ;
             st.ring.wait_full(at);
             const int stage = at.stage;
             // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each), one wgmma group each.
             keys_times(s, st.k[slice], st.q[stage]);
+            publish_dq();
             keys_times(dp, st.v[slice], st.dout[stage]);
             wgmma::wait<1>();
             wgmma::pin(s.d);
@@ -258,7 +311,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             T* ds = st.ds[step & 1][slice];
             rt::store_swizzled(dst, 0, [&](int) { return reinterpret_cast<uint8_t*>(ds); });
             tma::fence_shared_to_async();
-            sync::named_sync(3, CONSUMERS * warpgroup::threads);  // both halves of dS are in
+            sync::named_sync(barrier_id::consumers, CONSUMERS * warpgroup::threads);  // both halves of dS are in
             if constexpr (computes_dq) {
                 // dQ (64 queries x DQ_COLS) = dS (64 x 128 keys) K (128 keys x D)[:, dq_col0 ...].
 #pragma unroll
@@ -277,13 +330,14 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             wgmma::wait<0>();
             wgmma::pin(dv.d);
             wgmma::pin(dk.d);
-            finish_step(stage, q0, head);
+            finish_step(stage);
             at.advance();
         }
     }
 
+    publish_dq();
     // dK (times scale) and dV -> the input dtype, staged in this consumer's Q / dO stage, stored by TMA.
-    sync::named_sync(3, CONSUMERS * warpgroup::threads);  // neither consumer reads a stage any more
+    sync::named_sync(barrier_id::consumers, CONSUMERS * warpgroup::threads);  // neither consumer reads a stage any more
     const float scale = a.scale;
     rt::mul(dk, dk, scale);
 #pragma unroll
@@ -296,7 +350,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             rt::pack2<T>(dv.d[e], dv.d[e + 1]);
     }
     tma::fence_shared_to_async();
-    sync::named_sync(1 + slice, warpgroup::threads);
+    sync::named_sync(barrier_id::warpgroup(slice), warpgroup::threads);
     if (leader) {
         if (key0 < a.kv_len) {
             for (int d = 0; d < D / 64; ++d) {
@@ -305,7 +359,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             }
         }
         tma::store_commit();
-        tma::store_wait();  // staging (and the dQ reductions) must outlive their reads
+        tma::store_wait();  // the staging must outlive the stores' reads
     }
 }
 
@@ -328,21 +382,24 @@ __global__ void __launch_bounds__(THREADS, 1)
         sync::fence_init();
     }
     __syncthreads();
-    const block_work w = work_of(p);
+    // Each role works out its block's work after setmaxnreg: carried across it, the values spill at the producers' 24.
     if (warpgroup::index() == 0) {
         // setmaxnreg moves registers within the block's launch allocation (168 x 384): 24 x 128 + 240 x 256 is all
-        // of it (asking for more blocks the consumers forever). The producers' loops spill 40 bytes at 24; they
-        // only wait and issue copies, while the consumers' dK and dV accumulators need every register of theirs.
+        // of it (asking for more blocks the consumers forever). The producers' loops spill about 50 bytes at 24;
+        // they only wait and issue copies, while the consumers' dK and dV accumulators need every register of theirs.
         warpgroup::decrease_registers<PRODUCER_REGISTERS>();
+        const block_work w = work_of(p);
         if (threadIdx.x == 0) produce_tiles<T, D>(st, p, w, map_q, map_k, map_v, map_do);
         if (threadIdx.x / 32 == 1) produce_rows<T, D>(st, p, w);
+        if (threadIdx.x / 32 == 2) write_dq<T, D>(st, p, w, map_dq);
     } else {
         warpgroup::increase_registers<CONSUMER_REGISTERS>();
+        const block_work w = work_of(p);
         // D = 128: both warpgroups compute half of dQ's columns; D = 64: warpgroup 0 all of them.
         if (D == 128 || warpgroup::index() == 1)
-            consume<T, D, true>(st, p, w, map_dq, map_dk, map_dv);
+            consume<T, D, true>(st, p, w, map_dk, map_dv);
         else
-            consume<T, D, false>(st, p, w, map_dq, map_dk, map_dv);
+            consume<T, D, false>(st, p, w, map_dk, map_dv);
     }
 }
 
