@@ -30,9 +30,11 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr int PRODUCER_REGISTERS = 24, CONSUMER_REGISTERS = 240;
 static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, CONSUMER_REGISTERS));
 
-// Consumer warpgroups that compute a share of dQ (its 64-column slices): D = 128 both, D = 64 the first.
+// Consumer warpgroups that compute a share of dQ (DQ_COLS columns from DQ_COLS * slice): D = 128 both, D = 64 the
+// first.
+constexpr int DQ_COLS = 64;
 template <int D>
-constexpr int DQ_SLICES = D == 128 ? CONSUMERS : 1;
+constexpr int DQ_SLICES = D / DQ_COLS;
 
 // Named barriers (0 is __syncthreads). Each consumer warpgroup's own and both consumers'; and dQ's hand-over between
 // a consumer and the dQ writer warp, per slice and staging buffer: `staged` (the consumer arrives, the writer waits)
@@ -161,8 +163,8 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
             sync::named_sync(barrier_id::dq_staged(slice, buf), DQ_HANDOFF_THREADS);
             if (issuer) {
                 const uint8_t* staging = reinterpret_cast<const uint8_t*>(st.dq[buf][slice]);
-                for (int box = 0; box < 2; ++box)
-                    tma::store_add_4d(&map_dq, staging + box * 64 * 128, 64 * slice + 32 * box, i * BQ, head,
+                for (int box = 0; box < DQ_COLS / 32; ++box)
+                    tma::store_add_4d(&map_dq, staging + box * 64 * 128, DQ_COLS * slice + 32 * box, i * BQ, head,
                                       w.batch);
                 tma::store_commit();
             }
@@ -195,10 +197,9 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     const bool leader = warpgroup::thread() == 0;
     const float c = p.scale_log2;
     const int top = rt::top_row();
-    // dQ columns (64) this warpgroup computes: D = 128 splits them, D = 64 leaves them to warpgroup 0.
-    constexpr int DQ_COLS = 64;
+    // dQ columns this warpgroup computes (DQ_SLICES): D = 128 splits them, D = 64 leaves them to warpgroup 0.
     constexpr bool computes_dq = COMPUTES_DQ;
-    const int dq_col0 = D == 128 ? 64 * slice : 0;
+    const int dq_col0 = DQ_COLS * slice;
 
     rt::acc_tile<D> dv, dk;
     rt::fill(dv, 0.0f);
