@@ -27,7 +27,7 @@ from thunder_tk import ops  # noqa: E402
 
 SQUARES = [4096, 8192, 16384]
 SWEEP_GROUPS = (4, 16, 32, 64)
-EXTRA_VARIANTS = ("dynamic", "cluster2", "narrow", "pingpong", "pingpong_dynamic")  # optional tk variants, timed in the same rotation
+EXTRA_VARIANTS = ("dynamic", "cluster2", "narrow", "pingpong", "pingpong_dynamic", "store_warps", "consumers")  # optional tk variants, timed in the same rotation
 TOKENS = 8192
 WEIGHTS = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]
 
@@ -62,6 +62,9 @@ def main() -> None:
     p.add_argument("--pingpong", action="store_true",
                    help="also time the ping-pong kernel (consumers take 128 x 128 tiles in turns), forced, with the "
                         "static and the dynamic tile schedule")
+    p.add_argument("--epilogues", action="store_true",
+                   help="also time both epilogues forced: store warps (three stages) and the consumers storing their "
+                        "own rows (four stages)")
     p.add_argument("--rounds", type=int, default=5, help="timing rounds per point, peers in rotating order")
     p.add_argument("--only", nargs="*", help="problems to run (names as printed, e.g. sq8192 8192x4096x4096)")
     p.add_argument("--once", action="store_true",
@@ -97,6 +100,9 @@ def main() -> None:
             if a.pingpong:
                 variants["pingpong"] = lambda: ops.gemm(lhs, rhs, _pingpong=1)
                 variants["pingpong_dynamic"] = lambda: ops.gemm(lhs, rhs, _pingpong=1, _schedule="dynamic")
+            if a.epilogues:
+                variants["store_warps"] = lambda: ops.gemm(lhs, rhs, _epilogue=1)
+                variants["consumers"] = lambda: ops.gemm(lhs, rhs, _epilogue=2)
             if a.sweep:  # other L2 group sizes of the tile order, in the same rotation
                 for g in SWEEP_GROUPS:
                     variants[f"group_rows={g}"] = (lambda g=g: ops.gemm(lhs, rhs, _group_rows=g))

@@ -343,13 +343,14 @@ def _gemm_tickets(device: torch.device, schedule: str | None) -> int:
 
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
          out: torch.Tensor | None = None, _group_rows: int = 0, _cluster: int = 0,
-         _schedule: str | None = None, _tile_n: int = 0, _pingpong: int = 0) -> torch.Tensor:
+         _schedule: str | None = None, _tile_n: int = 0, _pingpong: int = 0, _epilogue: int = 0) -> torch.Tensor:
     """a (M, K) @ b (K, N) (+ bias (N,)) by the tk kernel, bf16/fp16 with fp32 accumulation.
 
     Operands are read in place when one of their strides is 1 (either major) and the other a multiple of 8;
     others are copied first. `out`, if given, is an (M, N) tensor with unit column stride. The underscored
     arguments are tuning knobs for tests and benchmarks (`_tile_n`: output tile width 128 or 256, 0 automatic;
-    `_pingpong`: 1 the consumer warpgroups take 128 x 128 tiles in turns, -1 they share each tile, 0 automatic).
+    `_pingpong`: 1 the consumer warpgroups take 128 x 128 tiles in turns, -1 they share each tile, 0 automatic;
+    `_epilogue`: 1 store warps write the output tiles while the consumers go on, 2 the consumers do, 0 automatic).
     """
     check_gemm_args(a, b, bias)
     ext = _require_kernels(a.device)
@@ -378,7 +379,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
         ext.gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr(),
                  _DTYPE_CODES[a.dtype], M, N, K, a_sm, a_sk, b_sk, b_sn, out.stride(0) if M > 1 else N,
                  _stream_handle(a.device), _group_rows, _cluster, _gemm_tickets(a.device, _schedule), _tile_n,
-                 _pingpong)
+                 _pingpong, _epilogue)
     return out
 
 

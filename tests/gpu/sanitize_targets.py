@@ -26,12 +26,17 @@ for M, N, K in [(129, 257, 72), (64, 300, 128)]:
             _ops.gemm(a, b, _cluster=2)
             _ops.gemm(a, b, torch.randn(N, device="cuda", dtype=torch.bfloat16), _pingpong=1)
             _ops.gemm(a, b, _pingpong=1, _schedule="dynamic")
+            _ops.gemm(a, b, torch.randn(N, device="cuda", dtype=torch.bfloat16), _epilogue=1)
+            _ops.gemm(a, b, _epilogue=1, _schedule="dynamic")
 # The TMA-store epilogue (N % 8 == 0) with more tiles (153) than blocks: a block stages a tile's second half while
 # its next tile runs.
 a = torch.randn(1100, 64, device="cuda", dtype=torch.bfloat16)
 b = torch.randn(64, 4104, device="cuda", dtype=torch.bfloat16)
 for schedule in ("static", "dynamic"):
     _ops.gemm(a, b, torch.randn(4104, device="cuda", dtype=torch.bfloat16), _schedule=schedule)
+    # Store warps: each consumer warpgroup hands its staged rows over once per tile.
+    _ops.gemm(a, b, torch.randn(4104, device="cuda", dtype=torch.bfloat16), _schedule=schedule, _epilogue=1)
+    _ops.gemm(a.t().contiguous().t(), b.t().contiguous().t(), _schedule=schedule, _epilogue=1)
     _ops.gemm(a, b, torch.randn(4104, device="cuda", dtype=torch.bfloat16), _schedule=schedule, _tile_n=128)
     _ops.gemm(a.t().contiguous().t(), b.t().contiguous().t(), _schedule=schedule, _tile_n=128)
     # Ping-pong: 297 tiles of 128 x 128, so each consumer warpgroup of a block takes one or two, and the dynamic

@@ -4,9 +4,15 @@
 // are template parameters, so the three products of a linear layer (X Wt, dY W, dYt X) read their operands in
 // place, with no transposed copies.
 //
+// Where a block takes many tiles, a consumer warpgroup ends each by rounding it into its own shared staging and
+// handing that to a store warp of the producer warpgroup, which issues the TMA stores and waits for them to read
+// the staging; the consumers go straight on to their next tile. (Consumers that stored their tiles themselves ran
+// the lm_head-shaped 8192 x 2048 x 128256 product at 618 TFLOP/s, 711 with no epilogue at all: benchmarks/NOTES.md.)
+// The whole tile's staging leaves room for three stages instead of four, which costs more than the hidden
+// epilogues gain where a block takes only a few tiles: there the consumers store their own rows.
+//
 // Ping-pong variant: the consumers take 128 x 128 tiles of their own in turns (the ring's tiles alternate between
-// them), so one writes its tile out while the other's products keep the tensor cores busy. The cooperative
-// kernel leaves them idle during each tile's epilogue, which weighs most where K is short (K = 2048: ~5%).
+// them), so one writes its tile out while the other's products keep the tensor cores busy.
 #include "gemm.h"
 #include "../../kittens/kittens.cuh"
 
@@ -23,24 +29,38 @@ constexpr int BM = 128, BK = 64;
 // Tile widths: 256 by default; 128 where 256-wide tiles would leave much of the last wave of the persistent grid
 // idle (e.g. a 3072 x 2048 weight gradient: 192 tiles of 128 x 256 are 1.45 waves on 132 SMs, 384 of 128 x 128
 // are 2.9). The narrower tile's stages are half as large, so it keeps more of them in flight.
-constexpr int stages_of(int tn) { return tn == 256 ? 4 : 6; }
+// STORE_WARPS: the epilogue by store warps from a whole tile's staging (256-wide tiles only), which leaves room
+// for three stages.
+constexpr int stages_of(int tn, bool store_warps) { return tn == 256 ? (store_warps ? 3 : 4) : 6; }
 // With clusters of C = 2 blocks, the blocks share their B tile: block r loads rows [128 r, 128 r + 128) of it
 // and the copy engine writes them into both blocks' shared memory (halving L2 -> SM traffic for B).
 // C = 1 is the plain persistent kernel.
 constexpr int CONSUMERS = 2, THREADS = (CONSUMERS + 1) * warpgroup::threads;
-constexpr int GROUP_ROWS = 8;
+constexpr int GROUP_ROWS = 8;  // default tile rows per L2 group of the persistent schedule
 constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
-static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, CONSUMER_REGISTERS));  // default tile rows per L2 group of the persistent schedule
+static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, CONSUMER_REGISTERS));
+// Named barriers. 0 is __syncthreads; 1 + wg a consumer warpgroup's own; the ping-pong turns 3 and 4.
+namespace barrier_id {
+__host__ __device__ constexpr int warpgroup(int wg) { return 1 + wg; }
+__host__ __device__ constexpr int turn(int wg) { return 1 + CONSUMERS + wg; }
+}  // namespace barrier_id
 
-template <typename T, major MA, major MB, int TileN>
+template <typename T, major MA, major MB, int TileN, bool StoreWarps>
 struct shared_state {
     static constexpr int BN = TileN;
-    static constexpr int STAGES = stages_of(BN);
+    static constexpr bool STORE_WARPS = StoreWarps;
+    static constexpr int STAGES = stages_of(BN, STORE_WARPS);
     wgmma::operand_tile<T, BM, MA> a[STAGES];
     wgmma::operand_tile<T, BN, MB> b[STAGES];
-    // Output staging for the TMA-store epilogue: per consumer, one half tile (64 x 128) as two swizzled
-    // 64 x 64 panels.
-    alignas(1024) T c_stage[CONSUMERS][2][64 * 64];
+    // Output staging for the TMA-store epilogue, per consumer warpgroup, as swizzled 64 x 64 panels: its 64 x BN
+    // rows of the tile for the store warps; 64 x 128 at a time where the consumers store their own rows.
+    alignas(1024) T c_stage[CONSUMERS][STORE_WARPS ? BN / 64 : 2][64 * 64];
+    // The staged rows' first row and column (row -1: no more tiles), from a consumer warpgroup to its store warp,
+    // and the hand-over: c_staged (every consumer thread arrives once its part is staged) and c_free (the store
+    // warp arrives once its stores have read the staging). mbarriers rather than named barriers, so that
+    // racecheck sees c_origin handed over.
+    int c_origin[CONSUMERS][2];
+    sync::barrier c_staged[CONSUMERS], c_free[CONSUMERS];
     pipeline::ring<STAGES> ring;  // full: TMA bytes landed; empty: every consumer warp (of the cluster) is done
     // Dynamic schedule: the tile (index into the schedule) whose first k-block a stage holds, written by the
     // producer before it arms the stage's `full` barrier; -1: no more tiles.
@@ -80,12 +100,12 @@ __device__ __forceinline__ void write_rows64(State& st, const kernel_params& p, 
     const gemm_args& g = p.args;
     const T* __restrict__ bias = static_cast<const T*>(g.bias);
     const bool leader = warpgroup::thread() == 0;
-    const int barrier_id = 1 + wg;  // named barrier of this consumer warpgroup
+    const int own_barrier = barrier_id::warpgroup(wg);
     if (p.tma_store) {
 #pragma unroll
         for (int half = 0; half < COLS / 128; ++half) {
             if (leader) tma::store_wait_read();
-            sync::named_sync(barrier_id, warpgroup::threads);
+            sync::named_sync(own_barrier, warpgroup::threads);
             uint8_t* stage = reinterpret_cast<uint8_t*>(st.c_stage[wg]);  // this half's two panels
             rt::store_swizzled<T, 128, COLS>(
                 d, half * 128, 0, [&](int col) { return stage + ((col % 128) / 64) * 64 * 128; },
@@ -98,7 +118,7 @@ __device__ __forceinline__ void write_rows64(State& st, const kernel_params& p, 
                     return make_float2(x, y);
                 });
             tma::fence_shared_to_async();
-            sync::named_sync(barrier_id, warpgroup::threads);
+            sync::named_sync(own_barrier, warpgroup::threads);
             if (leader) {
                 for (int panel = 0; panel < 2; ++panel) {
                     const int64_t gc = col0 + half * 128 + panel * 64;
@@ -129,6 +149,65 @@ __device__ __forceinline__ void write_rows64(State& st, const kernel_params& p, 
         else
             out[0] = T(x);
     }
+}
+
+// A consumer warpgroup's 64 x BN rows of a tile (first row row0, column col0), plus bias, rounded into its staging
+// for its store warp (store_staged_tiles); waits first for the store warp to be done with the previous tile's.
+// `handoffs`: how many this warpgroup has made (the barriers' phase).
+template <typename T, int BN, typename State>
+__device__ __forceinline__ void stage_rows64(State& st, const kernel_params& p, int wg, const float (&d)[BN / 2],
+                                             int row0, int col0, uint32_t& handoffs) {
+    const T* __restrict__ bias = static_cast<const T*>(p.args.bias);
+    const int64_t n = p.args.N;
+    sync::wait(st.c_free[wg], handoffs & 1);
+    uint8_t* stage = reinterpret_cast<uint8_t*>(st.c_stage[wg]);
+    rt::store_swizzled<T, BN, BN>(
+        d, 0, 0, [&](int col) { return stage + (col / 64) * 64 * 128; },
+        [&](int i, float x, float y) {
+            if (bias != nullptr) {
+                const int64_t gc = col0 + wgmma::accumulator_position(i).col;
+                if (gc < n) x += to_float(bias[gc]);
+                if (gc + 1 < n) y += to_float(bias[gc + 1]);
+            }
+            return make_float2(x, y);
+        });
+    if (warpgroup::thread() == 0) {
+        st.c_origin[wg][0] = row0;
+        st.c_origin[wg][1] = col0;
+    }
+    tma::fence_shared_to_async();
+    sync::arrive(st.c_staged[wg]);
+    ++handoffs;
+}
+
+// After a consumer warpgroup's last tile: tells its store warp that no more come.
+template <typename State>
+__device__ __forceinline__ void stage_end(State& st, int wg, uint32_t handoffs) {
+    sync::wait(st.c_free[wg], handoffs & 1);
+    if (warpgroup::thread() == 0) st.c_origin[wg][0] = -1;
+    sync::arrive(st.c_staged[wg]);
+}
+
+// Lane 0 of a store warp of the producer warpgroup: consumer warpgroup wg's staged rows out by TMA stores, once
+// each is staged; the staging is handed back once the stores have read it.
+template <typename State>
+__device__ __forceinline__ void store_staged_tiles(State& st, const kernel_params& p, const CUtensorMap& map_c,
+                                                   int wg) {
+    sync::arrive(st.c_free[wg]);  // the staging starts out free
+    for (uint32_t k = 0;; ++k) {
+        sync::wait(st.c_staged[wg], k & 1);
+        const int row0 = st.c_origin[wg][0], col0 = st.c_origin[wg][1];
+        if (row0 < 0) break;
+#pragma unroll
+        for (int panel = 0; panel < State::BN / 64; ++panel) {
+            const int gc = col0 + panel * 64;
+            if (gc < p.args.N && row0 < p.args.M) tma::store_2d(&map_c, st.c_stage[wg][panel], gc, row0);
+        }
+        tma::store_commit();
+        tma::store_wait_read();
+        sync::arrive(st.c_free[wg]);
+    }
+    tma::store_wait();  // the staging must outlive the stores' reads
 }
 
 // One tile's walk over the ring, keeping one wgmma group in flight: stage s is released once the group after it
@@ -175,6 +254,7 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
     constexpr int STAGES = State::STAGES;
     pipeline::cursor<STAGES> at;
     float d[BN / 2];
+    uint32_t handoffs = 0;  // tiles handed to the store warp
 
     const bool dynamic = p.tickets != nullptr;
     for (int t = cluster;; t += clusters) {
@@ -201,9 +281,16 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
             },
             [&] { wgmma::pin(d); });
 
-        write_rows64<T, BN>(st, p, map_c, slice, d, int64_t(tile.m) * BM + slice * 64, int64_t(tile.n) * BN);
+        const int64_t row0 = int64_t(tile.m) * BM + slice * 64, col0 = int64_t(tile.n) * BN;
+        if (State::STORE_WARPS && p.tma_store)
+            stage_rows64<T, BN>(st, p, slice, d, int(row0), int(col0), handoffs);
+        else
+            write_rows64<T, BN>(st, p, map_c, slice, d, row0, col0);
     }
-    if (warpgroup::thread() == 0) tma::store_wait();  // staging must outlive the stores' reads
+    if (State::STORE_WARPS && p.tma_store)
+        stage_end(st, slice, handoffs);
+    else if (warpgroup::thread() == 0)
+        tma::store_wait();  // staging must outlive the stores' reads
 }
 
 // Ping-pong consumers: the ring's tiles (k_blocks stages each, in the producer's order) alternate between the two
@@ -221,7 +308,7 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
     const int wg = warpgroup::index() - 1;
     const bool warp_leader = (threadIdx.x & 31) == 0;
     // Turn barriers: a warpgroup waits at its own (both warpgroups' threads), the other arrives there.
-    const int my_turn = 1 + CONSUMERS + wg, their_turn = 1 + CONSUMERS + (1 - wg);
+    const int my_turn = barrier_id::turn(wg), their_turn = barrier_id::turn(1 - wg);
     constexpr int STAGES = State::STAGES;
     pipeline::cursor<STAGES> at;
     at.skip(wg * p.k_blocks);  // warpgroup 1's first tile is the ring's second
@@ -279,12 +366,13 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
 }
 
 // PINGPONG: the consumers take 128 x 128 tiles in turns (BN = 128, no cluster); otherwise they share each tile.
-template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG>
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                 const __grid_constant__ CUtensorMap map_c, const __grid_constant__ kernel_params p) {
     static_assert(!PINGPONG || (CLUSTER == 1 && BN == 128), "ping-pong: 128 x 128 tiles, no cluster");
-    using state_t = shared_state<T, MA, MB, BN>;
+    static_assert(!STORE_WARPS || (BN == 256 && !PINGPONG), "store warps: 256-wide shared tiles");
+    using state_t = shared_state<T, MA, MB, BN, STORE_WARPS>;
     constexpr int STAGES = state_t::STAGES;
     extern __shared__ uint8_t raw_smem[];
     auto& st = aligned_shared<state_t>(raw_smem);
@@ -293,6 +381,10 @@ __global__ void __launch_bounds__(THREADS, 1)
         // The producer fills; lane 0 of every consumer warp that reads a stage frees it: all of the cluster's,
         // or with ping-pong the four of the warpgroup whose tile it holds.
         st.ring.init(1, PINGPONG ? 4 : CLUSTER * CONSUMERS * 4);
+        for (int wg = 0; wg < CONSUMERS; ++wg) {
+            sync::init(st.c_staged[wg], warpgroup::threads);
+            sync::init(st.c_free[wg], 1);
+        }
         sync::fence_init();
     }
     if constexpr (CLUSTER == 1)
@@ -379,6 +471,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                     sync::arrive(st.ring.full[at.stage]);
                 }
             }
+        } else if (STORE_WARPS && p.tma_store && (threadIdx.x == 32 || threadIdx.x == 64)) {
+            store_staged_tiles(st, p, map_c, int(threadIdx.x / 32) - 1);
         }
     } else if constexpr (PINGPONG) {
         consume_pingpong<T, MA, MB>(st, p, map_c, pairs, cluster, clusters, tile_of);
@@ -393,10 +487,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 }
 
-template <typename T, major MA, major MB, int BN>
-constexpr int smem_bytes_of = sizeof(shared_state<T, MA, MB, BN>) + 1024;  // + alignment to 1024 bytes
-static_assert(smem_bytes_of<__nv_bfloat16, major::k, major::k, 256> <= 227 * 1024 &&
-              smem_bytes_of<__nv_bfloat16, major::k, major::k, 128> <= 227 * 1024, "shared memory per block");
+template <typename T, major MA, major MB, int BN, bool STORE_WARPS>
+constexpr int smem_bytes_of = sizeof(shared_state<T, MA, MB, BN, STORE_WARPS>) + 1024;  // + alignment to 1024 bytes
+static_assert(smem_bytes_of<__nv_bfloat16, major::k, major::k, 256, true> <= 227 * 1024 &&
+              smem_bytes_of<__nv_bfloat16, major::k, major::k, 256, false> <= 227 * 1024 &&
+              smem_bytes_of<__nv_bfloat16, major::k, major::k, 128, false> <= 227 * 1024, "shared memory per block");
 
 template <int CLUSTER>
 cudaLaunchConfig_t launch_config(cudaLaunchAttribute* attribute, int smem_bytes, cudaStream_t stream) {
@@ -415,15 +510,15 @@ cudaLaunchConfig_t launch_config(cudaLaunchAttribute* attribute, int smem_bytes,
 
 // Per device, once: the kernel's shared-memory opt-in (an attribute of the kernel in each device's context) and
 // the persistent grid: one block per SM, or for clusters as many as the occupancy query says fit at once.
-template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG>
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS>
 cudaError_t prepare(int* grid_blocks) {
     static std::atomic<int> blocks[max_devices];
     const int device = current_device();
     if (device < 0) return cudaErrorInvalidDevice;
     int known = blocks[device].load(std::memory_order_acquire);
     if (known == 0) {
-        auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG>;
-        constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN>;
+        auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS>;
+        constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN, STORE_WARPS>;
         cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         if (e != cudaSuccess) return e;
         known = multiprocessor_count();
@@ -441,12 +536,12 @@ cudaError_t prepare(int* grid_blocks) {
     return cudaSuccess;
 }
 
-template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG>
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS>
 cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
-    auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG>;
-    constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN>;
+    auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS>;
+    constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN, STORE_WARPS>;
     int resident = 0;
-    if (cudaError_t e = prepare<T, MA, MB, CLUSTER, BN, PINGPONG>(&resident); e != cudaSuccess) return e;
+    if (cudaError_t e = prepare<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS>(&resident); e != cudaSuccess) return e;
 
     CUtensorMap map_a, map_b;
     const auto sw = tma::swizzle::b128;
@@ -487,13 +582,13 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     return cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, p);
 }
 
-template <typename T, int C, int BN, bool PINGPONG = false>
+template <typename T, int C, int BN, bool PINGPONG = false, bool STORE_WARPS = false>
 cudaError_t dispatch_majors(const gemm_args& g, cudaStream_t stream) {
     const bool a_k = g.a_stride_k == 1, b_k = g.b_stride_k == 1;
-    if (a_k && b_k) return launch<T, major::k, major::k, C, BN, PINGPONG>(g, stream);
-    if (a_k) return launch<T, major::k, major::mn, C, BN, PINGPONG>(g, stream);
-    if (b_k) return launch<T, major::mn, major::k, C, BN, PINGPONG>(g, stream);
-    return launch<T, major::mn, major::mn, C, BN, PINGPONG>(g, stream);
+    if (a_k && b_k) return launch<T, major::k, major::k, C, BN, PINGPONG, STORE_WARPS>(g, stream);
+    if (a_k) return launch<T, major::k, major::mn, C, BN, PINGPONG, STORE_WARPS>(g, stream);
+    if (b_k) return launch<T, major::mn, major::k, C, BN, PINGPONG, STORE_WARPS>(g, stream);
+    return launch<T, major::mn, major::mn, C, BN, PINGPONG, STORE_WARPS>(g, stream);
 }
 
 // The share of the persistent grid's slots (waves x SMs) that tiles fill, for tiles `tn` wide.
@@ -505,11 +600,21 @@ double wave_fill(const gemm_args& g, int tn, int sms) {
 
 int tile_n_of(const gemm_args& g) {
     if (g.tile_n == 128 || g.tile_n == 256) return g.tile_n;
+    if (g.epilogue == 1) return 256;  // store warps asked for: they take 256-wide tiles
     // 128 wide only where 256-wide tiles leave a good part of the grid idle in their last wave and the narrower
     // ones fill it clearly better: they move a third more bytes from L2 per product.
     const int sms = multiprocessor_count();
     const double wide = wave_fill(g, 256, sms), narrow = wave_fill(g, 128, sms);
     return wide < 0.8 && narrow > wide + 0.1 ? 128 : 256;
+}
+
+// Store warps (256-wide tiles, three stages) where a block takes many tiles, or very long ones; else the consumers
+// store their own rows with four stages. Measured (H100, benchmarks/NOTES.md): 8192 x 2048 x 2048 (3.9 tiles per
+// block) 0.92 of cuBLAS with store warps against 0.95; 8192 x 128256 x 2048 (243) 0.945 against 0.916.
+bool store_warps_for(const gemm_args& g) {
+    if (g.epilogue != 0) return g.epilogue == 1;
+    const int64_t tiles = ((g.M + BM - 1) / BM) * ((g.N + 255) / 256);
+    return tiles >= 7 * int64_t(multiprocessor_count()) || g.K >= 32768;
 }
 
 template <typename T>
@@ -521,6 +626,7 @@ cudaError_t dispatch_cluster(const gemm_args& g, cudaStream_t stream) {
     // 128 x 256 ones, which costs more than the hidden epilogue gains (benchmarks/NOTES.md).
     if (g.pingpong == 1) return dispatch_majors<T, 1, 128, true>(g, stream);
     if (tile_n_of(g) == 128) return dispatch_majors<T, 1, 128>(g, stream);
+    if (store_warps_for(g)) return dispatch_majors<T, 1, 256, false, true>(g, stream);
     return dispatch_majors<T, 1, 256>(g, stream);
 }
 
@@ -538,6 +644,9 @@ const char* gemm_unsupported(const gemm_args& g) {
     if (g.pingpong < -1 || g.pingpong > 1) return "pingpong must be 0 (automatic), 1 (on) or -1 (off)";
     if (g.pingpong == 1 && (g.cluster == 2 || g.tile_n == 256))
         return "ping-pong tiles are 128 x 128 with no cluster";
+    if (g.epilogue < 0 || g.epilogue > 2) return "epilogue must be 0 (automatic), 1 (store warps) or 2 (consumers)";
+    if (g.epilogue == 1 && (g.cluster == 2 || g.tile_n == 128 || g.pingpong == 1))
+        return "store warps take 256-wide shared tiles with no cluster and no ping-pong";
     if (g.a_stride_k != 1 && g.a_stride_m != 1) return "A needs a unit stride along M or K";
     if (g.b_stride_k != 1 && g.b_stride_n != 1) return "B needs a unit stride along K or N";
     const int64_t a_lead = g.a_stride_k == 1 ? g.a_stride_m : g.a_stride_k;
@@ -549,8 +658,8 @@ const char* gemm_unsupported(const gemm_args& g) {
 
 int gemm_resident_blocks(int cluster) {
     int blocks = 0;
-    const cudaError_t e = cluster == 2 ? prepare<__nv_bfloat16, major::k, major::k, 2, 256, false>(&blocks)
-                                       : prepare<__nv_bfloat16, major::k, major::k, 1, 256, false>(&blocks);
+    const cudaError_t e = cluster == 2 ? prepare<__nv_bfloat16, major::k, major::k, 2, 256, false, false>(&blocks)
+                                       : prepare<__nv_bfloat16, major::k, major::k, 1, 256, false, false>(&blocks);
     return e == cudaSuccess ? blocks : -1;
 }
 

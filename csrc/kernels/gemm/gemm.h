@@ -21,6 +21,9 @@ struct gemm_args {
     // 1: the consumer warpgroups take 128 x 128 tiles in turns (ping-pong); -1: they share each tile; 0: automatic,
     // which is sharing: ping-pong's smaller tiles measured 0.84-0.88x of it over the benchmark's shapes.
     int pingpong;
+    // 1: store warps write the output tiles, so the consumers go on at once (256-wide tiles, three stages); 2: the
+    // consumers store their own rows (four stages); 0: automatic, store warps where a block takes many tiles.
+    int epilogue;
     // Dynamic tile schedule (clusters of 1 only): blocks take tiles from this zeroed counter as they get to
     // them, so blocks that start late (SMs busy with other kernels, e.g. an overlapping collective) take fewer
     // tiles instead of stretching the kernel. The kernel leaves it zeroed again. Null: each block takes every
