@@ -2,7 +2,9 @@
 executors and Thunder with executors=[tk], in one run.
 
 Model: LitGPT's Llama-3.2-1B config (fewer layers with --n-layer, stated in the output), bf16 weights, fused
-AdamW, fp32 cross-entropy, sequence 2048. Each variant: warm-up steps, then timed steps (CUDA events).
+AdamW, fp32 cross-entropy, sequence 2048. Each variant: warm-up steps, then timed steps. With --rounds R > 1 the
+variants stay built and are timed R times in turns, each round in a rotated order, and each gets the median: the
+GPU's clock drifts over a run, and one pass per variant had them 2-3% apart from run to run.
 
     python benchmarks/litgpt_step.py --n-layer 4 --json out/litgpt_step.json --png out/litgpt_step.png
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -261,40 +264,60 @@ def print_profiles(rows: list[dict]) -> None:
             print(f"  {k['ms']:8.3f} ms {k['calls']:5d}x  {owner + k['kind']:<18} {k['kernel'][:100]}")
 
 
+class Built:
+    """One variant, built and warmed up: its step, and the memory allocated before it was built."""
+
+    def __init__(self, name, wrap, args, device: torch.device):
+        self.name, self.device, self.cuda = name, device, device.type == "cuda"
+        self.base_gib = torch.cuda.memory_allocated(device) / 2**30 if self.cuda else 0.0
+        torch.manual_seed(0)
+        model, cfg = build(args.model, args.n_layer, args.seq, device)
+        self.net = net = wrap(LossModule(model))
+        opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4, fused=self.cuda)
+        rank = torch.distributed.get_rank() if _world() > 1 else 0
+        gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch
+        x = torch.randint(cfg.padded_vocab_size, (args.batch, args.seq), generator=gen).to(device)
+        y = torch.randint(cfg.padded_vocab_size, (args.batch, args.seq), generator=gen).to(device)
+
+        def step():
+            loss = net(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        self.step = step
+        for i in range(args.warmup):
+            with tracing_without_cyclic_gc(i == 0):  # Thunder traces in the first step
+                step()
+
+    def time_steps(self, steps: int):
+        """Seconds per step over `steps` steps (the slowest rank's), and the last step's loss."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        if _world() > 1:
+            torch.distributed.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = self.step()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return max_over_ranks(time.perf_counter() - t0, self.device) / steps, loss
+
+
 def run(name, wrap, args, device: torch.device):
-    torch.manual_seed(0)
-    model, cfg = build(args.model, args.n_layer, args.seq, device)
-    net = wrap(LossModule(model))
-    cuda = device.type == "cuda"
-    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4, fused=cuda)
-    rank = torch.distributed.get_rank() if _world() > 1 else 0
-    gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch
-    x = torch.randint(cfg.padded_vocab_size, (args.batch, args.seq), generator=gen).to(device)
-    y = torch.randint(cfg.padded_vocab_size, (args.batch, args.seq), generator=gen).to(device)
-
-    def step():
-        loss = net(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    for i in range(args.warmup):
-        with tracing_without_cyclic_gc(i == 0):  # Thunder traces in the first step
-            step()
+    """Builds a variant, times its first round and measures its peak memory, then runs the diagnostics asked for.
+    Returns the row and the built variant (for more rounds)."""
+    v = Built(name, wrap, args, device)
+    cuda = v.cuda
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    if _world() > 1:
-        torch.distributed.barrier()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    if cuda:
-        torch.cuda.synchronize(device)
-    seconds = max_over_ranks(time.perf_counter() - t0, device) / args.steps
+    seconds, loss = v.time_steps(args.steps)
+    step = v.step
     tokens = args.batch * args.seq * _world()
-    peak = max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30, device) if cuda else None
+    # What this variant holds at its peak: earlier variants kept for more rounds are not its memory.
+    peak = max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30 - v.base_gib, device) if cuda else None
     row = {"variant": name, "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / _world(),
            "peak_gib": peak, "loss": float(loss.detach().float().mean())}
     if args.profile and cuda and name != "eager":
@@ -315,11 +338,27 @@ def run(name, wrap, args, device: torch.device):
     if name == "thunder [tk]":
         import thunder_tk
 
-        report = thunder_tk.explain(net)
+        report = thunder_tk.explain(v.net)
         # what tk ran, the backward ops of a symbol claimed with its gradient included
         row["tk_claimed"] = sorted({op for r in report.rows if r.claimed_by_tk
                                     for op in (r.ran_by, *r.backward_ran_by.split(", ")) if op})
-    return row
+    return row, v
+
+
+def more_rounds(rows: list[dict], built: list[Built], args) -> None:
+    """Rounds 2..R with every variant built, in turns (round r starts at variant r mod n); each row then gets the
+    median of its rounds."""
+    tokens = args.batch * args.seq * _world()
+    per_round = {r["variant"]: [r["tokens_per_s"]] for r in rows}
+    n = len(built)
+    for rnd in range(1, args.rounds):
+        for v in built[rnd % n:] + built[:rnd % n]:
+            seconds, _ = v.time_steps(args.steps)
+            per_round[v.name].append(tokens / seconds)
+    for r in rows:
+        r["tokens_per_s_rounds"] = per_round[r["variant"]]
+        r["tokens_per_s"] = statistics.median(per_round[r["variant"]])
+        r["tokens_per_s_per_gpu"] = r["tokens_per_s"] / _world()
 
 
 def main():
@@ -330,6 +369,8 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every variant this many times in turns (variants stay built), median per variant")
     p.add_argument("--only", nargs="*", help=f"variants to run: {', '.join(VARIANT_NAMES)} (or without spaces: "
                                              f"eager, compile, default, tk)")
     p.add_argument("--fsdp", action="store_true", help="shard over the torchrun processes (one GPU each)")
@@ -355,18 +396,29 @@ def main():
             torch.cuda.set_device(device)
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     main_rank = _world() == 1 or torch.distributed.get_rank() == 0
-    rows = []
+    rows, built = [], []
     chosen = variants(a.fsdp, device)
     assert tuple(chosen) == VARIANT_NAMES, "VARIANT_NAMES must list variants()"
     for name, wrap in chosen.items():
         if a.only and name not in a.only:
             continue
-        rows.append(run(name, wrap, a, device))
+        row, v = run(name, wrap, a, device)
+        rows.append(row)
+        if a.rounds > 1:
+            built.append(v)
+        del v
         if main_rank:
             print(rows[-1], flush=True)
-        gc.collect()  # the variant's model and optimizer went out of scope with run()
+        gc.collect()  # without more rounds, the variant's model and optimizer go with it
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if a.rounds > 1:
+        more_rounds(rows, built, a)
+        if main_rank:
+            for r in rows:
+                print(f"{r['variant']:>16}: " + ", ".join(f"{t / 1e3:.1f}k" for t in r["tokens_per_s_rounds"])
+                      + " tokens/s by round", flush=True)
+        del built
     if not main_rank:
         torch.distributed.destroy_process_group()
         return
@@ -375,15 +427,16 @@ def main():
         r["vs_thunder_default"] = r["tokens_per_s"] / base["thunder default"] if "thunder default" in base else None
         r["vs_torch_compile"] = r["tokens_per_s"] / base["torch.compile"] if "torch.compile" in base else None
     where = f"FSDP over {_world()} GPUs, batch {a.batch} per GPU" if a.fsdp else f"batch {a.batch}"
-    print(f"{a.model}, {a.n_layer} layers, {where} x {a.seq} tokens, bf16, fused AdamW")
+    timing = f"median of {a.rounds} rounds in turns" if a.rounds > 1 else "one pass per variant"
+    print(f"{a.model}, {a.n_layer} layers, {where} x {a.seq} tokens, bf16, fused AdamW; {a.steps} steps, {timing}")
     print_table(rows, ["variant", "tokens_per_s", "tokens_per_s_per_gpu", "peak_gib", "vs_thunder_default",
                        "vs_torch_compile"])
     print_profiles(rows)
     print_host(rows)
     print_memory(rows)
     write_results(a.json, "litgpt_step_fsdp" if a.fsdp else "litgpt_step",
-                  [{**r, "world_size": _world(), "n_layer": a.n_layer, "seq": a.seq, "batch_per_gpu": a.batch}
-                   for r in rows])
+                  [{**r, "world_size": _world(), "n_layer": a.n_layer, "seq": a.seq, "batch_per_gpu": a.batch,
+                    "steps": a.steps, "rounds": a.rounds} for r in rows])
     if a.fsdp:
         torch.distributed.destroy_process_group()
     if a.png:

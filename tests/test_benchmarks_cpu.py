@@ -17,13 +17,16 @@ def test_litgpt_step_fsdp_paths(tmp_path):
     out = tmp_path / "step.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "benchmarks" / "litgpt_step.py"), "--fsdp", "--device", "cpu", "--model", "pythia-14m",
-           "--n-layer", "1", "--seq", "32", "--batch", "1", "--warmup", "1", "--steps", "1",
+           "--n-layer", "1", "--seq", "32", "--batch", "1", "--warmup", "1", "--steps", "1", "--rounds", "2",
            "--only", "eager", "thunder default", "thunder [tk]", "--json", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [row["variant"] for row in rows] == ["eager", "thunder default", "thunder [tk]"]
     assert all(row["world_size"] == 2 and row["tokens_per_s"] > 0 for row in rows)
+    # Two rounds in turns, the variants kept built: each row is the median of its two.
+    assert all(len(row["tokens_per_s_rounds"]) == 2 and row["rounds"] == 2 for row in rows)
+    assert all(min(row["tokens_per_s_rounds"]) <= row["tokens_per_s"] <= max(row["tokens_per_s_rounds"]) for row in rows)
     # Same model, same batches: the same first-step loss, up to the rounding of the per-token losses to the model's
     # dtype, which each executor does at its own point (LossModule: 16-bit per-token losses averaged in fp32; over
     # these 32 tokens a spread of a few 1e-3 near 11).
