@@ -28,8 +28,7 @@ for M, N, K in [(129, 257, 72), (64, 300, 128)]:
             _ops.gemm(a, b, _pingpong=1, _schedule="dynamic")
             _ops.gemm(a, b, torch.randn(N, device="cuda", dtype=torch.bfloat16), _epilogue=1)
             _ops.gemm(a, b, _epilogue=1, _schedule="dynamic")
-# The TMA-store epilogue (N % 8 == 0) with more tiles (153) than blocks: a block stages a tile's second half while
-# its next tile runs.
+# The TMA-store epilogue (N % 8 == 0) with more tiles (153) than blocks, so a block stages tile after tile.
 a = torch.randn(1100, 64, device="cuda", dtype=torch.bfloat16)
 b = torch.randn(64, 4104, device="cuda", dtype=torch.bfloat16)
 for schedule in ("static", "dynamic"):

@@ -80,9 +80,9 @@ def test_bias_and_linear(dtype):
 @pytest.mark.parametrize("bias_offset", [0, 1])
 @pytest.mark.parametrize("schedule", ["static", "dynamic"])
 def test_bias_through_the_tma_epilogue_over_many_tiles(dtype, K, bias_offset, schedule):
-    """N % 8 == 0 takes the TMA-store epilogue, whose second half of each tile is written while the block's next
-    tile runs: 289 tiles on at most 132 blocks, K of one k-block (the half is staged during the only one) and of
-    several; the bias 4-byte aligned (read in pairs) or a view 2 bytes off (read one by one)."""
+    """N % 8 == 0 takes the TMA-store epilogue (here the consumers' own: 289 tiles on at most 132 blocks; the store
+    warps' is forced in test_epilogues), K of one k-block and of several; the bias 4-byte aligned or a view 2 bytes
+    off."""
     M, N = 2100, 4104
     a = torch.randn(M, K, device="cuda", dtype=dtype)
     b = operand(K, N, dtype, False) / 8
