@@ -591,10 +591,10 @@ cudaError_t dispatch_majors(const gemm_args& g, cudaStream_t stream) {
     return launch<T, major::mn, major::mn, C, BN, PINGPONG, STORE_WARPS>(g, stream);
 }
 
-// The share of the persistent grid's slots (waves x SMs) that tiles fill, for tiles `tn` wide.
 // Output tiles `tn` wide.
 int64_t tiles_of(const gemm_args& g, int tn) { return ((g.M + BM - 1) / BM) * ((g.N + tn - 1) / tn); }
 
+// The share of the persistent grid's slots (waves x SMs) that tiles fill, for tiles `tn` wide.
 double wave_fill(const gemm_args& g, int tn, int sms) {
     const int64_t tiles = tiles_of(g, tn);
     const int64_t waves = (tiles + sms - 1) / sms;
