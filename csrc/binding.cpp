@@ -211,6 +211,20 @@ void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t b
     check_launch(tk::gemm::launch_gemm(g, reinterpret_cast<cudaStream_t>(stream)), "gemm");
 }
 
+void cross_entropy_forward_grad(std::uintptr_t logits, std::uintptr_t target, std::uintptr_t loss, std::uintptr_t lse,
+                                std::uintptr_t grad, int64_t grad_row_stride, int dtype, int64_t rows, int64_t classes,
+                                int64_t logits_row_stride, int64_t ignore_index, std::uintptr_t stream) {
+    auto args = cross_entropy_common(logits, target, dtype, rows, classes, logits_row_stride, ignore_index);
+    args.loss = reinterpret_cast<float*>(loss);
+    args.lse = reinterpret_cast<float*>(lse);
+    args.grad = reinterpret_cast<void*>(grad);
+    args.grad_row_stride = grad_row_stride;
+    if (const char* why = tk::loss::cross_entropy_forward_grad_unsupported(args))
+        throw std::invalid_argument(std::string("thunder_tk cross_entropy_forward_grad: ") + why);
+    check_launch(tk::loss::launch_cross_entropy_forward_grad(args, reinterpret_cast<cudaStream_t>(stream)),
+                 "cross_entropy_forward_grad");
+}
+
 // One rank's end of a peer-memory channel: the layout and peer mappings are fixed when it is made, so a launch
 // only passes the tensors. Launches on one channel must run in order whatever stream they are issued on: a
 // synchronous call runs on the caller's stream, an asynchronous one on the channel's stream, and each launch
@@ -383,7 +397,7 @@ void register_selftests(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "cross_entropy_backward", "cross_entropy_forward", "gemm", "reduce_scatter"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "gemm", "reduce_scatter"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -429,6 +443,11 @@ PYBIND11_MODULE(_C, m) {
           py::arg("stream"),
           "grad[r, c] = grad_loss[r] * (softmax[r, c] - (c == target[r])), zero rows where target == ignore_index; "
           "enqueued on `stream`.");
+    m.def("cross_entropy_forward_grad", &cross_entropy_forward_grad, py::arg("logits"), py::arg("target"),
+          py::arg("loss"), py::arg("lse"), py::arg("grad"), py::arg("grad_row_stride"), py::arg("dtype"),
+          py::arg("rows"), py::arg("classes"), py::arg("logits_row_stride"), py::arg("ignore_index"), py::arg("stream"),
+          "cross_entropy_forward's loss and lse and grad = softmax - onehot(target) (unscaled; zero rows where "
+          "ignored) from one read of the logits, each row kept on chip; enqueued on `stream`.");
     m.def("gemm_resident_blocks",
           [](int cluster) {
               if (cluster != 1 && cluster != 2) throw std::invalid_argument("cluster must be 1 or 2");

@@ -24,7 +24,8 @@ from thunder_tk.functional import attention_bwd_delta_symbol
 
 # Kernels this version's csrc/ provides (a GPU test checks the build reports exactly these).
 KERNELS_IN_SOURCE = frozenset({"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward",
-                               "cross_entropy_backward", "cross_entropy_forward", "gemm", "reduce_scatter"})
+                               "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "gemm",
+                               "reduce_scatter"})
 
 DISABLE_ENV = "THUNDER_TK_DISABLE"
 """Comma-separated rule names or families tk must not claim (e.g. ``collective`` or ``ltorch.linear``)."""

@@ -477,6 +477,44 @@ def cross_entropy_backward(logits: torch.Tensor, target: torch.Tensor, lse: torc
     return grad
 
 
+def cross_entropy_forward_grad_unsupported(logits: torch.Tensor) -> str | None:
+    """Why `cross_entropy_forward_grad` would take two kernels for these logits (None: one)."""
+    per_vector = 16 // logits.element_size()
+    rows, classes = logits.shape
+    if classes % per_vector or (rows > 1 and logits.stride(0) % per_vector) or logits.data_ptr() % 16:
+        return "rows not whole 16-byte vectors on 16-byte boundaries"
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
+        return "classes not contiguous"
+    if classes // per_vector - 5 * 1024 > 200 * 1024 // 16:
+        return "a row too long to keep on chip"
+    return None
+
+
+def cross_entropy_forward_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss rows, lse, grad) with grad = softmax(logits) - onehot(target) unscaled (zero rows where target ==
+    ignore_index), from one read of the logits: each row stays on chip between its two passes. The incoming
+    gradient g scales the rows of what reads grad (g * (grad W), grad^T (g * X)). Logits it cannot keep on chip
+    (`cross_entropy_forward_grad_unsupported`) take the forward and backward kernels."""
+    check_cross_entropy_args(logits, target)
+    rows, classes = logits.shape
+    if rows == 0 or cross_entropy_forward_grad_unsupported(logits) is not None:
+        loss, lse = cross_entropy_forward(logits, target, ignore_index)
+        ones = torch.ones((), dtype=torch.float32, device=logits.device).expand(rows)
+        return loss, lse, cross_entropy_backward(logits, target, lse, ones, ignore_index)
+    ext = _require_kernels(logits.device)
+    target = target.contiguous()
+    loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    grad = torch.empty((rows, classes), dtype=logits.dtype, device=logits.device)
+    with _on(logits.device):
+        ext.cross_entropy_forward_grad(logits.data_ptr(), target.data_ptr(), loss.data_ptr(), lse.data_ptr(),
+                                       grad.data_ptr(), classes, _DTYPE_CODES[logits.dtype], rows, classes,
+                                       logits.stride(0) if rows > 1 else classes, int(ignore_index),
+                                       _stream_handle(logits.device))
+    return loss, lse, grad
+
+
 def reduce_cross_entropy(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
                          dtype: torch.dtype) -> torch.Tensor:
     """PyTorch's reductions of the per-row losses: mean over the rows not ignored, sum, or none; in `dtype`."""

@@ -101,3 +101,13 @@ loss, lse = ops.cross_entropy_forward(wide, target.repeat(2)[:6].clamp_min(0), i
 ops.cross_entropy_backward(wide, target.repeat(2)[:6].clamp_min(0), lse, torch.randn(6, device="cuda"), ignore_index=0)
 torch.cuda.synchronize()
 print("cross-entropy sanitize targets ran")
+
+# Forward and gradient from one read: a row in registers only, one that spills into shared memory (128256 classes),
+# fp32, an ignored row.
+for rows, classes, dtype in [(3, 4096, torch.bfloat16), (2, 128256, torch.bfloat16), (2, 50000, torch.float32)]:
+    logits = torch.randn(rows, classes, device="cuda", dtype=dtype)
+    target = torch.randint(0, classes, (rows,), device="cuda")
+    target[-1] = -100
+    ops.cross_entropy_forward_grad(logits, target)
+torch.cuda.synchronize()
+print("cross-entropy forward+grad sanitize targets ran")

@@ -397,3 +397,42 @@ def test_thunder_lm_head_trains_with_the_loss_on_tk():
     assert row.ran_by == "tk: tk_cross_entropy_forward" and row.backward_ran_by == "tk: tk_cross_entropy_backward"
     assert ("tk_cross_entropy_forward" in str(thunder.last_traces(jm)[-1]))
     assert ("tk_cross_entropy_backward" in str(thunder.last_backward_traces(jm)[-1]))
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward and unscaled gradient from one read (ops.cross_entropy_forward_grad)
+
+FWD_GRAD_SHAPES = [(1, 8), (3, 1000), (257, 4104), (64, 32000), (33, 128256), (5, 150000), (2, 1001)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("rows,classes", FWD_GRAD_SHAPES, ids=[f"{r}x{c}" for r, c in FWD_GRAD_SHAPES])
+def test_forward_grad_matches_fp64_reference(rows, classes, dtype):
+    logits, target = make(rows, classes, dtype)
+    target[0] = classes - 1
+    if rows > 2:
+        target[1], target[2] = 0, -100
+    poison_allocator(((rows, classes), dtype))
+    loss, lse, grad = ops.cross_entropy_forward_grad(logits, target)
+    ref_loss, ref_lse = reference(logits, target)
+    assert torch.isfinite(lse).all() and torch.isfinite(grad).all(), "unwritten output"
+    assert row_err(lse, ref_lse, ref_lse) < ROW_TOL and row_err(loss, ref_loss, ref_lse) < ROW_TOL
+    ignored = target == -100
+    assert (grad[ignored] == 0).all() and (loss[ignored] == 0).all()
+    ref_grad = reference_grad(logits, target, torch.ones(rows, device=DEVICE))
+    assert rel_err(grad, ref_grad) < GRAD_TOL[dtype], rel_err(grad, ref_grad)
+
+
+def test_forward_grad_row_stride_and_fallbacks():
+    wide, target = make(40, 4096 + 64, torch.bfloat16, seed=2)
+    logits = wide[:, :4096]  # row stride 4160 elements: on-chip path
+    assert ops.cross_entropy_forward_grad_unsupported(logits) is None
+    loss, lse, grad = ops.cross_entropy_forward_grad(logits, target.clamp_max(4095))
+    ref_grad = reference_grad(logits, target.clamp_max(4095), torch.ones(40, device=DEVICE))
+    assert rel_err(grad, ref_grad) < GRAD_TOL[torch.bfloat16]
+    odd = torch.randn(1 + 6 * 1000, device=DEVICE, dtype=torch.bfloat16)[1:].view(6, 1000)  # not 16-byte aligned
+    assert ops.cross_entropy_forward_grad_unsupported(odd) is not None
+    t = torch.randint(0, 1000, (6,), device=DEVICE)
+    loss, lse, grad = ops.cross_entropy_forward_grad(odd, t)
+    assert rel_err(grad, reference_grad(odd, t, torch.ones(6, device=DEVICE))) < GRAD_TOL[torch.bfloat16]
+

@@ -187,6 +187,120 @@ __global__ void __launch_bounds__(THREADS, 4) backward_kernel(const __grid_const
         [&](float value, int64_t c) { g[c] = T(grad_of(value, c)); });
 }
 
+// Forward and gradient from one read of the logits (launch_cross_entropy_forward_grad): one block of 1024 threads per
+// row keeps the whole row on chip, its first FG_REG_VECS vectors per thread in registers and the rest in shared
+// memory, so the pass that writes softmax - one-hot reads no memory. The gradient is not scaled by the incoming one:
+// that scales the rows of the GEMMs that read it (dX = g (D W), dW = D^T (g X)).
+constexpr int FG_THREADS = 1024, FG_REG_VECS = 5;
+constexpr int FG_SMEM_BYTES_MAX = 200 * 1024;
+
+template <typename T>
+__device__ __forceinline__ void fold_vector(normaliser& nm, const vec<T>& v) {
+    constexpr int N = vec<T>::n;
+    float m = -INFINITY;
+#pragma unroll
+    for (int e = 0; e < N; ++e) m = fmaxf(m, v.at(e));
+    if (m > nm.max) {
+        nm.sum = nm.max == -INFINITY ? 0.f : nm.sum * exp_of(nm.max - m);
+        nm.max = m;
+    }
+    if (nm.max != -INFINITY) {
+#pragma unroll
+        for (int e = 0; e < N; ++e) nm.sum += exp_of(v.at(e) - nm.max);
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(FG_THREADS, 1) forward_grad_kernel(const __grid_constant__ cross_entropy_args a) {
+    extern __shared__ uint4 row_rest[];  // the row's vectors past the registers' share
+    const int64_t r = blockIdx.x;
+    const T* x = row_of<T>(a, r);
+    constexpr int N = vec<T>::n;
+    const int vectors = int(a.classes / N);  // 16-byte aligned rows of whole vectors (checked)
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    vec<T> held[FG_REG_VECS];
+    normaliser nm;
+#pragma unroll
+    for (int j = 0; j < FG_REG_VECS; ++j) {
+        const int i = threadIdx.x + j * FG_THREADS;
+        if (i < vectors) held[j].raw = __ldcs(xv + i);
+    }
+#pragma unroll
+    for (int j = 0; j < FG_REG_VECS; ++j)
+        if (threadIdx.x + j * FG_THREADS < vectors) fold_vector<T>(nm, held[j]);
+    for (int i = FG_REG_VECS * FG_THREADS + threadIdx.x; i < vectors; i += FG_THREADS) {
+        vec<T> v;
+        v.raw = __ldcs(xv + i);
+        row_rest[i - FG_REG_VECS * FG_THREADS] = v.raw;
+        fold_vector<T>(nm, v);
+    }
+
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const float om = __shfl_xor_sync(0xffffffffu, nm.max, offset);
+        const float os = __shfl_xor_sync(0xffffffffu, nm.sum, offset);
+        nm.merge(om, os);
+    }
+    __shared__ float warp_max[FG_THREADS / 32], warp_sum[FG_THREADS / 32], row_lse;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+        warp_max[warp] = nm.max;
+        warp_sum[warp] = nm.sum;
+    }
+    __syncthreads();
+    const int64_t t = a.target[r];
+    if (threadIdx.x == 0) {
+        normaliser total;
+        for (int w = 0; w < FG_THREADS / 32; ++w) total.merge(warp_max[w], warp_sum[w]);
+        const float lse = total.max + logf(total.sum);
+        row_lse = lse;
+        a.lse[r] = lse;
+        a.loss[r] = t == a.ignore_index ? 0.f : (t < 0 || t >= a.classes) ? NAN : lse - to_float(x[t]);
+    }
+    __syncthreads();
+    const float lse = row_lse;
+    uint4* gv = reinterpret_cast<uint4*>(static_cast<T*>(a.grad) + r * a.grad_row_stride);
+    const bool ignored = t == a.ignore_index;
+    auto write = [&](const vec<T>& v, int i) {
+        vec<T> o;
+        if (ignored) {
+            o.raw = make_uint4(0, 0, 0, 0);
+        } else {
+#pragma unroll
+            for (int e = 0; e < N; ++e) {
+                const float p = exp_of(v.at(e) - lse);
+                o.set(e, int64_t(i) * N + e == t ? p - 1.f : p);
+            }
+        }
+        __stcs(gv + i, o.raw);
+    };
+#pragma unroll
+    for (int j = 0; j < FG_REG_VECS; ++j) {
+        const int i = threadIdx.x + j * FG_THREADS;
+        if (i < vectors) write(held[j], i);
+    }
+    for (int i = FG_REG_VECS * FG_THREADS + threadIdx.x; i < vectors; i += FG_THREADS) {
+        vec<T> v;
+        v.raw = row_rest[i - FG_REG_VECS * FG_THREADS];
+        write(v, i);
+    }
+}
+
+template <typename T>
+int forward_grad_smem_bytes(int64_t classes) {
+    const int64_t rest = classes / vec<T>::n - int64_t(FG_REG_VECS) * FG_THREADS;
+    return rest > 0 ? int(rest * 16) : 0;
+}
+
+template <typename T>
+cudaError_t launch_forward_grad(const cross_entropy_args& a, cudaStream_t stream) {
+    if (a.rows == 0) return cudaSuccess;
+    const int smem = forward_grad_smem_bytes<T>(a.classes);
+    if (cudaError_t e = opt_in_shared_memory<forward_grad_kernel<T>>(FG_SMEM_BYTES_MAX); e != cudaSuccess) return e;
+    forward_grad_kernel<T><<<dim3(unsigned(a.rows)), FG_THREADS, smem, stream>>>(a);
+    return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch(const cross_entropy_args& a, bool backward, cudaStream_t stream) {
     if (a.rows == 0) return cudaSuccess;
@@ -231,6 +345,30 @@ cudaError_t launch_cross_entropy_forward(const cross_entropy_args& args, cudaStr
 
 cudaError_t launch_cross_entropy_backward(const cross_entropy_args& args, cudaStream_t stream) {
     return dispatch(args, true, stream);
+}
+
+const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& a) {
+    if (const char* why = cross_entropy_unsupported(a, false)) return why;
+    if (a.rows > 0 && a.grad == nullptr) return "grad is required";
+    if (a.dtype != int(dtype::bf16) && a.dtype != int(dtype::fp16) && a.dtype != int(dtype::fp32))
+        return "logits dtype must be bfloat16, float16 or float32";
+    const int64_t n = a.dtype == int(dtype::fp32) ? 4 : 8;  // elements per 16-byte vector
+    if (a.classes % n || (a.rows > 1 && (a.logits_row_stride % n || a.grad_row_stride % n)))
+        return "rows of whole 16-byte vectors (classes and row strides a multiple of 16 bytes)";
+    if (reinterpret_cast<uintptr_t>(a.logits) % 16 || reinterpret_cast<uintptr_t>(a.grad) % 16)
+        return "logits and grad 16-byte aligned";
+    const int64_t rest = a.classes / n - int64_t(FG_REG_VECS) * FG_THREADS;
+    if (rest * 16 > FG_SMEM_BYTES_MAX) return "a row too long to keep on chip";
+    return nullptr;
+}
+
+cudaError_t launch_cross_entropy_forward_grad(const cross_entropy_args& args, cudaStream_t stream) {
+    if (cross_entropy_forward_grad_unsupported(args) != nullptr) return cudaErrorInvalidValue;
+    switch (dtype(args.dtype)) {
+        case dtype::bf16: return launch_forward_grad<__nv_bfloat16>(args, stream);
+        case dtype::fp16: return launch_forward_grad<__half>(args, stream);
+        default: return launch_forward_grad<float>(args, stream);
+    }
 }
 
 }  // namespace tk::loss

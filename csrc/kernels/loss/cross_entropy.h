@@ -34,4 +34,10 @@ const char* cross_entropy_unsupported(const cross_entropy_args& args, bool backw
 cudaError_t launch_cross_entropy_forward(const cross_entropy_args& args, cudaStream_t stream);
 cudaError_t launch_cross_entropy_backward(const cross_entropy_args& args, cudaStream_t stream);
 
+// Forward and gradient from one read of the logits: loss and lse as the forward, and grad = softmax - onehot(target)
+// (not scaled by an incoming gradient; zero rows where ignored). Rows of whole 16-byte vectors, 16-byte aligned, up to
+// about 150k bf16 classes (the row stays on chip); null when it can run, else why not.
+const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& args);
+cudaError_t launch_cross_entropy_forward_grad(const cross_entropy_args& args, cudaStream_t stream);
+
 }  // namespace tk::loss
