@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(THREADS, 4) backward_kernel(const __grid_const
 // row keeps the whole row on chip, its first FG_REG_VECS vectors per thread in registers and the rest in shared
 // memory, so the pass that writes softmax - one-hot reads no memory. The gradient is not scaled by the incoming one:
 // that scales the rows of the GEMMs that read it (dX = g (D W), dW = D^T (g X)).
-constexpr int FG_THREADS = 1024, FG_REG_VECS = 5;
+constexpr int FG_THREADS = 1024, FG_REG_VECS = 4;
 constexpr int FG_SMEM_BYTES_MAX = 200 * 1024;
 
 template <typename T>
@@ -228,7 +228,20 @@ __global__ void __launch_bounds__(FG_THREADS, 1) forward_grad_kernel(const __gri
 #pragma unroll
     for (int j = 0; j < FG_REG_VECS; ++j)
         if (threadIdx.x + j * FG_THREADS < vectors) fold_vector<T>(nm, held[j]);
-    for (int i = FG_REG_VECS * FG_THREADS + threadIdx.x; i < vectors; i += FG_THREADS) {
+    // The rest through shared memory, UNROLL loads in flight per thread (one at a time left the SM's loads too few
+    // to cover the memory latency).
+    int i = FG_REG_VECS * FG_THREADS + threadIdx.x;
+    for (; i + (UNROLL - 1) * FG_THREADS < vectors; i += UNROLL * FG_THREADS) {
+        vec<T> v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) v[u].raw = __ldcs(xv + i + u * FG_THREADS);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            row_rest[i + u * FG_THREADS - FG_REG_VECS * FG_THREADS] = v[u].raw;
+            fold_vector<T>(nm, v[u]);
+        }
+    }
+    for (; i < vectors; i += FG_THREADS) {
         vec<T> v;
         v.raw = __ldcs(xv + i);
         row_rest[i - FG_REG_VECS * FG_THREADS] = v.raw;
