@@ -57,9 +57,9 @@ def variants(fsdp: bool, device: torch.device):
 
     import thunder_tk
 
-    def thunder_variant(executors):
+    def thunder_variant(executors, **options):
         def wrap(m):
-            jitted = thunder.jit(m, executors=executors)
+            jitted = thunder.jit(m, executors=executors, **options)
             if not fsdp:
                 return jitted
             from thunder.distributed import fsdp as thunder_fsdp
@@ -75,13 +75,16 @@ def variants(fsdp: bool, device: torch.device):
         # Thunder's defaults with the torch.compile fuser standing in for nvFuser (which cannot load here)
         "thunder default": thunder_variant(thunder_tk.baseline_executors()),
         "thunder [tk]": thunder_variant([thunder_tk.tk]),
+        # tk with the loss's forward and backward kernels instead of the gradient from the forward's read
+        "thunder [tk] loss kernels": thunder_variant([thunder_tk.tk], tk_cross_entropy_forward_grad=False),
     }
 
 
-VARIANT_NAMES = ("eager", "torch.compile", "thunder default", "thunder [tk]")
+VARIANT_NAMES = ("eager", "torch.compile", "thunder default", "thunder [tk]", "thunder [tk] loss kernels")
 # Spellings without spaces or brackets, which survive shell word splitting (gpu_run.sh's LITGPT_ARGS).
 _ALIASES = {"compile": "torch.compile", "torch_compile": "torch.compile", "default": "thunder default",
-            "thunder_default": "thunder default", "tk": "thunder [tk]", "thunder_tk": "thunder [tk]"}
+            "thunder_default": "thunder default", "tk": "thunder [tk]", "thunder_tk": "thunder [tk]",
+            "tk_loss_kernels": "thunder [tk] loss kernels"}
 
 
 def variant_names(given: list[str] | None) -> list[str] | None:

@@ -161,9 +161,8 @@ class StandinBuild:
 
     Installs (through `monkeypatch`): the module, reporting this version's KERNELS_IN_SOURCE (`add` and
     `remove` change that), claim rules that take CPU tensors for a GPU, and the stand-ins above as
-    ops.attention_forward / ops.attention_backward and ops.cross_entropy_forward / ops.cross_entropy_backward.
-    Only the attention and cross-entropy ops are stood in for: claim nothing else (bf16 GEMMs, say) with it in
-    place.
+    ops.attention_forward / ops.attention_backward, ops.cross_entropy_forward / _backward / _forward_grad, and ops.gemm
+    (which ops.linear calls). Collectives are not stood in for.
     """
 
     def __init__(self, monkeypatch):
@@ -176,6 +175,8 @@ class StandinBuild:
         monkeypatch.setattr(ops, "attention_backward", attention_backward_standin, raising=False)
         monkeypatch.setattr(ops, "cross_entropy_forward", cross_entropy_forward_standin, raising=False)
         monkeypatch.setattr(ops, "cross_entropy_backward", cross_entropy_backward_standin, raising=False)
+        monkeypatch.setattr(ops, "cross_entropy_forward_grad", cross_entropy_forward_grad_standin, raising=False)
+        monkeypatch.setattr(ops, "gemm", gemm_standin)
 
     def kernels(self):
         return sorted(self._kernels)
@@ -196,3 +197,25 @@ def _check_one_device(tensors):
         return decline("no tensor arguments")
     devices = {str(t.device) for t in tensors}
     return ACCEPT if len(devices) == 1 else decline(f"tensors on several devices: {', '.join(sorted(devices))}")
+
+
+# ------------------------------------------------------------------------------------------------
+# tk's GEMM and the cross-entropy's forward with its gradient, on CPU
+
+
+def gemm_standin(a, b, bias=None, **knobs):
+    """ops.gemm's contract in float64 math: a (M, K) @ b (K, N) (+ bias), 16-bit operands, result in their dtype."""
+    assert a.ndim == b.ndim == 2 and a.shape[1] == b.shape[0] and a.shape[1] % 8 == 0, (a.shape, b.shape)
+    assert a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16), (a.dtype, b.dtype)
+    out = a.double() @ b.double()
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(a.dtype)
+
+
+def cross_entropy_forward_grad_standin(logits, target, ignore_index=-100):
+    """ops.cross_entropy_forward_grad's contract: row losses and lse as the forward, and softmax - onehot (unscaled,
+    zero rows where ignored) in the logits' dtype."""
+    loss, lse = cross_entropy_forward_standin(logits, target, ignore_index)
+    ones = torch.ones(logits.shape[0], dtype=torch.float32)
+    return loss, lse, cross_entropy_backward_standin(logits, target, lse, ones, ignore_index)

@@ -5,6 +5,8 @@ Kernel operators are registered with `meta=` (no subsymbols), so no fuser can pu
 
 from __future__ import annotations
 
+import os
+
 import thunder
 import thunder.torch as ltorch
 from thunder.core import prims
@@ -133,8 +135,16 @@ def _matmul_meta(a: TensorProxy, b: TensorProxy) -> TensorProxy:
 
 
 _GEMM_TAGS = (OpTags.MATMUL_OP, OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD)
-tk_linear = tk.register_operator("tk_linear", meta=_linear_meta, fn=ops.linear, tags=_GEMM_TAGS)
-tk_matmul = tk.register_operator("tk_matmul", meta=_matmul_meta, fn=ops.gemm, tags=_GEMM_TAGS)
+def _linear_impl(a, w, bias):
+    return ops.linear(a, w, bias)
+
+
+def _matmul_impl(a, b):
+    return ops.gemm(a, b)
+
+
+tk_linear = tk.register_operator("tk_linear", meta=_linear_meta, fn=_linear_impl, tags=_GEMM_TAGS)
+tk_matmul = tk.register_operator("tk_matmul", meta=_matmul_meta, fn=_matmul_impl, tags=_GEMM_TAGS)
 
 # The claimed symbols take the operators' arguments, so the operators are the execution transforms.
 for _symbol_id in (ltorch.linear.id, prims.PrimIDs.LINEAR):
@@ -178,6 +188,55 @@ tk_cross_entropy_backward = tk.register_operator(
 )
 
 
+# Wide rows in training (FORWARD_GRAD_MIN_CLASSES classes or more, 16-bit logits): the forward also writes
+# D = softmax - onehot from its one read of the logits (tk_cross_entropy_forward_grad), D is saved instead of the
+# logits, and the backward only scales D's rows by the incoming gradient (tk_scale_rows), which
+# `pattern_fusion.fold_row_scaling` moves onto the rows of the GEMMs that read it (dX = g (D W), dW = D^T (g X)).
+# Narrower rows gain nothing from it (benchmarks/NOTES.md): they keep the forward + backward kernels.
+FORWARD_GRAD_KERNEL = "cross_entropy_forward_grad"
+FORWARD_GRAD_MIN_CLASSES = 65536
+FORWARD_GRAD_OPTION = "tk_cross_entropy_forward_grad"
+"""Compile option: False keeps the forward + backward kernels at any width (`thunder.jit(..., <option>=False)`)."""
+
+
+def _cross_entropy_forward_grad_meta(a: TensorProxy, target: TensorProxy, ignore_index: int):
+    rows, lse = _cross_entropy_forward_meta(a, target, ignore_index)
+    return rows, lse, TensorProxy(like=a, requires_grad=False)
+
+
+def _cross_entropy_forward_grad_impl(a, target, ignore_index):
+    return ops.cross_entropy_forward_grad(a, target, ignore_index)
+
+
+tk_cross_entropy_forward_grad = tk.register_operator(
+    "tk_cross_entropy_forward_grad", meta=_cross_entropy_forward_grad_meta, fn=_cross_entropy_forward_grad_impl,
+    tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,),
+)
+
+
+def _scale_rows_meta(t: TensorProxy, g: TensorProxy) -> TensorProxy:
+    return TensorProxy(like=t)
+
+
+def _scale_rows_impl(t, g):
+    return ops.scale_rows(t, g)
+
+
+tk_scale_rows = tk.register_operator("tk_scale_rows", meta=_scale_rows_meta, fn=_scale_rows_impl)
+
+
+def _forward_grad_wanted(a) -> bool:
+    from thunder.core.compile_data import get_compile_option
+
+    from thunder_tk import _extension, claim_rules
+
+    disabled = {x.strip() for x in os.environ.get(claim_rules.DISABLE_ENV, "").split(",") if x.strip()}
+    option = get_compile_option(FORWARD_GRAD_OPTION, "the cross-entropy's gradient from its forward's read")
+    return (a.shape[1] >= FORWARD_GRAD_MIN_CLASSES and a.dtype in (thunder.bfloat16, thunder.float16)
+            and option is not False and FORWARD_GRAD_KERNEL not in disabled
+            and _extension.kernel_in_build(FORWARD_GRAD_KERNEL))
+
+
 def _valid_rows(target, ignore_index: int):
     return ltorch.sum(ltorch.to(ltorch.ne(target, ignore_index), thunder.float32))
 
@@ -203,7 +262,11 @@ def _cross_entropy_lowering(a, target, weight=None, size_average=None, ignore_in
 def _cross_entropy_grad(a, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                         reduction="mean", label_smoothing=0.0):
     ignore_index, reduction = int(pyval(ignore_index)), pyval(reduction)
-    rows, lse = tk_cross_entropy_forward(a, target, ignore_index)
+    forward_grad = _forward_grad_wanted(a)
+    if forward_grad:
+        rows, _, d = tk_cross_entropy_forward_grad(a, target, ignore_index)
+    else:
+        rows, lse = tk_cross_entropy_forward(a, target, ignore_index)
     valid_rows = _valid_rows(target, ignore_index) if reduction == "mean" else None  # counted once, used twice
     loss = _reduce_rows(a, rows, valid_rows, reduction)
     g = ltorch.to(get_grad(loss), thunder.float32)
@@ -211,7 +274,7 @@ def _cross_entropy_grad(a, target, weight=None, size_average=None, ignore_index=
         g = ltorch.true_divide(g, valid_rows)
     if reduction != "none":
         g = ltorch.expand(g, (a.shape[0],))
-    put_grad(a, tk_cross_entropy_backward(a, target, lse, g, ignore_index))
+    put_grad(a, tk_scale_rows(d, g) if forward_grad else tk_cross_entropy_backward(a, target, lse, g, ignore_index))
     return loss
 
 

@@ -515,6 +515,13 @@ def cross_entropy_forward_grad(logits: torch.Tensor, target: torch.Tensor, ignor
     return loss, lse, grad
 
 
+def scale_rows(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """t (rows, n) with row r times g[r] (fp32, any stride), computed in fp32, in t's dtype."""
+    if t.ndim != 2 or g.ndim != 1 or g.shape[0] != t.shape[0]:
+        raise ValueError(f"scale_rows takes (rows, n) and (rows,); got {tuple(t.shape)} and {tuple(g.shape)}")
+    return (t.float() * g.unsqueeze(1)).to(t.dtype)
+
+
 def reduce_cross_entropy(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
                          dtype: torch.dtype) -> torch.Tensor:
     """PyTorch's reductions of the per-row losses: mean over the rows not ignored, sum, or none; in `dtype`."""

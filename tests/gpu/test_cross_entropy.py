@@ -436,3 +436,45 @@ def test_forward_grad_row_stride_and_fallbacks():
     loss, lse, grad = ops.cross_entropy_forward_grad(odd, t)
     assert rel_err(grad, reference_grad(odd, t, torch.ones(6, device=DEVICE))) < GRAD_TOL[torch.bfloat16]
 
+
+class WideLMHeadLoss(torch.nn.Module):
+    """Norm, lm_head and LitGPT's loss (per-token, fp32 mean) over a vocabulary wide enough for the gradient to come
+    from the forward (lowering.FORWARD_GRAD_MIN_CLASSES)."""
+
+    def __init__(self, hidden=512, vocab=65600):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x, target):
+        logits = self.lm_head(self.norm(x))
+        per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+        return per_token.float().mean()
+
+
+def test_thunder_wide_lm_head_takes_the_gradient_from_the_forward():
+    from thunder_tk import lowering
+
+    torch.manual_seed(0)
+    model = WideLMHeadLoss().to(DEVICE, torch.bfloat16)
+    ref_model = copy.deepcopy(model).double()
+    x = torch.randn(4, 256, 512, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 65600, (4, 256), device=DEVICE)
+    target[:, ::9] = -100
+    jm = thunder.jit(model, executors=[tk])
+    loss = jm(x, target)
+    loss.backward()
+    x_ref = x.detach().double().requires_grad_()
+    ref_loss = ref_model(x_ref, target)
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-3
+    assert rel_err(x.grad, x_ref.grad) < 2e-2
+    for p, ref_p in zip(model.parameters(), ref_model.parameters()):
+        assert rel_err(p.grad, ref_p.grad) < 2e-2, rel_err(p.grad, ref_p.grad)
+    assert 65600 >= lowering.FORWARD_GRAD_MIN_CLASSES
+    (row,) = [r for r in thunder_tk.explain(jm).rows if r.symbol == "ltorch.cross_entropy"]
+    assert row.ran_by == "tk: tk_cross_entropy_forward_grad", str(thunder_tk.explain(jm))
+    bwd = thunder.last_backward_traces(jm)[-1]
+    scaled = [b for b in bwd.bound_symbols if b.sym.name == "tk_scale_rows"]
+    assert scaled and all(b.output.shape[-1] == 512 for b in scaled), "the row scaling must act on (rows, hidden)"
+

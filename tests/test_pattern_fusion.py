@@ -1,0 +1,138 @@
+"""The cross-entropy's gradient from its forward, and its row scaling folded into the lm_head's GEMMs
+(`lowering.FORWARD_GRAD_MIN_CLASSES`, `thunder_tk.pattern_fusion.fold_row_scaling`), on real Thunder traces on CPU
+with tk's GEMM and cross-entropy kernels standing in (`standins.StandinBuild`).
+
+Wide rows in training: the forward runs tk_cross_entropy_forward_grad (D saved instead of the logits) and the backward
+scales the rows of the GEMMs' small operands, never D itself. Narrow rows, the compile option, THUNDER_TK_DISABLE or a
+build without the kernel keep the forward + backward kernels; a second use of the logits keeps an explicit scaling.
+Gradients match float64 eager in every case.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import thunder
+
+import thunder_tk
+from thunder_tk import lowering, tk
+
+bf16 = torch.bfloat16
+HIDDEN, CLASSES = 16, 64  # the tests lower FORWARD_GRAD_MIN_CLASSES to 64
+
+
+@pytest.fixture(autouse=True)
+def wide_from_64(monkeypatch):
+    monkeypatch.setattr(lowering, "FORWARD_GRAD_MIN_CLASSES", 64)
+
+
+class LMHeadLoss(torch.nn.Module):
+    """A norm, the lm_head and the loss as LitGPT's training step computes it (per-token losses, fp32 mean)."""
+
+    def __init__(self, classes=CLASSES, reduction="none", extra_logits_term=False):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.lm_head = torch.nn.Linear(HIDDEN, classes, bias=False)
+        self.reduction = reduction
+        self.extra_logits_term = extra_logits_term
+
+    def forward(self, x, targets):
+        logits = self.lm_head(self.norm(x))
+        flat = logits.reshape(-1, logits.shape[-1])
+        loss = F.cross_entropy(flat, targets.reshape(-1), reduction=self.reduction, ignore_index=3)
+        loss = loss.float().mean()
+        if self.extra_logits_term:  # a second use of the logits: their gradient is no longer the loss's alone
+            loss = loss + 1e-2 * logits.float().square().mean()
+        return loss
+
+
+def ops_of(trace):
+    return [b.sym.name for b in trace.bound_symbols]
+
+
+def run(model, classes=CLASSES, **compile_options):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, HIDDEN, generator=g).to(bf16)  # 16 tokens: the weight gradient's K
+    targets = torch.randint(0, classes, (2, 8), generator=g)
+    targets[0, 2] = 3  # the ignored class: a row with a zero gradient
+    jm = thunder.jit(model, executors=[tk], **compile_options)
+    xj = x.clone().requires_grad_()
+    loss = jm(xj, targets)
+    loss.backward()
+    return jm, loss, xj.grad, {n: p.grad for n, p in model.named_parameters()}, x, targets
+
+
+def rel_err(actual, expected):
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def assert_matches_reference(model, loss, x_grad, grads, x, targets):
+    """Against the same module in float64."""
+    ref = LMHeadLoss(model.lm_head.weight.shape[0], model.reduction, model.extra_logits_term).double()
+    ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    xr = x.double().requires_grad_()
+    ref_loss = ref(xr, targets)
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) < 2e-2 * abs(ref_loss.item())
+    assert rel_err(x_grad, xr.grad) < 3e-2
+    for name, p in ref.named_parameters():
+        assert rel_err(grads[name], p.grad) < 3e-2, name
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_wide_rows_fold_the_scaling_into_the_gemms(standin_tk_build, reduction):
+    model = LMHeadLoss(reduction=reduction).to(bf16)
+    jm, loss, x_grad, grads, x, targets = run(model)
+    fwd = ops_of(thunder.last_traces(jm)[-1])
+    bwd_trace = thunder.last_backward_traces(jm)[-1]
+    bwd = ops_of(bwd_trace)
+    assert "tk_cross_entropy_forward_grad" in fwd and "tk_cross_entropy_forward" not in fwd
+    assert "tk_cross_entropy_backward" not in bwd and bwd.count("tk_matmul") == 2, bwd
+    # The scaling touches only (rows, hidden) tensors: the GEMM's output and the lm_head's input, never D.
+    scaled = [b for b in bwd_trace.bound_symbols if b.sym.name == "tk_scale_rows"]
+    assert len(scaled) == 2 and all(tuple(b.output.shape) == (16, HIDDEN) for b in scaled), scaled
+    assert_matches_reference(model, loss, x_grad, grads, x, targets)
+    (row,) = [r for r in thunder_tk.explain(jm).rows if r.symbol == "ltorch.cross_entropy"]
+    assert row.ran_by == "tk: tk_cross_entropy_forward_grad"
+
+
+def test_narrow_rows_keep_the_backward_kernel(standin_tk_build, monkeypatch):
+    monkeypatch.setattr(lowering, "FORWARD_GRAD_MIN_CLASSES", 65536)
+    model = LMHeadLoss().to(bf16)
+    jm, loss, x_grad, grads, x, targets = run(model)
+    assert "tk_cross_entropy_backward" in ops_of(thunder.last_backward_traces(jm)[-1])
+    assert_matches_reference(model, loss, x_grad, grads, x, targets)
+
+
+@pytest.mark.parametrize("how", ["option", "env", "build"])
+def test_turned_off_keeps_the_backward_kernel(standin_tk_build, monkeypatch, how):
+    options = {}
+    if how == "option":
+        options = {lowering.FORWARD_GRAD_OPTION: False}
+    elif how == "env":
+        monkeypatch.setenv("THUNDER_TK_DISABLE", lowering.FORWARD_GRAD_KERNEL)
+    else:
+        standin_tk_build.remove(lowering.FORWARD_GRAD_KERNEL)
+    model = LMHeadLoss().to(bf16)
+    jm, loss, x_grad, grads, x, targets = run(model, **options)
+    assert "tk_cross_entropy_forward_grad" not in ops_of(thunder.last_traces(jm)[-1])
+    assert "tk_cross_entropy_backward" in ops_of(thunder.last_backward_traces(jm)[-1])
+    assert_matches_reference(model, loss, x_grad, grads, x, targets)
+
+
+def test_logits_with_a_second_use_keep_an_explicit_scaling(standin_tk_build):
+    model = LMHeadLoss(extra_logits_term=True).to(bf16)
+    jm, loss, x_grad, grads, x, targets = run(model)
+    bwd_trace = thunder.last_backward_traces(jm)[-1]
+    scaled = [b for b in bwd_trace.bound_symbols if b.sym.name == "tk_scale_rows"]
+    assert len(scaled) == 1 and tuple(scaled[0].output.shape) == (16, CLASSES)  # D itself: not folded
+    assert_matches_reference(model, loss, x_grad, grads, x, targets)
+
+
+def test_declined_gemm_still_folds_onto_torch_matmuls(standin_tk_build):
+    standin_tk_build.remove("gemm")  # the GEMMs run on torch: the fold works on their matmuls too
+    model = LMHeadLoss().to(bf16)
+    jm, loss, x_grad, grads, x, targets = run(model)
+    scaled = [b for b in thunder.last_backward_traces(jm)[-1].bound_symbols if b.sym.name == "tk_scale_rows"]
+    assert all(tuple(b.output.shape) == (16, HIDDEN) for b in scaled), scaled
+    assert_matches_reference(model, loss, x_grad, grads, x, targets)
