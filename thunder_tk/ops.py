@@ -485,7 +485,8 @@ def cross_entropy_forward_grad_unsupported(logits: torch.Tensor) -> str | None:
         return "rows not whole 16-byte vectors on 16-byte boundaries"
     if logits.shape[1] > 1 and logits.stride(1) != 1:
         return "classes not contiguous"
-    if classes // per_vector - 4 * 1024 > 200 * 1024 // 16:
+    ext = _extension.extension()
+    if ext is None or classes > ext.cross_entropy_forward_grad_max_classes(_DTYPE_CODES[logits.dtype]):
         return "a row too long to keep on chip"
     return None
 

@@ -370,9 +370,13 @@ const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& a) 
         return "rows of whole 16-byte vectors (classes and row strides a multiple of 16 bytes)";
     if (reinterpret_cast<uintptr_t>(a.logits) % 16 || reinterpret_cast<uintptr_t>(a.grad) % 16)
         return "logits and grad 16-byte aligned";
-    const int64_t rest = a.classes / n - int64_t(FG_REG_VECS) * FG_THREADS;
-    if (rest * 16 > FG_SMEM_BYTES_MAX) return "a row too long to keep on chip";
+    if (a.classes > cross_entropy_forward_grad_max_classes(a.dtype)) return "a row too long to keep on chip";
     return nullptr;
+}
+
+int64_t cross_entropy_forward_grad_max_classes(int dtype_code) {
+    const int64_t per_vector = dtype_code == int(dtype::fp32) ? 4 : 8;
+    return (int64_t(FG_REG_VECS) * FG_THREADS + FG_SMEM_BYTES_MAX / 16) * per_vector;
 }
 
 cudaError_t launch_cross_entropy_forward_grad(const cross_entropy_args& args, cudaStream_t stream) {
