@@ -91,6 +91,23 @@ __device__ __forceinline__ void walk_row(const T* x, int64_t C, int64_t head, in
     for (int64_t c = head + vectors * vec<T>::n + threadIdx.x; c < C; c += THREADS) element(to_float(x[c]), c);
 }
 
+// One 16-byte vector into a running normaliser: one rescale per vector, its maximum folded in first.
+template <typename T>
+__device__ __forceinline__ void fold_vector(normaliser& nm, const vec<T>& v) {
+    constexpr int N = vec<T>::n;
+    float m = -INFINITY;
+#pragma unroll
+    for (int e = 0; e < N; ++e) m = fmaxf(m, v.at(e));
+    if (m > nm.max) {
+        nm.sum = nm.max == -INFINITY ? 0.f : nm.sum * exp_of(nm.max - m);
+        nm.max = m;
+    }
+    if (nm.max != -INFINITY) {  // exp(-inf - finite) = 0; a NaN element makes the sum NaN
+#pragma unroll
+        for (int e = 0; e < N; ++e) nm.sum += exp_of(v.at(e) - nm.max);
+    }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant__ cross_entropy_args a) {
     const int64_t r = blockIdx.x;
@@ -101,20 +118,7 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant_
     const int64_t head = head_of<T>(x, C), vectors = (C - head) / N;
     walk_row<T>(
         x, C, head, vectors,
-        [&](const vec<T>& v, int64_t) {
-            float m = -INFINITY;
-#pragma unroll
-            for (int e = 0; e < N; ++e) m = fmaxf(m, v.at(e));
-            // One rescale per vector: fold the vector's maximum in first.
-            if (m > nm.max) {
-                nm.sum = nm.max == -INFINITY ? 0.f : nm.sum * exp_of(nm.max - m);
-                nm.max = m;
-            }
-            if (nm.max != -INFINITY) {  // exp(-inf - finite) = 0; a NaN element makes the sum NaN
-#pragma unroll
-                for (int e = 0; e < N; ++e) nm.sum += exp_of(v.at(e) - nm.max);
-            }
-        },
+        [&](const vec<T>& v, int64_t) { fold_vector<T>(nm, v); },
         [&](float value, int64_t) { nm.add(value); });
 
     // Block merge: warps by shuffles, then the warps' results through shared memory.
@@ -193,22 +197,6 @@ __global__ void __launch_bounds__(THREADS, 4) backward_kernel(const __grid_const
 // that scales the rows of the GEMMs that read it (dX = g (D W), dW = D^T (g X)).
 constexpr int FG_THREADS = 1024, FG_REG_VECS = 4;
 constexpr int FG_SMEM_BYTES_MAX = 200 * 1024;
-
-template <typename T>
-__device__ __forceinline__ void fold_vector(normaliser& nm, const vec<T>& v) {
-    constexpr int N = vec<T>::n;
-    float m = -INFINITY;
-#pragma unroll
-    for (int e = 0; e < N; ++e) m = fmaxf(m, v.at(e));
-    if (m > nm.max) {
-        nm.sum = nm.max == -INFINITY ? 0.f : nm.sum * exp_of(nm.max - m);
-        nm.max = m;
-    }
-    if (nm.max != -INFINITY) {
-#pragma unroll
-        for (int e = 0; e < N; ++e) nm.sum += exp_of(v.at(e) - nm.max);
-    }
-}
 
 template <typename T>
 __global__ void __launch_bounds__(FG_THREADS, 1) forward_grad_kernel(const __grid_constant__ cross_entropy_args a) {
