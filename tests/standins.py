@@ -213,9 +213,10 @@ def gemm_standin(a, b, bias=None, **knobs):
     return out.to(a.dtype)
 
 
-def cross_entropy_forward_grad_standin(logits, target, ignore_index=-100):
+def cross_entropy_forward_grad_standin(logits, target, ignore_index=-100, *, overwrite=False):
     """ops.cross_entropy_forward_grad's contract: row losses and lse as the forward, and softmax - onehot (unscaled,
-    zero rows where ignored) in the logits' dtype."""
+    zero rows where ignored) in the logits' dtype; written over the logits (and returned as them) with overwrite."""
     loss, lse = cross_entropy_forward_standin(logits, target, ignore_index)
     ones = torch.ones(logits.shape[0], dtype=torch.float32)
-    return loss, lse, cross_entropy_backward_standin(logits, target, lse, ones, ignore_index)
+    grad = cross_entropy_backward_standin(logits, target, lse, ones, ignore_index)
+    return loss, lse, logits.copy_(grad) if overwrite else grad

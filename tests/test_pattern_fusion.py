@@ -86,14 +86,15 @@ def test_wide_rows_fold_the_scaling_into_the_gemms(standin_tk_build, reduction):
     fwd = ops_of(thunder.last_traces(jm)[-1])
     bwd_trace = thunder.last_backward_traces(jm)[-1]
     bwd = ops_of(bwd_trace)
-    assert "tk_cross_entropy_forward_grad" in fwd and "tk_cross_entropy_forward" not in fwd
+    # The logits are the lm_head's own output, read by nothing else: D is written over them.
+    assert "tk_cross_entropy_forward_grad_over_logits" in fwd and "tk_cross_entropy_forward" not in fwd
     assert "tk_cross_entropy_backward" not in bwd and bwd.count("tk_matmul") == 2, bwd
     # The scaling touches only (rows, hidden) tensors: the GEMM's output and the lm_head's input, never D.
     scaled = [b for b in bwd_trace.bound_symbols if b.sym.name == "tk_scale_rows"]
     assert len(scaled) == 2 and all(tuple(b.output.shape) == (16, HIDDEN) for b in scaled), scaled
     assert_matches_reference(model, loss, x_grad, grads, x, targets)
     (row,) = [r for r in thunder_tk.explain(jm).rows if r.symbol == "ltorch.cross_entropy"]
-    assert row.ran_by == "tk: tk_cross_entropy_forward_grad"
+    assert row.ran_by == "tk: tk_cross_entropy_forward_grad_over_logits"
 
 
 def test_narrow_rows_keep_the_backward_kernel(standin_tk_build, monkeypatch):
@@ -115,7 +116,7 @@ def test_turned_off_keeps_the_backward_kernel(standin_tk_build, monkeypatch, how
         standin_tk_build.remove(lowering.FORWARD_GRAD_KERNEL)
     model = LMHeadLoss().to(bf16)
     jm, loss, x_grad, grads, x, targets = run(model, **options)
-    assert "tk_cross_entropy_forward_grad" not in ops_of(thunder.last_traces(jm)[-1])
+    assert not any(op.startswith("tk_cross_entropy_forward_grad") for op in ops_of(thunder.last_traces(jm)[-1]))
     assert "tk_cross_entropy_backward" in ops_of(thunder.last_backward_traces(jm)[-1])
     assert_matches_reference(model, loss, x_grad, grads, x, targets)
 
@@ -126,6 +127,8 @@ def test_logits_with_a_second_use_keep_an_explicit_scaling(standin_tk_build):
     bwd_trace = thunder.last_backward_traces(jm)[-1]
     scaled = [b for b in bwd_trace.bound_symbols if b.sym.name == "tk_scale_rows"]
     assert len(scaled) == 1 and tuple(scaled[0].output.shape) == (16, CLASSES)  # D itself: not folded
+    fwd = ops_of(thunder.last_traces(jm)[-1])
+    assert "tk_cross_entropy_forward_grad" in fwd and "tk_cross_entropy_forward_grad_over_logits" not in fwd
     assert_matches_reference(model, loss, x_grad, grads, x, targets)
 
 
@@ -135,4 +138,61 @@ def test_declined_gemm_still_folds_onto_torch_matmuls(standin_tk_build):
     jm, loss, x_grad, grads, x, targets = run(model)
     scaled = [b for b in thunder.last_backward_traces(jm)[-1].bound_symbols if b.sym.name == "tk_scale_rows"]
     assert all(tuple(b.output.shape) == (16, HIDDEN) for b in scaled), scaled
+    assert_matches_reference(model, loss, x_grad, grads, x, targets)
+
+
+# ------------------------------------------------------------------------------------------------
+# D written over the logits (pattern_fusion.write_gradient_over_logits): only where nothing else reads them
+
+
+class LMHeadLossAndLogits(LMHeadLoss):
+    """Returns the logits beside the loss: the caller reads them, so they must survive the loss."""
+
+    def forward(self, x, targets):
+        logits = self.lm_head(self.norm(x))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none",
+                               ignore_index=3)
+        return loss.float().mean(), logits
+
+
+def test_returned_logits_are_not_overwritten(standin_tk_build):
+    model = LMHeadLossAndLogits().to(bf16)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 8, HIDDEN, generator=g).to(bf16).requires_grad_()
+    targets = torch.randint(0, CLASSES, (2, 8), generator=g)
+    jm = thunder.jit(model, executors=[tk])
+    loss, logits = jm(x, targets)
+    fwd = ops_of(thunder.last_traces(jm)[-1])
+    assert "tk_cross_entropy_forward_grad" in fwd and "tk_cross_entropy_forward_grad_over_logits" not in fwd
+    expected = model.lm_head(model.norm(x.detach()))
+    assert rel_err(logits, expected) < 1e-2  # the logits, not softmax - onehot
+    (loss + 0 * logits.float().sum()).backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_callers_logits_are_not_overwritten(standin_tk_build):
+    """Logits handed in by the caller (a trace input, not a GEMM's output inside it) stay as they were."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(16, CLASSES, generator=g).to(bf16).requires_grad_()
+    targets = torch.randint(0, CLASSES, (16,), generator=g)
+    before = logits.detach().clone()
+    jf = thunder.jit(lambda z, t: F.cross_entropy(z, t), executors=[tk])
+    loss = jf(logits, targets)
+    loss.backward()
+    fwd = ops_of(thunder.last_traces(jf)[-1])
+    assert "tk_cross_entropy_forward_grad" in fwd and "tk_cross_entropy_forward_grad_over_logits" not in fwd
+    assert torch.equal(logits.detach(), before)
+    ref = logits.detach().double().requires_grad_()
+    F.cross_entropy(ref, targets).backward()
+    assert rel_err(logits.grad, ref.grad) < 3e-2
+
+
+def test_overwriting_turned_off_by_env(standin_tk_build, monkeypatch):
+    from thunder_tk import pattern_fusion
+
+    monkeypatch.setenv("THUNDER_TK_DISABLE", pattern_fusion.OVERWRITE_LOGITS)
+    model = LMHeadLoss().to(bf16)
+    jm, loss, x_grad, grads, x, targets = run(model)
+    fwd = ops_of(thunder.last_traces(jm)[-1])
+    assert "tk_cross_entropy_forward_grad" in fwd and "tk_cross_entropy_forward_grad_over_logits" not in fwd
     assert_matches_reference(model, loss, x_grad, grads, x, targets)

@@ -214,6 +214,18 @@ tk_cross_entropy_forward_grad = tk.register_operator(
 )
 
 
+def _cross_entropy_forward_grad_over_logits_impl(a, target, ignore_index):
+    return ops.cross_entropy_forward_grad(a, target, ignore_index, overwrite=True)
+
+
+# The same with D written over the logits; only `pattern_fusion.write_gradient_over_logits` puts it in a trace, where
+# the logits are a GEMM's fresh output read by nothing else.
+tk_cross_entropy_forward_grad_over_logits = tk.register_operator(
+    "tk_cross_entropy_forward_grad_over_logits", meta=_cross_entropy_forward_grad_meta,
+    fn=_cross_entropy_forward_grad_over_logits_impl, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,),
+)
+
+
 def _scale_rows_meta(t: TensorProxy, g: TensorProxy) -> TensorProxy:
     return TensorProxy(like=t)
 

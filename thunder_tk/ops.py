@@ -491,27 +491,35 @@ def cross_entropy_forward_grad_unsupported(logits: torch.Tensor) -> str | None:
     return None
 
 
-def cross_entropy_forward_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def cross_entropy_forward_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, *,
+                               overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss rows, lse, grad) with grad = softmax(logits) - onehot(target) unscaled (zero rows where target ==
     ignore_index), from one read of the logits: each row stays on chip between its two passes. The incoming
     gradient g scales the rows of what reads grad (g * (grad W), grad^T (g * X)). Logits it cannot keep on chip
-    (`cross_entropy_forward_grad_unsupported`) take the forward and backward kernels."""
+    (`cross_entropy_forward_grad_unsupported`) take the forward and backward kernels.
+
+    overwrite=True writes grad over the logits and returns the logits tensor as grad, for callers that know nothing
+    else reads the logits afterwards (saves a logits-sized buffer). The logits' rows must not overlap."""
     check_cross_entropy_args(logits, target)
     rows, classes = logits.shape
+    if overwrite and rows > 1 and classes > 1 and logits.stride(0) < classes:
+        raise ValueError(f"cross_entropy_forward_grad(overwrite=True): the logits' rows overlap (row stride "
+                         f"{logits.stride(0)} < {classes} classes)")
     if rows == 0 or cross_entropy_forward_grad_unsupported(logits) is not None:
         loss, lse = cross_entropy_forward(logits, target, ignore_index)
         ones = torch.ones((), dtype=torch.float32, device=logits.device).expand(rows)
-        return loss, lse, cross_entropy_backward(logits, target, lse, ones, ignore_index)
+        grad = cross_entropy_backward(logits, target, lse, ones, ignore_index)
+        return loss, lse, logits.copy_(grad) if overwrite else grad
     ext = _require_kernels(logits.device)
     target = target.contiguous()
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    grad = torch.empty((rows, classes), dtype=logits.dtype, device=logits.device)
+    grad = logits if overwrite else torch.empty((rows, classes), dtype=logits.dtype, device=logits.device)
+    row_stride = logits.stride(0) if rows > 1 else classes
     with _on(logits.device):
         ext.cross_entropy_forward_grad(logits.data_ptr(), target.data_ptr(), loss.data_ptr(), lse.data_ptr(),
-                                       grad.data_ptr(), classes, _DTYPE_CODES[logits.dtype], rows, classes,
-                                       logits.stride(0) if rows > 1 else classes, int(ignore_index),
+                                       grad.data_ptr(), row_stride if overwrite else classes,
+                                       _DTYPE_CODES[logits.dtype], rows, classes, row_stride, int(ignore_index),
                                        _stream_handle(logits.device))
     return loss, lse, grad
 

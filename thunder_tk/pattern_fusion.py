@@ -15,9 +15,17 @@ gives the same products, since diag(g) D W = diag(g) (D W) and (diag(g) D)^T x =
 
 The rewrite applies only where every use of dlogits (through reshapes and a 2-D transpose) is such a product;
 otherwise the explicit scaling stays, which is correct and costs one pass over D.
+
+`write_gradient_over_logits`: D is as large as the logits (2 GiB for 8192 tokens of a 128256-word vocabulary) and
+the logits are dead once D is written, where the logits are a GEMM's own output that nothing but the cross-entropy
+reads (through reshapes). There tk_cross_entropy_forward_grad becomes tk_cross_entropy_forward_grad_over_logits,
+which writes D into the logits' memory: the step's peak holds one such tensor, not two.
 """
 
 from __future__ import annotations
+
+import os
+from collections import defaultdict
 
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
@@ -108,3 +116,75 @@ def fold_row_scaling(trace):
     out.bound_symbols = flat
     out.set_provenance("tk: the cross-entropy gradient's row scaling moved onto the lm_head's GEMMs")
     return dce(out)
+
+
+# Ops whose output is memory of their own, never a view of an input.
+_FRESH_OUTPUTS = frozenset({"tk_linear", "tk_matmul", "linear", "matmul"})
+OVERWRITE_LOGITS = "cross_entropy_gradient_over_logits"
+"""THUNDER_TK_DISABLE name that keeps D in a buffer of its own (the logits untouched)."""
+
+
+def _logits_read_only_by(bsyms: list[BoundSymbol], at: int, producer: dict[str, int],
+                         users: dict[str, list[int]]) -> bool:
+    """Whether the cross-entropy at `at` reads the only view of a GEMM's fresh output that anything reads."""
+    views = _RESHAPES | _TRANSPOSES
+    a = bsyms[at].args[0]
+    root = a
+    while True:  # back through views to the op that allocated the memory
+        j = producer.get(root.name)
+        if j is None:
+            return False  # a trace input: the caller's tensor
+        made_by = bsyms[j]
+        if made_by.sym.name in views and made_by.flat_proxy_args:
+            root = made_by.flat_proxy_args[0]
+            continue
+        if made_by.sym.name not in _FRESH_OUTPUTS:
+            return False
+        break
+    seen, frontier = {root.name}, [root.name]
+    while frontier:  # every use of every view of it: the views themselves, and the cross-entropy's logits argument
+        name = frontier.pop()
+        for u in users[name]:
+            b = bsyms[u]
+            tensor_args = [p for p in b.flat_proxy_args if isinstance(p, TensorProxy)]
+            if u == at:
+                if name != a.name or sum(p.name == name for p in tensor_args) != 1:
+                    return False
+            elif b.sym.name in views and len(tensor_args) == 1 and isinstance(b.output, TensorProxy):
+                if b.output.name not in seen:
+                    seen.add(b.output.name)
+                    frontier.append(b.output.name)
+            else:
+                return False  # another reader (the return included)
+    return True
+
+
+def write_gradient_over_logits(trace):
+    """The trace with each tk_cross_entropy_forward_grad whose logits nothing else reads writing D over them."""
+    from thunder_tk import claim_rules
+    from thunder_tk.lowering import tk_cross_entropy_forward_grad, tk_cross_entropy_forward_grad_over_logits
+
+    if OVERWRITE_LOGITS in {x.strip() for x in os.environ.get(claim_rules.DISABLE_ENV, "").split(",")}:
+        return trace
+    bsyms = list(trace.bound_symbols)
+    at = [i for i, b in enumerate(bsyms) if b.sym.id == tk_cross_entropy_forward_grad.id]
+    if not at:
+        return trace
+    producer: dict[str, int] = {}
+    users: dict[str, list[int]] = defaultdict(list)
+    for i, b in enumerate(bsyms):
+        for p in b.flat_proxy_outs:
+            producer.setdefault(p.name, i)
+        for name in dict.fromkeys(p.name for p in b.flat_proxy_args):
+            users[name].append(i)
+    chosen = [i for i in at if _logits_read_only_by(bsyms, i, producer, users)]
+    if not chosen:
+        return trace
+    out = from_trace(trace)
+    with tracectx(out):
+        for i in chosen:
+            b = bsyms[i]
+            bsyms[i] = tk_cross_entropy_forward_grad_over_logits.bind(*b.args, output=b.output)
+    out.bound_symbols = bsyms
+    out.set_provenance("tk: the cross-entropy's gradient written over the logits nothing else reads")
+    return out

@@ -109,5 +109,6 @@ for rows, classes, dtype in [(3, 4096, torch.bfloat16), (2, 128256, torch.bfloat
     target = torch.randint(0, classes, (rows,), device="cuda")
     target[-1] = -100
     ops.cross_entropy_forward_grad(logits, target)
+    ops.cross_entropy_forward_grad(logits, target, overwrite=True)  # written over the logits it reads
 torch.cuda.synchronize()
 print("cross-entropy forward+grad sanitize targets ran")

@@ -437,6 +437,39 @@ def test_forward_grad_row_stride_and_fallbacks():
     assert rel_err(grad, reference_grad(odd, t, torch.ones(6, device=DEVICE))) < GRAD_TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("rows,classes", [(1, 8), (33, 128256), (257, 4104), (2, 1001)], ids=str)
+def test_forward_grad_written_over_the_logits(rows, classes, dtype):
+    """overwrite=True: grad is the logits tensor itself, holding softmax - onehot; the padding between strided rows
+    and everything past the last row stay as they were."""
+    pad = 24
+    store, target = make(rows + 1, classes + pad, dtype, seed=5)
+    target = target[:rows].clamp_max(classes - 1)
+    target[-1] = -100
+    logits = store[:rows, :classes]  # row stride classes + 24 (16-byte multiple for every dtype)
+    original, store_before = logits.clone(), store.clone()
+    ref_loss, ref_lse = reference(original, target)
+    ref_grad = reference_grad(original, target, torch.ones(rows, device=DEVICE))
+    loss, lse, grad = ops.cross_entropy_forward_grad(logits, target, overwrite=True)
+    assert grad.data_ptr() == logits.data_ptr() and grad.stride() == logits.stride()
+    assert row_err(loss, ref_loss, ref_lse) < ROW_TOL and row_err(lse, ref_lse, ref_lse) < ROW_TOL
+    assert rel_err(grad, ref_grad) < GRAD_TOL[dtype], rel_err(grad, ref_grad)
+    assert (grad[-1] == 0).all()
+    assert torch.equal(store[:rows, classes:], store_before[:rows, classes:]), "padding between rows written"
+    assert torch.equal(store[rows:], store_before[rows:]), "written past the last row"
+
+
+def test_forward_grad_over_the_logits_fallback_and_overlap():
+    odd = torch.randn(1 + 6 * 1000, device=DEVICE, dtype=torch.bfloat16)[1:].view(6, 1000)  # not 16-byte aligned
+    t = torch.randint(0, 1000, (6,), device=DEVICE)
+    ref_grad = reference_grad(odd.clone(), t, torch.ones(6, device=DEVICE))
+    _, _, grad = ops.cross_entropy_forward_grad(odd, t, overwrite=True)
+    assert grad.data_ptr() == odd.data_ptr() and rel_err(odd, ref_grad) < GRAD_TOL[torch.bfloat16]
+    overlapping = torch.randn(4096, device=DEVICE, dtype=torch.bfloat16).as_strided((8, 1024), (512, 1))
+    with pytest.raises(ValueError, match="overlap"):
+        ops.cross_entropy_forward_grad(overlapping, torch.zeros(8, dtype=torch.long, device=DEVICE), overwrite=True)
+
+
 class WideLMHeadLoss(torch.nn.Module):
     """Norm, lm_head and LitGPT's loss (per-token, fp32 mean) over a vocabulary wide enough for the gradient to come
     from the forward (lowering.FORWARD_GRAD_MIN_CLASSES)."""
@@ -473,8 +506,40 @@ def test_thunder_wide_lm_head_takes_the_gradient_from_the_forward():
         assert rel_err(p.grad, ref_p.grad) < 2e-2, rel_err(p.grad, ref_p.grad)
     assert 65600 >= lowering.FORWARD_GRAD_MIN_CLASSES
     (row,) = [r for r in thunder_tk.explain(jm).rows if r.symbol == "ltorch.cross_entropy"]
-    assert row.ran_by == "tk: tk_cross_entropy_forward_grad", str(thunder_tk.explain(jm))
+    assert row.ran_by == "tk: tk_cross_entropy_forward_grad_over_logits", str(thunder_tk.explain(jm))
     bwd = thunder.last_backward_traces(jm)[-1]
     scaled = [b for b in bwd.bound_symbols if b.sym.name == "tk_scale_rows"]
     assert scaled and all(b.output.shape[-1] == 512 for b in scaled), "the row scaling must act on (rows, hidden)"
 
+
+
+def _step_peak(model, x, target):
+    jm = thunder.jit(model, executors=[tk])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    jm(x, target).backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start, jm
+
+
+def test_gradient_over_the_logits_takes_a_logits_buffer_off_the_peak(monkeypatch):
+    from thunder_tk import pattern_fusion
+
+    torch.manual_seed(1)
+    model = WideLMHeadLoss(hidden=256, vocab=131072).to(DEVICE, torch.bfloat16)
+    x = torch.randn(2, 1024, 256, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 131072, (2, 1024), device=DEVICE)
+    logits_bytes = 2 * 1024 * 131072 * 2  # 512 MiB, next to a 64 MiB weight
+    peak_over, jm = _step_peak(model, x, target)
+    assert "tk_cross_entropy_forward_grad_over_logits" in str(thunder.last_traces(jm)[-1])
+    grads_over = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    monkeypatch.setenv("THUNDER_TK_DISABLE", pattern_fusion.OVERWRITE_LOGITS)
+    peak_apart, jm = _step_peak(model, x, target)
+    assert "tk_cross_entropy_forward_grad_over_logits" not in str(thunder.last_traces(jm)[-1])
+    grads_apart = [p.grad for p in model.parameters()] + [x.grad]
+    for a, b in zip(grads_over, grads_apart):
+        assert torch.equal(a, b)  # the same kernels on the same values
+    assert peak_over <= peak_apart - 0.9 * logits_bytes, (peak_over, peak_apart)

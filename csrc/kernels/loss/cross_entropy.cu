@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(FG_THREADS, 1) forward_grad_kernel(const __gri
         a.lse[r] = lse;
         a.loss[r] = t == a.ignore_index ? 0.f : (t < 0 || t >= a.classes) ? NAN : lse - to_float(x[t]);
     }
-    __syncthreads();
+    __syncthreads();  // every read of the row (x[t] too) is done: grad may overwrite it from here
     const float lse = row_lse;
     uint4* gv = reinterpret_cast<uint4*>(static_cast<T*>(a.grad) + r * a.grad_row_stride);
     const bool ignored = t == a.ignore_index;
@@ -358,6 +358,10 @@ const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& a) 
         return "rows of whole 16-byte vectors (classes and row strides a multiple of 16 bytes)";
     if (reinterpret_cast<uintptr_t>(a.logits) % 16 || reinterpret_cast<uintptr_t>(a.grad) % 16)
         return "logits and grad 16-byte aligned";
+    // In place: each block reads its whole row before it writes the row's gradient, so grad may be the logits
+    // themselves, row for row (rows that overlap would be read by one block while another writes them).
+    if (a.grad == a.logits && a.rows > 1 && (a.grad_row_stride != a.logits_row_stride || a.logits_row_stride < a.classes))
+        return "grad written over the logits needs the logits' row stride, with rows that do not overlap";
     if (a.classes > cross_entropy_forward_grad_max_classes(a.dtype)) return "a row too long to keep on chip";
     return nullptr;
 }

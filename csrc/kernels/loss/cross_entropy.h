@@ -36,7 +36,8 @@ cudaError_t launch_cross_entropy_backward(const cross_entropy_args& args, cudaSt
 
 // Forward and gradient from one read of the logits: loss and lse as the forward, and grad = softmax - onehot(target)
 // (not scaled by an incoming gradient; zero rows where ignored). Rows of whole 16-byte vectors, 16-byte aligned, up to
-// about 150k bf16 classes (the row stays on chip); null when it can run, else why not.
+// about 150k bf16 classes (the row stays on chip); grad may be the logits themselves (written over them, same row
+// stride); null when it can run, else why not.
 const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& args);
 // The widest row (classes) that launch_cross_entropy_forward_grad keeps on chip for logits of `dtype`.
 int64_t cross_entropy_forward_grad_max_classes(int dtype);
