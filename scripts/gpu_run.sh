@@ -43,7 +43,8 @@ fi
 if [ "$what" = all ] || [ "$what" = test ] || [ -n "${WITH_TESTS:-}" ]; then  # WITH_TESTS=1: also before dist
   step smoke timeout 120 bash -c "cd /tmp && python3 -c \"import torch; from thunder_tk import ops; a = torch.randn(256, 128, device='cuda', dtype=torch.bfloat16); print(float((ops.gemm(a, a.t()).float() - a.float() @ a.float().t()).abs().max()))\""
   step gpu_tests timeout ${GPU_TESTS_TIMEOUT:-600} bash -c "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $(for t in ${GPU_TESTS:-tests/gpu}; do printf "%s " "$here/$t"; done)-rs --junitxml=$OUT_ABS/gpu_tests.xml"
-  if [ "${SANITIZE:-1}" = 1 ]; then  # SANITIZE=0: the tests alone (the sanitizers already ran on these kernels)
+  # SANITIZE=0: the tests alone (the sanitizers already ran on these kernels); SANITIZE_ONLY=<sections>: part of them
+  if [ "${SANITIZE:-1}" = 1 ]; then
     step memcheck timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
     step racecheck timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py
     grep -q "0 hazards" "$OUT/racecheck.log" || grep -m 12 -E "Error|Write|Read|at .*0x|in .*kernel" "$OUT/racecheck.log"

@@ -1,114 +1,145 @@
-"""Representative launches of every kernel, for compute-sanitizer (memcheck, racecheck)."""
+"""Representative launches of every kernel, for compute-sanitizer (memcheck, racecheck).
+
+SANITIZE_ONLY=<section>[,<section>...] runs only those sections (names: the functions below), e.g. after a change
+that touches one kernel family: `SANITIZE_ONLY=cross_entropy,cross_entropy_forward_grad`.
+"""
+
+import os
 
 import torch
 
 from thunder_tk import ops
 
-for shape, dtype in [((2, 3, 17, 128), torch.bfloat16), ((1, 2, 9, 257), torch.float16), ((3, 1, 65, 8), torch.float32),
-                     ((1, 4, 1000, 64), torch.bfloat16)]:
-    o = torch.randn(shape, device="cuda", dtype=dtype)
-    g = torch.randn_like(o)
-    ops.attention_bwd_delta(o, g)
-flat = torch.randn(1 + 2 * 3 * 11 * 64, device="cuda", dtype=torch.bfloat16)
-o = flat[1:].view(2, 3, 11, 64)
-ops.attention_bwd_delta(o, o)
-torch.cuda.synchronize()
-print("sanitize targets ran")
+
+def attention_bwd_delta():
+    for shape, dtype in [((2, 3, 17, 128), torch.bfloat16), ((1, 2, 9, 257), torch.float16), ((3, 1, 65, 8), torch.float32),
+                         ((1, 4, 1000, 64), torch.bfloat16)]:
+        o = torch.randn(shape, device="cuda", dtype=dtype)
+        g = torch.randn_like(o)
+        ops.attention_bwd_delta(o, g)
+    flat = torch.randn(1 + 2 * 3 * 11 * 64, device="cuda", dtype=torch.bfloat16)
+    o = flat[1:].view(2, 3, 11, 64)
+    ops.attention_bwd_delta(o, o)
+    torch.cuda.synchronize()
+    print("attention_bwd_delta sanitize targets ran")
+
 
 # GEMM: every operand major, tails in M/N/K, bias.
-from thunder_tk import ops as _ops  # noqa: E402
+def gemm():
+    for M, N, K in [(129, 257, 72), (64, 300, 128)]:
+        for a in (torch.randn(M, K, device="cuda", dtype=torch.bfloat16), torch.randn(K, M, device="cuda", dtype=torch.bfloat16).t()):
+            for b in (torch.randn(K, N, device="cuda", dtype=torch.bfloat16), torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t()):
+                ops.gemm(a, b, torch.randn(N, device="cuda", dtype=torch.bfloat16))
+                ops.gemm(a, b, _schedule="dynamic")
+                ops.gemm(a, b, _cluster=2)
+                ops.gemm(a, b, torch.randn(N, device="cuda", dtype=torch.bfloat16), _pingpong=1)
+                ops.gemm(a, b, _pingpong=1, _schedule="dynamic")
+                ops.gemm(a, b, torch.randn(N, device="cuda", dtype=torch.bfloat16), _epilogue=1)
+                ops.gemm(a, b, _epilogue=1, _schedule="dynamic")
+    # The TMA-store epilogue (N % 8 == 0) with more tiles (153) than blocks, so a block stages tile after tile.
+    a = torch.randn(1100, 64, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(64, 4104, device="cuda", dtype=torch.bfloat16)
+    for schedule in ("static", "dynamic"):
+        ops.gemm(a, b, torch.randn(4104, device="cuda", dtype=torch.bfloat16), _schedule=schedule)
+        # Store warps: each consumer warpgroup hands its staged rows over once per tile.
+        ops.gemm(a, b, torch.randn(4104, device="cuda", dtype=torch.bfloat16), _schedule=schedule, _epilogue=1)
+        ops.gemm(a.t().contiguous().t(), b.t().contiguous().t(), _schedule=schedule, _epilogue=1)
+        ops.gemm(a, b, torch.randn(4104, device="cuda", dtype=torch.bfloat16), _schedule=schedule, _tile_n=128)
+        ops.gemm(a.t().contiguous().t(), b.t().contiguous().t(), _schedule=schedule, _tile_n=128)
+        # Ping-pong: 297 tiles of 128 x 128, so each consumer warpgroup of a block takes one or two, and the dynamic
+        # schedule's end markers land in either's slot.
+        ops.gemm(a, b, torch.randn(4104, device="cuda", dtype=torch.bfloat16), _schedule=schedule, _pingpong=1)
+        ops.gemm(a.t().contiguous().t(), b.t().contiguous().t(), _schedule=schedule, _pingpong=1)
+    torch.cuda.synchronize()
+    print("gemm sanitize targets ran")
 
-for M, N, K in [(129, 257, 72), (64, 300, 128)]:
-    for a in (torch.randn(M, K, device="cuda", dtype=torch.bfloat16), torch.randn(K, M, device="cuda", dtype=torch.bfloat16).t()):
-        for b in (torch.randn(K, N, device="cuda", dtype=torch.bfloat16), torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t()):
-            _ops.gemm(a, b, torch.randn(N, device="cuda", dtype=torch.bfloat16))
-            _ops.gemm(a, b, _schedule="dynamic")
-            _ops.gemm(a, b, _cluster=2)
-            _ops.gemm(a, b, torch.randn(N, device="cuda", dtype=torch.bfloat16), _pingpong=1)
-            _ops.gemm(a, b, _pingpong=1, _schedule="dynamic")
-            _ops.gemm(a, b, torch.randn(N, device="cuda", dtype=torch.bfloat16), _epilogue=1)
-            _ops.gemm(a, b, _epilogue=1, _schedule="dynamic")
-# The TMA-store epilogue (N % 8 == 0) with more tiles (153) than blocks, so a block stages tile after tile.
-a = torch.randn(1100, 64, device="cuda", dtype=torch.bfloat16)
-b = torch.randn(64, 4104, device="cuda", dtype=torch.bfloat16)
-for schedule in ("static", "dynamic"):
-    _ops.gemm(a, b, torch.randn(4104, device="cuda", dtype=torch.bfloat16), _schedule=schedule)
-    # Store warps: each consumer warpgroup hands its staged rows over once per tile.
-    _ops.gemm(a, b, torch.randn(4104, device="cuda", dtype=torch.bfloat16), _schedule=schedule, _epilogue=1)
-    _ops.gemm(a.t().contiguous().t(), b.t().contiguous().t(), _schedule=schedule, _epilogue=1)
-    _ops.gemm(a, b, torch.randn(4104, device="cuda", dtype=torch.bfloat16), _schedule=schedule, _tile_n=128)
-    _ops.gemm(a.t().contiguous().t(), b.t().contiguous().t(), _schedule=schedule, _tile_n=128)
-    # Ping-pong: 297 tiles of 128 x 128, so each consumer warpgroup of a block takes one or two, and the dynamic
-    # schedule's end markers land in either's slot.
-    _ops.gemm(a, b, torch.randn(4104, device="cuda", dtype=torch.bfloat16), _schedule=schedule, _pingpong=1)
-    _ops.gemm(a.t().contiguous().t(), b.t().contiguous().t(), _schedule=schedule, _pingpong=1)
-torch.cuda.synchronize()
-print("gemm sanitize targets ran")
 
 # Tile-library unit kernels: register tiles and shared vectors, wgmma with A in registers, TMA reduce-store.
-from thunder_tk import _extension  # noqa: E402
+def tile_library():
+    from thunder_tk import _extension
 
-_st = _extension.extension().selftest
-_s = torch.cuda.current_stream().cuda_stream
-x = torch.randn(64, 128, device="cuda")
-outs = [torch.empty(64, 128, device="cuda"), torch.empty(64, device="cuda"), torch.empty(64, device="cuda")]
-_st.row_softmax(x.data_ptr(), outs[0].data_ptr(), outs[1].data_ptr(), outs[2].data_ptr(), 128, _s)
-for mn_major in (False, True):
-    b = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
-    _st.mma_registers_a(x[:, :64].contiguous().data_ptr(), b.data_ptr(), outs[0].data_ptr(), 128, mn_major, 0, _s)
-dst = torch.randn(100, 72, device="cuda")
-_st.reduce_add(dst.data_ptr(), torch.randn(64, 32, device="cuda").data_ptr(), 2, 100, 68, 72, 60, 40, _s)
-torch.cuda.synchronize()
-print("tile-library sanitize targets ran")
+    _st = _extension.extension().selftest
+    _s = torch.cuda.current_stream().cuda_stream
+    x = torch.randn(64, 128, device="cuda")
+    outs = [torch.empty(64, 128, device="cuda"), torch.empty(64, device="cuda"), torch.empty(64, device="cuda")]
+    _st.row_softmax(x.data_ptr(), outs[0].data_ptr(), outs[1].data_ptr(), outs[2].data_ptr(), 128, _s)
+    for mn_major in (False, True):
+        b = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
+        _st.mma_registers_a(x[:, :64].contiguous().data_ptr(), b.data_ptr(), outs[0].data_ptr(), 128, mn_major, 0, _s)
+    dst = torch.randn(100, 72, device="cuda")
+    _st.reduce_add(dst.data_ptr(), torch.randn(64, 32, device="cuda").data_ptr(), 2, 100, 68, 72, 60, 40, _s)
+    torch.cuda.synchronize()
+    print("tile-library sanitize targets ran")
+
 
 # Attention forward: tails in both lengths, causal, grouped-query heads, a transposed (B, S, H, D) view, D 64/128.
 # (2, 16, 8, 600, ...): 160 tiles, more than the H100's 132 blocks, so blocks of the persistent grid take several.
-for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (2, 2, 1, 70, 300, 64, False), (1, 1, 1, 1, 1, 64, False),
-                                      (2, 16, 8, 600, 600, 64, True)]:
-    q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-    k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)
-    ops.attention_forward(q, k, torch.randn_like(k), is_causal=causal)
-torch.cuda.synchronize()
-print("attention sanitize targets ran")
+def attention_forward():
+    for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (2, 2, 1, 70, 300, 64, False), (1, 1, 1, 1, 1, 64, False),
+                                          (2, 16, 8, 600, 600, 64, True)]:
+        q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)
+        ops.attention_forward(q, k, torch.randn_like(k), is_causal=causal)
+    torch.cuda.synchronize()
+    print("attention sanitize targets ran")
+
 
 # Attention backward: causal with tails and GQA, and a non-causal key tail.
-for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (1, 2, 1, 70, 150, 64, False)]:
-    q, k, v = (torch.randn(B, h, s, D, device="cuda", dtype=torch.bfloat16) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
-    o, lse = ops.attention_forward(q, k, v, is_causal=causal)
-    ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), is_causal=causal)
-torch.cuda.synchronize()
-print("attention backward sanitize targets ran")
+def attention_backward():
+    for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (1, 2, 1, 70, 150, 64, False)]:
+        q, k, v = (torch.randn(B, h, s, D, device="cuda", dtype=torch.bfloat16) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
+        o, lse = ops.attention_forward(q, k, v, is_causal=causal)
+        ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), is_causal=causal)
+    torch.cuda.synchronize()
+    print("attention backward sanitize targets ran")
+
 
 # Cross-entropy forward and backward: bf16 rows 16-byte aligned with a vector tail (1009 classes), a row long enough
 # for the unrolled loop (20000 classes), fp32 and fp16 with odd rows, a misaligned bf16 view (element-wise path), an
 # ignored row and a target outside the classes, grad_loss per row and as an expanded scalar (stride 0).
-for rows, classes, dtype in [(5, 1009, torch.bfloat16), (2, 20000, torch.bfloat16), (3, 4097, torch.float32),
-                             (4, 9, torch.float16), (1, 1, torch.float32)]:
-    logits = torch.randn(rows, classes, device="cuda", dtype=dtype)
-    target = torch.randint(0, classes, (rows,), device="cuda")
-    target[-1] = -100
-    if rows > 2:
-        target[0] = classes
+def cross_entropy():
+    for rows, classes, dtype in [(5, 1009, torch.bfloat16), (2, 20000, torch.bfloat16), (3, 4097, torch.float32),
+                                 (4, 9, torch.float16), (1, 1, torch.float32)]:
+        logits = torch.randn(rows, classes, device="cuda", dtype=dtype)
+        target = torch.randint(0, classes, (rows,), device="cuda")
+        target[-1] = -100
+        if rows > 2:
+            target[0] = classes
+        loss, lse = ops.cross_entropy_forward(logits, target)
+        ops.cross_entropy_backward(logits, target, lse, torch.randn(rows, device="cuda"))
+        ops.cross_entropy_backward(logits, target, lse, torch.ones((), device="cuda").expand(rows))
+    logits = torch.randn(1 + 4 * 1000, device="cuda", dtype=torch.bfloat16)[1:].view(4, 1000)
+    target = torch.tensor([3, -100, 999, 0], device="cuda")
     loss, lse = ops.cross_entropy_forward(logits, target)
-    ops.cross_entropy_backward(logits, target, lse, torch.randn(rows, device="cuda"))
-    ops.cross_entropy_backward(logits, target, lse, torch.ones((), device="cuda").expand(rows))
-logits = torch.randn(1 + 4 * 1000, device="cuda", dtype=torch.bfloat16)[1:].view(4, 1000)
-target = torch.tensor([3, -100, 999, 0], device="cuda")
-loss, lse = ops.cross_entropy_forward(logits, target)
-ops.cross_entropy_backward(logits, target, lse, torch.randn(4, device="cuda"))
-wide = torch.randn(6, 1040, device="cuda", dtype=torch.bfloat16)[:, :1000]
-loss, lse = ops.cross_entropy_forward(wide, target.repeat(2)[:6].clamp_min(0), ignore_index=0)
-ops.cross_entropy_backward(wide, target.repeat(2)[:6].clamp_min(0), lse, torch.randn(6, device="cuda"), ignore_index=0)
-torch.cuda.synchronize()
-print("cross-entropy sanitize targets ran")
+    ops.cross_entropy_backward(logits, target, lse, torch.randn(4, device="cuda"))
+    wide = torch.randn(6, 1040, device="cuda", dtype=torch.bfloat16)[:, :1000]
+    loss, lse = ops.cross_entropy_forward(wide, target.repeat(2)[:6].clamp_min(0), ignore_index=0)
+    ops.cross_entropy_backward(wide, target.repeat(2)[:6].clamp_min(0), lse, torch.randn(6, device="cuda"), ignore_index=0)
+    torch.cuda.synchronize()
+    print("cross-entropy sanitize targets ran")
+
 
 # Forward and gradient from one read: a row in registers only, one that spills into shared memory (128256 classes),
 # fp32, an ignored row.
-for rows, classes, dtype in [(3, 4096, torch.bfloat16), (2, 128256, torch.bfloat16), (2, 50000, torch.float32)]:
-    logits = torch.randn(rows, classes, device="cuda", dtype=dtype)
-    target = torch.randint(0, classes, (rows,), device="cuda")
-    target[-1] = -100
-    ops.cross_entropy_forward_grad(logits, target)
-    ops.cross_entropy_forward_grad(logits, target, overwrite=True)  # written over the logits it reads
-torch.cuda.synchronize()
-print("cross-entropy forward+grad sanitize targets ran")
+def cross_entropy_forward_grad():
+    for rows, classes, dtype in [(3, 4096, torch.bfloat16), (2, 128256, torch.bfloat16), (2, 50000, torch.float32)]:
+        logits = torch.randn(rows, classes, device="cuda", dtype=dtype)
+        target = torch.randint(0, classes, (rows,), device="cuda")
+        target[-1] = -100
+        ops.cross_entropy_forward_grad(logits, target)
+        ops.cross_entropy_forward_grad(logits, target, overwrite=True)  # written over the logits it reads
+    torch.cuda.synchronize()
+    print("cross-entropy forward+grad sanitize targets ran")
+
+
+SECTIONS = [attention_bwd_delta, gemm, tile_library, attention_forward, attention_backward, cross_entropy,
+            cross_entropy_forward_grad]
+
+if __name__ == "__main__":
+    only = {x.strip() for x in os.environ.get("SANITIZE_ONLY", "").split(",") if x.strip()}
+    unknown = only - {f.__name__ for f in SECTIONS}
+    if unknown:
+        raise SystemExit(f"SANITIZE_ONLY: no section {sorted(unknown)}; sections: {[f.__name__ for f in SECTIONS]}")
+    for section in SECTIONS:
+        if not only or section.__name__ in only:
+            section()
