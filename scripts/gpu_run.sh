@@ -117,7 +117,7 @@ if bench_wanted loss; then
   cat "$OUT/bench_loss.log"
 fi
 if bench_wanted litgpt; then
-  step bench_litgpt timeout 500 python3 benchmarks/litgpt_step.py ${LITGPT_ARGS:-} --json "$OUT/litgpt_step.json" --png "$OUT/litgpt_step.png"
+  step bench_litgpt timeout ${LITGPT_TIMEOUT:-500} python3 benchmarks/litgpt_step.py ${LITGPT_ARGS:-} --json "$OUT/litgpt_step.json" --png "$OUT/litgpt_step.png"
   cat "$OUT/bench_litgpt.log"
 fi
 if bench_wanted delta; then

@@ -465,7 +465,7 @@ def test_forward_grad_over_the_logits_fallback_and_overlap():
     ref_grad = reference_grad(odd.clone(), t, torch.ones(6, device=DEVICE))
     _, _, grad = ops.cross_entropy_forward_grad(odd, t, overwrite=True)
     assert grad.data_ptr() == odd.data_ptr() and rel_err(odd, ref_grad) < GRAD_TOL[torch.bfloat16]
-    overlapping = torch.randn(4096, device=DEVICE, dtype=torch.bfloat16).as_strided((8, 1024), (512, 1))
+    overlapping = torch.randn(8 * 1024, device=DEVICE, dtype=torch.bfloat16).as_strided((8, 1024), (512, 1))
     with pytest.raises(ValueError, match="overlap"):
         ops.cross_entropy_forward_grad(overlapping, torch.zeros(8, dtype=torch.long, device=DEVICE), overwrite=True)
 
@@ -542,4 +542,6 @@ def test_gradient_over_the_logits_takes_a_logits_buffer_off_the_peak(monkeypatch
     grads_apart = [p.grad for p in model.parameters()] + [x.grad]
     for a, b in zip(grads_over, grads_apart):
         assert torch.equal(a, b)  # the same kernels on the same values
-    assert peak_over <= peak_apart - 0.9 * logits_bytes, (peak_over, peak_apart)
+    # Apart, the peak is the forward's logits and D together; written over, D and the weight's gradient (H100: 1075
+    # against 606 MB). The margin leaves room for the allocator's rounding and the small tensors.
+    assert peak_over <= peak_apart - 0.75 * logits_bytes, (peak_over, peak_apart)
