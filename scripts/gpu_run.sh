@@ -120,6 +120,10 @@ if bench_wanted litgpt; then
   step bench_litgpt timeout ${LITGPT_TIMEOUT:-500} python3 benchmarks/litgpt_step.py ${LITGPT_ARGS:-} --json "$OUT/litgpt_step.json" --png "$OUT/litgpt_step.png"
   cat "$OUT/bench_litgpt.log"
 fi
+if bench_wanted step_gemms; then  # each GEMM call of one Thunder [tk] LitGPT step, tk against cuBLAS
+  step bench_step_gemms timeout ${STEP_GEMMS_TIMEOUT:-400} python3 benchmarks/step_gemms.py ${STEP_GEMMS_ARGS:-} --json "$OUT/step_gemms.json"
+  cat "$OUT/bench_step_gemms.log"
+fi
 if bench_wanted delta; then
   step bench_delta python3 benchmarks/attention_bwd_delta.py ${BENCH_ARGS:-} --json "$OUT/attention_bwd_delta.json" --png "$OUT/attention_bwd_delta.png"
   cat "$OUT/bench_delta.log"
