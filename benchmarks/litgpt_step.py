@@ -77,14 +77,17 @@ def variants(fsdp: bool, device: torch.device):
         "thunder [tk]": thunder_variant([thunder_tk.tk]),
         # tk with the loss's forward and backward kernels instead of the gradient from the forward's read
         "thunder [tk] loss kernels": thunder_variant([thunder_tk.tk], tk_cross_entropy_forward_grad=False),
+        # tk with its GEMM claims off: the GEMMs on cuBLAS, everything else as in "thunder [tk]"
+        "thunder [tk] cuBLAS GEMMs": thunder_variant([thunder_tk.tk], tk_disable="gemm"),
     }
 
 
-VARIANT_NAMES = ("eager", "torch.compile", "thunder default", "thunder [tk]", "thunder [tk] loss kernels")
+VARIANT_NAMES = ("eager", "torch.compile", "thunder default", "thunder [tk]", "thunder [tk] loss kernels",
+                 "thunder [tk] cuBLAS GEMMs")
 # Spellings without spaces or brackets, which survive shell word splitting (gpu_run.sh's LITGPT_ARGS).
 _ALIASES = {"compile": "torch.compile", "torch_compile": "torch.compile", "default": "thunder default",
             "thunder_default": "thunder default", "tk": "thunder [tk]", "thunder_tk": "thunder [tk]",
-            "tk_loss_kernels": "thunder [tk] loss kernels"}
+            "tk_loss_kernels": "thunder [tk] loss kernels", "tk_cublas_gemms": "thunder [tk] cuBLAS GEMMs"}
 
 
 def variant_names(given: list[str] | None) -> list[str] | None:

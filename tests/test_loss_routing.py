@@ -354,3 +354,16 @@ def test_disabling_another_family_keeps_the_loss_on_tk(standin_tk_build, monkeyp
     jf = thunder.jit(_plain, executors=[tk])
     jf(logits_like(bf16), targets())
     assert loss_row(jf).claimed_by_tk
+
+
+@pytest.mark.parametrize("option", ["loss", ["gemm", "ltorch.cross_entropy"]], ids=["string", "list"])
+def test_disabled_by_compile_option(standin_tk_build, option):
+    """tk_disable turns rules off for one jitted function; another jitted without it keeps them."""
+    logits, target = logits_like(bf16), targets()
+    off = thunder.jit(_plain, executors=[tk], tk_disable=option)
+    assert_close(off(logits, target), F.cross_entropy(logits.double(), target), bf16)
+    row = loss_row(off)
+    assert not row.claimed_by_tk and row.reason == "disabled by the tk_disable compile option"
+    on = thunder.jit(_plain, executors=[tk])
+    on(logits, target)
+    assert loss_row(on).claimed_by_tk

@@ -29,11 +29,34 @@ KERNELS_IN_SOURCE = frozenset({"all_gather", "attention_backward", "attention_bw
 
 DISABLE_ENV = "THUNDER_TK_DISABLE"
 """Comma-separated rule names or families tk must not claim (e.g. ``collective`` or ``ltorch.linear``)."""
+DISABLE_OPTION = "tk_disable"
+"""The same per jitted function: ``thunder.jit(fn, executors=[tk], tk_disable="gemm")`` (a string as above, or a list)."""
 
 
-def disabled_by_env(rule: "ClaimRule") -> bool:
-    names = {x.strip() for x in os.environ.get(DISABLE_ENV, "").split(",") if x.strip()}
-    return rule.name in names or rule.family in names
+def _env_names() -> set[str]:
+    return {x.strip() for x in os.environ.get(DISABLE_ENV, "").split(",") if x.strip()}
+
+
+def _option_names() -> set[str]:
+    from thunder.core.compile_data import get_compile_option
+
+    option = get_compile_option(DISABLE_OPTION, "rule names or families tk must not claim, features it must not use")
+    if isinstance(option, str):
+        option = option.split(",")
+    return {x.strip() for x in option or () if isinstance(x, str) and x.strip()}
+
+
+def disabled_names() -> set[str]:
+    """What the environment and the compile option being compiled turn off: rule names, families, features."""
+    return _env_names() | _option_names()
+
+
+def disabled_by(rule: "ClaimRule") -> str | None:
+    """Which switch turns the rule off (its name or its family listed), or None."""
+    for source, names in ((DISABLE_ENV, _env_names()), (f"the {DISABLE_OPTION} compile option", _option_names())):
+        if rule.name in names or rule.family in names:
+            return source
+    return None
 
 
 @dataclass(frozen=True)
@@ -69,8 +92,9 @@ class ClaimRule:
     grad_transform: Callable | None = field(default=None, compare=False)
 
     def judge(self, *args, **kwargs) -> Verdict:
-        if disabled_by_env(self):
-            return decline(f"disabled by {DISABLE_ENV}")
+        switch = disabled_by(self)
+        if switch:
+            return decline(f"disabled by {switch}")
         reason = _extension.kernels_usable_reason()
         if reason:
             return decline(reason)

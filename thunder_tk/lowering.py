@@ -5,8 +5,6 @@ Kernel operators are registered with `meta=` (no subsymbols), so no fuser can pu
 
 from __future__ import annotations
 
-import os
-
 import thunder
 import thunder.torch as ltorch
 from thunder.core import prims
@@ -242,7 +240,7 @@ def _forward_grad_wanted(a) -> bool:
 
     from thunder_tk import _extension, claim_rules
 
-    disabled = {x.strip() for x in os.environ.get(claim_rules.DISABLE_ENV, "").split(",") if x.strip()}
+    disabled = claim_rules.disabled_names()
     option = get_compile_option(FORWARD_GRAD_OPTION, "the cross-entropy's gradient from its forward's read")
     return (a.shape[1] >= FORWARD_GRAD_MIN_CLASSES and a.dtype in (thunder.bfloat16, thunder.float16)
             and option is not False and FORWARD_GRAD_KERNEL not in disabled

@@ -24,7 +24,6 @@ which writes D into the logits' memory: the step's peak holds one such tensor, n
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 
 from thunder.core.proxies import TensorProxy
@@ -164,7 +163,7 @@ def write_gradient_over_logits(trace):
     from thunder_tk import claim_rules
     from thunder_tk.lowering import tk_cross_entropy_forward_grad, tk_cross_entropy_forward_grad_over_logits
 
-    if OVERWRITE_LOGITS in {x.strip() for x in os.environ.get(claim_rules.DISABLE_ENV, "").split(",")}:
+    if OVERWRITE_LOGITS in claim_rules.disabled_names():
         return trace
     bsyms = list(trace.bound_symbols)
     at = [i for i, b in enumerate(bsyms) if b.sym.id == tk_cross_entropy_forward_grad.id]
