@@ -499,10 +499,11 @@ def cross_entropy_forward_grad(logits: torch.Tensor, target: torch.Tensor, ignor
     (`cross_entropy_forward_grad_unsupported`) take the forward and backward kernels.
 
     overwrite=True writes grad over the logits and returns the logits tensor as grad, for callers that know nothing
-    else reads the logits afterwards (saves a logits-sized buffer). The logits' rows must not overlap."""
+    else reads the logits afterwards (saves a logits-sized buffer). The logits' rows must not overlap; logits the
+    kernel cannot read in place (e.g. a transposed view) get the gradient copied over them."""
     check_cross_entropy_args(logits, target)
     rows, classes = logits.shape
-    if overwrite and rows > 1 and classes > 1 and logits.stride(0) < classes:
+    if overwrite and rows > 1 and classes > 1 and logits.stride(1) == 1 and logits.stride(0) < classes:
         raise ValueError(f"cross_entropy_forward_grad(overwrite=True): the logits' rows overlap (row stride "
                          f"{logits.stride(0)} < {classes} classes)")
     if rows == 0 or cross_entropy_forward_grad_unsupported(logits) is not None:

@@ -465,6 +465,10 @@ def test_forward_grad_over_the_logits_fallback_and_overlap():
     ref_grad = reference_grad(odd.clone(), t, torch.ones(6, device=DEVICE))
     _, _, grad = ops.cross_entropy_forward_grad(odd, t, overwrite=True)
     assert grad.data_ptr() == odd.data_ptr() and rel_err(odd, ref_grad) < GRAD_TOL[torch.bfloat16]
+    t_view = torch.randn(1000, 6, device=DEVICE, dtype=torch.bfloat16).t()  # classes not contiguous: copied over
+    ref_grad = reference_grad(t_view.clone(), t, torch.ones(6, device=DEVICE))
+    _, _, grad = ops.cross_entropy_forward_grad(t_view, t, overwrite=True)
+    assert grad.data_ptr() == t_view.data_ptr() and rel_err(t_view, ref_grad) < GRAD_TOL[torch.bfloat16]
     overlapping = torch.randn(8 * 1024, device=DEVICE, dtype=torch.bfloat16).as_strided((8, 1024), (512, 1))
     with pytest.raises(ValueError, match="overlap"):
         ops.cross_entropy_forward_grad(overlapping, torch.zeros(8, dtype=torch.long, device=DEVICE), overwrite=True)
