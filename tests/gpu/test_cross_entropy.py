@@ -546,6 +546,8 @@ def test_gradient_over_the_logits_takes_a_logits_buffer_off_the_peak(monkeypatch
     grads_apart = [p.grad for p in model.parameters()] + [x.grad]
     for a, b in zip(grads_over, grads_apart):
         assert torch.equal(a, b)  # the same kernels on the same values
-    # Apart, the peak is the forward's logits and D together; written over, D and the weight's gradient (H100: 1075
-    # against 606 MB). The margin leaves room for the allocator's rounding and the small tensors.
-    assert peak_over <= peak_apart - 0.75 * logits_bytes, (peak_over, peak_apart)
+    # Written over, the step never holds two logits-sized tensors (H100: 606 MB, D and the weight's gradient); apart,
+    # the forward holds the logits and D together (1075 MB alone, 940 MB after the rest of the GPU suite: what the
+    # step frees of what was allocated before it varies, hence the margin).
+    assert peak_over < 1.25 * logits_bytes, (peak_over, logits_bytes)
+    assert peak_over <= peak_apart - 0.5 * logits_bytes, (peak_over, peak_apart)
