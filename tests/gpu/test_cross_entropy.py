@@ -8,6 +8,7 @@ torch, and a bf16 Linear + cross-entropy trained through Thunder with the loss o
 """
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -518,13 +519,20 @@ def test_thunder_wide_lm_head_takes_the_gradient_from_the_forward():
 
 
 def _step_peak(model, x, target):
+    """Peak bytes above the start of one step (compiling included). Cyclic garbage of earlier tests is collected
+    first and the collector held off: tensors freed mid-step would lower the peak relative to the start."""
     jm = thunder.jit(model, executors=[tk])
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
-    jm(x, target).backward()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - start, jm
+    gc.collect()
+    gc.disable()
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        jm(x, target).backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start, jm
+    finally:
+        gc.enable()
 
 
 def test_gradient_over_the_logits_takes_a_logits_buffer_off_the_peak(monkeypatch):
@@ -547,7 +555,6 @@ def test_gradient_over_the_logits_takes_a_logits_buffer_off_the_peak(monkeypatch
     for a, b in zip(grads_over, grads_apart):
         assert torch.equal(a, b)  # the same kernels on the same values
     # Written over, the step never holds two logits-sized tensors (H100: 606 MB, D and the weight's gradient); apart,
-    # the forward holds the logits and D together (1075 MB alone, 940 MB after the rest of the GPU suite: what the
-    # step frees of what was allocated before it varies, hence the margin).
+    # the forward holds the logits and D together (1075 MB).
     assert peak_over < 1.25 * logits_bytes, (peak_over, logits_bytes)
-    assert peak_over <= peak_apart - 0.5 * logits_bytes, (peak_over, peak_apart)
+    assert peak_over <= peak_apart - 0.75 * logits_bytes, (peak_over, peak_apart)
