@@ -2,9 +2,10 @@
 executors and Thunder with executors=[tk], in one run.
 
 Model: LitGPT's Llama-3.2-1B config (fewer layers with --n-layer, stated in the output), bf16 weights, fused
-AdamW, fp32 cross-entropy, sequence 2048. Each variant: warm-up steps, then timed steps. With --rounds R > 1 the
-variants stay built and are timed R times in turns, each round in a rotated order, and each gets the median: the
-GPU's clock drifts over a run, and one pass per variant had them 2-3% apart from run to run.
+AdamW, cross-entropy of the bf16 logits averaged in fp32 (pretrain.LossModule), sequence 2048. Each variant: warm-up
+steps, then timed steps. With --rounds R > 1 the variants stay built and are timed R times in turns, each round in a
+rotated order, and each gets the median: the GPU's clock drifts over a run, and one pass per variant had them 2-3%
+apart from run to run.
 
     python benchmarks/litgpt_step.py --n-layer 4 --json out/litgpt_step.json --png out/litgpt_step.png
 
