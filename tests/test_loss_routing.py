@@ -367,3 +367,12 @@ def test_disabled_by_compile_option(standin_tk_build, option):
     on = thunder.jit(_plain, executors=[tk])
     on(logits, target)
     assert loss_row(on).claimed_by_tk
+
+
+def test_compile_option_refuses_unknown_names(standin_tk_build):
+    from thunder_tk import claim_rules, lowering, pattern_fusion
+
+    assert {lowering.FORWARD_GRAD_KERNEL, pattern_fusion.OVERWRITE_LOGITS} <= claim_rules.DISABLE_FEATURES
+    jf = thunder.jit(_plain, executors=[tk], tk_disable="gemms")
+    with pytest.raises(ValueError, match=r"tk_disable: unknown name\(s\) \['gemms'\]"):
+        jf(logits_like(bf16), targets())

@@ -59,6 +59,8 @@ def test_overrides_are_yaml_values():
         ({"optimizer": {"class_path": "os.system"}}, "optimizer.class_path: only torch.optim optimizers"),
         ({"devices": "many"}, "devices: expected an integer or 'auto'"),
         ({"compiler": {"executors": "tk"}}, "compiler.executors: expected a list"),
+        ({"compiler": {"disable": ["gemms"]}}, "compiler.disable: unknown name 'gemms'"),
+        ({"compiler": {"disable": "gemm"}}, "compiler.disable: expected a list"),
         ({"bogus": 1}, "bogus: unknown key"),
     ],
 )
@@ -187,3 +189,12 @@ def test_local_text_files_with_a_local_tokenizer(tmp_path):
     with pytest.raises(ConfigError, match="data.paths: .*missing.txt not found"):
         pretrain(load_config(None, {**MICRO, "out_dir": str(tmp_path / "o2"),
                                      "data": {**data, "paths": [str(tmp_path / "missing.txt")]}}))
+
+
+def test_compiler_disable_reaches_the_executor(tmp_path):
+    """compiler.disable is Thunder's tk_disable option: explain names it as the reason for the turned-off rules."""
+    assert pretrain(load_config(None, {**MICRO, "out_dir": str(tmp_path), "compiler": {"disable": ["gemm"]},
+                                       "train": {**MICRO["train"], "max_steps": 1}})) is not None
+    explain = (tmp_path / "explain.txt").read_text()
+    gemm_lines = [line for line in explain.splitlines() if "linear" in line]
+    assert gemm_lines and all("disabled by the tk_disable compile option" in line for line in gemm_lines), explain

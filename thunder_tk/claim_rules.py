@@ -30,7 +30,11 @@ KERNELS_IN_SOURCE = frozenset({"all_gather", "attention_backward", "attention_bw
 DISABLE_ENV = "THUNDER_TK_DISABLE"
 """Comma-separated rule names or families tk must not claim (e.g. ``collective`` or ``ltorch.linear``)."""
 DISABLE_OPTION = "tk_disable"
-"""The same per jitted function: ``thunder.jit(fn, executors=[tk], tk_disable="gemm")`` (a string as above, or a list)."""
+"""The same per jitted function: ``thunder.jit(fn, executors=[tk], tk_disable="gemm")`` (a string as above, or a list).
+Unlike the environment variable, the option refuses names it does not know (`known_disable_names`)."""
+# Features the two switches also turn off (not rules): the cross-entropy's gradient from its forward
+# (lowering.FORWARD_GRAD_KERNEL) and D written over the logits (pattern_fusion.OVERWRITE_LOGITS).
+DISABLE_FEATURES = frozenset({"cross_entropy_forward_grad", "cross_entropy_gradient_over_logits"})
 
 
 def _env_names() -> set[str]:
@@ -41,9 +45,23 @@ def _option_names() -> set[str]:
     from thunder.core.compile_data import get_compile_option
 
     option = get_compile_option(DISABLE_OPTION, "rule names or families tk must not claim, features it must not use")
+    if option is None:
+        return set()
     if isinstance(option, str):
         option = option.split(",")
-    return {x.strip() for x in option or () if isinstance(x, str) and x.strip()}
+    if not isinstance(option, (list, tuple, set, frozenset)) or not all(isinstance(x, str) for x in option):
+        raise ValueError(f"{DISABLE_OPTION}: expected a string or a list of strings, got {option!r}")
+    names = {x.strip() for x in option if x.strip()}
+    unknown = names - known_disable_names()
+    if unknown:
+        raise ValueError(f"{DISABLE_OPTION}: unknown name(s) {sorted(unknown)}; known: "
+                         f"{', '.join(sorted(known_disable_names()))}")
+    return names
+
+
+def known_disable_names() -> frozenset[str]:
+    """Every name THUNDER_TK_DISABLE and tk_disable act on: rule names, families and DISABLE_FEATURES."""
+    return frozenset({r.name for r in RULES} | {r.family for r in RULES}) | DISABLE_FEATURES
 
 
 def disabled_names() -> set[str]:

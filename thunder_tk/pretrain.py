@@ -272,7 +272,8 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     if config.compiler.jit:
         import thunder
 
-        net = thunder.jit(net, executors=resolve_executors(config.compiler.executors))
+        options = {"tk_disable": list(config.compiler.disable)} if config.compiler.disable else {}
+        net = thunder.jit(net, executors=resolve_executors(config.compiler.executors), **options)
         if dist.world > 1:
             from thunder.distributed import fsdp
 

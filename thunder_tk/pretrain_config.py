@@ -64,6 +64,8 @@ class OptimizerArgs:
 class CompilerArgs:
     executors: list[str] = field(default_factory=lambda: ["tk"])
     jit: bool = True  # False: eager PyTorch, for comparisons
+    # tk rules, families or features to turn off for this model (Thunder's tk_disable compile option), e.g. [gemm]
+    disable: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -264,3 +266,10 @@ def validate(config: PretrainConfig) -> None:
         raise ConfigError(f"optimizer.class_path: only torch.optim optimizers, got {config.optimizer.class_path!r}")
     if not config.compiler.executors and config.compiler.jit:
         raise ConfigError("compiler.executors: name at least one executor (e.g. [tk])")
+    if config.compiler.disable:
+        from thunder_tk.claim_rules import known_disable_names
+
+        unknown = sorted(set(config.compiler.disable) - known_disable_names())
+        if unknown:
+            raise ConfigError(f"compiler.disable: unknown name {unknown[0]!r} (known: "
+                              f"{', '.join(sorted(known_disable_names()))})")
