@@ -28,10 +28,10 @@ def wide_from_64(monkeypatch):
 class LMHeadLoss(torch.nn.Module):
     """A norm, the lm_head and the loss as LitGPT's training step computes it (per-token losses, fp32 mean)."""
 
-    def __init__(self, classes=CLASSES, reduction="none", extra_logits_term=False):
+    def __init__(self, classes=CLASSES, reduction="none", extra_logits_term=False, bias=False):
         super().__init__()
         self.norm = torch.nn.LayerNorm(HIDDEN)
-        self.lm_head = torch.nn.Linear(HIDDEN, classes, bias=False)
+        self.lm_head = torch.nn.Linear(HIDDEN, classes, bias=bias)
         self.reduction = reduction
         self.extra_logits_term = extra_logits_term
 
@@ -68,7 +68,8 @@ def rel_err(actual, expected):
 
 def assert_matches_reference(model, loss, x_grad, grads, x, targets):
     """Against the same module in float64."""
-    ref = LMHeadLoss(model.lm_head.weight.shape[0], model.reduction, model.extra_logits_term).double()
+    ref = LMHeadLoss(model.lm_head.weight.shape[0], model.reduction, model.extra_logits_term,
+                     model.lm_head.bias is not None).double()
     ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     xr = x.double().requires_grad_()
     ref_loss = ref(xr, targets)
@@ -195,4 +196,15 @@ def test_overwriting_turned_off_by_env(standin_tk_build, monkeypatch):
     jm, loss, x_grad, grads, x, targets = run(model)
     fwd = ops_of(thunder.last_traces(jm)[-1])
     assert "tk_cross_entropy_forward_grad" in fwd and "tk_cross_entropy_forward_grad_over_logits" not in fwd
+    assert_matches_reference(model, loss, x_grad, grads, x, targets)
+
+
+def test_lm_head_bias_keeps_an_explicit_scaling(standin_tk_build):
+    """The bias gradient sums the scaled gradient's rows, a use that is not a GEMM: the scaling of D stays, and D is
+    still written over the logits (the GEMM's own output, read by nothing else)."""
+    model = LMHeadLoss(bias=True).to(bf16)
+    jm, loss, x_grad, grads, x, targets = run(model)
+    assert "tk_cross_entropy_forward_grad_over_logits" in ops_of(thunder.last_traces(jm)[-1])
+    scaled = [b for b in thunder.last_backward_traces(jm)[-1].bound_symbols if b.sym.name == "tk_scale_rows"]
+    assert len(scaled) == 1 and tuple(scaled[0].output.shape) == (16, CLASSES)
     assert_matches_reference(model, loss, x_grad, grads, x, targets)
