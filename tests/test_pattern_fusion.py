@@ -208,3 +208,18 @@ def test_lm_head_bias_keeps_an_explicit_scaling(standin_tk_build):
     scaled = [b for b in thunder.last_backward_traces(jm)[-1].bound_symbols if b.sym.name == "tk_scale_rows"]
     assert len(scaled) == 1 and tuple(scaled[0].output.shape) == (16, CLASSES)
     assert_matches_reference(model, loss, x_grad, grads, x, targets)
+
+
+def test_scale_rows_in_chunks_matches_one_pass(monkeypatch):
+    """ops.scale_rows (the unfolded scaling) goes through fp32 a few rows at a time; the result is the same."""
+    from thunder_tk import ops
+
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(1000, 37, generator=g).to(bf16)
+    scale = torch.randn(2000, generator=g)[::2]  # a strided incoming gradient
+    expected = (t.float() * scale.unsqueeze(1)).to(bf16)
+    monkeypatch.setattr(ops, "SCALE_ROWS_CHUNK_BYTES", 4 * 37 * 7)  # 7 rows a chunk, a short last one
+    assert torch.equal(ops.scale_rows(t, scale), expected)
+    assert torch.equal(ops.scale_rows(t.t().contiguous().t(), scale), expected)
+    with pytest.raises(ValueError, match="scale_rows takes"):
+        ops.scale_rows(t, scale[:-1])

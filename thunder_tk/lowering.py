@@ -133,6 +133,9 @@ def _matmul_meta(a: TensorProxy, b: TensorProxy) -> TensorProxy:
 
 
 _GEMM_TAGS = (OpTags.MATMUL_OP, OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD)
+
+
+# Looked up at call time (not bound at registration), so a replaced ops.gemm / ops.linear is the one that runs.
 def _linear_impl(a, w, bias):
     return ops.linear(a, w, bias)
 
