@@ -101,8 +101,8 @@ def main() -> None:
               f"eager fp32 {ms['eager_fp32']:.3f}  torch.compile {ms['compile']:.3f}", flush=True)
         del logits, target
         torch.cuda.empty_cache()
-    print_table(rows, ["problem", "tk_ms", "tk_gbps", "tk_fwd_grad_ms", "tk_fwd_grad_gbps", "eager_ms", "eager_fp32_ms", "compile_ms", "vs_eager",
-                       "vs_eager_fp32", "vs_compile"])
+    print_table(rows, ["problem", "tk_ms", "tk_gbps", "tk_fwd_grad_ms", "tk_fwd_grad_gbps", "eager_ms", "eager_fp32_ms",
+                       "compile_ms", "vs_eager", "vs_eager_fp32", "vs_compile"])
     for name in ("eager", "eager_fp32", "compile"):
         g = math.exp(sum(math.log(r[f"vs_{name}"]) for r in rows) / len(rows))
         print(f"tk speed-up over {name}: geometric mean {g:.2f}x")

@@ -368,13 +368,18 @@ def more_rounds(rows: list[dict], built: list[Built], args) -> None:
         r["tokens_per_s_per_gpu"] = r["tokens_per_s"] / _world()
 
 
-def main():
-    p = argparse.ArgumentParser()
+def add_model_arguments(p: argparse.ArgumentParser, *, n_layer: int = 4, warmup: int = 3) -> None:
+    """The arguments `Built` reads: the model, its batch and the warm-up steps."""
     p.add_argument("--model", default="Llama-3.2-1B")
-    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-layer", type=int, default=n_layer)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=warmup)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    add_model_arguments(p)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=1,
                    help="time every variant this many times in turns (variants stay built), median per variant")

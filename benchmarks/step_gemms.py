@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved_ms, print_table, write_results  # noqa: E402
-from litgpt_step import Built, variants  # noqa: E402
+from litgpt_step import Built, add_model_arguments, variants  # noqa: E402
 
 from thunder_tk import ops  # noqa: E402
 
@@ -59,11 +59,7 @@ def role(a_shape, b_shape, a_stride, b_stride) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="Llama-3.2-1B")
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=2)
+    add_model_arguments(p, n_layer=2, warmup=2)
     p.add_argument("--rounds", type=int, default=3, help="timing rounds per call, tk and cuBLAS in rotating order")
     p.add_argument("--json", default="out/step_gemms.json")
     a = p.parse_args()

@@ -512,11 +512,10 @@ def cross_entropy_forward_grad(logits: torch.Tensor, target: torch.Tensor, ignor
         grad = cross_entropy_backward(logits, target, lse, ones, ignore_index)
         return loss, lse, logits.copy_(grad) if overwrite else grad
     ext = _require_kernels(logits.device)
-    target = target.contiguous()
+    logits, target, row_stride = _cross_entropy_operands(logits, target)  # unit class stride already (checked)
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     grad = logits if overwrite else torch.empty((rows, classes), dtype=logits.dtype, device=logits.device)
-    row_stride = logits.stride(0) if rows > 1 else classes
     with _on(logits.device):
         ext.cross_entropy_forward_grad(logits.data_ptr(), target.data_ptr(), loss.data_ptr(), lse.data_ptr(),
                                        grad.data_ptr(), row_stride if overwrite else classes,

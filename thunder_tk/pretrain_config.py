@@ -269,7 +269,7 @@ def validate(config: PretrainConfig) -> None:
     if config.compiler.disable:
         from thunder_tk.claim_rules import known_disable_names
 
-        unknown = sorted(set(config.compiler.disable) - known_disable_names())
+        known = known_disable_names()
+        unknown = sorted(set(config.compiler.disable) - known)
         if unknown:
-            raise ConfigError(f"compiler.disable: unknown name {unknown[0]!r} (known: "
-                              f"{', '.join(sorted(known_disable_names()))})")
+            raise ConfigError(f"compiler.disable: unknown name {unknown[0]!r} (known: {', '.join(sorted(known))})")
