@@ -341,16 +341,48 @@ def _gemm_tickets(device: torch.device, schedule: str | None) -> int:
                            f"gemm (from {GEMM_SCHEDULE_ENV})")
 
 
+# The GEMM's stream-K workspace (where the grid's last wave would leave SMs idle, its tiles are cut into k-block
+# ranges: blocks leave fp32 partial sums and raise a flag for the block that finishes the tile). One per device and
+# stream, as torch keeps cuBLAS's: launches on one stream never overlap, so they share it; the flags start zeroed and
+# every launch leaves them zeroed. A launch captured into a CUDA graph gets its own from the graph's pool, with the
+# flags' zeroing captured before it.
+_stream_k_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _stream_k_workspace(device: torch.device, ext) -> tuple[int, int]:
+    """(partials, flags) addresses of the stream-K workspace for a launch on the current stream."""
+    capturing = torch.cuda.is_current_stream_capturing()
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    workspace = None if capturing else _stream_k_workspaces.get(key)
+    if workspace is None:
+        floats, flags = ext.gemm_stream_k_workspace()
+        # Both on the launch's stream, so the zeroing is ordered before the launch.
+        workspace = (torch.empty(floats, dtype=torch.float32, device=device),
+                     torch.zeros(flags, dtype=torch.int32, device=device))
+        if not capturing:
+            _stream_k_workspaces[key] = workspace
+    return workspace[0].data_ptr(), workspace[1].data_ptr()
+
+
+def clear_stream_k_workspaces() -> None:
+    """Frees the GEMM's per-stream stream-K workspaces (about 17 MB each on an H100); the next launch makes one."""
+    torch.cuda.synchronize()
+    _stream_k_workspaces.clear()
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
          out: torch.Tensor | None = None, _group_rows: int = 0, _cluster: int = 0,
-         _schedule: str | None = None, _tile_n: int = 0, _pingpong: int = 0, _epilogue: int = 0) -> torch.Tensor:
+         _schedule: str | None = None, _tile_n: int = 0, _pingpong: int = 0, _epilogue: int = 0,
+         _stream_k: int = 0) -> torch.Tensor:
     """a (M, K) @ b (K, N) (+ bias (N,)) by the tk kernel, bf16/fp16 with fp32 accumulation.
 
     Operands are read in place when one of their strides is 1 (either major) and the other a multiple of 8;
     others are copied first. `out`, if given, is an (M, N) tensor with unit column stride. The underscored
     arguments are tuning knobs for tests and benchmarks (`_tile_n`: output tile width 128 or 256, 0 automatic;
     `_pingpong`: 1 the consumer warpgroups take 128 x 128 tiles in turns, -1 they share each tile, 0 automatic;
-    `_epilogue`: 1 store warps write the output tiles while the consumers go on, 2 the consumers do, 0 automatic).
+    `_epilogue`: 1 store warps write the output tiles while the consumers go on, 2 the consumers do, 0 automatic;
+    `_stream_k`: 1 the persistent grid's last wave cut into k-block ranges, -1 whole tiles only, 0 automatic: where
+    whole tiles would leave SMs idle, static schedule only).
     """
     check_gemm_args(a, b, bias)
     ext = _require_kernels(a.device)
@@ -376,10 +408,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
         bias = bias.contiguous()
     (a_sm, a_sk), (b_sn, b_sk) = a_layout, b_layout
     with _on(a.device):
+        tickets = _gemm_tickets(a.device, _schedule)
+        # The workspace only where a stream-K tail may run (the kernel decides whether one pays).
+        may_split = _stream_k != -1 and tickets == 0 and _cluster != 2 and _pingpong != 1
+        partials, flags = _stream_k_workspace(a.device, ext) if may_split else (0, 0)
         ext.gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr(),
                  _DTYPE_CODES[a.dtype], M, N, K, a_sm, a_sk, b_sk, b_sn, out.stride(0) if M > 1 else N,
-                 _stream_handle(a.device), _group_rows, _cluster, _gemm_tickets(a.device, _schedule), _tile_n,
-                 _pingpong, _epilogue)
+                 _stream_handle(a.device), _group_rows, _cluster, tickets, _tile_n, _pingpong, _epilogue,
+                 _stream_k, partials, flags)
     return out
 
 

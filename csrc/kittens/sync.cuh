@@ -61,6 +61,19 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// ---- flags in global memory between the blocks of one grid (gpu scope) ----
+
+// Raises a flag after this thread's earlier writes (and those ordered before them, e.g. by a barrier).
+__device__ __forceinline__ void flag_release(int* flag, int value) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
+}
+// Reads a flag; this thread's later reads see what was written before it was raised.
+__device__ __forceinline__ int flag_acquire(const int* flag) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
+    return value;
+}
+
 }  // namespace tk::sync
 
 namespace tk::sync {

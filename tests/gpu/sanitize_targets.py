@@ -50,6 +50,15 @@ def gemm():
         # schedule's end markers land in either's slot.
         ops.gemm(a, b, torch.randn(4104, device="cuda", dtype=torch.bfloat16), _schedule=schedule, _pingpong=1)
         ops.gemm(a.t().contiguous().t(), b.t().contiguous().t(), _schedule=schedule, _pingpong=1)
+    # Stream-K: the tiles cut into k-block ranges, partial sums handed over through the workspace (153 tiles on 132
+    # blocks, all in the tail; 4 tiles of 16 k-blocks, 3 pieces each), through every epilogue and both tile widths.
+    for M, N, K in [(1100, 4104, 520), (129, 264, 1000)]:
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        ops.gemm(a, b, torch.randn(N, device="cuda", dtype=torch.bfloat16), _stream_k=1)
+        ops.gemm(a, b, _stream_k=1, _epilogue=1)
+        ops.gemm(a.t().contiguous().t(), b.t().contiguous().t(), _stream_k=1, _tile_n=128)
+        ops.gemm(a[:, : K - 8], b[: K - 8, : N - 1], _stream_k=1)  # register epilogue, K tail
     torch.cuda.synchronize()
     print("gemm sanitize targets ran")
 

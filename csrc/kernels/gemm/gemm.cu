@@ -71,10 +71,60 @@ struct shared_state {
 struct kernel_params {
     gemm_args args;
     schedule::grouped_order order;
+    schedule::split_tail split;  // static schedule: whole tiles round robin, then the stream-K tail (if any)
     int k_blocks;
     bool tma_store;  // C rows 16-byte aligned: stage the epilogue in shared memory and store with TMA
-    int* tickets;    // dynamic schedule counter, or null (static: block i takes tiles i, i + grid, ...)
+    int* tickets;    // dynamic schedule counter, or null (static: p.split)
 };
+
+// Stream-K workspace: per block slot, per consumer warpgroup, its fp32 accumulators in fragment order (each
+// thread's values as float4s 128 threads apart, so a warp's store or load is 512 contiguous bytes); sized for
+// 256-wide tiles. One flag per slot and warpgroup: 1 once the partial sums are there, 0 again once added.
+constexpr int SLOT_FLOATS = CONSUMERS * 64 * 256;
+
+__device__ __forceinline__ float4* partial_slot(const kernel_params& p, int slot, int wg) {
+    return reinterpret_cast<float4*>(p.args.partials + int64_t(slot) * SLOT_FLOATS + wg * 64 * 256) +
+           warpgroup::thread();
+}
+
+// A consumer warpgroup's partial sums of a tile into its block's slot, then its flag raised (release at gpu scope,
+// after every thread's stores: each fences, the warpgroup meets, one thread raises the flag).
+template <int BN>
+__device__ __forceinline__ void put_partial(const kernel_params& p, int block, int wg, const float (&d)[BN / 2]) {
+    float4* to = partial_slot(p, block, wg);
+#pragma unroll
+    for (int v = 0; v < BN / 8; ++v)
+        __stcg(to + v * warpgroup::threads, make_float4(d[4 * v], d[4 * v + 1], d[4 * v + 2], d[4 * v + 3]));
+    __threadfence();
+    sync::named_sync(barrier_id::warpgroup(wg), warpgroup::threads);
+    if (warpgroup::thread() == 0) sync::flag_release(p.args.flags + block * CONSUMERS + wg, 1);
+}
+
+// The finisher's side: waits for the flags of blocks [from, block) (one thread, acquire at gpu scope; it lowers
+// them for the next launch), then the warpgroup adds their partial sums, in block order (deterministic).
+template <int BN>
+__device__ __forceinline__ void take_partials(const kernel_params& p, int from, int block, int wg, float (&d)[BN / 2]) {
+    if (warpgroup::thread() == 0) {
+        for (int c = from; c < block; ++c) {
+            int* flag = p.args.flags + c * CONSUMERS + wg;
+            while (sync::flag_acquire(flag) == 0) {
+            }
+            *flag = 0;
+        }
+    }
+    sync::named_sync(barrier_id::warpgroup(wg), warpgroup::threads);
+    for (int c = from; c < block; ++c) {
+        const float4* at = partial_slot(p, c, wg);
+#pragma unroll
+        for (int v = 0; v < BN / 8; ++v) {
+            const float4 x = __ldcg(at + v * warpgroup::threads);
+            d[4 * v] += x.x;
+            d[4 * v + 1] += x.y;
+            d[4 * v + 2] += x.z;
+            d[4 * v + 3] += x.w;
+        }
+    }
+}
 
 template <typename T>
 __device__ __forceinline__ void store_pair(T* p, float x, float y, bool vector) {
@@ -237,8 +287,8 @@ __device__ __forceinline__ void walk_k_blocks(State& st, pipeline::cursor<STAGES
 
 // Consumer warpgroups: wgmma over the ring, then the epilogue of each tile.
 template <typename T, major MA, major MB, int CLUSTER, int BN, typename State, typename TileOf>
-__device__ __forceinline__ void consume(State& st, const kernel_params& p, const CUtensorMap& map_c, int pairs,
-                                        int cluster, int clusters, TileOf tile_of) {
+__device__ __forceinline__ void consume(State& st, const kernel_params& p, const CUtensorMap& map_c, int cluster,
+                                        int clusters, TileOf tile_of) {
     // A stage is free once every consumer warp of both blocks is done with it: the peer's producer writes
     // its share of B into our copy of the stage too.
     auto release = [](sync::barrier& b) {
@@ -257,29 +307,37 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
     uint32_t handoffs = 0;  // tiles handed to the store warp
 
     const bool dynamic = p.tickets != nullptr;
-    for (int t = cluster;; t += clusters) {
-        // Static: every grid-th tile. Dynamic: the producer names each tile in the stage that holds its first
+    for (int i = 0;; ++i) {
+        // Static: p.split's pieces. Dynamic: the producer names each tile in the stage that holds its first
         // k-block, and -1 when there are no more.
+        schedule::work w;
         if (dynamic) {
             st.ring.wait_full(at);
             // Lane 0 alone reads the tile and hands it to its warp: it is the lane whose arrive frees the stage,
             // so the producer's next write of tile_at is ordered after every read of it (racecheck flagged the
             // other lanes' reads, ordered before that arrive only by the warp's convergence).
-            t = __shfl_sync(0xffffffffu, (threadIdx.x & 31) == 0 ? st.tile_at[at.stage] : 0, 0);
+            const int t = __shfl_sync(0xffffffffu, (threadIdx.x & 31) == 0 ? st.tile_at[at.stage] : 0, 0);
             if (t < 0) break;
-        } else if (t >= pairs) {
-            break;
+            w = {t, 0, p.k_blocks, cluster, false};
+        } else {
+            w = p.split.item(cluster, clusters, i);
+            if (w.tile < 0) break;
         }
-        const auto tile = tile_of(t);
+        const auto tile = tile_of(w.tile);
         int kb = 0;
         walk_k_blocks(
-            st, at, p.k_blocks, dynamic, release, [&](int k) { kb = k; },
+            st, at, w.k_end - w.k_begin, dynamic, release, [&](int k) { kb = k; },
             [&](int stage) {
 #pragma unroll
                 for (int k16 = 0; k16 < BK / 16; ++k16)
                     wgmma::mma<BN, T>(d, st.a[stage], slice * 64, st.b[stage], 0, k16, (kb | k16) != 0);
             },
             [&] { wgmma::pin(d); });
+        if (w.partial) {
+            put_partial<BN>(p, cluster, slice, d);
+            continue;
+        }
+        if (w.contributors_from < cluster) take_partials<BN>(p, w.contributors_from, cluster, slice, d);
 
         const int64_t row0 = int64_t(tile.m) * BM + slice * 64, col0 = int64_t(tile.n) * BN;
         if (State::STORE_WARPS && p.tma_store)
@@ -410,21 +468,21 @@ __global__ void __launch_bounds__(THREADS, 1)
             pipeline::cursor<STAGES> at;
             // Dynamic: every block takes tickets until one is past the end, so a launch hands out exactly
             // pairs + grid tickets, and the holder of the last one resets the counter for the next launch.
-            auto next_tile = [&](int t) {
-                if (p.tickets == nullptr) return t < 0 ? cluster : t + clusters;
+            auto next_ticket = [&] {
                 const int ticket = atomicAdd(p.tickets, 1);
                 if (ticket == pairs + int(gridDim.x) - 1) atomicExch(p.tickets, 0);
                 return ticket;
             };
-            for (int t = next_tile(-1); t < pairs; t = next_tile(t)) {
+            // k-blocks [k_begin, k_end) of tile t (its index in the order) into the ring.
+            auto load_tile = [&](int t, int k_begin, int k_end) {
                 const auto tile = tile_of(t);
                 const int m0 = tile.m * BM, n0 = tile.n * BN;
-                for (int kb = 0; kb < p.k_blocks; ++kb) {
+                for (int kb = k_begin; kb < k_end; ++kb) {
                     const int k0 = kb * BK;
                     st.ring.wait_empty(at);
                     const int s = at.stage;
                     sync::barrier& full = st.ring.full[s];
-                    if (kb == 0 && p.tickets != nullptr) st.tile_at[s] = t;
+                    if (kb == k_begin && p.tickets != nullptr) st.tile_at[s] = t;
                     sync::arrive_expect_bytes(full, state_t::stage_bytes);
                     if constexpr (MA == major::k) {
                         tma::load_2d(st.a[s].data, &map_a, k0, m0, full);
@@ -450,6 +508,15 @@ __global__ void __launch_bounds__(THREADS, 1)
                         }
                     }
                     at.advance();
+                }
+            };
+            if (p.tickets != nullptr) {
+                for (int t = next_ticket(); t < pairs; t = next_ticket()) load_tile(t, 0, p.k_blocks);
+            } else {
+                for (int i = 0;; ++i) {
+                    const schedule::work w = p.split.item(cluster, clusters, i);
+                    if (w.tile < 0) break;
+                    load_tile(w.tile, w.k_begin, w.k_end);
                 }
             }
             if (p.tickets != nullptr) {  // dynamic: end of work is a stage with no bytes whose tile is -1
@@ -477,7 +544,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     } else if constexpr (PINGPONG) {
         consume_pingpong<T, MA, MB>(st, p, map_c, pairs, cluster, clusters, tile_of);
     } else {
-        consume<T, MA, MB, CLUSTER, BN>(st, p, map_c, pairs, cluster, clusters, tile_of);
+        consume<T, MA, MB, CLUSTER, BN>(st, p, map_c, cluster, clusters, tile_of);
     }
     // No block leaves while its peer may still write into its shared memory or arrive on its barriers.
     // (Lane 0 of the producer warp arrives late: reconverge the warp first, the cluster barrier is .aligned.)
@@ -536,6 +603,21 @@ cudaError_t prepare(int* grid_blocks) {
     return cudaSuccess;
 }
 
+// Whether a static launch of `tiles` tiles of `k_blocks` on a grid of `grid` takes a stream-K tail: asked for, or
+// (automatic) where whole tiles would leave idle slots in the last wave worth at least 1% of the work, with ranges
+// long enough (8 k-blocks) that a piece's fixed costs stay small. Never with the dynamic schedule (whose blocks
+// take tiles as they come, so the pieces' order is not known) or without a workspace.
+bool split_wanted(const gemm_args& g, int tiles, int k_blocks, int grid) {
+    if (g.stream_k < 0 || g.partials == nullptr || g.flags == nullptr || g.tickets != nullptr) return false;
+    if (g.stream_k == 1) return true;
+    const int64_t slots = int64_t((tiles + grid - 1) / grid) * grid;
+    return k_blocks >= 8 && (slots - tiles) * 100 >= tiles;
+}
+
+// The stream-K tail's bounds (schedule::plan_split_tail): at most 4 pieces per tile where there are fewer tiles
+// than blocks (each finisher adds the others' partial sums), and ranges of at least 4 k-blocks.
+constexpr int SPLIT_MAX_PIECES = 4, SPLIT_MIN_K_BLOCKS = 4;
+
 template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS>
 cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS>;
@@ -571,7 +653,12 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     p.k_blocks = int((g.K + BK - 1) / BK);
     p.tickets = CLUSTER == 1 ? g.tickets : nullptr;
 
-    const int clusters = std::max(1, std::min(p.order.count(), resident / CLUSTER));
+    int clusters = std::max(1, std::min(p.order.count(), resident / CLUSTER));
+    p.split = schedule::whole_tiles(p.order.count(), p.k_blocks);
+    if (CLUSTER == 1 && !PINGPONG && split_wanted(g, p.order.count(), p.k_blocks, resident)) {
+        p.split = schedule::plan_split_tail(p.order.count(), p.k_blocks, resident, SPLIT_MAX_PIECES, SPLIT_MIN_K_BLOCKS);
+        clusters = p.split.dp_tiles > 0 ? resident : p.split.sk_blocks;
+    }
     if constexpr (CLUSTER == 1) {
         kernel<<<clusters, THREADS, smem_bytes, stream>>>(map_a, map_b, map_c, p);
         return cudaGetLastError();
@@ -604,9 +691,11 @@ double wave_fill(const gemm_args& g, int tn, int sms) {
 int tile_n_of(const gemm_args& g) {
     if (g.tile_n == 128 || g.tile_n == 256) return g.tile_n;
     if (g.epilogue == 1) return 256;  // store warps asked for: they take 256-wide tiles
+    // Where a stream-K tail levels the last wave of wide tiles, they stay wide.
+    const int sms = multiprocessor_count();
+    if (split_wanted(g, int(tiles_of(g, 256)), int((g.K + BK - 1) / BK), sms)) return 256;
     // 128 wide only where 256-wide tiles leave a good part of the grid idle in their last wave and the narrower
     // ones fill it clearly better: they move a third more bytes from L2 per product.
-    const int sms = multiprocessor_count();
     const double wide = wave_fill(g, 256, sms), narrow = wave_fill(g, 128, sms);
     return wide < 0.8 && narrow > wide + 0.1 ? 128 : 256;
 }
@@ -649,6 +738,10 @@ const char* gemm_unsupported(const gemm_args& g) {
     if (g.epilogue < 0 || g.epilogue > 2) return "epilogue must be 0 (automatic), 1 (store warps) or 2 (consumers)";
     if (g.epilogue == 1 && (g.cluster == 2 || g.tile_n == 128 || g.pingpong == 1))
         return "store warps take 256-wide shared tiles with no cluster and no ping-pong";
+    if (g.stream_k < -1 || g.stream_k > 1) return "stream_k must be 0 (automatic), 1 (on) or -1 (off)";
+    if (g.stream_k == 1 && (g.cluster == 2 || g.pingpong == 1 || g.tickets != nullptr))
+        return "stream-K takes the static schedule with no cluster and no ping-pong";
+    if (g.stream_k == 1 && (g.partials == nullptr || g.flags == nullptr)) return "stream-K needs its workspace";
     if (g.a_stride_k != 1 && g.a_stride_m != 1) return "A needs a unit stride along M or K";
     if (g.b_stride_k != 1 && g.b_stride_n != 1) return "B needs a unit stride along K or N";
     const int64_t a_lead = g.a_stride_k == 1 ? g.a_stride_m : g.a_stride_k;
@@ -656,6 +749,16 @@ const char* gemm_unsupported(const gemm_args& g) {
     if (a_lead % 8 || b_lead % 8) return "leading strides must be multiples of 8 elements";
     if (!aligned16(g.a) || !aligned16(g.b)) return "A and B must be 16-byte aligned";
     return nullptr;
+}
+
+int64_t stream_k_workspace_floats() {
+    const int blocks = gemm_resident_blocks(1);
+    return blocks > 0 ? int64_t(blocks) * SLOT_FLOATS : 0;
+}
+
+int stream_k_flags() {
+    const int blocks = gemm_resident_blocks(1);
+    return blocks > 0 ? blocks * CONSUMERS : 0;
 }
 
 int gemm_resident_blocks(int cluster) {

@@ -29,7 +29,20 @@ struct gemm_args {
     // tiles instead of stretching the kernel. The kernel leaves it zeroed again. Null: each block takes every
     // grid-th tile. A counter must not be shared by launches that may run at the same time.
     int* tickets;
+    // Stream-K tail (static schedule, no cluster, no ping-pong): where the grid's last wave would leave SMs idle, the
+    // last tiles are cut into k-block ranges of equal length; a block that holds a tile's earlier k-blocks leaves its
+    // fp32 sums in its slot of `partials` and raises its flag, and the block holding the tile's last k-block adds
+    // them and stores the tile. 1: on, -1: off, 0: automatic (where idle slots of the last wave would be >= 1% of
+    // the work). `partials`: stream_k_workspace_floats() floats; `flags`: stream_k_flags() zeroed ints, which the
+    // kernel leaves zeroed again. Neither may be shared by launches that can run at the same time. Null: off.
+    int stream_k;
+    float* partials;
+    int* flags;
 };
+
+// Sizes of the stream-K workspace on the current device (its persistent grid); 0 on error.
+int64_t stream_k_workspace_floats();
+int stream_k_flags();
 
 // Why `args` cannot run (empty when it can): strides, alignment, sizes. Checked by launch_gemm too.
 const char* gemm_unsupported(const gemm_args& args);
