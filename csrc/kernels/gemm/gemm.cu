@@ -141,6 +141,16 @@ __device__ __forceinline__ void store_pair(T* p, float x, float y, bool vector) 
     p[1] = T(y);
 }
 
+// A rounded pair of output columns gc and gc + 1 plus their bias, where they lie below n (the tile's tail).
+template <typename T>
+__device__ __forceinline__ float2 plus_bias(const T* __restrict__ bias, int64_t gc, int64_t n, float x, float y) {
+    if (bias != nullptr) {
+        if (gc < n) x += to_float(bias[gc]);
+        if (gc + 1 < n) y += to_float(bias[gc + 1]);
+    }
+    return make_float2(x, y);
+}
+
 // A consumer warpgroup's 64 x COLS block of output (accumulator fragment d; first row row0, first column col0),
 // plus bias, to C: 128 columns at a time through the warpgroup's swizzled staging and TMA stores, which run on
 // while the warpgroup goes on; or, where C's rows are not 16-byte aligned, straight from registers.
@@ -160,12 +170,7 @@ __device__ __forceinline__ void write_rows64(State& st, const kernel_params& p, 
             rt::store_swizzled<T, 128, COLS>(
                 d, half * 128, 0, [&](int col) { return stage + ((col % 128) / 64) * 64 * 128; },
                 [&](int i, float x, float y) {
-                    if (bias != nullptr) {
-                        const int64_t gc = col0 + wgmma::accumulator_position(i).col;
-                        if (gc < g.N) x += to_float(bias[gc]);
-                        if (gc + 1 < g.N) y += to_float(bias[gc + 1]);
-                    }
-                    return make_float2(x, y);
+                    return plus_bias(bias, col0 + wgmma::accumulator_position(i).col, g.N, x, y);
                 });
             tma::fence_shared_to_async();
             sync::named_sync(own_barrier, warpgroup::threads);
@@ -213,14 +218,7 @@ __device__ __forceinline__ void stage_rows64(State& st, const kernel_params& p, 
     uint8_t* stage = reinterpret_cast<uint8_t*>(st.c_stage[wg]);
     rt::store_swizzled<T, BN, BN>(
         d, 0, 0, [&](int col) { return stage + (col / 64) * 64 * 128; },
-        [&](int i, float x, float y) {
-            if (bias != nullptr) {
-                const int64_t gc = col0 + wgmma::accumulator_position(i).col;
-                if (gc < n) x += to_float(bias[gc]);
-                if (gc + 1 < n) y += to_float(bias[gc + 1]);
-            }
-            return make_float2(x, y);
-        });
+        [&](int i, float x, float y) { return plus_bias(bias, col0 + wgmma::accumulator_position(i).col, n, x, y); });
     if (warpgroup::thread() == 0) {
         st.c_origin[wg][0] = row0;
         st.c_origin[wg][1] = col0;
