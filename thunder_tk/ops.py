@@ -382,7 +382,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     `_pingpong`: 1 the consumer warpgroups take 128 x 128 tiles in turns, -1 they share each tile, 0 automatic;
     `_epilogue`: 1 store warps write the output tiles while the consumers go on, 2 the consumers do, 0 automatic;
     `_stream_k`: 1 the persistent grid's last wave cut into k-block ranges, -1 whole tiles only, 0 automatic: where
-    whole tiles would leave SMs idle, static schedule only).
+    whole tiles would leave SMs idle and K >= 8192, static schedule only).
     """
     check_gemm_args(a, b, bias)
     ext = _require_kernels(a.device)

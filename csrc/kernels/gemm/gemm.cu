@@ -602,14 +602,18 @@ cudaError_t prepare(int* grid_blocks) {
 }
 
 // Whether a static launch of `tiles` tiles of `k_blocks` on a grid of `grid` takes a stream-K tail: asked for, or
-// (automatic) where whole tiles would leave idle slots in the last wave worth at least 1% of the work, with ranges
-// long enough (8 k-blocks) that a piece's fixed costs stay small. Never with the dynamic schedule (whose blocks
-// take tiles as they come, so the pieces' order is not known) or without a workspace.
+// (automatic) where whole tiles would leave idle slots in the last wave worth at least 1% of the work, K is long
+// (128 k-blocks: the tail's partial sums, 128 KB of fp32 written and read back per cut tile, cost a few
+// microseconds that only a long tile's idle time repays) and there are at least three waves. Measured on an H100
+// (benchmarks/NOTES.md) against whole tiles: +1.5-2.5% at 8192 x 2048 x 8192 (512 tiles) and 8192^3; at K = 2048-3072
+// 3-6% slower, with fewer tiles than blocks (2048 x 2048 x 8192) 8% slower, against 128-wide whole tiles (3072 x 2048
+// x 8192) 4% slower. Never with the dynamic schedule (whose blocks take tiles as they come, so the pieces' order is
+// not known) or without a workspace.
 bool split_wanted(const gemm_args& g, int tiles, int k_blocks, int grid) {
     if (g.stream_k < 0 || g.partials == nullptr || g.flags == nullptr || g.tickets != nullptr) return false;
     if (g.stream_k == 1) return true;
     const int64_t slots = int64_t((tiles + grid - 1) / grid) * grid;
-    return k_blocks >= 8 && (slots - tiles) * 100 >= tiles;
+    return k_blocks >= 128 && tiles >= 3 * grid && (slots - tiles) * 100 >= tiles;
 }
 
 // The stream-K tail's bounds (schedule::plan_split_tail): at most 4 pieces per tile where there are fewer tiles

@@ -33,7 +33,7 @@ struct gemm_args {
     // last tiles are cut into k-block ranges of equal length; a block that holds a tile's earlier k-blocks leaves its
     // fp32 sums in its slot of `partials` and raises its flag, and the block holding the tile's last k-block adds
     // them and stores the tile. 1: on, -1: off, 0: automatic (where idle slots of the last wave would be >= 1% of
-    // the work). `partials`: stream_k_workspace_floats() floats; `flags`: stream_k_flags() zeroed ints, which the
+    // the work, with K >= 8192 and at least three waves). `partials`: stream_k_workspace_floats() floats; `flags`: stream_k_flags() zeroed ints, which the
     // kernel leaves zeroed again. Neither may be shared by launches that can run at the same time. Null: off.
     int stream_k;
     float* partials;
