@@ -469,9 +469,9 @@ PYBIND11_MODULE(_C, m) {
           "counter for the dynamic tile schedule (0: static); `tile_n`: output tile width 128 or 256 (0: chosen by "
           "how well each fills the persistent grid's last wave); `pingpong`: 1 the two consumer warpgroups take "
           "128 x 128 tiles in turns, -1 they share each tile, 0 automatic; `epilogue`: 1 store warps write the output "
-          "tiles, 2 the consumers do, 0 automatic; `stream_k`: 1 the grid's last wave cut into k-block ranges, -1 "
-          "not, 0 automatic, with `partials` (fp32) and `flags` (zeroed int32) of gemm_stream_k_workspace()'s sizes, "
-          "not shared with a launch that may run at the same time (0: no stream-K).");
+          "tiles, 2 the consumers do, 0 automatic; `stream_k`: 1 the grid's last wave cut into k-block ranges, with "
+          "`partials` (fp32) and `flags` (zeroed int32) of gemm_stream_k_workspace()'s sizes, not shared with a "
+          "launch that may run at the same time; 0 or -1 whole tiles only.");
     m.def("gemm_stream_k_workspace",
           [] {
               const int64_t floats = tk::gemm::stream_k_workspace_floats();

@@ -341,8 +341,8 @@ def _gemm_tickets(device: torch.device, schedule: str | None) -> int:
                            f"gemm (from {GEMM_SCHEDULE_ENV})")
 
 
-# The GEMM's stream-K workspace (where the grid's last wave would leave SMs idle, its tiles are cut into k-block
-# ranges: blocks leave fp32 partial sums and raise a flag for the block that finishes the tile). One per device and
+# The GEMM's stream-K workspace (on request, the grid's last wave is cut into k-block ranges: blocks leave fp32
+# partial sums and raise a flag for the block that finishes the tile). One per device and
 # stream, as torch keeps cuBLAS's: launches on one stream never overlap, so they share it; the flags start zeroed and
 # every launch leaves them zeroed. A launch captured into a CUDA graph gets its own from the graph's pool, with the
 # flags' zeroing captured before it.
@@ -381,8 +381,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     arguments are tuning knobs for tests and benchmarks (`_tile_n`: output tile width 128 or 256, 0 automatic;
     `_pingpong`: 1 the consumer warpgroups take 128 x 128 tiles in turns, -1 they share each tile, 0 automatic;
     `_epilogue`: 1 store warps write the output tiles while the consumers go on, 2 the consumers do, 0 automatic;
-    `_stream_k`: 1 the persistent grid's last wave cut into k-block ranges, -1 whole tiles only, 0 automatic: where
-    whole tiles would leave SMs idle and K >= 8192, static schedule only).
+    `_stream_k`: 1 the persistent grid's last wave cut into k-block ranges (static schedule only), 0 or -1 whole
+    tiles only: no automatic rule measured faster).
     """
     check_gemm_args(a, b, bias)
     ext = _require_kernels(a.device)
@@ -409,9 +409,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     (a_sm, a_sk), (b_sn, b_sk) = a_layout, b_layout
     with _on(a.device):
         tickets = _gemm_tickets(a.device, _schedule)
-        # The workspace only where a stream-K tail may run (the kernel decides whether one pays).
-        may_split = _stream_k != -1 and tickets == 0 and _cluster != 2 and _pingpong != 1
-        partials, flags = _stream_k_workspace(a.device, ext) if may_split else (0, 0)
+        partials, flags = _stream_k_workspace(a.device, ext) if _stream_k == 1 and tickets == 0 else (0, 0)
         ext.gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr(),
                  _DTYPE_CODES[a.dtype], M, N, K, a_sm, a_sk, b_sk, b_sn, out.stride(0) if M > 1 else N,
                  _stream_handle(a.device), _group_rows, _cluster, tickets, _tile_n, _pingpong, _epilogue,

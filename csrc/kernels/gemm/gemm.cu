@@ -11,6 +11,9 @@
 // The whole tile's staging leaves room for three stages instead of four, which costs more than the hidden
 // epilogues gain where a block takes only a few tiles: there the consumers store their own rows.
 //
+// On request, a stream-K tail (schedule::split_tail): the grid's last, part-filled wave cut into k-block ranges,
+// partial sums handed between blocks through a global workspace.
+//
 // Ping-pong variant: the consumers take 128 x 128 tiles of their own in turns (the ring's tiles alternate between
 // them), so one writes its tile out while the other's products keep the tensor cores busy.
 #include "gemm.h"
@@ -601,19 +604,14 @@ cudaError_t prepare(int* grid_blocks) {
     return cudaSuccess;
 }
 
-// Whether a static launch of `tiles` tiles of `k_blocks` on a grid of `grid` takes a stream-K tail: asked for, or
-// (automatic) where whole tiles would leave idle slots in the last wave worth at least 1% of the work, K is long
-// (128 k-blocks: the tail's partial sums, 128 KB of fp32 written and read back per cut tile, cost a few
-// microseconds that only a long tile's idle time repays) and there are at least three waves. Measured on an H100
-// (benchmarks/NOTES.md) against whole tiles: +1.5-2.5% at 8192 x 2048 x 8192 (512 tiles) and 8192^3; at K = 2048-3072
-// 3-6% slower, with fewer tiles than blocks (2048 x 2048 x 8192) 8% slower, against 128-wide whole tiles (3072 x 2048
-// x 8192) 4% slower. Never with the dynamic schedule (whose blocks take tiles as they come, so the pieces' order is
-// not known) or without a workspace.
-bool split_wanted(const gemm_args& g, int tiles, int k_blocks, int grid) {
-    if (g.stream_k < 0 || g.partials == nullptr || g.flags == nullptr || g.tickets != nullptr) return false;
-    if (g.stream_k == 1) return true;
-    const int64_t slots = int64_t((tiles + grid - 1) / grid) * grid;
-    return k_blocks >= 128 && tiles >= 3 * grid && (slots - tiles) * 100 >= tiles;
+// Whether a static launch takes a stream-K tail: only on request. Against whole tiles in the same rotation on an
+// H100 (benchmarks/NOTES.md) it was 3-6% slower at K = 2048-3072 (the tail's partial sums, 128 KB of fp32 written
+// and read back per cut tile, cost more than a short tile's idle time), 8% slower with fewer tiles than blocks
+// (2048 x 2048 x 8192), and at K = 8192 with 512 tiles between 2.5% faster and 12% slower from call to call; no
+// automatic rule held up. Never with the dynamic schedule (whose blocks take tiles as they come, so the pieces'
+// order is not known) or without a workspace.
+bool split_wanted(const gemm_args& g) {
+    return g.stream_k == 1 && g.partials != nullptr && g.flags != nullptr && g.tickets == nullptr;
 }
 
 // The stream-K tail's bounds (schedule::plan_split_tail): at most 4 pieces per tile where there are fewer tiles
@@ -657,7 +655,7 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
 
     int clusters = std::max(1, std::min(p.order.count(), resident / CLUSTER));
     p.split = schedule::whole_tiles(p.order.count(), p.k_blocks);
-    if (CLUSTER == 1 && !PINGPONG && split_wanted(g, p.order.count(), p.k_blocks, resident)) {
+    if (CLUSTER == 1 && !PINGPONG && split_wanted(g)) {
         p.split = schedule::plan_split_tail(p.order.count(), p.k_blocks, resident, SPLIT_MAX_PIECES, SPLIT_MIN_K_BLOCKS);
         clusters = p.split.dp_tiles > 0 ? resident : p.split.sk_blocks;
     }
@@ -693,9 +691,8 @@ double wave_fill(const gemm_args& g, int tn, int sms) {
 int tile_n_of(const gemm_args& g) {
     if (g.tile_n == 128 || g.tile_n == 256) return g.tile_n;
     if (g.epilogue == 1) return 256;  // store warps asked for: they take 256-wide tiles
-    // Where a stream-K tail levels the last wave of wide tiles, they stay wide.
+    if (split_wanted(g)) return 256;  // the stream-K tail levels the last wave of wide tiles
     const int sms = multiprocessor_count();
-    if (split_wanted(g, int(tiles_of(g, 256)), int((g.K + BK - 1) / BK), sms)) return 256;
     // 128 wide only where 256-wide tiles leave a good part of the grid idle in their last wave and the narrower
     // ones fill it clearly better: they move a third more bytes from L2 per product.
     const double wide = wave_fill(g, 256, sms), narrow = wave_fill(g, 128, sms);
@@ -740,7 +737,7 @@ const char* gemm_unsupported(const gemm_args& g) {
     if (g.epilogue < 0 || g.epilogue > 2) return "epilogue must be 0 (automatic), 1 (store warps) or 2 (consumers)";
     if (g.epilogue == 1 && (g.cluster == 2 || g.tile_n == 128 || g.pingpong == 1))
         return "store warps take 256-wide shared tiles with no cluster and no ping-pong";
-    if (g.stream_k < -1 || g.stream_k > 1) return "stream_k must be 0 (automatic), 1 (on) or -1 (off)";
+    if (g.stream_k < -1 || g.stream_k > 1) return "stream_k must be 1 (on), 0 or -1 (off)";
     if (g.stream_k == 1 && (g.cluster == 2 || g.pingpong == 1 || g.tickets != nullptr))
         return "stream-K takes the static schedule with no cluster and no ping-pong";
     if (g.stream_k == 1 && (g.partials == nullptr || g.flags == nullptr)) return "stream-K needs its workspace";

@@ -29,12 +29,12 @@ struct gemm_args {
     // tiles instead of stretching the kernel. The kernel leaves it zeroed again. Null: each block takes every
     // grid-th tile. A counter must not be shared by launches that may run at the same time.
     int* tickets;
-    // Stream-K tail (static schedule, no cluster, no ping-pong): where the grid's last wave would leave SMs idle, the
-    // last tiles are cut into k-block ranges of equal length; a block that holds a tile's earlier k-blocks leaves its
-    // fp32 sums in its slot of `partials` and raises its flag, and the block holding the tile's last k-block adds
-    // them and stores the tile. 1: on, -1: off, 0: automatic (where idle slots of the last wave would be >= 1% of
-    // the work, with K >= 8192 and at least three waves). `partials`: stream_k_workspace_floats() floats; `flags`: stream_k_flags() zeroed ints, which the
-    // kernel leaves zeroed again. Neither may be shared by launches that can run at the same time. Null: off.
+    // Stream-K tail (static schedule, no cluster, no ping-pong), on request: the last wave's tiles are cut into
+    // k-block ranges of equal length; a block that holds a tile's earlier k-blocks leaves its fp32 sums in its slot
+    // of `partials` and raises its flag, and the block holding the tile's last k-block adds them and stores the
+    // tile. 1: on, 0 or -1: off (no automatic rule measured faster: gemm.cu). `partials`: stream_k_workspace_floats()
+    // floats; `flags`: stream_k_flags() zeroed ints, which the kernel leaves zeroed again. Neither may be shared by
+    // launches that can run at the same time.
     int stream_k;
     float* partials;
     int* flags;
