@@ -108,6 +108,36 @@ __device__ __forceinline__ void fold_vector(normaliser& nm, const vec<T>& v) {
     }
 }
 
+// The block's normalisers merged (warps by shuffles, then the warps' results through shared memory) into row r's
+// log-sum-exp and loss, which thread 0 writes and returns (other threads get an unspecified value). `t`: the row's
+// target class.
+template <int Threads, typename T>
+__device__ __forceinline__ float finish_row(normaliser nm, const cross_entropy_args& a, const T* x, int64_t r,
+                                           int64_t t) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const float om = __shfl_xor_sync(0xffffffffu, nm.max, offset);
+        const float os = __shfl_xor_sync(0xffffffffu, nm.sum, offset);
+        nm.merge(om, os);
+    }
+    __shared__ float warp_max[Threads / 32], warp_sum[Threads / 32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+        warp_max[warp] = nm.max;
+        warp_sum[warp] = nm.sum;
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return 0.f;
+    normaliser total;
+    for (int w = 0; w < Threads / 32; ++w) total.merge(warp_max[w], warp_sum[w]);
+    // A row of -inf gives lse -inf; a NaN anywhere gives NaN (fmaxf skips NaN, so the sum carries it).
+    const float lse = total.max + logf(total.sum);
+    a.lse[r] = lse;
+    // A target outside [0, classes): NaN (PyTorch asserts on the device; here the row's loss says it).
+    a.loss[r] = t == a.ignore_index ? 0.f : (t < 0 || t >= a.classes) ? NAN : lse - to_float(x[t]);
+    return lse;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant__ cross_entropy_args a) {
     const int64_t r = blockIdx.x;
@@ -120,37 +150,7 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant_
         x, C, head, vectors,
         [&](const vec<T>& v, int64_t) { fold_vector<T>(nm, v); },
         [&](float value, int64_t) { nm.add(value); });
-
-    // Block merge: warps by shuffles, then the warps' results through shared memory.
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-        const float om = __shfl_xor_sync(0xffffffffu, nm.max, offset);
-        const float os = __shfl_xor_sync(0xffffffffu, nm.sum, offset);
-        nm.merge(om, os);
-    }
-    __shared__ float warp_max[THREADS / 32], warp_sum[THREADS / 32];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) {
-        warp_max[warp] = nm.max;
-        warp_sum[warp] = nm.sum;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        normaliser total;
-        for (int w = 0; w < THREADS / 32; ++w) total.merge(warp_max[w], warp_sum[w]);
-        // A row of -inf gives lse -inf; a NaN anywhere gives NaN (fmaxf skips NaN, so the sum carries it).
-        const float lse = total.max + logf(total.sum);
-        a.lse[r] = lse;
-        const int64_t t = a.target[r];
-        float loss;
-        if (t == a.ignore_index)
-            loss = 0.f;
-        else if (t < 0 || t >= C)
-            loss = NAN;  // PyTorch asserts on the device; here the row's loss says it
-        else
-            loss = lse - to_float(x[t]);
-        a.loss[r] = loss;
-    }
+    finish_row<THREADS>(nm, a, x, r, a.target[r]);
 }
 
 template <typename T>
@@ -236,28 +236,10 @@ __global__ void __launch_bounds__(FG_THREADS, 1) forward_grad_kernel(const __gri
         fold_vector<T>(nm, v);
     }
 
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-        const float om = __shfl_xor_sync(0xffffffffu, nm.max, offset);
-        const float os = __shfl_xor_sync(0xffffffffu, nm.sum, offset);
-        nm.merge(om, os);
-    }
-    __shared__ float warp_max[FG_THREADS / 32], warp_sum[FG_THREADS / 32], row_lse;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) {
-        warp_max[warp] = nm.max;
-        warp_sum[warp] = nm.sum;
-    }
-    __syncthreads();
+    __shared__ float row_lse;
     const int64_t t = a.target[r];
-    if (threadIdx.x == 0) {
-        normaliser total;
-        for (int w = 0; w < FG_THREADS / 32; ++w) total.merge(warp_max[w], warp_sum[w]);
-        const float lse = total.max + logf(total.sum);
-        row_lse = lse;
-        a.lse[r] = lse;
-        a.loss[r] = t == a.ignore_index ? 0.f : (t < 0 || t >= a.classes) ? NAN : lse - to_float(x[t]);
-    }
+    const float lse_0 = finish_row<FG_THREADS>(nm, a, x, r, t);
+    if (threadIdx.x == 0) row_lse = lse_0;
     __syncthreads();  // every read of the row (x[t] too) is done: grad may overwrite it from here
     const float lse = row_lse;
     uint4* gv = reinterpret_cast<uint4*>(static_cast<T*>(a.grad) + r * a.grad_row_stride);
@@ -322,6 +304,9 @@ cudaError_t dispatch(const cross_entropy_args& a, bool backward, cudaStream_t st
     }
 }
 
+// Elements of a dtype code per 16-byte vector.
+int64_t elements_per_vector(int dtype_code) { return dtype_code == int(dtype::fp32) ? 4 : 8; }
+
 }  // namespace
 
 const char* cross_entropy_unsupported(const cross_entropy_args& a, bool backward) {
@@ -351,9 +336,7 @@ cudaError_t launch_cross_entropy_backward(const cross_entropy_args& args, cudaSt
 const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& a) {
     if (const char* why = cross_entropy_unsupported(a, false)) return why;
     if (a.rows > 0 && a.grad == nullptr) return "grad is required";
-    if (a.dtype != int(dtype::bf16) && a.dtype != int(dtype::fp16) && a.dtype != int(dtype::fp32))
-        return "logits dtype must be bfloat16, float16 or float32";
-    const int64_t n = a.dtype == int(dtype::fp32) ? 4 : 8;  // elements per 16-byte vector
+    const int64_t n = elements_per_vector(a.dtype);
     if (a.classes % n || (a.rows > 1 && (a.logits_row_stride % n || a.grad_row_stride % n)))
         return "rows of whole 16-byte vectors (classes and row strides a multiple of 16 bytes)";
     if (reinterpret_cast<uintptr_t>(a.logits) % 16 || reinterpret_cast<uintptr_t>(a.grad) % 16)
@@ -367,8 +350,7 @@ const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& a) 
 }
 
 int64_t cross_entropy_forward_grad_max_classes(int dtype_code) {
-    const int64_t per_vector = dtype_code == int(dtype::fp32) ? 4 : 8;
-    return (int64_t(FG_REG_VECS) * FG_THREADS + FG_SMEM_BYTES_MAX / 16) * per_vector;
+    return (int64_t(FG_REG_VECS) * FG_THREADS + FG_SMEM_BYTES_MAX / 16) * elements_per_vector(dtype_code);
 }
 
 cudaError_t launch_cross_entropy_forward_grad(const cross_entropy_args& args, cudaStream_t stream) {
