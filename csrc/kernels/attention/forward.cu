@@ -1,11 +1,11 @@
-// Attention forward for Hopper, FlashAttention-style: a persistent grid (one block per SM) walks tiles of 128 query
-// rows of one head, heaviest first when causal; Q is double-buffered, so the next tile's Q and first K/V stages
-// load while a tile's output is written. A producer warp
-// streams K and V in 128-key stages with TMA (separate rings, so S = Q K^T can start before V lands); two
-// consumer warpgroups each own 64 query rows, keep S, P and O in registers, and overlap the softmax of key block j
-// with the P V product of block j - 1 (issued before it, waited for after it); the two warpgroups take turns to
-// issue their products (ping-pong), so one's softmax runs while the other's products keep the tensor cores
-// busy. Tails in both lengths are handled
+// Attention forward for Hopper, FlashAttention-style: a persistent grid (one block per SM) walks tiles of query
+// rows of one head (128 at D = 128, 192 at D = 64), heaviest first when causal; Q is double-buffered, so the next
+// tile's Q and first K/V stages load while a tile's output is written. A producer warp
+// streams K and V in 128-key stages with TMA (separate rings, so S = Q K^T can start before V lands); the consumer
+// warpgroups (two at D = 128, three at D = 64) each own 64 query rows, keep S, P and O in registers, and overlap the
+// softmax of key block j with the P V product of block j - 1 (issued before it, waited for after it); the
+// warpgroups take turns to issue their products (ping-pong, round robin), so their softmax runs while another's
+// products keep the tensor cores busy. Tails in both lengths are handled
 // in-kernel: TMA zero-fills rows past the end, the softmax masks keys past kv_len, and the O store is clipped.
 #include "forward.h"
 #include "../../kittens/kittens.cuh"
@@ -21,16 +21,29 @@ namespace {
 
 using wgmma::major;
 
-constexpr int BM = 128;  // query rows per block, 64 per consumer warpgroup
 constexpr int BN = 128;  // keys per stage
 constexpr int STAGES = 2;
-constexpr int CONSUMERS = 2, THREADS = (CONSUMERS + 1) * warpgroup::threads;
 constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
-constexpr int PRODUCER_REGISTERS = 24, CONSUMER_REGISTERS = 240;
-static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, CONSUMER_REGISTERS));
+constexpr int PRODUCER_REGISTERS = 24;
+
+// Consumer warpgroups per block, 64 query rows each: three at D = 64, whose products are short next to the softmax
+// of the same scores, so two warpgroups' softmax can run under the third's products; two at D = 128, whose S, P and
+// O need 240 registers a thread.
+template <int D>
+struct config {
+    static constexpr int CONSUMERS = D == 64 ? 3 : 2;
+    static constexpr int BM = 64 * CONSUMERS;  // query rows per tile
+    static constexpr int THREADS = (CONSUMERS + 1) * warpgroup::threads;
+    static constexpr int CONSUMER_REGISTERS = D == 64 ? 160 : 240;
+    static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, CONSUMER_REGISTERS));
+};
+// Named barriers: 0 is __syncthreads; 1 + wg a consumer warpgroup's own; the ping-pong turns after them.
+template <int D>
+__device__ __forceinline__ int turn_barrier(int wg) { return 1 + config<D>::CONSUMERS + wg; }
 
 template <typename T, int D>
 struct shared_state {
+    static constexpr int BM = config<D>::BM;
     // [tile parity][64-wide panel of D]; each warpgroup stages its O rows here once its last scores are done
     wgmma::operand_tile<T, BM, major::k> q[2][D / 64];
     wgmma::operand_tile<T, BN, major::k> k[STAGES][D / 64];   // S = Q K^T: keys are B's N, D is the reduction
@@ -58,6 +71,7 @@ struct block_work {
 // Causal tiles differ in work (row tile i sees i + 1 key blocks): within each L2 chunk of heads the heaviest
 // tiles start first. Otherwise the query tiles of one head are neighbours, so blocks running together share its
 // K and V in L2.
+template <int BM>
 __device__ __forceinline__ block_work work_of(const kernel_params& p, int linear) {
     const forward_args& a = p.args;
     const int64_t bh_count = a.batch * a.q_heads;
@@ -101,7 +115,8 @@ __device__ __forceinline__ void produce(shared_state<T, D>& st, const kernel_par
             return;
         }
         st.q_tile_of[at_q.stage] = t;
-        const block_work w = work_of(p, t);
+        constexpr int BM = config<D>::BM;
+        const block_work w = work_of<BM>(p, t);
         const int kv_head = w.head / p.kv_group;
         sync::arrive_expect_bytes(q_full, shared_state<T, D>::q_bytes);
         for (int dp = 0; dp < D / 64; ++dp)
@@ -133,8 +148,9 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kerne
                                              int qb, int& pending, pipeline::cursor<STAGES>& at_k,
                                              pipeline::cursor<STAGES>& at_v, const CUtensorMap& map_o) {
     const forward_args& a = p.args;
+    constexpr int CONSUMERS = config<D>::CONSUMERS;
     const int slice = warpgroup::index() - 1;  // query rows [64 slice, 64 slice + 64) of the tile
-    const int64_t row0 = int64_t(w.q_tile) * BM + slice * 64;
+    const int64_t row0 = int64_t(w.q_tile) * config<D>::BM + slice * 64;
     const bool lane0 = (threadIdx.x & 31) == 0;
     rt::acc_tile<BN> s;
     rt::acc_tile<D> o;
@@ -197,12 +213,12 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kerne
         return alpha;
     };
 
-    // Ping-pong: a warpgroup issues its products only in its turn and then hands the turn over. Every turn is
-    // matched over the whole walk: warpgroup 1 opens with a hand-over and warpgroup 0 takes a last, empty turn
-    // (both in consume).
+    // Ping-pong: a warpgroup issues its products only in its turn and then hands the turn to the next (round
+    // robin). Every turn is matched over the whole walk: the last warpgroup opens with a hand-over and warpgroup 0
+    // takes a last, empty turn (both in consume).
     constexpr int turn_threads = 2 * warpgroup::threads;
-    auto my_turn = [&] { sync::named_sync(3 + slice, turn_threads); };
-    auto hand_over = [&] { sync::named_arrive(3 + (slice ^ 1), turn_threads); };
+    auto my_turn = [&] { sync::named_sync(turn_barrier<D>(slice), turn_threads); };
+    auto hand_over = [&] { sync::named_arrive(turn_barrier<D>((slice + 1) % CONSUMERS), turn_threads); };
 
     // Block 0: scores, softmax, P.
     st.k_ring.wait_full(at_k);
@@ -286,7 +302,9 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kerne
 
 template <typename T, int D>
 __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_params& p, const CUtensorMap& map_o) {
-    if (warpgroup::index() == 2) sync::named_arrive(3, 2 * warpgroup::threads);  // warpgroup 0 takes the first turn
+    constexpr int CONSUMERS = config<D>::CONSUMERS;
+    // Warpgroup 0 takes the first turn: the last one hands it over.
+    if (warpgroup::index() == CONSUMERS) sync::named_arrive(turn_barrier<D>(0), 2 * warpgroup::threads);
     pipeline::cursor<2> at_q;
     pipeline::cursor<STAGES> at_k, at_v;
     int pending = -1;  // the Q buffer whose O store the leader has yet to see read (its hand-back is owed)
@@ -294,20 +312,22 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         st.q_ring.wait_full(at_q);
         const int t = st.q_tile_of[at_q.stage];
         if (t < 0) break;
-        consume_tile<T, D>(st, p, work_of(p, t), at_q.stage, pending, at_k, at_v, map_o);
+        consume_tile<T, D>(st, p, work_of<config<D>::BM>(p, t), at_q.stage, pending, at_k, at_v, map_o);
     }
-    if (warpgroup::index() == 1) sync::named_sync(3, 2 * warpgroup::threads);  // warpgroup 1's last hand-over
+    // Warpgroup 0 takes the last warpgroup's last hand-over.
+    if (warpgroup::index() == 1) sync::named_sync(turn_barrier<D>(0), 2 * warpgroup::threads);
     if (warpgroup::thread() == 0) tma::store_wait();  // the last outputs are in global memory
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(THREADS, 1)
+__global__ void __launch_bounds__(config<D>::THREADS, 1)
     forward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                    const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_o,
                    const __grid_constant__ kernel_params p) {
     using state_t = shared_state<T, D>;
     extern __shared__ uint8_t raw_smem[];
     auto& st = aligned_shared<state_t>(raw_smem);
+    constexpr int CONSUMERS = config<D>::CONSUMERS;
     if (threadIdx.x == 0) {
         st.k_ring.init(1, CONSUMERS * 4);  // the producer; lane 0 of every consumer warp
         st.v_ring.init(1, CONSUMERS * 4);
@@ -319,7 +339,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         warpgroup::decrease_registers<PRODUCER_REGISTERS>();
         if (threadIdx.x == 0) produce<T, D>(st, p, map_q, map_k, map_v);
     } else {
-        warpgroup::increase_registers<CONSUMER_REGISTERS>();
+        warpgroup::increase_registers<config<D>::CONSUMER_REGISTERS>();
         consume<T, D>(st, p, map_o);
     }
 }
@@ -340,7 +360,7 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
         return cudaErrorInvalidValue;
     kernel_params p;
     p.args = a;
-    p.q_tiles = int((a.q_len + BM - 1) / BM);
+    p.q_tiles = int((a.q_len + config<D>::BM - 1) / config<D>::BM);
     p.kv_group = int(a.q_heads / a.kv_heads);
     p.scale_log2 = a.scale * LOG2E;
     p.tiles = int(int64_t(p.q_tiles) * a.batch * a.q_heads);
@@ -353,7 +373,8 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
                         : int(a.batch * a.q_heads);
     const int64_t blocks = std::min<int64_t>(p.tiles, a.max_blocks > 0 ? a.max_blocks : multiprocessor_count());
     if (blocks <= 0) return cudaErrorInvalidValue;
-    forward_kernel<T, D><<<unsigned(blocks), THREADS, smem_bytes_of<T, D>, stream>>>(map_q, map_k, map_v, map_o, p);
+    forward_kernel<T, D><<<unsigned(blocks), config<D>::THREADS, smem_bytes_of<T, D>, stream>>>(map_q, map_k, map_v,
+                                                                                                 map_o, p);
     return cudaGetLastError();
 }
 
@@ -364,7 +385,7 @@ const char* forward_unsupported(const forward_args& a) {
                                                        a.kv_len, a.causal, a.scale))
         return reason;
     // Tiles and the dynamic schedule's tickets (tiles + grid of them) count in int.
-    if (a.batch * a.q_heads * ((a.q_len + BM - 1) / BM) >= (int64_t(1) << 31) - 65536) return "too many tiles";
+    if (a.batch * a.q_heads * ((a.q_len + 127) / 128) >= (int64_t(1) << 31) - 65536) return "too many tiles";
     if (a.batch * a.q_heads >= (int64_t(1) << 31)) return "too many heads";
     if (a.lse == nullptr) return "lse must be given";
     if (a.max_blocks < 0) return "max_blocks must be >= 0";
