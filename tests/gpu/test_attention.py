@@ -106,6 +106,7 @@ CASES = [
     (1, 2, 2, 1, 4097, 128, False),  # one query against a long cache
     (1, 4, 4, 4097, 128, 64, False),  # Sq > Sk
     (1, 2, 1, 128, 17, 128, False),
+    (1, 2, 1, 2500, 2500, 64, True),  # causal D = 64 from 2048 queries: 192-row tiles (three warpgroups), a tail of 4
 ]
 
 
@@ -127,6 +128,7 @@ def test_matches_fp64_reference(case, dtype):
     (1, 2, 1, 300, 64, False),  # 3 key blocks per tile, 6 tiles
     (2, 2, 2, 257, 128, True),  # tiles of 1 to 3 key blocks, heaviest first
     (3, 4, 4, 128, 128, True),  # one key block per tile
+    (1, 3, 3, 2100, 64, True),  # causal D = 64 over 2048+ queries: 192-row tiles, 11 per head, up to 17 key blocks
 ])
 def test_persistent_grid_walks_many_tiles(B, Hq, Hkv, S, D, causal, max_blocks, schedule):
     # The forward runs one block per SM; a capped grid makes every block walk several tiles (K/V stages, Q buffers

@@ -26,24 +26,25 @@ constexpr int STAGES = 2;
 constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
 constexpr int PRODUCER_REGISTERS = 24;
 
-// Consumer warpgroups per block, 64 query rows each: three at D = 64, whose products are short next to the softmax
-// of the same scores, so two warpgroups' softmax can run under the third's products; two at D = 128, whose S, P and
-// O need 240 registers a thread.
-template <int D>
+// C consumer warpgroups per block, 64 query rows each: two, or three at D = 64 (launch_forward says where), whose
+// products are short next to the softmax of the same scores, so two warpgroups' softmax can run under the third's
+// products. At D = 128 S, P and O need 240 registers a thread: two only.
+template <int D, int C>
 struct config {
-    static constexpr int CONSUMERS = D == 64 ? 3 : 2;
-    static constexpr int BM = 64 * CONSUMERS;  // query rows per tile
-    static constexpr int THREADS = (CONSUMERS + 1) * warpgroup::threads;
-    static constexpr int CONSUMER_REGISTERS = D == 64 ? 160 : 240;
+    static_assert(C == 2 || (C == 3 && D == 64), "three consumer warpgroups fit D = 64's registers only");
+    static constexpr int CONSUMERS = C;
+    static constexpr int BM = 64 * C;  // query rows per tile
+    static constexpr int THREADS = (C + 1) * warpgroup::threads;
+    static constexpr int CONSUMER_REGISTERS = C == 3 ? 160 : 240;
     static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, CONSUMER_REGISTERS));
 };
 // Named barriers: 0 is __syncthreads; 1 + wg a consumer warpgroup's own; the ping-pong turns after them.
-template <int D>
-__device__ __forceinline__ int turn_barrier(int wg) { return 1 + config<D>::CONSUMERS + wg; }
+template <int C>
+__device__ __forceinline__ int turn_barrier(int wg) { return 1 + C + wg; }
 
-template <typename T, int D>
+template <typename T, int D, int C>
 struct shared_state {
-    static constexpr int BM = config<D>::BM;
+    static constexpr int BM = config<D, C>::BM;
     // [tile parity][64-wide panel of D]; each warpgroup stages its O rows here once its last scores are done
     wgmma::operand_tile<T, BM, major::k> q[2][D / 64];
     wgmma::operand_tile<T, BN, major::k> k[STAGES][D / 64];   // S = Q K^T: keys are B's N, D is the reduction
@@ -90,8 +91,8 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p, int linear
     return {q_tile, int(bh % a.q_heads), int(bh / a.q_heads), kv_blocks};
 }
 
-template <typename T, int D>
-__device__ __forceinline__ void produce(shared_state<T, D>& st, const kernel_params& p, const CUtensorMap& map_q,
+template <typename T, int D, int C>
+__device__ __forceinline__ void produce(shared_state<T, D, C>& st, const kernel_params& p, const CUtensorMap& map_q,
                                         const CUtensorMap& map_k, const CUtensorMap& map_v) {
     tma::prefetch_map(&map_q);
     tma::prefetch_map(&map_k);
@@ -115,10 +116,10 @@ __device__ __forceinline__ void produce(shared_state<T, D>& st, const kernel_par
             return;
         }
         st.q_tile_of[at_q.stage] = t;
-        constexpr int BM = config<D>::BM;
+        constexpr int BM = config<D, C>::BM;
         const block_work w = work_of<BM>(p, t);
         const int kv_head = w.head / p.kv_group;
-        sync::arrive_expect_bytes(q_full, shared_state<T, D>::q_bytes);
+        sync::arrive_expect_bytes(q_full, shared_state<T, D, C>::q_bytes);
         for (int dp = 0; dp < D / 64; ++dp)
             for (int r = 0; r < BM / 64; ++r)
                 tma::load_4d(st.q[at_q.stage][dp].data + r * 64 * 64, &map_q, dp * 64, w.q_tile * BM + r * 64,
@@ -127,13 +128,13 @@ __device__ __forceinline__ void produce(shared_state<T, D>& st, const kernel_par
         for (int j = 0; j < w.kv_blocks; ++j) {
             const int s = at.stage, key0 = j * BN;
             st.k_ring.wait_empty(at);
-            sync::arrive_expect_bytes(st.k_ring.full[s], shared_state<T, D>::kv_bytes);
+            sync::arrive_expect_bytes(st.k_ring.full[s], shared_state<T, D, C>::kv_bytes);
             for (int dp = 0; dp < D / 64; ++dp)
                 for (int r = 0; r < BN / 64; ++r)
                     tma::load_4d(st.k[s][dp].data + r * 64 * 64, &map_k, dp * 64, key0 + r * 64, kv_head, w.batch,
                                  st.k_ring.full[s]);
             st.v_ring.wait_empty(at);
-            sync::arrive_expect_bytes(st.v_ring.full[s], shared_state<T, D>::kv_bytes);
+            sync::arrive_expect_bytes(st.v_ring.full[s], shared_state<T, D, C>::kv_bytes);
             for (int kp = 0; kp < BN / 64; ++kp)
                 for (int dp = 0; dp < D / 64; ++dp)  // panel dp of the MN-major tile: 64 keys (lines) x 64 of D
                     tma::load_4d(st.v[s][kp].data + dp * 64 * 64, &map_v, dp * 64, key0 + kp * 64, kv_head,
@@ -143,14 +144,14 @@ __device__ __forceinline__ void produce(shared_state<T, D>& st, const kernel_par
     }
 }
 
-template <typename T, int D>
-__device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
+template <typename T, int D, int C>
+__device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const kernel_params& p, const block_work& w,
                                              int qb, int& pending, pipeline::cursor<STAGES>& at_k,
                                              pipeline::cursor<STAGES>& at_v, const CUtensorMap& map_o) {
     const forward_args& a = p.args;
-    constexpr int CONSUMERS = config<D>::CONSUMERS;
+    constexpr int CONSUMERS = config<D, C>::CONSUMERS;
     const int slice = warpgroup::index() - 1;  // query rows [64 slice, 64 slice + 64) of the tile
-    const int64_t row0 = int64_t(w.q_tile) * config<D>::BM + slice * 64;
+    const int64_t row0 = int64_t(w.q_tile) * config<D, C>::BM + slice * 64;
     const bool lane0 = (threadIdx.x & 31) == 0;
     rt::acc_tile<BN> s;
     rt::acc_tile<D> o;
@@ -217,8 +218,8 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kerne
     // robin). Every turn is matched over the whole walk: the last warpgroup opens with a hand-over and warpgroup 0
     // takes a last, empty turn (both in consume).
     constexpr int turn_threads = 2 * warpgroup::threads;
-    auto my_turn = [&] { sync::named_sync(turn_barrier<D>(slice), turn_threads); };
-    auto hand_over = [&] { sync::named_arrive(turn_barrier<D>((slice + 1) % CONSUMERS), turn_threads); };
+    auto my_turn = [&] { sync::named_sync(turn_barrier<C>(slice), turn_threads); };
+    auto hand_over = [&] { sync::named_arrive(turn_barrier<C>((slice + 1) % CONSUMERS), turn_threads); };
 
     // Block 0: scores, softmax, P.
     st.k_ring.wait_full(at_k);
@@ -300,11 +301,11 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D>& st, const kerne
     pending = qb;
 }
 
-template <typename T, int D>
-__device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_params& p, const CUtensorMap& map_o) {
-    constexpr int CONSUMERS = config<D>::CONSUMERS;
+template <typename T, int D, int C>
+__device__ __forceinline__ void consume(shared_state<T, D, C>& st, const kernel_params& p, const CUtensorMap& map_o) {
+    constexpr int CONSUMERS = config<D, C>::CONSUMERS;
     // Warpgroup 0 takes the first turn: the last one hands it over.
-    if (warpgroup::index() == CONSUMERS) sync::named_arrive(turn_barrier<D>(0), 2 * warpgroup::threads);
+    if (warpgroup::index() == CONSUMERS) sync::named_arrive(turn_barrier<C>(0), 2 * warpgroup::threads);
     pipeline::cursor<2> at_q;
     pipeline::cursor<STAGES> at_k, at_v;
     int pending = -1;  // the Q buffer whose O store the leader has yet to see read (its hand-back is owed)
@@ -312,22 +313,22 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         st.q_ring.wait_full(at_q);
         const int t = st.q_tile_of[at_q.stage];
         if (t < 0) break;
-        consume_tile<T, D>(st, p, work_of<config<D>::BM>(p, t), at_q.stage, pending, at_k, at_v, map_o);
+        consume_tile<T, D, C>(st, p, work_of<config<D, C>::BM>(p, t), at_q.stage, pending, at_k, at_v, map_o);
     }
     // Warpgroup 0 takes the last warpgroup's last hand-over.
-    if (warpgroup::index() == 1) sync::named_sync(turn_barrier<D>(0), 2 * warpgroup::threads);
+    if (warpgroup::index() == 1) sync::named_sync(turn_barrier<C>(0), 2 * warpgroup::threads);
     if (warpgroup::thread() == 0) tma::store_wait();  // the last outputs are in global memory
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(config<D>::THREADS, 1)
+template <typename T, int D, int C>
+__global__ void __launch_bounds__(config<D, C>::THREADS, 1)
     forward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                    const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_o,
                    const __grid_constant__ kernel_params p) {
-    using state_t = shared_state<T, D>;
+    using state_t = shared_state<T, D, C>;
     extern __shared__ uint8_t raw_smem[];
     auto& st = aligned_shared<state_t>(raw_smem);
-    constexpr int CONSUMERS = config<D>::CONSUMERS;
+    constexpr int CONSUMERS = config<D, C>::CONSUMERS;
     if (threadIdx.x == 0) {
         st.k_ring.init(1, CONSUMERS * 4);  // the producer; lane 0 of every consumer warp
         st.v_ring.init(1, CONSUMERS * 4);
@@ -337,19 +338,19 @@ __global__ void __launch_bounds__(config<D>::THREADS, 1)
     __syncthreads();
     if (warpgroup::index() == 0) {
         warpgroup::decrease_registers<PRODUCER_REGISTERS>();
-        if (threadIdx.x == 0) produce<T, D>(st, p, map_q, map_k, map_v);
+        if (threadIdx.x == 0) produce<T, D, C>(st, p, map_q, map_k, map_v);
     } else {
-        warpgroup::increase_registers<config<D>::CONSUMER_REGISTERS>();
-        consume<T, D>(st, p, map_o);
+        warpgroup::increase_registers<config<D, C>::CONSUMER_REGISTERS>();
+        consume<T, D, C>(st, p, map_o);
     }
 }
 
-template <typename T, int D>
-constexpr int smem_bytes_of = sizeof(shared_state<T, D>) + 1024;  // + alignment to 1024 bytes
+template <typename T, int D, int C>
+constexpr int smem_bytes_of = sizeof(shared_state<T, D, C>) + 1024;  // + alignment to 1024 bytes
 
-template <typename T, int D>
+template <typename T, int D, int C>
 cudaError_t launch(const forward_args& a, cudaStream_t stream) {
-    if (cudaError_t e = opt_in_shared_memory<forward_kernel<T, D>>(smem_bytes_of<T, D>); e != cudaSuccess) return e;
+    if (cudaError_t e = opt_in_shared_memory<forward_kernel<T, D, C>>(smem_bytes_of<T, D, C>); e != cudaSuccess) return e;
     CUtensorMap map_q{}, map_k{}, map_v{}, map_o{};
     constexpr CUtensorMapDataType type = tma::element_type<T>();
     using layout::map_of;
@@ -360,7 +361,7 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
         return cudaErrorInvalidValue;
     kernel_params p;
     p.args = a;
-    p.q_tiles = int((a.q_len + config<D>::BM - 1) / config<D>::BM);
+    p.q_tiles = int((a.q_len + config<D, C>::BM - 1) / config<D, C>::BM);
     p.kv_group = int(a.q_heads / a.kv_heads);
     p.scale_log2 = a.scale * LOG2E;
     p.tiles = int(int64_t(p.q_tiles) * a.batch * a.q_heads);
@@ -373,7 +374,7 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
                         : int(a.batch * a.q_heads);
     const int64_t blocks = std::min<int64_t>(p.tiles, a.max_blocks > 0 ? a.max_blocks : multiprocessor_count());
     if (blocks <= 0) return cudaErrorInvalidValue;
-    forward_kernel<T, D><<<unsigned(blocks), config<D>::THREADS, smem_bytes_of<T, D>, stream>>>(map_q, map_k, map_v,
+    forward_kernel<T, D, C><<<unsigned(blocks), config<D, C>::THREADS, smem_bytes_of<T, D, C>, stream>>>(map_q, map_k, map_v,
                                                                                                  map_o, p);
     return cudaGetLastError();
 }
@@ -402,8 +403,14 @@ const char* forward_unsupported(const forward_args& a) {
 cudaError_t launch_forward(const forward_args& a, cudaStream_t stream) {
     if (forward_unsupported(a) != nullptr) return cudaErrorInvalidValue;
     const bool bf16 = a.dtype == int(dtype::bf16);
-    if (a.head_dim == 64) return bf16 ? launch<__nv_bfloat16, 64>(a, stream) : launch<__half, 64>(a, stream);
-    return bf16 ? launch<__nv_bfloat16, 128>(a, stream) : launch<__half, 128>(a, stream);
+    // D = 64: three consumer warpgroups (192-row tiles), except causal attention over fewer than 2048 queries, where
+    // the taller tiles mask more of their diagonal key blocks and fewer tiles balance worse. Same-machine A/B
+    // against two (H100, benchmarks/NOTES.md): full 1.06-1.13x at S = 512-8192, causal 1.02-1.06x at S >= 2048 but
+    // 0.90-0.93x at 512-1024.
+    if (a.head_dim == 64 && (!a.causal || a.q_len >= 2048))
+        return bf16 ? launch<__nv_bfloat16, 64, 3>(a, stream) : launch<__half, 64, 3>(a, stream);
+    if (a.head_dim == 64) return bf16 ? launch<__nv_bfloat16, 64, 2>(a, stream) : launch<__half, 64, 2>(a, stream);
+    return bf16 ? launch<__nv_bfloat16, 128, 2>(a, stream) : launch<__half, 128, 2>(a, stream);
 }
 
 }  // namespace tk::attention
