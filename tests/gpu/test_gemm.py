@@ -112,6 +112,26 @@ def test_narrow_tiles(M, N, K, a_k_major, b_n_major, dtype):
         assert rel_err(out, reference(a, b, bias)) < TOL[dtype]
 
 
+def biased_problem(M, N, K, a_k_major, b_n_major, dtype):
+    """Operands in the given majors (skipping layouts whose leading stride would be M or N off a multiple of 8), a
+    bias, and the fp32 reference."""
+    if (not a_k_major and M % 8) or (b_n_major and N % 8):
+        pytest.skip("that layout's leading stride is M or N; the copy path is tested separately")
+    a = operand(M, K, dtype, a_k_major)
+    b = operand(K, N, dtype, b_n_major) / 8
+    bias = torch.randn(N, device="cuda", dtype=dtype)
+    return a, b, bias, reference(a, b, bias)
+
+
+def checked_gemm(a, b, bias, ref, **knobs):
+    """ops.gemm into a NaN-poisoned output, every element written and within tolerance of `ref`."""
+    out = torch.full((a.shape[0], b.shape[1]), float("nan"), device="cuda", dtype=a.dtype)
+    ops.gemm(a, b, bias, out=out, **knobs)
+    assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
+    assert rel_err(out, ref) < TOL[a.dtype]
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("a_k_major", [True, False])
 @pytest.mark.parametrize("b_n_major", [True, False])
@@ -121,18 +141,10 @@ def test_pingpong(M, N, K, a_k_major, b_n_major, dtype):
     """The ping-pong kernel (the consumer warpgroups take 128 x 128 tiles in turns), forced on every operand major,
     with tails, bias and both schedules: blocks with no tile, one tile (one warpgroup idle), and many (up to 8 per
     warpgroup at 4096 x 4104); K from one k-block (72: two) to more than the ring's stages."""
-    if (not a_k_major and M % 8) or (b_n_major and N % 8):
-        pytest.skip("that layout's leading stride is M or N; the copy path is tested separately")
-    a = operand(M, K, dtype, a_k_major)
-    b = operand(K, N, dtype, b_n_major)
-    bias = torch.randn(N, device="cuda", dtype=dtype)
-    ref = reference(a, b, bias)
+    a, b, bias, ref = biased_problem(M, N, K, a_k_major, b_n_major, dtype)
     for schedule in ("static", "dynamic"):
         for _ in range(2):  # the dynamic schedule's counter must be left zeroed for the next launch
-            out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-            ops.gemm(a, b, bias, out=out, _pingpong=1, _schedule=schedule)
-            assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
-            assert rel_err(out, ref) < TOL[dtype]
+            checked_gemm(a, b, bias, ref, _pingpong=1, _schedule=schedule)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -146,18 +158,10 @@ def test_epilogues(M, N, K, a_k_major, b_n_major, dtype, epilogue):
     consumers store their own rows), N % 8 == 0 so the TMA-store path runs: tails, bias, every major, both schedules,
     blocks with no tile, one, and many (2100 x 4104: 289 tiles, the staging handed back and forth at K of one
     k-block), run twice so the hand-over's barriers start each launch in phase."""
-    if (not a_k_major and M % 8) or (b_n_major and N % 8):
-        pytest.skip("that layout's leading stride is M or N; the copy path is tested separately")
-    a = operand(M, K, dtype, a_k_major)
-    b = operand(K, N, dtype, b_n_major) / 8
-    bias = torch.randn(N, device="cuda", dtype=dtype)
-    ref = reference(a, b, bias)
+    a, b, bias, ref = biased_problem(M, N, K, a_k_major, b_n_major, dtype)
     for schedule in ("static", "dynamic"):
         for _ in range(2):
-            out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-            ops.gemm(a, b, bias, out=out, _epilogue=epilogue, _schedule=schedule)
-            assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
-            assert rel_err(out, ref) < TOL[dtype]
+            checked_gemm(a, b, bias, ref, _epilogue=epilogue, _schedule=schedule)
 
 
 STREAM_K_SHAPES = [
@@ -181,19 +185,8 @@ def test_stream_k(M, N, K, tile_n, epilogue, a_k_major, b_n_major, dtype):
     """The stream-K tail forced: tiles cut into k-block ranges whose partial sums one block adds up, against the
     fp32 reference, run twice (bitwise equal: the partial sums are added in a fixed order) and close to whole tiles;
     the flags are left zeroed for the next launch."""
-    if (not a_k_major and M % 8) or (b_n_major and N % 8):
-        pytest.skip("that layout's leading stride is M or N; the copy path is tested separately")
-    a = operand(M, K, dtype, a_k_major)
-    b = operand(K, N, dtype, b_n_major) / 8
-    bias = torch.randn(N, device="cuda", dtype=dtype)
-    ref = reference(a, b, bias)
-    outs = []
-    for _ in range(2):
-        out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-        ops.gemm(a, b, bias, out=out, _stream_k=1, _tile_n=tile_n, _epilogue=epilogue)
-        assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
-        assert rel_err(out, ref) < TOL[dtype]
-        outs.append(out)
+    a, b, bias, ref = biased_problem(M, N, K, a_k_major, b_n_major, dtype)
+    outs = [checked_gemm(a, b, bias, ref, _stream_k=1, _tile_n=tile_n, _epilogue=epilogue) for _ in range(2)]
     assert torch.equal(outs[0], outs[1]), "stream-K results differ between runs"
     whole = ops.gemm(a, b, bias, _stream_k=-1, _tile_n=tile_n, _epilogue=epilogue)
     assert rel_err(outs[0], whole.float()) < TOL[dtype]
