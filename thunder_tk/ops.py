@@ -517,10 +517,12 @@ def cross_entropy_forward_grad_unsupported(logits: torch.Tensor) -> str | None:
     rows, classes = logits.shape
     if classes % per_vector or (rows > 1 and logits.stride(0) % per_vector) or logits.data_ptr() % 16:
         return "rows not whole 16-byte vectors on 16-byte boundaries"
-    if logits.shape[1] > 1 and logits.stride(1) != 1:
+    if classes > 1 and logits.stride(1) != 1:
         return "classes not contiguous"
     ext = _extension.extension()
-    if ext is None or classes > ext.cross_entropy_forward_grad_max_classes(_DTYPE_CODES[logits.dtype]):
+    if ext is None:
+        return "the tk kernels are not built"
+    if classes > ext.cross_entropy_forward_grad_max_classes(_DTYPE_CODES[logits.dtype]):
         return "a row too long to keep on chip"
     return None
 

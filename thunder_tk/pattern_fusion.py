@@ -34,12 +34,13 @@ from thunder.core.transform_common import dce
 # View ops as the torch executor runs them (their result is the same data in another shape).
 _RESHAPES = frozenset({"reshape", "torch_prims_reshape_impl", "view"})
 _TRANSPOSES = frozenset({"permute", "transpose", "torch_prims_transpose_impl"})
+_VIEWS = _RESHAPES | _TRANSPOSES
 _MATMULS = frozenset({"tk_matmul", "matmul"})
 
 
 def _is_view_of(b: BoundSymbol, views: dict[str, bool]) -> bool:
     args = b.flat_proxy_args
-    return (b.sym.name in _RESHAPES | _TRANSPOSES and bool(args) and args[0].name in views
+    return (b.sym.name in _VIEWS and bool(args) and args[0].name in views
             and isinstance(b.output, TensorProxy))
 
 
@@ -126,7 +127,6 @@ OVERWRITE_LOGITS = "cross_entropy_gradient_over_logits"
 def _logits_read_only_by(bsyms: list[BoundSymbol], at: int, producer: dict[str, int],
                          users: dict[str, list[int]]) -> bool:
     """Whether the cross-entropy at `at` reads the only view of a GEMM's fresh output that anything reads."""
-    views = _RESHAPES | _TRANSPOSES
     a = bsyms[at].args[0]
     root = a
     while True:  # back through views to the op that allocated the memory
@@ -134,7 +134,7 @@ def _logits_read_only_by(bsyms: list[BoundSymbol], at: int, producer: dict[str, 
         if j is None:
             return False  # a trace input: the caller's tensor
         made_by = bsyms[j]
-        if made_by.sym.name in views and made_by.flat_proxy_args:
+        if made_by.sym.name in _VIEWS and made_by.flat_proxy_args:
             root = made_by.flat_proxy_args[0]
             continue
         if made_by.sym.name not in _FRESH_OUTPUTS:
@@ -149,7 +149,7 @@ def _logits_read_only_by(bsyms: list[BoundSymbol], at: int, producer: dict[str, 
             if u == at:
                 if name != a.name or sum(p.name == name for p in tensor_args) != 1:
                     return False
-            elif b.sym.name in views and len(tensor_args) == 1 and isinstance(b.output, TensorProxy):
+            elif b.sym.name in _VIEWS and len(tensor_args) == 1 and isinstance(b.output, TensorProxy):
                 if b.output.name not in seen:
                     seen.add(b.output.name)
                     frontier.append(b.output.name)
