@@ -49,6 +49,67 @@ def interleaved_ms(fns: dict, *, rounds: int = 5, warmup_ms: float = 10, rep_ms:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+class ClockSampler:
+    """The GPU's SM clock, power and temperature sampled by `nvidia-smi` in the background (every `period_ms`),
+    so that a timing can be read beside the clock it ran at: a power-limited chip lowers its clock under sustained
+    load, and two kernels of equal cycles then differ in time by what each draws. Without nvidia-smi it samples
+    nothing and `between` returns None.
+
+        with ClockSampler() as clocks:
+            t0 = clocks.now(); run(); t1 = clocks.now()
+        clocks.between(t0, t1)  # {"sm_mhz": ..., "watts": ..., "celsius": ..., "samples": n}
+    """
+
+    FIELDS = ("sm_mhz", "watts", "celsius")
+
+    def __init__(self, period_ms: int = 50, gpu: int | None = None):
+        self.period_ms, self.gpu = period_ms, gpu
+        self.samples: list[tuple[float, tuple[float, ...]]] = []
+        self._proc = self._file = None
+
+    @staticmethod
+    def now() -> float:
+        return time.time()
+
+    def __enter__(self) -> "ClockSampler":
+        import shutil
+        import tempfile
+
+        if shutil.which("nvidia-smi") is None:
+            return self
+        gpu = self.gpu if self.gpu is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        self._file = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
+        self._proc = subprocess.Popen(
+            ["nvidia-smi", "-i", str(gpu), "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
+             "--format=csv,noheader,nounits", f"--loop-ms={self.period_ms}"], stdout=self._file, stderr=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        self._proc.wait()
+        self._file.seek(0)
+        import datetime
+
+        for line in self._file.read().splitlines():
+            parts = [x.strip() for x in line.split(",")]
+            try:  # "2026/11/23 10:00:00.123" in the host's local time, as time.time() is read below
+                stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                self.samples.append((stamp, tuple(float(x) for x in parts[1:4])))
+            except (ValueError, IndexError):  # a torn last line, or "[N/A]"
+                continue
+        self._file.close()
+        os.unlink(self._file.name)
+
+    def between(self, t0: float, t1: float) -> dict | None:
+        inside = [v for t, v in self.samples if t0 <= t <= t1]
+        if not inside:
+            return None
+        means = [statistics.fmean(v[i] for v in inside) for i in range(len(self.FIELDS))]
+        return {**dict(zip(self.FIELDS, means)), "samples": len(inside)}
+
+
 def environment() -> dict:
     commit = os.environ.get("THUNDER_TK_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -5,12 +5,19 @@ builds the tk variant, records every `ops.gemm` call of one step (shapes, stride
 call on fresh operands with the same shapes and strides: `ops.gemm` against `torch.matmul` (cuBLAS) in turns.
 Prints one row per distinct call with its count per step, and the step's total GEMM time on each.
 
+Each call timed alone runs between L2 flushes (triton's do_bench), with the chip resting between calls; in the step
+the GEMMs run back to back. `--replay R` also replays the step's whole GEMM sequence in its order, back to back, on
+each library (and tk's schedule and cluster options) in turns, R rounds, with the SM clock and power the sequence ran
+at (nvidia-smi): on a power-limited chip, a kernel that draws more per FLOP runs at a lower clock there.
+
     python benchmarks/step_gemms.py --n-layer 16 --json out/step_gemms.json
+    python benchmarks/step_gemms.py --n-layer 16 --no-isolated --replay 5
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections import Counter
 from pathlib import Path
@@ -18,19 +25,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved_ms, print_table, write_results  # noqa: E402
+from common import ClockSampler, interleaved_ms, print_table, write_results  # noqa: E402
 from litgpt_step import Built, add_model_arguments, variants  # noqa: E402
 
 from thunder_tk import ops  # noqa: E402
 
 
-def record_gemm_calls(step) -> Counter:
-    """(a shape, a strides, b shape, b strides, dtype, bias) -> calls, over one run of `step`."""
-    calls: Counter = Counter()
+def record_gemm_calls(step) -> list[tuple]:
+    """The GEMM calls of one run of `step`, in order: (a shape, a strides, b shape, b strides, dtype, bias)."""
+    calls: list[tuple] = []
     original = ops.gemm
 
     def recording(a, b, bias=None, **knobs):
-        calls[(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype, bias is not None)] += 1
+        calls.append((tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype, bias is not None))
         return original(a, b, bias, **knobs)
 
     ops.gemm = recording
@@ -57,22 +64,96 @@ def role(a_shape, b_shape, a_stride, b_stride) -> str:
     return "dW"
 
 
+# What the replay times: cuBLAS, and tk with its default and with options that change what a GEMM draws or how its
+# blocks take tiles (clusters of two share B through multicast: a third fewer L2 bytes per product).
+REPLAY_LIBRARIES = {
+    "cuBLAS": None,
+    "tk": {},
+    "tk dynamic": {"_schedule": "dynamic"},
+    "tk cluster2": {"_cluster": 2},
+    "tk store warps": {"_epilogue": 1},
+    "tk consumers": {"_epilogue": 2},
+}
+
+
+def replay(calls: list[tuple], rounds: int, libraries: list[str]) -> list[dict]:
+    """The step's GEMM sequence back to back on each library, in turns: ms per sequence (median over rounds) and the
+    mean SM clock, power and temperature while it ran. Operands: two sets per distinct call, used alternately, so a
+    call rarely finds its operands left in L2 by the one before (as in the step, where each layer has its own)."""
+    operands = {}
+    for key in dict.fromkeys(calls):
+        a_shape, a_stride, b_shape, b_stride, dtype, has_bias = key
+        operands[key] = [(operand(a_shape, a_stride, dtype), operand(b_shape, b_stride, dtype),
+                          torch.randn(b_shape[1], dtype=dtype, device="cuda") if has_bias else None)
+                         for _ in range(2)]
+
+    def sequence(knobs):
+        for i, key in enumerate(calls):
+            x, w, bias = operands[key][i & 1]
+            if knobs is None:
+                torch.addmm(bias, x, w) if bias is not None else torch.matmul(x, w)
+            else:
+                ops.gemm(x, w, bias, **knobs)
+
+    times = {name: [] for name in libraries}
+    clocks = {name: [] for name in libraries}
+    with ClockSampler() as sampler:
+        marks = []
+        for r in range(rounds):
+            for name in libraries[r % len(libraries):] + libraries[:r % len(libraries)]:
+                knobs = REPLAY_LIBRARIES[name]
+                sequence(knobs)  # warm: the chip settles into this library's load
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = sampler.now()
+                start.record()
+                for _ in range(3):
+                    sequence(knobs)
+                end.record()
+                end.synchronize()
+                marks.append((name, t0, sampler.now()))
+                times[name].append(start.elapsed_time(end) / 3)
+    for name, t0, t1 in marks:
+        if (c := sampler.between(t0, t1)) is not None:
+            clocks[name].append(c)
+    rows = []
+    for name in libraries:
+        row = {"library": name, "sequence_ms": statistics.median(times[name]), "rounds_ms": times[name]}
+        for field in ClockSampler.FIELDS:
+            values = [c[field] for c in clocks[name]]
+            row[field] = statistics.fmean(values) if values else float("nan")
+        rows.append(row)
+    base = next(r["sequence_ms"] for r in rows if r["library"] == "cuBLAS") if "cuBLAS" in libraries else None
+    for r in rows:
+        r["vs_cublas"] = base / r["sequence_ms"] if base else float("nan")
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     add_model_arguments(p, n_layer=2, warmup=2)
     p.add_argument("--rounds", type=int, default=3, help="timing rounds per call, tk and cuBLAS in rotating order")
     p.add_argument("--stream-k", action="store_true",
                    help="also time tk with its stream-K tail (off by default), in the same rotation")
+    p.add_argument("--no-isolated", dest="isolated", action="store_false",
+                   help="skip timing each distinct call alone")
+    p.add_argument("--replay", type=int, default=0, metavar="R",
+                   help="replay the step's GEMM sequence back to back on each library in turns, R rounds")
+    p.add_argument("--replay-libraries", nargs="*", default=["cuBLAS", "tk", "tk dynamic", "tk cluster2"],
+                   choices=list(REPLAY_LIBRARIES))
     p.add_argument("--json", default="out/step_gemms.json")
     a = p.parse_args()
     device = torch.device("cuda")
     built = Built("thunder [tk]", variants(False, device)["thunder [tk]"], a, device)
-    calls = record_gemm_calls(built.step)
+    sequence = record_gemm_calls(built.step)
+    calls = Counter(sequence)
     del built
     torch.cuda.empty_cache()
 
     rows = []
     for (a_shape, a_stride, b_shape, b_stride, dtype, has_bias), n in sorted(calls.items(), key=lambda kv: -kv[1]):
+        if not a.isolated:
+            break
         x, w = operand(a_shape, a_stride, dtype), operand(b_shape, b_stride, dtype)
         bias = torch.randn(b_shape[1], dtype=dtype, device="cuda") if has_bias else None
         out = ops.gemm(x, w, bias)
@@ -100,6 +181,14 @@ def main() -> None:
               + (f", stream-K {ms['stream_k']:.3f} ms" if a.stream_k else ""), flush=True)
         del x, w
 
+    if a.replay:
+        replayed = replay(sequence, a.replay, a.replay_libraries)
+        print(f"\nThe step's {len(sequence)} GEMM calls replayed back to back in their order, {a.replay} rounds in "
+              f"turns (median ms per sequence; mean SM clock, power and temperature while each ran):")
+        print_table(replayed, ["library", "sequence_ms", "vs_cublas", "sm_mhz", "watts", "celsius"])
+        write_results(Path(a.json).with_name(Path(a.json).stem + "_replay.json"), "step_gemms_replay", replayed)
+    if not rows:
+        return
     tk_total = sum(r["calls"] * r["tk_ms"] for r in rows)
     cublas_total = sum(r["calls"] * r["cublas_ms"] for r in rows)
     print(f"\nGEMMs of one step ({a.model}, {a.n_layer} layers, batch {a.batch} x {a.seq}), each timed alone, in turns:")
