@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import re
 import statistics
 import sys
@@ -80,15 +81,25 @@ def variants(fsdp: bool, device: torch.device):
         "thunder [tk] loss kernels": thunder_variant([thunder_tk.tk], tk_cross_entropy_forward_grad=False),
         # tk with its GEMM claims off: the GEMMs on cuBLAS, everything else as in "thunder [tk]"
         "thunder [tk] cuBLAS GEMMs": thunder_variant([thunder_tk.tk], tk_disable="gemm"),
+        # tk's GEMMs taking tiles from a counter (blocks that start late take fewer) instead of a fixed share
+        "thunder [tk] dynamic GEMMs": with_environment(thunder_variant([thunder_tk.tk]),
+                                                       THUNDER_TK_GEMM_SCHEDULE="dynamic"),
     }
 
 
+def with_environment(wrap, **env):
+    """A variant whose steps run with these environment variables set (read by tk at each call)."""
+    wrap.environment = env
+    return wrap
+
+
 VARIANT_NAMES = ("eager", "torch.compile", "thunder default", "thunder [tk]", "thunder [tk] loss kernels",
-                 "thunder [tk] cuBLAS GEMMs")
+                 "thunder [tk] cuBLAS GEMMs", "thunder [tk] dynamic GEMMs")
 # Spellings without spaces or brackets, which survive shell word splitting (gpu_run.sh's LITGPT_ARGS).
 _ALIASES = {"compile": "torch.compile", "torch_compile": "torch.compile", "default": "thunder default",
             "thunder_default": "thunder default", "tk": "thunder [tk]", "thunder_tk": "thunder [tk]",
-            "tk_loss_kernels": "thunder [tk] loss kernels", "tk_cublas_gemms": "thunder [tk] cuBLAS GEMMs"}
+            "tk_loss_kernels": "thunder [tk] loss kernels", "tk_cublas_gemms": "thunder [tk] cuBLAS GEMMs",
+            "tk_dynamic_gemms": "thunder [tk] dynamic GEMMs"}
 
 
 def variant_names(given: list[str] | None) -> list[str] | None:
@@ -286,11 +297,22 @@ class Built:
         x = torch.randint(cfg.padded_vocab_size, (args.batch, args.seq), generator=gen).to(device)
         y = torch.randint(cfg.padded_vocab_size, (args.batch, args.seq), generator=gen).to(device)
 
+        environment = getattr(wrap, "environment", {})
+
         def step():
-            loss = net(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            saved = {k: os.environ.get(k) for k in environment}
+            os.environ.update(environment)
+            try:
+                loss = net(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
             return loss
 
         self.step = step

@@ -69,10 +69,10 @@ def role(a_shape, b_shape, a_stride, b_stride) -> str:
 REPLAY_LIBRARIES = {
     "cuBLAS": None,
     "tk": {},
-    "tk dynamic": {"_schedule": "dynamic"},
-    "tk cluster2": {"_cluster": 2},
-    "tk store warps": {"_epilogue": 1},
-    "tk consumers": {"_epilogue": 2},
+    "tk_dynamic": {"_schedule": "dynamic"},
+    "tk_cluster2": {"_cluster": 2},
+    "tk_store_warps": {"_epilogue": 1},
+    "tk_consumers": {"_epilogue": 2},
 }
 
 
@@ -139,7 +139,7 @@ def main() -> None:
                    help="skip timing each distinct call alone")
     p.add_argument("--replay", type=int, default=0, metavar="R",
                    help="replay the step's GEMM sequence back to back on each library in turns, R rounds")
-    p.add_argument("--replay-libraries", nargs="*", default=["cuBLAS", "tk", "tk dynamic", "tk cluster2"],
+    p.add_argument("--replay-libraries", nargs="*", default=["cuBLAS", "tk", "tk_dynamic", "tk_cluster2"],
                    choices=list(REPLAY_LIBRARIES))
     p.add_argument("--json", default="out/step_gemms.json")
     a = p.parse_args()

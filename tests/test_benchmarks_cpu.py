@@ -164,3 +164,34 @@ def test_litgpt_step_only_takes_aliases_and_rejects_unknown_names():
         "thunder [tk]", "thunder default", "torch.compile", "eager", "thunder [tk]"]
     with pytest.raises(SystemExit, match="unknown variant"):
         bench.variant_names(["thunder_defualt"])
+
+
+def test_litgpt_step_variant_environment_is_set_only_during_its_steps(monkeypatch):
+    import argparse
+    import importlib.util
+    import os
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("litgpt_step_bench_env", ROOT / "benchmarks" / "litgpt_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.delenv("THUNDER_TK_GEMM_SCHEDULE", raising=False)
+    seen = []
+
+    class Spy(torch.nn.Module):  # the loss module with a note of the schedule its forward ran under
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, y):
+            seen.append(os.environ.get("THUNDER_TK_GEMM_SCHEDULE"))
+            return self.inner(x, y)
+
+    wrap = bench.with_environment(lambda m: Spy(m), THUNDER_TK_GEMM_SCHEDULE="dynamic")
+    args = argparse.Namespace(model="pythia-14m", n_layer=1, seq=16, batch=1, warmup=1)
+    built = bench.Built("spy", wrap, args, torch.device("cpu"))
+    built.time_steps(1)
+    assert seen == ["dynamic", "dynamic"]  # the warm-up step and the timed one
+    assert "THUNDER_TK_GEMM_SCHEDULE" not in os.environ
+    assert bench.variant_names(["tk_dynamic_gemms"]) == ["thunder [tk] dynamic GEMMs"]
