@@ -42,12 +42,12 @@ def bwd_flops(B: int, H: int, S: int, D: int, causal: bool) -> float:
     return 2.5 * fwd_flops(B, H, S, D, causal)
 
 
-def points(seq_lens, head_dims):
+def points(seq_lens, head_dims, masks=(False, True)):
     """(B, H, S, D, causal) of the protocol: 16k tokens, hidden 2048."""
     for D in head_dims:
         H = HIDDEN // D
         for S in seq_lens:
-            for causal in (False, True):
+            for causal in masks:
                 yield max(1, TOKENS // S), H, S, D, causal
 
 
@@ -183,6 +183,7 @@ def main() -> None:
     p.add_argument("--head-dims", type=int, nargs="+", choices=(64, 128), help="head dims (default 128 64)")
     p.add_argument("--seq-lens", type=int, nargs="+", help=f"sequence lengths (default {' '.join(map(str, SEQ_LENS))})")
     p.add_argument("--no-backward", action="store_true", help="time the forward only")
+    p.add_argument("--mask", choices=("both", "causal", "full"), default="both", help="causal points, full ones or both")
     p.add_argument("--static-too", action="store_true", help="also time the forward's static tile schedule")
     p.add_argument("--rounds", type=int, default=5, help="timing rounds per point, peers in rotating order")
     a = p.parse_args()
@@ -200,7 +201,8 @@ def main() -> None:
           f"{'timed' if hasattr(ops, 'attention_backward') and not a.no_backward else 'not timed'}", flush=True)
 
     rows = []
-    for B, H, S, D, causal in points(seq_lens, head_dims):
+    masks = {"both": (False, True), "causal": (True,), "full": (False,)}[a.mask]
+    for B, H, S, D, causal in points(seq_lens, head_dims, masks):
         row = run_point(ops, B, H, S, D, causal, a)
         rows.append(row)
         line = (f"{row['shape']:>16} {'causal' if causal else 'full':>6}: fwd tk {fmt(row['tk_fwd_tflops'])} "

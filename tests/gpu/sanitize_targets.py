@@ -85,7 +85,8 @@ def tile_library():
 # (2, 16, 8, 600, ...): 160 tiles, more than the H100's 132 blocks, so blocks of the persistent grid take several.
 def attention_forward():
     for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (2, 2, 1, 70, 300, 64, False), (1, 1, 1, 1, 1, 64, False),
-                                          (2, 16, 8, 600, 600, 64, True)]:
+                                          (2, 16, 8, 600, 600, 64, True),
+                                          (1, 2, 1, 2200, 2200, 64, True)]:  # 192-row tiles, the first from row -64
         q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)
         ops.attention_forward(q, k, torch.randn_like(k), is_causal=causal)

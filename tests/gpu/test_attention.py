@@ -129,6 +129,10 @@ def test_matches_fp64_reference(case, dtype):
     (2, 2, 2, 257, 128, True),  # tiles of 1 to 3 key blocks, heaviest first
     (3, 4, 4, 128, 128, True),  # one key block per tile
     (1, 3, 3, 2100, 64, True),  # causal D = 64 over 2048+ queries: 192-row tiles, 11 per head, up to 17 key blocks
+    # Causal tiles laid out from the last row up: the first tile starts 64 rows above row 0 (an empty slice, not
+    # loaded or stored); 2200 also leaves a tail of 24 rows in the last tile.
+    (1, 3, 3, 2048, 64, True),
+    (1, 3, 3, 2200, 64, True),
 ])
 def test_persistent_grid_walks_many_tiles(B, Hq, Hkv, S, D, causal, max_blocks, schedule):
     # The forward runs one block per SM; a capped grid makes every block walk several tiles (K/V stages, Q buffers

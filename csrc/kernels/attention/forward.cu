@@ -62,16 +62,22 @@ struct kernel_params {
     int* tickets;      // dynamic schedule counter (blocks take the next tile when they get to it), or null: static
     int kv_group;      // query heads per key/value head
     int chunk_heads;   // causal: heads per L2 chunk of the tile order (layout::chunked_order)
+    int causal_padding;  // causal: the first tile's empty rows above row 0, whole 64-row slices (work_of)
     float scale_log2;  // scale * log2(e) > 0: scores go to base 2, so each exponent is one FFMA and one ex2
 };
 
 struct block_work {
     int q_tile, head, batch, kv_blocks;
+    int row0;  // the tile's first query row; causal tiles can start above row 0 (see work_of)
 };
 
 // Causal tiles differ in work (row tile i sees i + 1 key blocks): within each L2 chunk of heads the heaviest
 // tiles start first. Otherwise the query tiles of one head are neighbours, so blocks running together share its
 // K and V in L2.
+// Causal tiles are laid out from the last row up, in whole 64-row steps: where q_len is not a multiple of the tile,
+// the part-filled tile is the first one (rows near 0 see few keys), with its empty 64-row slices above row 0, instead
+// of the last one (which computes every key for its empty rows). With 192-row tiles at q_len = 2048 this lifts the
+// share of the computed scores that the mask keeps from 0.85 to 0.89 (4096: 0.89 to 0.94).
 template <int BM>
 __device__ __forceinline__ block_work work_of(const kernel_params& p, int linear) {
     const forward_args& a = p.args;
@@ -86,9 +92,10 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p, int linear
         q_tile = int(linear % p.q_tiles);
         bh = linear / p.q_tiles;
     }
+    const int row0 = q_tile * BM - p.causal_padding;  // q_len < 2^31 (layout::shape_unsupported)
     int kv_blocks = int((a.kv_len + BN - 1) / BN);
-    if (a.causal) kv_blocks = min(kv_blocks, (q_tile * BM + BM + BN - 1) / BN);
-    return {q_tile, int(bh % a.q_heads), int(bh / a.q_heads), kv_blocks};
+    if (a.causal) kv_blocks = min(kv_blocks, (row0 + BM + BN - 1) / BN);
+    return {q_tile, int(bh % a.q_heads), int(bh / a.q_heads), kv_blocks, row0};
 }
 
 template <typename T, int D, int C>
@@ -119,11 +126,14 @@ __device__ __forceinline__ void produce(shared_state<T, D, C>& st, const kernel_
         constexpr int BM = config<D, C>::BM;
         const block_work w = work_of<BM>(p, t);
         const int kv_head = w.head / p.kv_group;
-        sync::arrive_expect_bytes(q_full, shared_state<T, D, C>::q_bytes);
-        for (int dp = 0; dp < D / 64; ++dp)
-            for (int r = 0; r < BM / 64; ++r)
-                tma::load_4d(st.q[at_q.stage][dp].data + r * 64 * 64, &map_q, dp * 64, w.q_tile * BM + r * 64,
-                             w.head, w.batch, q_full);
+        // 64-row slices above row 0 (causal padding) are not loaded: their rows are masked whole.
+        constexpr uint32_t slice_bytes = shared_state<T, D, C>::q_bytes / (BM / 64);
+        sync::arrive_expect_bytes(q_full, slice_bytes * uint32_t(BM / 64 + min(w.row0, 0) / 64));
+        for (int r = 0; r < BM / 64; ++r)
+            if (w.row0 + r * 64 >= 0)
+                for (int dp = 0; dp < D / 64; ++dp)
+                    tma::load_4d(st.q[at_q.stage][dp].data + r * 64 * 64, &map_q, dp * 64, w.row0 + r * 64,
+                                 w.head, w.batch, q_full);
         at_q.advance();
         for (int j = 0; j < w.kv_blocks; ++j) {
             const int s = at.stage, key0 = j * BN;
@@ -151,7 +161,7 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     const forward_args& a = p.args;
     constexpr int CONSUMERS = config<D, C>::CONSUMERS;
     const int slice = warpgroup::index() - 1;  // query rows [64 slice, 64 slice + 64) of the tile
-    const int64_t row0 = int64_t(w.q_tile) * config<D, C>::BM + slice * 64;
+    const int64_t row0 = w.row0 + slice * 64;  // < 0: a causal padding slice (masked whole, nothing stored)
     const bool lane0 = (threadIdx.x & 31) == 0;
     rt::acc_tile<BN> s;
     rt::acc_tile<D> o;
@@ -277,7 +287,7 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
         l.bottom += __shfl_xor_sync(0xffffffffu, l.bottom, offset);
     }
     rt::div_rows(o, o, l);
-    if ((threadIdx.x & 3) == 0) {
+    if ((threadIdx.x & 3) == 0 && row0 >= 0) {
         const int64_t top = row0 + rt::top_row();
         float* lse = a.lse + int64_t(w.batch) * a.lse_stride[0] + int64_t(w.head) * a.lse_stride[1];
         if (top < a.q_len) lse[top] = (m.top + __log2f(l.top)) * LN2;
@@ -288,7 +298,7 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
                                 [&](int col) { return reinterpret_cast<uint8_t*>(q[col / 64].data); });
     tma::fence_shared_to_async();
     sync::named_sync(1 + slice, warpgroup::threads);
-    if (warpgroup::thread() == 0 && row0 < a.q_len) {
+    if (warpgroup::thread() == 0 && row0 >= 0 && row0 < a.q_len) {
         for (int dp = 0; dp < D / 64; ++dp)
             tma::store_4d(&map_o, q[dp].data + slice * 64 * 64, dp * 64, int32_t(row0), w.head, w.batch);
         tma::store_commit();
@@ -363,6 +373,8 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
     p.args = a;
     p.q_tiles = int((a.q_len + config<D, C>::BM - 1) / config<D, C>::BM);
     p.kv_group = int(a.q_heads / a.kv_heads);
+    constexpr int BM = config<D, C>::BM;
+    p.causal_padding = a.causal ? (BM - int(a.q_len % BM)) % BM / 64 * 64 : 0;
     p.scale_log2 = a.scale * LOG2E;
     p.tiles = int(int64_t(p.q_tiles) * a.batch * a.q_heads);
     p.tickets = a.tickets;
