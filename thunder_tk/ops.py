@@ -166,6 +166,24 @@ def _tma_readable(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def _row_vectors(shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+    """An empty float32 (B, H, S) tensor whose rows start at 16-byte aligned addresses (S padded to a multiple of 4
+    in memory): what the attention backward's TMA loads of lse and delta rows need."""
+    B, H, S = shape
+    return torch.empty((B, H, (S + 3) // 4 * 4), dtype=torch.float32, device=device)[..., :S]
+
+
+def _rows_tma_readable(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its (B, H, S) float32 rows are TMA-readable (unit last stride, the others multiples of 16
+    bytes, 16-byte aligned), else a copy in a _row_vectors buffer."""
+    strides_ok = all(size == 1 or (stride > 0 and stride % 4 == 0) for size, stride in zip(t.shape[:2], t.stride()[:2]))
+    if (t.shape[-1] == 1 or t.stride(-1) == 1) and strides_ok and t.data_ptr() % 16 == 0:
+        return t
+    out = _row_vectors(tuple(t.shape), t.device)
+    out.copy_(t)
+    return out
+
+
 def attention_forward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
                                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 math: (o, lse) as attention_forward defines them (o in float64 here)."""
@@ -205,7 +223,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     # that a copy, which the projection's weight gradient kept alive until the backward (one (B, Sq, Hq * D)
     # activation per layer more than Thunder's default executors at the step's memory peak).
     o = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device).transpose(1, 2)
-    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    lse = _row_vectors((B, Hq, Sq), q.device)  # rows 16-byte aligned, as the backward's TMA reads them
     if o.numel() == 0:
         return o, lse
     q, scale, _ = _kernel_scale(q, scale)
@@ -252,9 +270,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
     q, scale, sign = _kernel_scale(q, scale)
     q, k, v, grad_o = _tma_readable(q), _tma_readable(k), _tma_readable(v), _tma_readable(grad_o)
-    if lse.stride(-1) != 1:
-        lse = lse.contiguous()
-    delta = attention_bwd_delta(o, grad_o)
+    lse = _rows_tma_readable(lse)
+    delta = attention_bwd_delta(o, grad_o, out=_row_vectors((B, Hq, Sq), q.device))
     dq_accum = torch.zeros((B, Hq, Sq, D), dtype=torch.float32, device=q.device)
     with _on(q.device):
         ext.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_o.data_ptr(), lse.data_ptr(),

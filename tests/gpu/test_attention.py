@@ -420,6 +420,23 @@ def test_causal_head_chunks_with_a_partial_last_chunk(B, H, S, D):
     backward_check(q, k, v, causal=True)
 
 
+def test_backward_reads_lse_rows_tma_cannot_read_from_a_copy():
+    # The backward loads lse and delta rows by TMA, which needs each row 16-byte aligned: the forward pads its lse
+    # rows in memory (S = 77: rows 80 floats apart); a packed lse (rows 308 bytes apart) or a sliced one is copied
+    # first, with the same result.
+    q, k, v = make(2, 4, 2, 77, 77, 128, torch.bfloat16, seed=6)
+    o, lse = ops.attention_forward(q, k, v, is_causal=True)
+    assert lse.stride() == (4 * 80, 80, 1) and lse.data_ptr() % 16 == 0
+    g = torch.randn_like(o)
+    dq, dk, dv = ops.attention_backward(q, k, v, o, lse, g, is_causal=True)
+    wide = torch.full((2, 4, 78), float("nan"), device="cuda")
+    wide[..., 1:] = lse
+    for other in (lse.contiguous(), wide[..., 1:]):
+        dq2, dk2, dv2 = ops.attention_backward(q, k, v, o, other, g, is_causal=True)
+        assert torch.equal(dk, dk2) and torch.equal(dv, dv2)
+        assert rel_err(dq2, dq.double()) < 1e-2
+
+
 @pytest.mark.parametrize("scale", [0.3, -0.2])
 def test_backward_custom_scale(scale):
     backward_check(*make(1, 4, 2, 150, 150, 64, torch.bfloat16, seed=4), causal=True, scale=scale)

@@ -1,6 +1,6 @@
 // Attention backward for Hopper: one block per 128 keys of one key/value head, walking every query tile (64 rows)
-// of every query head of its group. A producer warp streams Q and dO tiles with TMA, another copies the tiles'
-// log-sum-exp and delta rows, a third issues the dQ reduce-adds. Two consumer warpgroups each own 64 keys and keep
+// of every query head of its group. A producer warp streams Q and dO tiles and their log-sum-exp and delta rows
+// with TMA, another issues the dQ reduce-adds. Two consumer warpgroups each own 64 keys and keep
 // dK and dV for them in registers for the whole walk, so both leave the block once, already summed over the group
 // (grouped-query attention needs no atomics for them). Per query tile a consumer computes
 //   S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - delta),
@@ -55,11 +55,13 @@ struct shared_state {
     alignas(1024) T dout[STAGES][D / 64][BOX];
     alignas(1024) T ds[2][2][BOX];          // [step parity][key chunk]: dS^T as the MN-major A of dQ = dS K
     alignas(1024) float dq[2][DQ_SLICES<D>][BOX];  // [step parity][slice]: 64 x 64 fp32 of dQ, two 64 x 32 boxes
-    float lse2[STAGES][BQ];                  // log-sum-exp * log2(e); +inf past q_len (P = 0 there)
-    float delta[STAGES][BQ];
+    // The tiles' log-sum-exp and delta rows (TMA: 0 past q_len, where Q and dO are 0 too, so P = 1 there but
+    // dV, dS and dK get nothing from those rows).
+    alignas(128) float lse[STAGES][BQ];
+    alignas(128) float delta[STAGES][BQ];
     pipeline::ring<STAGES> ring;  // full: Q, dO bytes and the lse/delta rows; empty: every consumer warp is done
     sync::barrier kv_full;
-    static constexpr uint32_t kv_bytes = 2 * BK * D * sizeof(T), step_bytes = 2 * BQ * D * sizeof(T);
+    static constexpr uint32_t kv_bytes = 2 * BK * D * sizeof(T), step_bytes = 2 * BQ * D * sizeof(T) + 2 * BQ * 4;
 };
 
 struct kernel_params {
@@ -96,9 +98,12 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p) {
 template <typename T, int D>
 __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
                                               const CUtensorMap& map_q, const CUtensorMap& map_k,
-                                              const CUtensorMap& map_v, const CUtensorMap& map_do) {
+                                              const CUtensorMap& map_v, const CUtensorMap& map_do,
+                                              const CUtensorMap& map_lse, const CUtensorMap& map_delta) {
     tma::prefetch_map(&map_q);
     tma::prefetch_map(&map_do);
+    tma::prefetch_map(&map_lse);
+    tma::prefetch_map(&map_delta);
     const int kv0 = w.kv_tile * BK;
     sync::arrive_expect_bytes(st.kv_full, shared_state<T, D>::kv_bytes);
     for (int c = 0; c < 2; ++c)
@@ -117,30 +122,8 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
                 tma::load_4d(st.q[at.stage][dp], &map_q, dp * 64, i * BQ, head, w.batch, full);
                 tma::load_4d(st.dout[at.stage][dp], &map_do, dp * 64, i * BQ, head, w.batch, full);
             }
-            at.advance();
-        }
-    }
-}
-
-// One warp copies each step's lse (times log2 e) and delta rows into the stage, then arrives on its `full`.
-template <typename T, int D>
-__device__ __forceinline__ void produce_rows(shared_state<T, D>& st, const kernel_params& p, const block_work& w) {
-    const backward_args& a = p.args;
-    const int lane = threadIdx.x & 31;
-    pipeline::cursor<STAGES> at;
-    for (int g = 0; g < p.group; ++g) {
-        const int head = w.kv_head * p.group + g;
-        const float* lse = a.lse + int64_t(w.batch) * a.lse_stride[0] + int64_t(head) * a.lse_stride[1];
-        const float* delta = a.delta + int64_t(w.batch) * a.delta_stride[0] + int64_t(head) * a.delta_stride[1];
-        for (int i = w.first_q_tile; i < p.q_tiles; ++i) {
-            st.ring.wait_empty(at);
-            for (int r = lane; r < BQ; r += 32) {
-                const int64_t row = int64_t(i) * BQ + r;
-                const bool in = row < a.q_len;
-                st.lse2[at.stage][r] = in ? lse[row] * LOG2E : INFINITY;
-                st.delta[at.stage][r] = in ? delta[row] : 0.0f;
-            }
-            sync::arrive(st.ring.full[at.stage]);  // every lane (release): its own rows are visible to the waiters
+            tma::load_4d(st.lse[at.stage], &map_lse, i * BQ, head, w.batch, 0, full);
+            tma::load_4d(st.delta[at.stage], &map_delta, i * BQ, head, w.batch, 0, full);
             at.advance();
         }
     }
@@ -249,9 +232,11 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     };
     // The end of a step, once its products are done: its stage goes back to the producers.
     auto finish_step = [&](int stage) {
-        // Every consumer thread read the stage's lse/delta rows, so every one arrives (release): each read is
-        // ordered before the rows warp rewrites the stage, by the thread's own arrive.
-        sync::arrive(st.ring.empty[stage]);
+        // Every lane read the stage's lse/delta rows; __syncwarp orders those reads before lane 0's arrive (release,
+        // cumulative), and TMA alone rewrites the stage: one arrive per warp, not per thread (+1.3% on the
+        // backward, H100; benchmarks/NOTES.md).
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) sync::arrive(st.ring.empty[stage]);
     };
     // Hands the dQ tile staged by the step before to the writer warp.
     auto publish_dq = [&] {
@@ -273,13 +258,14 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             keys_times(dp, st.v[slice], st.dout[stage]);
             wgmma::wait<1>();
             wgmma::pin(s.d);
-            // P^T = exp2(c S^T - lse2[query]); causal: 0 where key > query. Rows come in column pairs.
+            // P^T = exp2(c S^T - lse[query] log2(e)); causal: 0 where key > query. Rows come in column pairs.
             const bool mask = a.causal && key0 + 63 > q0;
 #pragma unroll
             for (int e = 0; e < 32; e += 2) {
                 const int col = rt::column(e);
-                const float2 l2 = *reinterpret_cast<const float2*>(&st.lse2[stage][col]);
-                float x0 = exp2_approx(fmaf(s.d[e], c, -l2.x)), x1 = exp2_approx(fmaf(s.d[e + 1], c, -l2.y));
+                const float2 lse = *reinterpret_cast<const float2*>(&st.lse[stage][col]);
+                float x0 = exp2_approx(fmaf(s.d[e], c, -lse.x * LOG2E)),
+                      x1 = exp2_approx(fmaf(s.d[e + 1], c, -lse.y * LOG2E));
                 if (mask) {
                     const int64_t key = key0 + top + (rt::is_bottom(e) ? 8 : 0);
                     if (key > q0 + col) x0 = 0.0f;
@@ -376,7 +362,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     backward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                     const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
                     const __grid_constant__ CUtensorMap map_dq, const __grid_constant__ CUtensorMap map_dk,
-                    const __grid_constant__ CUtensorMap map_dv, const __grid_constant__ kernel_params p) {
+                    const __grid_constant__ CUtensorMap map_dv, const __grid_constant__ CUtensorMap map_lse,
+                    const __grid_constant__ CUtensorMap map_delta, const __grid_constant__ kernel_params p) {
     using state_t = shared_state<T, D>;
     extern __shared__ uint8_t raw_smem[];
     // Reached through an integer, so its plain loads and stores stay generic (LD.E / ST.E): with aligned_shared's
@@ -384,8 +371,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     // then wait on the short scoreboard and MIO queue, beside the products' shared-memory reads), D = 128 even.
     auto& st = *reinterpret_cast<state_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
     if (threadIdx.x == 0) {
-        // full: the TMA thread and the 32 lanes of the rows warp; empty: every consumer thread (each read the rows).
-        st.ring.init(1 + 32, CONSUMERS * warpgroup::threads);
+        // full: the TMA thread (Q, dO, lse and delta bytes); empty: lane 0 of every consumer warp.
+        st.ring.init(1, CONSUMERS * 4);
         sync::init(st.kv_full, 1);
         sync::fence_init();
     }
@@ -393,12 +380,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     // Each role works out its block's work after setmaxnreg: carried across it, the values spill at the producers' 24.
     if (warpgroup::index() == 0) {
         // setmaxnreg moves registers within the block's launch allocation (168 x 384): 24 x 128 + 240 x 256 is all
-        // of it (asking for more blocks the consumers forever). The producers' loops spill about 50 bytes at 24;
-        // they only wait and issue copies, while the consumers' dK and dV accumulators need every register of theirs.
+        // of it (asking for more blocks the consumers forever). The producers only wait and issue copies, while
+        // the consumers' dK and dV accumulators need every register of theirs.
         warpgroup::decrease_registers<PRODUCER_REGISTERS>();
         const block_work w = work_of(p);
-        if (threadIdx.x == 0) produce_tiles<T, D>(st, p, w, map_q, map_k, map_v, map_do);
-        if (threadIdx.x / 32 == 1) produce_rows<T, D>(st, p, w);
+        if (threadIdx.x == 0) produce_tiles<T, D>(st, p, w, map_q, map_k, map_v, map_do, map_lse, map_delta);
         if (threadIdx.x / 32 == 2) write_dq<T, D>(st, p, w, map_dq);
     } else {
         warpgroup::increase_registers<CONSUMER_REGISTERS>();
@@ -411,6 +397,14 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 }
 
+// A (B, H, S) fp32 tensor of row values (lse, delta) as a map of 64-row boxes, zero past S.
+inline CUresult rows_map(CUtensorMap* map, const float* base, int64_t batch, int64_t heads, int64_t len,
+                         const int64_t (&stride)[2]) {
+    const uint64_t dims[4] = {uint64_t(len), uint64_t(heads), uint64_t(batch), 1};
+    const int64_t strides[3] = {stride[1], stride[0], stride[0] * batch};
+    return tma::make_tensor_map_4d(map, base, tma::element_type<float>(), 4, dims, strides, BQ, 1, tma::swizzle::none);
+}
+
 template <typename T, int D>
 constexpr int smem_bytes_of = sizeof(shared_state<T, D>) + 1024;
 
@@ -419,7 +413,7 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
     if (cudaError_t e = opt_in_shared_memory<backward_kernel<T, D>>(smem_bytes_of<T, D>); e != cudaSuccess) return e;
     constexpr CUtensorMapDataType type = tma::element_type<T>();
     const int64_t dq_stride[3] = {a.q_heads * a.q_len * D, a.q_len * D, D};
-    CUtensorMap maps[7];
+    CUtensorMap maps[9];
     using layout::map_of;
     if (map_of(&maps[0], a.q, type, 2, a.batch, a.q_heads, a.q_len, D, a.q_stride) != CUDA_SUCCESS ||
         map_of(&maps[1], a.k, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.k_stride) != CUDA_SUCCESS ||
@@ -428,7 +422,9 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
         map_of(&maps[4], a.dq_accum, tma::element_type<float>(), 4, a.batch, a.q_heads, a.q_len, D, dq_stride,
                32) != CUDA_SUCCESS ||
         map_of(&maps[5], a.dk, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.dk_stride) != CUDA_SUCCESS ||
-        map_of(&maps[6], a.dv, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.dv_stride) != CUDA_SUCCESS)
+        map_of(&maps[6], a.dv, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.dv_stride) != CUDA_SUCCESS ||
+        rows_map(&maps[7], a.lse, a.batch, a.q_heads, a.q_len, a.lse_stride) != CUDA_SUCCESS ||
+        rows_map(&maps[8], a.delta, a.batch, a.q_heads, a.q_len, a.delta_stride) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;
     kernel_params p;
     p.args = a;
@@ -441,7 +437,7 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
                                             a.batch * a.kv_heads);
     const int64_t blocks = int64_t(p.kv_tiles) * a.batch * a.kv_heads;
     backward_kernel<T, D><<<unsigned(blocks), THREADS, smem_bytes_of<T, D>, stream>>>(
-        maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], p);
+        maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], maps[7], maps[8], p);
     return cudaGetLastError();
 }
 
@@ -453,6 +449,13 @@ const char* backward_unsupported(const backward_args& a) {
         return reason;
     if (a.batch * a.kv_heads * ((a.kv_len + BK - 1) / BK) >= (int64_t(1) << 31)) return "too many blocks";
     if (a.lse == nullptr || a.delta == nullptr) return "lse and delta must be given";
+    // TMA reads their rows: each starts 16-byte aligned (ops pads S to a multiple of 4 in memory).
+    const int64_t sizes[2] = {a.batch, a.q_heads};
+    for (const auto* stride : {a.lse_stride, a.delta_stride})
+        for (int i = 0; i < 2; ++i)
+            if (sizes[i] > 1 && (stride[i] <= 0 || stride[i] % 4))
+                return "lse and delta strides (batch, head) must be positive multiples of 4 elements";
+    if (!is_aligned(a.lse, 16) || !is_aligned(a.delta, 16)) return "lse and delta must be 16-byte aligned";
     const void* tensors[7] = {a.q, a.k, a.v, a.dout, a.dq_accum, a.dk, a.dv};
     for (const void* t : tensors)
         if (t == nullptr || !is_aligned(t, 16)) return "q, k, v, dout, dq_accum, dk and dv must be 16-byte aligned";
