@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU-host job (set THUNDER_TK_COMMIT where the checkout has no .git; BENCH_ARGS=--sweep to tune;
 # BENCHES='gemm attention loss litgpt delta' picks benchmarks; a carried .ab_ref (scripts/ab_ref.sh) adds a same-machine
-# A/B, AB_BENCH, several separated by ';'): install carried wheels, build thunder_tk, run the GPU tests, compute-sanitizer and the
-# benchmarks, and print a short table last. Full logs go to $OUT (default out/gpu), packed into logs.tgz and charts.tgz
+# A/B, AB_BENCH, several separated by ';'; AB_KNOB=NAME=V0,V1 compares values of an environment knob of this build
+# instead, e.g. THUNDER_TK_GEMM_SCHEDULE=static,dynamic): install carried wheels, build thunder_tk, run the GPU tests,
+# compute-sanitizer and the benchmarks, and print a short table last. Full logs go to $OUT (default out/gpu), packed into logs.tgz and charts.tgz
 # beside the JSON results at the end (the device tool fetches at most 8 files; PACK_OUT=0 leaves them loose, e.g. to
 # grep a log in the same command after this script).
 #   bash scripts/gpu_run.sh [all|test|bench|dist|pretrain]
@@ -88,14 +89,20 @@ fi
 # Whether this mode runs benchmarks (`all`, `bench`), and whether it runs benchmark $1 (BENCHES, default every one).
 benching() { [ "$what" = all ] || [ "$what" = bench ]; }
 bench_wanted() { benching && [[ " ${BENCHES:-gemm attention loss litgpt delta} " == *" $1 "* ]]; }
-if [ -d .ab_ref ] && benching; then
+if { [ -d .ab_ref ] || [ -n "${AB_KNOB:-}" ]; } && benching; then
   # Same-machine A/B against another commit (scripts/ab_ref.sh <commit>; carry .ab_ref): build it beside, run in turns.
-  step build_ref python3 -m pip install --no-build-isolation --no-index --no-deps --target /tmp/ref_site ./.ab_ref
+  # AB_KNOB=NAME=V0,V1,...: instead, this build once per value of an environment variable (V0 the reference).
+  if [ -n "${AB_KNOB:-}" ]; then
+    ab_side=(--knob "$AB_KNOB")
+  else
+    step build_ref python3 -m pip install --no-build-isolation --no-index --no-deps --target /tmp/ref_site ./.ab_ref
+    ab_side=(--ref-site /tmp/ref_site)
+  fi
   # AB_BENCH may name several benchmarks separated by ';' (each its own ab_<bench> log and JSON).
   IFS=';' read -ra ab_benches <<< "${AB_BENCH:-attention --no-backward --seq-lens 512 2048 8192}"
   for ab in "${ab_benches[@]}"; do
     read -ra ab_args <<< "$ab"; [ ${#ab_args[@]} = 0 ] && continue
-    step ab_${ab_args[0]} timeout ${AB_TIMEOUT:-500} python3 benchmarks/ab_compare.py --ref-site /tmp/ref_site --rounds ${AB_ROUNDS:-2} --json "$OUT/ab_${ab_args[0]}.json" "${ab_args[@]}"
+    step ab_${ab_args[0]} timeout ${AB_TIMEOUT:-500} python3 benchmarks/ab_compare.py "${ab_side[@]}" --rounds ${AB_ROUNDS:-2} --json "$OUT/ab_${ab_args[0]}.json" "${ab_args[@]}"
     cat "$OUT/ab_${ab_args[0]}.log"
   done
 fi

@@ -61,3 +61,27 @@ def test_a_failing_side_stops_with_its_name(tmp_path, monkeypatch):
         assert "current run failed" in str(e)
     else:
         raise AssertionError("expected the failed run to stop the comparison")
+
+
+KNOB_BENCH = '''
+import argparse, json, os
+p = argparse.ArgumentParser()
+p.add_argument("--json")
+a = p.parse_args()
+speed = {"0": 100.0, "1": 90.0, "2": 120.0}[os.environ["ABFAKE_KNOB"]]
+json.dump({"rows": [{"shape": "s", "tk_fwd_tflops": speed}]}, open(a.json, "w"))
+'''
+
+
+def test_knob_runs_one_build_per_value_against_the_first(tmp_path, monkeypatch, capsys):
+    ab = load_ab_compare()
+    (tmp_path / "knob.py").write_text(KNOB_BENCH)
+    monkeypatch.setattr(ab, "BENCH_DIR", tmp_path)
+    out = tmp_path / "k.json"
+    ab.main(["--knob", "ABFAKE_KNOB=0,1,2", "--rounds", "3", "--json", str(out), "knob"])
+    data = json.loads(out.read_text())
+    assert data["knob"] == "ABFAKE_KNOB" and data["reference"] == "0"
+    assert abs(data["results"]["1"][0]["ratio"] - 0.9) < 1e-9
+    assert abs(data["results"]["2"][0]["ratio"] - 1.2) < 1e-9
+    assert "geometric mean ABFAKE_KNOB=2/ABFAKE_KNOB=0: 1.200" in capsys.readouterr().out
+    assert (tmp_path / "k_runs.log").read_text().count("$ ABFAKE_KNOB=") == 9
