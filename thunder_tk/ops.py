@@ -157,13 +157,17 @@ def _kernel_scale(q: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, f
     return q, (scale if scale > 0 else 1e-30), 1.0
 
 
+def _tma_reads_in_place(t: torch.Tensor) -> bool:
+    """Whether TMA can read t where it is: unit last stride, every other stride (of a dimension longer than 1) a
+    positive multiple of 16 bytes, and a 16-byte aligned base."""
+    strides_ok = all(size == 1 or (stride > 0 and stride * t.element_size() % 16 == 0)
+                     for size, stride in zip(t.shape[:-1], t.stride()[:-1]))
+    return t.stride(-1) == 1 and strides_ok and t.data_ptr() % 16 == 0
+
+
 def _tma_readable(t: torch.Tensor) -> torch.Tensor:
-    """t itself when TMA can read it in place (unit last stride, other strides multiples of 16 bytes, 16-byte
-    aligned), else a contiguous copy."""
-    strides_ok = all(size == 1 or (stride > 0 and stride % 8 == 0) for size, stride in zip(t.shape[:3], t.stride()[:3]))
-    if t.stride(-1) == 1 and strides_ok and t.data_ptr() % 16 == 0:
-        return t
-    return t.contiguous()
+    """t itself when TMA can read it in place, else a contiguous copy."""
+    return t if _tma_reads_in_place(t) else t.contiguous()
 
 
 def _row_vectors(shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
@@ -174,10 +178,8 @@ def _row_vectors(shape: tuple[int, int, int], device: torch.device) -> torch.Ten
 
 
 def _rows_tma_readable(t: torch.Tensor) -> torch.Tensor:
-    """t itself when its (B, H, S) float32 rows are TMA-readable (unit last stride, the others multiples of 16
-    bytes, 16-byte aligned), else a copy in a _row_vectors buffer."""
-    strides_ok = all(size == 1 or (stride > 0 and stride % 4 == 0) for size, stride in zip(t.shape[:2], t.stride()[:2]))
-    if (t.shape[-1] == 1 or t.stride(-1) == 1) and strides_ok and t.data_ptr() % 16 == 0:
+    """t itself when TMA can read its (B, H, S) float32 rows in place, else a copy in a _row_vectors buffer."""
+    if _tma_reads_in_place(t):
         return t
     out = _row_vectors(tuple(t.shape), t.device)
     out.copy_(t)
