@@ -260,19 +260,20 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             wgmma::wait<1>();
             wgmma::pin(s.d);
             // P^T = exp2(c S^T - lse[query] log2(e)); causal: 0 where key > query. Rows come in column pairs.
-            // key > query as (key - q0 - this lane's column part) > the column's constant part, in 32 bits (both
+            // key > query as (key - q0 - this thread's first column) > (the column - its first), in 32 bits (both
             // positions < 2^31); a step clear of the diagonal compares against INT_MIN instead of branching (a branch
             // here moves the loop's wgmma descriptor arithmetic off the uniform datapath, which costs more).
-            const int ahead = a.causal && key0 + 63 > q0 ? int(key0 - q0) + top - 2 * (threadIdx.x & 3) : INT_MIN;
+            const int col0 = rt::column(0);
+            const int ahead = a.causal && key0 + 63 > q0 ? int(key0 - q0) + top - col0 : INT_MIN;
 #pragma unroll
             for (int e = 0; e < 32; e += 2) {
                 const int col = rt::column(e);
                 const float2 lse = *reinterpret_cast<const float2*>(&st.lse[stage][col]);
                 float x0 = exp2_approx(fmaf(s.d[e], c, -lse.x * LOG2E)),
                       x1 = exp2_approx(fmaf(s.d[e + 1], c, -lse.y * LOG2E));
-                const int row_ahead = ahead + (rt::is_bottom(e) ? 8 : 0), at = 8 * (e / 4);
-                if (row_ahead > at) x0 = 0.0f;
-                if (row_ahead > at + 1) x1 = 0.0f;
+                const int row_ahead = ahead + (rt::is_bottom(e) ? 8 : 0);
+                if (row_ahead > col - col0) x0 = 0.0f;
+                if (row_ahead > col + 1 - col0) x1 = 0.0f;
                 s.d[e] = x0;
                 s.d[e + 1] = x1;
             }
