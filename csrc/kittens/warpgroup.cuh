@@ -8,6 +8,9 @@ constexpr int threads = 128;
 
 __device__ __forceinline__ int index() { return threadIdx.x / threads; }
 __device__ __forceinline__ int thread() { return threadIdx.x % threads; }
+// index() as a warp-uniform value: broadcast from lane 0, ptxas can keep it (and the shared-memory addresses and
+// wgmma descriptors derived from it) in uniform registers. Call with the whole warp converged.
+__device__ __forceinline__ int uniform_index() { return __shfl_sync(0xffffffffu, index(), 0); }
 
 // Registers per thread of a block of `threads` threads that fills an SM alone (ptxas's limit under
 // __launch_bounds__(threads, 1): the register file over the threads, in steps of 8).

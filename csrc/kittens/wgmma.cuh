@@ -14,10 +14,16 @@ namespace tk::wgmma {
 
 enum class major { k = 0, mn = 1 };
 
-// Descriptor: start address, leading/stride byte offsets (all >> 4), swizzle mode 1 = 128 B.
+// Descriptor: start address, leading/stride byte offsets (all >> 4), swizzle mode 1 = 128 B. The low word holds
+// the address and leading offset, the high word the stride offset and the mode.
+__device__ __forceinline__ uint32_t descriptor_low(uint32_t smem_address, uint32_t lbo) {
+    return ((smem_address & 0x3FFFF) >> 4) | (((lbo & 0x3FFFF) >> 4) << 16);
+}
+__device__ __forceinline__ constexpr uint32_t descriptor_high(uint32_t sbo) {
+    return ((sbo & 0x3FFFF) >> 4) | (1u << 30);
+}
 __device__ __forceinline__ uint64_t descriptor(uint32_t smem_address, uint32_t lbo, uint32_t sbo) {
-    return uint64_t((smem_address & 0x3FFFF) >> 4) | (uint64_t((lbo & 0x3FFFF) >> 4) << 16) |
-           (uint64_t((sbo & 0x3FFFF) >> 4) << 32) | (uint64_t(1) << 62);
+    return uint64_t(descriptor_low(smem_address, lbo)) | (uint64_t(descriptor_high(sbo)) << 32);
 }
 
 // A Rows x 64 (MN x K) operand tile of 16-bit elements, as one TMA box pattern writes it.
@@ -36,15 +42,20 @@ struct operand_tile {
     alignas(1024) T data[Rows * depth];
 
     // Descriptor of rows [row0, row0 + n) (row0 a multiple of 64) and K slice [16 k16, 16 k16 + 16).
+    // The tile's own descriptor plus the slice's byte offset >> 4 in the 32-bit low word, whose address field
+    // cannot carry (shared addresses stay below 2^18): one add per product, not a rebuild of every field
+    // (a D = 128 attention backward step: 771 -> ~680 instructions).
     __device__ __forceinline__ uint64_t slice(int row0, int k16) const {
         const uint32_t base = sync::smem_addr(data);
+        uint32_t low;
         if constexpr (M == major::k) {
             // K advances inside the swizzled 128-byte line (32 B per 16 elements); 8-line atoms 1024 B apart.
-            return descriptor(base + row0 * 128 + k16 * 32, 16, 1024);
+            low = descriptor_low(base, 16) + (uint32_t(row0 * 128 + k16 * 32) >> 4);
         } else {
             // K advances by 16 lines of 128 B; panels (64 MN elements each) are panel_bytes apart.
-            return descriptor(base + (row0 / 64) * panel_bytes + k16 * 16 * 128, panel_bytes, 1024);
+            low = descriptor_low(base, panel_bytes) + (uint32_t((row0 / 64) * panel_bytes + k16 * 16 * 128) >> 4);
         }
+        return uint64_t(low) | (uint64_t(descriptor_high(1024)) << 32);
     }
 };
 

@@ -176,7 +176,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     using mn_major_d = wgmma::operand_tile<T, D, major::mn>;  // D rows (N) x 64 deep, from D/64 boxes
     using mn_major64 = wgmma::operand_tile<T, 64, major::mn>;
     const backward_args& a = p.args;
-    const int slice = warpgroup::index() - 1;  // keys [64 slice, 64 slice + 64) of the block
+    const int slice = warpgroup::uniform_index() - 1;  // keys [64 slice, 64 slice + 64) of the block
     const int64_t key0 = int64_t(w.kv_tile) * BK + 64 * slice;
     const bool leader = warpgroup::thread() == 0;
     const float c = p.scale_log2;

@@ -160,7 +160,7 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
                                              pipeline::cursor<STAGES>& at_v, const CUtensorMap& map_o) {
     const forward_args& a = p.args;
     constexpr int CONSUMERS = config<D, C>::CONSUMERS;
-    const int slice = warpgroup::index() - 1;  // query rows [64 slice, 64 slice + 64) of the tile
+    const int slice = warpgroup::uniform_index() - 1;  // query rows [64 slice, 64 slice + 64) of the tile
     const int64_t row0 = w.row0 + slice * 64;  // < 0: a causal padding slice (masked whole, nothing stored)
     const bool lane0 = (threadIdx.x & 31) == 0;
     rt::acc_tile<BN> s;

@@ -301,7 +301,7 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
         }
     };
     warpgroup::increase_registers<CONSUMER_REGISTERS>();
-    const int slice = warpgroup::index() - 1;  // rows [64 slice, 64 slice + 64) of the tile
+    const int slice = warpgroup::uniform_index() - 1;  // rows [64 slice, 64 slice + 64) of the tile
     constexpr int STAGES = State::STAGES;
     pipeline::cursor<STAGES> at;
     float d[BN / 2];
@@ -364,7 +364,7 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
                                                  int tiles, int block, int blocks, TileOf tile_of) {
     static_assert(State::BN == 128, "ping-pong tiles are 128 x 128");
     warpgroup::increase_registers<CONSUMER_REGISTERS>();
-    const int wg = warpgroup::index() - 1;
+    const int wg = warpgroup::uniform_index() - 1;
     const bool warp_leader = (threadIdx.x & 31) == 0;
     // Turn barriers: a warpgroup waits at its own (both warpgroups' threads), the other arrives there.
     const int my_turn = barrier_id::turn(wg), their_turn = barrier_id::turn(1 - wg);
