@@ -261,22 +261,31 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             wgmma::pin(s.d);
             // P^T = exp2(c S^T - lse[query] log2(e)); causal: 0 where key > query. Rows come in column pairs.
             // key > query as (key - q0 - this thread's first column) > (the column - its first), in 32 bits (both
-            // positions < 2^31); a step clear of the diagonal compares against INT_MIN instead of branching (a branch
-            // here moves the loop's wgmma descriptor arithmetic off the uniform datapath, which costs more).
+            // positions < 2^31). Only steps that cross the diagonal take the masked copy: the branch is
+            // warp-uniform (slice is), so the descriptors stay in uniform registers, and a step clear of the
+            // diagonal (every step without causal) skips the mask's 48 instructions (D = 128: 603 -> 556 per step).
             const int col0 = rt::column(0);
             const int ahead = a.causal && key0 + 63 > q0 ? int(key0 - q0) + top - col0 : INT_MIN;
+            auto probabilities = [&](auto masked) {
 #pragma unroll
-            for (int e = 0; e < 32; e += 2) {
-                const int col = rt::column(e);
-                const float2 lse = *reinterpret_cast<const float2*>(&st.lse[stage][col]);
-                float x0 = exp2_approx(fmaf(s.d[e], c, -lse.x * LOG2E)),
-                      x1 = exp2_approx(fmaf(s.d[e + 1], c, -lse.y * LOG2E));
-                const int row_ahead = ahead + (rt::is_bottom(e) ? 8 : 0);
-                if (row_ahead > col - col0) x0 = 0.0f;
-                if (row_ahead > col + 1 - col0) x1 = 0.0f;
-                s.d[e] = x0;
-                s.d[e + 1] = x1;
-            }
+                for (int e = 0; e < 32; e += 2) {
+                    const int col = rt::column(e);
+                    const float2 lse = *reinterpret_cast<const float2*>(&st.lse[stage][col]);
+                    float x0 = exp2_approx(fmaf(s.d[e], c, -lse.x * LOG2E)),
+                          x1 = exp2_approx(fmaf(s.d[e + 1], c, -lse.y * LOG2E));
+                    if constexpr (decltype(masked)::value) {
+                        const int row_ahead = ahead + (rt::is_bottom(e) ? 8 : 0);
+                        if (row_ahead > col - col0) x0 = 0.0f;
+                        if (row_ahead > col + 1 - col0) x1 = 0.0f;
+                    }
+                    s.d[e] = x0;
+                    s.d[e + 1] = x1;
+                }
+            };
+            if (ahead != INT_MIN)
+                probabilities(std::true_type{});
+            else
+                probabilities(std::false_type{});
             rt::to_a_operand(pt, s);
             // dV += P^T dO: dO's boxes as the MN-major B (D rows, 64 queries deep).
             wgmma::fence();
