@@ -23,9 +23,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-FLAGS = ["-std=c++17", "-O3", f"-I{ROOT / 'csrc'}", "-gencode=arch=compute_90a,code=sm_90a",
-         "--expt-relaxed-constexpr", "-cubin"]
+from check_kernels import FLAGS, find_nvcc, short  # csrc's compile flags, nvcc, readable kernel names
+
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 LABEL = re.compile(r"\.(L_x_\d+):\s*\n\s*/\*([0-9a-f]+)\*/")
 
@@ -57,12 +56,6 @@ def loops(instructions, labels) -> list[tuple[int, int, int, int]]:
     return sorted(found, reverse=True)
 
 
-def readable(name: str) -> str:
-    """The kernel's template and name without the namespaces' mangling, e.g. backward_kernelI13__nv_bfloat16Li128E."""
-    m = re.search(r"([a-z_]+_kernelI\w*?E)E", name)
-    return m.group(1) if m else name[:80]
-
-
 def opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
 
@@ -78,18 +71,22 @@ def main() -> None:
         cubin = Path(args.source)
         if cubin.suffix == ".cu":
             cubin = Path(tmp) / "k.cubin"
-            subprocess.run(["nvcc", *FLAGS, "-o", str(cubin), args.source], check=True)
+            nvcc = find_nvcc()
+            if nvcc is None:
+                sys.exit("sass_loops: no nvcc (on PATH or under $CUDA_HOME)")
+            # check_kernels' flags ask ptxas for its report (-v): kept out of the listing.
+            subprocess.run([nvcc, *FLAGS, "-cubin", "-o", str(cubin), args.source], check=True, capture_output=True)
         found = kernels(cubin)
     if args.loop is not None:
         name, instructions, _ = found[args.kernel or 0]
         lo, hi = (int(x, 16) for x in args.loop.split(":"))
         counts = Counter(opcode(t) for a, t in instructions if lo <= a <= hi)
-        print(f"{readable(name)}\n{sum(counts.values())} instructions: " +
+        print(f"{short(name)}\n{sum(counts.values())} instructions: " +
               ", ".join(f"{op} {n}" for op, n in counts.most_common()))
         return
     for index, (name, instructions, labels) in enumerate(found):
         shown = ", ".join(f"({n}, {h}, {lo:#x}:{hi:#x})" for n, h, lo, hi in loops(instructions, labels)[:args.top])
-        print(f"[{index}] {readable(name)}: {len(instructions)} instructions; loops {shown}")
+        print(f"[{index}] {short(name)}: {len(instructions)} instructions; loops {shown}")
 
 
 if __name__ == "__main__":
