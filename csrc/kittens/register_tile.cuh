@@ -81,15 +81,23 @@ __device__ __forceinline__ void div_rows(acc_tile<N>& dst, const acc_tile<N>& sr
 
 // ---- row reductions: the four lanes of a quad share rows, so a row's value is reduced over the thread's
 // columns and then across the quad (lanes l ^ 1, l ^ 2). Every lane of the quad gets the result. ----
+// A thread's columns are reduced as up to four interleaved partial chains per row, each starting from its first
+// value (op's identity is not needed): one chain of N / 4 dependent operations is what the softmax would wait for
+// before its exponents.
 template <int N, typename Op>
-__device__ __forceinline__ void reduce_rows(row_vec& dst, const acc_tile<N>& src, float init, Op op) {
-    float top = init, bottom = init;
+__device__ __forceinline__ void reduce_rows(row_vec& dst, const acc_tile<N>& src, Op op) {
+    constexpr int P = N / 8 >= 4 ? 4 : N / 8;  // partials per row: a row has 2 values per 8 columns
+    float top_part[P], bottom_part[P];
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
-        if (is_bottom(i))
-            bottom = op(bottom, src.d[i]);
-        else
-            top = op(top, src.d[i]);
+        float& part = is_bottom(i) ? bottom_part[(i / 4) % P] : top_part[(i / 4) % P];
+        part = i < 4 * P && (i & 1) == 0 ? src.d[i] : op(part, src.d[i]);
+    }
+    float top = top_part[0], bottom = bottom_part[0];
+#pragma unroll
+    for (int k = 1; k < P; ++k) {
+        top = op(top, top_part[k]);
+        bottom = op(bottom, bottom_part[k]);
     }
 #pragma unroll
     for (int offset = 1; offset < 4; offset *= 2) {
@@ -100,11 +108,11 @@ __device__ __forceinline__ void reduce_rows(row_vec& dst, const acc_tile<N>& src
 }
 template <int N>
 __device__ __forceinline__ void row_max(row_vec& dst, const acc_tile<N>& src) {
-    reduce_rows(dst, src, -INFINITY, [](float a, float b) { return fmaxf(a, b); });
+    reduce_rows(dst, src, [](float a, float b) { return fmaxf(a, b); });
 }
 template <int N>
 __device__ __forceinline__ void row_sum(row_vec& dst, const acc_tile<N>& src) {
-    reduce_rows(dst, src, 0.0f, [](float a, float b) { return a + b; });
+    reduce_rows(dst, src, [](float a, float b) { return a + b; });
 }
 
 // ---- conversions ----

@@ -271,6 +271,28 @@ def test_large_scores(D, causal, dtype):
     check(q, k, v, causal=causal, lse_tol=LSE_TOL + 1e-5 * ref_lse.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rise", [3.0, 7.5, 8.5, 12.0])
+@pytest.mark.parametrize("D,causal", [(64, False), (128, False), (128, True)])
+def test_running_max_rising_block_by_block(D, causal, rise, dtype):
+    # Every 128-key block's scores sit `rise` (base 2) above the block before, below, near and above the 8 by which
+    # the kernel lets a block pass the maximum it keeps before it moves it and rescales o (lazy rescaling): so the
+    # maximum is kept on some blocks, with exponents up to 2^8, and moved on others, and the last block dominates.
+    # Queries vary a little per row; 1000 keys end in a part-filled block.
+    B, H, S = 1, 4, 1000
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(B, H, S, D, device="cuda", generator=g) * 0.05
+    k = torch.randn(B, H, S, D, device="cuda", generator=g) * 0.05
+    v = torch.randn(B, H, S, D, device="cuda", generator=g)
+    scale = D ** -0.5
+    q[..., 0] = 1.0
+    block = torch.arange(S, device="cuda") // 128
+    k[..., 0] = block * rise / (scale * 1.4426950408889634)  # base-2 score of a key: about its block times rise
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    ref_lse = reference(q, k, v, causal)[1]
+    check(q, k, v, causal=causal, lse_tol=LSE_TOL + 1e-5 * ref_lse.abs().max().item())
+
+
 def test_large_positive_offset():
     # All scores large and positive with a tiny spread: lse ~ offset + log(Sk), softmax nearly uniform.
     q, k, v = make(1, 4, 4, 300, 500, 64, torch.bfloat16, seed=5)

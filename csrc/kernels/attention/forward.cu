@@ -25,6 +25,7 @@ constexpr int BN = 128;  // keys per stage
 constexpr int STAGES = 2;
 constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
 constexpr int PRODUCER_REGISTERS = 24;
+constexpr float LAZY_SLACK = 8.0f;  // base-2 exponent by which a row may pass the maximum in use (see softmax)
 
 // C consumer warpgroups per block, 64 query rows each: two, or three at D = 64 (launch_forward says where), whose
 // products are short next to the softmax of the same scores, so two warpgroups' softmax can run under the third's
@@ -191,19 +192,29 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     // rescales what o and l held before this block.
     // The maximum is taken on raw scores (scale > 0 keeps their order) and scaled once per row.
     const float c = p.scale_log2;
+    bool moved = true;  // warp-uniform: the last softmax moved some row's maximum (o needs rescaling)
     auto softmax = [&](int j) {
         const int64_t key0 = int64_t(j) * BN;
         if (key0 + BN > a.kv_len || (a.causal && key0 + BN - 1 > row0)) {
-            const int top = rt::top_row();
+            // Keys past kv_len and (causal) past the row are masked: a key's offset from this thread's first
+            // column is a constant per register, so each element is one compare against its row's last kept
+            // offset, in 32 bits (lengths < 2^31; causal rows and keys are at most BM + BN apart here).
+            const int col0 = rt::column(0);
+            const int tail = int(a.kv_len - key0 < BN ? a.kv_len - key0 : BN) - 1 - col0;
+            const int diag = a.causal ? int(row0 - key0) + rt::top_row() - col0 : tail;
+            const int last_top = min(tail, diag), last_bottom = min(tail, a.causal ? diag + 8 : tail);
 #pragma unroll
-            for (int i = 0; i < BN / 2; ++i) {
-                const int64_t key = key0 + rt::column(i), row = row0 + top + (rt::is_bottom(i) ? 8 : 0);
-                if (key >= a.kv_len || (a.causal && key > row)) s.d[i] = -INFINITY;
-            }
+            for (int i = 0; i < BN / 2; ++i)
+                if (rt::column(i) - col0 > (rt::is_bottom(i) ? last_bottom : last_top)) s.d[i] = -INFINITY;
         }
         rt::row_vec block_max;
         rt::row_max(block_max, s);
-        const rt::row_vec m_new{fmaxf(m.top, block_max.top * c), fmaxf(m.bottom, block_max.bottom * c)};
+        rt::row_vec m_new{fmaxf(m.top, block_max.top * c), fmaxf(m.bottom, block_max.bottom * c)};
+        // Lazy rescaling: the maximum in use moves only when a row of the warp passes it by more than
+        // LAZY_SLACK (base 2), so most blocks leave o and l as they are; exact, since l, o and the lse share the
+        // maximum in use, and exponents stay below 2^LAZY_SLACK.
+        moved = __any_sync(0xffffffffu, m_new.top > m.top + LAZY_SLACK || m_new.bottom > m.bottom + LAZY_SLACK);
+        if (!moved) m_new = m;
         // A row with every key masked so far keeps -inf: subtract 0 there so the exponents are 0, not NaN.
         const rt::row_vec base{m_new.top == -INFINITY ? 0.0f : m_new.top,
                                m_new.bottom == -INFINITY ? 0.0f : m_new.bottom};
@@ -263,12 +274,18 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
         if (lane0) sync::arrive(st.k_ring.empty[at_k.stage]);
         at_k.advance();
         const rt::row_vec alpha = softmax(j);
+        // The wait for P V after a branch on the softmax's result: in the softmax's own block, ptxas hoists it to
+        // the block's top (ahead of the exponents, which then no longer overlap P V).
+        if (moved) {
+            wgmma::wait<0>();
+            wgmma::pin(o.d);
+            rt::mul_rows(o, o, alpha);
+        }
         wgmma::wait<0>();
         wgmma::pin(o.d);
         wgmma::pin(s.d);  // P's registers are rewritten only after the P V that reads them is done
         if (lane0) sync::arrive(st.v_ring.empty[at_v.stage]);
         at_v.advance();
-        rt::mul_rows(o, o, alpha);
         rt::to_a_operand(pr, s);
     }
     st.v_ring.wait_full(at_v);
