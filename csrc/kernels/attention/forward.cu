@@ -303,7 +303,11 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
         l.top += __shfl_xor_sync(0xffffffffu, l.top, offset);
         l.bottom += __shfl_xor_sync(0xffffffffu, l.bottom, offset);
     }
-    rt::div_rows(o, o, l);
+    // One reciprocal per row, then products: 64 IEEE divisions were ~1000 instructions a tile (a divide is a
+    // reciprocal, a Newton step and a slow-path check each), about two key blocks' worth. A row with no key (l = 0)
+    // is never stored.
+    const rt::row_vec inv_l{l.top > 0.0f ? 1.0f / l.top : 0.0f, l.bottom > 0.0f ? 1.0f / l.bottom : 0.0f};
+    rt::mul_rows(o, o, inv_l);
     if ((threadIdx.x & 3) == 0 && row0 >= 0) {
         const int64_t top = row0 + rt::top_row();
         float* lse = a.lse + int64_t(w.batch) * a.lse_stride[0] + int64_t(w.head) * a.lse_stride[1];
