@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""The SASS lines of a kernel that collect the most warp-stall samples, from ncu's source page as CSV.
+
+    ncu ... --section SourceCounters -o rep python3 workload.py
+    ncu -i rep.ncu-rep --page source --csv --print-source sass > rep.csv
+    python3 scripts/ncu_source_top.py rep.csv [--top 40]
+
+Prints the sampling columns ncu reports, then the top lines by all-samples stalls with their address, SASS text and
+each stall reason's count (columns whose name mentions a stall reason), and the share of samples per opcode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from collections import Counter
+
+
+def number(text: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("csv")
+    ap.add_argument("--top", type=int, default=40)
+    args = ap.parse_args(argv)
+    with open(args.csv, newline="") as f:
+        lines = [line for line in f if line.strip() and not line.startswith("==")]
+    rows = list(csv.DictReader(lines))
+    if not rows:
+        sys.exit("no rows")
+    columns = list(rows[0].keys())
+    print("columns:", columns)
+    total_col = next((c for c in columns if "Sampling" in c and "All" in c), None) or \
+        next((c for c in columns if "Sampling" in c), None)
+    source_col = next((c for c in columns if c.lower() in ("source", "sass")), columns[1] if len(columns) > 1 else columns[0])
+    address_col = next((c for c in columns if "Address" in c), columns[0])
+    if total_col is None:
+        sys.exit("no sampling column")
+    total = sum(number(r[total_col]) for r in rows) or 1.0
+    print(f"{total_col}: {total:.0f} samples over {len(rows)} lines")
+    by_op = Counter()
+    for r in rows:
+        op = r[source_col].strip().split()
+        op = [t for t in op if not t.startswith("@")]
+        by_op[op[0] if op else "?"] += number(r[total_col])
+    print("samples by opcode:", ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in by_op.most_common(15)))
+    reasons = [c for c in columns if c != total_col and "Sampling" in c]
+    for r in sorted(rows, key=lambda r: -number(r[total_col]))[: args.top]:
+        detail = ", ".join(f"{c.split('(')[-1].rstrip(')')}={number(r[c]):.0f}" for c in reasons if number(r[c]) > 0)
+        print(f"{r[address_col]:>8} {100 * number(r[total_col]) / total:5.1f}%  {r[source_col].strip()[:70]:70s} {detail}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
