@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     with open(args.csv, newline="") as f:
         lines = [line for line in f if line.strip() and not line.startswith("==")]
+    # ncu puts the kernel's name on a line of its own before the header
+    while lines and not lines[0].startswith('"Address"'):
+        lines = lines[1:]
     rows = list(csv.DictReader(lines))
     if not rows:
         sys.exit("no rows")
