@@ -1,0 +1,32 @@
+"""scripts/ncu_source_top.py on a small CSV shaped like ncu's source page (the kernel's name on a line of its own,
+then the header): the lines with the most stall samples first, shares of the total, samples per opcode."""
+import importlib.util
+from pathlib import Path
+
+CSV = '''"Kernel Name","void kernel<float>(int)",
+"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","# Samples"
+"0x10","HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ","60","50","60"
+"0x20","@!P0  BRA 0x10","30","25","30"
+"0x30","MUFU.EX2 R1, R1","1,0","5","10"
+'''
+
+
+def load_script():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "ncu_source_top.py"
+    spec = importlib.util.spec_from_file_location("ncu_source_top", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lines_ranked_by_stall_samples(tmp_path, capsys):
+    report = tmp_path / "rep.csv"
+    report.write_text(CSV)
+    assert load_script().main([str(report), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "100 samples over 3 lines" in out
+    assert "HGMMA.64x64x16.F32.BF16 60.0%" in out and "BRA 30.0%" in out and "MUFU.EX2 10.0%" in out
+    ranked = [line for line in out.splitlines() if line.lstrip().startswith("0x")]
+    assert len(ranked) == 2
+    assert ranked[0].split()[:2] == ["0x10", "60.0%"] and ranked[1].split()[:2] == ["0x20", "30.0%"]
+    assert "Not-issued Samples=50" in ranked[0]
