@@ -1,6 +1,6 @@
 """scripts/ncu_source_top.py on a small CSV shaped like ncu's source page (the kernel's name on a line of its own,
 then the header): the lines with the most stall samples first, shares of the total, samples per opcode."""
-import importlib.util
+import importlib
 from pathlib import Path
 
 CSV = '''"Kernel Name","void kernel<float>(int)",
@@ -11,18 +11,14 @@ CSV = '''"Kernel Name","void kernel<float>(int)",
 '''
 
 
-def load_script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "ncu_source_top.py"
-    spec = importlib.util.spec_from_file_location("ncu_source_top", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-def test_lines_ranked_by_stall_samples(tmp_path, capsys):
+def test_lines_ranked_by_stall_samples(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
     report = tmp_path / "rep.csv"
     report.write_text(CSV)
-    assert load_script().main([str(report), "--top", "2"]) == 0
+    assert importlib.import_module("ncu_source_top").main([str(report), "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert "100 samples over 3 lines" in out
     assert "HGMMA.64x64x16.F32.BF16 60.0%" in out and "BRA 30.0%" in out and "MUFU.EX2 10.0%" in out
