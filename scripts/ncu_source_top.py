@@ -5,8 +5,9 @@
     ncu -i rep.ncu-rep --page source --csv --print-source sass > rep.csv
     python3 scripts/ncu_source_top.py rep.csv [--top 40]
 
-Prints the sampling columns ncu reports, then the top lines by all-samples stalls with their address, SASS text and
-each stall reason's count (columns whose name mentions a stall reason), and the share of samples per opcode.
+Prints the columns ncu reports, the share of samples per opcode, then the top lines by all-samples stalls with
+their address, SASS text and the counts of the other sampling columns (ncu's page has the not-issued samples there,
+not a count per stall reason).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import argparse
 import csv
 import sys
 from collections import Counter
+
+from sass_loops import opcode  # an instruction's opcode without its predicate
 
 
 def number(text: str) -> float:
@@ -49,9 +52,8 @@ def main(argv=None) -> int:
     print(f"{total_col}: {total:.0f} samples over {len(rows)} lines")
     by_op = Counter()
     for r in rows:
-        op = r[source_col].strip().split()
-        op = [t for t in op if not t.startswith("@")]
-        by_op[op[0] if op else "?"] += number(r[total_col])
+        text = r[source_col].strip()
+        by_op[opcode(text) if text else "?"] += number(r[total_col])
     print("samples by opcode:", ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in by_op.most_common(15)))
     reasons = [c for c in columns if c != total_col and "Sampling" in c]
     for r in sorted(rows, key=lambda r: -number(r[total_col]))[: args.top]:
