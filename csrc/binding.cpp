@@ -45,7 +45,8 @@ void copy_strides(int64_t (&dst)[N], const std::array<int64_t, N>& src) {
 
 void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t delta, int dtype, int64_t batch,
                          int64_t heads, int64_t seq, int64_t head_dim, strides3 o_stride, strides3 grad_o_stride,
-                         strides3 delta_stride, std::uintptr_t stream, int rows_per_group, bool resident_grid) {
+                         strides3 delta_stride, std::uintptr_t stream, int rows_per_group, bool resident_grid,
+                         std::uintptr_t zero_rows) {
     tk::attention::bwd_delta_args args{};
     args.o = as_ptr<void>(o);
     args.grad_o = as_ptr<void>(grad_o);
@@ -62,6 +63,8 @@ void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t
     copy_strides(args.o_stride, o_stride);
     copy_strides(args.grad_o_stride, grad_o_stride);
     copy_strides(args.delta_stride, delta_stride);
+    args.zero_rows = reinterpret_cast<float*>(zero_rows);
+    if (const char* reason = tk::attention::bwd_delta_unsupported(args)) throw std::invalid_argument(reason);
     check_launch(tk::attention::launch_bwd_delta(args, reinterpret_cast<cudaStream_t>(stream)), "attention_bwd_delta");
 }
 
@@ -414,8 +417,9 @@ PYBIND11_MODULE(_C, m) {
     m.def("attention_bwd_delta", &attention_bwd_delta, py::arg("o"), py::arg("grad_o"), py::arg("delta"),
           py::arg("dtype"), py::arg("batch"), py::arg("heads"), py::arg("seq"), py::arg("head_dim"),
           py::arg("o_stride"), py::arg("grad_o_stride"), py::arg("delta_stride"), py::arg("stream"),
-          py::arg("rows_per_group") = 0, py::arg("resident_grid") = true,
-          "delta[b,h,s] = sum_d grad_o[b,h,s,d] * o[b,h,s,d] in fp32, enqueued on `stream`.");
+          py::arg("rows_per_group") = 0, py::arg("resident_grid") = true, py::arg("zero_rows") = 0,
+          "delta[b,h,s] = sum_d grad_o[b,h,s,d] * o[b,h,s,d] in fp32, enqueued on `stream`; zero_rows (optional): a "
+          "contiguous fp32 (B, H, S, head_dim) buffer set to zero in the same pass.");
     m.def("attention_dq_finalize", &attention_dq_finalize, py::arg("accum"), py::arg("out"), py::arg("dtype"),
           py::arg("count"), py::arg("scale"), py::arg("stream"),
           "out = scale * accum (fp32, contiguous) rounded to bf16/fp16, `count` elements (a multiple of 8); "

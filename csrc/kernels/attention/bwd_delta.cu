@@ -86,6 +86,15 @@ __global__ void __launch_bounds__(kThreads) bwd_delta_kernel(const bwd_delta_arg
             const float total = group::sum(acc[i]);
             if (valid[i] && group::rank() == 0) args.delta[off[i].delta] = total;
         }
+        if (args.zero_rows != nullptr) {
+#pragma unroll
+            for (int i = 0; i < kRows; ++i) {
+                if (!valid[i]) continue;
+                float4* row = reinterpret_cast<float4*>(args.zero_rows + (first + int64_t(i) * groups_per_block +
+                                                                         group::group_index()) * D);
+                for (int64_t c = group::rank(); c < D / 4; c += LANES) row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
     }
 }
 
@@ -159,7 +168,14 @@ cudaError_t dispatch_vector(const bwd_delta_args& args, cudaStream_t stream) {
 
 }  // namespace
 
+const char* bwd_delta_unsupported(const bwd_delta_args& a) {
+    if (a.zero_rows != nullptr && (a.head_dim % 4 != 0 || !is_aligned(a.zero_rows, 16)))
+        return "zero_rows needs head_dim a multiple of 4 and a 16-byte aligned buffer";
+    return nullptr;
+}
+
 cudaError_t launch_bwd_delta(const bwd_delta_args& in, cudaStream_t stream) {
+    if (bwd_delta_unsupported(in) != nullptr) return cudaErrorInvalidValue;
     if (in.batch * in.heads * in.seq == 0) return cudaSuccess;
     bwd_delta_args args = in;
     if (args.rows_per_group == 0) {

@@ -18,7 +18,14 @@ struct bwd_delta_args {
     int64_t delta_stride[3];   // strides of delta
     int rows_per_group;        // rows a lane group reduces per step: 1, 2 or 4 (0: chosen by the launcher)
     bool resident_grid;        // grid of resident blocks looping over rows (else one step per block)
+    // Optional (null: none): a contiguous fp32 (B, H, S, head_dim) buffer that this pass sets to zero, row by row
+    // beside its reads (the backward's dQ accumulator: one pass over memory instead of a separate fill).
+    // head_dim a multiple of 4, 16-byte aligned.
+    float* zero_rows;
 };
+
+// Why `args` cannot run, or nullptr.
+const char* bwd_delta_unsupported(const bwd_delta_args& args);
 
 // Enqueues the kernel on `stream`; never synchronises. Returns the launch status.
 cudaError_t launch_bwd_delta(const bwd_delta_args& args, cudaStream_t stream);
