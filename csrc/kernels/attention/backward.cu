@@ -365,7 +365,9 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             }
         }
         tma::store_commit();
-        tma::store_wait();  // the staging must outlive the stores' reads
+        // The staging must outlive the stores' reads, not their writes: the block leaves (and the next one takes
+        // its multiprocessor) while the writes drain, which they do before the grid completes.
+        tma::store_wait_read();
     }
 }
 
