@@ -43,6 +43,9 @@ __device__ __forceinline__ int lane() { return threadIdx.x & 31; }
 __device__ __forceinline__ int top_row() { return ((threadIdx.x / 32) & 3) * 16 + lane() / 4; }
 __device__ __forceinline__ bool is_bottom(int i) { return (i & 2) != 0; }
 __device__ __forceinline__ int column(int i) { return (i / 4) * 8 + (lane() & 3) * 2 + (i & 1); }
+// column(i) - column(0): the same in every lane, so a mask compares register i against one bound per row (the
+// bound less column(0)) instead of each element's own column.
+__host__ __device__ constexpr int column_offset(int i) { return (i / 4) * 8 + (i & 1); }
 
 // ---- whole-tile maps (destination first) ----
 template <int N>

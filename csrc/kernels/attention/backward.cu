@@ -260,7 +260,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             wgmma::wait<1>();
             wgmma::pin(s.d);
             // P^T = exp2(c S^T - lse[query] log2(e)); causal: 0 where key > query. Rows come in column pairs.
-            // key > query as (key - q0 - this thread's first column) > (the column - its first), in 32 bits (both
+            // key > query as (key - q0 - this thread's first column) > rt::column_offset(e), in 32 bits (both
             // positions < 2^31). Only steps that cross the diagonal take the masked copy: the branch is
             // warp-uniform (slice is), so the descriptors stay in uniform registers, and a step clear of the
             // diagonal (every step without causal) skips the mask's 48 instructions (D = 128: 603 -> 556 per step).
@@ -275,8 +275,8 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
                           x1 = exp2_approx(fmaf(s.d[e + 1], c, -lse.y * LOG2E));
                     if constexpr (decltype(masked)::value) {
                         const int row_ahead = ahead + (rt::is_bottom(e) ? 8 : 0);
-                        if (row_ahead > col - col0) x0 = 0.0f;
-                        if (row_ahead > col + 1 - col0) x1 = 0.0f;
+                        if (row_ahead > rt::column_offset(e)) x0 = 0.0f;
+                        if (row_ahead > rt::column_offset(e + 1)) x1 = 0.0f;
                     }
                     s.d[e] = x0;
                     s.d[e + 1] = x1;

@@ -196,16 +196,16 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     auto softmax = [&](int j) {
         const int64_t key0 = int64_t(j) * BN;
         if (key0 + BN > a.kv_len || (a.causal && key0 + BN - 1 > row0)) {
-            // Keys past kv_len and (causal) past the row are masked: a key's offset from this thread's first
-            // column is a constant per register, so each element is one compare against its row's last kept
-            // offset, in 32 bits (lengths < 2^31; causal rows and keys are at most BM + BN apart here).
+            // Keys past kv_len and (causal) past the row are masked: each element is one compare of its
+            // rt::column_offset against its row's last kept offset, in 32 bits (lengths < 2^31; causal rows and
+            // keys are at most BM + BN apart here).
             const int col0 = rt::column(0);
             const int tail = int(a.kv_len - key0 < BN ? a.kv_len - key0 : BN) - 1 - col0;
             const int diag = a.causal ? int(row0 - key0) + rt::top_row() - col0 : tail;
             const int last_top = min(tail, diag), last_bottom = min(tail, a.causal ? diag + 8 : tail);
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i)
-                if (rt::column(i) - col0 > (rt::is_bottom(i) ? last_bottom : last_top)) s.d[i] = -INFINITY;
+                if (rt::column_offset(i) > (rt::is_bottom(i) ? last_bottom : last_top)) s.d[i] = -INFINITY;
         }
         rt::row_vec block_max;
         rt::row_max(block_max, s);
