@@ -103,7 +103,8 @@ def attention_bwd_delta(
             )
         delta = out
     if zero is not None and (not isinstance(zero, torch.Tensor) or zero.dtype != torch.float32
-                             or tuple(zero.shape) != (B, H, S, D) or not zero.is_contiguous() or zero.device != o.device):
+                             or tuple(zero.shape) != (B, H, S, D) or not zero.is_contiguous()
+                             or zero.device != o.device):
         raise ValueError(f"zero must be a contiguous float32 tensor of shape {(B, H, S, D)} on {o.device}")
     with _on(o.device):
         ext.attention_bwd_delta(
