@@ -53,13 +53,14 @@ __global__ void __launch_bounds__(kThreads) bwd_delta_kernel(const bwd_delta_arg
     // Bounds are uniform across the block, so every lane reaches every shuffle.
     for (int64_t first = int64_t(blockIdx.x) * rows_per_step; first < rows;
          first += int64_t(gridDim.x) * rows_per_step) {
+        // Neighbouring groups take neighbouring rows, so a warp's loads stay contiguous.
+        const auto row_of = [&](int i) { return first + int64_t(i) * groups_per_block + group::group_index(); };
         row_offsets off[kRows];
         bool valid[kRows];
         float acc[kRows];
 #pragma unroll
         for (int i = 0; i < kRows; ++i) {
-            // Neighbouring groups take neighbouring rows, so a warp's loads stay contiguous.
-            const int64_t row = first + int64_t(i) * groups_per_block + group::group_index();
+            const int64_t row = row_of(i);
             valid[i] = row < rows;
             off[i] = offsets_of<FLAT>(args, valid[i] ? row : 0);
             acc[i] = 0.f;
@@ -90,8 +91,7 @@ __global__ void __launch_bounds__(kThreads) bwd_delta_kernel(const bwd_delta_arg
 #pragma unroll
             for (int i = 0; i < kRows; ++i) {
                 if (!valid[i]) continue;
-                float4* row = reinterpret_cast<float4*>(args.zero_rows + (first + int64_t(i) * groups_per_block +
-                                                                         group::group_index()) * D);
+                float4* row = reinterpret_cast<float4*>(args.zero_rows + row_of(i) * D);
                 for (int64_t c = group::rank(); c < D / 4; c += LANES) row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
             }
         }
