@@ -1,0 +1,122 @@
+"""Attention under sustained load: time per call beside the SM clock and board power it ran at, tk against cuDNN.
+
+The H100 runs at its 700 W cap under these kernels, so a kernel that draws more power per FLOP loses clock. This
+runs each implementation back to back for --seconds (no cache flush between calls), in turns over --rounds, with
+nvidia-smi sampling the clock and power, and prints per implementation: ms per call, TFLOP/s, mean SM MHz and
+watts, mega-cycles per call (time x clock: the cost at equal clock) and TFLOP per kJ. Also triton's do_bench time
+(the one `benchmarks/attention.py` reports) in the same turns.
+
+    python benchmarks/attention_clocks.py --points 8192:128:full 2048:128:full --json out/attention_clocks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ClockSampler, median_ms, print_table, write_results  # noqa: E402
+
+TOKENS, HIDDEN = 16384, 2048
+
+
+def callables(S: int, D: int, causal: bool, which: str) -> tuple[dict, float]:
+    """{impl: fn} for the forward or the backward at the protocol's shape, and that pass's FLOPs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from thunder_tk import ops
+
+    B, H = TOKENS // S, HIDDEN // D
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flops = 4 * B * H * S * S * D / (2 if causal else 1) * (2.5 if which == "bwd" else 1)
+    if which == "fwd":
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return {"tk": lambda: ops.attention_forward(q, k, v, is_causal=causal), "cudnn": cudnn}, flops
+    o, lse = ops.attention_forward(q, k, v, is_causal=causal)
+    grad = torch.randn_like(o)
+    inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(*inputs, is_causal=causal)
+    return {"tk": lambda: ops.attention_backward(q, k, v, o, lse, grad, is_causal=causal),
+            "cudnn": lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)}, flops
+
+
+def sustained(fn, seconds: float, sampler: ClockSampler) -> dict:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    calls, t0 = 0, time.time()
+    start.record()
+    while time.time() - t0 < seconds:
+        for _ in range(4):
+            fn()
+        calls += 4
+        torch.cuda.synchronize()  # keeps the host's lead short, so the window below is the GPU's
+    end.record()
+    end.synchronize()
+    t1 = time.time()
+    ms = start.elapsed_time(end) / calls
+    # the first quarter of the window is the clock settling; read the rest
+    return {"ms": ms, "clocks": sampler.between(t0 + (t1 - t0) / 4, t1)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--points", nargs="+", default=["8192:128:full", "2048:128:full"],
+                   help="S:D:full|causal (default: 8192:128:full 2048:128:full)")
+    p.add_argument("--passes", nargs="+", choices=("fwd", "bwd"), default=["bwd"])
+    p.add_argument("--seconds", type=float, default=1.5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", default="out/attention_clocks.json")
+    a = p.parse_args()
+
+    rows = []
+    with ClockSampler(period_ms=20) as sampler:
+        for point in a.points:
+            S, D, mask = point.split(":")
+            S, D, causal = int(S), int(D), mask == "causal"
+            for which in a.passes:
+                fns, flops = callables(S, D, causal, which)
+                runs = {name: [] for name in fns}
+                bench = {name: [] for name in fns}
+                names = list(fns)
+                for r in range(a.rounds):
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        runs[name].append(sustained(fns[name], a.seconds, sampler))
+                        bench[name].append(median_ms(fns[name], warmup_ms=10, rep_ms=50))
+                for name in names:
+                    ms = statistics.median(x["ms"] for x in runs[name])
+                    clocks = [x["clocks"] for x in runs[name] if x["clocks"]]
+                    mhz = statistics.median(c["sm_mhz"] for c in clocks) if clocks else None
+                    watts = statistics.median(c["watts"] for c in clocks) if clocks else None
+                    rows.append({
+                        "point": point, "pass": which, "impl": name, "ms": ms, "tflops": flops / ms / 1e9,
+                        "do_bench_ms": statistics.median(bench[name]), "sm_mhz": mhz, "watts": watts,
+                        "mcycles": ms * mhz / 1e3 if mhz else None,
+                        "tflop_per_kj": flops / 1e12 / (watts * ms / 1e3) / 1e-3 if watts else None,
+                    })
+                del fns
+                torch.cuda.empty_cache()
+    print_table(rows, ["point", "pass", "impl", "ms", "tflops", "do_bench_ms", "sm_mhz", "watts", "mcycles",
+                       "tflop_per_kj"])
+    for point in a.points:
+        for which in a.passes:
+            by = {r["impl"]: r for r in rows if r["point"] == point and r["pass"] == which}
+            if "tk" in by and "cudnn" in by and by["tk"]["mcycles"] and by["cudnn"]["mcycles"]:
+                print(f"{point} {which}: tk/cuDNN speed {by['cudnn']['ms'] / by['tk']['ms']:.3f}x, "
+                      f"at equal clock {by['cudnn']['mcycles'] / by['tk']['mcycles']:.3f}x, "
+                      f"clock {by['tk']['sm_mhz']:.0f} vs {by['cudnn']['sm_mhz']:.0f} MHz, "
+                      f"power {by['tk']['watts']:.0f} vs {by['cudnn']['watts']:.0f} W")
+    write_results(a.json, "attention_clocks", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
