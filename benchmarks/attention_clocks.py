@@ -2,7 +2,8 @@
 
 The H100 runs at its 700 W cap under these kernels, so a kernel that draws more power per FLOP loses clock. This
 runs each implementation back to back for --seconds (no cache flush between calls), in turns over --rounds, with
-nvidia-smi sampling the clock and power, and prints per implementation: ms per call, TFLOP/s, mean SM MHz and
+nvidia-smi sampling the clock and power, once back to back and once with do_bench's L2 flush (a 256 MB write)
+before each call, and prints per implementation and mode: ms per call, TFLOP/s, mean SM MHz and
 watts, mega-cycles per call (time x clock: the cost at equal clock) and TFLOP per kJ. Also triton's do_bench time
 (the one `benchmarks/attention.py` reports) in the same turns.
 
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ClockSampler, median_ms, print_table, write_results  # noqa: E402
 
 TOKENS, HIDDEN = 16384, 2048
+MODES = ("back_to_back", "flushed")
 
 
 def callables(S: int, D: int, causal: bool, which: str) -> tuple[dict, float]:
@@ -48,21 +50,25 @@ def callables(S: int, D: int, causal: bool, which: str) -> tuple[dict, float]:
             "cudnn": lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)}, flops
 
 
-def sustained(fn, seconds: float, sampler: ClockSampler) -> dict:
+def sustained(fn, seconds: float, sampler: ClockSampler, flush: torch.Tensor | None = None) -> dict:
+    """Calls back to back for `seconds`; with `flush`, each call after a write of that buffer (what triton's
+    do_bench does to empty the L2), timed per call without it."""
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    calls, t0 = 0, time.time()
-    start.record()
+    events = []
+    t0 = time.time()
     while time.time() - t0 < seconds:
         for _ in range(4):
+            if flush is not None:
+                flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             fn()
-        calls += 4
+            end.record()
+            events.append((start, end))
         torch.cuda.synchronize()  # keeps the host's lead short, so the window below is the GPU's
-    end.record()
-    end.synchronize()
     t1 = time.time()
-    ms = start.elapsed_time(end) / calls
+    ms = statistics.median(s.elapsed_time(e) for s, e in events)
     # the first quarter of the window is the clock settling; read the rest
     return {"ms": ms, "clocks": sampler.between(t0 + (t1 - t0) / 4, t1)}
 
@@ -78,42 +84,51 @@ def main() -> int:
     a = p.parse_args()
 
     rows = []
-    with ClockSampler(period_ms=20) as sampler:
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")  # do_bench's L2 flush
+    with ClockSampler() as sampler:
         for point in a.points:
             S, D, mask = point.split(":")
             S, D, causal = int(S), int(D), mask == "causal"
             for which in a.passes:
                 fns, flops = callables(S, D, causal, which)
-                runs = {name: [] for name in fns}
-                bench = {name: [] for name in fns}
                 names = list(fns)
+                runs = {(name, mode): [] for name in names for mode in MODES}
+                bench = {name: [] for name in names}
                 for r in range(a.rounds):
                     for name in names[r % len(names):] + names[:r % len(names)]:
-                        runs[name].append(sustained(fns[name], a.seconds, sampler))
+                        for mode in MODES:
+                            runs[name, mode].append(sustained(fns[name], a.seconds, sampler,
+                                                              flush if mode == "flushed" else None))
                         bench[name].append(median_ms(fns[name], warmup_ms=10, rep_ms=50))
                 for name in names:
-                    ms = statistics.median(x["ms"] for x in runs[name])
-                    clocks = [x["clocks"] for x in runs[name] if x["clocks"]]
-                    mhz = statistics.median(c["sm_mhz"] for c in clocks) if clocks else None
-                    watts = statistics.median(c["watts"] for c in clocks) if clocks else None
-                    rows.append({
-                        "point": point, "pass": which, "impl": name, "ms": ms, "tflops": flops / ms / 1e9,
-                        "do_bench_ms": statistics.median(bench[name]), "sm_mhz": mhz, "watts": watts,
-                        "mcycles": ms * mhz / 1e3 if mhz else None,
-                        "tflop_per_kj": flops / 1e12 / (watts * ms / 1e3) / 1e-3 if watts else None,
-                    })
+                    for mode in MODES:
+                        ms = statistics.median(x["ms"] for x in runs[name, mode])
+                        clocks = [x["clocks"] for x in runs[name, mode] if x["clocks"]]
+                        mhz = statistics.median(c["sm_mhz"] for c in clocks) if clocks else None
+                        watts = statistics.median(c["watts"] for c in clocks) if clocks else None
+                        rows.append({
+                            "point": point, "pass": which, "impl": name, "mode": mode, "ms": ms,
+                            "tflops": flops / ms / 1e9, "do_bench_ms": statistics.median(bench[name]),
+                            "sm_mhz": mhz, "watts": watts, "mcycles": ms * mhz / 1e3 if mhz else None,
+                            "tflop_per_kj": flops / 1e12 / (watts * ms / 1e3) / 1e-3 if watts else None,
+                        })
                 del fns
                 torch.cuda.empty_cache()
-    print_table(rows, ["point", "pass", "impl", "ms", "tflops", "do_bench_ms", "sm_mhz", "watts", "mcycles",
+    print(f"{len(sampler.samples)} clock samples from nvidia-smi")
+    print_table(rows, ["point", "pass", "impl", "mode", "ms", "tflops", "do_bench_ms", "sm_mhz", "watts", "mcycles",
                        "tflop_per_kj"])
     for point in a.points:
         for which in a.passes:
-            by = {r["impl"]: r for r in rows if r["point"] == point and r["pass"] == which}
-            if "tk" in by and "cudnn" in by and by["tk"]["mcycles"] and by["cudnn"]["mcycles"]:
-                print(f"{point} {which}: tk/cuDNN speed {by['cudnn']['ms'] / by['tk']['ms']:.3f}x, "
-                      f"at equal clock {by['cudnn']['mcycles'] / by['tk']['mcycles']:.3f}x, "
-                      f"clock {by['tk']['sm_mhz']:.0f} vs {by['cudnn']['sm_mhz']:.0f} MHz, "
-                      f"power {by['tk']['watts']:.0f} vs {by['cudnn']['watts']:.0f} W")
+            for mode in MODES:
+                by = {r["impl"]: r for r in rows if r["point"] == point and r["pass"] == which and r["mode"] == mode}
+                if "tk" not in by or "cudnn" not in by:
+                    continue
+                line = f"{point} {which} {mode}: tk/cuDNN speed {by['cudnn']['ms'] / by['tk']['ms']:.3f}x"
+                if by["tk"]["mcycles"] and by["cudnn"]["mcycles"]:
+                    line += (f", at equal clock {by['cudnn']['mcycles'] / by['tk']['mcycles']:.3f}x, clock "
+                             f"{by['tk']['sm_mhz']:.0f} vs {by['cudnn']['sm_mhz']:.0f} MHz, power "
+                             f"{by['tk']['watts']:.0f} vs {by['cudnn']['watts']:.0f} W")
+                print(line)
     write_results(a.json, "attention_clocks", rows)
     return 0
 
