@@ -79,7 +79,6 @@ class ClockSampler:
             return self
         gpu = self.gpu if self.gpu is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
         self._file = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
-        self._started = time.time()
         self._proc = subprocess.Popen(
             ["nvidia-smi", "-i", str(gpu), "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
              "--format=csv,noheader,nounits", f"--loop-ms={self.period_ms}"], stdout=self._file, stderr=subprocess.DEVNULL)
@@ -95,17 +94,11 @@ class ClockSampler:
 
         for line in self._file.read().splitlines():
             parts = [x.strip() for x in line.split(",")]
-            try:  # "2026/11/23 10:00:00.123" in nvidia-smi's idea of local time
+            try:  # "2026/11/23 10:00:00.123" in the host's local time, as time.time() is read below
                 stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
                 self.samples.append((stamp, tuple(float(x) for x in parts[1:4])))
             except (ValueError, IndexError):  # a torn last line, or "[N/A]"
                 continue
-        if self.samples:
-            # nvidia-smi and Python may not agree on the time zone (seen on a GPU host: no sample fell inside any
-            # window); the first sample came within a second of the start, so any skew beyond that is a zone
-            # offset, a multiple of 15 minutes.
-            zone = round((self.samples[0][0] - self._started) / 900) * 900
-            self.samples = [(t - zone, v) for t, v in self.samples]
         self._file.close()
         os.unlink(self._file.name)
 

@@ -74,37 +74,6 @@ def test_profile_attention_parses_on_cpu():
     assert r.returncode == 0 and "--kernels" in r.stdout and "cudnn" in r.stdout, r.stderr[-3000:]
 
 
-def test_attention_clocks_parses_on_cpu():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_clocks.py"), "--help"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "--points" in r.stdout, r.stderr[-3000:]
-
-
-def test_clock_sampler_takes_nvidia_smi_time_zone_out(tmp_path):
-    # A GPU host's nvidia-smi stamped its samples an hour (or any whole zone) off Python's time.time(): the samples
-    # are shifted by the whole quarter hours between the first stamp and the sampler's start.
-    import datetime
-    import importlib.util
-    import time
-
-    spec = importlib.util.spec_from_file_location("bench_common", ROOT / "benchmarks" / "common.py")
-    common = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(common)
-    sampler = common.ClockSampler()
-    sampler._started = time.time()
-    sampler._file = open(tmp_path / "samples.csv", "w+")
-    sampler._proc = type("Done", (), {"terminate": lambda self: None, "wait": lambda self: None})()
-    for i in range(3):
-        stamp = datetime.datetime.fromtimestamp(sampler._started + 3600 + 0.2 + 0.05 * i)
-        sampler._file.write(f"{stamp.strftime('%Y/%m/%d %H:%M:%S.%f')[:-3]}, {1500 + i}, 690.5, 61\n")
-    sampler._file.write("2026/11/24 05:0")  # a torn last line
-    sampler._file.flush()
-    sampler.__exit__(None, None, None)
-    assert len(sampler.samples) == 3
-    window = sampler.between(sampler._started, sampler._started + 1)
-    assert window == {"sm_mhz": 1501.0, "watts": 690.5, "celsius": 61.0, "samples": 3}
-
-
 def test_litgpt_step_profile_kinds_and_table(capsys):
     import importlib.util
 
