@@ -50,7 +50,7 @@ def callables(S: int, D: int, causal: bool, which: str) -> tuple[dict, float]:
             "cudnn": lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)}, flops
 
 
-def sustained(fn, seconds: float, sampler: ClockSampler, flush: torch.Tensor | None = None) -> dict:
+def sustained(fn, seconds: float, flush: torch.Tensor | None = None) -> dict:
     """Calls back to back for `seconds`; with `flush`, each call after a write of that buffer (what triton's
     do_bench does to empty the L2), timed per call without it."""
     fn()
@@ -69,8 +69,8 @@ def sustained(fn, seconds: float, sampler: ClockSampler, flush: torch.Tensor | N
         torch.cuda.synchronize()  # keeps the host's lead short, so the window below is the GPU's
     t1 = time.time()
     ms = statistics.median(s.elapsed_time(e) for s, e in events)
-    # the first quarter of the window is the clock settling; read the rest
-    return {"ms": ms, "clocks": sampler.between(t0 + (t1 - t0) / 4, t1)}
+    # the first quarter of the window is the clock settling; the rest is read once the sampler has stopped
+    return {"ms": ms, "window": (t0 + (t1 - t0) / 4, t1)}
 
 
 def main() -> int:
@@ -83,7 +83,7 @@ def main() -> int:
     p.add_argument("--json", default="out/attention_clocks.json")
     a = p.parse_args()
 
-    rows = []
+    rows, measured = [], []
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")  # do_bench's L2 flush
     with ClockSampler() as sampler:
         for point in a.points:
@@ -97,24 +97,27 @@ def main() -> int:
                 for r in range(a.rounds):
                     for name in names[r % len(names):] + names[:r % len(names)]:
                         for mode in MODES:
-                            runs[name, mode].append(sustained(fns[name], a.seconds, sampler,
+                            runs[name, mode].append(sustained(fns[name], a.seconds,
                                                               flush if mode == "flushed" else None))
                         bench[name].append(median_ms(fns[name], warmup_ms=10, rep_ms=50))
                 for name in names:
                     for mode in MODES:
-                        ms = statistics.median(x["ms"] for x in runs[name, mode])
-                        clocks = [x["clocks"] for x in runs[name, mode] if x["clocks"]]
-                        mhz = statistics.median(c["sm_mhz"] for c in clocks) if clocks else None
-                        watts = statistics.median(c["watts"] for c in clocks) if clocks else None
-                        rows.append({
-                            "point": point, "pass": which, "impl": name, "mode": mode, "ms": ms,
-                            "tflops": flops / ms / 1e9, "do_bench_ms": statistics.median(bench[name]),
-                            "sm_mhz": mhz, "watts": watts, "mcycles": ms * mhz / 1e3 if mhz else None,
-                            "tflop_per_kj": flops / 1e12 / (watts * ms / 1e3) / 1e-3 if watts else None,
-                        })
+                        measured.append((point, which, name, mode, flops, runs[name, mode], bench[name]))
                 del fns
                 torch.cuda.empty_cache()
+    # nvidia-smi's samples are read when the sampler stops
     print(f"{len(sampler.samples)} clock samples from nvidia-smi")
+    for point, which, name, mode, flops, runs, bench in measured:
+        ms = statistics.median(x["ms"] for x in runs)
+        clocks = [c for c in (sampler.between(*x["window"]) for x in runs) if c]
+        mhz = statistics.median(c["sm_mhz"] for c in clocks) if clocks else None
+        watts = statistics.median(c["watts"] for c in clocks) if clocks else None
+        rows.append({
+            "point": point, "pass": which, "impl": name, "mode": mode, "ms": ms, "tflops": flops / ms / 1e9,
+            "do_bench_ms": statistics.median(bench), "sm_mhz": mhz, "watts": watts,
+            "mcycles": ms * mhz / 1e3 if mhz else None,
+            "tflop_per_kj": flops / 1e12 / (watts * ms / 1e3) / 1e-3 if watts else None,
+        })
     print_table(rows, ["point", "pass", "impl", "mode", "ms", "tflops", "do_bench_ms", "sm_mhz", "watts", "mcycles",
                        "tflop_per_kj"])
     for point in a.points:

@@ -74,6 +74,12 @@ def test_profile_attention_parses_on_cpu():
     assert r.returncode == 0 and "--kernels" in r.stdout and "cudnn" in r.stdout, r.stderr[-3000:]
 
 
+def test_attention_clocks_parses_on_cpu():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_clocks.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--points" in r.stdout, r.stderr[-3000:]
+
+
 def test_litgpt_step_profile_kinds_and_table(capsys):
     import importlib.util
 
