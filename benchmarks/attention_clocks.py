@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import HIDDEN, TOKENS, bwd_flops, fwd_flops, sdpa_forward  # noqa: E402
 from common import ClockSampler, median_ms, print_table, write_results  # noqa: E402
 
-TOKENS, HIDDEN = 16384, 2048
 MODES = ("back_to_back", "flushed")
 
 
@@ -35,19 +35,16 @@ def callables(S: int, D: int, causal: bool, which: str) -> tuple[dict, float]:
 
     B, H = TOKENS // S, HIDDEN // D
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    flops = 4 * B * H * S * S * D / (2 if causal else 1) * (2.5 if which == "bwd" else 1)
     if which == "fwd":
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return {"tk": lambda: ops.attention_forward(q, k, v, is_causal=causal), "cudnn": cudnn}, flops
+        return {"tk": lambda: ops.attention_forward(q, k, v, is_causal=causal),
+                "cudnn": sdpa_forward(SDPBackend.CUDNN_ATTENTION, q, k, v, causal)}, fwd_flops(B, H, S, D, causal)
     o, lse = ops.attention_forward(q, k, v, is_causal=causal)
     grad = torch.randn_like(o)
     inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         out = torch.nn.functional.scaled_dot_product_attention(*inputs, is_causal=causal)
     return {"tk": lambda: ops.attention_backward(q, k, v, o, lse, grad, is_causal=causal),
-            "cudnn": lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)}, flops
+            "cudnn": lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)}, bwd_flops(B, H, S, D, causal)
 
 
 def sustained(fn, seconds: float, flush: torch.Tensor | None = None) -> dict:
