@@ -47,6 +47,14 @@ def callables(S: int, D: int, causal: bool, which: str) -> tuple[dict, float]:
             "cudnn": lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)}, bwd_flops(B, H, S, D, causal)
 
 
+def point_arg(text: str) -> tuple[int, int, bool]:
+    """S:D:full|causal -> (S, D, causal), or an error naming the format."""
+    parts = text.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in ("64", "128") or parts[2] not in ("full", "causal"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a point is S:D:full|causal with D 64 or 128, e.g. 8192:128:full")
+    return int(parts[0]), int(parts[1]), parts[2] == "causal"
+
+
 def sustained(fn, seconds: float, flush: torch.Tensor | None = None) -> dict:
     """Calls back to back for `seconds`; with `flush`, each call after a write of that buffer (what triton's
     do_bench does to empty the L2), timed per call without it."""
@@ -72,7 +80,7 @@ def sustained(fn, seconds: float, flush: torch.Tensor | None = None) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--points", nargs="+", default=["8192:128:full", "2048:128:full"],
+    p.add_argument("--points", nargs="+", type=point_arg, default=[(8192, 128, False), (2048, 128, False)],
                    help="S:D:full|causal (default: 8192:128:full 2048:128:full)")
     p.add_argument("--passes", nargs="+", choices=("fwd", "bwd"), default=["bwd"])
     p.add_argument("--seconds", type=float, default=1.5)
@@ -83,9 +91,8 @@ def main() -> int:
     rows, measured = [], []
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")  # do_bench's L2 flush
     with ClockSampler() as sampler:
-        for point in a.points:
-            S, D, mask = point.split(":")
-            S, D, causal = int(S), int(D), mask == "causal"
+        for S, D, causal in a.points:
+            point = f"{S}:{D}:{'causal' if causal else 'full'}"
             for which in a.passes:
                 fns, flops = callables(S, D, causal, which)
                 names = list(fns)
@@ -117,7 +124,7 @@ def main() -> int:
         })
     print_table(rows, ["point", "pass", "impl", "mode", "ms", "tflops", "do_bench_ms", "sm_mhz", "watts", "mcycles",
                        "tflop_per_kj"])
-    for point in a.points:
+    for point in dict.fromkeys(r["point"] for r in rows):
         for which in a.passes:
             for mode in MODES:
                 by = {r["impl"]: r for r in rows if r["point"] == point and r["pass"] == which and r["mode"] == mode}

@@ -78,6 +78,9 @@ def test_attention_clocks_parses_on_cpu():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_clocks.py"), "--help"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "--points" in r.stdout, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_clocks.py"), "--points", "8192:96:full"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "a point is S:D:full|causal" in r.stderr, r.stderr[-3000:]
 
 
 def test_litgpt_step_profile_kinds_and_table(capsys):
