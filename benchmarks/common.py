@@ -34,6 +34,20 @@ def median_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
         return times[len(times) // 2]
 
 
+def graphed(fn):
+    """`fn` captured once into a CUDA graph; returns the replay. Times a short kernel without the host's launch path
+    (Python argument checks, the launch call), which in eager timing can exceed the kernel itself."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up outside the capture: one-time allocations and lazy initialisation
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def interleaved_ms(fns: dict, *, rounds: int = 5, warmup_ms: float = 10, rep_ms: float = 50) -> dict:
     """Median times (ms) of several functions timed in turns, each round in a rotated order.
 

@@ -4,7 +4,8 @@
   dX:   dX = dY W     (M x K, reduce N)     dY (M, N), W (N, K)
   dW:   dW = dY^T X   (N x K, reduce M)     dY (M, N), X (M, K)
 
-Shapes: squares 4096/8192/16384 and 8192 tokens against LLM weights (K x N as listed in the issue).
+Shapes: squares 4096/8192/16384 and 8192 tokens against LLM weights (K x N as listed in the issue); `--tokens`
+instead puts other token counts against those weights (inference and small-batch shapes: 1 to a few thousand rows).
 TFLOP/s = 2 * (product of the three dims) / time; tk and cuBLAS (and the
 optional variants) are timed in turns, in rotating order, and each gets the median over the rounds. Prints ratios and the geometric mean, writes JSON and a PNG.
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bar_chart, interleaved_ms, print_table, write_results  # noqa: E402
+from common import bar_chart, graphed, interleaved_ms, print_table, write_results  # noqa: E402
 
 from thunder_tk import ops  # noqa: E402
 
@@ -38,10 +39,20 @@ WEIGHTS = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 40
 LLAMA_1B_WEIGHTS = [(2048, 3072), (2048, 2048), (2048, 8192), (8192, 2048), (2048, 128256)]
 
 
-def problems(quick: bool, llama_1b: bool = False):
+LAYOUTS = ("fwd", "dX", "dW")
+
+
+def problems(quick: bool, llama_1b: bool = False, tokens: list[int] | None = None):
+    """(name, M, N, K) of the forward product: M tokens against a K x N weight."""
     if llama_1b:
-        for k, n in LLAMA_1B_WEIGHTS:
-            yield f"{TOKENS}x{k}x{n}", TOKENS, n, k
+        for t in tokens or [TOKENS]:
+            for k, n in LLAMA_1B_WEIGHTS:
+                yield f"{t}x{k}x{n}", t, n, k
+        return
+    if tokens:
+        for t in tokens:
+            for k, n in WEIGHTS[:2] if quick else WEIGHTS:
+                yield f"{t}x{k}x{n}", t, n, k
         return
     for s in SQUARES[:2] if quick else SQUARES:
         yield f"sq{s}", s, s, s
@@ -56,6 +67,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer shapes")
     p.add_argument("--llama-1b", action="store_true",
                    help="instead: 8192 tokens against Llama-3.2-1B's weights (the end-to-end benchmark's GEMMs)")
+    p.add_argument("--tokens", type=int, nargs="+",
+                   help="token counts (M of the forward) against the weights, instead of the default problems")
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="products to time")
+    p.add_argument("--graphs", action="store_true",
+                   help="time each variant as a captured CUDA graph (the kernels without the host's launch path)")
     p.add_argument("--sweep", action="store_true", help="also time other L2 group sizes of the schedule")
     p.add_argument("--cluster", action="store_true", help="also time clusters of two blocks sharing B by multicast")
     p.add_argument("--dynamic", action="store_true", help="also time the dynamic tile schedule")
@@ -80,13 +96,20 @@ def main() -> None:
               f"{kernels.gemm_resident_blocks(2)} in clusters of 2 (cluster occupancy query)", flush=True)
 
     rows = []
-    for name, M, N, K in problems(a.quick, a.llama_1b):
+    if a.tokens and min(a.tokens) < 1:
+        p.error("--tokens must be positive")
+    for name, M, N, K in problems(a.quick, a.llama_1b, a.tokens):
         if a.only and name not in a.only:
             continue
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         for layout, (lhs, rhs) in {"fwd": (x, w.t()), "dX": (dy, w), "dW": (dy.t(), x)}.items():
+            if layout not in a.layouts:
+                continue
+            if lhs.shape[1] % 8:  # dW of fewer tokens than 8 (K = tokens): tk takes K in multiples of 8 only
+                print(f"{name:>16} {layout:>3}: skipped (K = {lhs.shape[1]} is not a multiple of 8)", flush=True)
+                continue
             out = ops.gemm(lhs, rhs)
             ref = torch.matmul(lhs, rhs)
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -111,6 +134,8 @@ def main() -> None:
             if a.sweep:  # other L2 group sizes of the tile order, in the same rotation
                 for g in SWEEP_GROUPS:
                     variants[f"group_rows={g}"] = (lambda g=g: ops.gemm(lhs, rhs, _group_rows=g))
+            if a.graphs:
+                variants = {v: graphed(fn) for v, fn in variants.items()}
             if a.once:
                 for fn in variants.values():
                     fn()
@@ -124,7 +149,7 @@ def main() -> None:
                     flush=True)
             rows.append({"problem": name, "layout": layout, "M": lhs.shape[0], "N": rhs.shape[1], "K": lhs.shape[1],
                          "tk_tflops": flops / t_tk / 1e9, "cublas_tflops": flops / t_cublas / 1e9,
-                         "ratio": t_cublas / t_tk})
+                         "ratio": t_cublas / t_tk, "timing": "graph" if a.graphs else "eager"})
             for v in EXTRA_VARIANTS:
                 if v in ms:
                     rows[-1][f"tk_{v}_tflops"] = flops / ms[v] / 1e9

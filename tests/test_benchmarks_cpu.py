@@ -128,6 +128,11 @@ def test_gemm_benchmark_llama_1b_problems():
     assert [(M, N, K) for _, M, N, K in shapes] == [(8192, 3072, 2048), (8192, 2048, 2048), (8192, 8192, 2048),
                                                      (8192, 2048, 8192), (8192, 128256, 2048)]
     assert len(list(bench.problems(False))) == 9 and len(list(bench.problems(True))) == 4
+    small = list(bench.problems(True, tokens=[1, 64]))
+    assert [(name, M, N, K) for name, M, N, K in small] == [
+        ("1x4096x4096", 1, 4096, 4096), ("1x4096x11008", 1, 11008, 4096),
+        ("64x4096x4096", 64, 4096, 4096), ("64x4096x11008", 64, 11008, 4096)]
+    assert [M for _, M, _, _ in bench.problems(False, llama_1b=True, tokens=[16])] == [16] * 5
 
 
 def test_litgpt_step_memory_replay_finds_what_is_live_at_the_peak(capsys):
