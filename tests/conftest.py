@@ -30,6 +30,15 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.fixture(autouse=True)
+def gemm_size_policy_off(request, monkeypatch):
+    """The suite's GEMMs are small, and it checks their routing and results: tk claims every supported size unless a
+    test asks for the size policy (marker `gemm_size_policy`)."""
+    from thunder_tk import claim_rules
+
+    monkeypatch.setattr(claim_rules, "gemm_size_policy_default", "gemm_size_policy" in request.keywords)
+
+
 @pytest.fixture
 def standin_nvfuser():
     """Registers an eager fusion executor under the name "nvfuser" (no nvFuser build exists for torch 2.11)."""

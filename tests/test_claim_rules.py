@@ -274,3 +274,56 @@ def test_attention_bwd_delta_rule():
     assert "mixed dtypes" in judge(attention_bwd_delta_symbol, a, proxy(2, 4, 9, 128, dtype=f16)).reason
     i = proxy(2, 4, 9, 128, dtype=i64)
     assert "dtype int64" in judge(attention_bwd_delta_symbol, i, i).reason
+
+
+# -- the GEMM size policy ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gemm_size_policy
+def test_gemm_size_policy_leaves_small_products_to_cublas():
+    from thunder_tk.claim_rules import GEMM_MIN_K, gemm_output_tiles
+
+    # 128 x 256 tiles; 128 x 128 where those fill the last wave of 132 SMs clearly better
+    assert gemm_output_tiles(8192, 4096, 132) == 64 * 16
+    assert gemm_output_tiles(256, 4096, 132) == 2 * 32  # 32 wide tiles fill 24%, 64 narrow ones 48%
+    assert gemm_output_tiles(256, 14336, 132) == 2 * 56  # 85%: wide
+    assert gemm_output_tiles(1, 128256, 132) == 501
+    linear, matmul = rule(ltorch.linear), rule(prims.PrimIDs.MATMUL)
+    # decode and small batches against 4096-wide weights: fewer tiles than SMs
+    v = judge(ltorch.linear, proxy(1, 1, 4096), proxy(11008, 4096))
+    assert not v and v.reason.startswith("1 x 11008 output: 86 tiles for 132 SMs; cuBLAS is faster at this size")
+    assert "gemm_size_policy" in v.reason
+    assert not judge(prims.PrimIDs.MATMUL, proxy(256, 11008), proxy(11008, 4096))
+    # enough tiles: the lm_head at one token, a training step's products
+    assert judge(ltorch.linear, proxy(1, 4096), proxy(128256, 4096))
+    assert judge(prims.PrimIDs.LINEAR, proxy(2, 2048, 4096), proxy(4096, 4096))
+    assert judge(prims.PrimIDs.MATMUL, proxy(4096, 8192), proxy(8192, 4096))  # dW = dY^T X of 8192 tokens
+    # a short reduction (dW of 256 tokens)
+    v = judge(prims.PrimIDs.MATMUL, proxy(4096, 256), proxy(256, 4096))
+    assert not v and v.reason.startswith(f"K=256 < {GEMM_MIN_K}: cuBLAS is faster at this depth")
+    assert judge(prims.PrimIDs.MATMUL, proxy(4096, GEMM_MIN_K), proxy(GEMM_MIN_K, 4096))
+    # the support checks come first
+    assert linear.check(proxy(1, 1004), proxy(64, 1004)).reason == "K=1004 not a multiple of 8"
+    assert matmul.check(proxy(2, 3, 64), proxy(64, 5)).reason.startswith("only 2-D @ 2-D")
+
+
+@pytest.mark.gemm_size_policy
+def test_gemm_size_policy_can_be_turned_off(monkeypatch):
+    small = (proxy(16, 4096), proxy(4096, 4096))
+    assert not judge(ltorch.linear, *small)
+    monkeypatch.setenv("THUNDER_TK_DISABLE", "gemm_size_policy")
+    assert judge(ltorch.linear, *small)
+    monkeypatch.delenv("THUNDER_TK_DISABLE")
+    from thunder_tk.claim_rules import known_disable_names
+
+    assert "gemm_size_policy" in known_disable_names()
+
+
+@pytest.mark.gemm_size_policy
+def test_gemm_size_policy_counts_the_gpus_multiprocessors(monkeypatch, kernels_built):
+    monkeypatch.setattr(_extension, "_real_capability", lambda index: (9, 0))
+    monkeypatch.setattr(_extension, "_real_multiprocessors", lambda index: 114)  # an H100 PCIe
+    a, w = proxy(1024, 4096), proxy(4096, 4096)  # 128 tiles: one wave on 114 SMs, not on 132
+    assert rule(ltorch.linear).judge(a, w, None)
+    with _extension.planning_for():
+        assert not rule(ltorch.linear).judge(a, w, None)

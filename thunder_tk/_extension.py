@@ -98,6 +98,24 @@ def device_capability(index: int | None) -> tuple[int, int] | None:
     return _real_capability(0 if index is None else index)
 
 
+PLANNED_MULTIPROCESSORS = 132
+"""SMs of the GPU a plan without one assumes: the H100 SXM and the H200 have 132."""
+
+
+@lru_cache(maxsize=None)
+def _real_multiprocessors(index: int) -> int | None:
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        return None
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessor_count(index: int | None) -> int:
+    """SMs of cuda:`index` (while planning, or with no such GPU: PLANNED_MULTIPROCESSORS). Cached."""
+    if planning():
+        return PLANNED_MULTIPROCESSORS
+    return _real_multiprocessors(0 if index is None else index) or PLANNED_MULTIPROCESSORS
+
+
 def kernels_usable_reason() -> str:
     """Empty when kernels can run (or are assumed to, while planning); otherwise why not."""
     if planning():

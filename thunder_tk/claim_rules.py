@@ -34,7 +34,9 @@ DISABLE_OPTION = "tk_disable"
 Unlike the environment variable, the option refuses names it does not know (`known_disable_names`)."""
 # Features the two switches also turn off (not rules): the cross-entropy's gradient from its forward
 # (lowering.FORWARD_GRAD_KERNEL) and D written over the logits (pattern_fusion.OVERWRITE_LOGITS).
-DISABLE_FEATURES = frozenset({"cross_entropy_forward_grad", "cross_entropy_gradient_over_logits"})
+# The GEMM size policy (GEMM_SIZE_POLICY below) is one too: turned off, tk claims every GEMM its kernel supports.
+GEMM_SIZE_POLICY = "gemm_size_policy"
+DISABLE_FEATURES = frozenset({"cross_entropy_forward_grad", "cross_entropy_gradient_over_logits", GEMM_SIZE_POLICY})
 
 
 def _env_names() -> set[str]:
@@ -248,6 +250,46 @@ def _check_gemm_operands(a, b, k: int) -> Verdict:
     return ACCEPT
 
 
+# Where tk's GEMM is far behind cuBLAS it leaves the product to cuBLAS (H100, 2026-11-24, benchmarks/NOTES.md,
+# `gemm.py --tokens ... --graphs`):
+# - fewer output tiles than SMs: the persistent grid of 128-row tiles leaves SMs idle, where cuBLAS picks kernels
+#   for the size (1 to 256 tokens against 4096- to 14336-wide weights: 0.48-0.97x; with enough tiles, e.g. one
+#   token against the 128256-wide lm_head, 1.05x);
+# - K below GEMM_MIN_K: a tile's products are short and its epilogue costs as much (dW of 256 tokens: 0.75-0.85x).
+GEMM_MIN_K = 512
+_GEMM_BM = 128
+gemm_size_policy_default = True  # the policy where neither switch names it (the test suite's small GEMMs: off)
+
+
+def gemm_output_tiles(m: int, n: int, sms: int) -> int:
+    """Output tiles of tk's GEMM for an m x n product: 128 x 256, or 128 x 128 where the kernel takes narrow tiles
+    (its tile_n_of: 256-wide tiles fill under 80% of the persistent grid's last wave, 128-wide ones 10 points more)."""
+    rows = -(-m // _GEMM_BM)
+
+    def tiles(width):
+        return rows * -(-n // width)
+
+    def fill(width):
+        return tiles(width) / (-(-tiles(width) // sms) * sms)
+
+    wide, narrow = fill(256), fill(128)
+    return tiles(128) if wide < 0.8 and narrow > wide + 0.1 else tiles(256)
+
+
+def check_gemm_size(m: int, n: int, k: int, device_index: int | None) -> Verdict:
+    """The size policy: decline products where tk's GEMM is measured well behind cuBLAS (see above)."""
+    if not gemm_size_policy_default or GEMM_SIZE_POLICY in disabled_names():
+        return ACCEPT
+    sms = _extension.multiprocessor_count(device_index)
+    tiles = gemm_output_tiles(m, n, sms)
+    off = f"(turn the size policy off with {DISABLE_ENV} or {DISABLE_OPTION}={GEMM_SIZE_POLICY!r})"
+    if tiles < sms:
+        return decline(f"{m} x {n} output: {tiles} tiles for {sms} SMs; cuBLAS is faster at this size {off}")
+    if k < GEMM_MIN_K:
+        return decline(f"K={k} < {GEMM_MIN_K}: cuBLAS is faster at this depth {off}")
+    return ACCEPT
+
+
 def check_linear(a, w, bias=None) -> Verdict:
     if w.ndim != 2:
         return decline(f"weight is {w.ndim}-D, expected 2-D")
@@ -258,13 +300,16 @@ def check_linear(a, w, bias=None) -> Verdict:
         return verdict
     if bias is not None and (bias.dtype != w.dtype or bias.ndim != 1):
         return decline(f"bias must be a 1-D {_dtype_name(w.dtype)} tensor; got {bias.ndim}-D {_dtype_name(bias.dtype)}")
-    return ACCEPT
+    return check_gemm_size(math.prod(a.shape[:-1]), w.shape[0], a.shape[-1], a.device.index)
 
 
 def check_matmul(a, b) -> Verdict:
     if a.ndim != 2 or b.ndim != 2:
         return decline(f"only 2-D @ 2-D is claimed; got {a.ndim}-D @ {b.ndim}-D")
-    return _check_gemm_operands(a, b, a.shape[1])
+    verdict = _check_gemm_operands(a, b, a.shape[1])
+    if not verdict:
+        return verdict
+    return check_gemm_size(a.shape[0], b.shape[1], a.shape[1], a.device.index)
 
 
 # ------------------------------------------------------------------------------------------------
