@@ -29,7 +29,7 @@ from thunder_tk import ops  # noqa: E402
 SQUARES = [4096, 8192, 16384]
 SWEEP_GROUPS = (4, 16, 32, 64)
 EXTRA_VARIANTS = ("dynamic", "cluster2", "narrow", "pingpong", "pingpong_dynamic", "store_warps", "consumers",
-                  "stream_k")  # optional tk variants, timed in the same rotation
+                  "stream_k", "persistent")  # optional tk variants, timed in the same rotation
 TOKENS = 8192
 WEIGHTS = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]
 
@@ -84,6 +84,8 @@ def main() -> None:
                         "own rows (four stages)")
     p.add_argument("--stream-k", action="store_true",
                    help="also time the stream-K tail (the last wave cut into k-block ranges; off by default)")
+    p.add_argument("--persistent", action="store_true",
+                   help="also time the persistent kernel where the skinny one is the default (<= 64 rows)")
     p.add_argument("--rounds", type=int, default=5, help="timing rounds per point, peers in rotating order")
     p.add_argument("--only", nargs="*", help="problems to run (names as printed, e.g. sq8192 8192x4096x4096)")
     p.add_argument("--once", action="store_true",
@@ -131,6 +133,8 @@ def main() -> None:
                 variants["consumers"] = lambda: ops.gemm(lhs, rhs, _epilogue=2)
             if a.stream_k:
                 variants["stream_k"] = lambda: ops.gemm(lhs, rhs, _stream_k=1)
+            if a.persistent:
+                variants["persistent"] = lambda: ops.gemm(lhs, rhs, _skinny=-1)
             if a.sweep:  # other L2 group sizes of the tile order, in the same rotation
                 for g in SWEEP_GROUPS:
                     variants[f"group_rows={g}"] = (lambda g=g: ops.gemm(lhs, rhs, _group_rows=g))

@@ -187,7 +187,7 @@ void cross_entropy_backward(std::uintptr_t logits, std::uintptr_t target, std::u
 void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t bias, int dtype, int64_t M, int64_t N,
           int64_t K, int64_t a_stride_m, int64_t a_stride_k, int64_t b_stride_k, int64_t b_stride_n, int64_t c_stride_m,
           std::uintptr_t stream, int group_rows, int cluster, std::uintptr_t tickets, int tile_n, int pingpong,
-          int epilogue, int stream_k, std::uintptr_t partials, std::uintptr_t flags) {
+          int epilogue, int stream_k, std::uintptr_t partials, std::uintptr_t flags, int skinny) {
     tk::gemm::gemm_args g{};
     g.a = as_ptr<void>(a);
     g.b = as_ptr<void>(b);
@@ -213,6 +213,7 @@ void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t b
     g.stream_k = stream_k;
     g.partials = reinterpret_cast<float*>(partials);
     g.flags = reinterpret_cast<int*>(flags);
+    g.skinny = skinny;
     if (const char* why = tk::gemm::gemm_unsupported(g)) throw std::invalid_argument(std::string("thunder_tk gemm: ") + why);
     check_launch(tk::gemm::launch_gemm(g, reinterpret_cast<cudaStream_t>(stream)), "gemm");
 }
@@ -468,14 +469,16 @@ PYBIND11_MODULE(_C, m) {
           py::arg("N"), py::arg("K"), py::arg("a_stride_m"), py::arg("a_stride_k"), py::arg("b_stride_k"),
           py::arg("b_stride_n"), py::arg("c_stride_m"), py::arg("stream"), py::arg("group_rows") = 0, py::arg("cluster") = 0,
           py::arg("tickets") = 0, py::arg("tile_n") = 0, py::arg("pingpong") = 0, py::arg("epilogue") = 0,
-          py::arg("stream_k") = 0, py::arg("partials") = 0, py::arg("flags") = 0,
+          py::arg("stream_k") = 0, py::arg("partials") = 0, py::arg("flags") = 0, py::arg("skinny") = 0,
           "C = A B (+ bias), bf16/fp16 with fp32 accumulation, enqueued on `stream`; `tickets`: a zeroed int32 "
           "counter for the dynamic tile schedule (0: static); `tile_n`: output tile width 128 or 256 (0: chosen by "
           "how well each fills the persistent grid's last wave); `pingpong`: 1 the two consumer warpgroups take "
           "128 x 128 tiles in turns, -1 they share each tile, 0 automatic; `epilogue`: 1 store warps write the output "
           "tiles, 2 the consumers do, 0 automatic; `stream_k`: 1 the grid's last wave cut into k-block ranges, with "
           "`partials` (fp32) and `flags` (zeroed int32) of gemm_stream_k_workspace()'s sizes, not shared with a "
-          "launch that may run at the same time; 0 or -1 whole tiles only.");
+          "launch that may run at the same time; 0 or -1 whole tiles only; `skinny`: 1 the kernel for few rows (at "
+          "most 64, A K-major), which splits K over `partials` and `flags` where given, -1 never, 0 where it "
+          "applies.");
     m.def("gemm_stream_k_workspace",
           [] {
               const int64_t floats = tk::gemm::stream_k_workspace_floats();

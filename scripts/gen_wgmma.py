@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes csrc/kittens/wgmma_ops.cuh: wgmma.mma_async m64nNk16 wrappers with fp32 accumulators for N in
-{64, 128, 256} and bf16/fp16 inputs: A and B in shared memory (mma_ss), or A in registers (mma_rs). The register lists are long and regular, so they
+{16, 32, 64, 128, 256} and bf16/fp16 inputs: A and B in shared memory (mma_ss), or A in registers (mma_rs). The register lists are long and regular, so they
 are generated: one operand-list macro per N, one struct definition macro, one line per (N, type).
 
     python scripts/gen_wgmma.py
@@ -8,7 +8,7 @@ are generated: one operand-list macro per N, one struct definition macro, one li
 
 from pathlib import Path
 
-NS = (64, 128, 256)
+NS = (16, 32, 64, 128, 256)
 TYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 
 out = [

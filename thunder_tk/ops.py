@@ -397,10 +397,13 @@ def clear_stream_k_workspaces() -> None:
     _stream_k_workspaces.clear()
 
 
+SKINNY_MAX_M = 64  # rows up to which the GEMM takes its kernel for few rows (csrc/kernels/gemm/skinny.cu)
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
          out: torch.Tensor | None = None, _group_rows: int = 0, _cluster: int = 0,
          _schedule: str | None = None, _tile_n: int = 0, _pingpong: int = 0, _epilogue: int = 0,
-         _stream_k: int = 0) -> torch.Tensor:
+         _stream_k: int = 0, _skinny: int = 0) -> torch.Tensor:
     """a (M, K) @ b (K, N) (+ bias (N,)) by the tk kernel, bf16/fp16 with fp32 accumulation.
 
     Operands are read in place when one of their strides is 1 (either major) and the other a multiple of 8;
@@ -409,7 +412,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     `_pingpong`: 1 the consumer warpgroups take 128 x 128 tiles in turns, -1 they share each tile, 0 automatic;
     `_epilogue`: 1 store warps write the output tiles while the consumers go on, 2 the consumers do, 0 automatic;
     `_stream_k`: 1 the persistent grid's last wave cut into k-block ranges (static schedule only), 0 or -1 whole
-    tiles only: no automatic rule measured faster).
+    tiles only: no automatic rule measured faster; `_skinny`: the kernel for at most SKINNY_MAX_M rows with `a`
+    K-major, which spreads the product over every SM by splitting K: 0 where it applies, 1 forced, -1 never).
     """
     check_gemm_args(a, b, bias)
     ext = _require_kernels(a.device)
@@ -436,11 +440,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     (a_sm, a_sk), (b_sn, b_sk) = a_layout, b_layout
     with _on(a.device):
         tickets = _gemm_tickets(a.device, _schedule)
-        partials, flags = _stream_k_workspace(a.device, ext) if _stream_k == 1 and tickets == 0 else (0, 0)
+        # The split-K workspace serves the stream-K tail and the skinny kernel's split of K alike.
+        skinny = _skinny != -1 and M <= SKINNY_MAX_M and a_sk == 1
+        wants_workspace = (_stream_k == 1 and tickets == 0) or skinny
+        partials, flags = _stream_k_workspace(a.device, ext) if wants_workspace else (0, 0)
         ext.gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr(),
                  _DTYPE_CODES[a.dtype], M, N, K, a_sm, a_sk, b_sk, b_sn, out.stride(0) if M > 1 else N,
                  _stream_handle(a.device), _group_rows, _cluster, tickets, _tile_n, _pingpong, _epilogue,
-                 _stream_k, partials, flags)
+                 _stream_k, partials, flags, _skinny)
     return out
 
 

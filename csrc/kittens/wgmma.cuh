@@ -30,7 +30,8 @@ __device__ __forceinline__ constexpr uint32_t descriptor_high(uint32_t sbo) {
 template <typename T, int Rows, major M>
 struct operand_tile {
     static_assert(sizeof(T) == 2, "16-bit operands");
-    static_assert(Rows % 64 == 0, "rows in whole 64-row groups");
+    // MN-major panels are 64 rows wide; K-major tiles need whole 8-line swizzle atoms (a wgmma B of N = 16 or 32).
+    static_assert(M == major::k ? Rows % 8 == 0 : Rows % 64 == 0, "K-major: rows in 8s; MN-major: in 64s");
     static constexpr int rows = Rows, depth = 64;
     static constexpr major layout = M;
     static constexpr int bytes = Rows * depth * 2;

@@ -12,6 +12,34 @@ namespace tk::wgmma::detail {
 template <int N, typename T> struct mma_ss;
 template <int N, typename T> struct mma_rs;
 
+#define TK_WGMMA_OUT_16 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define TK_WGMMA_ASM_16(PTX) \
+    "{\n.reg .pred p;\n"                                                    \
+    "setp.ne.b32 p, %10, 0;\n"                                          \
+    "wgmma.mma_async.sync.aligned.m64n16k16.f32." PTX "." PTX " "         \
+    "{%0, %1, %2, %3, %4, %5, %6, %7}, " \
+    "%8, %9, p, 1, 1, %11, %12;\n}\n"
+#define TK_WGMMA_RS_ASM_16(PTX) \
+    "{\n.reg .pred p;\n"                                                    \
+    "setp.ne.b32 p, %13, 0;\n"                                          \
+    "wgmma.mma_async.sync.aligned.m64n16k16.f32." PTX "." PTX " "         \
+    "{%0, %1, %2, %3, %4, %5, %6, %7}, " \
+    "{%8, %9, %10, %11}, %12, p, 1, 1, %14;\n}\n"
+
+#define TK_WGMMA_OUT_32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define TK_WGMMA_ASM_32(PTX) \
+    "{\n.reg .pred p;\n"                                                    \
+    "setp.ne.b32 p, %18, 0;\n"                                          \
+    "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX "." PTX " "         \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
+    "%16, %17, p, 1, 1, %19, %20;\n}\n"
+#define TK_WGMMA_RS_ASM_32(PTX) \
+    "{\n.reg .pred p;\n"                                                    \
+    "setp.ne.b32 p, %21, 0;\n"                                          \
+    "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX "." PTX " "         \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
+    "{%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+
 #define TK_WGMMA_OUT_64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define TK_WGMMA_ASM_64(PTX) \
     "{\n.reg .pred p;\n"                                                    \
@@ -76,6 +104,14 @@ template <int N, typename T> struct mma_rs;
         }                                                                                              \
     };
 
+TK_DEFINE_WGMMA(16, __nv_bfloat16, "bf16")
+TK_DEFINE_WGMMA_RS(16, __nv_bfloat16, "bf16")
+TK_DEFINE_WGMMA(16, __half, "f16")
+TK_DEFINE_WGMMA_RS(16, __half, "f16")
+TK_DEFINE_WGMMA(32, __nv_bfloat16, "bf16")
+TK_DEFINE_WGMMA_RS(32, __nv_bfloat16, "bf16")
+TK_DEFINE_WGMMA(32, __half, "f16")
+TK_DEFINE_WGMMA_RS(32, __half, "f16")
 TK_DEFINE_WGMMA(64, __nv_bfloat16, "bf16")
 TK_DEFINE_WGMMA_RS(64, __nv_bfloat16, "bf16")
 TK_DEFINE_WGMMA(64, __half, "f16")
@@ -91,6 +127,12 @@ TK_DEFINE_WGMMA_RS(256, __half, "f16")
 
 #undef TK_DEFINE_WGMMA
 #undef TK_DEFINE_WGMMA_RS
+#undef TK_WGMMA_OUT_16
+#undef TK_WGMMA_ASM_16
+#undef TK_WGMMA_RS_ASM_16
+#undef TK_WGMMA_OUT_32
+#undef TK_WGMMA_ASM_32
+#undef TK_WGMMA_RS_ASM_32
 #undef TK_WGMMA_OUT_64
 #undef TK_WGMMA_ASM_64
 #undef TK_WGMMA_RS_ASM_64

@@ -64,6 +64,17 @@ def gemm():
 
 
 # Tile-library unit kernels: register tiles and shared vectors, wgmma with A in registers, TMA reduce-store.
+def gemm_skinny():
+    # few rows: split K (two of the splits' partial sums meet in the workspace), one split, bias, both weight majors
+    for M, N, K in ((1, 4104, 4096), (17, 130, 1000), (64, 300, 72)):
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        ops.gemm(a, w.t(), torch.randn(N, device="cuda", dtype=torch.bfloat16), _skinny=1)
+        ops.gemm(a, w.t().contiguous(), _skinny=1)
+    torch.cuda.synchronize()
+    print("gemm_skinny sanitize targets ran")
+
+
 def tile_library():
     from thunder_tk import _extension
 
@@ -142,7 +153,7 @@ def cross_entropy_forward_grad():
     print("cross-entropy forward+grad sanitize targets ran")
 
 
-SECTIONS = [attention_bwd_delta, gemm, tile_library, attention_forward, attention_backward, cross_entropy,
+SECTIONS = [attention_bwd_delta, gemm, gemm_skinny, tile_library, attention_forward, attention_backward, cross_entropy,
             cross_entropy_forward_grad]
 
 if __name__ == "__main__":

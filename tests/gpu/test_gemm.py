@@ -411,3 +411,53 @@ def test_out_view_with_padding_is_written_only_inside(M, N):
     assert torch.isfinite(out).all()
     assert rel_err(out, reference(a, b)) < TOL[torch.bfloat16]
     assert (base[:, N:] == 7.0).all()
+
+
+# -- few rows: the skinny kernel (C^T = B^T A^T, K split over the SMs) -------------------------------------------
+
+SKINNY_SHAPES = [(1, 1, 8), (1, 7, 64), (1, 4104, 4096), (5, 33, 8), (16, 8192, 2048), (17, 1000, 520), (32, 70, 72),
+                 (33, 130, 4104), (64, 4160, 72), (64, 300, 16384), (2, 128256, 128)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b_n_major", [True, False])
+@pytest.mark.parametrize("M,N,K", SKINNY_SHAPES)
+def test_skinny(M, N, K, b_n_major, dtype):
+    a, b, bias, ref = biased_problem(M, N, K, True, b_n_major, dtype)
+    out = checked_gemm(a, b, bias, ref, _skinny=1)
+    assert torch.equal(ops.gemm(a, b, bias), out)  # the default for <= 64 rows with A K-major
+    for _ in range(2):  # the split counters are left zeroed, and the split order is fixed
+        assert torch.equal(ops.gemm(a, b, bias, _skinny=1), out)
+    checked_gemm(a, b, None, reference(a, b), _skinny=1)
+    checked_gemm(a, b, bias, ref, _skinny=-1)  # the persistent kernel at the same size
+
+
+def test_skinny_strided_rows_graph_capture_and_errors():
+    # A with a row stride past K (a view into wider rows), C a view with padded rows
+    wide = torch.randn(24, 4096 + 64, device="cuda", dtype=torch.bfloat16)
+    a = wide[:, :4096]
+    b = torch.randn(4096, 3000, device="cuda", dtype=torch.bfloat16)
+    out_rows = torch.full((24, 3008), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ops.gemm(a, b, out=out_rows[:, :3000], _skinny=1)
+    assert rel_err(out_rows[:, :3000], reference(a, b)) < TOL[torch.bfloat16]
+    assert out_rows[:, 3000:].isnan().all(), "written outside the view"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        ops.gemm(a, b)
+        with torch.cuda.graph(graph, stream=side):
+            captured = ops.gemm(a, b)
+    for _ in range(2):
+        wide.copy_(torch.randn_like(wide))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(captured, reference(a, b)) < TOL[torch.bfloat16]
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        ops.gemm(torch.randn(65, 64, device="cuda", dtype=torch.bfloat16), b[:64], _skinny=1)
+    with pytest.raises(ValueError, match="K-major"):
+        ops.gemm(torch.randn(64, 16, device="cuda", dtype=torch.bfloat16).t(), b[:64], _skinny=1)
+    with pytest.raises(ValueError, match="knobs"):
+        ops.gemm(a, b, _skinny=1, _tile_n=128)
+    with pytest.raises(ValueError, match="skinny"):
+        ops.gemm(a, b, _skinny=2)

@@ -741,6 +741,9 @@ const char* gemm_unsupported(const gemm_args& g) {
     if (g.stream_k == 1 && (g.cluster == 2 || g.pingpong == 1 || g.tickets != nullptr))
         return "stream-K takes the static schedule with no cluster and no ping-pong";
     if (g.stream_k == 1 && (g.partials == nullptr || g.flags == nullptr)) return "stream-K needs its workspace";
+    if (g.skinny < -1 || g.skinny > 1) return "skinny must be 0 (automatic), 1 (on) or -1 (off)";
+    if (g.skinny == 1)
+        if (const char* why = skinny_unsupported(g)) return why;
     if (g.a_stride_k != 1 && g.a_stride_m != 1) return "A needs a unit stride along M or K";
     if (g.b_stride_k != 1 && g.b_stride_n != 1) return "B needs a unit stride along K or N";
     const int64_t a_lead = g.a_stride_k == 1 ? g.a_stride_m : g.a_stride_k;
@@ -769,6 +772,8 @@ int gemm_resident_blocks(int cluster) {
 
 cudaError_t launch_gemm(const gemm_args& g, cudaStream_t stream) {
     if (gemm_unsupported(g) != nullptr) return cudaErrorInvalidValue;
+    // Few rows: the skinny kernel spreads the weight's columns and K over every SM (skinny.cu).
+    if (g.skinny == 1 || (g.skinny == 0 && skinny_unsupported(g) == nullptr)) return launch_skinny(g, stream);
     if (g.dtype == int(dtype::bf16)) return dispatch_cluster<__nv_bfloat16>(g, stream);
     return dispatch_cluster<__half>(g, stream);
 }

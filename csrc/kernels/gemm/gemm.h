@@ -38,7 +38,17 @@ struct gemm_args {
     int stream_k;
     float* partials;
     int* flags;
+    // The skinny kernel for few rows (skinny.cu): 0 automatic (M <= SKINNY_MAX_M with A K-major and none of the
+    // knobs above; it splits K over the workspace above where one is given), 1 forced, -1 off.
+    int skinny;
 };
+
+constexpr int SKINNY_MAX_M = 64;
+// Why the skinny kernel cannot take `args` (empty when it can).
+const char* skinny_unsupported(const gemm_args& args);
+// The skinny kernel's splits of K for tiles of `tokens_per_tile` rows (1: no split).
+int skinny_splits(const gemm_args& args, int tokens_per_tile);
+cudaError_t launch_skinny(const gemm_args& args, cudaStream_t stream);
 
 // Sizes of the stream-K workspace on the current device (its persistent grid); 0 on error.
 int64_t stream_k_workspace_floats();
