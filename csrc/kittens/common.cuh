@@ -96,6 +96,24 @@ cudaError_t opt_in_shared_memory(int bytes) {
     return e;
 }
 
+// Blocks of `Kernel` (`threads` threads, `smem_bytes` of dynamic shared memory) resident at once on the current
+// device, all SMs together; cached per device. 0 on error. After opt_in_shared_memory for that size.
+template <auto Kernel>
+int resident_blocks(int threads, int smem_bytes) {
+    static std::atomic<int> known[max_devices];
+    const int device = current_device();
+    if (device < 0) return 0;
+    int blocks = known[device].load(std::memory_order_acquire);
+    if (blocks == 0) {
+        int per_sm = 0;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, smem_bytes) != cudaSuccess)
+            return 0;
+        blocks = per_sm * multiprocessor_count();
+        known[device].store(blocks, std::memory_order_release);
+    }
+    return blocks;
+}
+
 inline bool is_aligned(const void* p, std::size_t bytes) {
     return (reinterpret_cast<std::uintptr_t>(p) % bytes) == 0;
 }

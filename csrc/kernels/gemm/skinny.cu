@@ -19,7 +19,6 @@ constexpr int SK_BK = 64;
 constexpr int SK_STAGES = 6;
 constexpr int SK_THREADS = warpgroup::threads + 32;  // one consumer warpgroup, one producer warp
 constexpr int SK_MIN_K_BLOCKS = 4;                   // a split's shortest range of k-blocks
-constexpr int SK_BLOCKS_PER_SM = 3;                   // the grid the split aims for, per SM
 
 template <typename T, major MB, int NT>
 struct skinny_state {
@@ -174,7 +173,9 @@ cudaError_t launch_skinny_tokens(const gemm_args& g, cudaStream_t stream) {
     p.args = g;
     p.k_blocks = int((g.K + SK_BK - 1) / SK_BK);
     const int tiles = int((g.N + SK_ROWS - 1) / SK_ROWS);
-    p.splits = skinny_splits(g, NT);
+    const int slots = resident_blocks<skinny_kernel<T, MB, NT>>(SK_THREADS, smem);
+    if (slots <= 0) return cudaErrorInvalidDevice;
+    p.splits = skinny_splits(g, NT, slots);
     kernel<<<dim3(unsigned(tiles), unsigned(p.splits)), SK_THREADS, smem, stream>>>(map_w, map_x, p);
     return cudaGetLastError();
 }
@@ -193,10 +194,11 @@ cudaError_t launch_skinny_type(const gemm_args& g, cudaStream_t stream) {
 
 }  // namespace
 
-int skinny_splits(const gemm_args& g, int tokens_per_tile) {
+int skinny_splits(const gemm_args& g, int tokens_per_tile, int slots) {
     const int64_t tiles = (g.N + SK_ROWS - 1) / SK_ROWS, k_blocks = (g.K + SK_BK - 1) / SK_BK;
-    const int64_t sms = std::max(1, multiprocessor_count());
-    int64_t splits = (SK_BLOCKS_PER_SM * sms + tiles - 1) / tiles;  // enough blocks to cover every SM a few times
+    // As many blocks as fit on the GPU at once, never more: a second, part-filled wave of blocks that each stream
+    // a long slice of the weight doubled the time (4096 x 4096 at one token: 448 blocks on 396 slots).
+    int64_t splits = slots / tiles;
     splits = std::min(splits, k_blocks / SK_MIN_K_BLOCKS);
     if (g.partials == nullptr || g.flags == nullptr || tiles > stream_k_flags()) return 1;
     splits = std::min(splits, stream_k_workspace_floats() / (tiles * SK_ROWS * tokens_per_tile));
