@@ -287,17 +287,20 @@ def test_gemm_size_policy_leaves_small_products_to_cublas():
     assert gemm_output_tiles(8192, 4096, 132) == 64 * 16
     assert gemm_output_tiles(256, 4096, 132) == 2 * 32  # 32 wide tiles fill 24%, 64 narrow ones 48%
     assert gemm_output_tiles(256, 14336, 132) == 2 * 56  # 85%: wide
-    assert gemm_output_tiles(1, 128256, 132) == 501
     linear, matmul = rule(ltorch.linear), rule(prims.PrimIDs.MATMUL)
-    # decode and small batches against 4096-wide weights: fewer tiles than SMs
+    # decoding and small batches (the skinny kernel) against 4096- to 14336-wide weights
     v = judge(ltorch.linear, proxy(1, 1, 4096), proxy(11008, 4096))
-    assert not v and v.reason.startswith("1 x 11008 output: 86 tiles for 132 SMs; cuBLAS is faster at this size")
+    assert not v and v.reason.startswith("1 x 11008 output: at most 64 rows against fewer than 65536 columns")
     assert "gemm_size_policy" in v.reason
-    assert not judge(prims.PrimIDs.MATMUL, proxy(256, 11008), proxy(11008, 4096))
-    # enough tiles: the lm_head at one token, a training step's products
-    assert judge(ltorch.linear, proxy(1, 4096), proxy(128256, 4096))
+    assert not judge(prims.PrimIDs.MATMUL, proxy(64, 14336), proxy(14336, 4096))
+    assert judge(ltorch.linear, proxy(1, 4096), proxy(128256, 4096))  # the lm_head at one token
+    # more rows: fewer tiles than half the SMs (256 tokens against 4096 columns: 64 narrow tiles)
+    v = judge(prims.PrimIDs.MATMUL, proxy(256, 11008), proxy(11008, 4096))
+    assert not v and v.reason.startswith("256 x 4096 output: 64 tiles for 132 SMs; cuBLAS is faster at this size")
+    assert judge(prims.PrimIDs.LINEAR, proxy(256, 4096), proxy(14336, 4096))  # 112 tiles: claimed
+    # a training step's products
     assert judge(prims.PrimIDs.LINEAR, proxy(2, 2048, 4096), proxy(4096, 4096))
-    assert judge(prims.PrimIDs.MATMUL, proxy(4096, 8192), proxy(8192, 4096))  # dW = dY^T X of 8192 tokens
+    assert judge(prims.PrimIDs.MATMUL, proxy(2048, 8192), proxy(8192, 2048))  # dW of 8192 tokens, 128 tiles
     # a short reduction (dW of 256 tokens)
     v = judge(prims.PrimIDs.MATMUL, proxy(4096, 256), proxy(256, 4096))
     assert not v and v.reason.startswith(f"K=256 < {GEMM_MIN_K}: cuBLAS is faster at this depth")
@@ -323,7 +326,7 @@ def test_gemm_size_policy_can_be_turned_off(monkeypatch):
 def test_gemm_size_policy_counts_the_gpus_multiprocessors(monkeypatch, kernels_built):
     monkeypatch.setattr(_extension, "_real_capability", lambda index: (9, 0))
     monkeypatch.setattr(_extension, "_real_multiprocessors", lambda index: 114)  # an H100 PCIe
-    a, w = proxy(1024, 4096), proxy(4096, 4096)  # 128 tiles: one wave on 114 SMs, not on 132
+    a, w = proxy(256, 4096), proxy(4096, 4096)  # 64 narrow tiles: over half of 114 SMs, under half of 132
     assert rule(ltorch.linear).judge(a, w, None)
     with _extension.planning_for():
         assert not rule(ltorch.linear).judge(a, w, None)

@@ -250,20 +250,23 @@ def _check_gemm_operands(a, b, k: int) -> Verdict:
     return ACCEPT
 
 
-# Where tk's GEMM is far behind cuBLAS it leaves the product to cuBLAS (H100, 2026-11-24, benchmarks/NOTES.md,
-# `gemm.py --tokens ... --graphs`):
-# - fewer output tiles than SMs: the persistent grid of 128-row tiles leaves SMs idle, where cuBLAS picks kernels
-#   for the size (1 to 256 tokens against 4096- to 14336-wide weights: 0.48-0.97x; with enough tiles, e.g. one
-#   token against the 128256-wide lm_head, 1.05x);
+# Where tk's GEMM is well behind cuBLAS it leaves the product to cuBLAS (H100, 2026-11-24, benchmarks/NOTES.md, "GEMMs
+# of few tokens"; `gemm.py --tokens ... --graphs`):
+# - at most SKINNY_MAX_M rows (decoding, small batches) the skinny kernel streams the weight over every SM: on
+#   lm_head-sized weights (N >= GEMM_SKINNY_MIN_N) 1.06-1.08x cuBLAS, on 4096- to 14336-wide ones 0.73-0.98x (its
+#   fixed costs weigh on 20-60 us products);
+# - more rows, but fewer output tiles than half the SMs: the persistent grid of 128-row tiles leaves SMs idle
+#   (256 tokens against 4096-wide weights: 0.61-0.93x; at 66-128 tiles it runs 0.90-0.98x, its usual level);
 # - K below GEMM_MIN_K: a tile's products are short and its epilogue costs as much (dW of 256 tokens: 0.75-0.85x).
 GEMM_MIN_K = 512
+GEMM_SKINNY_MIN_N = 65536
 _GEMM_BM = 128
 gemm_size_policy_default = True  # the policy where neither switch names it (the test suite's small GEMMs: off)
 
 
 def gemm_output_tiles(m: int, n: int, sms: int) -> int:
-    """Output tiles of tk's GEMM for an m x n product: 128 x 256, or 128 x 128 where the kernel takes narrow tiles
-    (its tile_n_of: 256-wide tiles fill under 80% of the persistent grid's last wave, 128-wide ones 10 points more)."""
+    """Output tiles of tk's persistent GEMM for an m x n product: 128 x 256, or 128 x 128 where the kernel takes
+    narrow tiles (its tile_n_of: 256-wide tiles fill under 80% of the grid's last wave, 128-wide ones 10 points more)."""
     rows = -(-m // _GEMM_BM)
 
     def tiles(width):
@@ -280,11 +283,16 @@ def check_gemm_size(m: int, n: int, k: int, device_index: int | None) -> Verdict
     """The size policy: decline products where tk's GEMM is measured well behind cuBLAS (see above)."""
     if not gemm_size_policy_default or GEMM_SIZE_POLICY in disabled_names():
         return ACCEPT
-    sms = _extension.multiprocessor_count(device_index)
-    tiles = gemm_output_tiles(m, n, sms)
     off = f"(turn the size policy off with {DISABLE_ENV} or {DISABLE_OPTION}={GEMM_SIZE_POLICY!r})"
-    if tiles < sms:
-        return decline(f"{m} x {n} output: {tiles} tiles for {sms} SMs; cuBLAS is faster at this size {off}")
+    if m <= ops.SKINNY_MAX_M:
+        if n < GEMM_SKINNY_MIN_N:
+            return decline(f"{m} x {n} output: at most {ops.SKINNY_MAX_M} rows against fewer than "
+                           f"{GEMM_SKINNY_MIN_N} columns, cuBLAS is faster {off}")
+    else:
+        sms = _extension.multiprocessor_count(device_index)
+        tiles = gemm_output_tiles(m, n, sms)
+        if 2 * tiles < sms:
+            return decline(f"{m} x {n} output: {tiles} tiles for {sms} SMs; cuBLAS is faster at this size {off}")
     if k < GEMM_MIN_K:
         return decline(f"K={k} < {GEMM_MIN_K}: cuBLAS is faster at this depth {off}")
     return ACCEPT
