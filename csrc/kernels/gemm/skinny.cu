@@ -124,8 +124,6 @@ __global__ void __launch_bounds__(SK_THREADS)
         float sum[NT / 2];
 #pragma unroll
         for (int i = 0; i < NT / 2; ++i) sum[i] = 0.0f;
-        // Unrolled so that several splits' loads are in flight at once: this sum is on the kernel's tail.
-#pragma unroll 4
         for (int s = 0; s < p.splits; ++s) {
             const float2* from = slot(s);
 #pragma unroll
