@@ -86,6 +86,24 @@ def sdpa_forward(backend, q, k, v, causal):
     return fn
 
 
+def sdpa_peers(backends: dict, q, k, v, causal: bool, notes: list[str], labels: dict | None = None):
+    """({name: forward callable} of the SDPA backends that run these inputs, the first one's output and name);
+    a backend that refuses them is noted with its error's first line."""
+    fns, ref, ref_name = {}, None, None
+    for name, backend in backends.items():
+        fn = sdpa_forward(backend, q, k, v, causal)
+        try:
+            out = fn()
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            notes.append(f"{(labels or {}).get(name, name)} fwd skipped ({first_line(e)})")
+            continue
+        fns[name] = fn
+        if ref is None:
+            ref, ref_name = out, name
+    return fns, ref, ref_name
+
+
 def run_point(ops, B, H, S, D, causal, a):
     from torch.nn.attention import SDPBackend
 
@@ -100,19 +118,10 @@ def run_point(ops, B, H, S, D, causal, a):
     fwd = {"tk": lambda: ops.attention_forward(q, k, v, is_causal=causal)}
     if a.static_too:  # the forward's static tile schedule (what CUDA-graph capture gets), timed in the same turns
         fwd["tk_static"] = lambda: ops.attention_forward(q, k, v, is_causal=causal, _schedule="static")
-    ref = None
-    for name, backend in backends.items():
-        fn = sdpa_forward(backend, q, k, v, causal)
-        try:
-            out = fn()
-            torch.cuda.synchronize()
-        except RuntimeError as e:
-            notes.append(f"{LABELS[name]} fwd skipped ({first_line(e)})")
-            continue
-        fwd[name] = fn
-        if ref is None:
-            ref, row["checked_against"] = out, name
+    peers, ref, checked_against = sdpa_peers(backends, q, k, v, causal, notes, LABELS)
+    fwd.update(peers)
     if ref is not None:
+        row["checked_against"] = checked_against
         row["fwd_err"] = rel_err(o, ref)
         assert row["fwd_err"] < FWD_TOL, f"tk forward wrong at {shape} causal={causal}: rel err {row['fwd_err']}"
     del ref

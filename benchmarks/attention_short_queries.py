@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from attention import PEERS, rel_err, sdpa_forward  # noqa: E402
+from attention import PEERS, rel_err, sdpa_peers  # noqa: E402
 from common import graphed, interleaved_ms, print_table, write_results  # noqa: E402
 
 SQ = (1, 4, 16, 64, 128, 512)
@@ -61,19 +61,9 @@ def main() -> None:
         k, v = (torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         # SDPA's backends take the key/value heads expanded (torch 2.11 has enable_gqa, not every backend does).
         ke, ve = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (k, v))
-        fns = {"tk": lambda: ops.attention_forward(q, k, v)}
-        ref, notes = None, []
-        for name, backend in backends.items():
-            fn = sdpa_forward(backend, q, ke, ve, False)
-            try:
-                out = fn()
-                torch.cuda.synchronize()
-            except RuntimeError as e:
-                notes.append(f"{name} skipped ({str(e).strip().splitlines()[0][:80] if str(e).strip() else ''})")
-                continue
-            fns[name] = fn
-            if ref is None:
-                ref = out
+        notes = []
+        peers, ref, _ = sdpa_peers(backends, q, ke, ve, False, notes)
+        fns = {"tk": lambda: ops.attention_forward(q, k, v), **peers}
         o, _ = ops.attention_forward(q, k, v)
         err = rel_err(o, ref) if ref is not None else None
         assert err is None or err < TOL, f"tk wrong at Sq={Sq} Sk={Sk}: rel err {err}"

@@ -195,6 +195,27 @@ def test_stream_k(M, N, K, tile_n, epilogue, a_k_major, b_n_major, dtype):
     assert int(flags.abs().sum()) == 0, "a launch left a stream-K flag raised"
 
 
+def captured(fn):
+    """(graph, output): `fn` run once on a side stream, then captured into a CUDA graph whose replay rewrites output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        fn()
+        with torch.cuda.graph(graph, stream=side):
+            out = fn()
+    return graph, out
+
+
+def check_replays(graph, out, source, ref_of, times=2):
+    """Refills `source` with fresh values and replays `graph` `times` times; `out` must match ref_of() each time."""
+    for _ in range(times):
+        source.copy_(torch.randn_like(source))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref_of()) < TOL[out.dtype]
+
+
 def test_stream_k_off_by_default_graph_capture_and_errors():
     """512 tiles on 132 SMs leave 3% of the last wave idle, but the default stays whole tiles (bitwise what forcing
     them off gives; no automatic rule measured faster). Captured in a CUDA graph, a stream-K launch gets its own
@@ -206,18 +227,8 @@ def test_stream_k_off_by_default_graph_capture_and_errors():
     assert rel_err(default, ref) < TOL[torch.bfloat16]
     assert torch.equal(default, ops.gemm(a, b, _stream_k=-1))
     assert rel_err(ops.gemm(a, b, _stream_k=1), ref) < TOL[torch.bfloat16]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side):
-        ops.gemm(a, b, _stream_k=1)
-        with torch.cuda.graph(graph, stream=side):
-            captured = ops.gemm(a, b, _stream_k=1)
-    for _ in range(2):
-        a.copy_(torch.randn_like(a))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(captured, reference(a, b)) < TOL[torch.bfloat16]
+    graph, out = captured(lambda: ops.gemm(a, b, _stream_k=1))
+    check_replays(graph, out, a, lambda: reference(a, b))
     with pytest.raises(ValueError, match="stream-K"):
         ops.gemm(a, b, _stream_k=1, _schedule="dynamic")
     with pytest.raises(ValueError, match="stream-K"):
@@ -329,17 +340,11 @@ def test_repeatable_and_graph_capturable():
     first = ops.gemm(a, b)
     for _ in range(3):
         assert torch.equal(ops.gemm(a, b), first)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side):
-        ops.gemm(a, b)
-        with torch.cuda.graph(graph, stream=side):
-            captured = ops.gemm(a, b)
+    graph, out = captured(lambda: ops.gemm(a, b))
     a.copy_(torch.randn_like(a))
     graph.replay()
     torch.cuda.synchronize()
-    assert rel_err(captured, reference(a, b)) < 1e-2
+    assert rel_err(out, reference(a, b)) < 1e-2
 
 
 class LlamaMLP(torch.nn.Module):
@@ -429,6 +434,9 @@ def test_skinny(M, N, K, b_n_major, dtype):
     for _ in range(2):  # the split counters are left zeroed, and the split order is fixed
         assert torch.equal(ops.gemm(a, b, bias, _skinny=1), out)
     checked_gemm(a, b, None, reference(a, b), _skinny=1)
+    torch.cuda.synchronize()
+    counters = ops._stream_k_workspaces[(torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)][1]
+    assert int(counters.abs().sum()) == 0, "a launch left a split counter raised"
     checked_gemm(a, b, bias, ref, _skinny=-1)  # the persistent kernel at the same size
 
 
@@ -441,18 +449,8 @@ def test_skinny_strided_rows_graph_capture_and_errors():
     ops.gemm(a, b, out=out_rows[:, :3000], _skinny=1)
     assert rel_err(out_rows[:, :3000], reference(a, b)) < TOL[torch.bfloat16]
     assert out_rows[:, 3000:].isnan().all(), "written outside the view"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side):
-        ops.gemm(a, b)
-        with torch.cuda.graph(graph, stream=side):
-            captured = ops.gemm(a, b)
-    for _ in range(2):
-        wide.copy_(torch.randn_like(wide))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(captured, reference(a, b)) < TOL[torch.bfloat16]
+    graph, out = captured(lambda: ops.gemm(a, b))
+    check_replays(graph, out, wide, lambda: reference(a, b))
     with pytest.raises(ValueError, match="at most 64 rows"):
         ops.gemm(torch.randn(65, 64, device="cuda", dtype=torch.bfloat16), b[:64], _skinny=1)
     with pytest.raises(ValueError, match="K-major"):
