@@ -32,6 +32,18 @@ def test_explain_default_model_and_inference(capsys):
     assert "backward" not in text and "cross_entropy" not in text  # inference plans the model alone
 
 
+@pytest.mark.gemm_size_policy
+def test_explain_decoding_leaves_small_gemms_to_cublas_and_says_why(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["explain", "--seq", "16", "--inference", "--json", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["symbol"] == "ltorch.linear"]
+    lm_head = [r for r in rows if "128256" in r["inputs"]]
+    layers = [r for r in rows if "128256" not in r["inputs"]]
+    assert len(lm_head) == 1 and lm_head[0]["claimed_by_tk"]  # the skinny kernel streams it faster than cuBLAS
+    assert layers and all(not r["claimed_by_tk"] and "at most 64 rows" in r["reason"] and "gemm_size_policy" in r["reason"]
+                          for r in layers), layers
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
