@@ -118,6 +118,12 @@ def test_cross_entropy_benchmark_imports_and_parses_on_cpu():
     assert r.returncode == 0 and "--quick" in r.stdout, r.stderr[-3000:]
 
 
+def test_gemm_decode_layer_benchmark_parses_on_cpu():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemm_decode_layer.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--tokens" in r.stdout, r.stderr[-3000:]
+
+
 def test_gemm_benchmark_llama_1b_problems():
     import importlib.util
 
