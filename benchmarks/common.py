@@ -34,18 +34,24 @@ def median_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
         return times[len(times) // 2]
 
 
-def graphed(fn):
-    """`fn` captured once into a CUDA graph; returns the replay. Times a short kernel without the host's launch path
-    (Python argument checks, the launch call), which in eager timing can exceed the kernel itself."""
+def capture(fn):
+    """(graph, output): `fn` run once on a side stream (one-time allocations, lazy initialisation), then captured
+    into a CUDA graph whose replays rewrite `output`."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()  # warm-up outside the capture: one-time allocations and lazy initialisation
+        fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+        out = fn()
+    return graph, out
+
+
+def graphed(fn):
+    """The replay of `fn` captured into a CUDA graph: times a short kernel without the host's launch path (Python
+    argument checks, the launch call), which in eager timing can exceed the kernel itself."""
+    return capture(fn)[0].replay
 
 
 def interleaved_ms(fns: dict, *, rounds: int = 5, warmup_ms: float = 10, rep_ms: float = 50) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_results  # noqa: E402
+from common import capture, print_table, write_results  # noqa: E402
 
 # (name, out_features, in_features) of one layer's linears: fused qkv, attention output, fused gate/up, down
 LAYERS = {
@@ -29,17 +29,8 @@ LAYERS = {
 
 
 def layer_graph(linear, weights, inputs):
-    """One CUDA graph running `linear` over every (input, weight) pair in order."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for x, w in zip(inputs, weights):  # warm-up outside the capture (workspaces, lazy initialisation)
-            linear(x, w)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            outs = [linear(x, w) for x, w in zip(inputs, weights)]
-    torch.cuda.current_stream().wait_stream(side)
-    return graph, outs
+    """(graph, outputs): one CUDA graph running `linear` over every (input, weight) pair in order."""
+    return capture(lambda: [linear(x, w) for x, w in zip(inputs, weights)])
 
 
 def replay_us(graph, replays: int) -> float:

@@ -46,9 +46,6 @@ struct gemm_args {
 constexpr int SKINNY_MAX_M = 64;
 // Why the skinny kernel cannot take `args` (empty when it can).
 const char* skinny_unsupported(const gemm_args& args);
-// The skinny kernel's splits of K for tiles of `tokens_per_tile` rows, with `slots` blocks resident at once on the
-// device (1: no split).
-int skinny_splits(const gemm_args& args, int tokens_per_tile, int slots);
 cudaError_t launch_skinny(const gemm_args& args, cudaStream_t stream);
 
 // Sizes of the stream-K workspace on the current device (its persistent grid); 0 on error.

@@ -97,10 +97,6 @@ __global__ void __launch_bounds__(SK_THREADS)
     wgmma::wait<0>();
     wgmma::pin(d);
     if (previous >= 0 && warp_leader) sync::arrive(st.ring.empty[previous]);
-    if (kb1 == kb0) {  // an empty range (never planned; kept exact): contributes zeros
-#pragma unroll
-        for (int i = 0; i < NT / 2; ++i) d[i] = 0.0f;
-    }
 
     if (p.splits > 1) {
         // Partial sums in fragment order, float2s 128 threads apart (a warp's access is 256 contiguous bytes).
@@ -155,6 +151,19 @@ template <typename T, major MB, int NT>
 constexpr int skinny_smem_bytes = sizeof(skinny_state<T, MB, NT>) + 1024;
 static_assert(skinny_smem_bytes<__nv_bfloat16, major::k, 64> <= 227 * 1024 / 2, "two blocks per SM");
 
+// Splits of K for tiles of `tokens_per_tile` rows with `slots` blocks resident at once on the device (1: no split).
+// At most k_blocks splits, so every split's range holds at least one k-block.
+int skinny_splits(const gemm_args& g, int tokens_per_tile, int slots) {
+    const int64_t tiles = (g.N + SK_ROWS - 1) / SK_ROWS, k_blocks = (g.K + SK_BK - 1) / SK_BK;
+    // As many blocks as fit on the GPU at once, never more: a second, part-filled wave of blocks that each stream
+    // a long slice of the weight doubled the time (4096 x 4096 at one token: 448 blocks on 396 slots).
+    int64_t splits = slots / tiles;
+    splits = std::min(splits, k_blocks / SK_MIN_K_BLOCKS);
+    if (g.partials == nullptr || g.flags == nullptr || tiles > stream_k_flags()) return 1;
+    splits = std::min(splits, stream_k_workspace_floats() / (tiles * SK_ROWS * tokens_per_tile));
+    return int(std::max<int64_t>(1, splits));
+}
+
 template <typename T, major MB, int NT>
 cudaError_t launch_skinny_tokens(const gemm_args& g, cudaStream_t stream) {
     auto kernel = skinny_kernel<T, MB, NT>;
@@ -194,21 +203,9 @@ cudaError_t launch_skinny_type(const gemm_args& g, cudaStream_t stream) {
 
 }  // namespace
 
-int skinny_splits(const gemm_args& g, int tokens_per_tile, int slots) {
-    const int64_t tiles = (g.N + SK_ROWS - 1) / SK_ROWS, k_blocks = (g.K + SK_BK - 1) / SK_BK;
-    // As many blocks as fit on the GPU at once, never more: a second, part-filled wave of blocks that each stream
-    // a long slice of the weight doubled the time (4096 x 4096 at one token: 448 blocks on 396 slots).
-    int64_t splits = slots / tiles;
-    splits = std::min(splits, k_blocks / SK_MIN_K_BLOCKS);
-    if (g.partials == nullptr || g.flags == nullptr || tiles > stream_k_flags()) return 1;
-    splits = std::min(splits, stream_k_workspace_floats() / (tiles * SK_ROWS * tokens_per_tile));
-    return int(std::max<int64_t>(1, splits));
-}
-
 const char* skinny_unsupported(const gemm_args& g) {
     if (g.M > SKINNY_MAX_M) return "the skinny GEMM takes at most 64 rows";
     if (g.a_stride_k != 1) return "the skinny GEMM reads A K-major (unit stride along K)";
-    if (g.M > 1 && g.a_stride_m % 8) return "A's row stride must be a multiple of 8 elements";
     if (g.cluster == 2 || g.pingpong == 1 || g.tile_n != 0 || g.epilogue != 0 || g.stream_k == 1 || g.tickets)
         return "the skinny GEMM takes none of the persistent kernel's knobs";
     return nullptr;
