@@ -84,6 +84,8 @@ def variants(fsdp: bool, device: torch.device):
         # tk's GEMMs taking tiles from a counter (blocks that start late take fewer) instead of a fixed share
         "thunder [tk] dynamic GEMMs": with_environment(thunder_variant([thunder_tk.tk]),
                                                        THUNDER_TK_GEMM_SCHEDULE="dynamic"),
+        # tk with LitGPT's repeated K/V heads made, saved and read as traced (no pattern_fusion.attend_grouped_kv)
+        "thunder [tk] K/V repeated": thunder_variant([thunder_tk.tk], tk_disable="attention_grouped_kv"),
     }
 
 
@@ -94,12 +96,12 @@ def with_environment(wrap, **env):
 
 
 VARIANT_NAMES = ("eager", "torch.compile", "thunder default", "thunder [tk]", "thunder [tk] loss kernels",
-                 "thunder [tk] cuBLAS GEMMs", "thunder [tk] dynamic GEMMs")
+                 "thunder [tk] cuBLAS GEMMs", "thunder [tk] dynamic GEMMs", "thunder [tk] K/V repeated")
 # Spellings without spaces or brackets, which survive shell word splitting (gpu_run.sh's LITGPT_ARGS).
 _ALIASES = {"compile": "torch.compile", "torch_compile": "torch.compile", "default": "thunder default",
             "thunder_default": "thunder default", "tk": "thunder [tk]", "thunder_tk": "thunder [tk]",
             "tk_loss_kernels": "thunder [tk] loss kernels", "tk_cublas_gemms": "thunder [tk] cuBLAS GEMMs",
-            "tk_dynamic_gemms": "thunder [tk] dynamic GEMMs"}
+            "tk_dynamic_gemms": "thunder [tk] dynamic GEMMs", "tk_kv_repeated": "thunder [tk] K/V repeated"}
 
 
 def variant_names(given: list[str] | None) -> list[str] | None:

@@ -4,7 +4,9 @@
 as fast as the attention benchmark says it should. It builds the tk variant, records every `ops.attention_forward`
 and `ops.attention_backward` call of one step (shapes and strides of every tensor, causal, scale), profiles one
 step's attention kernels, then times each distinct call on fresh tensors with the step's strides and with
-contiguous ones, tk against SDPA's cuDNN backend, in turns. Each tk variant's kernels are listed with their times
+contiguous ones, tk against SDPA's cuDNN backend, in turns. Where K and V are grouped (LitGPT's repeated heads read
+as they are: `pattern_fusion.attend_grouped_kv`), tk and cuDNN also run on K/V repeated over the query heads, what
+cuDNN gets in the step (tk/cuDNN is then against that). Each tk variant's kernels are listed with their times
 (torch.profiler), so a copy made before a kernel, or a kernel slower at the step's strides, shows by name.
 
     python benchmarks/step_attention.py --n-layer 2 --json out/step_attention.json
@@ -92,37 +94,52 @@ def sdpa(q, k, v, causal, scale):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        if k.shape[1] != q.shape[1]:
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                                                    enable_gqa=True)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def expanded(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V repeated over its query heads, as LitGPT hands them to SDPA (and to tk before attend_grouped_kv)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def setups(layouts, dtype):
+    """label -> (q, k, v, grad_o) for each variant: the step's strides, contiguous, and, where K/V are grouped,
+    K/V repeated over the query heads (cuDNN's input in the step, since torch's SDPA backends take Hkv = Hq)."""
+    out = {}
+    for label, contiguous in (("step strides", False), ("contiguous", True)):
+        q, k, v = (strided(lay, dtype, contiguous=contiguous) for lay in layouts[:3])
+        grad_o = strided(layouts[-1], dtype, contiguous=contiguous) if len(layouts) > 3 else None
+        out[label] = (q, k, v, grad_o)
+    q, k, v, grad_o = out["step strides"]
+    if k.shape[1] != q.shape[1]:
+        out["K/V repeated"] = (q, expanded(k, q.shape[1]), expanded(v, q.shape[1]), grad_o)
+    return out
 
 
 def time_forward(layouts, dtype, causal, scale, rounds):
     timed, kernels = {}, {}
-    for label, contiguous in (("step strides", False), ("contiguous", True)):
-        q, k, v = (strided(lay, dtype, contiguous=contiguous) for lay in layouts)
+    for label, (q, k, v, _) in setups(layouts, dtype).items():
         timed[f"tk, {label}"] = lambda q=q, k=k, v=v: ops.attention_forward(q, k, v, is_causal=causal, scale=scale)
-        timed[f"cuDNN, {label}"] = lambda q=q, k=k, v=v: sdpa(q, k, v, causal, scale)
         kernels[f"tk, {label}"] = kernel_times(timed[f"tk, {label}"])
+        if k.shape[1] == q.shape[1]:
+            timed[f"cuDNN, {label}"] = lambda q=q, k=k, v=v: sdpa(q, k, v, causal, scale)
     return interleaved_ms(timed, rounds=rounds), kernels
 
 
 def time_backward(layouts, dtype, causal, scale, rounds):
     timed, kernels = {}, {}
-    for label, contiguous in (("step strides", False), ("contiguous", True)):
-        q, k, v = (strided(lay, dtype, contiguous=contiguous) for lay in layouts[:3])
-        grad_o = strided(layouts[5], dtype, contiguous=contiguous)
+    for label, (q, k, v, grad_o) in setups(layouts, dtype).items():
         o, lse = ops.attention_forward(q, k, v, is_causal=causal, scale=scale)
-        if not contiguous and o.stride() != layouts[3][1]:
+        if label == "step strides" and o.stride() != layouts[3][1]:
             o = strided(layouts[3], dtype).copy_(o)  # the step's o layout, if tk's own differs from it
         timed[f"tk, {label}"] = (lambda q=q, k=k, v=v, o=o, lse=lse, g=grad_o:
                                  ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, scale=scale))
-        inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
-        out = sdpa(*inputs, causal, scale)
-        timed[f"cuDNN, {label}"] = (lambda out=out, inputs=inputs, g=grad_o:
-                                    torch.autograd.grad(out, inputs, g, retain_graph=True))
         kernels[f"tk, {label}"] = kernel_times(timed[f"tk, {label}"])
+        if k.shape[1] == q.shape[1]:
+            inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
+            out = sdpa(*inputs, causal, scale)
+            timed[f"cuDNN, {label}"] = (lambda out=out, inputs=inputs, g=grad_o:
+                                        torch.autograd.grad(out, inputs, g, retain_graph=True))
     return interleaved_ms(timed, rounds=rounds), kernels
 
 
@@ -154,7 +171,8 @@ def main() -> None:
         for name, t in ms.items():
             row[f"{name} ms"] = t
             row[f"{name} TFLOP/s"] = flops / t / 1e9
-        row["tk/cuDNN (step strides)"] = ms["cuDNN, step strides"] / ms["tk, step strides"]
+        peer = ms.get("cuDNN, step strides", ms.get("cuDNN, K/V repeated"))
+        row["tk/cuDNN"] = peer / ms["tk, step strides"] if peer else None
         row["kernels"] = {name: [{"kernel": kn, "ms": km, "launches": kc} for kn, km, kc in ks]
                           for name, ks in kernels.items()}
         rows.append(row)
@@ -163,8 +181,9 @@ def main() -> None:
             print(f"  {name:<22} {t:8.3f} ms  {flops / t / 1e9:6.0f} TFLOP/s")
         for name, ks in kernels.items():
             print(f"  kernels of {name}: " + "; ".join(f"{kn[:60]} {km:.3f} ms x{kc}" for kn, km, kc in ks))
-    print_table(rows, ["pass", "shape", "causal", "per_step", "tk, step strides TFLOP/s", "tk, contiguous TFLOP/s",
-                       "cuDNN, step strides TFLOP/s", "cuDNN, contiguous TFLOP/s", "tk/cuDNN (step strides)"])
+    columns = ["pass", "shape", "causal", "per_step", *dict.fromkeys(k for r in rows for k in r if k.endswith("TFLOP/s")),
+               "tk/cuDNN"]
+    print_table([{c: r.get(c, "-") for c in columns} for r in rows], columns)
     write_results(a.json, "step_attention", [dict(r, in_step=[{"kernel": kn, "ms": km, "launches": kc}
                                                               for kn, km, kc in in_step]) for r in rows])
 

@@ -241,3 +241,82 @@ def test_rebuilt_with_backward_kernel_a_new_jit_uses_it(standin_tk_build, standi
     assert not attention_row(run_training(_causal, inputs, [tk])[0]).claimed_by_tk
     standin_tk_build.add("attention_backward")
     assert attention_row(run_training(_causal, inputs, [tk])[0]).claimed_by_tk
+
+
+# -- grouped K/V repeated by the caller (LitGPT's repeat_interleave) ---------------------------------------------
+
+
+def _repeated(is_causal=True, extra_use=False):
+    def f(q, k, v):
+        group = q.shape[1] // k.shape[1]
+        k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        if extra_use:  # the repeated K read elsewhere too: its gradient is no longer the group sum alone
+            o = o + 0.01 * k.float().sin().to(o.dtype)
+        return o
+    return f
+
+
+def _tk_op(trace, name):
+    (b,) = [b for b in trace.bound_symbols if b.sym.name == name]
+    return b
+
+
+def _reference_grouped(inputs, grad_o, f):
+    ref = [t.detach().double().requires_grad_() for t in inputs]
+    out = f(*ref)
+    out.backward(grad_o.double())
+    return out, [t.grad for t in ref]
+
+
+@pytest.mark.parametrize("B,hkv,is_causal", [(2, 2, True), (1, 2, False), (1, 1, True), (3, 1, False)])
+def test_training_reads_repeated_kv_grouped(standin_tk_build, standin_attention, B, hkv, is_causal):
+    """k.repeat_interleave(G, dim=1) before attention: tk's forward and backward take the Hkv heads themselves
+    (nothing of Hq heads is made or saved for K and V), dk and dv come back summed over the group by the kernel."""
+    standin_tk_build.add("attention_backward")
+    inputs = qkv(B=B, Hkv=hkv, requires_grad=True)
+    f = _repeated(is_causal)
+    jf, out, grad_o = run_training(f, inputs, [tk])
+    ref_out, ref_grads = _reference_grouped(inputs, grad_o, f)
+    assert_close_bf16(out, ref_out.float())
+    for t, g in zip(inputs, ref_grads):
+        assert t.grad.shape == t.shape and t.grad.dtype == bf16
+        assert_close_bf16(t.grad, g.float())
+    fwd, bwd = thunder.last_traces(jf)[-1], thunder.last_backward_traces(jf)[-1]
+    for op in (_tk_op(fwd, "tk_attention_forward"), _tk_op(bwd, "tk_attention_backward")):
+        assert [tuple(a.shape) for a in op.args[1:3]] == [(B, hkv, 16, 64)] * 2
+    assert [tuple(g.shape) for g in _tk_op(bwd, "tk_attention_backward").output[1:]] == [(B, hkv, 16, 64)] * 2
+    expanded = (B, hkv, 4 // hkv, 16, 64)
+    assert not [p for tr in (fwd, bwd) for b in tr.bound_symbols for p in b.flat_proxy_outs
+                if tuple(getattr(p, "shape", ())) == expanded]
+    assert attention_row(jf).claimed_by_tk
+
+
+@pytest.mark.parametrize("case", ["disabled", "extra_use"])
+def test_repeated_kv_kept_where_the_rewrite_does_not_apply(standin_tk_build, standin_attention, case):
+    """Turned off (tk_disable), or the repeated K read by something else as well: the attention takes the Hq heads
+    as traced, and the gradients are still right."""
+    standin_tk_build.add("attention_backward")
+    inputs = qkv(Hkv=2, requires_grad=True)
+    f = _repeated(extra_use=case == "extra_use")
+    options = {"tk_disable": "attention_grouped_kv"} if case == "disabled" else {}
+    jf = thunder.jit(f, executors=[tk], **options)
+    out = jf(*inputs)
+    grad_o = torch.randn_like(out)
+    out.backward(grad_o)
+    ref_out, ref_grads = _reference_grouped(inputs, grad_o, f)
+    assert_close_bf16(out, ref_out.float())
+    for t, g in zip(inputs, ref_grads):
+        assert_close_bf16(t.grad, g.float())
+    fwd, bwd = thunder.last_traces(jf)[-1], thunder.last_backward_traces(jf)[-1]
+    assert _tk_op(fwd, "tk_attention_forward").args[1].shape[1] == 4
+    assert _tk_op(bwd, "tk_attention_backward").args[1].shape[1] == 4
+
+
+def test_inference_reads_repeated_kv_grouped(standin_tk_build, standin_attention):
+    inputs = qkv(Hkv=1)
+    f = _repeated(is_causal=False)
+    jf = thunder.jit(f, executors=[tk])
+    out = jf(*inputs)
+    assert_close_bf16(out, _reference_grouped(inputs, torch.zeros(2, 4, 16, 64), f)[0].float())
+    assert _tk_op(thunder.last_traces(jf)[-1], "tk_attention").args[1].shape[1] == 1

@@ -142,3 +142,27 @@ def test_declined_own_symbol_decomposes_into_the_fuser(standin_nvfuser):
     torch.testing.assert_close(jf(o, g), (o * g).sum(-1))
     (row,) = thunder_tk.explain(jf).rows
     assert not row.claimed_by_tk and row.ran_by.endswith("(nvfuser)")
+
+
+def test_planned_litgpt_grouped_query_attention_reads_kv_unexpanded():
+    """LitGPT repeats each key/value head over its query heads before attention (repeat_interleave); planned for an
+    sm_90 GPU, tk's attention takes the key/value heads themselves, forward and backward, so the repeated copies are
+    neither made nor saved for the backward, and dk, dv come back per key/value head."""
+    from litgpt import GPT, Config
+
+    cfg = Config(n_layer=1, n_head=8, n_query_groups=2, n_embd=512, block_size=256, padded_vocab_size=512,
+                 vocab_size=512, bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
+                 intermediate_size=1024, rotary_percentage=1.0, parallel_residual=False)
+    with torch.device("meta"):
+        model = GPT(cfg).to(torch.bfloat16)
+    tokens = torch.zeros(2, 256, dtype=torch.int64, device="meta")
+    jm = trace_planned(model, [tokens])
+    fwd, bwd = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
+    (f,) = [b for b in fwd.bound_symbols if b.sym.name == "tk_attention_forward"]
+    (b,) = [b for b in bwd.bound_symbols if b.sym.name == "tk_attention_backward"]
+    for op in (f, b):
+        assert tuple(op.args[0].shape) == (2, 8, 256, 64)
+        assert [tuple(t.shape) for t in op.args[1:3]] == [(2, 2, 256, 64)] * 2
+    assert [tuple(t.shape) for t in b.output] == [(2, 8, 256, 64), (2, 2, 256, 64), (2, 2, 256, 64)]
+    saved = [p for p in fwd.bound_symbols[-1].flat_proxy_args if getattr(p, "ndim", 0) == 4]
+    assert sum(tuple(p.shape) == (2, 8, 256, 64) for p in saved) == 2  # q and o; no repeated k or v

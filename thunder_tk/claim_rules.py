@@ -33,10 +33,12 @@ DISABLE_OPTION = "tk_disable"
 """The same per jitted function: ``thunder.jit(fn, executors=[tk], tk_disable="gemm")`` (a string as above, or a list).
 Unlike the environment variable, the option refuses names it does not know (`known_disable_names`)."""
 # Features the two switches also turn off (not rules): the cross-entropy's gradient from its forward
-# (lowering.FORWARD_GRAD_KERNEL) and D written over the logits (pattern_fusion.OVERWRITE_LOGITS).
+# (lowering.FORWARD_GRAD_KERNEL), D written over the logits (pattern_fusion.OVERWRITE_LOGITS) and attention on
+# grouped K/V instead of repeat_interleave's copies (pattern_fusion.GROUPED_KV).
 # The GEMM size policy (GEMM_SIZE_POLICY below) is one too: turned off, tk claims every GEMM its kernel supports.
 GEMM_SIZE_POLICY = "gemm_size_policy"
-DISABLE_FEATURES = frozenset({"cross_entropy_forward_grad", "cross_entropy_gradient_over_logits", GEMM_SIZE_POLICY})
+DISABLE_FEATURES = frozenset({"cross_entropy_forward_grad", "cross_entropy_gradient_over_logits", GEMM_SIZE_POLICY,
+                              "attention_grouped_kv"})
 
 
 def _env_names() -> set[str]:

@@ -265,9 +265,9 @@ class TKExecutor(FusionExecutor):
         return grad_transform
 
     def fusion_pass(self, trace):
-        from thunder_tk.pattern_fusion import fold_row_scaling, write_gradient_over_logits
+        from thunder_tk.pattern_fusion import attend_grouped_kv, fold_row_scaling, write_gradient_over_logits
 
-        trace = write_gradient_over_logits(fold_row_scaling(trace))
+        trace = attend_grouped_kv(write_gradient_over_logits(fold_row_scaling(trace)))
         fuser = self._fuser_in_use()
         return trace if fuser is None else fuser.fusion_pass(trace)
 

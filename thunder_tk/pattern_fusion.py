@@ -16,6 +16,17 @@ gives the same products, since diag(g) D W = diag(g) (D W) and (diag(g) D)^T x =
 The rewrite applies only where every use of dlogits (through reshapes and a 2-D transpose) is such a product;
 otherwise the explicit scaling stays, which is correct and costs one pass over D.
 
+`attend_grouped_kv`: LitGPT (and other grouped-query models written for backends that need Hkv = Hq) repeats each
+key/value head over its query heads before attention, `k.repeat_interleave(G, dim=1)`, which Thunder traces as
+
+    k = reshape(broadcast_in_dim(broadcast_in_dim(k0, (B, Hkv, 1, S, D)), (B, Hkv, G, S, D)), (B, Hkv * G, S, D))
+
+and differentiates into a sum over each group of the (B, Hq, S, D) gradient. tk's kernels read grouped K and V
+natively and sum dK and dV over the group in-kernel, so the attention takes k0 and v0 instead: the expanded copies
+are neither written nor saved for the backward (2 (G - 1) / G of a layer's K and V bytes less at the step's peak),
+and the backward's dk and dv are the group sums themselves. Applied where both the forward and, in training, its
+backward are tk's and the gradients' only use is that sum; off with the feature name `GROUPED_KV`.
+
 `write_gradient_over_logits`: D is as large as the logits (2 GiB for 8192 tokens of a 128256-word vocabulary) and
 the logits are dead once D is written, where the logits are a GEMM's own output that nothing but the cross-entropy
 reads (through reshapes). There tk_cross_entropy_forward_grad becomes tk_cross_entropy_forward_grad_over_logits,
@@ -187,3 +198,158 @@ def write_gradient_over_logits(trace):
     out.bound_symbols = bsyms
     out.set_provenance("tk: the cross-entropy's gradient written over the logits nothing else reads")
     return out
+
+
+GROUPED_KV = "attention_grouped_kv"
+"""THUNDER_TK_DISABLE name that keeps LitGPT's expanded K and V (attention then reads Hq heads of each)."""
+
+
+def _producers_and_users(bsyms: list[BoundSymbol]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    producer: dict[str, int] = {}
+    users: dict[str, list[int]] = defaultdict(list)
+    for i, b in enumerate(bsyms):
+        for p in b.flat_proxy_outs:
+            producer.setdefault(p.name, i)
+        for name in dict.fromkeys(p.name for p in b.flat_proxy_args):
+            users[name].append(i)
+    return producer, users
+
+
+_BROADCASTS = frozenset({"broadcast_in_dim", "expand"})
+_UNSQUEEZES = frozenset({"unsqueeze"})
+_SUMS = frozenset({"sum"})
+
+
+def _made_by(p, names: frozenset, bsyms: list[BoundSymbol], producer: dict[str, int]):
+    """The bsym among `names` that produced tensor p, or None."""
+    j = producer.get(p.name) if isinstance(p, TensorProxy) else None
+    return bsyms[j] if j is not None and bsyms[j].sym.name in names else None
+
+
+def _repeated_heads(t: TensorProxy, bsyms: list[BoundSymbol], producer: dict[str, int]):
+    """(k0, G) where t = k0 with each head repeated G times in a row along dim 1, as repeat_interleave traces it
+    (a size-1 dim 2, broadcast to G, merged into dim 1; the prims, or the torch executor's ops on CPU); else None."""
+    if t.ndim != 4:
+        return None
+    B, H, S, D = t.shape
+    merge = _made_by(t, _RESHAPES, bsyms, producer)
+    x = merge.flat_proxy_args[0] if merge is not None else None
+    if x is None or x.ndim != 5 or x.shape[0] != B or tuple(x.shape[3:]) != (S, D) or x.shape[1] * x.shape[2] != H:
+        return None
+    Hkv, G = x.shape[1], x.shape[2]
+    # back through the broadcasts of dim 2 (B, Hkv, 1, S, D) -> (B, Hkv, G, S, D), identity ones included
+    while (grown := _made_by(x, _BROADCASTS, bsyms, producer)) is not None and grown.flat_proxy_args[0].ndim == 5:
+        if grown.sym.name == "broadcast_in_dim" and tuple(grown.args[2]) != (0, 1, 2, 3, 4):
+            return None
+        x = grown.flat_proxy_args[0]
+    if tuple(x.shape) != (B, Hkv, 1, S, D):
+        return None
+    inserted = _made_by(x, _BROADCASTS | _UNSQUEEZES | _RESHAPES, bsyms, producer)
+    if inserted is None:
+        return None
+    if inserted.sym.name == "broadcast_in_dim" and tuple(inserted.args[2]) != (0, 1, 3, 4):
+        return None
+    if inserted.sym.name in _UNSQUEEZES and inserted.args[1] not in (2, -3):
+        return None
+    if inserted.sym.name == "expand":
+        return None
+    k0 = inserted.flat_proxy_args[0]
+    if not isinstance(k0, TensorProxy) or tuple(k0.shape) != (B, Hkv, S, D) or k0.dtype != t.dtype:
+        return None
+    return k0, G
+
+
+def _group_sum(grad: TensorProxy, G: int, bsyms: list[BoundSymbol], users: dict[str, list[int]]):
+    """(reshape index, sum index, sum output) where grad's only use is a reshape to (B, Hkv, G, S, D) and that one's
+    only use a sum over dim 2 (and dims of size 1): repeat_interleave's gradient; else None."""
+    B, H, S, D = grad.shape
+    split = (B, H // G, G, S, D)
+    if len(users[grad.name]) != 1:
+        return None
+    r = users[grad.name][0]
+    rb = bsyms[r]
+    if rb.sym.name not in _RESHAPES or rb.flat_proxy_args[0] is not grad or tuple(rb.output.shape) != split:
+        return None
+    if len(users[rb.output.name]) != 1:
+        return None
+    s = users[rb.output.name][0]
+    sb = bsyms[s]
+    if sb.sym.name not in _SUMS or len(sb.args) < 2 or sb.args[0] is not rb.output:
+        return None
+    dims = sb.args[1]
+    keepdim = sb.args[2] if len(sb.args) > 2 else sb.kwargs.get("keepdim", False)
+    if keepdim or sb.kwargs.get("dtype") is not None or dims is None:
+        return None
+    dims = {d % 5 for d in ((dims,) if isinstance(dims, int) else dims)}
+    if 2 not in dims or any(split[d] != 1 for d in dims - {2}) or sb.output.dtype != grad.dtype:
+        return None
+    return r, s, sb.output
+
+
+def attend_grouped_kv(trace):
+    """The trace with tk's attention reading grouped K and V where they are repeat_interleave's copies (module doc)."""
+    from thunder.core.prims import reshape as prims_reshape
+    from thunder_tk import claim_rules
+    from thunder_tk.lowering import tk_attention, tk_attention_backward, tk_attention_forward
+
+    if GROUPED_KV in claim_rules.disabled_names():
+        return trace
+    bsyms = list(trace.bound_symbols)
+    forwards = [i for i, b in enumerate(bsyms) if b.sym.id in (tk_attention.id, tk_attention_forward.id)]
+    if not forwards:
+        return trace
+    producer, users = _producers_and_users(bsyms)
+    edits = []  # (forward index, backward index or None, k0, v0, [(reshape, sum, summed) for dk and dv])
+    for i in forwards:
+        f = bsyms[i]
+        q, k, v = f.args[:3]
+        kg, vg = _repeated_heads(k, bsyms, producer), _repeated_heads(v, bsyms, producer)
+        if kg is None or vg is None or kg[1] != vg[1]:
+            continue
+        (k0, G), (v0, _) = kg, vg
+        backward, sums = None, []
+        if f.sym.id == tk_attention_forward.id:
+            o, lse = f.output
+            readers = [j for j in users[lse.name] if bsyms[j].sym.id == tk_attention_backward.id]
+            if len(readers) > 1:
+                continue
+            if readers:
+                backward = readers[0]
+                bb = bsyms[backward]
+                if bb.args[1] is not k or bb.args[2] is not v or bb.args[4] is not lse:
+                    continue
+                sums = [_group_sum(g, G, bsyms, users) for g in bb.output[1:]]
+                if any(s is None for s in sums):
+                    continue
+        edits.append((i, backward, k0, v0, sums))
+    if not edits:
+        return trace
+    out = from_trace(trace)
+    with tracectx(out):
+        for i, backward, k0, v0, sums in edits:
+            f = bsyms[i]
+            bsyms[i] = f.from_bsym(args=(f.args[0], k0, v0, *f.args[3:]))
+            if backward is None:
+                continue
+            bb = bsyms[backward]
+            grads, after = [], []
+            for (r, s, summed), g0 in zip(sums, (k0, v0)):
+                bsyms[r] = None
+                bsyms[s] = None
+                if tuple(summed.shape) == tuple(g0.shape):
+                    grads.append(summed)  # the kernel's dk or dv is the group sum itself
+                else:  # e.g. B = 1, summed over dims 0 and 2: the same elements in the sum's shape
+                    native = TensorProxy(like=g0)
+                    grads.append(native)
+                    after.append(prims_reshape.bind(native, tuple(summed.shape), output=summed))
+            bsyms[backward] = [bb.from_bsym(args=(bb.args[0], k0, v0, *bb.args[3:]),
+                                            output=(bb.output[0], *grads)), *after]
+    flat = []
+    for b in bsyms:
+        if isinstance(b, list):
+            flat.extend(b)
+        elif b is not None:
+            flat.append(b)
+    out.bound_symbols = flat
+    out.set_provenance("tk: attention reads grouped K and V instead of their repeat_interleave copies")
+    return dce(out)

@@ -49,6 +49,11 @@ def test_litgpt_gpt_trains_with_tk_attention_as_accurately_as_eager():
     assert len(rows) == cfg.n_layer
     for row in rows:
         assert row.ran_by == "tk: tk_attention_forward" and row.backward_ran_by == "tk: tk_attention_backward", row
+    # LitGPT's repeated K/V heads were not made: the kernels read the 2 key/value heads (attend_grouped_kv).
+    traces = (thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1])
+    ops_taking_kv = [b for t in traces for b in t.bound_symbols if b.sym.name.startswith("tk_attention_")]
+    assert len(ops_taking_kv) == 2 * cfg.n_layer
+    assert all(b.args[1].shape[1] == b.args[2].shape[1] == 2 for b in ops_taking_kv)
 
 
 def test_forward_and_backward_replay_from_a_cuda_graph():
