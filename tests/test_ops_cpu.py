@@ -36,3 +36,15 @@ def test_eager_function_falls_back_to_the_differentiable_reference():
     out.sum().backward()
     torch.testing.assert_close(o.grad, g)
     assert thunder_tk.attention_bwd_delta(o.bfloat16(), g.bfloat16()).dtype == torch.float32
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,S,D,causal,repeated", [
+    (4, 32, 32, 2048, 64, True, False),   # not grouped: never
+    (4, 32, 8, 2048, 64, True, False),    # LitGPT Llama-3.2-1B, batch 4: 512 grouped blocks even out
+    (1, 32, 8, 2048, 64, True, True),     # batch 1: 128 causal blocks of up to 4 heads' steps each
+    (1, 32, 8, 2048, 64, False, False),   # full: 128 equal blocks are one wave
+    (1, 32, 8, 8192, 128, True, False),   # 512 blocks
+    (1, 32, 1, 2048, 64, True, True),     # multi-query: 16 blocks
+])
+def test_backward_repeats_grouped_kv_only_where_the_grouped_grid_is_too_small(B, Hq, Hkv, S, D, causal, repeated):
+    assert ops.backward_expands_groups(B, Hq, Hkv, S, S, D, causal, sms=132) is repeated

@@ -253,16 +253,52 @@ def attention_backward_reference(q, k, v, o, lse, grad_o, *, is_causal=False, sc
     return torch.autograd.grad(out, (q64, k64, v64), grad_o.double())
 
 
+# The backward kernel's block: 128 keys, walking 64-query steps over every query head of its key/value head.
+_BWD_KEYS, _BWD_QUERIES = 128, 64
+_BWD_BLOCK_OVERHEAD_STEPS = 2.2  # a block's start and end, in steps (kernel time against steps, 2026-11-24)
+_BWD_STEP_FLOP_RATE = 3.0e12  # one SM's rate in a step (about 400 TFLOP/s over 132), for the copies' cost in steps
+_COPY_BYTES_PER_S = 2.5e12
+
+
+def _bwd_makespan(blocks_per_tile: int, kv_tiles: int, q_tiles: int, group: int, causal: bool, sms: int) -> float:
+    """The backward grid's time in steps on `sms` multiprocessors: causal key tiles t walk q_tiles - 2t steps per
+    query head and start heaviest first (the longest block or the mean load, whichever is more); full ones are
+    alike and run in whole waves."""
+    blocks = blocks_per_tile * kv_tiles
+    if not causal:
+        return -(-blocks // sms) * (group * q_tiles + _BWD_BLOCK_OVERHEAD_STEPS)
+    steps = kv_tiles * q_tiles - kv_tiles * (kv_tiles - 1)  # sum over t of q_tiles - 2t
+    total = blocks_per_tile * (group * steps + kv_tiles * _BWD_BLOCK_OVERHEAD_STEPS)
+    return max(group * q_tiles + _BWD_BLOCK_OVERHEAD_STEPS, total / sms)
+
+
+def backward_expands_groups(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, causal: bool, sms: int) -> bool:
+    """Whether grouped K/V run faster through the backward repeated over the query heads (one block per query head
+    and key tile, dK and dV then summed over each group) than grouped (one block per key/value head and key tile,
+    walking the whole group): where B * Hkv * key tiles are too few blocks for the SMs, or too few to even out
+    causal blocks' lengths (grouped MQA, or a batch of one). The repeated side pays for its copies."""
+    if Hkv == Hq:
+        return False
+    G, kv_tiles, q_tiles = Hq // Hkv, -(-Sk // _BWD_KEYS), -(-Sq // _BWD_QUERIES)
+    grouped = _bwd_makespan(B * Hkv, kv_tiles, q_tiles, G, causal, sms)
+    repeated = _bwd_makespan(B * Hq, kv_tiles, q_tiles, 1, causal, sms)
+    step_s = 5 * 2 * _BWD_KEYS * _BWD_QUERIES * D / _BWD_STEP_FLOP_RATE
+    copies = 4 * B * Hq * Sk * D * 2 / _COPY_BYTES_PER_S / step_s  # K, V repeated; dK, dV read back to be summed
+    return repeated + copies < grouped
+
+
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                       grad_o: torch.Tensor, *, is_causal: bool = False,
-                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       grad_o: torch.Tensor, *, is_causal: bool = False, scale: float | None = None,
+                       _groups: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention_forward's o, by the tk kernels, from its o and lse.
 
     Same arguments and layouts as attention_forward; o and grad_o are (B, Hq, Sq, D), lse (B, Hq, Sq) float32.
     dk and dv have k's (B, Hkv, Sk, D) shape, summed over each key/value head's query heads. All come back in the
     input dtype. The kernels: delta = rowsum(grad_o * o), whose pass also zeroes an fp32 dQ buffer; then one pass
     over key blocks that keeps dK and dV in registers and adds dQ into that buffer, which a last pass scales and
-    rounds.
+    rounds. Grouped K/V: a block walks every query head of its group and sums dK, dV in fp32, unless that grid is
+    too small for the GPU (`backward_expands_groups`); then K and V are repeated for the kernel and the per-head
+    dK, dV summed after it. _groups (tests): "kernel" or "repeated" forces one way.
     """
     check_attention_args(q, k, v, is_causal, scale)
     B, Hq, Sq, D = q.shape
@@ -273,7 +309,15 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     if not isinstance(lse, torch.Tensor) or lse.shape != (B, Hq, Sq) or lse.dtype != torch.float32 \
             or lse.device != q.device:
         raise ValueError(f"lse must be a float32 tensor of shape {(B, Hq, Sq)} on {q.device}")
+    if _groups not in ("auto", "kernel", "repeated"):
+        raise ValueError(f"_groups must be 'auto', 'kernel' or 'repeated', not {_groups!r}")
     ext = _require_kernels(q.device)
+    if q.numel() and k.numel() and (_groups == "repeated" or _groups == "auto" and backward_expands_groups(
+            B, Hq, Hkv, Sq, Sk, D, bool(is_causal), _extension.multiprocessor_count(q.device.index))):
+        G = Hq // Hkv
+        dq, dk, dv = attention_backward(q, *(t.repeat_interleave(G, dim=1) for t in (k, v)), o, lse, grad_o,
+                                        is_causal=is_causal, scale=scale, _groups="kernel")
+        return dq, *(t.view(B, Hkv, G, Sk, D).sum(2, dtype=torch.float32).to(q.dtype) for t in (dk, dv))
     dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     if q.numel() == 0 or dk.numel() == 0:

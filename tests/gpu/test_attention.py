@@ -405,11 +405,11 @@ BACKWARD_CASES = [
 ]
 
 
-def backward_check(q, k, v, causal=False, scale=None):
+def backward_check(q, k, v, causal=False, scale=None, groups="auto"):
     o, lse = ops.attention_forward(q, k, v, is_causal=causal, scale=scale)
     g = torch.randn_like(o)
     poison_allocator((tuple(q.shape), q.dtype), (tuple(k.shape), k.dtype))
-    dq, dk, dv = ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, scale=scale)
+    dq, dk, dv = ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, scale=scale, _groups=groups)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == q.dtype
     refs = ops.attention_backward_reference(q, k, v, o, lse, g, is_causal=causal, scale=scale)
@@ -427,6 +427,30 @@ def backward_check(q, k, v, causal=False, scale=None):
 def test_backward_matches_fp64_autograd(case, dtype):
     B, Hq, Hkv, Sq, Sk, D, causal = case
     backward_check(*make(B, Hq, Hkv, Sq, Sk, D, dtype, seed=3), causal=causal)
+
+
+GROUPED_CASES = [c for c in BACKWARD_CASES if c[2] < c[1]] + [
+    (4, 8, 2, 1024, 1024, 64, True),  # 64 blocks grouped: chunks doubled to hold a wave of blocks
+    (2, 16, 2, 2048, 2048, 128, True),
+    (3, 6, 3, 777, 777, 128, False),
+]
+
+
+@pytest.mark.parametrize("groups", ["kernel", "repeated"])
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=case_id)
+def test_backward_grouped_heads_summed_in_kernel_or_after(case, groups):
+    """Grouped K/V: dK, dV summed over the group by the blocks (fp32, in-kernel), or K and V repeated over the
+    query heads and the per-head gradients summed afterwards (what ops picks where the grouped grid is too small
+    for the GPU, backward_expands_groups); both against float64."""
+    B, Hq, Hkv, Sq, Sk, D, causal = case
+    backward_check(*make(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, seed=7), causal=causal, groups=groups)
+
+
+def test_backward_groups_argument_is_checked():
+    q, k, v = make(1, 4, 2, 64, 64, 64, torch.bfloat16, seed=1)
+    o, lse = ops.attention_forward(q, k, v)
+    with pytest.raises(ValueError, match="_groups"):
+        ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), _groups="both")
 
 
 @pytest.mark.parametrize("B,H,S,D", [(3, 6, 2048, 128), (2, 8, 4097, 64)])

@@ -448,7 +448,7 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
     p.scale_log2 = a.scale * LOG2E;
     // The bytes a chunk's blocks share per key/value head: Q and dO (input dtype) and dQ (fp32) of its group.
     p.chunk_heads = layout::heads_per_chunk(int64_t(p.group) * a.q_len * D * (2 * int64_t(sizeof(T)) + 4),
-                                            a.batch * a.kv_heads);
+                                            a.batch * a.kv_heads, p.kv_tiles, (multiprocessor_count() + 1) / 2);
     const int64_t blocks = int64_t(p.kv_tiles) * a.batch * a.kv_heads;
     backward_kernel<T, D><<<unsigned(blocks), THREADS, smem_bytes_of<T, D>, stream>>>(
         maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], maps[7], maps[8], p);
