@@ -45,9 +45,11 @@ def record_attention_calls(step) -> list[tuple]:
         calls.append(("fwd", tuple(_layout(t) for t in (q, k, v)), q.dtype, bool(is_causal), scale))
         return fwd(q, k, v, is_causal=is_causal, scale=scale, **knobs)
 
-    def recording_bwd(q, k, v, o, lse, grad_o, *, is_causal=False, scale=None):
-        calls.append(("bwd", tuple(_layout(t) for t in (q, k, v, o, lse, grad_o)), q.dtype, bool(is_causal), scale))
-        return bwd(q, k, v, o, lse, grad_o, is_causal=is_causal, scale=scale)
+    def recording_bwd(q, k, v, o, lse, grad_o, *, is_causal=False, scale=None, **knobs):
+        if not knobs:  # not ops' own call on K/V repeated (backward_expands_groups), which is part of this one
+            calls.append(("bwd", tuple(_layout(t) for t in (q, k, v, o, lse, grad_o)), q.dtype, bool(is_causal),
+                          scale))
+        return bwd(q, k, v, o, lse, grad_o, is_causal=is_causal, scale=scale, **knobs)
 
     ops.attention_forward, ops.attention_backward = recording_fwd, recording_bwd
     try:
@@ -135,6 +137,11 @@ def time_backward(layouts, dtype, causal, scale, rounds):
         timed[f"tk, {label}"] = (lambda q=q, k=k, v=v, o=o, lse=lse, g=grad_o:
                                  ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, scale=scale))
         kernels[f"tk, {label}"] = kernel_times(timed[f"tk, {label}"])
+        if label == "step strides" and k.shape[1] != q.shape[1]:  # both ways of the grouped backward
+            for way in ("kernel", "repeated"):
+                timed[f"tk, groups {way}"] = (lambda q=q, k=k, v=v, o=o, lse=lse, g=grad_o, way=way:
+                                              ops.attention_backward(q, k, v, o, lse, g, is_causal=causal,
+                                                                     scale=scale, _groups=way))
         if k.shape[1] == q.shape[1]:
             inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
             out = sdpa(*inputs, causal, scale)
