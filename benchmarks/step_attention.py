@@ -142,6 +142,7 @@ def time_backward(layouts, dtype, causal, scale, rounds):
                 timed[f"tk, groups {way}"] = (lambda q=q, k=k, v=v, o=o, lse=lse, g=grad_o, way=way:
                                               ops.attention_backward(q, k, v, o, lse, g, is_causal=causal,
                                                                      scale=scale, _groups=way))
+                kernels[f"tk, groups {way}"] = kernel_times(timed[f"tk, groups {way}"])
         if k.shape[1] == q.shape[1]:
             inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
             out = sdpa(*inputs, causal, scale)

@@ -41,7 +41,8 @@ def test_eager_function_falls_back_to_the_differentiable_reference():
 @pytest.mark.parametrize("B,Hq,Hkv,S,D,causal,repeated", [
     (4, 32, 32, 2048, 64, True, False),   # not grouped: never
     (4, 32, 8, 2048, 64, True, False),    # LitGPT Llama-3.2-1B, batch 4: 512 grouped blocks even out
-    (1, 32, 8, 2048, 64, True, True),     # batch 1: 128 causal blocks of up to 4 heads' steps each
+    (1, 32, 8, 2048, 64, True, False),    # batch 1: 128 causal blocks, 1.75x longer, but the copies cost more
+    (2, 16, 2, 4096, 128, True, True),    # 8 query heads a block: 128 blocks of up to 512 steps
     (1, 32, 8, 2048, 64, False, False),   # full: 128 equal blocks are one wave
     (1, 32, 8, 8192, 128, True, False),   # 512 blocks
     (1, 32, 1, 2048, 64, True, True),     # multi-query: 16 blocks

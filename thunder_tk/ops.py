@@ -257,7 +257,11 @@ def attention_backward_reference(q, k, v, o, lse, grad_o, *, is_causal=False, sc
 _BWD_KEYS, _BWD_QUERIES = 128, 64
 _BWD_BLOCK_OVERHEAD_STEPS = 2.2  # a block's start and end, in steps (kernel time against steps, 2026-11-24)
 _BWD_STEP_FLOP_RATE = 3.0e12  # one SM's rate in a step (about 400 TFLOP/s over 132), for the copies' cost in steps
-_COPY_BYTES_PER_S = 2.5e12
+# Repeating K and V and summing dK and dV back, per byte of one repeated tensor: torch's repeat_interleave and sum
+# kernels took 0.05 ms for two 8.4 MB tensors (H100, 2026-11-24), plus the host's launches, which a small
+# backward does not hide. So the repeated way must win by a margin.
+_REPEAT_SECONDS_PER_BYTE = 3.0e-12
+_REPEAT_MARGIN = 0.7
 
 
 def _bwd_makespan(blocks_per_tile: int, kv_tiles: int, q_tiles: int, group: int, causal: bool, sms: int) -> float:
@@ -276,15 +280,15 @@ def backward_expands_groups(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int,
     """Whether grouped K/V run faster through the backward repeated over the query heads (one block per query head
     and key tile, dK and dV then summed over each group) than grouped (one block per key/value head and key tile,
     walking the whole group): where B * Hkv * key tiles are too few blocks for the SMs, or too few to even out
-    causal blocks' lengths (grouped MQA, or a batch of one). The repeated side pays for its copies."""
+    causal blocks' lengths (multi-query heads with a small batch). The repeated side pays for its copies."""
     if Hkv == Hq:
         return False
     G, kv_tiles, q_tiles = Hq // Hkv, -(-Sk // _BWD_KEYS), -(-Sq // _BWD_QUERIES)
     grouped = _bwd_makespan(B * Hkv, kv_tiles, q_tiles, G, causal, sms)
     repeated = _bwd_makespan(B * Hq, kv_tiles, q_tiles, 1, causal, sms)
     step_s = 5 * 2 * _BWD_KEYS * _BWD_QUERIES * D / _BWD_STEP_FLOP_RATE
-    copies = 4 * B * Hq * Sk * D * 2 / _COPY_BYTES_PER_S / step_s  # K, V repeated; dK, dV read back to be summed
-    return repeated + copies < grouped
+    copies = 2 * B * Hq * Sk * D * 2 * _REPEAT_SECONDS_PER_BYTE / step_s  # K and V repeated, dK and dV summed
+    return repeated + copies < _REPEAT_MARGIN * grouped
 
 
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
