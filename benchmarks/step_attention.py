@@ -46,7 +46,7 @@ def record_attention_calls(step) -> list[tuple]:
         return fwd(q, k, v, is_causal=is_causal, scale=scale, **knobs)
 
     def recording_bwd(q, k, v, o, lse, grad_o, *, is_causal=False, scale=None, **knobs):
-        if not knobs:  # not ops' own call on K/V repeated (backward_expands_groups), which is part of this one
+        if not knobs:
             calls.append(("bwd", tuple(_layout(t) for t in (q, k, v, o, lse, grad_o)), q.dtype, bool(is_causal),
                           scale))
         return bwd(q, k, v, o, lse, grad_o, is_causal=is_causal, scale=scale, **knobs)
@@ -137,12 +137,13 @@ def time_backward(layouts, dtype, causal, scale, rounds):
         timed[f"tk, {label}"] = (lambda q=q, k=k, v=v, o=o, lse=lse, g=grad_o:
                                  ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, scale=scale))
         kernels[f"tk, {label}"] = kernel_times(timed[f"tk, {label}"])
-        if label == "step strides" and k.shape[1] != q.shape[1]:  # both ways of the grouped backward
-            for way in ("kernel", "repeated"):
-                timed[f"tk, groups {way}"] = (lambda q=q, k=k, v=v, o=o, lse=lse, g=grad_o, way=way:
-                                              ops.attention_backward(q, k, v, o, lse, g, is_causal=causal,
-                                                                     scale=scale, _groups=way))
-                kernels[f"tk, groups {way}"] = kernel_times(timed[f"tk, groups {way}"])
+        if label == "step strides" and k.shape[1] != q.shape[1]:  # the grouped backward unsplit and split in two
+            for split in (1, 2):
+                name = f"tk, group split {split}"
+                timed[name] = (lambda q=q, k=k, v=v, o=o, lse=lse, g=grad_o, split=split:
+                               ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, scale=scale,
+                                                      _group_split=split))
+                kernels[name] = kernel_times(timed[name])
         if k.shape[1] == q.shape[1]:
             inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
             out = sdpa(*inputs, causal, scale)

@@ -38,14 +38,13 @@ def test_eager_function_falls_back_to_the_differentiable_reference():
     assert thunder_tk.attention_bwd_delta(o.bfloat16(), g.bfloat16()).dtype == torch.float32
 
 
-@pytest.mark.parametrize("B,Hq,Hkv,S,D,causal,repeated", [
-    (4, 32, 32, 2048, 64, True, False),   # not grouped: never
-    (4, 32, 8, 2048, 64, True, False),    # LitGPT Llama-3.2-1B, batch 4: 512 grouped blocks even out
-    (1, 32, 8, 2048, 64, True, False),    # batch 1: 128 causal blocks, 1.75x longer, but the copies cost more
-    (2, 16, 2, 4096, 128, True, True),    # 8 query heads a block: 128 blocks of up to 512 steps
-    (1, 32, 8, 2048, 64, False, False),   # full: 128 equal blocks are one wave
-    (1, 32, 8, 8192, 128, True, False),   # 512 blocks
-    (1, 32, 1, 2048, 64, True, True),     # multi-query: 16 blocks
+@pytest.mark.parametrize("B,Hq,Hkv,S,D,causal,split", [
+    (4, 32, 32, 2048, 64, True, 1),   # not grouped
+    (4, 32, 8, 2048, 64, True, 1),    # LitGPT Llama-3.2-1B, batch 4: 512 blocks of 4 heads even out
+    (1, 32, 8, 2048, 64, True, 2),    # batch 1: 128 causal blocks of up to 4 heads' steps, 1.75x the mean load
+    (1, 32, 8, 2048, 64, False, 1),   # full: 128 equal blocks are one wave
+    (1, 32, 8, 8192, 128, True, 1),   # 512 blocks
+    (1, 32, 1, 2048, 64, True, 16),   # multi-query: 16 blocks of 32 heads each, unsplit
 ])
-def test_backward_repeats_grouped_kv_only_where_the_grouped_grid_is_too_small(B, Hq, Hkv, S, D, causal, repeated):
-    assert ops.backward_expands_groups(B, Hq, Hkv, S, S, D, causal, sms=132) is repeated
+def test_backward_splits_a_group_only_where_its_blocks_are_too_few(B, Hq, Hkv, S, D, causal, split):
+    assert ops.backward_group_split(B, Hq, Hkv, S, S, D, causal, sms=132) == split

@@ -253,47 +253,54 @@ def attention_backward_reference(q, k, v, o, lse, grad_o, *, is_causal=False, sc
     return torch.autograd.grad(out, (q64, k64, v64), grad_o.double())
 
 
-# The backward kernel's block: 128 keys, walking 64-query steps over every query head of its key/value head.
+# The backward kernel's block: 128 keys, walking 64-query steps over the query heads of its key/value head (or of a
+# part of them: group_split).
 _BWD_KEYS, _BWD_QUERIES = 128, 64
 _BWD_BLOCK_OVERHEAD_STEPS = 2.2  # a block's start and end, in steps (kernel time against steps, 2026-11-24)
-_BWD_STEP_FLOP_RATE = 3.0e12  # one SM's rate in a step (about 400 TFLOP/s over 132), for the copies' cost in steps
-# Repeating K and V and summing dK and dV back, per byte of one repeated tensor: torch's repeat_interleave and sum
-# kernels took 0.05 ms for two 8.4 MB tensors (H100, 2026-11-24), plus the host's launches, which a small
-# backward does not hide. So the repeated way must win by a margin.
-_REPEAT_SECONDS_PER_BYTE = 3.0e-12
-_REPEAT_MARGIN = 0.7
+_BWD_STEP_FLOP_RATE = 3.0e12  # one SM's rate in a step (about 400 TFLOP/s over 132), to price the parts' sum in steps
+# Summing the parts of dK and dV (torch's reduction: 9.5 us per 8.4 MB read on the H100, 2026-11-24) and its two
+# launches, which a small backward does not hide. A split must win by a margin to be taken.
+_PART_SUM_SECONDS_PER_BYTE = 1.2e-12
+_PART_SUM_LAUNCH_SECONDS = 1e-5
+_SPLIT_MARGIN = 0.9
 
 
-def _bwd_makespan(blocks_per_tile: int, kv_tiles: int, q_tiles: int, group: int, causal: bool, sms: int) -> float:
-    """The backward grid's time in steps on `sms` multiprocessors: causal key tiles t walk q_tiles - 2t steps per
-    query head and start heaviest first (the longest block or the mean load, whichever is more); full ones are
-    alike and run in whole waves."""
+def _bwd_makespan(blocks_per_tile: int, kv_tiles: int, q_tiles: int, heads: int, causal: bool, sms: int) -> float:
+    """The backward grid's time in steps on `sms` multiprocessors, each block walking `heads` query heads: causal
+    key tiles t take q_tiles - 2t steps a head and start heaviest first (the longest block or the mean load,
+    whichever is more); full ones are alike and run in whole waves."""
     blocks = blocks_per_tile * kv_tiles
     if not causal:
-        return -(-blocks // sms) * (group * q_tiles + _BWD_BLOCK_OVERHEAD_STEPS)
+        return -(-blocks // sms) * (heads * q_tiles + _BWD_BLOCK_OVERHEAD_STEPS)
     steps = kv_tiles * q_tiles - kv_tiles * (kv_tiles - 1)  # sum over t of q_tiles - 2t
-    total = blocks_per_tile * (group * steps + kv_tiles * _BWD_BLOCK_OVERHEAD_STEPS)
-    return max(group * q_tiles + _BWD_BLOCK_OVERHEAD_STEPS, total / sms)
+    total = blocks_per_tile * (heads * steps + kv_tiles * _BWD_BLOCK_OVERHEAD_STEPS)
+    return max(heads * q_tiles + _BWD_BLOCK_OVERHEAD_STEPS, total / sms)
 
 
-def backward_expands_groups(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, causal: bool, sms: int) -> bool:
-    """Whether grouped K/V run faster through the backward repeated over the query heads (one block per query head
-    and key tile, dK and dV then summed over each group) than grouped (one block per key/value head and key tile,
-    walking the whole group): where B * Hkv * key tiles are too few blocks for the SMs, or too few to even out
-    causal blocks' lengths (multi-query heads with a small batch). The repeated side pays for its copies."""
-    if Hkv == Hq:
-        return False
-    G, kv_tiles, q_tiles = Hq // Hkv, -(-Sk // _BWD_KEYS), -(-Sq // _BWD_QUERIES)
-    grouped = _bwd_makespan(B * Hkv, kv_tiles, q_tiles, G, causal, sms)
-    repeated = _bwd_makespan(B * Hq, kv_tiles, q_tiles, 1, causal, sms)
+def backward_group_split(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, causal: bool, sms: int) -> int:
+    """In how many parts the backward splits each key/value head's query heads (1: a block walks the whole group and
+    dK, dV leave it summed). B * Hkv * key tiles blocks can be too few for the GPU, or too few to even out causal
+    blocks' lengths (multi-query heads, small batches); then more blocks each walk part of the group, and dK, dV
+    are summed over the parts afterwards, which the split's predicted time must pay for and still win by 10%."""
+    G = Hq // Hkv
+    if G == 1:
+        return 1
+    kv_tiles, q_tiles = -(-Sk // _BWD_KEYS), -(-Sq // _BWD_QUERIES)
     step_s = 5 * 2 * _BWD_KEYS * _BWD_QUERIES * D / _BWD_STEP_FLOP_RATE
-    copies = 2 * B * Hq * Sk * D * 2 * _REPEAT_SECONDS_PER_BYTE / step_s  # K and V repeated, dK and dV summed
-    return repeated + copies < _REPEAT_MARGIN * grouped
+    whole = _bwd_makespan(B * Hkv, kv_tiles, q_tiles, G, causal, sms)
+    best, best_steps = 1, whole
+    for split in (s for s in range(2, G + 1) if G % s == 0):
+        part_bytes = 2 * (split + 1) * B * Hkv * Sk * D * 2  # dK and dV: the parts read, the sums written
+        summing = (part_bytes * _PART_SUM_SECONDS_PER_BYTE + 2 * _PART_SUM_LAUNCH_SECONDS) / step_s
+        steps = _bwd_makespan(B * Hkv * split, kv_tiles, q_tiles, G // split, causal, sms) + summing
+        if steps < best_steps:
+            best, best_steps = split, steps
+    return best if best_steps < _SPLIT_MARGIN * whole else 1
 
 
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                        grad_o: torch.Tensor, *, is_causal: bool = False, scale: float | None = None,
-                       _groups: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       _group_split: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention_forward's o, by the tk kernels, from its o and lse.
 
     Same arguments and layouts as attention_forward; o and grad_o are (B, Hq, Sq, D), lse (B, Hq, Sq) float32.
@@ -301,8 +308,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     input dtype. The kernels: delta = rowsum(grad_o * o), whose pass also zeroes an fp32 dQ buffer; then one pass
     over key blocks that keeps dK and dV in registers and adds dQ into that buffer, which a last pass scales and
     rounds. Grouped K/V: a block walks every query head of its group and sums dK, dV in fp32, unless that grid is
-    too small for the GPU (`backward_expands_groups`); then K and V are repeated for the kernel and the per-head
-    dK, dV summed after it. _groups (tests): "kernel" or "repeated" forces one way.
+    too small for the GPU; then the group is walked in parts by more blocks (`backward_group_split`) and the parts'
+    dK, dV (input dtype) summed after the kernel. _group_split (tests): that many parts, 0 for the choice above.
     """
     check_attention_args(q, k, v, is_causal, scale)
     B, Hq, Sq, D = q.shape
@@ -313,19 +320,16 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     if not isinstance(lse, torch.Tensor) or lse.shape != (B, Hq, Sq) or lse.dtype != torch.float32 \
             or lse.device != q.device:
         raise ValueError(f"lse must be a float32 tensor of shape {(B, Hq, Sq)} on {q.device}")
-    if _groups not in ("auto", "kernel", "repeated"):
-        raise ValueError(f"_groups must be 'auto', 'kernel' or 'repeated', not {_groups!r}")
+    if not isinstance(_group_split, int) or _group_split < 0 or _group_split and (Hq // Hkv) % _group_split:
+        raise ValueError(f"_group_split must be 0 or a divisor of {Hq // Hkv} (query heads per key/value head), "
+                         f"not {_group_split!r}")
     ext = _require_kernels(q.device)
-    if q.numel() and k.numel() and (_groups == "repeated" or _groups == "auto" and backward_expands_groups(
-            B, Hq, Hkv, Sq, Sk, D, bool(is_causal), _extension.multiprocessor_count(q.device.index))):
-        G = Hq // Hkv
-        dq, dk, dv = attention_backward(q, *(t.repeat_interleave(G, dim=1) for t in (k, v)), o, lse, grad_o,
-                                        is_causal=is_causal, scale=scale, _groups="kernel")
-        return dq, *(t.view(B, Hkv, G, Sk, D).sum(2, dtype=torch.float32).to(q.dtype) for t in (dk, dv))
-    dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=q.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return torch.zeros_like(q), *(torch.zeros((B, Hkv, Sk, D), dtype=q.dtype, device=q.device) for _ in "kv")
+    split = _group_split or backward_group_split(B, Hq, Hkv, Sq, Sk, D, bool(is_causal),
+                                                 _extension.multiprocessor_count(q.device.index))
+    dk = torch.empty((B, Hkv * split, Sk, D), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
-    if q.numel() == 0 or dk.numel() == 0:
-        return torch.zeros_like(q), dk.zero_(), dv.zero_()
     q, scale, sign = _kernel_scale(q, scale)
     q, k, v, grad_o = _tma_readable(q), _tma_readable(k), _tma_readable(v), _tma_readable(grad_o)
     lse = _rows_tma_readable(lse)
@@ -337,10 +341,12 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
                                _DTYPE_CODES[q.dtype], B, Hq, Hkv, Sq, Sk, D, list(q.stride()[:3]),
                                list(k.stride()[:3]), list(v.stride()[:3]), list(grad_o.stride()[:3]),
                                list(dk.stride()[:3]), list(dv.stride()[:3]), list(lse.stride()[:2]),
-                               list(delta.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device))
+                               list(delta.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device), split)
         dq = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
         ext.attention_dq_finalize(dq_accum.data_ptr(), dq.data_ptr(), _DTYPE_CODES[q.dtype], dq.numel(),
                                   sign * scale, _stream_handle(q.device))
+    if split > 1:  # the parts of each group, summed (torch accumulates 16-bit sums in fp32)
+        dk, dv = (t.view(B, Hkv, split, Sk, D).sum(2) for t in (dk, dv))
     return dq, dk, dv
 
 

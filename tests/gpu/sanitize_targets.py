@@ -105,12 +105,14 @@ def attention_forward():
     print("attention sanitize targets ran")
 
 
-# Attention backward: causal with tails and GQA, and a non-causal key tail.
+# Attention backward: causal with tails and GQA, and a non-causal key tail; each GQA group whole and split in parts.
 def attention_backward():
-    for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (1, 2, 1, 70, 150, 64, False)]:
+    for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (1, 2, 1, 70, 150, 64, False),
+                                          (2, 8, 2, 200, 200, 64, True)]:
         q, k, v = (torch.randn(B, h, s, D, device="cuda", dtype=torch.bfloat16) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
         o, lse = ops.attention_forward(q, k, v, is_causal=causal)
-        ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), is_causal=causal)
+        for split in sorted({1, 2, Hq // Hkv} & set(range(1, Hq // Hkv + 1))):
+            ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), is_causal=causal, _group_split=split)
     torch.cuda.synchronize()
     print("attention backward sanitize targets ran")
 

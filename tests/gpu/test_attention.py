@@ -405,11 +405,12 @@ BACKWARD_CASES = [
 ]
 
 
-def backward_check(q, k, v, causal=False, scale=None, groups="auto"):
+def backward_check(q, k, v, causal=False, scale=None, group_split=0):
     o, lse = ops.attention_forward(q, k, v, is_causal=causal, scale=scale)
     g = torch.randn_like(o)
     poison_allocator((tuple(q.shape), q.dtype), (tuple(k.shape), k.dtype))
-    dq, dk, dv = ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, scale=scale, _groups=groups)
+    dq, dk, dv = ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, scale=scale,
+                                        _group_split=group_split)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == q.dtype
     refs = ops.attention_backward_reference(q, k, v, o, lse, g, is_causal=causal, scale=scale)
@@ -436,21 +437,26 @@ GROUPED_CASES = [c for c in BACKWARD_CASES if c[2] < c[1]] + [
 ]
 
 
-@pytest.mark.parametrize("groups", ["kernel", "repeated"])
+@pytest.mark.parametrize("parts", ["whole", "halves", "single heads"])
 @pytest.mark.parametrize("case", GROUPED_CASES, ids=case_id)
-def test_backward_grouped_heads_summed_in_kernel_or_after(case, groups):
-    """Grouped K/V: dK, dV summed over the group by the blocks (fp32, in-kernel), or K and V repeated over the
-    query heads and the per-head gradients summed afterwards (what ops picks where the grouped grid is too small
-    for the GPU, backward_expands_groups); both against float64."""
+def test_backward_grouped_heads_summed_in_kernel_or_over_parts(case, parts):
+    """Grouped K/V: dK, dV summed over the group by one block (fp32, in-kernel), or the group walked in parts by
+    several blocks and the parts' dK, dV summed after the kernel (what ops picks where the grid would be too small
+    for the GPU, backward_group_split); both against float64."""
     B, Hq, Hkv, Sq, Sk, D, causal = case
-    backward_check(*make(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, seed=7), causal=causal, groups=groups)
+    G = Hq // Hkv
+    split = {"whole": 1, "halves": 2, "single heads": G}[parts]
+    if G % split:
+        pytest.skip(f"{G} heads a group do not halve")
+    backward_check(*make(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, seed=7), causal=causal, group_split=split)
 
 
-def test_backward_groups_argument_is_checked():
+def test_backward_group_split_is_checked():
     q, k, v = make(1, 4, 2, 64, 64, 64, torch.bfloat16, seed=1)
     o, lse = ops.attention_forward(q, k, v)
-    with pytest.raises(ValueError, match="_groups"):
-        ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), _groups="both")
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match="_group_split"):
+            ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), _group_split=bad)
 
 
 @pytest.mark.parametrize("B,H,S,D", [(3, 6, 2048, 128), (2, 8, 4097, 64)])

@@ -67,20 +67,25 @@ struct shared_state {
 
 struct kernel_params {
     backward_args args;
-    int q_tiles, kv_tiles, group;
-    int chunk_heads;  // causal: key/value heads per L2 chunk of the block order (layout::chunked_order)
+    int q_tiles, kv_tiles;
+    int group;            // query heads per key/value head
+    int heads_per_block;  // of them, the ones a block walks: group / group_split
+    int chunk_heads;      // causal: (key/value head, split) pairs per L2 chunk of the block order (layout::chunked_order)
     float scale_log2;
 };
 
 struct block_work {
     int kv_tile, kv_head, batch, first_q_tile;
+    int first_head;  // the first query head the block walks
+    int out_head;    // the head of dk and dv it writes: kv_head * group_split + its split
 };
 
 // Causal: key tile 0 sees every query tile, so within each L2 chunk of heads the low key tiles (the heaviest)
 // start first; the blocks of a chunk share its heads' Q, dO and dQ in L2.
 __device__ __forceinline__ block_work work_of(const kernel_params& p) {
     const backward_args& a = p.args;
-    const int64_t heads = a.batch * a.kv_heads, linear = blockIdx.x;
+    // A "head" here is a (batch, key/value head, split of its group): the splits of one key/value head are adjacent.
+    const int64_t heads = a.batch * a.kv_heads * a.group_split, linear = blockIdx.x;
     int kv_tile;
     int64_t bh;
     if (a.causal) {
@@ -93,7 +98,9 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p) {
     }
     // Causal: query tiles that end before the block's first key see none of its keys.
     const int first = a.causal ? (kv_tile * BK) / BQ : 0;
-    return {kv_tile, int(bh % a.kv_heads), int(bh / a.kv_heads), first};
+    const int split = int(bh % a.group_split), kv_head = int(bh / a.group_split % a.kv_heads);
+    return {kv_tile, kv_head, int(bh / a.group_split / a.kv_heads), first,
+            kv_head * p.group + split * p.heads_per_block, kv_head * int(a.group_split) + split};
 }
 
 template <typename T, int D>
@@ -113,8 +120,8 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
             tma::load_4d(st.v[c][dp], &map_v, dp * 64, kv0 + 64 * c, w.kv_head, w.batch, st.kv_full);
         }
     pipeline::cursor<STAGES> at;
-    for (int g = 0; g < p.group; ++g) {
-        const int head = w.kv_head * p.group + g;
+    for (int g = 0; g < p.heads_per_block; ++g) {
+        const int head = w.first_head + g;
         for (int i = w.first_q_tile; i < p.q_tiles; ++i) {
             st.ring.wait_empty(at);
             sync::barrier& full = st.ring.full[at.stage];
@@ -138,8 +145,8 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
                                          const CUtensorMap& map_dq) {
     const bool issuer = (threadIdx.x & 31) == 0;
     if (issuer) tma::prefetch_map(&map_dq);
-    const int steps = p.group * (p.q_tiles - w.first_q_tile);
-    int head = w.kv_head * p.group, i = w.first_q_tile;
+    const int steps = p.heads_per_block * (p.q_tiles - w.first_q_tile);
+    int head = w.first_head, i = w.first_q_tile;
 #pragma unroll 1  // unrolled, its copies spill at the producers' 24 registers
     for (int step = 0; step < steps; ++step) {
         const int buf = step & 1;
@@ -248,7 +255,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     };
 
     sync::wait(st.kv_full, 0);
-    for (int g = 0; g < p.group; ++g) {
+    for (int g = 0; g < p.heads_per_block; ++g) {
         for (int i = w.first_q_tile; i < p.q_tiles; ++i, ++step) {
             const int64_t q0 = int64_t(i) * BQ;
             st.ring.wait_full(at);
@@ -360,8 +367,8 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     if (leader) {
         if (key0 < a.kv_len) {
             for (int d = 0; d < D / 64; ++d) {
-                tma::store_4d(&map_dk, st.q[slice][d], d * 64, int32_t(key0), w.kv_head, w.batch);
-                tma::store_4d(&map_dv, st.dout[slice][d], d * 64, int32_t(key0), w.kv_head, w.batch);
+                tma::store_4d(&map_dk, st.q[slice][d], d * 64, int32_t(key0), w.out_head, w.batch);
+                tma::store_4d(&map_dv, st.dout[slice][d], d * 64, int32_t(key0), w.out_head, w.batch);
             }
         }
         tma::store_commit();
@@ -428,6 +435,7 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
     constexpr CUtensorMapDataType type = tma::element_type<T>();
     const int64_t dq_stride[3] = {a.q_heads * a.q_len * D, a.q_len * D, D};
     CUtensorMap maps[9];
+    const int64_t out_heads = a.kv_heads * a.group_split;  // dk and dv: one partial sum per split of each group
     using layout::map_of;
     if (map_of(&maps[0], a.q, type, 2, a.batch, a.q_heads, a.q_len, D, a.q_stride) != CUDA_SUCCESS ||
         map_of(&maps[1], a.k, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.k_stride) != CUDA_SUCCESS ||
@@ -435,8 +443,8 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
         map_of(&maps[3], a.dout, type, 2, a.batch, a.q_heads, a.q_len, D, a.dout_stride) != CUDA_SUCCESS ||
         map_of(&maps[4], a.dq_accum, tma::element_type<float>(), 4, a.batch, a.q_heads, a.q_len, D, dq_stride,
                32) != CUDA_SUCCESS ||
-        map_of(&maps[5], a.dk, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.dk_stride) != CUDA_SUCCESS ||
-        map_of(&maps[6], a.dv, type, 2, a.batch, a.kv_heads, a.kv_len, D, a.dv_stride) != CUDA_SUCCESS ||
+        map_of(&maps[5], a.dk, type, 2, a.batch, out_heads, a.kv_len, D, a.dk_stride) != CUDA_SUCCESS ||
+        map_of(&maps[6], a.dv, type, 2, a.batch, out_heads, a.kv_len, D, a.dv_stride) != CUDA_SUCCESS ||
         rows_map(&maps[7], a.lse, a.batch, a.q_heads, a.q_len, a.lse_stride) != CUDA_SUCCESS ||
         rows_map(&maps[8], a.delta, a.batch, a.q_heads, a.q_len, a.delta_stride) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;
@@ -445,11 +453,13 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
     p.q_tiles = int((a.q_len + BQ - 1) / BQ);
     p.kv_tiles = int((a.kv_len + BK - 1) / BK);
     p.group = int(a.q_heads / a.kv_heads);
+    p.heads_per_block = int(p.group / a.group_split);
     p.scale_log2 = a.scale * LOG2E;
-    // The bytes a chunk's blocks share per key/value head: Q and dO (input dtype) and dQ (fp32) of its group.
-    p.chunk_heads = layout::heads_per_chunk(int64_t(p.group) * a.q_len * D * (2 * int64_t(sizeof(T)) + 4),
-                                            a.batch * a.kv_heads, p.kv_tiles, (multiprocessor_count() + 1) / 2);
-    const int64_t blocks = int64_t(p.kv_tiles) * a.batch * a.kv_heads;
+    // The bytes a chunk's blocks share per (key/value head, split): Q and dO (input dtype) and dQ (fp32) of its
+    // query heads.
+    p.chunk_heads = layout::heads_per_chunk(int64_t(p.heads_per_block) * a.q_len * D * (2 * int64_t(sizeof(T)) + 4),
+                                            out_heads * a.batch, p.kv_tiles, (multiprocessor_count() + 1) / 2);
+    const int64_t blocks = int64_t(p.kv_tiles) * a.batch * out_heads;
     backward_kernel<T, D><<<unsigned(blocks), THREADS, smem_bytes_of<T, D>, stream>>>(
         maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], maps[7], maps[8], p);
     return cudaGetLastError();
@@ -461,7 +471,10 @@ const char* backward_unsupported(const backward_args& a) {
     if (const char* reason = layout::shape_unsupported(a.dtype, a.head_dim, a.batch, a.q_heads, a.kv_heads, a.q_len,
                                                        a.kv_len, a.causal, a.scale))
         return reason;
-    if (a.batch * a.kv_heads * ((a.kv_len + BK - 1) / BK) >= (int64_t(1) << 31)) return "too many blocks";
+    if (a.group_split < 1 || (a.q_heads / a.kv_heads) % a.group_split)
+        return "group_split must divide q_heads / kv_heads";
+    if (a.batch * a.kv_heads * a.group_split * ((a.kv_len + BK - 1) / BK) >= (int64_t(1) << 31))
+        return "too many blocks";
     if (a.lse == nullptr || a.delta == nullptr) return "lse and delta must be given";
     // TMA reads their rows: each starts 16-byte aligned (ops pads S to a multiple of 4 in memory).
     const int64_t sizes[2] = {a.batch, a.q_heads};
@@ -478,8 +491,8 @@ const char* backward_unsupported(const backward_args& a) {
         !strides_ok(a.dout_stride, a.batch, a.q_heads, a.q_len) ||
         !strides_ok(a.k_stride, a.batch, a.kv_heads, a.kv_len) ||
         !strides_ok(a.v_stride, a.batch, a.kv_heads, a.kv_len) ||
-        !strides_ok(a.dk_stride, a.batch, a.kv_heads, a.kv_len) ||
-        !strides_ok(a.dv_stride, a.batch, a.kv_heads, a.kv_len))
+        !strides_ok(a.dk_stride, a.batch, a.kv_heads * a.group_split, a.kv_len) ||
+        !strides_ok(a.dv_stride, a.batch, a.kv_heads * a.group_split, a.kv_len))
         return "strides of q, k, v, dout, dk and dv must be positive multiples of 8 elements";
     return nullptr;
 }

@@ -17,14 +17,17 @@ struct backward_args {
     const float* lse;      // the forward's log-sum-exp (natural log), (B, q_heads, q_len): strides batch, head
     const float* delta;    // rowsum(dO * O) in fp32, (B, q_heads, q_len): strides batch, head
     float* dq_accum;       // zeroed fp32 (B, q_heads, q_len, D), contiguous: receives dS K (not yet times scale)
-    void* dk;              // input dtype, (B, kv_heads, kv_len, D): times scale, summed over the head group
-    void* dv;
+    void* dk;              // input dtype, (B, kv_heads * group_split, kv_len, D): times scale, summed over the head
+    void* dv;              // group, or over each of its group_split parts (head kv * group_split + part)
     int dtype;             // tk::dtype: bf16 or fp16
     int64_t batch, q_heads, kv_heads, q_len, kv_len, head_dim;
     int64_t q_stride[3], k_stride[3], v_stride[3], dout_stride[3], dk_stride[3], dv_stride[3];
     int64_t lse_stride[2], delta_stride[2];
     float scale;  // positive
     bool causal;  // q_len == kv_len
+    // 1, or a divisor of q_heads / kv_heads: each key/value head's query heads in that many parts, one block per
+    // part and key tile, so that small batches of grouped heads still fill the GPU; the caller sums the parts.
+    int64_t group_split = 1;
 };
 
 const char* backward_unsupported(const backward_args& args);
