@@ -166,3 +166,6 @@ def test_planned_litgpt_grouped_query_attention_reads_kv_unexpanded():
     assert [tuple(t.shape) for t in b.output] == [(2, 8, 256, 64), (2, 2, 256, 64), (2, 2, 256, 64)]
     saved = [p for p in fwd.bound_symbols[-1].flat_proxy_args if getattr(p, "ndim", 0) == 4]
     assert sum(tuple(p.shape) == (2, 8, 256, 64) for p in saved) == 2  # q and o; no repeated k or v
+    # v, a view of the fused qkv projection's output, is made compact for the attention, so the backward saves
+    # v's own heads, not the whole projection.
+    assert not [p for p in fwd.bound_symbols[-1].flat_proxy_args if tuple(getattr(p, "shape", ())) == (2, 256, 768)]

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from thunder.core import prims
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import from_trace, tracectx
@@ -286,6 +287,24 @@ def _group_sum(grad: TensorProxy, G: int, bsyms: list[BoundSymbol], users: dict[
     return r, s, sb.output
 
 
+# Ops whose result is (or, for reshape, may be) a view of their first argument: a chain of them from a larger tensor
+# keeps that tensor's memory alive for as long as the result is.
+_VIEW_CHAIN = _VIEWS | frozenset({"slice_prim", "slice", "split", "unsqueeze", "squeeze", "narrow", "getitem"})
+
+
+def _views_a_larger_tensor(t: TensorProxy, bsyms: list[BoundSymbol], producer: dict[str, int]) -> bool:
+    """Whether t is reached from a larger tensor of the trace through views only (LitGPT's v: a slice of the fused
+    qkv projection, transposed): saved for the backward, it would keep all of that tensor alive."""
+    while (j := producer.get(t.name)) is not None and bsyms[j].sym.name in _VIEW_CHAIN:
+        src = bsyms[j].flat_proxy_args[0] if bsyms[j].flat_proxy_args else None
+        if not isinstance(src, TensorProxy):
+            return False
+        if src.numel > t.numel:
+            return True
+        t = src
+    return False
+
+
 def attend_grouped_kv(trace):
     """The trace with tk's attention reading grouped K and V where they are repeat_interleave's copies (module doc)."""
     from thunder.core.prims import reshape as prims_reshape
@@ -328,7 +347,16 @@ def attend_grouped_kv(trace):
     with tracectx(out):
         for i, backward, k0, v0, sums in edits:
             f = bsyms[i]
-            bsyms[i] = f.from_bsym(args=(f.args[0], k0, v0, *f.args[3:]))
+            # K or V that only views a larger tensor (the qkv projection's output) is made compact for the attention:
+            # what the backward saves is then its own Hkv heads, not the whole projection.
+            compact = []
+            if backward is not None:
+                for t in (k0, v0):
+                    if _views_a_larger_tensor(t, bsyms, producer):
+                        copy = TensorProxy(like=t)
+                        compact.append(prims.clone.bind(t, output=copy))
+                        k0, v0 = (copy if x is t else x for x in (k0, v0))
+            bsyms[i] = [*compact, f.from_bsym(args=(f.args[0], k0, v0, *f.args[3:]))]
             if backward is None:
                 continue
             bb = bsyms[backward]
