@@ -89,6 +89,32 @@ def _plan(bsyms: list[BoundSymbol], at: int, returned: set[str]):
     return chain, products
 
 
+def _producers_and_users(bsyms: list[BoundSymbol]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Each proxy's producing bsym index, and the indices of the bsyms that read it (each once)."""
+    producer: dict[str, int] = {}
+    users: dict[str, list[int]] = defaultdict(list)
+    for i, b in enumerate(bsyms):
+        for p in b.flat_proxy_outs:
+            producer.setdefault(p.name, i)
+        for name in dict.fromkeys(p.name for p in b.flat_proxy_args):
+            users[name].append(i)
+    return producer, users
+
+
+def _rewritten(out, bsyms: list, provenance: str):
+    """`out` (from_trace of the original) with `bsyms`, where an entry may be None (dropped) or a list (spliced in),
+    dead code removed."""
+    flat = []
+    for b in bsyms:
+        if isinstance(b, list):
+            flat.extend(b)
+        elif b is not None:
+            flat.append(b)
+    out.bound_symbols = flat
+    out.set_provenance(provenance)
+    return dce(out)
+
+
 def fold_row_scaling(trace):
     """The trace with each tk_scale_rows whose result only feeds GEMMs moved onto those GEMMs' small operands."""
     from thunder_tk.lowering import tk_scale_rows
@@ -119,15 +145,7 @@ def fold_row_scaling(trace):
                 else:
                     w_scaled = TensorProxy(like=w)
                     bsyms[j] = [tk_scale_rows.bind(w, g, output=w_scaled), m.from_bsym(args=(a, w_scaled))]
-    flat = []
-    for b in bsyms:
-        if isinstance(b, list):
-            flat.extend(b)
-        elif b is not None:
-            flat.append(b)
-    out.bound_symbols = flat
-    out.set_provenance("tk: the cross-entropy gradient's row scaling moved onto the lm_head's GEMMs")
-    return dce(out)
+    return _rewritten(out, bsyms, "tk: the cross-entropy gradient's row scaling moved onto the lm_head's GEMMs")
 
 
 # Ops whose output is memory of their own, never a view of an input.
@@ -181,13 +199,7 @@ def write_gradient_over_logits(trace):
     at = [i for i, b in enumerate(bsyms) if b.sym.id == tk_cross_entropy_forward_grad.id]
     if not at:
         return trace
-    producer: dict[str, int] = {}
-    users: dict[str, list[int]] = defaultdict(list)
-    for i, b in enumerate(bsyms):
-        for p in b.flat_proxy_outs:
-            producer.setdefault(p.name, i)
-        for name in dict.fromkeys(p.name for p in b.flat_proxy_args):
-            users[name].append(i)
+    producer, users = _producers_and_users(bsyms)
     chosen = [i for i in at if _logits_read_only_by(bsyms, i, producer, users)]
     if not chosen:
         return trace
@@ -205,15 +217,6 @@ GROUPED_KV = "attention_grouped_kv"
 """THUNDER_TK_DISABLE name that keeps LitGPT's expanded K and V (attention then reads Hq heads of each)."""
 
 
-def _producers_and_users(bsyms: list[BoundSymbol]) -> tuple[dict[str, int], dict[str, list[int]]]:
-    producer: dict[str, int] = {}
-    users: dict[str, list[int]] = defaultdict(list)
-    for i, b in enumerate(bsyms):
-        for p in b.flat_proxy_outs:
-            producer.setdefault(p.name, i)
-        for name in dict.fromkeys(p.name for p in b.flat_proxy_args):
-            users[name].append(i)
-    return producer, users
 
 
 _BROADCASTS = frozenset({"broadcast_in_dim", "expand"})
@@ -372,12 +375,4 @@ def attend_grouped_kv(trace):
                     after.append(prims_reshape.bind(native, tuple(summed.shape), output=summed))
             bsyms[backward] = [bb.from_bsym(args=(bb.args[0], k0, v0, *bb.args[3:]),
                                             output=(bb.output[0], *grads)), *after]
-    flat = []
-    for b in bsyms:
-        if isinstance(b, list):
-            flat.extend(b)
-        elif b is not None:
-            flat.append(b)
-    out.bound_symbols = flat
-    out.set_provenance("tk: attention reads grouped K and V instead of their repeat_interleave copies")
-    return dce(out)
+    return _rewritten(out, bsyms, "tk: attention reads grouped K and V instead of their repeat_interleave copies")
