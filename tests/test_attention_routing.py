@@ -289,7 +289,10 @@ def test_training_reads_repeated_kv_grouped(standin_tk_build, standin_attention,
     expanded = (B, hkv, 4 // hkv, 16, 64)
     assert not [p for tr in (fwd, bwd) for b in tr.bound_symbols for p in b.flat_proxy_outs
                 if tuple(getattr(p, "shape", ())) == expanded]
-    assert attention_row(jf).claimed_by_tk
+    row = attention_row(jf)
+    assert row.claimed_by_tk and row.ran_by == "tk: tk_attention_forward"
+    assert row.detail == f"K/V read with their {hkv} heads for 4 query heads"
+    assert row.detail in str(thunder_tk.explain(jf))
 
 
 @pytest.mark.parametrize("case", ["disabled", "extra_use"])
@@ -311,6 +314,7 @@ def test_repeated_kv_kept_where_the_rewrite_does_not_apply(standin_tk_build, sta
     fwd, bwd = thunder.last_traces(jf)[-1], thunder.last_backward_traces(jf)[-1]
     assert _tk_op(fwd, "tk_attention_forward").args[1].shape[1] == 4
     assert _tk_op(bwd, "tk_attention_backward").args[1].shape[1] == 4
+    assert attention_row(jf).detail == ""
 
 
 def test_inference_reads_repeated_kv_grouped(standin_tk_build, standin_attention):

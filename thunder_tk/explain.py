@@ -25,6 +25,7 @@ class Row:
     ran_by: str  # e.g. "tk: tk_attention_bwd_delta", "sdpa: sdpaex_grad_forward_...", "tk_torchcompile_0 (tk_torchcompile)"
     backward_ran_by: str  # for a symbol claimed with its gradient: the ops that ran its backward
     reason: str  # why tk declined; empty when tk claimed it
+    detail: str = ""  # how tk's op differs from the traced symbol, e.g. attention reading unrepeated K/V heads
 
 
 @dataclass
@@ -55,7 +56,8 @@ class Report:
                 r.symbol,
                 r.inputs,
                 "claimed" if r.claimed_by_tk else "declined",
-                r.ran_by + (f"; backward: {r.backward_ran_by}" if r.backward_ran_by else ""),
+                r.ran_by + (f"; backward: {r.backward_ran_by}" if r.backward_ran_by else "")
+                + (f" ({r.detail})" if r.detail else ""),
                 r.reason,
             )
             for r in self.rows
@@ -85,16 +87,32 @@ def _walk(bsyms):
         yield from _walk(b.subsymbols)
 
 
-def _producers(trace, label: str, into: dict[Site, list[tuple[str, str]]]) -> None:
-    """Map each site whose result this trace computes to [(trace label, what computes it), ...]."""
+def _producers(trace, label: str, into: dict[Site, list[tuple[str, str]]], ops: dict[Site, BoundSymbol]) -> None:
+    """Map each site whose result this trace computes to [(trace label, what computes it), ...], and to the first
+    bsym that computes it."""
     for bsym in trace.bound_symbols:
         runner = _runner(bsym)
         inner = _walk(bsym.subsymbols) if bsym.sym.is_fusion else ()
         for b in (bsym, *inner):
             for p in b.flat_proxy_outs:
                 for site in sites_of(p):
+                    ops.setdefault(site, b)
                     if (label, runner) not in into.setdefault(site, []):
                         into[site].append((label, runner))
+
+
+_ATTENTION_OPS = frozenset({"tk_attention", "tk_attention_forward"})
+
+
+def _detail(op: BoundSymbol | None) -> str:
+    """What the trace's inputs column does not show: attention whose repeated K/V heads tk read unrepeated
+    (pattern_fusion.attend_grouped_kv)."""
+    if op is None or op.sym.name not in _ATTENTION_OPS:
+        return ""
+    q, k = op.args[0], op.args[1]
+    if k.shape[1] < q.shape[1]:
+        return f"K/V read with their {k.shape[1]} heads for {q.shape[1]} query heads"
+    return ""
 
 
 def build_report(cd, cs, *, planned: bool = False, note: str = "") -> Report:
@@ -103,9 +121,10 @@ def build_report(cd, cs, *, planned: bool = False, note: str = "") -> Report:
     forward = cs.last_traces[-1]
     backward = cs.last_backward_traces[-1] if cs.last_backward_traces else None
     producers: dict[Site, list[tuple[str, str]]] = {}
-    _producers(forward, "forward", producers)
+    ops: dict[Site, BoundSymbol] = {}
+    _producers(forward, "forward", producers, ops)
     if backward is not None:
-        _producers(backward, "backward", producers)
+        _producers(backward, "backward", producers, ops)
 
     rows = []
     latest = {id(d) for d in latest_decisions_of(cd)}
@@ -121,7 +140,8 @@ def build_report(cd, cs, *, planned: bool = False, note: str = "") -> Report:
         backward_by = ""
         if d.claimed_by is not None and trace_label == "forward":
             backward_by = ", ".join(r for label, r in found if label == "backward" and r.startswith(f"{d.claimed_by}:"))
-        rows.append(Row(trace_label, d.symbol, d.inputs, d.claimed_by == "tk", ran_by, backward_by, d.reason))
+        rows.append(Row(trace_label, d.symbol, d.inputs, d.claimed_by == "tk", ran_by, backward_by, d.reason,
+                        _detail(ops.get(d.site)) if d.claimed_by == "tk" else ""))
     order = {"forward": 0, "backward": 1}
     rows.sort(key=lambda r: order.get(r.trace, 2))
     return Report(rows, planned=planned, note=note)
