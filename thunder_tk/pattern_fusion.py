@@ -214,10 +214,7 @@ def write_gradient_over_logits(trace):
 
 
 GROUPED_KV = "attention_grouped_kv"
-"""THUNDER_TK_DISABLE name that keeps LitGPT's expanded K and V (attention then reads Hq heads of each)."""
-
-
-
+"""THUNDER_TK_DISABLE name that keeps LitGPT's repeated K and V (attention then reads Hq heads of each)."""
 
 _BROADCASTS = frozenset({"broadcast_in_dim", "expand"})
 _UNSQUEEZES = frozenset({"unsqueeze"})
