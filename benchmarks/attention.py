@@ -74,14 +74,14 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
 
 
-def sdpa_forward(backend, q, k, v, causal):
+def sdpa_forward(backend, q, k, v, causal, scale=None):
     """A callable running SDPA forward restricted to one backend; the backend is chosen inside the call, so
     callables of different backends can be timed in turns."""
     from torch.nn.attention import sdpa_kernel
 
     def fn():
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
     return fn
 

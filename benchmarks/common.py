@@ -54,6 +54,20 @@ def graphed(fn):
     return capture(fn)[0].replay
 
 
+def profiled_kernels(prof) -> dict[str, tuple[float, int]]:
+    """{kernel name: (ms, launches)} summed over a torch.profiler run's GPU time (newer torch names the field
+    self_device_time_total, older self_cuda_time_total)."""
+    kernels: dict[str, tuple[float, int]] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            ms, n = kernels.get(e.key, (0.0, 0))
+            kernels[e.key] = (ms + us / 1e3, n + e.count)
+    return kernels
+
+
 def interleaved_ms(fns: dict, *, rounds: int = 5, warmup_ms: float = 10, rep_ms: float = 50) -> dict:
     """Median times (ms) of several functions timed in turns, each round in a rotated order.
 

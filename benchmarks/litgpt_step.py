@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bar_chart, print_table, write_results  # noqa: E402
+from common import bar_chart, print_table, profiled_kernels, write_results  # noqa: E402
 
 from thunder_tk.pretrain import LossModule, max_over_ranks, tracing_without_cyclic_gc  # noqa: E402
 
@@ -150,13 +150,7 @@ def profile_step(step, device: torch.device, top: int) -> dict:
         step()
         torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
-    kernels = {}
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None)
-        if us is None:
-            us = getattr(e, "self_cuda_time_total", 0)
-        if us > 0:
-            kernels[e.key] = (kernels.get(e.key, (0.0, 0))[0] + us / 1e3, kernels.get(e.key, (0.0, 0))[1] + e.count)
+    kernels = profiled_kernels(prof)
     kinds: dict[str, float] = {}
     for name, (ms, _) in kernels.items():
         kind = kernel_kind(name)

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from attention import bwd_flops, fwd_flops  # noqa: E402
-from common import interleaved_ms, print_table, write_results  # noqa: E402
+from attention import bwd_flops, fwd_flops, sdpa_forward  # noqa: E402
+from common import interleaved_ms, print_table, profiled_kernels, write_results  # noqa: E402
 from litgpt_step import Built, add_model_arguments, variants  # noqa: E402
 
 from thunder_tk import ops  # noqa: E402
@@ -70,13 +70,7 @@ def kernel_times(fn, reps: int = 5) -> list[tuple[str, float, int]]:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    out = []
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None)
-        if us is None:
-            us = getattr(e, "self_cuda_time_total", 0)
-        if us > 0:
-            out.append((e.key[:90], us / 1e3 / reps, e.count // reps))
+    out = [(name[:90], ms / reps, n // reps) for name, (ms, n) in profiled_kernels(prof).items()]
     return sorted(out, key=lambda kv: -kv[1])
 
 
@@ -92,11 +86,11 @@ def strided(layout, dtype, *, contiguous: bool = False) -> torch.Tensor:
     return torch.empty_strided(shape, stride, dtype=dtype, device="cuda").normal_()
 
 
-def sdpa(q, k, v, causal, scale):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def cudnn(q, k, v, causal, scale):
+    """SDPA's cuDNN backend on these tensors, as a callable (attention.sdpa_forward)."""
+    from torch.nn.attention import SDPBackend
 
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    return sdpa_forward(SDPBackend.CUDNN_ATTENTION, q, k, v, causal, scale)
 
 
 def expanded(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -124,7 +118,7 @@ def time_forward(layouts, dtype, causal, scale, rounds):
         timed[f"tk, {label}"] = lambda q=q, k=k, v=v: ops.attention_forward(q, k, v, is_causal=causal, scale=scale)
         kernels[f"tk, {label}"] = kernel_times(timed[f"tk, {label}"])
         if k.shape[1] == q.shape[1]:
-            timed[f"cuDNN, {label}"] = lambda q=q, k=k, v=v: sdpa(q, k, v, causal, scale)
+            timed[f"cuDNN, {label}"] = cudnn(q, k, v, causal, scale)
     return interleaved_ms(timed, rounds=rounds), kernels
 
 
@@ -146,7 +140,7 @@ def time_backward(layouts, dtype, causal, scale, rounds):
                 kernels[name] = kernel_times(timed[name])
         if k.shape[1] == q.shape[1]:
             inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
-            out = sdpa(*inputs, causal, scale)
+            out = cudnn(*inputs, causal, scale)()
             timed[f"cuDNN, {label}"] = (lambda out=out, inputs=inputs, g=grad_o:
                                         torch.autograd.grad(out, inputs, g, retain_graph=True))
     return interleaved_ms(timed, rounds=rounds), kernels
