@@ -8,6 +8,7 @@ device, when the dynamic GEMM schedule's counters are first made).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 
@@ -277,6 +278,7 @@ def _bwd_makespan(blocks_per_tile: int, kv_tiles: int, q_tiles: int, heads: int,
     return max(heads * q_tiles + _BWD_BLOCK_OVERHEAD_STEPS, total / sms)
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of the shape, asked on every backward call
 def backward_group_split(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, causal: bool, sms: int) -> int:
     """In how many parts the backward splits each key/value head's query heads (1: a block walks the whole group and
     dK, dV leave it summed). B * Hkv * key tiles blocks can be too few for the GPU, or too few to even out causal

@@ -328,7 +328,7 @@ def attend_grouped_kv(trace):
         (k0, G), (v0, _) = kg, vg
         backward, sums = None, []
         if f.sym.id == tk_attention_forward.id:
-            o, lse = f.output
+            lse = f.output[1]
             readers = [j for j in users[lse.name] if bsyms[j].sym.id == tk_attention_backward.id]
             if len(readers) > 1:
                 continue
