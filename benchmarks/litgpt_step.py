@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bar_chart, print_table, profiled_kernels, write_results  # noqa: E402
+from common import ClockSampler, bar_chart, print_table, profiled_kernels, write_results  # noqa: E402
 
 from thunder_tk.pretrain import LossModule, max_over_ranks, tracing_without_cyclic_gc  # noqa: E402
 
@@ -95,13 +95,20 @@ def with_environment(wrap, **env):
     return wrap
 
 
-VARIANT_NAMES = ("eager", "torch.compile", "thunder default", "thunder [tk]", "thunder [tk] loss kernels",
-                 "thunder [tk] cuBLAS GEMMs", "thunder [tk] dynamic GEMMs", "thunder [tk] K/V repeated")
-# Spellings without spaces or brackets, which survive shell word splitting (gpu_run.sh's LITGPT_ARGS).
-_ALIASES = {"compile": "torch.compile", "torch_compile": "torch.compile", "default": "thunder default",
-            "thunder_default": "thunder default", "tk": "thunder [tk]", "thunder_tk": "thunder [tk]",
-            "tk_loss_kernels": "thunder [tk] loss kernels", "tk_cublas_gemms": "thunder [tk] cuBLAS GEMMs",
-            "tk_dynamic_gemms": "thunder [tk] dynamic GEMMs", "tk_kv_repeated": "thunder [tk] K/V repeated"}
+# Every variant of variants(), in order, with its spellings without spaces or brackets, which survive shell word
+# splitting (gpu_run.sh's LITGPT_ARGS).
+_VARIANT_ALIASES = {
+    "eager": (),
+    "torch.compile": ("compile", "torch_compile"),
+    "thunder default": ("default", "thunder_default"),
+    "thunder [tk]": ("tk", "thunder_tk"),
+    "thunder [tk] loss kernels": ("tk_loss_kernels",),
+    "thunder [tk] cuBLAS GEMMs": ("tk_cublas_gemms",),
+    "thunder [tk] dynamic GEMMs": ("tk_dynamic_gemms",),
+    "thunder [tk] K/V repeated": ("tk_kv_repeated",),
+}
+VARIANT_NAMES = tuple(_VARIANT_ALIASES)
+_ALIASES = {alias: name for name, aliases in _VARIANT_ALIASES.items() for alias in aliases}
 
 
 def variant_names(given: list[str] | None) -> list[str] | None:
@@ -312,6 +319,7 @@ class Built:
             return loss
 
         self.step = step
+        self.windows: list[tuple[float, float]] = []  # wall-clock span of each timing round, for the clock samples
         for i in range(args.warmup):
             with tracing_without_cyclic_gc(i == 0):  # Thunder traces in the first step
                 step()
@@ -322,12 +330,14 @@ class Built:
             torch.cuda.synchronize(self.device)
         if _world() > 1:
             torch.distributed.barrier()
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), ClockSampler.now()
         for _ in range(steps):
             loss = self.step()
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        return max_over_ranks(time.perf_counter() - t0, self.device) / steps, loss
+        elapsed = time.perf_counter() - t0
+        self.windows.append((wall0, ClockSampler.now()))
+        return max_over_ranks(elapsed, self.device) / steps, loss
 
 
 def run(name, wrap, args, device: torch.device):
@@ -344,7 +354,7 @@ def run(name, wrap, args, device: torch.device):
     # What this variant holds at its peak: earlier variants kept for more rounds are not its memory.
     peak = max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30 - v.base_gib, device) if cuda else None
     row = {"variant": name, "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / _world(),
-           "peak_gib": peak, "loss": float(loss.detach().float().mean())}
+           "peak_gib": peak, "loss": float(loss.detach().float().mean()), "_windows": v.windows}
     if args.profile and cuda and name != "eager":
         try:  # a profiler failure must not cost the timing above
             row["profile"] = profile_step(step, device, args.profile)
@@ -384,6 +394,30 @@ def more_rounds(rows: list[dict], built: list[Built], args) -> None:
         r["tokens_per_s_rounds"] = per_round[r["variant"]]
         r["tokens_per_s"] = statistics.median(per_round[r["variant"]])
         r["tokens_per_s_per_gpu"] = r["tokens_per_s"] / _world()
+
+
+THROTTLED_CLOCK = 0.9  # a round whose mean SM clock is below this share of the run's median is flagged
+HOT_CELSIUS = 85
+
+
+def attach_clocks(rows: list[dict], clocks: ClockSampler) -> list[str]:
+    """Each row's SM clock, power and temperature over each of its timing rounds (`clocks_rounds`, in the order of
+    `tokens_per_s_rounds`), and a warning per round that ran throttled or hot: one host ran every variant at half
+    speed after its first round at 80 C (2026-11-24), and only the clocks tell such a run from a slow kernel."""
+    for r in rows:
+        r["clocks_rounds"] = [clocks.between(t0, t1) for t0, t1 in r.pop("_windows", [])]
+    mhz = [c["sm_mhz"] for r in rows for c in r["clocks_rounds"] if c]
+    if not mhz:
+        return []
+    typical = statistics.median(mhz)
+    warnings = []
+    for r in rows:
+        for i, c in enumerate(r["clocks_rounds"]):
+            if c and (c["sm_mhz"] < THROTTLED_CLOCK * typical or c["celsius"] >= HOT_CELSIUS):
+                warnings.append(f"WARNING: {r['variant']} round {i + 1} ran at {c['sm_mhz']:.0f} MHz (run median "
+                                f"{typical:.0f}), {c['celsius']:.0f} C, {c['watts']:.0f} W: throttled or hot, its "
+                                "figure is not comparable")
+    return warnings
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, n_layer: int = 4, warmup: int = 3) -> None:
@@ -429,26 +463,30 @@ def main():
     rows, built = [], []
     chosen = variants(a.fsdp, device)
     assert tuple(chosen) == VARIANT_NAMES, "VARIANT_NAMES must list variants()"
-    for name, wrap in chosen.items():
-        if a.only and name not in a.only:
-            continue
-        row, v = run(name, wrap, a, device)
-        rows.append(row)
+    # nvidia-smi's SM clock, power and temperature beside every timing round (nothing without nvidia-smi)
+    with ClockSampler(period_ms=100) as clocks:
+        for name, wrap in chosen.items():
+            if a.only and name not in a.only:
+                continue
+            row, v = run(name, wrap, a, device)
+            rows.append(row)
+            if a.rounds > 1:
+                built.append(v)
+            del v
+            if main_rank:
+                print({k: x for k, x in rows[-1].items() if not k.startswith("_")}, flush=True)
+            gc.collect()  # without more rounds, the variant's model and optimizer go with it
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         if a.rounds > 1:
-            built.append(v)
-        del v
-        if main_rank:
-            print(rows[-1], flush=True)
-        gc.collect()  # without more rounds, the variant's model and optimizer go with it
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if a.rounds > 1:
-        more_rounds(rows, built, a)
-        if main_rank:
-            for r in rows:
-                print(f"{r['variant']:>16}: " + ", ".join(f"{t / 1e3:.1f}k" for t in r["tokens_per_s_rounds"])
-                      + " tokens/s by round", flush=True)
-        del built
+            more_rounds(rows, built, a)
+            del built
+    clock_warnings = attach_clocks(rows, clocks)
+    if main_rank and a.rounds > 1:
+        for r in rows:
+            print(f"{r['variant']:>16}: " + ", ".join(
+                f"{t / 1e3:.1f}k" + (f" ({c['sm_mhz']:.0f} MHz, {c['celsius']:.0f} C)" if c else "")
+                for t, c in zip(r["tokens_per_s_rounds"], r["clocks_rounds"])) + " tokens/s by round", flush=True)
     if not main_rank:
         torch.distributed.destroy_process_group()
         return
@@ -472,6 +510,8 @@ def main():
     if a.png:
         bar_chart(a.png, f"{a.model} ({a.n_layer} layers) training tokens/s", [r["variant"] for r in rows],
                   {"tokens/s": [r["tokens_per_s"] for r in rows]}, "tokens/s")
+    for w in clock_warnings:
+        print(w, flush=True)
 
 
 if __name__ == "__main__":

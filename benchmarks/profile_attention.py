@@ -9,8 +9,13 @@ tk's kernels or a torch SDPA backend's, alone in the process, so a kernel-name f
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import profiled_kernels  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -53,12 +58,8 @@ def main(argv=None) -> int:
             for _ in range(args.iters):
                 step()
             torch.cuda.synchronize()
-        totals: dict[str, list[float]] = {}
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                totals.setdefault(e.name, []).append(e.device_time_total)
-        for name, times in sorted(totals.items(), key=lambda kv: -sum(kv[1])):
-            print(f"{sum(times) / args.iters / 1000:9.3f} ms/iter  x{len(times) // args.iters}  {name[:150]}")
+        for name, (ms, launches) in sorted(profiled_kernels(prof).items(), key=lambda kv: -kv[1][0]):
+            print(f"{ms / args.iters:9.3f} ms/iter  x{launches // args.iters}  {name[:150]}")
     else:
         for _ in range(args.iters):
             step()

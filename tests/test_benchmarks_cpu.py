@@ -215,3 +215,33 @@ def test_litgpt_step_variant_environment_is_set_only_during_its_steps(monkeypatc
     assert seen == ["dynamic", "dynamic"]  # the warm-up step and the timed one
     assert "THUNDER_TK_GEMM_SCHEDULE" not in os.environ
     assert bench.variant_names(["tk_dynamic_gemms"]) == ["thunder [tk] dynamic GEMMs"]
+
+
+def test_litgpt_step_clocks_per_round_flag_a_throttled_round():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("litgpt_step_bench_clocks", ROOT / "benchmarks" / "litgpt_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    class Samples:  # a ClockSampler's reading: round windows are (t, t + 1); t = 30 ran throttled, t = 40 hot
+        def between(self, t0, t1):
+            return {"sm_mhz": 900.0 if t0 == 30 else 1750.0, "watts": 690.0, "celsius": 88.0 if t0 == 40 else 70.0,
+                    "samples": 9}
+
+    rows = [{"variant": "thunder [tk]", "_windows": [(10, 11), (30, 31)]},
+            {"variant": "thunder default", "_windows": [(20, 21), (40, 41)]},
+            {"variant": "eager"}]  # timed before the sampler saw anything: no rounds
+    warnings = bench.attach_clocks(rows, Samples())
+    assert [len(r["clocks_rounds"]) for r in rows] == [2, 2, 0]
+    assert all("_windows" not in r for r in rows)
+    assert len(warnings) == 2
+    assert "thunder [tk] round 2 ran at 900 MHz" in warnings[0]
+    assert "thunder default round 2" in warnings[1] and "88 C" in warnings[1]
+
+    class Nothing:  # no nvidia-smi
+        def between(self, t0, t1):
+            return None
+
+    rows = [{"variant": "thunder [tk]", "_windows": [(1, 2)]}]
+    assert bench.attach_clocks(rows, Nothing()) == [] and rows[0]["clocks_rounds"] == [None]
