@@ -245,3 +245,12 @@ def test_litgpt_step_clocks_per_round_flag_a_throttled_round():
 
     rows = [{"variant": "thunder [tk]", "_windows": [(1, 2)]}]
     assert bench.attach_clocks(rows, Nothing()) == [] and rows[0]["clocks_rounds"] == [None]
+
+
+def test_gemm_clocks_parses_on_cpu():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemm_clocks.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--group-rows" in r.stdout
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemm_clocks.py"), "--problems", "8192:2048:fwd"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "M:K:N:fwd|dX|dW" in r.stderr
