@@ -7,8 +7,9 @@
 
 Prints the columns ncu reports, the share of samples per opcode, then the top lines by all-samples stalls with
 their address, SASS text and the counts of the other sampling columns (ncu's page has the not-issued samples there,
-not a count per stall reason). `--by COLUMN` ranks by another column of the page instead (its first column whose
-name contains COLUMN), e.g. the shared-memory wavefronts each instruction issued, with the ideal count beside it.
+not a count per stall reason). `--by COLUMN` ranks by another column of the page instead (the column of that name,
+else the first whose name contains it), e.g. the shared-memory wavefronts each instruction issued, with the ideal and
+excessive counts beside them.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ def main(argv=None) -> int:
     columns = list(rows[0].keys())
     print("columns:", columns)
     if args.by:
-        total_col = next((c for c in columns if args.by.lower() in c.lower()), None)
+        # the column of that name, else the first whose name contains it ("L1 Wavefronts Shared" is not its
+        # "... Excessive" neighbour, which comes first on ncu's page)
+        total_col = next((c for c in columns if args.by.lower() == c.lower()), None) or \
+            next((c for c in columns if args.by.lower() in c.lower()), None)
         if total_col is None:
             sys.exit(f"no column contains {args.by!r}")
     else:

@@ -29,10 +29,10 @@ def test_lines_ranked_by_stall_samples(tmp_path, capsys, monkeypatch):
 
 
 WAVEFRONTS = '''"Kernel Name","void kernel<float>(int)",
-"Address","Source","Warp Stall Sampling (All Samples)","L1 Wavefronts Shared","L1 Wavefronts Shared Ideal"
-"0x10","LD.E.64 R2, desc[UR4][R4.64]","5","300","100"
-"0x20","STSM.16.M88.4 [R7], R8","9","100","100"
-"0x30","FFMA R1, R1, R2, R3","20","0","0"
+"Address","Source","Warp Stall Sampling (All Samples)","L1 Wavefronts Shared Excessive","L1 Wavefronts Shared","L1 Wavefronts Shared Ideal"
+"0x10","LD.E.64 R2, desc[UR4][R4.64]","5","200","300","100"
+"0x20","STSM.16.M88.4 [R7], R8","9","0","100","100"
+"0x30","FFMA R1, R1, R2, R3","20","0","0","0"
 '''
 
 
@@ -41,12 +41,14 @@ def test_lines_ranked_by_another_column_with_its_relatives(tmp_path, capsys, mon
     report = tmp_path / "rep.csv"
     report.write_text(WAVEFRONTS)
     module = importlib.import_module("ncu_source_top")
-    assert module.main([str(report), "--by", "wavefronts shared", "--top", "2"]) == 0
+    assert module.main([str(report), "--by", "l1 wavefronts shared", "--top", "2"]) == 0  # the exact name
     out = capsys.readouterr().out
     assert "L1 Wavefronts Shared: 400 in all over 3 lines" in out
     ranked = [line for line in out.splitlines() if line.lstrip().startswith("0x")]
     assert [line.split()[:2] for line in ranked] == [["0x10", "75.0%"], ["0x20", "25.0%"]]
-    assert "L1 Wavefronts Shared Ideal=100" in ranked[0]
+    assert "L1 Wavefronts Shared Ideal=100" in ranked[0] and "L1 Wavefronts Shared Excessive=200" in ranked[0]
+    assert module.main([str(report), "--by", "excessive", "--top", "1"]) == 0  # else the first containing it
+    assert "L1 Wavefronts Shared Excessive: 200 in all" in capsys.readouterr().out
     import pytest
 
     with pytest.raises(SystemExit, match="no column contains"):
