@@ -78,6 +78,18 @@ def sustained(fn, seconds: float, flush: torch.Tensor | None = None) -> dict:
     return {"ms": ms, "window": (t0 + (t1 - t0) / 4, t1)}
 
 
+def sustained_stats(runs: list[dict], sampler: ClockSampler, flops: float) -> dict:
+    """Over the rounds of one implementation (`sustained`'s results): median ms per call, TFLOP/s, the median SM clock
+    and power over the rounds' windows, mega-cycles per call (the cost at equal clock) and TFLOP per kJ."""
+    ms = statistics.median(x["ms"] for x in runs)
+    clocks = [c for c in (sampler.between(*x["window"]) for x in runs) if c]
+    mhz = statistics.median(c["sm_mhz"] for c in clocks) if clocks else None
+    watts = statistics.median(c["watts"] for c in clocks) if clocks else None
+    return {"ms": ms, "tflops": flops / ms / 1e9, "sm_mhz": mhz, "watts": watts,
+            "mcycles": ms * mhz / 1e3 if mhz else None,
+            "tflop_per_kj": flops / 1e12 / (watts * ms / 1e3) / 1e-3 if watts else None}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--points", nargs="+", type=point_arg, default=[(8192, 128, False), (2048, 128, False)],
@@ -112,16 +124,9 @@ def main() -> int:
     # nvidia-smi's samples are read when the sampler stops
     print(f"{len(sampler.samples)} clock samples from nvidia-smi")
     for point, which, name, mode, flops, runs, bench in measured:
-        ms = statistics.median(x["ms"] for x in runs)
-        clocks = [c for c in (sampler.between(*x["window"]) for x in runs) if c]
-        mhz = statistics.median(c["sm_mhz"] for c in clocks) if clocks else None
-        watts = statistics.median(c["watts"] for c in clocks) if clocks else None
-        rows.append({
-            "point": point, "pass": which, "impl": name, "mode": mode, "ms": ms, "tflops": flops / ms / 1e9,
-            "do_bench_ms": statistics.median(bench), "sm_mhz": mhz, "watts": watts,
-            "mcycles": ms * mhz / 1e3 if mhz else None,
-            "tflop_per_kj": flops / 1e12 / (watts * ms / 1e3) / 1e-3 if watts else None,
-        })
+        stats = sustained_stats(runs, sampler, flops)
+        rows.append({"point": point, "pass": which, "impl": name, "mode": mode, "ms": stats.pop("ms"),
+                     "tflops": stats.pop("tflops"), "do_bench_ms": statistics.median(bench), **stats})
     print_table(rows, ["point", "pass", "impl", "mode", "ms", "tflops", "do_bench_ms", "sm_mhz", "watts", "mcycles",
                        "tflop_per_kj"])
     for point in dict.fromkeys(r["point"] for r in rows):

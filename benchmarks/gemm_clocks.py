@@ -17,17 +17,15 @@ product is compute-bound, so only a run at the cap can tell.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_clocks import sustained  # noqa: E402
+from attention_clocks import sustained, sustained_stats  # noqa: E402
 from common import ClockSampler, print_table, write_results  # noqa: E402
-
-LAYOUTS = ("fwd", "dX", "dW")
+from gemm import LAYOUTS  # noqa: E402
 # Llama-3.2-1B's lm_head (8192 tokens, hidden 2048, vocabulary 128256): the step's largest GEMMs
 DEFAULT_PROBLEMS = ("8192:2048:128256:fwd", "8192:2048:128256:dX", "8192:2048:128256:dW")
 
@@ -88,13 +86,7 @@ def main() -> int:
     print(f"{len(sampler.samples)} clock samples from nvidia-smi")
     rows = []
     for problem, name, flops, runs in measured:
-        ms = statistics.median(x["ms"] for x in runs)
-        clocks = [c for c in (sampler.between(*x["window"]) for x in runs) if c]
-        mhz = statistics.median(c["sm_mhz"] for c in clocks) if clocks else None
-        watts = statistics.median(c["watts"] for c in clocks) if clocks else None
-        rows.append({"problem": problem, "impl": name, "ms": ms, "tflops": flops / ms / 1e9, "sm_mhz": mhz,
-                     "watts": watts, "mcycles": ms * mhz / 1e3 if mhz else None,
-                     "tflop_per_kj": flops / 1e12 / (watts * ms / 1e3) / 1e-3 if watts else None})
+        rows.append({"problem": problem, "impl": name, **sustained_stats(runs, sampler, flops)})
     for r in rows:
         base = next(x for x in rows if x["problem"] == r["problem"] and x["impl"] == "cuBLAS")
         r["speed_vs_cublas"] = base["ms"] / r["ms"]
