@@ -491,7 +491,8 @@ PYBIND11_MODULE(_C, m) {
           },
           "(fp32 partial sums, int32 flags) that a GEMM launch's stream-K workspace holds on the current device.");
 
-    py::class_<P2PChannel>(m, "P2PChannel",
+    // Module-local: a second build of this module loaded beside it (benchmarks/ab_inprocess.py) registers its own.
+    py::class_<P2PChannel>(m, "P2PChannel", py::module_local(),
                            "One rank's end of a peer-memory channel (thunder_tk.collectives sets it up).")
         .def(py::init<int, int, int, int64_t, int, std::vector<std::uintptr_t>, std::uintptr_t, int64_t,
                       std::uintptr_t>(),

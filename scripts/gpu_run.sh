@@ -106,7 +106,14 @@ if { [ -d .ab_ref ] || [ -n "${AB_KNOB:-}" ]; } && benching; then
     step build_ref python3 -m pip install --no-build-isolation --no-index --no-deps --target /tmp/ref_site ./.ab_ref
     ab_side=(--ref-site /tmp/ref_site)
   fi
-  # AB_BENCH may name several benchmarks separated by ';' (each its own ab_<bench> log and JSON).
+  # AB_INPROCESS="<ab_inprocess.py args>": the attention kernels of both builds in one process, in fine turns
+  # (a reference build only; AB_BENCH=none then skips the per-process A/B).
+  if [ -n "${AB_INPROCESS:-}" ] && [ -z "${AB_KNOB:-}" ]; then
+    step ab_inprocess timeout ${AB_TIMEOUT:-500} bash -c "cd /tmp && python3 $here/benchmarks/ab_inprocess.py --ref-site /tmp/ref_site --ref-label $(cat .ab_ref/AB_COMMIT 2>/dev/null || echo reference) ${AB_INPROCESS} --json $OUT_ABS/ab_inprocess.json"
+    cat "$OUT/ab_inprocess.log"
+  fi
+  # AB_BENCH may name several benchmarks separated by ';' (each its own ab_<bench> log and JSON); none: no such run.
+  [ "${AB_BENCH:-}" = none ] && AB_BENCH=";"
   IFS=';' read -ra ab_benches <<< "${AB_BENCH:-attention --no-backward --seq-lens 512 2048 8192}"
   for ab in "${ab_benches[@]}"; do
     read -ra ab_args <<< "$ab"; [ ${#ab_args[@]} = 0 ] && continue

@@ -2,7 +2,10 @@
 one through the ordinary path, runs in turns, medians and ratios per point and metric."""
 import importlib.util
 import json
+import sys
 from pathlib import Path
+
+import pytest
 
 FAKE_BENCH = '''
 import argparse, json
@@ -85,3 +88,41 @@ def test_knob_runs_one_build_per_value_against_the_first(tmp_path, monkeypatch, 
     assert abs(data["results"]["2"][0]["ratio"] - 1.2) < 1e-9
     assert "geometric mean ABFAKE_KNOB=2/ABFAKE_KNOB=0: 1.200" in capsys.readouterr().out
     assert (tmp_path / "k_runs.log").read_text().count("$ ABFAKE_KNOB=") == 9
+
+
+def load_ab_inprocess(monkeypatch):
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench_dir))  # it imports attention.py and common.py beside it
+    spec = importlib.util.spec_from_file_location("ab_inprocess", bench_dir / "ab_inprocess.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_in_process_reference_imports_under_its_own_name(tmp_path, monkeypatch):
+    """The reference package is copied with its module names rewritten and imported beside the current one, without
+    its __init__ (which would register a second Thunder executor)."""
+    ab = load_ab_inprocess(monkeypatch)
+    site = tmp_path / "site" / "thunder_tk"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("raise RuntimeError('the reference __init__ must not run')\n")
+    (site / "_extension.py").write_text("WHO = 'reference'\n")
+    (site / "ops.py").write_text("from thunder_tk import _extension\nimport thunder_tk._extension as ext2\n"
+                                 "NAME = 'thunder_tk.ops'\nSPEED = _extension.WHO\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    ops = ab.import_renamed(tmp_path / "site", work, name="thunder_tk_abtest")
+    try:
+        assert ops.__name__ == "thunder_tk_abtest.ops"
+        assert ops.SPEED == "reference" and ops.ext2.__name__ == "thunder_tk_abtest._extension"
+        assert ops.NAME == "thunder_tk_abtest.ops"
+    finally:
+        for key in [k for k in sys.modules if k.startswith("thunder_tk_abtest")]:
+            del sys.modules[key]
+
+
+def test_in_process_reference_must_exist(tmp_path, monkeypatch):
+    ab = load_ab_inprocess(monkeypatch)
+    with pytest.raises(SystemExit, match="no thunder_tk package"):
+        ab.import_renamed(tmp_path, tmp_path)

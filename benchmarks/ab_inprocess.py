@@ -1,0 +1,131 @@
+"""Same-machine A/B of the attention kernels with both builds in one process, timed in fine turns.
+
+ab_compare.py runs each build in its own process, one after the other; a benchmark process lasts tens of seconds,
+and the chip's clock and power drift between them by more than a kernel change moves (unchanged kernels read 0.96x
+to 1.04x there). Here the reference build (`scripts/ab_ref.sh <commit>`, installed with `pip --target`) is imported
+beside the installed thunder_tk under another package name, and each point times both in turns of a few tens of
+milliseconds (`common.interleaved_ms`, rounds in rotating order); the ratio reported is the median of the rounds'
+paired ratios, with their range.
+
+    python3 benchmarks/ab_inprocess.py --ref-site /tmp/ref_site --rounds 9 --head-dims 128 --seq-lens 2048 8192
+
+The reference's package is copied with every `thunder_tk` module name rewritten and imported without its __init__
+(no second Thunder executor); the two extension modules must not both register a pybind11 type globally (the
+current build's P2PChannel is module-local since the change that added this script, so main from then on, or any
+reference before it, pairs with it).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from attention import bwd_flops, fwd_flops, points  # noqa: E402
+from common import median_ms, write_results  # noqa: E402
+
+REF_PACKAGE = "thunder_tk_ref"
+_NAME = re.compile(r"\bthunder_tk\b")
+
+
+def import_renamed(site: str | Path, workdir: str | Path, name: str = REF_PACKAGE):
+    """thunder_tk as installed under `site`, imported as package `name`: its files copied into `workdir` with every
+    reference to the module name thunder_tk rewritten (the extension's PyInit__C keeps its name: the last part of
+    `name._C` is still _C)."""
+    src = Path(site) / "thunder_tk"
+    if not (src / "__init__.py").is_file():
+        raise SystemExit(f"no thunder_tk package under {site}")
+    dst = Path(workdir) / name
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    for py in dst.rglob("*.py"):
+        py.write_text(_NAME.sub(name, py.read_text()))
+    # Its __init__ would register a second Thunder executor named tk; the kernel wrappers need none of it.
+    (dst / "__init__.py").write_text(f'"""thunder_tk of {site}, renamed for an in-process A/B."""\n')
+    sys.path.insert(0, str(workdir))
+    return importlib.import_module(f"{name}.ops")
+
+
+def paired_times(fns: dict, rounds: int, warmup_ms: float = 10, rep_ms: float = 40) -> dict[str, list[float]]:
+    """Each function's time (ms) per round, timed in turns, the order rotating every round."""
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            times[n].append(median_ms(fns[n], warmup_ms=warmup_ms, rep_ms=rep_ms))
+    return times
+
+
+def compare_point(cur, ref, B, H, S, D, causal, rounds: int, backward: bool) -> list[dict]:
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    g = torch.randn_like(q)
+    rows = []
+    point = {"shape": f"{B}x{H}x{S}x{D}", "S": S, "D": D, "causal": causal}
+    outs = {side: ops.attention_forward(q, k, v, is_causal=causal) for side, ops in (("current", cur),
+                                                                                     ("reference", ref))}
+    passes = {"fwd": ({side: (lambda ops=ops: ops.attention_forward(q, k, v, is_causal=causal))
+                       for side, ops in (("current", cur), ("reference", ref))}, fwd_flops(B, H, S, D, causal))}
+    if backward:
+        passes["bwd"] = ({side: (lambda ops=ops, o=outs[side][0], lse=outs[side][1]:
+                                 ops.attention_backward(q, k, v, o, lse, g, is_causal=causal))
+                          for side, ops in (("current", cur), ("reference", ref))}, bwd_flops(B, H, S, D, causal))
+    for name, (fns, flops) in passes.items():
+        t = paired_times(fns, rounds)
+        ratios = [r / c for c, r in zip(t["current"], t["reference"])]  # > 1: current faster
+        rows.append({**point, "pass": name,
+                     "current_tflops": flops / statistics.median(t["current"]) / 1e9,
+                     "reference_tflops": flops / statistics.median(t["reference"]) / 1e9,
+                     "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                     "current_ms": t["current"], "reference_ms": t["reference"]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ref-site", required=True, help="directory where the reference thunder_tk is installed")
+    p.add_argument("--ref-label", default="reference")
+    p.add_argument("--rounds", type=int, default=9, help="turns per point and pass (odd: a true median)")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[128], choices=(64, 128))
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--mask", choices=("both", "causal", "full"), default="both")
+    p.add_argument("--no-backward", action="store_true")
+    p.add_argument("--json", default="out/ab_inprocess.json")
+    a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/ab_inprocess.py needs a CUDA GPU")
+    from thunder_tk import ops as cur
+
+    with tempfile.TemporaryDirectory() as work:
+        ref = import_renamed(a.ref_site, work)
+        for side, ops in (("current", cur), ("reference", ref)):
+            ops._require_kernels(torch.device("cuda", torch.cuda.current_device()))
+        masks = {"both": (False, True), "causal": (True,), "full": (False,)}[a.mask]
+        rows = []
+        print(f"attention in one process: current vs {a.ref_label}, {a.rounds} paired turns per pass "
+              f"(ratio: median of the turns' reference/current times, > 1 current faster; [min, max])", flush=True)
+        for B, H, S, D, causal in points(a.seq_lens, a.head_dims, masks):
+            for row in compare_point(cur, ref, B, H, S, D, causal, a.rounds, not a.no_backward):
+                rows.append(row)
+                print(f"  {row['shape']:>14} {'causal' if causal else 'full':>6} {row['pass']}: "
+                      f"{row['current_tflops']:6.1f} vs {row['reference_tflops']:6.1f} TFLOP/s  "
+                      f"{row['ratio']:.3f}x [{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]", flush=True)
+            torch.cuda.empty_cache()
+    if rows:
+        gm = statistics.geometric_mean([r["ratio"] for r in rows])
+        print(f"geometric mean current/{a.ref_label}: {gm:.3f} over {len(rows)} values")
+    for row in rows:
+        row["reference"] = a.ref_label
+    write_results(a.json, "ab_inprocess", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
