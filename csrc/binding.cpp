@@ -97,7 +97,8 @@ void attention_forward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std
                        int dtype, int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t q_len, int64_t kv_len,
                        int64_t head_dim, strides3 q_stride, strides3 k_stride, strides3 v_stride, strides3 o_stride,
                        std::array<int64_t, 2> lse_stride, float scale, bool causal, std::uintptr_t stream,
-                       int max_blocks, std::uintptr_t tickets) {
+                       int max_blocks, std::uintptr_t tickets, std::uintptr_t split_scratch,
+                       int64_t split_scratch_floats, std::uintptr_t split_counts, int64_t split_counts_len) {
     tk::attention::forward_args args{};
     fill_attention_common(args, q, k, v, dtype, batch, q_heads, kv_heads, q_len, kv_len, head_dim, q_stride, k_stride,
                           v_stride, lse_stride, scale, causal);
@@ -106,6 +107,10 @@ void attention_forward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std
     copy_strides(args.o_stride, o_stride);
     args.max_blocks = max_blocks;
     args.tickets = reinterpret_cast<int*>(tickets);
+    args.split_scratch = reinterpret_cast<float*>(split_scratch);
+    args.split_scratch_floats = split_scratch_floats;
+    args.split_counts = reinterpret_cast<int*>(split_counts);
+    args.split_counts_len = split_counts_len;
     if (const char* reason = tk::attention::forward_unsupported(args)) throw std::invalid_argument(reason);
     check_launch(tk::attention::launch_forward(args, reinterpret_cast<cudaStream_t>(stream)), "attention_forward");
 }
@@ -431,9 +436,31 @@ PYBIND11_MODULE(_C, m) {
           py::arg("lse"), py::arg("dtype"), py::arg("batch"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("q_len"),
           py::arg("kv_len"), py::arg("head_dim"), py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"),
           py::arg("o_stride"), py::arg("lse_stride"), py::arg("scale"), py::arg("causal"), py::arg("stream"),
-          py::arg("max_blocks") = 0, py::arg("tickets") = 0,
+          py::arg("max_blocks") = 0, py::arg("tickets") = 0, py::arg("split_scratch") = 0,
+          py::arg("split_scratch_floats") = 0, py::arg("split_counts") = 0, py::arg("split_counts_len") = 0,
           "o = softmax(scale q k^T (causal mask)) v and lse (fp32, natural log) per query row, (B, H, S, D) tensors "
-          "with strides (batch, head, sequence) in elements; enqueued on `stream`.");
+          "with strides (batch, head, sequence) in elements; enqueued on `stream`. With the dynamic schedule "
+          "(tickets) and scratch and counters as attention_forward_split_plan asks, the last wave's tiles are split "
+          "by keys.");
+    m.def(
+        "attention_forward_split_plan",
+        [](int64_t batch, int64_t q_heads, int64_t q_len, int64_t kv_len, int64_t head_dim, bool causal,
+           int max_blocks, bool dynamic) {
+            tk::attention::forward_args args{};
+            args.batch = batch;
+            args.q_heads = q_heads;
+            args.q_len = q_len;
+            args.kv_len = kv_len;
+            args.head_dim = head_dim;
+            args.causal = causal;
+            args.max_blocks = max_blocks;
+            const auto needs = tk::attention::forward_split_plan(args, dynamic);
+            return std::make_pair(needs.scratch_floats, needs.counts);
+        },
+        py::arg("batch"), py::arg("q_heads"), py::arg("q_len"), py::arg("kv_len"), py::arg("head_dim"),
+        py::arg("causal"), py::arg("max_blocks"), py::arg("dynamic"),
+        "(fp32 scratch floats, zeroed int32 counters) that attention_forward needs to split its last wave's tiles "
+        "by keys on the current device, (0, 0) where it does not split.");
     m.def("attention_backward", &attention_backward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"),
           py::arg("lse"), py::arg("delta"), py::arg("dq_accum"), py::arg("dk"), py::arg("dv"), py::arg("dtype"),
           py::arg("batch"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("q_len"), py::arg("kv_len"),

@@ -210,8 +210,8 @@ def attention_forward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
-                      scale: float | None = None, _max_blocks: int = 0,
-                      _schedule: str = "dynamic") -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float | None = None, _max_blocks: int = 0, _schedule: str = "dynamic",
+                      _tail_split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """o = softmax(scale q k^T, causal mask) v and lse = logsumexp of the scaled scores, by the tk kernel.
 
     q is (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) with Hkv dividing Hq (query head h reads key/value head
@@ -223,6 +223,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     _max_blocks (tests only) caps the persistent grid, so that small shapes walk several tiles per block;
     _schedule "dynamic" (blocks take the next tile from a counter; causal tiles heaviest first within chunks of
     heads that fit L2) or "static" (block i takes tiles i, i + grid, ...; what CUDA-graph capture gets).
+    With the dynamic schedule and no causal mask, where the last wave of tiles would leave most multiprocessors
+    idle, its tiles are walked in key ranges by several blocks and merged (fp32 scratch of up to a wave of tiles);
+    _tail_split=False (tests) walks them whole.
     """
     check_attention_args(q, k, v, is_causal, scale)
     ext = _require_kernels(q.device)
@@ -238,12 +241,20 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
         return o, lse
     q, scale, _ = _kernel_scale(q, scale)
     q, k, v = _tma_readable(q), _tma_readable(k), _tma_readable(v)
+    tickets = _launch_tickets(q.device, _schedule, "attention")
     with _on(q.device):
+        floats, counts = (ext.attention_forward_split_plan(B, Hq, Sq, Sk, D, bool(is_causal), int(_max_blocks),
+                                                           bool(tickets)) if _tail_split else (0, 0))
+        scratch = torch.empty(floats, dtype=torch.float32, device=q.device) if floats else None
+        count_slot = _zeroed_slot(q.device, "attention_split", _SPLIT_COUNT_SLOT, 64) if counts else 0
+        if counts > _SPLIT_COUNT_SLOT:
+            raise AssertionError(f"attention forward: {counts} split counters, more than a slot's {_SPLIT_COUNT_SLOT}")
         ext.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                               _DTYPE_CODES[q.dtype], B, Hq, Hkv, Sq, Sk, D, list(q.stride()[:3]),
                               list(k.stride()[:3]), list(v.stride()[:3]), list(o.stride()[:3]),
                               list(lse.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device),
-                              int(_max_blocks), _launch_tickets(q.device, _schedule, "attention"))
+                              int(_max_blocks), tickets, scratch.data_ptr() if floats else 0, floats, count_slot,
+                              counts)
     return o, lse
 
 
@@ -395,11 +406,24 @@ def check_gemm_args(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None)
 # Tile schedule of the GEMM: "static" (block i takes tiles i, i + grid, ...) or "dynamic" (blocks take tiles from
 # a counter as they get to them: blocks that start late, on SMs another kernel held, take fewer).
 GEMM_SCHEDULE_ENV = "THUNDER_TK_GEMM_SCHEDULE"
-# Dynamic-schedule counters: per device a ring of zeroed int32 counters 128 bytes apart, one per launch (a launch
-# re-zeroes its own). A counter comes round again after _TICKET_RING launches, far beyond any queue's depth.
-_TICKET_RING = 4096
-_ticket_rings: dict[int, torch.Tensor] = {}
-_ticket_next: dict[int, int] = {}
+# Counters a launch leaves zeroed (dynamic-schedule tickets, the attention forward's split-tile counts): per device
+# and kind a ring of zeroed int32 slots, one per launch (a launch re-zeroes its own). A slot comes round again
+# after `slots` launches, far beyond any queue's depth.
+_zeroed_rings: dict[tuple[str, int], torch.Tensor] = {}
+_zeroed_next: dict[tuple[str, int], int] = {}
+
+
+def _zeroed_slot(device: torch.device, kind: str, slot_ints: int, slots: int) -> int:
+    """The address of the next slot of `slot_ints` zeroed int32 (a multiple of 32) in the ring of `kind`."""
+    key = (kind, device.index)
+    ring = _zeroed_rings.get(key)
+    if ring is None:
+        ring = torch.zeros(slots * slot_ints, dtype=torch.int32, device=device)
+        torch.cuda.current_stream(device).synchronize()  # once per device: launches on any stream see zeros
+        _zeroed_rings[key] = ring
+    i = _zeroed_next.get(key, 0)
+    _zeroed_next[key] = (i + 1) % slots
+    return ring.data_ptr() + 4 * slot_ints * i
 
 
 def _launch_tickets(device: torch.device, schedule: str, what: str) -> int:
@@ -409,14 +433,11 @@ def _launch_tickets(device: torch.device, schedule: str, what: str) -> int:
     # Under CUDA-graph capture a launch would keep its counter for every replay, however far apart: static.
     if schedule == "static" or torch.cuda.is_current_stream_capturing():
         return 0
-    ring = _ticket_rings.get(device.index)
-    if ring is None:
-        ring = torch.zeros(_TICKET_RING * 32, dtype=torch.int32, device=device)
-        torch.cuda.current_stream(device).synchronize()  # once per device: launches on any stream see zeros
-        _ticket_rings[device.index] = ring
-    i = _ticket_next.get(device.index, 0)
-    _ticket_next[device.index] = (i + 1) % _TICKET_RING
-    return ring.data_ptr() + 128 * i
+    return _zeroed_slot(device, "tickets", 32, 4096)
+
+
+# The attention forward's split tiles: at most a wave of them (< 2^10 multiprocessors) times three warpgroups.
+_SPLIT_COUNT_SLOT = 4096
 
 
 def _gemm_tickets(device: torch.device, schedule: str | None) -> int:

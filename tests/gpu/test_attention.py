@@ -147,6 +147,48 @@ def test_persistent_grid_walks_many_tiles(B, Hq, Hkv, S, D, causal, max_blocks, 
     assert torch.equal(o, o_full), "the result depends on how tiles are spread over blocks"
 
 
+# The last wave split by keys: a capped grid leaves r = tiles % grid tiles for the last wave, which the dynamic
+# schedule walks as 2-4 key ranges, merged by the warpgroup that completes each tile's rows.
+# (B, Hq, Hkv, Sq, Sk, D, max_blocks, parts)
+SPLIT_CASES = [
+    (1, 5, 5, 1000, 1100, 128, 3, 2),  # 40 tiles, r = 1, 9 key blocks: 4 + 5
+    (1, 4, 2, 300, 2049, 128, 5, 2),  # grouped, a query tail, 17 key blocks (the last of one key)
+    (2, 3, 3, 500, 1500, 64, 4, 2),  # 192-row tiles, a query tail, r = 2 of 18
+    (1, 4, 4, 128, 1600, 128, 3, 3),  # 13 key blocks in 4 + 4 + 5, a key tail
+    (1, 5, 5, 100, 2100, 64, 4, 4),  # one 100-row tile per head, 17 key blocks in four
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}kv{c[2]}-S{c[3]}x{c[4]}-D{c[5]}-"
+                                                            f"grid{c[6]}-parts{c[7]}")
+def test_last_wave_split_by_keys(case, dtype):
+    B, Hq, Hkv, Sq, Sk, D, max_blocks, parts = case
+    ext = ops._require_kernels(torch.device("cuda", torch.cuda.current_device()))
+    floats, counts = ext.attention_forward_split_plan(B, Hq, Sq, Sk, D, False, max_blocks, True)
+    bm = 192 if D == 64 else 128
+    r = (-(-Sq // bm) * B * Hq) % max_blocks
+    assert (floats, counts) == (r * parts * bm * (D + 1), r * (bm // 64)), "the case does not split as described"
+    assert ext.attention_forward_split_plan(B, Hq, Sq, Sk, D, False, max_blocks, False) == (0, 0)  # static: never
+    assert ext.attention_forward_split_plan(B, Hq, Sq, Sk, D, True, max_blocks, True) == (0, 0)  # causal: never
+    q, k, v = make(B, Hq, Hkv, Sq, Sk, D, dtype, seed=13)
+    poison_allocator(((B, Hq, Sq, D), dtype), ((B, Hq, Sq), torch.float32))
+    o, lse = ops.attention_forward(q, k, v, _max_blocks=max_blocks)
+    ref_o, ref_lse = reference(q, k, v)
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    assert rel_err(o, ref_o) < O_TOL[dtype]
+    assert (lse.double() - ref_lse).abs().max().item() < LSE_TOL
+    whole_o, whole_lse = ops.attention_forward(q, k, v, _max_blocks=max_blocks, _tail_split=False)
+    torch.testing.assert_close(o, whole_o, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, whole_lse, rtol=1e-4, atol=1e-4)
+    for _ in range(3):  # the parts are summed in one order whichever merges
+        again_o, again_lse = ops.attention_forward(q, k, v, _max_blocks=max_blocks)
+        assert torch.equal(again_o, o) and torch.equal(again_lse, lse)
+    torch.cuda.synchronize()
+    ring = ops._zeroed_rings[("attention_split", torch.cuda.current_device())]
+    assert int(ring.abs().sum()) == 0, "a launch left a split counter non-zero"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("scale,causal,D", [(0.3, False, 64), (1.0, True, 128)])
 def test_custom_scale(scale, causal, D, dtype):

@@ -52,14 +52,30 @@ struct shared_state {
     wgmma::operand_tile<T, D, major::mn> v[STAGES][BN / 64];  // O += P V: D is B's N (contiguous), keys the reduction
     pipeline::ring<STAGES> k_ring, v_ring;  // full: the stage's bytes landed; empty: every consumer warp is done
     pipeline::ring<2> q_ring;               // full: Q landed; empty: every consumer is done with the buffer
-    int q_tile_of[2];                       // the tile whose Q a buffer holds (-1: no more tiles), with its `full`
+    int q_tile_of[2];                       // the work item whose Q a buffer holds (-1: no more), with its `full`
+    int merges[C];                          // a warpgroup's leader tells it that it merges its tile's parts
     static constexpr uint32_t q_bytes = BM * D * sizeof(T), kv_bytes = BN * D * sizeof(T);
+};
+
+// The last wave's tiles split by keys (dynamic schedule, no causal): where tiles % grid blocks leave most of the
+// last wave idle, the last `tiles - split_from` tiles are each walked as `parts` key ranges by separate work items
+// (tickets split_from + parts * (tile - split_from) + part). Each part leaves its O (divided by its own row sums)
+// and its base-2 log-sum-exp in fp32 scratch; the part that completes a tile's count (per warpgroup's rows)
+// merges the others into its registers and stores O and lse as a whole tile does.
+struct tail_split {
+    int split_from;     // the first split tile (tiles: none)
+    int parts;          // key ranges per split tile
+    float* partial_o;   // [tile - split_from][part][BM rows][D], O / l of the part's keys
+    float* partial_lse; // [tile - split_from][part][BM rows], m + log2(l)
+    int* counts;        // [tile - split_from][consumer]: zero at launch, left zero
 };
 
 struct kernel_params {
     forward_args args;
     int q_tiles;
     int tiles;         // q_tiles * batch * q_heads
+    int items;         // work items: tiles, plus (parts - 1) per split tile
+    tail_split split;
     int* tickets;      // dynamic schedule counter (blocks take the next tile when they get to it), or null: static
     int kv_group;      // query heads per key/value head
     int chunk_heads;   // causal: heads per L2 chunk of the tile order (layout::chunked_order)
@@ -71,6 +87,21 @@ struct block_work {
     int q_tile, head, batch, kv_blocks;
     int row0;  // the tile's first query row; causal tiles can start above row 0 (see work_of)
 };
+
+// A work item: a tile, or one key range of a split tile (part >= 0, tail = tile - split_from).
+struct work_item {
+    int tile, part, tail;
+};
+__device__ __forceinline__ work_item item_of(const kernel_params& p, int ticket) {
+    if (ticket < p.split.split_from) return {ticket, -1, 0};
+    const int tail = (ticket - p.split.split_from) / p.split.parts;
+    return {p.split.split_from + tail, ticket - p.split.split_from - tail * p.split.parts, tail};
+}
+// Key blocks [first, end) of an item: all of the tile's, or its part's share (the parts differ by at most one).
+__device__ __forceinline__ int2 key_blocks_of(const kernel_params& p, const work_item& it, int kv_blocks) {
+    if (it.part < 0) return {0, kv_blocks};
+    return {it.part * kv_blocks / p.split.parts, (it.part + 1) * kv_blocks / p.split.parts};
+}
 
 // Causal tiles differ in work (row tile i sees i + 1 key blocks): within each L2 chunk of heads the heaviest
 // tiles start first. Otherwise the query tiles of one head are neighbours, so blocks running together share its
@@ -107,25 +138,27 @@ __device__ __forceinline__ void produce(shared_state<T, D, C>& st, const kernel_
     tma::prefetch_map(&map_v);
     pipeline::cursor<2> at_q;
     pipeline::cursor<STAGES> at;  // K and V stages run on across tiles
-    // Static: tiles blockIdx.x, + grid, ... Dynamic: every block takes tickets until one is past the end, so a
-    // launch hands out exactly tiles + grid of them, and the holder of the last one resets the counter.
+    // Static: items blockIdx.x, + grid, ... Dynamic: every block takes tickets until one is past the end, so a
+    // launch hands out exactly items + grid of them, and the holder of the last one resets the counter.
     auto next_tile = [&](int previous) {
         if (p.tickets == nullptr) return previous < 0 ? int(blockIdx.x) : previous + int(gridDim.x);
         const int ticket = atomicAdd(p.tickets, 1);
-        if (ticket == p.tiles + int(gridDim.x) - 1) atomicExch(p.tickets, 0);
+        if (ticket == p.items + int(gridDim.x) - 1) atomicExch(p.tickets, 0);
         return ticket;
     };
     for (int t = next_tile(-1);; t = next_tile(t)) {
         st.q_ring.wait_empty(at_q);  // both warpgroups' O stores have read this buffer (two tiles ago)
         sync::barrier& q_full = st.q_ring.full[at_q.stage];
-        if (t >= p.tiles) {  // the end: a buffer with no bytes whose tile is -1
+        if (t >= p.items) {  // the end: a buffer with no bytes whose item is -1
             st.q_tile_of[at_q.stage] = -1;
             sync::arrive(q_full);
             return;
         }
         st.q_tile_of[at_q.stage] = t;
         constexpr int BM = config<D, C>::BM;
-        const block_work w = work_of<BM>(p, t);
+        const work_item it = item_of(p, t);
+        const block_work w = work_of<BM>(p, it.tile);
+        const int2 blocks = key_blocks_of(p, it, w.kv_blocks);
         const int kv_head = w.head / p.kv_group;
         // 64-row slices above row 0 (causal padding) are not loaded: their rows are masked whole.
         constexpr uint32_t slice_bytes = shared_state<T, D, C>::q_bytes / (BM / 64);
@@ -136,7 +169,7 @@ __device__ __forceinline__ void produce(shared_state<T, D, C>& st, const kernel_
                     tma::load_4d(st.q[at_q.stage][dp].data + r * 64 * 64, &map_q, dp * 64, w.row0 + r * 64,
                                  w.head, w.batch, q_full);
         at_q.advance();
-        for (int j = 0; j < w.kv_blocks; ++j) {
+        for (int j = blocks.x; j < blocks.y; ++j) {
             const int s = at.stage, key0 = j * BN;
             st.k_ring.wait_empty(at);
             sync::arrive_expect_bytes(st.k_ring.full[s], shared_state<T, D, C>::kv_bytes);
@@ -155,9 +188,75 @@ __device__ __forceinline__ void produce(shared_state<T, D, C>& st, const kernel_
     }
 }
 
+// A split tile's part, at its end (o divided by its row sums, lse2 its base-2 log-sum-exp): its rows go to the
+// scratch, and the warpgroup whose part completes the count of its rows (parts in any order) merges the others
+// into o and lse2: O = sum_p 2^(lse2_p - L) O_p with L = log2(sum_p 2^lse2_p). Returns whether this warpgroup
+// stores the tile's rows (it merged).
+template <typename T, int D, int C>
+__device__ __forceinline__ bool merge_parts(shared_state<T, D, C>& st, const kernel_params& p, const work_item& it,
+                                            int slice, rt::acc_tile<D>& o, rt::row_vec& lse2) {
+    constexpr int BM = config<D, C>::BM;
+    const tail_split& sp = p.split;
+    const int top = rt::top_row();
+    auto part_rows = [&](int part) { return (int64_t(it.tail) * sp.parts + part) * BM + slice * 64; };
+    float* const own_o = sp.partial_o + part_rows(it.part) * D;
+#pragma unroll
+    for (int e = 0; e < D / 2; e += 2) {
+        const auto pos = wgmma::accumulator_position(e);
+        *reinterpret_cast<float2*>(own_o + pos.row * D + pos.col) = make_float2(o.d[e], o.d[e + 1]);
+    }
+    if ((threadIdx.x & 3) == 0) {
+        sp.partial_lse[part_rows(it.part) + top] = lse2.top;
+        sp.partial_lse[part_rows(it.part) + top + 8] = lse2.bottom;
+    }
+    __threadfence();  // this thread's share is visible on the GPU before the count says so
+    sync::named_sync(1 + slice, warpgroup::threads);
+    if (warpgroup::thread() == 0) {
+        int* count = sp.counts + it.tail * C + slice;
+        const bool last = atomicAdd(count, 1) == sp.parts - 1;
+        if (last) *count = 0;  // every part has counted: left zero for the next launch
+        st.merges[slice] = last;
+    }
+    sync::named_sync(1 + slice, warpgroup::threads);
+    if (!st.merges[slice]) return false;
+    __threadfence();  // the other parts' shares, counted before this one, are read after the count
+    // Summed in part order whichever part merges, so that a launch's result does not depend on which finished last;
+    // this part's own share is read back too (its own stores: the same fp32 values), freeing o to sum into.
+    auto lse_of = [&](int part, int row) {
+        return part == it.part ? (row == top ? lse2.top : lse2.bottom) : __ldcg(sp.partial_lse + part_rows(part) + row);
+    };
+    rt::row_vec big{-INFINITY, -INFINITY};
+    for (int part = 0; part < sp.parts; ++part) {
+        big.top = fmaxf(big.top, lse_of(part, top));
+        big.bottom = fmaxf(big.bottom, lse_of(part, top + 8));
+    }
+    // Rows with no key at all (-inf everywhere) end with O = 0.
+    if (big.top == -INFINITY) big.top = 0.0f;
+    if (big.bottom == -INFINITY) big.bottom = 0.0f;
+    rt::row_vec sum{0.0f, 0.0f};
+    for (int part = 0; part < sp.parts; ++part) {
+        const rt::row_vec w{exp2_approx(lse_of(part, top) - big.top), exp2_approx(lse_of(part, top + 8) - big.bottom)};
+        sum.top += w.top;
+        sum.bottom += w.bottom;
+        const float* share = sp.partial_o + part_rows(part) * D;
+#pragma unroll
+        for (int e = 0; e < D / 2; e += 2) {
+            const auto pos = wgmma::accumulator_position(e);
+            const float2 x = __ldcg(reinterpret_cast<const float2*>(share + pos.row * D + pos.col));
+            const float wr = rt::is_bottom(e) ? w.bottom : w.top;
+            o.d[e] = part == 0 ? wr * x.x : fmaf(wr, x.x, o.d[e]);
+            o.d[e + 1] = part == 0 ? wr * x.y : fmaf(wr, x.y, o.d[e + 1]);
+        }
+    }
+    const rt::row_vec inv{sum.top > 0.0f ? 1.0f / sum.top : 0.0f, sum.bottom > 0.0f ? 1.0f / sum.bottom : 0.0f};
+    rt::mul_rows(o, o, inv);
+    lse2 = {big.top + __log2f(sum.top), big.bottom + __log2f(sum.bottom)};
+    return true;
+}
+
 template <typename T, int D, int C>
 __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const kernel_params& p, const block_work& w,
-                                             int qb, int& pending, pipeline::cursor<STAGES>& at_k,
+                                             const work_item& it, int qb, int& pending, pipeline::cursor<STAGES>& at_k,
                                              pipeline::cursor<STAGES>& at_v, const CUtensorMap& map_o) {
     const forward_args& a = p.args;
     constexpr int CONSUMERS = config<D, C>::CONSUMERS;
@@ -242,7 +341,9 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     auto my_turn = [&] { sync::named_sync(turn_barrier<C>(slice), turn_threads); };
     auto hand_over = [&] { sync::named_arrive(turn_barrier<C>((slice + 1) % CONSUMERS), turn_threads); };
 
-    // Block 0: scores, softmax, P.
+    // The item's key blocks: the tile's, or its part's.
+    const int2 blocks = key_blocks_of(p, it, w.kv_blocks);
+    // First block: scores, softmax, P.
     st.k_ring.wait_full(at_k);
     my_turn();
     scores(at_k.stage);
@@ -259,10 +360,10 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     wgmma::pin(s.d);
     if (lane0) sync::arrive(st.k_ring.empty[at_k.stage]);
     at_k.advance();
-    softmax(0);
+    softmax(blocks.x);
     rt::to_a_operand(pr, s);
     // Block j: issue its scores and block j - 1's P V, softmax block j while P V runs, then rescale o.
-    for (int j = 1; j < w.kv_blocks; ++j) {
+    for (int j = blocks.x + 1; j < blocks.y; ++j) {
         st.k_ring.wait_full(at_k);
         st.v_ring.wait_full(at_v);
         my_turn();
@@ -308,18 +409,23 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     // is never stored.
     const rt::row_vec inv_l{l.top > 0.0f ? 1.0f / l.top : 0.0f, l.bottom > 0.0f ? 1.0f / l.bottom : 0.0f};
     rt::mul_rows(o, o, inv_l);
-    if ((threadIdx.x & 3) == 0 && row0 >= 0) {
+    rt::row_vec lse2{m.top + __log2f(l.top), m.bottom + __log2f(l.bottom)};  // base 2
+    // A part of a split tile: its share to the scratch; the warpgroup that completes its rows' count merges.
+    bool stores = true;
+    if (it.part >= 0) stores = merge_parts(st, p, it, slice, o, lse2);
+    if (stores && (threadIdx.x & 3) == 0 && row0 >= 0) {
         const int64_t top = row0 + rt::top_row();
         float* lse = a.lse + int64_t(w.batch) * a.lse_stride[0] + int64_t(w.head) * a.lse_stride[1];
-        if (top < a.q_len) lse[top] = (m.top + __log2f(l.top)) * LN2;
-        if (top + 8 < a.q_len) lse[top + 8] = (m.bottom + __log2f(l.bottom)) * LN2;
+        if (top < a.q_len) lse[top] = lse2.top * LN2;
+        if (top + 8 < a.q_len) lse[top + 8] = lse2.bottom * LN2;
     }
     // O rounded into this warpgroup's rows of the Q stage.
-    rt::store_swizzled<T, D, D>(o.d, 0, slice * 64,
-                                [&](int col) { return reinterpret_cast<uint8_t*>(q[col / 64].data); });
+    if (stores)
+        rt::store_swizzled<T, D, D>(o.d, 0, slice * 64,
+                                    [&](int col) { return reinterpret_cast<uint8_t*>(q[col / 64].data); });
     tma::fence_shared_to_async();
     sync::named_sync(1 + slice, warpgroup::threads);
-    if (warpgroup::thread() == 0 && row0 >= 0 && row0 < a.q_len) {
+    if (stores && warpgroup::thread() == 0 && row0 >= 0 && row0 < a.q_len) {
         for (int dp = 0; dp < D / 64; ++dp)
             tma::store_4d(&map_o, q[dp].data + slice * 64 * 64, dp * 64, int32_t(row0), w.head, w.batch);
         tma::store_commit();
@@ -344,7 +450,9 @@ __device__ __forceinline__ void consume(shared_state<T, D, C>& st, const kernel_
         st.q_ring.wait_full(at_q);
         const int t = st.q_tile_of[at_q.stage];
         if (t < 0) break;
-        consume_tile<T, D, C>(st, p, work_of<config<D, C>::BM>(p, t), at_q.stage, pending, at_k, at_v, map_o);
+        const work_item it = item_of(p, t);
+        consume_tile<T, D, C>(st, p, work_of<config<D, C>::BM>(p, it.tile), it, at_q.stage, pending, at_k, at_v,
+                              map_o);
     }
     // Warpgroup 0 takes the last warpgroup's last hand-over.
     if (warpgroup::index() == 1) sync::named_sync(turn_barrier<C>(0), 2 * warpgroup::threads);
@@ -379,6 +487,45 @@ __global__ void __launch_bounds__(config<D, C>::THREADS, 1)
 template <typename T, int D, int C>
 constexpr int smem_bytes_of = sizeof(shared_state<T, D, C>) + 1024;  // + alignment to 1024 bytes
 
+// The consumer warpgroups launch_forward runs for `a`: D = 64: three (192-row tiles), except causal attention
+// over fewer than 2048 queries, where the taller tiles mask more of their diagonal key blocks and fewer tiles
+// balance worse. Same-machine A/B against two (H100, benchmarks/NOTES.md): full 1.06-1.13x at S = 512-8192,
+// causal 1.02-1.06x at S >= 2048 but 0.90-0.93x at 512-1024.
+int consumers_of(const forward_args& a) { return a.head_dim == 64 && (!a.causal || a.q_len >= 2048) ? 3 : 2; }
+
+struct split_choice {
+    int tiles, blocks, split_from, parts, bm;
+    int64_t scratch_floats, counts;
+};
+
+// Splits the last wave where that shortens it: with tiles % blocks = r > 0 tiles in the last wave (every tile the
+// same work: no causal), r * parts items take ceil(r * parts / blocks) / parts of a tile's time instead of one
+// whole tile's; parts 2-4, each at least 4 key blocks, the shortest taken when it saves a twentieth of a tile.
+// The dynamic schedule only (items go to whichever block is free; under CUDA-graph capture the static one runs).
+split_choice choose_split(const forward_args& a, bool dynamic) {
+    const int c = consumers_of(a), bm = 64 * c;
+    const int64_t tiles = (a.q_len + bm - 1) / bm * a.batch * a.q_heads;
+    const int blocks = int(std::min<int64_t>(tiles, a.max_blocks > 0 ? a.max_blocks : multiprocessor_count()));
+    split_choice s{int(tiles), blocks, int(tiles), 1, bm, 0, 0};
+    const int r = blocks > 0 ? int(tiles % blocks) : 0;
+    if (a.causal || !dynamic || r == 0) return s;
+    const int64_t kv_blocks = (a.kv_len + BN - 1) / BN;
+    double best = 1.0 - 0.05;
+    for (int parts = 2; parts <= 4; ++parts) {
+        if (kv_blocks < 4 * parts) break;
+        const double rounds = double((int64_t(r) * parts + blocks - 1) / blocks) / parts;
+        if (rounds < best) {
+            best = rounds;
+            s.parts = parts;
+        }
+    }
+    if (s.parts == 1) return s;
+    s.split_from = int(tiles) - r;
+    s.scratch_floats = int64_t(r) * s.parts * bm * (a.head_dim + 1);
+    s.counts = int64_t(r) * c;
+    return s;
+}
+
 template <typename T, int D, int C>
 cudaError_t launch(const forward_args& a, cudaStream_t stream) {
     if (cudaError_t e = opt_in_shared_memory<forward_kernel<T, D, C>>(smem_bytes_of<T, D, C>); e != cudaSuccess) return e;
@@ -399,13 +546,21 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
     p.scale_log2 = a.scale * LOG2E;
     p.tiles = int(int64_t(p.q_tiles) * a.batch * a.q_heads);
     p.tickets = a.tickets;
+    const split_choice split = choose_split(a, a.tickets != nullptr);
+    p.split = {p.tiles, 1, nullptr, nullptr, nullptr};
+    if (split.parts > 1 && a.split_scratch != nullptr && a.split_scratch_floats >= split.scratch_floats &&
+        a.split_counts != nullptr && a.split_counts_len >= split.counts) {
+        const int64_t o_floats = int64_t(p.tiles - split.split_from) * split.parts * BM * D;
+        p.split = {split.split_from, split.parts, a.split_scratch, a.split_scratch + o_floats, a.split_counts};
+    }
+    p.items = p.split.split_from + (p.tiles - p.split.split_from) * p.split.parts;
     // The bytes a chunk's tiles share: each query head's K and V (shared again within a group: a bound). Chunks
     // need the dynamic schedule: a static one deals a chunk's uneven tiles out unevenly (up to 1.3x the mean per
     // block), so it keeps one heaviest-first order over all heads.
     p.chunk_heads = a.tickets != nullptr
                         ? layout::heads_per_chunk(2 * a.kv_len * D * int64_t(sizeof(T)), a.batch * a.q_heads)
                         : int(a.batch * a.q_heads);
-    const int64_t blocks = std::min<int64_t>(p.tiles, a.max_blocks > 0 ? a.max_blocks : multiprocessor_count());
+    const int64_t blocks = split.blocks;
     if (blocks <= 0) return cudaErrorInvalidValue;
     forward_kernel<T, D, C><<<unsigned(blocks), config<D, C>::THREADS, smem_bytes_of<T, D, C>, stream>>>(map_q, map_k, map_v,
                                                                                                  map_o, p);
@@ -433,14 +588,16 @@ const char* forward_unsupported(const forward_args& a) {
     return nullptr;
 }
 
+forward_split_needs forward_split_plan(const forward_args& a, bool dynamic) {
+    if (a.head_dim != 64 && a.head_dim != 128) return {0, 0};
+    const split_choice s = choose_split(a, dynamic);
+    return {s.scratch_floats, s.counts};
+}
+
 cudaError_t launch_forward(const forward_args& a, cudaStream_t stream) {
     if (forward_unsupported(a) != nullptr) return cudaErrorInvalidValue;
     const bool bf16 = a.dtype == int(dtype::bf16);
-    // D = 64: three consumer warpgroups (192-row tiles), except causal attention over fewer than 2048 queries, where
-    // the taller tiles mask more of their diagonal key blocks and fewer tiles balance worse. Same-machine A/B
-    // against two (H100, benchmarks/NOTES.md): full 1.06-1.13x at S = 512-8192, causal 1.02-1.06x at S >= 2048 but
-    // 0.90-0.93x at 512-1024.
-    if (a.head_dim == 64 && (!a.causal || a.q_len >= 2048))
+    if (a.head_dim == 64 && consumers_of(a) == 3)
         return bf16 ? launch<__nv_bfloat16, 64, 3>(a, stream) : launch<__half, 64, 3>(a, stream);
     if (a.head_dim == 64) return bf16 ? launch<__nv_bfloat16, 64, 2>(a, stream) : launch<__half, 64, 2>(a, stream);
     return bf16 ? launch<__nv_bfloat16, 128, 2>(a, stream) : launch<__half, 128, 2>(a, stream);

@@ -24,10 +24,23 @@ struct forward_args {
     // Dynamic tile schedule: a zeroed int in device memory that the launch leaves zeroed again (null: static,
     // e.g. under CUDA-graph capture, where every replay would reuse the one counter).
     int* tickets = nullptr;
+    // The last wave's tiles split by keys (forward_split_plan): fp32 scratch for the parts' O and log-sum-exp, and
+    // zeroed int counters that the launch leaves zeroed. Too little of either (or none): no split.
+    float* split_scratch = nullptr;
+    int64_t split_scratch_floats = 0;
+    int* split_counts = nullptr;
+    int64_t split_counts_len = 0;
 };
 
 // Why `args` cannot run (null when it can): head dim, dtype, sizes, strides, alignment.
 const char* forward_unsupported(const forward_args& args);
+
+// How launch_forward would split the last wave's tiles for `args` (their sizes and max_blocks; `dynamic`: tickets
+// will be given): the fp32 scratch and the counters it needs (0 and 0: no split).
+struct forward_split_needs {
+    int64_t scratch_floats, counts;
+};
+forward_split_needs forward_split_plan(const forward_args& args, bool dynamic);
 
 // Enqueues on `stream`; never synchronises.
 cudaError_t launch_forward(const forward_args& args, cudaStream_t stream);
