@@ -148,14 +148,13 @@ def test_persistent_grid_walks_many_tiles(B, Hq, Hkv, S, D, causal, max_blocks, 
 
 
 # The last wave split by keys: a capped grid leaves r = tiles % grid tiles for the last wave, which the dynamic
-# schedule walks as 2-4 key ranges, merged by the warpgroup that completes each tile's rows.
-# (B, Hq, Hkv, Sq, Sk, D, max_blocks, parts)
+# schedule walks as 2-4 key ranges, merged by the warpgroup that completes each tile's rows (D = 128 over at least
+# 64 key blocks only). (B, Hq, Hkv, Sq, Sk, D, max_blocks, parts)
 SPLIT_CASES = [
-    (1, 5, 5, 1000, 1100, 128, 3, 2),  # 40 tiles, r = 1, 9 key blocks: 4 + 5
-    (1, 4, 2, 300, 2049, 128, 5, 2),  # grouped, a query tail, 17 key blocks (the last of one key)
-    (2, 3, 3, 500, 1500, 64, 4, 2),  # 192-row tiles, a query tail, r = 2 of 18
-    (1, 4, 4, 128, 1600, 128, 3, 3),  # 13 key blocks in 4 + 4 + 5, a key tail
-    (1, 5, 5, 100, 2100, 64, 4, 4),  # one 100-row tile per head, 17 key blocks in four
+    (1, 5, 5, 1000, 8200, 128, 3, 3),  # 40 tiles, r = 1, 65 key blocks in 21 + 22 + 22
+    (1, 4, 2, 300, 8193, 128, 5, 2),  # grouped, a query tail, the last key block of one key
+    (1, 3, 3, 130, 9000, 128, 4, 2),  # tiles of 128 and 2 rows, r = 2
+    (1, 5, 5, 100, 8300, 128, 4, 4),  # one 100-row tile per head, quarters
 ]
 
 
@@ -166,11 +165,14 @@ def test_last_wave_split_by_keys(case, dtype):
     B, Hq, Hkv, Sq, Sk, D, max_blocks, parts = case
     ext = ops._require_kernels(torch.device("cuda", torch.cuda.current_device()))
     floats, counts = ext.attention_forward_split_plan(B, Hq, Sq, Sk, D, False, max_blocks, True)
-    bm = 192 if D == 64 else 128
-    r = (-(-Sq // bm) * B * Hq) % max_blocks
-    assert (floats, counts) == (r * parts * bm * (D + 1), r * (bm // 64)), "the case does not split as described"
-    assert ext.attention_forward_split_plan(B, Hq, Sq, Sk, D, False, max_blocks, False) == (0, 0)  # static: never
-    assert ext.attention_forward_split_plan(B, Hq, Sq, Sk, D, True, max_blocks, True) == (0, 0)  # causal: never
+    r = (-(-Sq // 128) * B * Hq) % max_blocks
+    assert (floats, counts) == (r * parts * 128 * (D + 1), r * 2), "the case does not split as described"
+    never = [(B, Hq, Sq, Sk, D, False, max_blocks, False),  # the static schedule
+             (B, Hq, Sq, Sk, D, True, max_blocks, True),  # causal
+             (B, Hq, Sq, Sk, 64, False, max_blocks, True),  # D = 64 (three warpgroups)
+             (B, Hq, Sq, 63 * 128, D, False, max_blocks, True)]  # fewer than 64 key blocks
+    for args in never:
+        assert ext.attention_forward_split_plan(*args) == (0, 0), args
     q, k, v = make(B, Hq, Hkv, Sq, Sk, D, dtype, seed=13)
     poison_allocator(((B, Hq, Sq, D), dtype), ((B, Hq, Sq), torch.float32))
     o, lse = ops.attention_forward(q, k, v, _max_blocks=max_blocks)

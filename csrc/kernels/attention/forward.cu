@@ -500,19 +500,23 @@ struct split_choice {
 
 // Splits the last wave where that shortens it: with tiles % blocks = r > 0 tiles in the last wave (every tile the
 // same work: no causal), r * parts items take ceil(r * parts / blocks) / parts of a tile's time instead of one
-// whole tile's; parts 2-4, each at least 4 key blocks, the shortest taken when it saves a twentieth of a tile.
-// The dynamic schedule only (items go to whichever block is free; under CUDA-graph capture the static one runs).
+// whole tile's; parts 2-4, the shortest taken when it saves a twentieth of a tile. Only where a part still walks
+// many key blocks: each item pays a tile's start and end (and a part its merge), which at 16-32 key blocks ate the
+// gain (H100, D = 128 at 2048 and 4096 keys: 0.97x and 1.00x; 8192 and 16384: 1.02x), and with two consumer
+// warpgroups (the D = 64 kernel's 192-row tiles fill more of their last wave: 0.99-1.02x). The dynamic schedule
+// only (items go to whichever block is free; under CUDA-graph capture the static one runs).
+constexpr int SPLIT_MIN_KEY_BLOCKS = 64;
+
 split_choice choose_split(const forward_args& a, bool dynamic) {
     const int c = consumers_of(a), bm = 64 * c;
     const int64_t tiles = (a.q_len + bm - 1) / bm * a.batch * a.q_heads;
     const int blocks = int(std::min<int64_t>(tiles, a.max_blocks > 0 ? a.max_blocks : multiprocessor_count()));
     split_choice s{int(tiles), blocks, int(tiles), 1, bm, 0, 0};
     const int r = blocks > 0 ? int(tiles % blocks) : 0;
-    if (a.causal || !dynamic || r == 0) return s;
     const int64_t kv_blocks = (a.kv_len + BN - 1) / BN;
+    if (a.causal || !dynamic || r == 0 || c != 2 || kv_blocks < SPLIT_MIN_KEY_BLOCKS) return s;
     double best = 1.0 - 0.05;
     for (int parts = 2; parts <= 4; ++parts) {
-        if (kv_blocks < 4 * parts) break;
         const double rounds = double((int64_t(r) * parts + blocks - 1) / blocks) / parts;
         if (rounds < best) {
             best = rounds;
