@@ -446,13 +446,9 @@ PYBIND11_MODULE(_C, m) {
         "attention_forward_split_plan",
         [](int64_t batch, int64_t q_heads, int64_t q_len, int64_t kv_len, int64_t head_dim, bool causal,
            int max_blocks, bool dynamic) {
-            tk::attention::forward_args args{};
-            args.batch = batch;
-            args.q_heads = q_heads;
-            args.q_len = q_len;
-            args.kv_len = kv_len;
-            args.head_dim = head_dim;
-            args.causal = causal;
+            tk::attention::forward_args args{};  // sizes only: the plan reads no tensor
+            fill_attention_common(args, 0, 0, 0, 0, batch, q_heads, q_heads, q_len, kv_len, head_dim, {}, {}, {}, {},
+                                  1.0f, causal);
             args.max_blocks = max_blocks;
             const auto needs = tk::attention::forward_split_plan(args, dynamic);
             return std::make_pair(needs.scratch_floats, needs.counts);
