@@ -246,9 +246,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
         floats, counts = (ext.attention_forward_split_plan(B, Hq, Sq, Sk, D, bool(is_causal), int(_max_blocks),
                                                            bool(tickets)) if _tail_split else (0, 0))
         scratch = torch.empty(floats, dtype=torch.float32, device=q.device) if floats else None
-        count_slot = _zeroed_slot(q.device, "attention_split", _SPLIT_COUNT_SLOT, 64) if counts else 0
         if counts > _SPLIT_COUNT_SLOT:
             raise AssertionError(f"attention forward: {counts} split counters, more than a slot's {_SPLIT_COUNT_SLOT}")
+        count_slot = _zeroed_slot(q.device, "attention_split", _SPLIT_COUNT_SLOT, 64) if counts else 0
         ext.attention_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                               _DTYPE_CODES[q.dtype], B, Hq, Hkv, Sq, Sk, D, list(q.stride()[:3]),
                               list(k.stride()[:3]), list(v.stride()[:3]), list(o.stride()[:3]),
@@ -436,7 +436,7 @@ def _launch_tickets(device: torch.device, schedule: str, what: str) -> int:
     return _zeroed_slot(device, "tickets", 32, 4096)
 
 
-# The attention forward's split tiles: at most a wave of them (< 2^10 multiprocessors) times three warpgroups.
+# The attention forward's split tiles: fewer than a wave of them (< 2^10 multiprocessors) times two warpgroups.
 _SPLIT_COUNT_SLOT = 4096
 
 

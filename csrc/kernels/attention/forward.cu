@@ -61,7 +61,7 @@ struct shared_state {
 // last wave idle, the last `tiles - split_from` tiles are each walked as `parts` key ranges by separate work items
 // (tickets split_from + parts * (tile - split_from) + part). Each part leaves its O (divided by its own row sums)
 // and its base-2 log-sum-exp in fp32 scratch; the part that completes a tile's count (per warpgroup's rows)
-// merges the others into its registers and stores O and lse as a whole tile does.
+// sums them all and stores O and lse as a whole tile does.
 struct tail_split {
     int split_from;     // the first split tile (tiles: none)
     int parts;          // key ranges per split tile
@@ -189,9 +189,9 @@ __device__ __forceinline__ void produce(shared_state<T, D, C>& st, const kernel_
 }
 
 // A split tile's part, at its end (o divided by its row sums, lse2 its base-2 log-sum-exp): its rows go to the
-// scratch, and the warpgroup whose part completes the count of its rows (parts in any order) merges the others
-// into o and lse2: O = sum_p 2^(lse2_p - L) O_p with L = log2(sum_p 2^lse2_p). Returns whether this warpgroup
-// stores the tile's rows (it merged).
+// scratch, and the warpgroup whose part completes the count of its rows (parts in any order) sums all parts into
+// o and lse2: O = sum_p 2^(lse2_p - L) O_p with L = log2(sum_p 2^lse2_p). Returns whether this warpgroup stores the
+// tile's rows (it merged).
 template <typename T, int D, int C>
 __device__ __forceinline__ bool merge_parts(shared_state<T, D, C>& st, const kernel_params& p, const work_item& it,
                                             int slice, rt::acc_tile<D>& o, rt::row_vec& lse2) {
@@ -502,8 +502,8 @@ struct split_choice {
 // same work: no causal), r * parts items take ceil(r * parts / blocks) / parts of a tile's time instead of one
 // whole tile's; parts 2-4, the shortest taken when it saves a twentieth of a tile. Only where a part still walks
 // many key blocks: each item pays a tile's start and end (and a part its merge), which at 16-32 key blocks ate the
-// gain (H100, D = 128 at 2048 and 4096 keys: 0.97x and 1.00x; 8192 and 16384: 1.02x), and with two consumer
-// warpgroups (the D = 64 kernel's 192-row tiles fill more of their last wave: 0.99-1.02x). The dynamic schedule
+// gain (H100, D = 128 at 2048 and 4096 keys: 0.97x and 1.00x; 8192 and 16384: 1.02x). Only with two consumer
+// warpgroups: the D = 64 kernel's 192-row tiles fill more of their last wave (0.99-1.02x). The dynamic schedule
 // only (items go to whichever block is free; under CUDA-graph capture the static one runs).
 constexpr int SPLIT_MIN_KEY_BLOCKS = 64;
 
