@@ -1,4 +1,4 @@
-"""Same-machine A/B of the attention kernels with both builds in one process, timed in fine turns.
+"""Same-machine A/B of the attention kernels or the GEMM with both builds in one process, timed in fine turns.
 
 ab_compare.py runs each build in its own process, one after the other; a benchmark process lasts tens of seconds,
 and the chip's clock and power drift between them by more than a kernel change moves (unchanged kernels read 0.96x
@@ -8,6 +8,7 @@ milliseconds (`common.interleaved_ms`, rounds in rotating order); the ratio repo
 paired ratios, with their range.
 
     python3 benchmarks/ab_inprocess.py --ref-site /tmp/ref_site --rounds 9 --head-dims 128 --seq-lens 2048 8192
+    python3 benchmarks/ab_inprocess.py --ref-site /tmp/ref_site --bench gemm --llama-1b
 
 The reference's package is copied with every `thunder_tk` module name rewritten and imported without its __init__
 (no second Thunder executor); the two extension modules must not both register a pybind11 type globally (the
@@ -29,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attention import bwd_flops, fwd_flops, points  # noqa: E402
+from gemm import LAYOUTS, problems  # noqa: E402
 from common import median_ms, write_results  # noqa: E402
 
 REF_PACKAGE = "thunder_tk_ref"
@@ -62,6 +64,31 @@ def paired_times(fns: dict, rounds: int, warmup_ms: float = 10, rep_ms: float = 
     return times
 
 
+def paired_row(point: dict, fns: dict, flops: float, rounds: int) -> dict:
+    """One point's A/B: TFLOP/s of each side (medians) and the median and range of the turns' paired ratios."""
+    t = paired_times(fns, rounds)
+    ratios = [r / c for c, r in zip(t["current"], t["reference"])]  # > 1: current faster
+    return {**point, "current_tflops": flops / statistics.median(t["current"]) / 1e9,
+            "reference_tflops": flops / statistics.median(t["reference"]) / 1e9,
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "current_ms": t["current"], "reference_ms": t["reference"]}
+
+
+def compare_gemm(cur, ref, name: str, M: int, N: int, K: int, layouts, rounds: int) -> list[dict]:
+    """The problem's products (gemm.py's layouts: fwd X W^T, dX = dY W, dW = dY^T X) on each build."""
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for layout, (lhs, rhs) in {"fwd": (x, w.t()), "dX": (dy, w), "dW": (dy.t(), x)}.items():
+        if layout not in layouts:
+            continue
+        fns = {side: (lambda ops=ops: ops.gemm(lhs, rhs)) for side, ops in (("current", cur), ("reference", ref))}
+        point = {"problem": name, "pass": layout, "M": lhs.shape[0], "N": rhs.shape[1], "K": lhs.shape[1]}
+        rows.append(paired_row(point, fns, 2.0 * lhs.shape[0] * lhs.shape[1] * rhs.shape[1], rounds))
+    return rows
+
+
 def compare_point(cur, ref, B, H, S, D, causal, rounds: int, backward: bool) -> list[dict]:
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     g = torch.randn_like(q)
@@ -76,13 +103,7 @@ def compare_point(cur, ref, B, H, S, D, causal, rounds: int, backward: bool) -> 
                                  ops.attention_backward(q, k, v, o, lse, g, is_causal=causal))
                           for side, ops in (("current", cur), ("reference", ref))}, bwd_flops(B, H, S, D, causal))
     for name, (fns, flops) in passes.items():
-        t = paired_times(fns, rounds)
-        ratios = [r / c for c, r in zip(t["current"], t["reference"])]  # > 1: current faster
-        rows.append({**point, "pass": name,
-                     "current_tflops": flops / statistics.median(t["current"]) / 1e9,
-                     "reference_tflops": flops / statistics.median(t["reference"]) / 1e9,
-                     "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                     "current_ms": t["current"], "reference_ms": t["reference"]})
+        rows.append(paired_row({**point, "pass": name}, fns, flops, rounds))
     return rows
 
 
@@ -90,11 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ref-site", required=True, help="directory where the reference thunder_tk is installed")
     p.add_argument("--ref-label", default="reference")
+    p.add_argument("--bench", choices=("attention", "gemm"), default="attention")
     p.add_argument("--rounds", type=int, default=9, help="turns per point and pass (odd: a true median)")
     p.add_argument("--head-dims", type=int, nargs="+", default=[128], choices=(64, 128))
     p.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--mask", choices=("both", "causal", "full"), default="both")
     p.add_argument("--no-backward", action="store_true")
+    p.add_argument("--quick", action="store_true", help="gemm: gemm.py's quick problems")
+    p.add_argument("--llama-1b", action="store_true", help="gemm: the Llama-3.2-1B step's problems")
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="gemm: products to time")
     p.add_argument("--json", default="out/ab_inprocess.json")
     a = p.parse_args(argv)
     if a.rounds < 1:
@@ -107,23 +132,32 @@ def main(argv: list[str] | None = None) -> int:
         ref = import_renamed(a.ref_site, work)
         for side, ops in (("current", cur), ("reference", ref)):
             ops._require_kernels(torch.device("cuda", torch.cuda.current_device()))
-        masks = {"both": (False, True), "causal": (True,), "full": (False,)}[a.mask]
         rows = []
-        print(f"attention in one process: current vs {a.ref_label}, {a.rounds} paired turns per pass "
+        print(f"{a.bench} in one process: current vs {a.ref_label}, {a.rounds} paired turns per pass "
               f"(ratio: median of the turns' reference/current times, > 1 current faster; [min, max])", flush=True)
-        for B, H, S, D, causal in points(a.seq_lens, a.head_dims, masks):
-            for row in compare_point(cur, ref, B, H, S, D, causal, a.rounds, not a.no_backward):
-                rows.append(row)
-                print(f"  {row['shape']:>14} {'causal' if causal else 'full':>6} {row['pass']}: "
-                      f"{row['current_tflops']:6.1f} vs {row['reference_tflops']:6.1f} TFLOP/s  "
-                      f"{row['ratio']:.3f}x [{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]", flush=True)
-            torch.cuda.empty_cache()
+
+        def report(row, label):
+            rows.append(row)
+            print(f"  {label} {row['pass']}: {row['current_tflops']:6.1f} vs {row['reference_tflops']:6.1f} TFLOP/s  "
+                  f"{row['ratio']:.3f}x [{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]", flush=True)
+
+        if a.bench == "gemm":
+            for name, M, N, K in problems(a.quick, a.llama_1b):
+                for row in compare_gemm(cur, ref, name, M, N, K, a.layouts, a.rounds):
+                    report(row, f"{name:>16}")
+                torch.cuda.empty_cache()
+        else:
+            masks = {"both": (False, True), "causal": (True,), "full": (False,)}[a.mask]
+            for B, H, S, D, causal in points(a.seq_lens, a.head_dims, masks):
+                for row in compare_point(cur, ref, B, H, S, D, causal, a.rounds, not a.no_backward):
+                    report(row, f"{row['shape']:>14} {'causal' if causal else 'full':>6}")
+                torch.cuda.empty_cache()
     if rows:
         gm = statistics.geometric_mean([r["ratio"] for r in rows])
         print(f"geometric mean current/{a.ref_label}: {gm:.3f} over {len(rows)} values")
     for row in rows:
         row["reference"] = a.ref_label
-    write_results(a.json, "ab_inprocess", rows)
+    write_results(a.json, f"ab_inprocess_{a.bench}", rows)
     return 0
 
 
