@@ -268,7 +268,9 @@ def attention_backward_reference(q, k, v, o, lse, grad_o, *, is_causal=False, sc
 # The backward kernel's block: 128 keys, walking 64-query steps over the query heads of its key/value head (or of a
 # part of them: group_split).
 _BWD_KEYS, _BWD_QUERIES = 128, 64
-_BWD_BLOCK_OVERHEAD_STEPS = 2.2  # a block's start and end, in steps (kernel time against steps, 2026-11-24)
+# A unit's cost beyond its steps, in steps (kernel time against steps, 2026-11-24). Not its start and end: a persistent
+# grid that loads the next unit under the last one's epilogue measured the same (benchmarks/NOTES.md, session 15).
+_BWD_BLOCK_OVERHEAD_STEPS = 2.2
 _BWD_STEP_FLOP_RATE = 3.0e12  # one SM's rate in a step (about 400 TFLOP/s over 132), to price the parts' sum in steps
 # Summing the parts of dK and dV (torch's reduction: 9.5 us per 8.4 MB read on the H100, 2026-11-24) and its two
 # launches, which a small backward does not hide. A split must win by a margin to be taken.
