@@ -4,7 +4,7 @@ ab_compare.py runs each build in its own process, one after the other; a benchma
 and the chip's clock and power drift between them by more than a kernel change moves (unchanged kernels read 0.96x
 to 1.04x there). Here the reference build (`scripts/ab_ref.sh <commit>`, installed with `pip --target`) is imported
 beside the installed thunder_tk under another package name, and each point times both in turns of a few tens of
-milliseconds (`common.interleaved_ms`, rounds in rotating order); the ratio reported is the median of the rounds'
+milliseconds (`common.interleaved_times`, rounds in rotating order); the ratio reported is the median of the rounds'
 paired ratios, with their range.
 
     python3 benchmarks/ab_inprocess.py --ref-site /tmp/ref_site --rounds 9 --head-dims 128 --seq-lens 2048 8192
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from attention import bwd_flops, fwd_flops, points  # noqa: E402
 from gemm import LAYOUTS, problems  # noqa: E402
-from common import median_ms, write_results  # noqa: E402
+from common import interleaved_times, write_results  # noqa: E402
 
 REF_PACKAGE = "thunder_tk_ref"
 _NAME = re.compile(r"\bthunder_tk\b")
@@ -54,19 +54,9 @@ def import_renamed(site: str | Path, workdir: str | Path, name: str = REF_PACKAG
     return importlib.import_module(f"{name}.ops")
 
 
-def paired_times(fns: dict, rounds: int, warmup_ms: float = 10, rep_ms: float = 40) -> dict[str, list[float]]:
-    """Each function's time (ms) per round, timed in turns, the order rotating every round."""
-    names = list(fns)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            times[n].append(median_ms(fns[n], warmup_ms=warmup_ms, rep_ms=rep_ms))
-    return times
-
-
 def paired_row(point: dict, fns: dict, flops: float, rounds: int) -> dict:
     """One point's A/B: TFLOP/s of each side (medians) and the median and range of the turns' paired ratios."""
-    t = paired_times(fns, rounds)
+    t = interleaved_times(fns, rounds=rounds, warmup_ms=10, rep_ms=40)
     ratios = [r / c for c, r in zip(t["current"], t["reference"])]  # > 1: current faster
     return {**point, "current_tflops": flops / statistics.median(t["current"]) / 1e9,
             "reference_tflops": flops / statistics.median(t["reference"]) / 1e9,

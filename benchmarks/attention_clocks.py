@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import HIDDEN, TOKENS, bwd_flops, fwd_flops, sdpa_forward  # noqa: E402
-from common import ClockSampler, median_ms, print_table, write_results  # noqa: E402
+from common import ClockSampler, in_turns, median_ms, print_table, write_results  # noqa: E402
 
 MODES = ("back_to_back", "flushed")
 
@@ -110,12 +110,10 @@ def main() -> int:
                 names = list(fns)
                 runs = {(name, mode): [] for name in names for mode in MODES}
                 bench = {name: [] for name in names}
-                for r in range(a.rounds):
-                    for name in names[r % len(names):] + names[:r % len(names)]:
-                        for mode in MODES:
-                            runs[name, mode].append(sustained(fns[name], a.seconds,
-                                                              flush if mode == "flushed" else None))
-                        bench[name].append(median_ms(fns[name], warmup_ms=10, rep_ms=50))
+                for name in in_turns(names, a.rounds):
+                    for mode in MODES:
+                        runs[name, mode].append(sustained(fns[name], a.seconds, flush if mode == "flushed" else None))
+                    bench[name].append(median_ms(fns[name], warmup_ms=10, rep_ms=50))
                 for name in names:
                     for mode in MODES:
                         measured.append((point, which, name, mode, flops, runs[name, mode], bench[name]))

@@ -68,19 +68,29 @@ def profiled_kernels(prof) -> dict[str, tuple[float, int]]:
     return kernels
 
 
-def interleaved_ms(fns: dict, *, rounds: int = 5, warmup_ms: float = 10, rep_ms: float = 50) -> dict:
-    """Median times (ms) of several functions timed in turns, each round in a rotated order.
+def in_turns(names: list, rounds: int):
+    """The names, `rounds` times over, each round in an order rotated by one (the benchmarks' timing in turns)."""
+    for r in range(rounds):
+        yield from names[r % len(names):] + names[:r % len(names)]
+
+
+def interleaved_times(fns: dict, *, rounds: int = 5, warmup_ms: float = 10, rep_ms: float = 50) -> dict:
+    """Each function's time (ms) per round, timed in turns, each round in a rotated order.
 
     A GPU's clock drifts with its temperature and power over a benchmark; timing peers one after the other
-    hands whichever runs first the cooler chip. Rounds in rotating order share that drift out evenly, and
-    the median over rounds drops a round that a clock change hit.
+    hands whichever runs first the cooler chip. Rounds in rotating order share that drift out evenly.
     """
-    names = list(fns)
-    times: dict = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(median_ms(fns[name], warmup_ms=warmup_ms, rep_ms=rep_ms))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    times: dict = {name: [] for name in fns}
+    for name in in_turns(list(fns), rounds):
+        times[name].append(median_ms(fns[name], warmup_ms=warmup_ms, rep_ms=rep_ms))
+    return times
+
+
+def interleaved_ms(fns: dict, *, rounds: int = 5, warmup_ms: float = 10, rep_ms: float = 50) -> dict:
+    """Median times (ms) of several functions timed in turns (interleaved_times): the median over rounds drops a
+    round that a clock change hit."""
+    return {name: statistics.median(ts)
+            for name, ts in interleaved_times(fns, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms).items()}
 
 
 class ClockSampler:

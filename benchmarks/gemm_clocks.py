@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_clocks import sustained, sustained_stats  # noqa: E402
-from common import ClockSampler, print_table, write_results  # noqa: E402
+from common import ClockSampler, in_turns, print_table, write_results  # noqa: E402
 from gemm import LAYOUTS  # noqa: E402
 # Llama-3.2-1B's lm_head (8192 tokens, hidden 2048, vocabulary 128256): the step's largest GEMMs
 DEFAULT_PROBLEMS = ("8192:2048:128256:fwd", "8192:2048:128256:dX", "8192:2048:128256:dW")
@@ -77,9 +77,8 @@ def main() -> int:
                 assert err < 1e-2, f"{name} at {M}:{K}:{N}:{layout}: rel err {err}"
             del ref
             names, runs = list(fns), {name: [] for name in fns}
-            for r in range(a.rounds):
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    runs[name].append(sustained(fns[name], a.seconds))
+            for name in in_turns(names, a.rounds):
+                runs[name].append(sustained(fns[name], a.seconds))
             measured += [(f"{M}:{K}:{N}:{layout}", name, flops, runs[name]) for name in names]
             del fns, lhs, rhs
             torch.cuda.empty_cache()
