@@ -106,8 +106,8 @@ if { [ -d .ab_ref ] || [ -n "${AB_KNOB:-}" ]; } && benching; then
     step build_ref python3 -m pip install --no-build-isolation --no-index --no-deps --target /tmp/ref_site ./.ab_ref
     ab_side=(--ref-site /tmp/ref_site)
   fi
-  # AB_INPROCESS="<ab_inprocess.py args>": the attention kernels of both builds in one process, in fine turns
-  # (a reference build only; AB_BENCH=none then skips the per-process A/B).
+  # AB_INPROCESS="<ab_inprocess.py args>": the attention kernels (or with --bench gemm the GEMM) of both builds in
+  # one process, in fine turns (a reference build only; AB_BENCH=none then skips the per-process A/B).
   if [ -n "${AB_INPROCESS:-}" ] && [ -z "${AB_KNOB:-}" ]; then
     step ab_inprocess timeout ${AB_TIMEOUT:-500} bash -c "cd /tmp && python3 $here/benchmarks/ab_inprocess.py --ref-site /tmp/ref_site --ref-label $(cat .ab_ref/AB_COMMIT 2>/dev/null || echo reference) ${AB_INPROCESS} --json $OUT_ABS/ab_inprocess.json"
     cat "$OUT/ab_inprocess.log"

@@ -494,7 +494,7 @@ constexpr int smem_bytes_of = sizeof(shared_state<T, D, C>) + 1024;  // + alignm
 int consumers_of(const forward_args& a) { return a.head_dim == 64 && (!a.causal || a.q_len >= 2048) ? 3 : 2; }
 
 struct split_choice {
-    int tiles, blocks, split_from, parts, bm;
+    int blocks, split_from, parts;
     int64_t scratch_floats, counts;
 };
 
@@ -511,7 +511,7 @@ split_choice choose_split(const forward_args& a, bool dynamic) {
     const int c = consumers_of(a), bm = 64 * c;
     const int64_t tiles = (a.q_len + bm - 1) / bm * a.batch * a.q_heads;
     const int blocks = int(std::min<int64_t>(tiles, a.max_blocks > 0 ? a.max_blocks : multiprocessor_count()));
-    split_choice s{int(tiles), blocks, int(tiles), 1, bm, 0, 0};
+    split_choice s{blocks, int(tiles), 1, 0, 0};
     const int r = blocks > 0 ? int(tiles % blocks) : 0;
     const int64_t kv_blocks = (a.kv_len + BN - 1) / BN;
     if (a.causal || !dynamic || r == 0 || c != 2 || kv_blocks < SPLIT_MIN_KEY_BLOCKS) return s;
