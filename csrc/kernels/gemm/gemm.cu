@@ -224,12 +224,17 @@ __device__ __forceinline__ void stage_rows64(State& st, const kernel_params& p, 
     sync::wait(st.c_free[wg], handoffs & 1);
     uint8_t* stage = reinterpret_cast<uint8_t*>(st.c_stage[wg]);
     auto panel = [&](int col) { return stage + (col / 64) * 64 * 128; };
-    if (bias == nullptr)  // one branch for the tile (write_rows64)
+    if (bias == nullptr) {  // one branch for the tile (write_rows64)
         rt::store_swizzled<T, BN, BN>(d, 0, 0, panel);
-    else
+    } else {
+        // The pointer laundered, so that the compiler keeps the per-pair tests of plus_bias: knowing it non-null,
+        // it issued all 256 columns' bias loads together and the kernel spilled.
+        const T* laundered = bias;
+        asm volatile("" : "+l"(laundered));
         rt::store_swizzled<T, BN, BN>(d, 0, 0, panel, [&](int i, float x, float y) {
-            return plus_bias(bias, col0 + wgmma::accumulator_position(i).col, n, x, y);
+            return plus_bias(laundered, col0 + wgmma::accumulator_position(i).col, n, x, y);
         });
+    }
     if (warpgroup::thread() == 0) {
         st.c_origin[wg][0] = row0;
         st.c_origin[wg][1] = col0;
