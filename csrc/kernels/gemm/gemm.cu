@@ -321,6 +321,9 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
     uint32_t handoffs = 0;  // tiles handed to the store warp
 
     const bool dynamic = p.tickets != nullptr;
+    // Static: the block's next piece, worked out while the current tile's first products run (its divisions
+    // sat between one tile's epilogue and the next tile's first wait).
+    schedule::work next = dynamic ? schedule::work{} : p.split.item(cluster, clusters, 0);
     for (int i = 0;; ++i) {
         // Static: p.split's pieces. Dynamic: the producer names each tile in the stage that holds its first
         // k-block, and -1 when there are no more.
@@ -334,13 +337,28 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
             if (t < 0) break;
             w = {t, 0, p.k_blocks, cluster, false};
         } else {
-            w = p.split.item(cluster, clusters, i);
+            w = next;
             if (w.tile < 0) break;
         }
-        const auto tile = tile_of(w.tile);
+        schedule::tile_coord tile{};
         int kb = 0;
+        const int k_blocks = w.k_end - w.k_begin;
         walk_k_blocks(
-            st, at, w.k_end - w.k_begin, dynamic, release, [&](int k) { kb = k; },
+            st, at, k_blocks, dynamic, release,
+            [&](int k) {
+                kb = k;
+                if (k == (k_blocks > 1 ? 1 : 0)) {
+                    // The tile's coordinates (for the epilogue) and the next piece, while the first k-block's
+                    // products run (outside a fence-commit window: code there makes ptxas serialise the wgmmas,
+                    // C7519), pinned here, or the compiler would sink them to their uses after the walk.
+                    tile = tile_of(w.tile);
+                    if (!dynamic) next = p.split.item(cluster, clusters, i + 1);
+                    int partial = next.partial;
+                    asm volatile("" : "+r"(tile.m), "+r"(tile.n), "+r"(next.tile), "+r"(next.k_begin),
+                                 "+r"(next.k_end), "+r"(next.contributors_from), "+r"(partial));
+                    next.partial = partial != 0;
+                }
+            },
             [&](int stage) {
 #pragma unroll
                 for (int k16 = 0; k16 < BK / 16; ++k16)
