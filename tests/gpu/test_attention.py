@@ -452,7 +452,9 @@ BACKWARD_CASES = [
 def backward_check(q, k, v, causal=False, scale=None, group_split=0):
     o, lse = ops.attention_forward(q, k, v, is_causal=causal, scale=scale)
     g = torch.randn_like(o)
-    poison_allocator((tuple(q.shape), q.dtype), (tuple(k.shape), k.dtype))
+    # dq's fp32 accumulator too: it is not zeroed, each query tile's first writer stores into it (so a tile that
+    # missed its store, or took an add before it, shows as NaN or as a wrong sum).
+    poison_allocator((tuple(q.shape), q.dtype), (tuple(k.shape), k.dtype), (tuple(q.shape), torch.float32))
     dq, dk, dv = ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, scale=scale,
                                         _group_split=group_split)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape

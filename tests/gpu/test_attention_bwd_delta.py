@@ -85,18 +85,19 @@ def test_non_contiguous_last_dim():
 @pytest.mark.parametrize("shape,strided", [((2, 3, 17, 128), False), ((1, 16, 1000, 64), True), ((3, 1, 65, 8), False),
                                            ((1, 2, 9, 4), True), ((4, 8, 4097, 128), False)])
 def test_zero_buffer_cleared_in_the_same_pass(shape, strided, dtype):
-    # The backward's dQ accumulator is zeroed by this pass (rows of D floats beside each row's reads), on the
-    # vector and the scalar paths, whatever o's strides: every element of it, nothing of the delta changes.
+    # The backward's per-head counters are zeroed by this pass, on the vector and the scalar paths, whatever o's
+    # strides: every word of the buffer (larger than the grid's threads too), nothing of the delta changes.
     if strided:
         o = torch.randn(shape[0], shape[2], shape[1], shape[3] + 4, device="cuda", dtype=dtype)[..., :shape[3]]
         o = o.transpose(1, 2)
     else:
         o = torch.randn(shape, device="cuda", dtype=dtype)
     g = torch.randn(shape, device="cuda", dtype=dtype)
-    zero = torch.full(shape, float("nan"), device="cuda")
-    out = torch.full(shape[:3], float("nan"), device="cuda")
-    ops.attention_bwd_delta(o, g, out=out, zero=zero)
-    assert torch.equal(zero, torch.zeros_like(zero))
+    for zero in (torch.full(shape[:2], -7, device="cuda", dtype=torch.int32),
+                 torch.full((3, 100_003), float("nan"), device="cuda")):
+        out = torch.full(shape[:3], float("nan"), device="cuda")
+        ops.attention_bwd_delta(o, g, out=out, zero=zero)
+        assert torch.equal(zero, torch.zeros_like(zero))
     assert delta_err(out, o, g) < TOL
     assert torch.equal(out, ops.attention_bwd_delta(o, g))
 
@@ -104,13 +105,13 @@ def test_zero_buffer_cleared_in_the_same_pass(shape, strided, dtype):
 def test_zero_buffer_must_fit():
     o = torch.randn(2, 3, 17, 64, device="cuda", dtype=torch.bfloat16)
     for bad in (torch.zeros(2, 3, 17, 64, device="cuda", dtype=torch.float16),
-                torch.zeros(2, 3, 18, 64, device="cuda"),
-                torch.zeros(2, 3, 64, 17, device="cuda").transpose(-1, -2)):
-        with pytest.raises(ValueError, match="zero must be a contiguous float32"):
+                torch.zeros(2, 3, 64, device="cuda", dtype=torch.int64),
+                torch.zeros(2, 3, 64, 17, device="cuda").transpose(-1, -2),
+                torch.zeros(2, 3, device="cpu", dtype=torch.int32)):
+        with pytest.raises(ValueError, match="zero must be a contiguous int32 or float32"):
             ops.attention_bwd_delta(o, o, zero=bad)
-    odd = torch.randn(1, 1, 5, 6, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="zero_rows needs head_dim a multiple of 4"):
-        ops.attention_bwd_delta(odd, odd, zero=torch.zeros(1, 1, 5, 6, device="cuda"))
+    empty = torch.zeros(0, device="cuda", dtype=torch.int32)
+    assert delta_err(ops.attention_bwd_delta(o, o, zero=empty), o, o) < TOL
 
 
 def test_strided_output():

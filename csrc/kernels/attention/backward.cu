@@ -5,8 +5,11 @@
 // (grouped-query attention needs no atomics for them). Per query tile a consumer computes
 //   S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - delta),
 //   dV += P^T dO, dK += dS^T Q        (A operands from registers)
-// and the block's dQ tile, dS K over its 128 keys, is staged in shared memory (two buffers) and added into an
-// fp32 accumulator by the writer warp's TMA reduce-stores.
+// and the block's dQ tile, dS K over its 128 keys, is staged in shared memory (two buffers) and written into an
+// fp32 accumulator by the writer warp's TMA stores. That accumulator is not zeroed beforehand (a pass over 4 bytes
+// per element that cost a third of the delta pre-pass): every block walks its query tiles from the last to the
+// first, and a head's key tile 0, which walks them all and starts before the head's other blocks, stores its part
+// of each tile and counts it in (dq_progress); the others add theirs once the count says the tile is there.
 // The same shared-memory boxes of Q, dO and K serve as K-major and MN-major operands (wgmma::tile_at).
 #include "backward.h"
 #include "../../kittens/kittens.cuh"
@@ -122,7 +125,7 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
     pipeline::cursor<STAGES> at;
     for (int g = 0; g < p.heads_per_block; ++g) {
         const int head = w.first_head + g;
-        for (int i = w.first_q_tile; i < p.q_tiles; ++i) {
+        for (int i = p.q_tiles - 1; i >= w.first_q_tile; --i) {  // the last tile first (write_dq)
             st.ring.wait_empty(at);
             sync::barrier& full = st.ring.full[at.stage];
             sync::arrive_expect_bytes(full, shared_state<T, D>::step_bytes);
@@ -137,28 +140,51 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
     }
 }
 
-// One producer warp issues every dQ reduce-add, so a consumer only stores its share, fences and arrives. Per step
-// and slice it waits for the staged buffer and adds its two 64 x 32 boxes into dq_accum; once they have been read,
+// One producer warp issues every dQ store, so a consumer only stores its share, fences and arrives. Per step and
+// slice it waits for the staged buffer and writes its two 64 x 32 boxes into dq_accum; once they have been read,
 // the buffer goes back to its consumer for the step after next.
+// dq_accum starts as garbage. The block of key tile 0 of each (key/value head, split) is a tile's first writer:
+// it walks every query tile of its heads in the order all blocks walk them (last first), comes before the head's
+// other blocks in the grid's order (so it is running or done whenever they wait for it; it never waits for
+// them), and stores its part; once those stores are complete it raises its head's count of tiles stored. The
+// other blocks add their parts (reduce-stores) only after that count covers the tile.
 template <typename T, int D>
 __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
                                          const CUtensorMap& map_dq) {
     const bool issuer = (threadIdx.x & 31) == 0;
     if (issuer) tma::prefetch_map(&map_dq);
+    const bool first_writer = w.kv_tile == 0;
     const int steps = p.heads_per_block * (p.q_tiles - w.first_q_tile);
-    int head = w.first_head, i = w.first_q_tile;
+    int head = w.first_head, i = p.q_tiles - 1;
+    int* stored = p.args.dq_progress + int64_t(w.batch) * p.args.q_heads + head;  // per (batch, query head)
+    int known = 0;  // the last count read of this head's tiles stored (non-first writers)
 #pragma unroll 1  // unrolled, its copies spill at the producers' 24 registers
     for (int step = 0; step < steps; ++step) {
         const int buf = step & 1;
+        const int needed = p.q_tiles - i;  // tiles q_tiles - 1 down to i
+        if (!first_writer && issuer && known < needed) {
+            while ((known = sync::flag_acquire(stored)) < needed) __nanosleep(64);
+            tma::fence_global_async();  // the reduce-stores below come after the stores the count announced
+        }
+        __syncwarp();  // the warp meets again before the .aligned named barriers
         for (int slice = 0; slice < DQ_SLICES<D>; ++slice) {
             sync::named_sync(barrier_id::dq_staged(slice, buf), DQ_HANDOFF_THREADS);
             if (issuer) {
                 const uint8_t* staging = reinterpret_cast<const uint8_t*>(st.dq[buf][slice]);
-                for (int box = 0; box < DQ_COLS / 32; ++box)
-                    tma::store_add_4d(&map_dq, staging + box * 64 * 128, DQ_COLS * slice + 32 * box, i * BQ, head,
-                                      w.batch);
+                for (int box = 0; box < DQ_COLS / 32; ++box) {
+                    const int col = DQ_COLS * slice + 32 * box;
+                    if (first_writer)
+                        tma::store_4d(&map_dq, staging + box * 64 * 128, col, i * BQ, head, w.batch);
+                    else
+                        tma::store_add_4d(&map_dq, staging + box * 64 * 128, col, i * BQ, head, w.batch);
+                }
                 tma::store_commit();
             }
+        }
+        if (first_writer && issuer) {
+            tma::store_wait();           // the tile's stores are complete in global memory,
+            tma::fence_global_async();   // ordered before the count that announces them
+            sync::flag_release(stored, needed);
         }
         if (step + 2 < steps) {  // a consumer waits for this buffer two steps on
             if (issuer) tma::store_wait_read();
@@ -166,9 +192,11 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
             for (int slice = 0; slice < DQ_SLICES<D>; ++slice)
                 sync::named_arrive(barrier_id::dq_free(slice, buf), DQ_HANDOFF_THREADS);
         }
-        if (++i == p.q_tiles) {
-            i = w.first_q_tile;
+        if (--i < w.first_q_tile) {
+            i = p.q_tiles - 1;
             ++head;
+            ++stored;
+            known = 0;
         }
     }
     if (issuer) tma::store_wait_read();  // the staging outlives the last reads
@@ -256,7 +284,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
 
     sync::wait(st.kv_full, 0);
     for (int g = 0; g < p.heads_per_block; ++g) {
-        for (int i = w.first_q_tile; i < p.q_tiles; ++i, ++step) {
+        for (int i = p.q_tiles - 1; i >= w.first_q_tile; --i, ++step) {  // the last tile first (write_dq)
             const int64_t q0 = int64_t(i) * BQ;
             st.ring.wait_full(at);
             const int stage = at.stage;
@@ -476,6 +504,8 @@ const char* backward_unsupported(const backward_args& a) {
     if (a.batch * a.kv_heads * a.group_split * ((a.kv_len + BK - 1) / BK) >= (int64_t(1) << 31))
         return "too many blocks";
     if (a.lse == nullptr || a.delta == nullptr) return "lse and delta must be given";
+    if (a.dq_progress == nullptr || !is_aligned(a.dq_progress, 4))
+        return "dq_progress must be given: (B, q_heads) int32 counters, zero at launch";
     // TMA reads their rows: each starts 16-byte aligned (ops pads S to a multiple of 4 in memory).
     const int64_t sizes[2] = {a.batch, a.q_heads};
     for (const auto* stride : {a.lse_stride, a.delta_stride})

@@ -50,6 +50,9 @@ __global__ void __launch_bounds__(kThreads) bwd_delta_kernel(const bwd_delta_arg
     const int64_t rows = args.batch * args.heads * args.seq;
     const int64_t D = args.head_dim;
 
+    for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < args.zero_count;
+         i += int64_t(gridDim.x) * kThreads)
+        args.zero_words[i] = 0u;
     // Bounds are uniform across the block, so every lane reaches every shuffle.
     for (int64_t first = int64_t(blockIdx.x) * rows_per_step; first < rows;
          first += int64_t(gridDim.x) * rows_per_step) {
@@ -86,14 +89,6 @@ __global__ void __launch_bounds__(kThreads) bwd_delta_kernel(const bwd_delta_arg
         for (int i = 0; i < kRows; ++i) {
             const float total = group::sum(acc[i]);
             if (valid[i] && group::rank() == 0) args.delta[off[i].delta] = total;
-        }
-        if (args.zero_rows != nullptr) {
-#pragma unroll
-            for (int i = 0; i < kRows; ++i) {
-                if (!valid[i]) continue;
-                float4* row = reinterpret_cast<float4*>(args.zero_rows + row_of(i) * D);
-                for (int64_t c = group::rank(); c < D / 4; c += LANES) row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-            }
         }
     }
 }
@@ -169,8 +164,8 @@ cudaError_t dispatch_vector(const bwd_delta_args& args, cudaStream_t stream) {
 }  // namespace
 
 const char* bwd_delta_unsupported(const bwd_delta_args& a) {
-    if (a.zero_rows != nullptr && (a.head_dim % 4 != 0 || !is_aligned(a.zero_rows, 16)))
-        return "zero_rows needs head_dim a multiple of 4 and a 16-byte aligned buffer";
+    if (a.zero_count < 0 || (a.zero_count > 0 && (a.zero_words == nullptr || !is_aligned(a.zero_words, 4))))
+        return "zero_words must be a 4-byte aligned buffer of zero_count >= 0 words";
     return nullptr;
 }
 
