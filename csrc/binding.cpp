@@ -127,7 +127,7 @@ void attention_dq_finalize(std::uintptr_t accum, std::uintptr_t out, int dtype, 
 }
 
 void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t dout, std::uintptr_t lse,
-                        std::uintptr_t delta, std::uintptr_t dq_accum, std::uintptr_t dq_progress, std::uintptr_t dk,
+                        std::uintptr_t delta, std::uintptr_t dq_accum, std::uintptr_t dq_flags, std::uintptr_t dk,
                         std::uintptr_t dv, int dtype,
                         int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t q_len, int64_t kv_len,
                         int64_t head_dim, strides3 q_stride, strides3 k_stride, strides3 v_stride, strides3 dout_stride,
@@ -141,7 +141,7 @@ void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, st
     args.lse = as_ptr<float>(lse);
     args.delta = as_ptr<float>(delta);
     args.dq_accum = reinterpret_cast<float*>(dq_accum);
-    args.dq_progress = reinterpret_cast<int*>(dq_progress);
+    args.dq_flags = reinterpret_cast<int*>(dq_flags);
     args.dk = reinterpret_cast<void*>(dk);
     args.dv = reinterpret_cast<void*>(dv);
     copy_strides(args.dout_stride, dout_stride);
@@ -462,7 +462,7 @@ PYBIND11_MODULE(_C, m) {
         "(fp32 scratch floats, zeroed int32 counters) that attention_forward needs to split its last wave's tiles "
         "by keys on the current device, (0, 0) where it does not split.");
     m.def("attention_backward", &attention_backward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"),
-          py::arg("lse"), py::arg("delta"), py::arg("dq_accum"), py::arg("dq_progress"), py::arg("dk"), py::arg("dv"),
+          py::arg("lse"), py::arg("delta"), py::arg("dq_accum"), py::arg("dq_flags"), py::arg("dk"), py::arg("dv"),
           py::arg("dtype"),
           py::arg("batch"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("q_len"), py::arg("kv_len"),
           py::arg("head_dim"), py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"), py::arg("dout_stride"),
@@ -470,8 +470,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("causal"), py::arg("stream"), py::arg("group_split") = 1,
           "dK, dV (input dtype, summed over each key/value head's query heads, or over each of group_split parts of "
           "them) and dS K summed over key blocks into the fp32 dq_accum (any contents: every element is written), "
-          "from the forward's lse and delta = rowsum(dO O); dq_progress: (B, q_heads) int32 counters, zero at "
-          "launch; enqueued on `stream`.");
+          "from the forward's lse and delta = rowsum(dO O); dq_flags: (B, q_heads, ceil(q_len / 64)) int32, zero "
+          "at launch; enqueued on `stream`.");
     m.def("cross_entropy_forward", &cross_entropy_forward, py::arg("logits"), py::arg("target"), py::arg("loss"),
           py::arg("lse"), py::arg("dtype"), py::arg("rows"), py::arg("classes"), py::arg("logits_row_stride"),
           py::arg("ignore_index"), py::arg("stream"),

@@ -84,7 +84,7 @@ def attention_bwd_delta(
 
     Any strides are accepted; rows whose last dim is not contiguous are copied first. `out`, if given, is
     a float32 (B, H, S) tensor (any strides) that receives the result. `zero`, if given, is a contiguous tensor of
-    4-byte elements (int32 or float32, any shape) that the same pass sets to zero: the backward's per-head counters,
+    4-byte elements (int32 or float32, any shape) that the same pass sets to zero: the backward's per-tile dQ flags,
     cleared beside the reads instead of by a launch of their own.
     """
     check_attention_bwd_delta_args(o, grad_o)
@@ -320,9 +320,10 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
 
     Same arguments and layouts as attention_forward; o and grad_o are (B, Hq, Sq, D), lse (B, Hq, Sq) float32.
     dk and dv have k's (B, Hkv, Sk, D) shape, summed over each key/value head's query heads. All come back in the
-    input dtype. The kernels: delta = rowsum(grad_o * o), whose pass also zeroes a counter per query head; then one
-    pass over key blocks that keeps dK and dV in registers and sums dQ into an fp32 buffer (not zeroed: each query
-    tile's first writer stores, the others add after its counter says so), which a last pass scales and rounds. Grouped K/V: a block walks every query head of its group and sums dK, dV in fp32, unless that grid is
+    input dtype. The kernels: delta = rowsum(grad_o * o), whose pass also zeroes a flag per 64-row query tile; then
+    one pass over key blocks that keeps dK and dV in registers and sums dQ into an fp32 buffer (not zeroed: the first
+    block at a query tile claims it by its flag and stores, the others add after the flag says stored), which a
+    last pass scales and rounds. Grouped K/V: a block walks every query head of its group and sums dK, dV in fp32, unless that grid is
     too small for the GPU; then the group is walked in parts by more blocks (`backward_group_split`) and the parts'
     dK, dV (input dtype) summed after the kernel. _group_split (tests): that many parts, 0 for the choice above.
     """
@@ -349,11 +350,11 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     q, k, v, grad_o = _tma_readable(q), _tma_readable(k), _tma_readable(v), _tma_readable(grad_o)
     lse = _rows_tma_readable(lse)
     dq_accum = torch.empty((B, Hq, Sq, D), dtype=torch.float32, device=q.device)
-    dq_progress = torch.empty((B, Hq), dtype=torch.int32, device=q.device)
-    delta = attention_bwd_delta(o, grad_o, out=_row_vectors((B, Hq, Sq), q.device), zero=dq_progress)
+    dq_flags = torch.empty((B, Hq, -(-Sq // _BWD_QUERIES)), dtype=torch.int32, device=q.device)
+    delta = attention_bwd_delta(o, grad_o, out=_row_vectors((B, Hq, Sq), q.device), zero=dq_flags)
     with _on(q.device):
         ext.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_o.data_ptr(), lse.data_ptr(),
-                               delta.data_ptr(), dq_accum.data_ptr(), dq_progress.data_ptr(), dk.data_ptr(),
+                               delta.data_ptr(), dq_accum.data_ptr(), dq_flags.data_ptr(), dk.data_ptr(),
                                dv.data_ptr(),
                                _DTYPE_CODES[q.dtype], B, Hq, Hkv, Sq, Sk, D, list(q.stride()[:3]),
                                list(k.stride()[:3]), list(v.stride()[:3]), list(grad_o.stride()[:3]),

@@ -85,7 +85,7 @@ def test_non_contiguous_last_dim():
 @pytest.mark.parametrize("shape,strided", [((2, 3, 17, 128), False), ((1, 16, 1000, 64), True), ((3, 1, 65, 8), False),
                                            ((1, 2, 9, 4), True), ((4, 8, 4097, 128), False)])
 def test_zero_buffer_cleared_in_the_same_pass(shape, strided, dtype):
-    # The backward's per-head counters are zeroed by this pass, on the vector and the scalar paths, whatever o's
+    # The backward's per-tile dQ flags are zeroed by this pass, on the vector and the scalar paths, whatever o's
     # strides: every word of the buffer (larger than the grid's threads too), nothing of the delta changes.
     if strided:
         o = torch.randn(shape[0], shape[2], shape[1], shape[3] + 4, device="cuda", dtype=dtype)[..., :shape[3]]

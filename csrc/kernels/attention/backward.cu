@@ -7,9 +7,8 @@
 //   dV += P^T dO, dK += dS^T Q        (A operands from registers)
 // and the block's dQ tile, dS K over its 128 keys, is staged in shared memory (two buffers) and written into an
 // fp32 accumulator by the writer warp's TMA stores. That accumulator is not zeroed beforehand (a pass over 4 bytes
-// per element that cost a third of the delta pre-pass): every block walks its query tiles from the last to the
-// first, and a head's key tile 0, which walks them all and starts before the head's other blocks, stores its part
-// of each tile and counts it in (dq_progress); the others add theirs once the count says the tile is there.
+// per element that cost a third of the delta pre-pass): the first block to reach a query tile stores its part, the
+// others add theirs (write_dq).
 // The same shared-memory boxes of Q, dO and K serve as K-major and MN-major operands (wgmma::tile_at).
 #include "backward.h"
 #include "../../kittens/kittens.cuh"
@@ -79,6 +78,7 @@ struct kernel_params {
 
 struct block_work {
     int kv_tile, kv_head, batch, first_q_tile;
+    int walk_start;  // the query tile the block's walk of each head starts at (next_q_tile)
     int first_head;  // the first query head the block walks
     int out_head;    // the head of dk and dv it writes: kv_head * group_split + its split
 };
@@ -101,9 +101,19 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p) {
     }
     // Causal: query tiles that end before the block's first key see none of its keys.
     const int first = a.causal ? (kv_tile * BK) / BQ : 0;
+    // Without causal every block walks all query tiles, each from its own share of them on (key tile k from tile
+    // k q_tiles / kv_tiles, round the end), so that the blocks of a head running together are at different tiles:
+    // each is mostly the first to reach its tiles (write_dq) and their dQ adds do not queue on the same lines.
+    // Causal blocks start at their diagonal, which is already theirs alone.
+    const int start = a.causal ? first : int(int64_t(kv_tile) * p.q_tiles / p.kv_tiles);
     const int split = int(bh % a.group_split), kv_head = int(bh / a.group_split % a.kv_heads);
-    return {kv_tile, kv_head, int(bh / a.group_split / a.kv_heads), first,
+    return {kv_tile, kv_head, int(bh / a.group_split / a.kv_heads), first, start,
             kv_head * p.group + split * p.heads_per_block, kv_head * int(a.group_split) + split};
+}
+
+// The query tile after `i` in a block's walk of a head: on to the last, then round to its first.
+__device__ __forceinline__ int next_q_tile(const kernel_params& p, const block_work& w, int i) {
+    return i + 1 == p.q_tiles ? w.first_q_tile : i + 1;
 }
 
 template <typename T, int D>
@@ -125,7 +135,7 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
     pipeline::cursor<STAGES> at;
     for (int g = 0; g < p.heads_per_block; ++g) {
         const int head = w.first_head + g;
-        for (int i = p.q_tiles - 1; i >= w.first_q_tile; --i) {  // the last tile first (write_dq)
+        for (int t = w.first_q_tile, i = w.walk_start; t < p.q_tiles; ++t, i = next_q_tile(p, w, i)) {
             st.ring.wait_empty(at);
             sync::barrier& full = st.ring.full[at.stage];
             sync::arrive_expect_bytes(full, shared_state<T, D>::step_bytes);
@@ -143,28 +153,32 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
 // One producer warp issues every dQ store, so a consumer only stores its share, fences and arrives. Per step and
 // slice it waits for the staged buffer and writes its two 64 x 32 boxes into dq_accum; once they have been read,
 // the buffer goes back to its consumer for the step after next.
-// dq_accum starts as garbage. The block of key tile 0 of each (key/value head, split) is a tile's first writer:
-// it walks every query tile of its heads in the order all blocks walk them (last first), comes before the head's
-// other blocks in the grid's order (so it is running or done whenever they wait for it; it never waits for
-// them), and stores its part; once those stores are complete it raises its head's count of tiles stored. The
-// other blocks add their parts (reduce-stores) only after that count covers the tile.
+// dq_accum starts as garbage. Per query tile a flag (dq_flags, zero at launch): the first block to reach the tile
+// claims it (0 -> 1), stores its part and, once the stores are complete, marks it stored (2); any other adds its
+// part (reduce-stores), after waiting for the mark if the tile was only claimed. A block claims a tile only once
+// its claims before are marked, so a claim is always held by a block that is running and waits for nobody: no
+// block can wait for one that has yet to start, or two for each other.
 template <typename T, int D>
 __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
                                          const CUtensorMap& map_dq) {
+    constexpr int CLAIMED = 1, STORED = 2;
     const bool issuer = (threadIdx.x & 31) == 0;
     if (issuer) tma::prefetch_map(&map_dq);
-    const bool first_writer = w.kv_tile == 0;
     const int steps = p.heads_per_block * (p.q_tiles - w.first_q_tile);
-    int head = w.first_head, i = p.q_tiles - 1;
-    int* stored = p.args.dq_progress + int64_t(w.batch) * p.args.q_heads + head;  // per (batch, query head)
-    int known = 0;  // the last count read of this head's tiles stored (non-first writers)
+    int head = w.first_head, i = w.walk_start, t = w.first_q_tile;
+    int* head_flags = p.args.dq_flags + (int64_t(w.batch) * p.args.q_heads + head) * p.q_tiles;
 #pragma unroll 1  // unrolled, its copies spill at the producers' 24 registers
     for (int step = 0; step < steps; ++step) {
         const int buf = step & 1;
-        const int needed = p.q_tiles - i;  // tiles q_tiles - 1 down to i
-        if (!first_writer && issuer && known < needed) {
-            while ((known = sync::flag_acquire(stored)) < needed) __nanosleep(64);
-            tma::fence_global_async();  // the reduce-stores below come after the stores the count announced
+        int* flag = head_flags + i;
+        bool first = false;
+        if (issuer) {
+            // Claimed ahead of the staging, so that the claim's round trip runs while the consumers finish the step.
+            const int seen = sync::flag_claim(flag, CLAIMED);
+            first = seen == 0;
+            if (seen == CLAIMED)
+                while (sync::flag_acquire(flag) != STORED) __nanosleep(32);
+            if (!first) tma::fence_global_async();  // the reduce-stores below come after the stores the mark announced
         }
         __syncwarp();  // the warp meets again before the .aligned named barriers
         for (int slice = 0; slice < DQ_SLICES<D>; ++slice) {
@@ -173,7 +187,7 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
                 const uint8_t* staging = reinterpret_cast<const uint8_t*>(st.dq[buf][slice]);
                 for (int box = 0; box < DQ_COLS / 32; ++box) {
                     const int col = DQ_COLS * slice + 32 * box;
-                    if (first_writer)
+                    if (first)
                         tma::store_4d(&map_dq, staging + box * 64 * 128, col, i * BQ, head, w.batch);
                     else
                         tma::store_add_4d(&map_dq, staging + box * 64 * 128, col, i * BQ, head, w.batch);
@@ -181,22 +195,23 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
                 tma::store_commit();
             }
         }
-        if (first_writer && issuer) {
-            tma::store_wait();           // the tile's stores are complete in global memory,
-            tma::fence_global_async();   // ordered before the count that announces them
-            sync::flag_release(stored, needed);
-        }
         if (step + 2 < steps) {  // a consumer waits for this buffer two steps on
             if (issuer) tma::store_wait_read();
             __syncwarp();
             for (int slice = 0; slice < DQ_SLICES<D>; ++slice)
                 sync::named_arrive(barrier_id::dq_free(slice, buf), DQ_HANDOFF_THREADS);
         }
-        if (--i < w.first_q_tile) {
-            i = p.q_tiles - 1;
+        if (first) {
+            tma::store_wait();          // the tile's stores are complete in global memory,
+            tma::fence_global_async();  // ordered before the mark that announces them
+            sync::flag_release(flag, STORED);
+        }
+        i = next_q_tile(p, w, i);
+        if (++t == p.q_tiles) {
+            t = w.first_q_tile;
+            i = w.walk_start;
             ++head;
-            ++stored;
-            known = 0;
+            head_flags += p.q_tiles;
         }
     }
     if (issuer) tma::store_wait_read();  // the staging outlives the last reads
@@ -284,7 +299,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
 
     sync::wait(st.kv_full, 0);
     for (int g = 0; g < p.heads_per_block; ++g) {
-        for (int i = p.q_tiles - 1; i >= w.first_q_tile; --i, ++step) {  // the last tile first (write_dq)
+        for (int t = w.first_q_tile, i = w.walk_start; t < p.q_tiles; ++t, i = next_q_tile(p, w, i), ++step) {
             const int64_t q0 = int64_t(i) * BQ;
             st.ring.wait_full(at);
             const int stage = at.stage;
@@ -504,8 +519,8 @@ const char* backward_unsupported(const backward_args& a) {
     if (a.batch * a.kv_heads * a.group_split * ((a.kv_len + BK - 1) / BK) >= (int64_t(1) << 31))
         return "too many blocks";
     if (a.lse == nullptr || a.delta == nullptr) return "lse and delta must be given";
-    if (a.dq_progress == nullptr || !is_aligned(a.dq_progress, 4))
-        return "dq_progress must be given: (B, q_heads) int32 counters, zero at launch";
+    if (a.dq_flags == nullptr || !is_aligned(a.dq_flags, 4))
+        return "dq_flags must be given: (B, q_heads, ceil(q_len / 64)) int32, zero at launch";
     // TMA reads their rows: each starts 16-byte aligned (ops pads S to a multiple of 4 in memory).
     const int64_t sizes[2] = {a.batch, a.q_heads};
     for (const auto* stride : {a.lse_stride, a.delta_stride})

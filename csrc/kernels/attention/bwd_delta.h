@@ -19,7 +19,7 @@ struct bwd_delta_args {
     int rows_per_group;        // rows a lane group reduces per step: 1, 2 or 4 (0: chosen by the launcher)
     bool resident_grid;        // grid of resident blocks looping over rows (else one step per block)
     // Optional (null: none): zero_count 32-bit words, contiguous, that this pass sets to zero beside its reads (the
-    // attention backward's per-head counters: no launch of their own).
+    // attention backward's per-tile dQ flags: no launch of their own).
     uint32_t* zero_words;
     int64_t zero_count;
 };
