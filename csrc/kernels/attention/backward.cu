@@ -155,9 +155,10 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
 // the buffer goes back to its consumer for the step after next.
 // dq_accum starts as garbage. Per query tile a flag (dq_flags, zero at launch): the first block to reach the tile
 // claims it (0 -> 1), stores its part and, once the stores are complete, marks it stored (2); any other adds its
-// part (reduce-stores), after waiting for the mark if the tile was only claimed. A block claims a tile only once
-// its claims before are marked, so a claim is always held by a block that is running and waits for nobody: no
-// block can wait for one that has yet to start, or two for each other.
+// part (reduce-stores), after waiting for the mark if the tile was only claimed. A block waits for another's mark
+// only while every tile it claimed is marked, so a claim is always held by a running block that waits for nobody
+// but its own copies: no block can wait for one that has yet to start, or two for each other. The claim for the
+// next step goes out as soon as this step's copies are issued, so its round trip runs under their reads.
 template <typename T, int D>
 __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
                                          const CUtensorMap& map_dq) {
@@ -165,20 +166,19 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
     const bool issuer = (threadIdx.x & 31) == 0;
     if (issuer) tma::prefetch_map(&map_dq);
     const int steps = p.heads_per_block * (p.q_tiles - w.first_q_tile);
+    // The step's tile: query head `head`, tile i, at flag index `at` (< 2^31: a flag per 64 rows of dq_accum); `t`
+    // counts the head's tiles walked.
     int head = w.first_head, i = w.walk_start, t = w.first_q_tile;
-    int* head_flags = p.args.dq_flags + (int64_t(w.batch) * p.args.q_heads + head) * p.q_tiles;
+    int at = (w.batch * int(p.args.q_heads) + head) * p.q_tiles + i;
+    int seen = issuer ? sync::flag_claim(p.args.dq_flags + at, CLAIMED) : 0;  // the claim of the step ahead
 #pragma unroll 1  // unrolled, its copies spill at the producers' 24 registers
     for (int step = 0; step < steps; ++step) {
         const int buf = step & 1;
-        int* flag = head_flags + i;
-        bool first = false;
-        if (issuer) {
-            // Claimed ahead of the staging, so that the claim's round trip runs while the consumers finish the step.
-            const int seen = sync::flag_claim(flag, CLAIMED);
-            first = seen == 0;
+        const bool first = issuer && seen == 0;
+        if (issuer && !first) {
             if (seen == CLAIMED)
-                while (sync::flag_acquire(flag) != STORED) __nanosleep(32);
-            if (!first) tma::fence_global_async();  // the reduce-stores below come after the stores the mark announced
+                while (sync::flag_acquire(p.args.dq_flags + at) != STORED) __nanosleep(32);
+            tma::fence_global_async();  // the reduce-stores below come after the stores the mark announced
         }
         __syncwarp();  // the warp meets again before the .aligned named barriers
         for (int slice = 0; slice < DQ_SLICES<D>; ++slice) {
@@ -195,6 +195,19 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
                 tma::store_commit();
             }
         }
+        // On to the next step's tile, and its claim.
+        const int this_at = at;
+        const int next = next_q_tile(p, w, i);
+        if (++t == p.q_tiles) {  // the head's walk is done: the next head, from the walk's start
+            t = w.first_q_tile;
+            ++head;
+            at += p.q_tiles - i + w.walk_start;
+            i = w.walk_start;
+        } else {
+            at += next - i;
+            i = next;
+        }
+        if (issuer && step + 1 < steps) seen = sync::flag_claim(p.args.dq_flags + at, CLAIMED);
         if (step + 2 < steps) {  // a consumer waits for this buffer two steps on
             if (issuer) tma::store_wait_read();
             __syncwarp();
@@ -204,14 +217,7 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
         if (first) {
             tma::store_wait();          // the tile's stores are complete in global memory,
             tma::fence_global_async();  // ordered before the mark that announces them
-            sync::flag_release(flag, STORED);
-        }
-        i = next_q_tile(p, w, i);
-        if (++t == p.q_tiles) {
-            t = w.first_q_tile;
-            i = w.walk_start;
-            ++head;
-            head_flags += p.q_tiles;
+            sync::flag_release(p.args.dq_flags + this_at, STORED);
         }
     }
     if (issuer) tma::store_wait_read();  // the staging outlives the last reads
@@ -519,6 +525,7 @@ const char* backward_unsupported(const backward_args& a) {
     if (a.batch * a.kv_heads * a.group_split * ((a.kv_len + BK - 1) / BK) >= (int64_t(1) << 31))
         return "too many blocks";
     if (a.lse == nullptr || a.delta == nullptr) return "lse and delta must be given";
+    if (a.batch * a.q_heads * ((a.q_len + BQ - 1) / BQ) >= (int64_t(1) << 31)) return "too many query tiles";
     if (a.dq_flags == nullptr || !is_aligned(a.dq_flags, 4))
         return "dq_flags must be given: (B, q_heads, ceil(q_len / 64)) int32, zero at launch";
     // TMA reads their rows: each starts 16-byte aligned (ops pads S to a multiple of 4 in memory).
