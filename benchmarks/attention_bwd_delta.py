@@ -30,6 +30,8 @@ def main() -> None:
     p.add_argument("--png")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--sweep", action="store_true", help="also time every launch configuration of the kernel")
+    p.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
+                   help="o and grad_o in memory: (B, H, S, D), or (B, S, H, D) as the attention forward writes o")
     a = p.parse_args()
 
     compiled = torch.compile(eager)
@@ -38,8 +40,11 @@ def main() -> None:
         H = 2048 // D
         for S in (512, 2048, 8192, 16384):
             B = max(1, a.tokens // S)
-            o = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
-            g = torch.randn_like(o)
+            if a.layout == "bshd":
+                o = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+            else:
+                o = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+            g = torch.randn_like(o)  # o's strides
             ref = eager(o, g)
             out = ops.attention_bwd_delta(o, g)
             err = ((out - ref).norm() / ref.norm()).item()
@@ -57,7 +62,7 @@ def main() -> None:
                         print(f"  sweep {B}x{H}x{S}x{D} rows={rows_per_group} resident={resident}: "
                               f"{t * 1e3:.1f} us, {nbytes / t / 1e6:.0f} GB/s")
             rows.append({
-                "shape": f"{B}x{H}x{S}x{D}", "D": D, "S": S,
+                "shape": f"{B}x{H}x{S}x{D}", "layout": a.layout, "D": D, "S": S,
                 "tk_us": t_tk * 1e3, "eager_us": t_eager * 1e3, "compile_us": t_compile * 1e3,
                 "tk_GBps": nbytes / t_tk / 1e6, "compile_GBps": nbytes / t_compile / 1e6,
                 "copy_GBps": 2 * o.numel() * o.element_size() / t_copy / 1e6,

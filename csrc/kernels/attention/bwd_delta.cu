@@ -2,6 +2,7 @@
 #include "../../kittens/kittens.cuh"
 
 #include <algorithm>
+#include <utility>
 
 namespace tk::attention {
 namespace {
@@ -173,6 +174,13 @@ cudaError_t launch_bwd_delta(const bwd_delta_args& in, cudaStream_t stream) {
     if (bwd_delta_unsupported(in) != nullptr) return cudaErrorInvalidValue;
     if (in.batch * in.heads * in.seq == 0) return cudaSuccess;
     bwd_delta_args args = in;
+    // Rows in o's memory order: where o's heads lie closer together than its positions (the attention forward's
+    // (B, S, H, D) output seen as (B, H, S, D)), the rows go by (b, s, h), heads and positions swapped with their
+    // strides, so that a block's loads stay in a few DRAM pages instead of one row every H * D elements.
+    if (args.heads > 1 && args.seq > 1 && args.o_stride[1] < args.o_stride[2]) {
+        std::swap(args.heads, args.seq);
+        for (int64_t* stride : {args.o_stride, args.grad_o_stride, args.delta_stride}) std::swap(stride[1], stride[2]);
+    }
     if (args.rows_per_group == 0) {
         // H100 sweep (benchmarks/attention_bwd_delta.py --sweep, bf16, D 64 and 128): 2 rows per group, one step
         // per block gave 2.40 TB/s; 1 row 2.37; 4 rows lose occupancy (80 registers) and drop to 1.9.
