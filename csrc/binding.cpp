@@ -46,7 +46,7 @@ void copy_strides(int64_t (&dst)[N], const std::array<int64_t, N>& src) {
 void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t delta, int dtype, int64_t batch,
                          int64_t heads, int64_t seq, int64_t head_dim, strides3 o_stride, strides3 grad_o_stride,
                          strides3 delta_stride, std::uintptr_t stream, int rows_per_group, bool resident_grid,
-                         std::uintptr_t zero_words, int64_t zero_count) {
+                         std::uintptr_t zero_rows) {
     tk::attention::bwd_delta_args args{};
     args.o = as_ptr<void>(o);
     args.grad_o = as_ptr<void>(grad_o);
@@ -63,8 +63,7 @@ void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t
     copy_strides(args.o_stride, o_stride);
     copy_strides(args.grad_o_stride, grad_o_stride);
     copy_strides(args.delta_stride, delta_stride);
-    args.zero_words = reinterpret_cast<uint32_t*>(zero_words);
-    args.zero_count = zero_words != 0 ? zero_count : 0;
+    args.zero_rows = reinterpret_cast<float*>(zero_rows);
     if (const char* reason = tk::attention::bwd_delta_unsupported(args)) throw std::invalid_argument(reason);
     check_launch(tk::attention::launch_bwd_delta(args, reinterpret_cast<cudaStream_t>(stream)), "attention_bwd_delta");
 }
@@ -127,8 +126,7 @@ void attention_dq_finalize(std::uintptr_t accum, std::uintptr_t out, int dtype, 
 }
 
 void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t dout, std::uintptr_t lse,
-                        std::uintptr_t delta, std::uintptr_t dq_accum, std::uintptr_t dq_flags, std::uintptr_t dk,
-                        std::uintptr_t dv, int dtype,
+                        std::uintptr_t delta, std::uintptr_t dq_accum, std::uintptr_t dk, std::uintptr_t dv, int dtype,
                         int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t q_len, int64_t kv_len,
                         int64_t head_dim, strides3 q_stride, strides3 k_stride, strides3 v_stride, strides3 dout_stride,
                         strides3 dk_stride, strides3 dv_stride, std::array<int64_t, 2> lse_stride,
@@ -141,7 +139,6 @@ void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, st
     args.lse = as_ptr<float>(lse);
     args.delta = as_ptr<float>(delta);
     args.dq_accum = reinterpret_cast<float*>(dq_accum);
-    args.dq_flags = reinterpret_cast<int*>(dq_flags);
     args.dk = reinterpret_cast<void*>(dk);
     args.dv = reinterpret_cast<void*>(dv);
     copy_strides(args.dout_stride, dout_stride);
@@ -428,10 +425,9 @@ PYBIND11_MODULE(_C, m) {
     m.def("attention_bwd_delta", &attention_bwd_delta, py::arg("o"), py::arg("grad_o"), py::arg("delta"),
           py::arg("dtype"), py::arg("batch"), py::arg("heads"), py::arg("seq"), py::arg("head_dim"),
           py::arg("o_stride"), py::arg("grad_o_stride"), py::arg("delta_stride"), py::arg("stream"),
-          py::arg("rows_per_group") = 0, py::arg("resident_grid") = true, py::arg("zero_words") = 0,
-          py::arg("zero_count") = 0,
-          "delta[b,h,s] = sum_d grad_o[b,h,s,d] * o[b,h,s,d] in fp32, enqueued on `stream`; zero_words (optional): "
-          "zero_count contiguous 32-bit words set to zero in the same pass.");
+          py::arg("rows_per_group") = 0, py::arg("resident_grid") = true, py::arg("zero_rows") = 0,
+          "delta[b,h,s] = sum_d grad_o[b,h,s,d] * o[b,h,s,d] in fp32, enqueued on `stream`; zero_rows (optional): a "
+          "contiguous fp32 (B, H, S, head_dim) buffer set to zero in the same pass.");
     m.def("attention_dq_finalize", &attention_dq_finalize, py::arg("accum"), py::arg("out"), py::arg("dtype"),
           py::arg("count"), py::arg("scale"), py::arg("stream"),
           "out = scale * accum (fp32, contiguous) rounded to bf16/fp16, `count` elements (a multiple of 8); "
@@ -462,16 +458,14 @@ PYBIND11_MODULE(_C, m) {
         "(fp32 scratch floats, zeroed int32 counters) that attention_forward needs to split its last wave's tiles "
         "by keys on the current device, (0, 0) where it does not split.");
     m.def("attention_backward", &attention_backward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"),
-          py::arg("lse"), py::arg("delta"), py::arg("dq_accum"), py::arg("dq_flags"), py::arg("dk"), py::arg("dv"),
-          py::arg("dtype"),
+          py::arg("lse"), py::arg("delta"), py::arg("dq_accum"), py::arg("dk"), py::arg("dv"), py::arg("dtype"),
           py::arg("batch"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("q_len"), py::arg("kv_len"),
           py::arg("head_dim"), py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"), py::arg("dout_stride"),
           py::arg("dk_stride"), py::arg("dv_stride"), py::arg("lse_stride"), py::arg("delta_stride"), py::arg("scale"),
           py::arg("causal"), py::arg("stream"), py::arg("group_split") = 1,
           "dK, dV (input dtype, summed over each key/value head's query heads, or over each of group_split parts of "
-          "them) and dS K summed over key blocks into the fp32 dq_accum (any contents: every element is written), "
-          "from the forward's lse and delta = rowsum(dO O); dq_flags: (B, q_heads, ceil(q_len / 64)) int32, zero "
-          "at launch; enqueued on `stream`.");
+          "them) and dS K added into the zeroed fp32 dq_accum, from the forward's lse and delta = rowsum(dO O); "
+          "enqueued on `stream`.");
     m.def("cross_entropy_forward", &cross_entropy_forward, py::arg("logits"), py::arg("target"), py::arg("loss"),
           py::arg("lse"), py::arg("dtype"), py::arg("rows"), py::arg("classes"), py::arg("logits_row_stride"),
           py::arg("ignore_index"), py::arg("stream"),

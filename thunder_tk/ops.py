@@ -83,9 +83,9 @@ def attention_bwd_delta(
     """delta[b, h, s] = sum_d grad_o[b, h, s, d] * o[b, h, s, d], in fp32, by the tk kernel.
 
     Any strides are accepted; rows whose last dim is not contiguous are copied first. `out`, if given, is
-    a float32 (B, H, S) tensor (any strides) that receives the result. `zero`, if given, is a contiguous tensor of
-    4-byte elements (int32 or float32, any shape) that the same pass sets to zero: the backward's per-tile dQ flags,
-    cleared beside the reads instead of by a launch of their own.
+    a float32 (B, H, S) tensor (any strides) that receives the result. `zero`, if given, is a contiguous float32
+    (B, H, S, D) tensor (D a multiple of 4) that the same pass sets to zero: the backward's dQ accumulator, cleared
+    beside the reads instead of by a fill of its own.
     """
     check_attention_bwd_delta_args(o, grad_o)
     ext = _require_kernels(o.device)
@@ -103,15 +103,15 @@ def attention_bwd_delta(
                 f"got {out.dtype} {tuple(out.shape)} on {out.device}"
             )
         delta = out
-    if zero is not None and (not isinstance(zero, torch.Tensor) or zero.dtype not in (torch.int32, torch.float32)
-                             or not zero.is_contiguous() or zero.device != o.device):
-        raise ValueError(f"zero must be a contiguous int32 or float32 tensor on {o.device}")
+    if zero is not None and (not isinstance(zero, torch.Tensor) or zero.dtype != torch.float32
+                             or tuple(zero.shape) != (B, H, S, D) or not zero.is_contiguous()
+                             or zero.device != o.device):
+        raise ValueError(f"zero must be a contiguous float32 tensor of shape {(B, H, S, D)} on {o.device}")
     with _on(o.device):
         ext.attention_bwd_delta(
             o.data_ptr(), grad_o.data_ptr(), delta.data_ptr(), _DTYPE_CODES[o.dtype], B, H, S, D,
             list(o.stride()[:3]), list(grad_o.stride()[:3]), list(delta.stride()), _stream_handle(o.device),
             *_tuning, zero.data_ptr() if zero is not None and zero.numel() else 0,
-            zero.numel() if zero is not None else 0,
         )
     return delta
 
@@ -320,10 +320,9 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
 
     Same arguments and layouts as attention_forward; o and grad_o are (B, Hq, Sq, D), lse (B, Hq, Sq) float32.
     dk and dv have k's (B, Hkv, Sk, D) shape, summed over each key/value head's query heads. All come back in the
-    input dtype. The kernels: delta = rowsum(grad_o * o), whose pass also zeroes a flag per 64-row query tile; then
-    one pass over key blocks that keeps dK and dV in registers and sums dQ into an fp32 buffer (not zeroed: the first
-    block at a query tile claims it by its flag and stores, the others add after the flag says stored), which a
-    last pass scales and rounds. Grouped K/V: a block walks every query head of its group and sums dK, dV in fp32, unless that grid is
+    input dtype. The kernels: delta = rowsum(grad_o * o), whose pass also zeroes an fp32 dQ buffer; then one pass
+    over key blocks that keeps dK and dV in registers and adds dQ into that buffer, which a last pass scales and
+    rounds. Grouped K/V: a block walks every query head of its group and sums dK, dV in fp32, unless that grid is
     too small for the GPU; then the group is walked in parts by more blocks (`backward_group_split`) and the parts'
     dK, dV (input dtype) summed after the kernel. _group_split (tests): that many parts, 0 for the choice above.
     """
@@ -350,12 +349,10 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     q, k, v, grad_o = _tma_readable(q), _tma_readable(k), _tma_readable(v), _tma_readable(grad_o)
     lse = _rows_tma_readable(lse)
     dq_accum = torch.empty((B, Hq, Sq, D), dtype=torch.float32, device=q.device)
-    dq_flags = torch.empty((B, Hq, -(-Sq // _BWD_QUERIES)), dtype=torch.int32, device=q.device)
-    delta = attention_bwd_delta(o, grad_o, out=_row_vectors((B, Hq, Sq), q.device), zero=dq_flags)
+    delta = attention_bwd_delta(o, grad_o, out=_row_vectors((B, Hq, Sq), q.device), zero=dq_accum)
     with _on(q.device):
         ext.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_o.data_ptr(), lse.data_ptr(),
-                               delta.data_ptr(), dq_accum.data_ptr(), dq_flags.data_ptr(), dk.data_ptr(),
-                               dv.data_ptr(),
+                               delta.data_ptr(), dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                                _DTYPE_CODES[q.dtype], B, Hq, Hkv, Sq, Sk, D, list(q.stride()[:3]),
                                list(k.stride()[:3]), list(v.stride()[:3]), list(grad_o.stride()[:3]),
                                list(dk.stride()[:3]), list(dv.stride()[:3]), list(lse.stride()[:2]),

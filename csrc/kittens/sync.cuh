@@ -74,14 +74,6 @@ __device__ __forceinline__ int flag_acquire(const int* flag) {
     return value;
 }
 
-// Sets a flag that still holds 0 to `value` and returns what it held, with acquire semantics: where it held a
-// released value, this thread's later reads see what was written before that release.
-__device__ __forceinline__ int flag_claim(int* flag, int value) {
-    int seen;
-    asm volatile("atom.acquire.gpu.global.cas.b32 %0, [%1], 0, %2;" : "=r"(seen) : "l"(flag), "r"(value) : "memory");
-    return seen;
-}
-
 }  // namespace tk::sync
 
 namespace tk::sync {

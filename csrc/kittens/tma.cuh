@@ -121,11 +121,6 @@ __device__ __forceinline__ void fence_shared_to_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-// Orders async-proxy (TMA) accesses to global memory against this thread's generic ones on either side: after a
-// completed TMA store and before the flag that announces it, and after reading such a flag and before a TMA
-// access to what it announced.
-__device__ __forceinline__ void fence_global_async() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
-
 // Byte offset of byte `byte_col` of line `row` in lines of 128 bytes written with the 128-byte swizzle (16-byte
 // chunks XOR-ed with the row within 8): any element type, e.g. fp32 tiles of 32 columns.
 __device__ __forceinline__ uint32_t swizzled_byte_offset_128b(int row, int byte_col) {

@@ -67,6 +67,20 @@ def test_strided_views_without_copies(dtype):
     check(o, g)
 
 
+@pytest.mark.parametrize("shape", [(2, 16, 2048, 128), (1, 3, 17, 64), (3, 5, 1, 64), (2, 1, 40, 128)])
+def test_forward_output_layout_both_tensors(shape):
+    # o and grad_o both (B, S, H, D) in memory, as LitGPT hands them (rows then go by (b, s, h) and collapse into one
+    # stride); the delta written into a (B, H, S) row-padded buffer, poisoned.
+    B, H, S, D = shape
+    o, g = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in "og")
+    check(o, g)
+    padded = torch.full((B, H, S + 3), float("nan"), device="cuda")
+    out = padded[..., :S]
+    ops.attention_bwd_delta(o, g, out=out)
+    assert delta_err(out, o, g) < TOL
+    assert torch.isnan(padded[..., S:]).all()
+
+
 def test_misaligned_and_odd_strides_take_the_scalar_path():
     flat = torch.randn(1 + 2 * 3 * 11 * 64, device="cuda", dtype=torch.bfloat16)
     o = flat[1:].view(2, 3, 11, 64)  # base 2 bytes off 16-byte alignment
@@ -85,19 +99,18 @@ def test_non_contiguous_last_dim():
 @pytest.mark.parametrize("shape,strided", [((2, 3, 17, 128), False), ((1, 16, 1000, 64), True), ((3, 1, 65, 8), False),
                                            ((1, 2, 9, 4), True), ((4, 8, 4097, 128), False)])
 def test_zero_buffer_cleared_in_the_same_pass(shape, strided, dtype):
-    # The backward's per-tile dQ flags are zeroed by this pass, on the vector and the scalar paths, whatever o's
-    # strides: every word of the buffer (larger than the grid's threads too), nothing of the delta changes.
+    # The backward's dQ accumulator is zeroed by this pass (rows of D floats beside each row's reads), on the
+    # vector and the scalar paths, whatever o's strides: every element of it, nothing of the delta changes.
     if strided:
         o = torch.randn(shape[0], shape[2], shape[1], shape[3] + 4, device="cuda", dtype=dtype)[..., :shape[3]]
         o = o.transpose(1, 2)
     else:
         o = torch.randn(shape, device="cuda", dtype=dtype)
     g = torch.randn(shape, device="cuda", dtype=dtype)
-    for zero in (torch.full(shape[:2], -7, device="cuda", dtype=torch.int32),
-                 torch.full((3, 100_003), float("nan"), device="cuda")):
-        out = torch.full(shape[:3], float("nan"), device="cuda")
-        ops.attention_bwd_delta(o, g, out=out, zero=zero)
-        assert torch.equal(zero, torch.zeros_like(zero))
+    zero = torch.full(shape, float("nan"), device="cuda")
+    out = torch.full(shape[:3], float("nan"), device="cuda")
+    ops.attention_bwd_delta(o, g, out=out, zero=zero)
+    assert torch.equal(zero, torch.zeros_like(zero))
     assert delta_err(out, o, g) < TOL
     assert torch.equal(out, ops.attention_bwd_delta(o, g))
 
@@ -105,13 +118,13 @@ def test_zero_buffer_cleared_in_the_same_pass(shape, strided, dtype):
 def test_zero_buffer_must_fit():
     o = torch.randn(2, 3, 17, 64, device="cuda", dtype=torch.bfloat16)
     for bad in (torch.zeros(2, 3, 17, 64, device="cuda", dtype=torch.float16),
-                torch.zeros(2, 3, 64, device="cuda", dtype=torch.int64),
-                torch.zeros(2, 3, 64, 17, device="cuda").transpose(-1, -2),
-                torch.zeros(2, 3, device="cpu", dtype=torch.int32)):
-        with pytest.raises(ValueError, match="zero must be a contiguous int32 or float32"):
+                torch.zeros(2, 3, 18, 64, device="cuda"),
+                torch.zeros(2, 3, 64, 17, device="cuda").transpose(-1, -2)):
+        with pytest.raises(ValueError, match="zero must be a contiguous float32"):
             ops.attention_bwd_delta(o, o, zero=bad)
-    empty = torch.zeros(0, device="cuda", dtype=torch.int32)
-    assert delta_err(ops.attention_bwd_delta(o, o, zero=empty), o, o) < TOL
+    odd = torch.randn(1, 1, 5, 6, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="zero_rows needs head_dim a multiple of 4"):
+        ops.attention_bwd_delta(odd, odd, zero=torch.zeros(1, 1, 5, 6, device="cuda"))
 
 
 def test_strided_output():

@@ -5,10 +5,8 @@
 // (grouped-query attention needs no atomics for them). Per query tile a consumer computes
 //   S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - delta),
 //   dV += P^T dO, dK += dS^T Q        (A operands from registers)
-// and the block's dQ tile, dS K over its 128 keys, is staged in shared memory (two buffers) and written into an
-// fp32 accumulator by the writer warp's TMA stores. That accumulator is not zeroed beforehand (a pass over 4 bytes
-// per element that cost a third of the delta pre-pass): the first block to reach a query tile stores its part, the
-// others add theirs (write_dq).
+// and the block's dQ tile, dS K over its 128 keys, is staged in shared memory (two buffers) and added into an
+// fp32 accumulator by the writer warp's TMA reduce-stores.
 // The same shared-memory boxes of Q, dO and K serve as K-major and MN-major operands (wgmma::tile_at).
 #include "backward.h"
 #include "../../kittens/kittens.cuh"
@@ -78,7 +76,6 @@ struct kernel_params {
 
 struct block_work {
     int kv_tile, kv_head, batch, first_q_tile;
-    int walk_start;  // the query tile the block's walk of each head starts at (next_q_tile)
     int first_head;  // the first query head the block walks
     int out_head;    // the head of dk and dv it writes: kv_head * group_split + its split
 };
@@ -101,19 +98,9 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p) {
     }
     // Causal: query tiles that end before the block's first key see none of its keys.
     const int first = a.causal ? (kv_tile * BK) / BQ : 0;
-    // Without causal every block walks all query tiles, each from its own share of them on (key tile k from tile
-    // k q_tiles / kv_tiles, round the end), so that the blocks of a head running together are at different tiles:
-    // each is mostly the first to reach its tiles (write_dq) and their dQ adds do not queue on the same lines.
-    // Causal blocks start at their diagonal, which is already theirs alone.
-    const int start = a.causal ? first : int(int64_t(kv_tile) * p.q_tiles / p.kv_tiles);
     const int split = int(bh % a.group_split), kv_head = int(bh / a.group_split % a.kv_heads);
-    return {kv_tile, kv_head, int(bh / a.group_split / a.kv_heads), first, start,
+    return {kv_tile, kv_head, int(bh / a.group_split / a.kv_heads), first,
             kv_head * p.group + split * p.heads_per_block, kv_head * int(a.group_split) + split};
-}
-
-// The query tile after `i` in a block's walk of a head: on to the last, then round to its first.
-__device__ __forceinline__ int next_q_tile(const kernel_params& p, const block_work& w, int i) {
-    return i + 1 == p.q_tiles ? w.first_q_tile : i + 1;
 }
 
 template <typename T, int D>
@@ -135,7 +122,7 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
     pipeline::cursor<STAGES> at;
     for (int g = 0; g < p.heads_per_block; ++g) {
         const int head = w.first_head + g;
-        for (int t = w.first_q_tile, i = w.walk_start; t < p.q_tiles; ++t, i = next_q_tile(p, w, i)) {
+        for (int i = w.first_q_tile; i < p.q_tiles; ++i) {
             st.ring.wait_empty(at);
             sync::barrier& full = st.ring.full[at.stage];
             sync::arrive_expect_bytes(full, shared_state<T, D>::step_bytes);
@@ -150,74 +137,38 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
     }
 }
 
-// One producer warp issues every dQ store, so a consumer only stores its share, fences and arrives. Per step and
-// slice it waits for the staged buffer and writes its two 64 x 32 boxes into dq_accum; once they have been read,
+// One producer warp issues every dQ reduce-add, so a consumer only stores its share, fences and arrives. Per step
+// and slice it waits for the staged buffer and adds its two 64 x 32 boxes into dq_accum; once they have been read,
 // the buffer goes back to its consumer for the step after next.
-// dq_accum starts as garbage. Per query tile a flag (dq_flags, zero at launch): the first block to reach the tile
-// claims it (0 -> 1), stores its part and, once the stores are complete, marks it stored (2); any other adds its
-// part (reduce-stores), after waiting for the mark if the tile was only claimed. A block waits for another's mark
-// only while every tile it claimed is marked, so a claim is always held by a running block that waits for nobody
-// but its own copies: no block can wait for one that has yet to start, or two for each other. The claim for the
-// next step goes out as soon as this step's copies are issued, so its round trip runs under their reads.
 template <typename T, int D>
 __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
                                          const CUtensorMap& map_dq) {
-    constexpr int CLAIMED = 1, STORED = 2;
     const bool issuer = (threadIdx.x & 31) == 0;
     if (issuer) tma::prefetch_map(&map_dq);
     const int steps = p.heads_per_block * (p.q_tiles - w.first_q_tile);
-    // The step's tile: query head `head`, tile i, at flag index `at` (< 2^31: a flag per 64 rows of dq_accum); `t`
-    // counts the head's tiles walked.
-    int head = w.first_head, i = w.walk_start, t = w.first_q_tile;
-    int at = (w.batch * int(p.args.q_heads) + head) * p.q_tiles + i;
-    int seen = issuer ? sync::flag_claim(p.args.dq_flags + at, CLAIMED) : 0;  // the claim of the step ahead
+    int head = w.first_head, i = w.first_q_tile;
 #pragma unroll 1  // unrolled, its copies spill at the producers' 24 registers
     for (int step = 0; step < steps; ++step) {
         const int buf = step & 1;
-        const bool first = issuer && seen == 0;
-        if (issuer && !first) {
-            if (seen == CLAIMED)
-                while (sync::flag_acquire(p.args.dq_flags + at) != STORED) __nanosleep(32);
-            tma::fence_global_async();  // the reduce-stores below come after the stores the mark announced
-        }
-        __syncwarp();  // the warp meets again before the .aligned named barriers
         for (int slice = 0; slice < DQ_SLICES<D>; ++slice) {
             sync::named_sync(barrier_id::dq_staged(slice, buf), DQ_HANDOFF_THREADS);
             if (issuer) {
                 const uint8_t* staging = reinterpret_cast<const uint8_t*>(st.dq[buf][slice]);
-                for (int box = 0; box < DQ_COLS / 32; ++box) {
-                    const int col = DQ_COLS * slice + 32 * box;
-                    if (first)
-                        tma::store_4d(&map_dq, staging + box * 64 * 128, col, i * BQ, head, w.batch);
-                    else
-                        tma::store_add_4d(&map_dq, staging + box * 64 * 128, col, i * BQ, head, w.batch);
-                }
+                for (int box = 0; box < DQ_COLS / 32; ++box)
+                    tma::store_add_4d(&map_dq, staging + box * 64 * 128, DQ_COLS * slice + 32 * box, i * BQ, head,
+                                      w.batch);
                 tma::store_commit();
             }
         }
-        // On to the next step's tile, and its claim.
-        const int this_at = at;
-        const int next = next_q_tile(p, w, i);
-        if (++t == p.q_tiles) {  // the head's walk is done: the next head, from the walk's start
-            t = w.first_q_tile;
-            ++head;
-            at += p.q_tiles - i + w.walk_start;
-            i = w.walk_start;
-        } else {
-            at += next - i;
-            i = next;
-        }
-        if (issuer && step + 1 < steps) seen = sync::flag_claim(p.args.dq_flags + at, CLAIMED);
         if (step + 2 < steps) {  // a consumer waits for this buffer two steps on
             if (issuer) tma::store_wait_read();
             __syncwarp();
             for (int slice = 0; slice < DQ_SLICES<D>; ++slice)
                 sync::named_arrive(barrier_id::dq_free(slice, buf), DQ_HANDOFF_THREADS);
         }
-        if (first) {
-            tma::store_wait();          // the tile's stores are complete in global memory,
-            tma::fence_global_async();  // ordered before the mark that announces them
-            sync::flag_release(p.args.dq_flags + this_at, STORED);
+        if (++i == p.q_tiles) {
+            i = w.first_q_tile;
+            ++head;
         }
     }
     if (issuer) tma::store_wait_read();  // the staging outlives the last reads
@@ -305,7 +256,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
 
     sync::wait(st.kv_full, 0);
     for (int g = 0; g < p.heads_per_block; ++g) {
-        for (int t = w.first_q_tile, i = w.walk_start; t < p.q_tiles; ++t, i = next_q_tile(p, w, i), ++step) {
+        for (int i = w.first_q_tile; i < p.q_tiles; ++i, ++step) {
             const int64_t q0 = int64_t(i) * BQ;
             st.ring.wait_full(at);
             const int stage = at.stage;
@@ -525,9 +476,6 @@ const char* backward_unsupported(const backward_args& a) {
     if (a.batch * a.kv_heads * a.group_split * ((a.kv_len + BK - 1) / BK) >= (int64_t(1) << 31))
         return "too many blocks";
     if (a.lse == nullptr || a.delta == nullptr) return "lse and delta must be given";
-    if (a.batch * a.q_heads * ((a.q_len + BQ - 1) / BQ) >= (int64_t(1) << 31)) return "too many query tiles";
-    if (a.dq_flags == nullptr || !is_aligned(a.dq_flags, 4))
-        return "dq_flags must be given: (B, q_heads, ceil(q_len / 64)) int32, zero at launch";
     // TMA reads their rows: each starts 16-byte aligned (ops pads S to a multiple of 4 in memory).
     const int64_t sizes[2] = {a.batch, a.q_heads};
     for (const auto* stride : {a.lse_stride, a.delta_stride})

@@ -16,10 +16,7 @@ struct backward_args {
     const void* dout;      // dO, the gradient of O
     const float* lse;      // the forward's log-sum-exp (natural log), (B, q_heads, q_len): strides batch, head
     const float* delta;    // rowsum(dO * O) in fp32, (B, q_heads, q_len): strides batch, head
-    float* dq_accum;       // fp32 (B, q_heads, q_len, D), contiguous, any contents: receives dS K (not yet times
-                           // scale), every element written
-    int* dq_flags;         // (B, q_heads, ceil(q_len / 64)) int32, zero at launch (the delta pre-pass zeroes them):
-                           // per query tile of dq_accum, whether a block has claimed or stored it (backward.cu)
+    float* dq_accum;       // zeroed fp32 (B, q_heads, q_len, D), contiguous: receives dS K (not yet times scale)
     void* dk;              // input dtype, (B, kv_heads * group_split, kv_len, D): times scale, summed over the head
     void* dv;              // group, or over each of its group_split parts (head kv * group_split + part)
     int dtype;             // tk::dtype: bf16 or fp16

@@ -29,8 +29,8 @@ __device__ __forceinline__ row_index split_row(const bwd_delta_args& a, int64_t 
 
 // Element offsets of row `row` in o and grad_o. FLAT: the (B, H, S) dims of both collapse into one stride, so no
 // division is needed (contiguous rows, or the forward's (B, S, H, D) output once launch_bwd_delta swaps H and S).
-// The delta's offset is worked out apart (delta_offset), once a row's loads are in: carried beside them, its
-// divisions cost the strided case a third of its blocks per multiprocessor (88 registers against 70).
+// The delta's offset is worked out apart (delta_offset), once a row's sum is in: carried beside the loads, it took
+// the strided path to 88 registers at 2 rows (2 blocks of 256 threads a multiprocessor; 70 now, 3 blocks).
 template <bool FLAT>
 __device__ __forceinline__ row_offsets offsets_of(const bwd_delta_args& a, int64_t row) {
     if constexpr (FLAT) {
@@ -58,9 +58,6 @@ __global__ void __launch_bounds__(kThreads) bwd_delta_kernel(const bwd_delta_arg
     const int64_t rows = args.batch * args.heads * args.seq;
     const int64_t D = args.head_dim;
 
-    for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < args.zero_count;
-         i += int64_t(gridDim.x) * kThreads)
-        args.zero_words[i] = 0u;
     // Bounds are uniform across the block, so every lane reaches every shuffle.
     for (int64_t first = int64_t(blockIdx.x) * rows_per_step; first < rows;
          first += int64_t(gridDim.x) * rows_per_step) {
@@ -97,6 +94,15 @@ __global__ void __launch_bounds__(kThreads) bwd_delta_kernel(const bwd_delta_arg
         for (int i = 0; i < kRows; ++i) {
             const float total = group::sum(acc[i]);
             if (valid[i] && group::rank() == 0) args.delta[delta_offset(args, row_of(i))] = total;
+        }
+        // Every row of zero_rows is cleared once, whichever order the rows go in (launch_bwd_delta).
+        if (args.zero_rows != nullptr) {
+#pragma unroll
+            for (int i = 0; i < kRows; ++i) {
+                if (!valid[i]) continue;
+                float4* row = reinterpret_cast<float4*>(args.zero_rows + row_of(i) * D);
+                for (int64_t c = group::rank(); c < D / 4; c += LANES) row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
         }
     }
 }
@@ -172,8 +178,8 @@ cudaError_t dispatch_vector(const bwd_delta_args& args, cudaStream_t stream) {
 }  // namespace
 
 const char* bwd_delta_unsupported(const bwd_delta_args& a) {
-    if (a.zero_count < 0 || (a.zero_count > 0 && (a.zero_words == nullptr || !is_aligned(a.zero_words, 4))))
-        return "zero_words must be a 4-byte aligned buffer of zero_count >= 0 words";
+    if (a.zero_rows != nullptr && (a.head_dim % 4 != 0 || !is_aligned(a.zero_rows, 16)))
+        return "zero_rows needs head_dim a multiple of 4 and a 16-byte aligned buffer";
     return nullptr;
 }
 
@@ -181,9 +187,9 @@ cudaError_t launch_bwd_delta(const bwd_delta_args& in, cudaStream_t stream) {
     if (bwd_delta_unsupported(in) != nullptr) return cudaErrorInvalidValue;
     if (in.batch * in.heads * in.seq == 0) return cudaSuccess;
     bwd_delta_args args = in;
-    // Rows in o's memory order: where o's heads lie closer together than its positions (the attention forward's
-    // (B, S, H, D) output seen as (B, H, S, D)), the rows go by (b, s, h), heads and positions swapped with their
-    // strides, so that a block's loads stay in a few DRAM pages instead of one row every H * D elements.
+    // Where o's heads lie closer together than its positions (the attention forward's (B, S, H, D) output seen as
+    // (B, H, S, D)), the rows go by (b, s, h): heads and positions swapped with their strides, so that o and a
+    // grad_o laid out alike collapse into one stride and take the flat path (no divisions, 70 registers).
     if (args.heads > 1 && args.seq > 1 && args.o_stride[1] < args.o_stride[2]) {
         std::swap(args.heads, args.seq);
         for (int64_t* stride : {args.o_stride, args.grad_o_stride, args.delta_stride}) std::swap(stride[1], stride[2]);

@@ -18,10 +18,10 @@ struct bwd_delta_args {
     int64_t delta_stride[3];   // strides of delta
     int rows_per_group;        // rows a lane group reduces per step: 1, 2 or 4 (0: chosen by the launcher)
     bool resident_grid;        // grid of resident blocks looping over rows (else one step per block)
-    // Optional (null: none): zero_count 32-bit words, contiguous, that this pass sets to zero beside its reads (the
-    // attention backward's per-tile dQ flags: no launch of their own).
-    uint32_t* zero_words;
-    int64_t zero_count;
+    // Optional (null: none): a contiguous fp32 (B, H, S, head_dim) buffer that this pass sets to zero, row by row
+    // beside its reads (the backward's dQ accumulator: one pass over memory instead of a separate fill).
+    // head_dim a multiple of 4, 16-byte aligned.
+    float* zero_rows;
 };
 
 // Why `args` cannot run, or nullptr.
