@@ -187,10 +187,13 @@ cudaError_t launch_bwd_delta(const bwd_delta_args& in, cudaStream_t stream) {
     if (bwd_delta_unsupported(in) != nullptr) return cudaErrorInvalidValue;
     if (in.batch * in.heads * in.seq == 0) return cudaSuccess;
     bwd_delta_args args = in;
-    // Where o's heads lie closer together than its positions (the attention forward's (B, S, H, D) output seen as
-    // (B, H, S, D)), the rows go by (b, s, h): heads and positions swapped with their strides, so that o and a
-    // grad_o laid out alike collapse into one stride and take the flat path (no divisions, 70 registers).
-    if (args.heads > 1 && args.seq > 1 && args.o_stride[1] < args.o_stride[2]) {
+    // Where both o's and grad_o's heads lie closer together than their positions (the attention forward's
+    // (B, S, H, D) output seen as (B, H, S, D), and LitGPT's gradient of it), the rows go by (b, s, h): heads and
+    // positions swapped with their strides, so that both collapse into one stride and take the flat path (no
+    // divisions, 64 registers). Not where only o is laid out so (a contiguous grad_o): its rows would then be
+    // S * D elements apart instead of o's H * D (0.105 against 0.096 ms at B = 8, H = 16, S = 2048, D = 128).
+    if (args.heads > 1 && args.seq > 1 && args.o_stride[1] < args.o_stride[2] &&
+        args.grad_o_stride[1] < args.grad_o_stride[2]) {
         std::swap(args.heads, args.seq);
         for (int64_t* stride : {args.o_stride, args.grad_o_stride, args.delta_stride}) std::swap(stride[1], stride[2]);
     }
