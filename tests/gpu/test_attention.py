@@ -337,6 +337,31 @@ def test_running_max_rising_block_by_block(D, causal, rise, dtype):
     check(q, k, v, causal=causal, lse_tol=LSE_TOL + 1e-5 * ref_lse.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rise", [2.0, 9.0, 200.0])
+@pytest.mark.parametrize("D,S,causal", [(64, 1000, False), (64, 2100, True), (128, 1000, False), (128, 700, True)])
+def test_running_max_rising_in_one_warp_of_rows(D, S, causal, rise, dtype):
+    # Only the second warp's 16 rows of each 64-row slice see scores rising by `rise` (base 2) per key block; the
+    # other rows' scores stay small. The kernel takes each block against the maximum it keeps and checks the
+    # exponents' partial sums per warp: a warp whose rows passed it scores its block again alone (rise 9: every
+    # block; 200: the exponents overflow fp32 first), while the other warps of its warpgroup keep their first pass.
+    B, H = 1, 3
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q = torch.randn(B, H, S, D, device="cuda", generator=g) * 0.05
+    k = torch.randn(B, H, S, D, device="cuda", generator=g) * 0.05
+    v = torch.randn(B, H, S, D, device="cuda", generator=g)
+    scale = D ** -0.5
+    rows = torch.arange(S, device="cuda")
+    q[..., 0] = ((rows % 64) // 16 == 1).float()
+    block = torch.arange(S, device="cuda") // 128
+    k[..., 0] = block * rise / (scale * 1.4426950408889634)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if dtype == torch.float16 and rise == 200.0:
+        k = k.clamp(-60000, 60000)  # fp16's range; the scores still jump by far more than 2^128 between blocks
+    ref_lse = reference(q, k, v, causal)[1]
+    check(q, k, v, causal=causal, lse_tol=LSE_TOL + 1e-5 * ref_lse.abs().max().item())
+
+
 def test_large_positive_offset():
     # All scores large and positive with a tiny spread: lse ~ offset + log(Sk), softmax nearly uniform.
     q, k, v = make(1, 4, 4, 300, 500, 64, torch.bfloat16, seed=5)

@@ -292,7 +292,7 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     // The maximum is taken on raw scores (scale > 0 keeps their order) and scaled once per row.
     const float c = p.scale_log2;
     bool moved = true;  // warp-uniform: the last softmax moved some row's maximum (o needs rescaling)
-    auto softmax = [&](int j) {
+    auto mask = [&](int j) {
         const int64_t key0 = int64_t(j) * BN;
         if (key0 + BN > a.kv_len || (a.causal && key0 + BN - 1 > row0)) {
             // Keys past kv_len and (causal) past the row are masked: each element is one compare of its
@@ -306,6 +306,9 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
             for (int i = 0; i < BN / 2; ++i)
                 if (rt::column_offset(i) > (rt::is_bottom(i) ? last_bottom : last_top)) s.d[i] = -INFINITY;
         }
+    };
+    auto softmax = [&](int j) {
+        mask(j);
         rt::row_vec block_max;
         rt::row_max(block_max, s);
         rt::row_vec m_new{fmaxf(m.top, block_max.top * c), fmaxf(m.bottom, block_max.bottom * c)};
@@ -332,6 +335,73 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
         l = {l.top * alpha.top + sum_top, l.bottom * alpha.bottom + sum_bottom};
         m = m_new;
         return alpha;
+    };
+
+    // The same block against the maximum in use, without the block's own maxima (64 FMNMX and their shuffles a
+    // thread, on the path from the scores to the exponents): every exponent is taken against m, and the block is
+    // kept when each of this warp's partial row sums (32 keys) is at most 2^LAZY_SLACK, which bounds every exponent
+    // as the lazy rule does, so the result is the one softmax(j) gives when no row moves. Otherwise (a row passed
+    // the maximum, an exponent overflowed, or NaN) returns false and the caller scores the block again for
+    // softmax(j). Rows with no key yet (m = -inf; l and o are 0) take 0 as their maximum.
+    auto softmax_against_max = [&](int j) {
+        mask(j);
+        const rt::row_vec base{m.top == -INFINITY ? 0.0f : m.top, m.bottom == -INFINITY ? 0.0f : m.bottom};
+        float sum_top = 0.0f, sum_bottom = 0.0f;
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+            const bool bottom = rt::is_bottom(i);
+            const float e = exp2_approx(fmaf(s.d[i], c, -(bottom ? base.bottom : base.top)));
+            s.d[i] = e;
+            if (bottom)
+                sum_bottom += e;
+            else
+                sum_top += e;
+        }
+        constexpr float bound = float(1 << int(LAZY_SLACK));
+        if (!__all_sync(0xffffffffu, sum_top <= bound && sum_bottom <= bound)) return false;
+        l = {l.top + sum_top, l.bottom + sum_bottom};
+        m = base;
+        moved = false;
+        return true;
+    };
+
+    // softmax_against_max's rare path: this thread's raw scores of the block, Q and K read from shared memory and
+    // multiplied on the CUDA cores. Warp-local, so one warp can take it alone (a wgmma would need the whole
+    // warpgroup to agree first); fp32 sums of exact products, as the tensor cores form them.
+    auto rescore = [&](int stage) {
+        const int top = slice * 64 + rt::top_row();
+        auto chunk_of = [&](const T* panel, int line, int chunk) {
+            return *reinterpret_cast<const uint4*>(reinterpret_cast<const uint8_t*>(panel) +
+                                                   tma::swizzled_byte_offset_128b(line, chunk * 16));
+        };
+        auto element = [](const uint4& raw, int k) { return to_float(reinterpret_cast<const T*>(&raw)[k]); };
+        // Eight keys' columns (four registers) per turn, rotated into s at its end: a rolled loop holds few
+        // registers (three warpgroups have 160), and registers are named by constants only.
+#pragma unroll 1
+        for (int g = 0; g < BN / 8; ++g) {
+            float fresh[4];
+#pragma unroll
+            for (int pair = 0; pair < 2; ++pair) {
+                const int key = rt::column(4 * g + pair);
+                float sum_top = 0.0f, sum_bottom = 0.0f;
+#pragma unroll 1
+                for (int c = 0; c < D / 8; ++c) {  // 8 elements of D at a time: one 16-byte swizzle chunk
+                    const uint4 qt = chunk_of(q[c / 8].data, top, c % 8), qb = chunk_of(q[c / 8].data, top + 8, c % 8);
+                    const uint4 kx = chunk_of(st.k[stage][c / 8].data, key, c % 8);
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) {
+                        sum_top = fmaf(element(qt, k), element(kx, k), sum_top);
+                        sum_bottom = fmaf(element(qb, k), element(kx, k), sum_bottom);
+                    }
+                }
+                fresh[pair] = sum_top;
+                fresh[2 + pair] = sum_bottom;
+            }
+#pragma unroll
+            for (int i = 0; i < BN / 2 - 4; ++i) s.d[i] = s.d[i + 4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s.d[BN / 2 - 4 + i] = fresh[i];
+        }
     };
 
     // Ping-pong: a warpgroup issues its products only in its turn and then hands the turn to the next (round
@@ -372,9 +442,17 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
         hand_over();
         wgmma::wait<1>();  // the scores (committed first) are done; P V may still run
         wgmma::pin(s.d);
+        rt::row_vec alpha{1.0f, 1.0f};
+        if (!softmax_against_max(j)) {
+            // Rare: this warp's scores of the block again (K's stage is still held), then the softmax with its
+            // maxima. P V's registers are freed first (three warpgroups' 160 registers hold no more).
+            wgmma::wait<0>();
+            wgmma::pin(o.d);
+            rescore(at_k.stage);
+            alpha = softmax(j);
+        }
         if (lane0) sync::arrive(st.k_ring.empty[at_k.stage]);
         at_k.advance();
-        const rt::row_vec alpha = softmax(j);
         // The wait for P V after a branch on the softmax's result: in the softmax's own block, ptxas hoists it to
         // the block's top (ahead of the exponents, which then no longer overlap P V).
         if (moved) {
