@@ -390,7 +390,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     // Reached through an integer, so its plain loads and stores stay generic (LD.E / ST.E): with aligned_shared's
     // LDS / STS the D = 64 backward ran 3-8% slower at S >= 2048 (H100, same-machine A/B; ncu: the lse/delta reads
     // then wait on the short scoreboard and MIO queue, beside the products' shared-memory reads), D = 128 even.
-    auto& st = *reinterpret_cast<state_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+    auto& st = aligned_shared<state_t>(raw_smem);
     if (threadIdx.x == 0) {
         // full: the TMA thread (Q, dO, lse and delta bytes); empty: lane 0 of every consumer warp.
         st.ring.init(1, CONSUMERS * 4);
