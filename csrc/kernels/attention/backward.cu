@@ -387,10 +387,17 @@ __global__ void __launch_bounds__(THREADS, 1)
                     const __grid_constant__ CUtensorMap map_delta, const __grid_constant__ kernel_params p) {
     using state_t = shared_state<T, D>;
     extern __shared__ uint8_t raw_smem[];
-    // Reached through an integer, so its plain loads and stores stay generic (LD.E / ST.E): with aligned_shared's
-    // LDS / STS the D = 64 backward ran 3-8% slower at S >= 2048 (H100, same-machine A/B; ncu: the lse/delta reads
-    // then wait on the short scoreboard and MIO queue, beside the products' shared-memory reads), D = 128 even.
-    auto& st = aligned_shared<state_t>(raw_smem);
+    // At D = 128 reached through an integer, so its plain loads and stores stay generic (LD.E / ST.E); at D = 64 as
+    // shared memory (LDS / STS). In one process against the other kind (H100, 2026-11-24, benchmarks/NOTES.md):
+    // shared at D = 64 1.015-1.026x at S = 2048-8192, at D = 128 0.986-1.002x (once, at 2026-11-22's kernel, the
+    // reverse; ncu then: the lse/delta reads wait on the short scoreboard and MIO queue beside the products'
+    // shared-memory reads).
+    state_t* state;
+    if constexpr (D == 64)
+        state = &aligned_shared<state_t>(raw_smem);
+    else
+        state = reinterpret_cast<state_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+    auto& st = *state;
     if (threadIdx.x == 0) {
         // full: the TMA thread (Q, dO, lse and delta bytes); empty: lane 0 of every consumer warp.
         st.ring.init(1, CONSUMERS * 4);
