@@ -9,6 +9,7 @@ paired ratios, with their range.
 
     python3 benchmarks/ab_inprocess.py --ref-site /tmp/ref_site --rounds 9 --head-dims 128 --seq-lens 2048 8192
     python3 benchmarks/ab_inprocess.py --ref-site /tmp/ref_site --bench gemm --llama-1b
+    python3 benchmarks/ab_inprocess.py --ref-site /tmp/ref_site --no-backward --rise 3.5 9   # rising scores
 
 The reference's package is copied with every `thunder_tk` module name rewritten and imported without its __init__
 (no second Thunder executor); the two extension modules must not both register a pybind11 type globally (the
@@ -79,11 +80,27 @@ def compare_gemm(cur, ref, name: str, M: int, N: int, K: int, layouts, rounds: i
     return rows
 
 
-def compare_point(cur, ref, B, H, S, D, causal, rounds: int, backward: bool) -> list[dict]:
-    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+def rising_inputs(B, H, S, D, rise: float):
+    """q, k, v whose scores rise by about `rise` (base 2) from one 128-key block to the next in every row: the
+    running maximum of the forward's online softmax is passed block after block (the kernels' slow paths)."""
+    q = torch.randn(B, H, S, D, device="cuda") * 0.05
+    k = torch.randn(B, H, S, D, device="cuda") * 0.05
+    q[..., 0] = 1.0
+    k[..., 0] = (torch.arange(S, device="cuda") // 128) * rise / (D ** -0.5 * 1.4426950408889634)
+    v = torch.randn(B, H, S, D, device="cuda")
+    return q.bfloat16(), k.bfloat16(), v.bfloat16()
+
+
+def compare_point(cur, ref, B, H, S, D, causal, rounds: int, backward: bool, rise: float | None = None) -> list[dict]:
+    if rise is None:
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    else:
+        q, k, v = rising_inputs(B, H, S, D, rise)
     g = torch.randn_like(q)
     rows = []
     point = {"shape": f"{B}x{H}x{S}x{D}", "S": S, "D": D, "causal": causal}
+    if rise is not None:
+        point["rise"] = rise
     outs = {side: ops.attention_forward(q, k, v, is_causal=causal) for side, ops in (("current", cur),
                                                                                      ("reference", ref))}
     passes = {"fwd": ({side: (lambda ops=ops: ops.attention_forward(q, k, v, is_causal=causal))
@@ -107,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--mask", choices=("both", "causal", "full"), default="both")
     p.add_argument("--no-backward", action="store_true")
+    p.add_argument("--rise", type=float, nargs="+", help="attention: inputs whose scores rise by each of these "
+                   "(base 2) per 128-key block, instead of random ones (the forward's paths past its running maximum)")
     p.add_argument("--quick", action="store_true", help="gemm: gemm.py's quick problems")
     p.add_argument("--llama-1b", action="store_true", help="gemm: the Llama-3.2-1B step's problems")
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="gemm: products to time")
@@ -138,10 +157,12 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
         else:
             masks = {"both": (False, True), "causal": (True,), "full": (False,)}[a.mask]
-            for B, H, S, D, causal in points(a.seq_lens, a.head_dims, masks):
-                for row in compare_point(cur, ref, B, H, S, D, causal, a.rounds, not a.no_backward):
-                    report(row, f"{row['shape']:>14} {'causal' if causal else 'full':>6}")
-                torch.cuda.empty_cache()
+            for rise in a.rise or [None]:
+                for B, H, S, D, causal in points(a.seq_lens, a.head_dims, masks):
+                    for row in compare_point(cur, ref, B, H, S, D, causal, a.rounds, not a.no_backward, rise):
+                        label = f"{row['shape']:>14} {'causal' if causal else 'full':>6}"
+                        report(row, label if rise is None else f"{label} rise {rise:g}")
+                    torch.cuda.empty_cache()
     if rows:
         gm = statistics.geometric_mean([r["ratio"] for r in rows])
         print(f"geometric mean current/{a.ref_label}: {gm:.3f} over {len(rows)} values")

@@ -338,13 +338,14 @@ def test_running_max_rising_block_by_block(D, causal, rise, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("rise", [2.0, 9.0, 200.0])
+@pytest.mark.parametrize("rise", [2.0, 3.5, 9.0, 200.0])
 @pytest.mark.parametrize("D,S,causal", [(64, 1000, False), (64, 2100, True), (128, 1000, False), (128, 700, True)])
 def test_running_max_rising_in_one_warp_of_rows(D, S, causal, rise, dtype):
     # Only the second warp's 16 rows of each 64-row slice see scores rising by `rise` (base 2) per key block; the
     # other rows' scores stay small. The kernel takes each block against the maximum it keeps and checks the
-    # exponents' partial sums per warp: a warp whose rows passed it scores its block again alone (rise 9: every
-    # block; 200: the exponents overflow fp32 first), while the other warps of its warpgroup keep their first pass.
+    # exponents' partial sums per warp. Rise 2: they pass; 3.5: they fail but no exponent passes 2^8 (kept as is);
+    # 9: the warp's rows move to the block's maxima, taken from the exponents; 200: the exponents overflow fp32 and
+    # that warp alone scores its block again, while the other warps of its warpgroup keep their first pass.
     B, H = 1, 3
     g = torch.Generator(device="cuda").manual_seed(12)
     q = torch.randn(B, H, S, D, device="cuda", generator=g) * 0.05

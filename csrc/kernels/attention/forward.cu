@@ -338,12 +338,14 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     };
 
     // The same block against the maximum in use, without the block's own maxima (64 FMNMX and their shuffles a
-    // thread, on the path from the scores to the exponents): every exponent is taken against m, and the block is
-    // kept when each of this warp's partial row sums (32 keys) is at most 2^LAZY_SLACK, which bounds every exponent
-    // as the lazy rule does, so the result is the one softmax(j) gives when no row moves. Otherwise (a row passed
-    // the maximum, an exponent overflowed, or NaN) returns false and the caller scores the block again for
-    // softmax(j). Rows with no key yet (m = -inf; l and o are 0) take 0 as their maximum.
-    auto softmax_against_max = [&](int j) {
+    // thread, on the path from the scores to the exponents): every exponent is taken against m. Where each of this
+    // warp's partial row sums (32 keys) is at most 2^LAZY_SLACK, every exponent is too, and the block is kept as
+    // softmax(j) keeps it when no row moves. Otherwise the maxima are taken from the exponents themselves, and where
+    // a row passed the maximum by more than the slack, every row of the warp moves to its block maximum as in
+    // softmax(j) (its exponents divided by it; alpha rescales o). Returns false only where an exponent overflowed
+    // (a block 2^128 above the maximum): the caller then scores the block again for softmax(j). Rows with no key
+    // yet (m = -inf; l and o are 0) take 0 as their maximum.
+    auto softmax_against_max = [&](int j, rt::row_vec& alpha) {
         mask(j);
         const rt::row_vec base{m.top == -INFINITY ? 0.0f : m.top, m.bottom == -INFINITY ? 0.0f : m.bottom};
         float sum_top = 0.0f, sum_bottom = 0.0f;
@@ -358,10 +360,24 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
                 sum_top += e;
         }
         constexpr float bound = float(1 << int(LAZY_SLACK));
-        if (!__all_sync(0xffffffffu, sum_top <= bound && sum_bottom <= bound)) return false;
-        l = {l.top + sum_top, l.bottom + sum_bottom};
-        m = base;
         moved = false;
+        m = base;
+        if (!__all_sync(0xffffffffu, sum_top <= bound && sum_bottom <= bound)) {
+            if (__any_sync(0xffffffffu, sum_top == INFINITY || sum_bottom == INFINITY)) return false;
+            rt::row_vec big;
+            rt::row_max(big, s);
+            moved = __any_sync(0xffffffffu, big.top > bound || big.bottom > bound);
+            if (moved) {
+                const rt::row_vec up{fmaxf(big.top, 1.0f), fmaxf(big.bottom, 1.0f)};
+                alpha = {1.0f / up.top, 1.0f / up.bottom};
+                rt::mul_rows(s, s, alpha);
+                sum_top *= alpha.top;
+                sum_bottom *= alpha.bottom;
+                l = {l.top * alpha.top, l.bottom * alpha.bottom};
+                m = {base.top + __log2f(up.top), base.bottom + __log2f(up.bottom)};
+            }
+        }
+        l = {l.top + sum_top, l.bottom + sum_bottom};
         return true;
     };
 
@@ -443,9 +459,9 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
         wgmma::wait<1>();  // the scores (committed first) are done; P V may still run
         wgmma::pin(s.d);
         rt::row_vec alpha{1.0f, 1.0f};
-        if (!softmax_against_max(j)) {
-            // Rare: this warp's scores of the block again (K's stage is still held), then the softmax with its
-            // maxima. P V's registers are freed first (three warpgroups' 160 registers hold no more).
+        if (!softmax_against_max(j, alpha)) {
+            // Overflowed (rare): this warp's scores of the block again (K's stage is still held), then the softmax
+            // with its maxima. P V's registers are freed first (three warpgroups' 160 registers hold no more).
             wgmma::wait<0>();
             wgmma::pin(o.d);
             rescore(at_k.stage);
