@@ -9,7 +9,7 @@ paired ratios, with their range.
 
     python3 benchmarks/ab_inprocess.py --ref-site /tmp/ref_site --rounds 9 --head-dims 128 --seq-lens 2048 8192
     python3 benchmarks/ab_inprocess.py --ref-site /tmp/ref_site --bench gemm --llama-1b
-    python3 benchmarks/ab_inprocess.py --ref-site /tmp/ref_site --no-backward --rise 3.5 9   # rising scores
+    python3 benchmarks/ab_inprocess.py --ref-site /tmp/ref_site --no-backward --rise random 3.5 9   # rising scores
 
 The reference's package is copied with every `thunder_tk` module name rewritten and imported without its __init__
 (no second Thunder executor); the two extension modules must not both register a pybind11 type globally (the
@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--mask", choices=("both", "causal", "full"), default="both")
     p.add_argument("--no-backward", action="store_true")
-    p.add_argument("--rise", type=float, nargs="+", help="attention: inputs whose scores rise by each of these "
-                   "(base 2) per 128-key block, instead of random ones (the forward's paths past its running maximum)")
+    p.add_argument("--rise", nargs="+", help="attention: inputs whose scores rise by each of these (base 2) per "
+                   "128-key block, or `random` (the default inputs): the forward's paths past its running maximum")
     p.add_argument("--quick", action="store_true", help="gemm: gemm.py's quick problems")
     p.add_argument("--llama-1b", action="store_true", help="gemm: the Llama-3.2-1B step's problems")
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="gemm: products to time")
@@ -133,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
+    try:
+        rises = [None if r == "random" else float(r) for r in a.rise or ["random"]]
+    except ValueError:
+        p.error("--rise takes numbers (base-2 rise per key block) or `random`")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/ab_inprocess.py needs a CUDA GPU")
     from thunder_tk import ops as cur
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
         else:
             masks = {"both": (False, True), "causal": (True,), "full": (False,)}[a.mask]
-            for rise in a.rise or [None]:
+            for rise in rises:
                 for B, H, S, D, causal in points(a.seq_lens, a.head_dims, masks):
                     for row in compare_point(cur, ref, B, H, S, D, causal, a.rounds, not a.no_backward, rise):
                         label = f"{row['shape']:>14} {'causal' if causal else 'full':>6}"
