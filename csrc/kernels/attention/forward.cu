@@ -368,13 +368,15 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
             rt::row_max(big, s);
             moved = __any_sync(0xffffffffu, big.top > bound || big.bottom > bound);
             if (moved) {
-                const rt::row_vec up{fmaxf(big.top, 1.0f), fmaxf(big.bottom, 1.0f)};
-                alpha = {1.0f / up.top, 1.0f / up.bottom};
+                // log2 of the rows' largest exponents (0 where below 1) raises m; alpha = 2^-that scales by
+                // special-function instructions alone (a division would bring its slow-path call into the loop).
+                const rt::row_vec up{__log2f(fmaxf(big.top, 1.0f)), __log2f(fmaxf(big.bottom, 1.0f))};
+                alpha = {exp2_approx(-up.top), exp2_approx(-up.bottom)};
                 rt::mul_rows(s, s, alpha);
                 sum_top *= alpha.top;
                 sum_bottom *= alpha.bottom;
                 l = {l.top * alpha.top, l.bottom * alpha.bottom};
-                m = {base.top + __log2f(up.top), base.bottom + __log2f(up.bottom)};
+                m = {base.top + up.top, base.bottom + up.bottom};
             }
         }
         l = {l.top + sum_top, l.bottom + sum_bottom};
