@@ -342,9 +342,9 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     // warp's partial row sums (32 keys) is at most 2^LAZY_SLACK, every exponent is too, and the block is kept as
     // softmax(j) keeps it when no row moves. Otherwise the maxima are taken from the exponents themselves, and where
     // a row passed the maximum by more than the slack, every row of the warp moves to its block maximum as in
-    // softmax(j) (its exponents divided by it; alpha rescales o). Returns false only where an exponent overflowed
-    // (a block 2^128 above the maximum): the caller then scores the block again for softmax(j). Rows with no key
-    // yet (m = -inf; l and o are 0) take 0 as their maximum.
+    // softmax(j) (its exponents divided by it; alpha rescales o). Returns false only where a partial sum passed
+    // 2^126 (a block about 2^126 above the maximum, or overflowed): the caller then scores the block again for
+    // softmax(j). Rows with no key yet (m = -inf; l and o are 0) take 0 as their maximum.
     auto softmax_against_max = [&](int j, rt::row_vec& alpha) {
         mask(j);
         const rt::row_vec base{m.top == -INFINITY ? 0.0f : m.top, m.bottom == -INFINITY ? 0.0f : m.bottom};
@@ -363,7 +363,10 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
         moved = false;
         m = base;
         if (!__all_sync(0xffffffffu, sum_top <= bound && sum_bottom <= bound)) {
-            if (__any_sync(0xffffffffu, sum_top == INFINITY || sum_bottom == INFINITY)) return false;
+            // Past 2^126 the rescale below, 2^-log2(max), would flush to zero (ex2.approx.ftz), and past 2^128
+            // the exponents overflowed: both go back to the scores. (NaN stays here and propagates.)
+            constexpr float top_bound = 0x1p126f;
+            if (__any_sync(0xffffffffu, sum_top > top_bound || sum_bottom > top_bound)) return false;
             rt::row_vec big;
             rt::row_max(big, s);
             moved = __any_sync(0xffffffffu, big.top > bound || big.bottom > bound);
