@@ -307,6 +307,19 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
                 if (rt::column_offset(i) > (rt::is_bottom(i) ? last_bottom : last_top)) s.d[i] = -INFINITY;
         }
     };
+    // s becomes exp2(scaled s - base) in place, each row's sum over this thread's columns added to sum_top/bottom.
+    auto exponents = [&](const rt::row_vec& base, float& sum_top, float& sum_bottom) {
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+            const bool bottom = rt::is_bottom(i);
+            const float e = exp2_approx(fmaf(s.d[i], c, -(bottom ? base.bottom : base.top)));
+            s.d[i] = e;
+            if (bottom)
+                sum_bottom += e;
+            else
+                sum_top += e;
+        }
+    };
     auto softmax = [&](int j) {
         mask(j);
         rt::row_vec block_max;
@@ -322,16 +335,7 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
                                m_new.bottom == -INFINITY ? 0.0f : m_new.bottom};
         const rt::row_vec alpha{exp2_approx(m.top - base.top), exp2_approx(m.bottom - base.bottom)};
         float sum_top = 0.0f, sum_bottom = 0.0f;
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {
-            const bool bottom = rt::is_bottom(i);
-            const float e = exp2_approx(fmaf(s.d[i], c, -(bottom ? base.bottom : base.top)));
-            s.d[i] = e;
-            if (bottom)
-                sum_bottom += e;
-            else
-                sum_top += e;
-        }
+        exponents(base, sum_top, sum_bottom);
         l = {l.top * alpha.top + sum_top, l.bottom * alpha.bottom + sum_bottom};
         m = m_new;
         return alpha;
@@ -349,16 +353,7 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
         mask(j);
         const rt::row_vec base{m.top == -INFINITY ? 0.0f : m.top, m.bottom == -INFINITY ? 0.0f : m.bottom};
         float sum_top = 0.0f, sum_bottom = 0.0f;
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {
-            const bool bottom = rt::is_bottom(i);
-            const float e = exp2_approx(fmaf(s.d[i], c, -(bottom ? base.bottom : base.top)));
-            s.d[i] = e;
-            if (bottom)
-                sum_bottom += e;
-            else
-                sum_top += e;
-        }
+        exponents(base, sum_top, sum_bottom);
         constexpr float bound = float(1 << int(LAZY_SLACK));
         moved = false;
         m = base;
