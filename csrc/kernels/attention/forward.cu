@@ -5,7 +5,9 @@
 // warpgroups (two at D = 128, three at D = 64) each own 64 query rows, keep S, P and O in registers, and overlap the
 // softmax of key block j with the P V product of block j - 1 (issued before it, waited for after it); the
 // warpgroups take turns to issue their products (ping-pong, round robin), so their softmax runs while another's
-// products keep the tensor cores busy. Tails in both lengths are handled
+// products keep the tensor cores busy. After a tile's first key block, each block's exponents are taken against the
+// running maximum without the block's own maxima first (softmax_against_max), with slower paths for the rare block
+// that passes it. Tails in both lengths are handled
 // in-kernel: TMA zero-fills rows past the end, the softmax masks keys past kv_len, and the O store is clipped.
 #include "forward.h"
 #include "../../kittens/kittens.cuh"
