@@ -126,3 +126,13 @@ def test_in_process_reference_must_exist(tmp_path, monkeypatch):
     ab = load_ab_inprocess(monkeypatch)
     with pytest.raises(SystemExit, match="no thunder_tk package"):
         ab.import_renamed(tmp_path, tmp_path)
+
+
+def test_in_process_rise_takes_numbers_or_random(tmp_path, monkeypatch, capsys):
+    """--rise names the inputs (rising scores per key block, or random ones); anything else is an argument error
+    named as such, before any GPU is looked for."""
+    ab = load_ab_inprocess(monkeypatch)
+    with pytest.raises(SystemExit) as exc:
+        ab.main(["--ref-site", str(tmp_path), "--rise", "random", "steep"])
+    assert exc.value.code == 2
+    assert "--rise takes numbers" in capsys.readouterr().err
