@@ -309,9 +309,26 @@ def test_large_scores(D, causal, dtype):
     # nearly one-hot, so each new key block may raise the max and rescale what was accumulated.
     q, k, v = make(2, 4, 2, 700, 700, D, dtype, seed=4)
     q, k = q * 30, k * 30
+    check_large_lse(q, k, v, causal)  # |lse| reaches ~4000 here
+
+
+def rising_scores(B, H, S, D, rise, dtype, seed, rising_rows):
+    """q, k, v with small random scores, plus, in the query rows where rising_rows(row index) holds, a score that
+    sits `rise` (base 2, at the default scale) higher in each 128-key block than in the block before."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, H, S, D, device="cuda", generator=g) * 0.05
+    k = torch.randn(B, H, S, D, device="cuda", generator=g) * 0.05
+    v = torch.randn(B, H, S, D, device="cuda", generator=g)
+    q[..., 0] = rising_rows(torch.arange(S, device="cuda")).float()
+    block = torch.arange(S, device="cuda") // 128
+    k[..., 0] = block * rise / (D ** -0.5 * 1.4426950408889634)  # base-2 score of a key: about its block times rise
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def check_large_lse(q, k, v, causal=False):
+    # |lse| reaches the thousands with large scores, where an fp32 ulp is ~1e-4 and the scores' fp32 sums carry error
+    # of a few 1e-4: allow the absolute lse tolerance plus a relative 1e-5.
     ref_lse = reference(q, k, v, causal)[1]
-    # |lse| reaches ~4000 here, where an fp32 ulp is 2.4e-4 and the scores' fp32 sums carry error of a few 1e-4:
-    # allow the absolute lse tolerance plus a relative 1e-5.
     check(q, k, v, causal=causal, lse_tol=LSE_TOL + 1e-5 * ref_lse.abs().max().item())
 
 
@@ -323,18 +340,8 @@ def test_running_max_rising_block_by_block(D, causal, rise, dtype):
     # the kernel lets a block pass the maximum it keeps before it moves it and rescales o (lazy rescaling): so the
     # maximum is kept on some blocks, with exponents up to 2^8, and moved on others, and the last block dominates.
     # Queries vary a little per row; 1000 keys end in a part-filled block.
-    B, H, S = 1, 4, 1000
-    g = torch.Generator(device="cuda").manual_seed(11)
-    q = torch.randn(B, H, S, D, device="cuda", generator=g) * 0.05
-    k = torch.randn(B, H, S, D, device="cuda", generator=g) * 0.05
-    v = torch.randn(B, H, S, D, device="cuda", generator=g)
-    scale = D ** -0.5
-    q[..., 0] = 1.0
-    block = torch.arange(S, device="cuda") // 128
-    k[..., 0] = block * rise / (scale * 1.4426950408889634)  # base-2 score of a key: about its block times rise
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    ref_lse = reference(q, k, v, causal)[1]
-    check(q, k, v, causal=causal, lse_tol=LSE_TOL + 1e-5 * ref_lse.abs().max().item())
+    q, k, v = rising_scores(1, 4, 1000, D, rise, dtype, seed=11, rising_rows=lambda rows: rows >= 0)
+    check_large_lse(q, k, v, causal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
@@ -346,21 +353,10 @@ def test_running_max_rising_in_one_warp_of_rows(D, S, causal, rise, dtype):
     # exponents' partial sums per warp. Rise 2: they pass; 3.5: they fail but no exponent passes 2^8 (kept as is);
     # 9: the warp's rows move to the block's maxima, taken from the exponents; 200: the exponents overflow fp32 and
     # that warp alone scores its block again, while the other warps of its warpgroup keep their first pass.
-    B, H = 1, 3
-    g = torch.Generator(device="cuda").manual_seed(12)
-    q = torch.randn(B, H, S, D, device="cuda", generator=g) * 0.05
-    k = torch.randn(B, H, S, D, device="cuda", generator=g) * 0.05
-    v = torch.randn(B, H, S, D, device="cuda", generator=g)
-    scale = D ** -0.5
-    rows = torch.arange(S, device="cuda")
-    q[..., 0] = ((rows % 64) // 16 == 1).float()
-    block = torch.arange(S, device="cuda") // 128
-    k[..., 0] = block * rise / (scale * 1.4426950408889634)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    q, k, v = rising_scores(1, 3, S, D, rise, dtype, seed=12, rising_rows=lambda rows: (rows % 64) // 16 == 1)
     if dtype == torch.float16 and rise == 200.0:
         k = k.clamp(-60000, 60000)  # fp16's range; the scores still jump by far more than 2^128 between blocks
-    ref_lse = reference(q, k, v, causal)[1]
-    check(q, k, v, causal=causal, lse_tol=LSE_TOL + 1e-5 * ref_lse.abs().max().item())
+    check_large_lse(q, k, v, causal)
 
 
 def test_large_positive_offset():
@@ -368,8 +364,7 @@ def test_large_positive_offset():
     q, k, v = make(1, 4, 4, 300, 500, 64, torch.bfloat16, seed=5)
     q = (q * 0.05 + 4).to(torch.bfloat16)
     k = (k * 0.05 + 4).to(torch.bfloat16)
-    ref_lse = reference(q, k, v)[1]
-    check(q, k, v, lse_tol=LSE_TOL + 1e-5 * ref_lse.abs().max().item())
+    check_large_lse(q, k, v)
 
 
 def test_runs_on_the_current_stream():
