@@ -403,9 +403,10 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
                 const int key = rt::column(4 * g + pair);
                 float sum_top = 0.0f, sum_bottom = 0.0f;
 #pragma unroll 1
-                for (int c = 0; c < D / 8; ++c) {  // 8 elements of D at a time: one 16-byte swizzle chunk
-                    const uint4 qt = chunk_of(q[c / 8].data, top, c % 8), qb = chunk_of(q[c / 8].data, top + 8, c % 8);
-                    const uint4 kx = chunk_of(st.k[stage][c / 8].data, key, c % 8);
+                for (int d8 = 0; d8 < D / 8; ++d8) {  // 8 elements of D at a time: one 16-byte swizzle chunk
+                    const int panel = d8 / 8, chunk = d8 % 8;
+                    const uint4 qt = chunk_of(q[panel].data, top, chunk), qb = chunk_of(q[panel].data, top + 8, chunk);
+                    const uint4 kx = chunk_of(st.k[stage][panel].data, key, chunk);
 #pragma unroll
                     for (int k = 0; k < 8; ++k) {
                         sum_top = fmaf(element(qt, k), element(kx, k), sum_top);
