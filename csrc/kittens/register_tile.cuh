@@ -141,6 +141,14 @@ __device__ __forceinline__ void store_matrices_x4(uint32_t row_address, uint32_t
                  : "memory");
 }
 
+__device__ __forceinline__ void load_matrices_x4(uint32_t row_address, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                                 uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(row_address)
+                 : "memory");
+}
+
 // An fp32 accumulator tile (64 x K) as a 16-bit A operand: the accumulator's 8 values of each 16-column slice
 // sit exactly where the A fragment wants them, so this is a pairwise rounding with no data movement.
 template <typename T, int K>

@@ -28,12 +28,14 @@ struct stmatrix_lane {
     // One stmatrix.x4: 8-column groups `group` and `group + 1` from fragment column col0 (one 16-column slice),
     // their four packed registers in matrix order, to the panel holding them, in the 128-byte swizzle.
     template <typename Panel>
+    __device__ __forceinline__ uint32_t address(int col0, int group, Panel panel) const {
+        const int col = col0 + (group + m / 2) * 8;  // the first column of this lane's matrix
+        return static_cast<uint32_t>(__cvta_generic_to_shared(panel(col) + tma::swizzled_offset_128b(row, col % 64)));
+    }
+    template <typename Panel>
     __device__ __forceinline__ void store(int col0, int group, Panel panel, uint32_t r0, uint32_t r1, uint32_t r2,
                                           uint32_t r3) const {
-        const int col = col0 + (group + m / 2) * 8;  // the first column of this lane's matrix
-        store_matrices_x4(static_cast<uint32_t>(__cvta_generic_to_shared(
-                              panel(col) + tma::swizzled_offset_128b(row, col % 64))),
-                          r0, r1, r2, r3);
+        store_matrices_x4(address(col0, group, panel), r0, r1, r2, r3);
     }
 };
 }  // namespace detail
@@ -70,6 +72,16 @@ __device__ __forceinline__ void store_swizzled(const a_operand<T, K>& a, int row
 #pragma unroll
     for (int slice = 0; slice < K / 16; ++slice)
         at.store(0, slice * 2, panel, a.r[slice][0], a.r[slice][1], a.r[slice][2], a.r[slice][3]);
+}
+
+// The reverse: rows [row0, row0 + 64) of 16-bit panels in the 128-byte swizzle (as TMA loads them) as a warpgroup's
+// A fragment, K columns deep, with ldmatrix (the same lanes and matrix order as stmatrix above).
+template <typename T, int K, typename Panel>
+__device__ __forceinline__ void load_swizzled(a_operand<T, K>& a, int row0, Panel panel) {
+    const detail::stmatrix_lane at(row0);
+#pragma unroll
+    for (int slice = 0; slice < K / 16; ++slice)
+        load_matrices_x4(at.address(0, slice * 2, panel), a.r[slice][0], a.r[slice][1], a.r[slice][2], a.r[slice][3]);
 }
 
 }  // namespace tk::rt

@@ -88,12 +88,30 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], const TileA& a, int a_row
                                                                              b.slice(b_row0, k16), accumulate);
 }
 
+// D(64 x N) = A[a_row0 : a_row0 + 64, 16-slice] * B[0 : N, 16-slice]^T, D's old values dead: the first product of
+// an accumulator that is refilled, so that the compiler need not keep it alive in between (mma with accumulate = 0
+// reads D, and an accumulator refilled every loop turn stays live all the way round).
+template <int N, typename T, typename TileA, typename TileB>
+__device__ __forceinline__ void mma_overwrite(float (&d)[N / 2], const TileA& a, int a_row0, const TileB& b,
+                                              int b_row0, int k16) {
+    detail::mma_ss<N, T>::template run_overwrite<int(TileA::layout), int(TileB::layout)>(d, a.slice(a_row0, k16),
+                                                                                       b.slice(b_row0, k16));
+}
+
 // D(64 x N) (+)= A[:, 16-slice a_k16] * B[b_row0 : b_row0 + N, 16-slice b_k16]^T with A in registers (for
 // instance P = softmax(S) converted by rt::to_a_operand). Registers of A written since the last fence() need one.
 template <int N, typename T, int K, typename TileB>
 __device__ __forceinline__ void mma(float (&d)[N / 2], const rt::a_operand<T, K>& a, int a_k16, const TileB& b,
                                     int b_row0, int b_k16, int accumulate) {
     detail::mma_rs<N, T>::template run<int(TileB::layout)>(d, a.r[a_k16], b.slice(b_row0, b_k16), accumulate);
+}
+
+// D(64 x N) = A[:, 16-slice a_k16] * B[b_row0 : b_row0 + N, 16-slice b_k16]^T with A in registers, D's old values
+// dead (see the shared-memory mma_overwrite).
+template <int N, typename T, int K, typename TileB>
+__device__ __forceinline__ void mma_overwrite(float (&d)[N / 2], const rt::a_operand<T, K>& a, int a_k16,
+                                              const TileB& b, int b_row0, int b_k16) {
+    detail::mma_rs<N, T>::template run_overwrite<int(TileB::layout)>(d, a.r[a_k16], b.slice(b_row0, b_k16));
 }
 
 // Position of accumulator element d[i] of the calling thread in its warpgroup's 64 x N tile.

@@ -34,6 +34,10 @@ static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, C
 // Consumer warpgroups that compute a share of dQ (DQ_COLS columns from DQ_COLS * slice): D = 128 both, D = 64 the
 // first.
 constexpr int DQ_COLS = 64;
+// S^T's A (this warpgroup's K rows) from registers, loaded once: D = 64 (16 registers). At D = 128 (32) ptxas runs
+// short beside dK, dV, S^T, dP^T and P^T and serialises every wgmma.
+template <int D>
+constexpr bool K_IN_REGISTERS = D == 64;
 template <int D>
 constexpr int DQ_SLICES = D / DQ_COLS;
 
@@ -198,6 +202,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     rt::acc_tile<64> s, dp;
     rt::acc_tile<DQ_COLS> dq;
     rt::a_operand<T, 64> pt, dst;
+    rt::a_operand<T, K_IN_REGISTERS<D> ? D : 16> k_rows;  // this warpgroup's 64 keys, for the whole walk
     pipeline::cursor<STAGES> at;
     int step = 0;
 
@@ -208,9 +213,29 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
 #pragma unroll
         for (int d = 0; d < D / 64; ++d)
 #pragma unroll
-            for (int k16 = 0; k16 < 4; ++k16)
-                wgmma::mma<64, T>(acc.d, wgmma::tile_at<k_major64>(a[d]), 0, wgmma::tile_at<k_major64>(b[d]), 0, k16,
-                                  (d | k16) != 0);
+            for (int k16 = 0; k16 < 4; ++k16) {
+                const auto& a_tile = wgmma::tile_at<k_major64>(a[d]);
+                const auto& b_tile = wgmma::tile_at<k_major64>(b[d]);
+                if ((d | k16) == 0)
+                    wgmma::mma_overwrite<64, T>(acc.d, a_tile, 0, b_tile, 0, 0);
+                else
+                    wgmma::mma<64, T>(acc.d, a_tile, 0, b_tile, 0, k16, 1);
+            }
+        wgmma::commit();
+    };
+    // S^T = K Q^T with this warpgroup's K rows from registers (k_rows), so a step reads only Q's boxes for it.
+    auto keys_times_q = [&](const T (&b)[D / 64][BOX]) {
+        wgmma::fence();
+#pragma unroll
+        for (int d = 0; d < D / 64; ++d)
+#pragma unroll
+            for (int k16 = 0; k16 < 4; ++k16) {
+                const auto& b_tile = wgmma::tile_at<k_major64>(b[d]);
+                if ((d | k16) == 0)
+                    wgmma::mma_overwrite<64, T>(s.d, k_rows, 0, b_tile, 0, 0);
+                else
+                    wgmma::mma<64, T>(s.d, k_rows, 4 * d + k16, b_tile, 0, k16, 1);
+            }
         wgmma::commit();
     };
 
@@ -255,13 +280,18 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     };
 
     sync::wait(st.kv_full, 0);
+    if constexpr (K_IN_REGISTERS<D>)
+        rt::load_swizzled(k_rows, 0, [&](int col) { return reinterpret_cast<const uint8_t*>(st.k[slice][col / 64]); });
     for (int g = 0; g < p.heads_per_block; ++g) {
         for (int i = w.first_q_tile; i < p.q_tiles; ++i, ++step) {
             const int64_t q0 = int64_t(i) * BQ;
             st.ring.wait_full(at);
             const int stage = at.stage;
             // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each), one wgmma group each.
-            keys_times(s, st.k[slice], st.q[stage]);
+            if constexpr (K_IN_REGISTERS<D>)
+                keys_times_q(st.q[stage]);
+            else
+                keys_times(s, st.k[slice], st.q[stage]);
             publish_dq();
             keys_times(dp, st.v[slice], st.dout[stage]);
             wgmma::wait<1>();
@@ -323,10 +353,14 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
 #pragma unroll
                 for (int chunk = 0; chunk < 2; ++chunk)
 #pragma unroll
-                    for (int k16 = 0; k16 < 4; ++k16)
-                        wgmma::mma<DQ_COLS, T>(dq.d, wgmma::tile_at<mn_major64>(st.ds[step & 1][chunk]), 0,
-                                               wgmma::tile_at<mn_major_d>(st.k[chunk][0]), dq_col0, k16,
-                                               (chunk | k16) != 0);
+                    for (int k16 = 0; k16 < 4; ++k16) {
+                        const auto& ds_tile = wgmma::tile_at<mn_major64>(st.ds[step & 1][chunk]);
+                        const auto& k_tile = wgmma::tile_at<mn_major_d>(st.k[chunk][0]);
+                        if ((chunk | k16) == 0)
+                            wgmma::mma_overwrite<DQ_COLS, T>(dq.d, ds_tile, 0, k_tile, dq_col0, 0);
+                        else
+                            wgmma::mma<DQ_COLS, T>(dq.d, ds_tile, 0, k_tile, dq_col0, k16, 1);
+                    }
                 wgmma::commit();
             }
             // dK += dS^T Q.
