@@ -38,6 +38,11 @@ constexpr int DQ_COLS = 64;
 // short beside dK, dV, S^T, dP^T and P^T and serialises every wgmma.
 template <int D>
 constexpr bool K_IN_REGISTERS = D == 64;
+// Whether S^T, dP^T and dQ start with wgmma::mma_overwrite (their old values dead across the loop). D = 64 was
+// measured so (with K in registers: 1.007-1.013x); at D = 128 the same change alone ran 0.98-1.00x (H100,
+// 2026-11-25, benchmarks/NOTES.md), so it keeps the products that read their accumulator.
+template <int D>
+constexpr bool FRESH_ACCUMULATORS = D == 64;
 template <int D>
 constexpr int DQ_SLICES = D / DQ_COLS;
 
@@ -216,10 +221,10 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             for (int k16 = 0; k16 < 4; ++k16) {
                 const auto& a_tile = wgmma::tile_at<k_major64>(a[d]);
                 const auto& b_tile = wgmma::tile_at<k_major64>(b[d]);
-                if ((d | k16) == 0)
+                if (FRESH_ACCUMULATORS<D> && (d | k16) == 0)
                     wgmma::mma_overwrite<64, T>(acc.d, a_tile, 0, b_tile, 0, 0);
                 else
-                    wgmma::mma<64, T>(acc.d, a_tile, 0, b_tile, 0, k16, 1);
+                    wgmma::mma<64, T>(acc.d, a_tile, 0, b_tile, 0, k16, (d | k16) != 0);
             }
         wgmma::commit();
     };
@@ -356,10 +361,10 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
                     for (int k16 = 0; k16 < 4; ++k16) {
                         const auto& ds_tile = wgmma::tile_at<mn_major64>(st.ds[step & 1][chunk]);
                         const auto& k_tile = wgmma::tile_at<mn_major_d>(st.k[chunk][0]);
-                        if ((chunk | k16) == 0)
+                        if (FRESH_ACCUMULATORS<D> && (chunk | k16) == 0)
                             wgmma::mma_overwrite<DQ_COLS, T>(dq.d, ds_tile, 0, k_tile, dq_col0, 0);
                         else
-                            wgmma::mma<DQ_COLS, T>(dq.d, ds_tile, 0, k_tile, dq_col0, k16, 1);
+                            wgmma::mma<DQ_COLS, T>(dq.d, ds_tile, 0, k_tile, dq_col0, k16, (chunk | k16) != 0);
                     }
                 wgmma::commit();
             }
