@@ -391,6 +391,17 @@ void register_selftests(py::module_& m) {
         },
         py::arg("inp"), py::arg("out"), py::arg("cols"), py::arg("dtype"), py::arg("stream"));
     s.def(
+        "load_matrices",
+        [](std::uintptr_t in, std::uintptr_t out, int cols, int dtype, std::uintptr_t stream) {
+            if (cols != 64 && cols != 128) throw std::invalid_argument("cols must be 64 or 128");
+            if (dtype != code_bf16 && dtype != code_fp16)
+                throw std::invalid_argument("dtype must be bfloat16 or float16");
+            check_launch(tk::selftest::load_matrices(as_ptr<void>(in), reinterpret_cast<void*>(out), cols, dtype,
+                                                     reinterpret_cast<cudaStream_t>(stream)),
+                         "selftest.load_matrices");
+        },
+        py::arg("inp"), py::arg("out"), py::arg("cols"), py::arg("dtype"), py::arg("stream"));
+    s.def(
         "reduce_add",
         [](std::uintptr_t dst, std::uintptr_t src, int dtype, int64_t rows, int64_t cols, int64_t stride, int row0,
            int col0, std::uintptr_t stream) {

@@ -1,6 +1,7 @@
 """Unit tests of the tile library's primitives (csrc/kittens/) on single-warpgroup kernels, against torch:
 register-tile row reductions and broadcasts, shared vectors, the fp32 -> 16-bit register A operand and wgmma
-with A in registers (both B majors), and the TMA reduce-store. Outputs are poisoned with NaN first."""
+with A in registers (both B majors), stmatrix and ldmatrix through swizzled panels, and the TMA reduce-store.
+Outputs are poisoned with NaN first."""
 
 import pytest
 import torch
@@ -65,6 +66,16 @@ def test_stmatrix_stores_the_accumulator_into_swizzled_panels(dtype, cols):
     selftest().store_matrices(x.data_ptr(), out.data_ptr(), cols, CODES[dtype], stream())
     torch.cuda.synchronize()
     assert torch.equal(out, x.to(dtype))  # every element where it belongs, rounded once
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cols", [64, 128])
+def test_ldmatrix_loads_swizzled_panels_as_a_register_operand(dtype, cols):
+    x = torch.randn(64, cols, device="cuda").to(dtype)
+    out = poisoned(64, cols, dtype=dtype)
+    selftest().load_matrices(x.data_ptr(), out.data_ptr(), cols, CODES[dtype], stream())
+    torch.cuda.synchronize()
+    assert torch.equal(out, x)  # every element of the fragment where the layout puts it
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

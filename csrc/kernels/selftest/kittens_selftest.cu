@@ -116,6 +116,43 @@ cudaError_t launch_store_matrices(const float* in, void* out, int cols, cudaStre
     return cudaGetLastError();
 }
 
+// The reverse of store_matrices for a 16-bit A fragment: plain stores into 128-byte-swizzled panels, ldmatrix
+// (rt::load_swizzled) into registers, and each register's two elements written where the fragment layout says.
+template <int K, typename T>
+__global__ void __launch_bounds__(128) load_matrices_kernel(const T* in, T* out) {
+    __shared__ alignas(1024) T tile[64 * K];
+    uint8_t* base = reinterpret_cast<uint8_t*>(tile);
+    for (int e = threadIdx.x; e < 64 * K; e += blockDim.x) {
+        const int r = e / K, c = e % K;
+        *reinterpret_cast<T*>(base + (c / 64) * 64 * 128 + tma::swizzled_offset_128b(r, c % 64)) = in[e];
+    }
+    __syncthreads();
+    rt::a_operand<T, K> a;
+    rt::load_swizzled(a, 0, [&](int col) { return base + (col / 64) * 64 * 128; });
+    const int lane = threadIdx.x & 31, top = rt::top_row();
+#pragma unroll
+    for (int slice = 0; slice < K / 16; ++slice)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {  // (top, c), (bottom, c), (top, c + 8), (bottom, c + 8)
+            const int row = top + (k & 1) * 8, col = 16 * slice + (k / 2) * 8 + 2 * (lane & 3);
+            const uint32_t r = a.r[slice][k];
+            out[row * K + col] = *reinterpret_cast<const T*>(&r);
+            out[row * K + col + 1] = *(reinterpret_cast<const T*>(&r) + 1);
+        }
+}
+
+template <typename T>
+cudaError_t launch_load_matrices(const void* in, void* out, int cols, cudaStream_t stream) {
+    const T* i = static_cast<const T*>(in);
+    T* o = static_cast<T*>(out);
+    switch (cols) {
+        case 64: load_matrices_kernel<64, T><<<1, 128, 0, stream>>>(i, o); break;
+        case 128: load_matrices_kernel<128, T><<<1, 128, 0, stream>>>(i, o); break;
+        default: return cudaErrorInvalidValue;
+    }
+    return cudaGetLastError();
+}
+
 template <int N, typename T, major MB>
 cudaError_t launch_mma_rs(const float* a, const void* b, float* out, cudaStream_t stream) {
     constexpr int smem = sizeof(wgmma::operand_tile<T, N, MB>) + 1024;
@@ -165,6 +202,12 @@ cudaError_t mma_registers_a(const float* a, const void* b, float* out, int n, bo
 cudaError_t store_matrices(const float* in, void* out, int cols, int dtype, cudaStream_t stream) {
     if (dtype == int(tk::dtype::bf16)) return launch_store_matrices<__nv_bfloat16>(in, out, cols, stream);
     if (dtype == int(tk::dtype::fp16)) return launch_store_matrices<__half>(in, out, cols, stream);
+    return cudaErrorInvalidValue;
+}
+
+cudaError_t load_matrices(const void* in, void* out, int cols, int dtype, cudaStream_t stream) {
+    if (dtype == int(tk::dtype::bf16)) return launch_load_matrices<__nv_bfloat16>(in, out, cols, stream);
+    if (dtype == int(tk::dtype::fp16)) return launch_load_matrices<__half>(in, out, cols, stream);
     return cudaErrorInvalidValue;
 }
 

@@ -28,4 +28,9 @@ cudaError_t reduce_add(void* dst, const void* src, int dtype, int64_t rows, int6
 // shared memory, and plain reads of those panels; cols 64, 128 or 256.
 cudaError_t store_matrices(const float* in, void* out, int cols, int dtype, cudaStream_t stream);
 
+// out (64 x cols, dtype bf16 or fp16, row-major) = in, on the way through 128-byte-swizzled 64-column panels of
+// shared memory, ldmatrix into a register A fragment (rt::load_swizzled), and stores from each register's place in
+// the fragment layout; cols 64 or 128.
+cudaError_t load_matrices(const void* in, void* out, int cols, int dtype, cudaStream_t stream);
+
 }  // namespace tk::selftest
