@@ -63,7 +63,6 @@ def gemm():
     print("gemm sanitize targets ran")
 
 
-# Tile-library unit kernels: register tiles and shared vectors, wgmma with A in registers, TMA reduce-store.
 def gemm_skinny():
     # few rows: split K (two of the splits' partial sums meet in the workspace), one split, bias, both weight majors
     for M, N, K in ((1, 4104, 4096), (17, 130, 1000), (64, 300, 72)):
@@ -75,6 +74,8 @@ def gemm_skinny():
     print("gemm_skinny sanitize targets ran")
 
 
+# Tile-library unit kernels: register tiles and shared vectors, wgmma with A in registers, ldmatrix into an A
+# fragment, TMA reduce-store.
 def tile_library():
     from thunder_tk import _extension
 
@@ -86,6 +87,8 @@ def tile_library():
     for mn_major in (False, True):
         b = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
         _st.mma_registers_a(x[:, :64].contiguous().data_ptr(), b.data_ptr(), outs[0].data_ptr(), 128, mn_major, 0, _s)
+    tile16 = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    _st.load_matrices(tile16.data_ptr(), torch.empty_like(tile16).data_ptr(), 128, 0, _s)
     dst = torch.randn(100, 72, device="cuda")
     _st.reduce_add(dst.data_ptr(), torch.randn(64, 32, device="cuda").data_ptr(), 2, 100, 68, 72, 60, 40, _s)
     torch.cuda.synchronize()
