@@ -84,14 +84,16 @@ def tile_library():
     x = torch.randn(64, 128, device="cuda")
     outs = [torch.empty(64, 128, device="cuda"), torch.empty(64, device="cuda"), torch.empty(64, device="cuda")]
     _st.row_softmax(x.data_ptr(), outs[0].data_ptr(), outs[1].data_ptr(), outs[2].data_ptr(), 128, _s)
+    a = x[:, :64].contiguous()  # every buffer a kernel reads or writes stays named until it has run
     for mn_major in (False, True):
         b = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
-        _st.mma_registers_a(x[:, :64].contiguous().data_ptr(), b.data_ptr(), outs[0].data_ptr(), 128, mn_major, 0, _s)
+        _st.mma_registers_a(a.data_ptr(), b.data_ptr(), outs[0].data_ptr(), 128, mn_major, 0, _s)
     tile16 = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
     loaded = torch.empty_like(tile16)
     _st.load_matrices(tile16.data_ptr(), loaded.data_ptr(), 128, 0, _s)
     dst = torch.randn(100, 72, device="cuda")
-    _st.reduce_add(dst.data_ptr(), torch.randn(64, 32, device="cuda").data_ptr(), 2, 100, 68, 72, 60, 40, _s)
+    src = torch.randn(64, 32, device="cuda")
+    _st.reduce_add(dst.data_ptr(), src.data_ptr(), 2, 100, 68, 72, 60, 40, _s)
     torch.cuda.synchronize()
     print("tile-library sanitize targets ran")
 
