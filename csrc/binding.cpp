@@ -350,6 +350,11 @@ class P2PChannel {
     int next_ = 0, last_ = -1;
 };
 
+// The selftests' 16-bit kernels take bf16 or fp16 by tk::dtype code.
+void require_16bit(int dtype) {
+    if (dtype != code_bf16 && dtype != code_fp16) throw std::invalid_argument("dtype must be bfloat16 or float16");
+}
+
 }  // namespace
 
 // Tile-library unit kernels (tests/gpu/test_kittens.py): raw pointers, one warpgroup each.
@@ -371,8 +376,7 @@ void register_selftests(py::module_& m) {
         [](std::uintptr_t a, std::uintptr_t b, std::uintptr_t out, int n, bool b_mn_major, int dtype,
            std::uintptr_t stream) {
             if (n != 64 && n != 128 && n != 256) throw std::invalid_argument("n must be 64, 128 or 256");
-            if (dtype != code_bf16 && dtype != code_fp16)
-                throw std::invalid_argument("dtype must be bfloat16 or float16");
+            require_16bit(dtype);
             check_launch(tk::selftest::mma_registers_a(as_ptr<float>(a), as_ptr<void>(b), reinterpret_cast<float*>(out),
                                                        n, b_mn_major, dtype, reinterpret_cast<cudaStream_t>(stream)),
                          "selftest.mma_registers_a");
@@ -383,8 +387,7 @@ void register_selftests(py::module_& m) {
         "store_matrices",
         [](std::uintptr_t in, std::uintptr_t out, int cols, int dtype, std::uintptr_t stream) {
             if (cols != 64 && cols != 128 && cols != 256) throw std::invalid_argument("cols must be 64, 128 or 256");
-            if (dtype != code_bf16 && dtype != code_fp16)
-                throw std::invalid_argument("dtype must be bfloat16 or float16");
+            require_16bit(dtype);
             check_launch(tk::selftest::store_matrices(as_ptr<float>(in), reinterpret_cast<void*>(out), cols, dtype,
                                                       reinterpret_cast<cudaStream_t>(stream)),
                          "selftest.store_matrices");
@@ -394,8 +397,7 @@ void register_selftests(py::module_& m) {
         "load_matrices",
         [](std::uintptr_t in, std::uintptr_t out, int cols, int dtype, std::uintptr_t stream) {
             if (cols != 64 && cols != 128) throw std::invalid_argument("cols must be 64 or 128");
-            if (dtype != code_bf16 && dtype != code_fp16)
-                throw std::invalid_argument("dtype must be bfloat16 or float16");
+            require_16bit(dtype);
             check_launch(tk::selftest::load_matrices(as_ptr<void>(in), reinterpret_cast<void*>(out), cols, dtype,
                                                      reinterpret_cast<cudaStream_t>(stream)),
                          "selftest.load_matrices");

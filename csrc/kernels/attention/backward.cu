@@ -212,34 +212,28 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     int step = 0;
 
     // acc = A B^T over D for this warpgroup's 64 keys (A: its K or V rows) and the step's 64 queries (B: Q or dO
-    // rows), both as K-major boxes, committed as one wgmma group.
-    auto keys_times = [&](rt::acc_tile<64>& acc, const T (&a)[D / 64][BOX], const T (&b)[D / 64][BOX]) {
-        wgmma::fence();
-#pragma unroll
-        for (int d = 0; d < D / 64; ++d)
-#pragma unroll
-            for (int k16 = 0; k16 < 4; ++k16) {
-                const auto& a_tile = wgmma::tile_at<k_major64>(a[d]);
-                const auto& b_tile = wgmma::tile_at<k_major64>(b[d]);
-                if (FRESH_ACCUMULATORS<D> && (d | k16) == 0)
-                    wgmma::mma_overwrite<64, T>(acc.d, a_tile, 0, b_tile, 0, 0);
-                else
-                    wgmma::mma<64, T>(acc.d, a_tile, 0, b_tile, 0, k16, (d | k16) != 0);
-            }
-        wgmma::commit();
-    };
-    // S^T = K Q^T with this warpgroup's K rows from registers (k_rows), so a step reads only Q's boxes for it.
-    auto keys_times_q = [&](const T (&b)[D / 64][BOX]) {
+    // rows as K-major boxes), committed as one wgmma group. A is K-major boxes, or K as a register fragment (k_rows).
+    auto keys_times = [&](rt::acc_tile<64>& acc, const auto& a, const T (&b)[D / 64][BOX]) {
+        constexpr bool a_in_registers = std::is_same_v<std::decay_t<decltype(a)>, rt::a_operand<T, D>>;
         wgmma::fence();
 #pragma unroll
         for (int d = 0; d < D / 64; ++d)
 #pragma unroll
             for (int k16 = 0; k16 < 4; ++k16) {
                 const auto& b_tile = wgmma::tile_at<k_major64>(b[d]);
-                if ((d | k16) == 0)
-                    wgmma::mma_overwrite<64, T>(s.d, k_rows, 0, b_tile, 0, 0);
-                else
-                    wgmma::mma<64, T>(s.d, k_rows, 4 * d + k16, b_tile, 0, k16, 1);
+                const bool first = (d | k16) == 0;
+                if constexpr (a_in_registers) {
+                    if (FRESH_ACCUMULATORS<D> && first)
+                        wgmma::mma_overwrite<64, T>(acc.d, a, 0, b_tile, 0, 0);
+                    else
+                        wgmma::mma<64, T>(acc.d, a, 4 * d + k16, b_tile, 0, k16, !first);
+                } else {
+                    const auto& a_tile = wgmma::tile_at<k_major64>(a[d]);
+                    if (FRESH_ACCUMULATORS<D> && first)
+                        wgmma::mma_overwrite<64, T>(acc.d, a_tile, 0, b_tile, 0, 0);
+                    else
+                        wgmma::mma<64, T>(acc.d, a_tile, 0, b_tile, 0, k16, !first);
+                }
             }
         wgmma::commit();
     };
@@ -294,7 +288,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
             const int stage = at.stage;
             // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each), one wgmma group each.
             if constexpr (K_IN_REGISTERS<D>)
-                keys_times_q(st.q[stage]);
+                keys_times(s, k_rows, st.q[stage]);
             else
                 keys_times(s, st.k[slice], st.q[stage]);
             publish_dq();
