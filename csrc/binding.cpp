@@ -131,7 +131,8 @@ void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, st
                         int64_t head_dim, strides3 q_stride, strides3 k_stride, strides3 v_stride, strides3 dout_stride,
                         strides3 dk_stride, strides3 dv_stride, std::array<int64_t, 2> lse_stride,
                         std::array<int64_t, 2> delta_stride, float scale, bool causal, std::uintptr_t stream,
-                        int64_t group_split) {
+                        int64_t group_split, int64_t split_from, int split_parts, std::uintptr_t split_scratch,
+                        std::uintptr_t split_counts) {
     tk::attention::backward_args args{};
     fill_attention_common(args, q, k, v, dtype, batch, q_heads, kv_heads, q_len, kv_len, head_dim, q_stride, k_stride,
                           v_stride, lse_stride, scale, causal);
@@ -146,6 +147,10 @@ void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, st
     copy_strides(args.dv_stride, dv_stride);
     copy_strides(args.delta_stride, delta_stride);
     args.group_split = group_split;
+    args.split_from = split_from;
+    args.split_parts = split_parts;
+    args.split_scratch = reinterpret_cast<float*>(split_scratch);
+    args.split_counts = reinterpret_cast<int*>(split_counts);
     if (const char* reason = tk::attention::backward_unsupported(args)) throw std::invalid_argument(reason);
     check_launch(tk::attention::launch_backward(args, reinterpret_cast<cudaStream_t>(stream)), "attention_backward");
 }
@@ -475,10 +480,12 @@ PYBIND11_MODULE(_C, m) {
           py::arg("batch"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("q_len"), py::arg("kv_len"),
           py::arg("head_dim"), py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"), py::arg("dout_stride"),
           py::arg("dk_stride"), py::arg("dv_stride"), py::arg("lse_stride"), py::arg("delta_stride"), py::arg("scale"),
-          py::arg("causal"), py::arg("stream"), py::arg("group_split") = 1,
+          py::arg("causal"), py::arg("stream"), py::arg("group_split") = 1, py::arg("split_from") = 0,
+          py::arg("split_parts") = 0, py::arg("split_scratch") = 0, py::arg("split_counts") = 0,
           "dK, dV (input dtype, summed over each key/value head's query heads, or over each of group_split parts of "
           "them) and dS K added into the zeroed fp32 dq_accum, from the forward's lse and delta = rowsum(dO O); "
-          "enqueued on `stream`.");
+          "units (128 keys of a head) from split_from on walked in split_parts query ranges and merged (fp32 "
+          "split_scratch, zeroed split_counts left zero); enqueued on `stream`.");
     m.def("cross_entropy_forward", &cross_entropy_forward, py::arg("logits"), py::arg("target"), py::arg("loss"),
           py::arg("lse"), py::arg("dtype"), py::arg("rows"), py::arg("classes"), py::arg("logits_row_stride"),
           py::arg("ignore_index"), py::arg("stream"),

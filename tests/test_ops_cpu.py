@@ -48,3 +48,16 @@ def test_eager_function_falls_back_to_the_differentiable_reference():
 ])
 def test_backward_splits_a_group_only_where_its_blocks_are_too_few(B, Hq, Hkv, S, D, causal, split):
     assert ops.backward_group_split(B, Hq, Hkv, S, S, D, causal, sms=132) == split
+
+
+@pytest.mark.parametrize("units,steps,causal,plan", [
+    (2048, 32, False, (1980, 3)),   # the attention protocol at D = 128 (16k tokens): 68 units left, in thirds
+    (2048, 128, False, (1980, 3)),  # the same at S = 8192: quarters would take three rounds
+    (4096, 32, False, (4092, 4)),   # D = 64: 4 units left over 132 multiprocessors, in quarters
+    (2048, 16, False, (2048, 0)),   # short units: a part's overhead and merge eat the gain
+    (2048, 32, True, (2048, 0)),    # causal: never
+    (132 * 16, 32, False, (2112, 0)),  # whole waves
+    (100, 32, False, (100, 0)),     # under a wave
+])
+def test_backward_splits_the_last_wave_where_it_shortens_it(units, steps, causal, plan):
+    assert ops.backward_tail_split(units, steps, causal, sms=132) == plan

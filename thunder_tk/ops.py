@@ -291,6 +291,31 @@ def _bwd_makespan(blocks_per_tile: int, kv_tiles: int, q_tiles: int, heads: int,
     return max(heads * q_tiles + _BWD_BLOCK_OVERHEAD_STEPS, total / sms)
 
 
+# The backward's last wave (not causal): where the units (128 keys of a head, or of a part of a group) leave the last
+# wave mostly empty, its units are walked in 2-4 query ranges by as many blocks, and the last part of each sums the
+# parts' fp32 dK, dV. A part pays a unit's overhead and the merge (its dK, dV written, the last part reading them all).
+_BWD_MERGE_STEPS = 1.5
+_BWD_MIN_PART_STEPS = 4
+
+
+@functools.lru_cache(maxsize=256)
+def backward_tail_split(units: int, steps: int, causal: bool, sms: int) -> tuple[int, int]:
+    """(split_from, parts): the backward's units from split_from on are each walked in `parts` query ranges, where
+    that shortens the last wave by 10% or more on `sms` multiprocessors; (units, 0) walks every unit whole.
+    `steps`: a unit's 64-query steps."""
+    r = units % sms
+    if causal or units <= sms or r == 0:
+        return units, 0
+    best, best_time = 0, (steps + _BWD_BLOCK_OVERHEAD_STEPS) * _SPLIT_MARGIN
+    for parts in (2, 3, 4):
+        if steps < parts * _BWD_MIN_PART_STEPS:
+            break
+        time = -(-(r * parts) // sms) * (steps / parts + _BWD_BLOCK_OVERHEAD_STEPS + _BWD_MERGE_STEPS)
+        if time < best_time:
+            best, best_time = parts, time
+    return (units - r, best) if best else (units, 0)
+
+
 @functools.lru_cache(maxsize=256)  # a pure function of the shape, asked on every backward call
 def backward_group_split(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, causal: bool, sms: int) -> int:
     """In how many parts the backward splits each key/value head's query heads (1: a block walks the whole group and
@@ -315,7 +340,8 @@ def backward_group_split(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, ca
 
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                        grad_o: torch.Tensor, *, is_causal: bool = False, scale: float | None = None,
-                       _group_split: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       _group_split: int = 0,
+                       _tail_split: bool | tuple[int, int] = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention_forward's o, by the tk kernels, from its o and lse.
 
     Same arguments and layouts as attention_forward; o and grad_o are (B, Hq, Sq, D), lse (B, Hq, Sq) float32.
@@ -325,6 +351,9 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     rounds. Grouped K/V: a block walks every query head of its group and sums dK, dV in fp32, unless that grid is
     too small for the GPU; then the group is walked in parts by more blocks (`backward_group_split`) and the parts'
     dK, dV (input dtype) summed after the kernel. _group_split (tests): that many parts, 0 for the choice above.
+    Without a causal mask, where the last wave of units would leave most multiprocessors idle, its units are walked in
+    query ranges by several blocks and merged (`backward_tail_split`; fp32 scratch of up to a wave of units). Not
+    under CUDA-graph capture. _tail_split (tests): False walks every unit whole, (split_from, parts) forces a split.
     """
     check_attention_args(q, k, v, is_causal, scale)
     B, Hq, Sq, D = q.shape
@@ -341,8 +370,19 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     ext = _require_kernels(q.device)
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), *(torch.zeros((B, Hkv, Sk, D), dtype=q.dtype, device=q.device) for _ in "kv")
-    split = _group_split or backward_group_split(B, Hq, Hkv, Sq, Sk, D, bool(is_causal),
-                                                 _extension.multiprocessor_count(q.device.index))
+    sms = _extension.multiprocessor_count(q.device.index)
+    split = _group_split or backward_group_split(B, Hq, Hkv, Sq, Sk, D, bool(is_causal), sms)
+    units = B * Hkv * split * -(-Sk // _BWD_KEYS)
+    if _tail_split is True:
+        split_from, parts = ((units, 0) if torch.cuda.is_current_stream_capturing() else
+                             backward_tail_split(units, (Hq // Hkv // split) * -(-Sq // _BWD_QUERIES),
+                                                 bool(is_causal), sms))
+    elif _tail_split is False:
+        split_from, parts = units, 0
+    else:
+        split_from, parts = _tail_split
+    if 2 * (units - split_from) > _SPLIT_COUNT_SLOT and parts:
+        raise ValueError(f"_tail_split: at most {_SPLIT_COUNT_SLOT // 2} split units, not {units - split_from}")
     dk = torch.empty((B, Hkv * split, Sk, D), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     q, scale, sign = _kernel_scale(q, scale)
@@ -350,13 +390,17 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     lse = _rows_tma_readable(lse)
     dq_accum = torch.empty((B, Hq, Sq, D), dtype=torch.float32, device=q.device)
     delta = attention_bwd_delta(o, grad_o, out=_row_vectors((B, Hq, Sq), q.device), zero=dq_accum)
+    scratch = (torch.empty((units - split_from) * parts * 2 * _BWD_KEYS * D, dtype=torch.float32, device=q.device)
+               if parts else None)
     with _on(q.device):
         ext.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_o.data_ptr(), lse.data_ptr(),
                                delta.data_ptr(), dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                                _DTYPE_CODES[q.dtype], B, Hq, Hkv, Sq, Sk, D, list(q.stride()[:3]),
                                list(k.stride()[:3]), list(v.stride()[:3]), list(grad_o.stride()[:3]),
                                list(dk.stride()[:3]), list(dv.stride()[:3]), list(lse.stride()[:2]),
-                               list(delta.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device), split)
+                               list(delta.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device), split,
+                               split_from, parts, scratch.data_ptr() if parts else 0,
+                               _zeroed_slot(q.device, "attention_bwd_split", _SPLIT_COUNT_SLOT, 64) if parts else 0)
         dq = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
         ext.attention_dq_finalize(dq_accum.data_ptr(), dq.data_ptr(), _DTYPE_CODES[q.dtype], dq.numel(),
                                   sign * scale, _stream_handle(q.device))

@@ -123,6 +123,8 @@ def attention_backward():
         o, lse = ops.attention_forward(q, k, v, is_causal=causal)
         for split in sorted({1, 2, Hq // Hkv} & set(range(1, Hq // Hkv + 1))):
             ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), is_causal=causal, _group_split=split)
+        if not causal:  # the last wave split: units from 1 on walked in query ranges and merged
+            ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), _tail_split=(1, 2))
     torch.cuda.synchronize()
     print("attention backward sanitize targets ran")
 

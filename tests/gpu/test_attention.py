@@ -470,12 +470,12 @@ BACKWARD_CASES = [
 ]
 
 
-def backward_check(q, k, v, causal=False, scale=None, group_split=0):
+def backward_check(q, k, v, causal=False, scale=None, group_split=0, tail_split=True):
     o, lse = ops.attention_forward(q, k, v, is_causal=causal, scale=scale)
     g = torch.randn_like(o)
     poison_allocator((tuple(q.shape), q.dtype), (tuple(k.shape), k.dtype))
     dq, dk, dv = ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, scale=scale,
-                                        _group_split=group_split)
+                                        _group_split=group_split, _tail_split=tail_split)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == q.dtype
     refs = ops.attention_backward_reference(q, k, v, o, lse, g, is_causal=causal, scale=scale)
@@ -514,6 +514,49 @@ def test_backward_grouped_heads_summed_in_kernel_or_over_parts(case, parts):
     if G % split:
         pytest.skip(f"{G} heads a group do not halve")
     backward_check(*make(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, seed=7), causal=causal, group_split=split)
+
+
+# B, Hq, Hkv, Sq, Sk, D, split_from, parts: units are B * Hkv * ceil(Sk / 128), a unit's steps Hq / Hkv * ceil(Sq / 64).
+TAIL_SPLIT_CASES = [
+    (1, 2, 2, 1000, 300, 128, 0, 3),  # every unit in thirds of 16 steps; a key tail (300 = 2 x 128 + 44), a query tail
+    (2, 4, 2, 640, 256, 64, 5, 2),  # GQA 2: a unit's 20 steps span its group's two heads; the last 3 of 8 units halved
+    (1, 8, 1, 200, 1000, 128, 3, 4),  # MQA 8: 32 steps a unit over 8 heads, in quarters; the last 5 of 8 units
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", TAIL_SPLIT_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}kv{c[2]}-S{c[3]}x{c[4]}-D{c[5]}-"
+                                                                 f"from{c[6]}-parts{c[7]}")
+def test_backward_last_wave_split_by_queries(case, dtype):
+    """Units walked in query ranges by several blocks, whose fp32 dK, dV the last part sums in part order: against
+    float64, against the units walked whole, repeatable bitwise, and the counters left zero."""
+    B, Hq, Hkv, Sq, Sk, D, split_from, parts = case
+    q, k, v = make(B, Hq, Hkv, Sq, Sk, D, dtype, seed=11)
+    (dq, dk, dv), g, (o, lse) = backward_check(q, k, v, tail_split=(split_from, parts))
+    whole = ops.attention_backward(q, k, v, o, lse, g, _tail_split=False)
+    for got, ref in zip((dq, dk, dv), whole):
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    units = B * Hkv * -(-Sk // 128)
+    scratch = ((units - split_from) * parts * 2 * 128 * D,)
+    for _ in range(3):  # dq is added by every key block in any order; dk and dv are summed in one order
+        poison_allocator((scratch, torch.float32))  # a part read before it is written would bring NaN in
+        _, again_dk, again_dv = ops.attention_backward(q, k, v, o, lse, g, _tail_split=(split_from, parts))
+        assert torch.equal(again_dk, dk) and torch.equal(again_dv, dv)
+    torch.cuda.synchronize()
+    ring = ops._zeroed_rings[("attention_bwd_split", torch.cuda.current_device())]
+    assert int(ring.abs().sum()) == 0, "a launch left a split counter non-zero"
+
+
+def test_backward_last_wave_split_is_checked():
+    q, k, v = make(1, 2, 2, 256, 256, 64, torch.bfloat16, seed=1)
+    o, lse = ops.attention_forward(q, k, v)
+    g = torch.randn_like(o)
+    for bad, match in (((0, 5), "split_parts"), ((4, 2), "split_from"), ((-1, 2), "split_from")):
+        with pytest.raises(ValueError, match=match):
+            ops.attention_backward(q, k, v, o, lse, g, _tail_split=bad)
+    o, lse = ops.attention_forward(q, k, v, is_causal=True)
+    with pytest.raises(ValueError, match="non-causal"):
+        ops.attention_backward(q, k, v, o, lse, g, is_causal=True, _tail_split=(0, 2))
 
 
 def test_backward_group_split_is_checked():

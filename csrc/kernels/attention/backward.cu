@@ -71,6 +71,7 @@ struct shared_state {
     alignas(128) float delta[STAGES][BQ];
     pipeline::ring<STAGES> ring;  // full: Q, dO bytes and the lse/delta rows; empty: every consumer warp is done
     sync::barrier kv_full;
+    int last_part[2];  // per consumer: whether its part of a split unit counted in last (it sums and stores)
     static constexpr uint32_t kv_bytes = 2 * BK * D * sizeof(T), step_bytes = 2 * BQ * D * sizeof(T) + 2 * BQ * 4;
 };
 
@@ -80,6 +81,7 @@ struct kernel_params {
     int group;            // query heads per key/value head
     int heads_per_block;  // of them, the ones a block walks: group / group_split
     int chunk_heads;      // causal: (key/value head, split) pairs per L2 chunk of the block order (layout::chunked_order)
+    int split_from, parts;  // the last wave split: args.split_from and args.split_parts
     float scale_log2;
 };
 
@@ -87,6 +89,8 @@ struct block_work {
     int kv_tile, kv_head, batch, first_q_tile;
     int first_head;  // the first query head the block walks
     int out_head;    // the head of dk and dv it writes: kv_head * group_split + its split
+    // Its steps [step0, step1) of the unit's walk (heads_per_block x its query tiles); a split unit's part, or -1.
+    int step0, step1, split_unit, part;
 };
 
 // Causal: key tile 0 sees every query tile, so within each L2 chunk of heads the low key tiles (the heaviest)
@@ -94,7 +98,14 @@ struct block_work {
 __device__ __forceinline__ block_work work_of(const kernel_params& p) {
     const backward_args& a = p.args;
     // A "head" here is a (batch, key/value head, split of its group): the splits of one key/value head are adjacent.
-    const int64_t heads = a.batch * a.kv_heads * a.group_split, linear = blockIdx.x;
+    const int64_t heads = a.batch * a.kv_heads * a.group_split;
+    int64_t linear = blockIdx.x;
+    int split_unit = -1, part = -1;
+    if (p.parts > 0 && linear >= p.split_from) {  // blocks from split_from on: parts of the units from there
+        split_unit = int((linear - p.split_from) / p.parts);
+        part = int((linear - p.split_from) % p.parts);
+        linear = p.split_from + split_unit;
+    }
     int kv_tile;
     int64_t bh;
     if (a.causal) {
@@ -108,8 +119,26 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p) {
     // Causal: query tiles that end before the block's first key see none of its keys.
     const int first = a.causal ? (kv_tile * BK) / BQ : 0;
     const int split = int(bh % a.group_split), kv_head = int(bh / a.group_split % a.kv_heads);
-    return {kv_tile, kv_head, int(bh / a.group_split / a.kv_heads), first,
-            kv_head * p.group + split * p.heads_per_block, kv_head * int(a.group_split) + split};
+    const int steps = p.heads_per_block * (p.q_tiles - first);
+    return {kv_tile,
+            kv_head,
+            int(bh / a.group_split / a.kv_heads),
+            first,
+            kv_head * p.group + split * p.heads_per_block,
+            kv_head * int(a.group_split) + split,
+            part < 0 ? 0 : int(int64_t(steps) * part / p.parts),
+            part < 0 ? steps : int(int64_t(steps) * (part + 1) / p.parts),
+            split_unit,
+            part};
+}
+
+// Where a block's walk starts: the query head and tile of its step0.
+struct walk_start {
+    int head, q_tile;
+};
+__device__ __forceinline__ walk_start start_of(const kernel_params& p, const block_work& w) {
+    const int per_head = p.q_tiles - w.first_q_tile;
+    return {w.first_head + w.step0 / per_head, w.first_q_tile + w.step0 % per_head};
 }
 
 template <typename T, int D>
@@ -129,19 +158,21 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
             tma::load_4d(st.v[c][dp], &map_v, dp * 64, kv0 + 64 * c, w.kv_head, w.batch, st.kv_full);
         }
     pipeline::cursor<STAGES> at;
-    for (int g = 0; g < p.heads_per_block; ++g) {
-        const int head = w.first_head + g;
-        for (int i = w.first_q_tile; i < p.q_tiles; ++i) {
-            st.ring.wait_empty(at);
-            sync::barrier& full = st.ring.full[at.stage];
-            sync::arrive_expect_bytes(full, shared_state<T, D>::step_bytes);
-            for (int dp = 0; dp < D / 64; ++dp) {
-                tma::load_4d(st.q[at.stage][dp], &map_q, dp * 64, i * BQ, head, w.batch, full);
-                tma::load_4d(st.dout[at.stage][dp], &map_do, dp * 64, i * BQ, head, w.batch, full);
-            }
-            tma::load_4d(st.lse[at.stage], &map_lse, i * BQ, head, w.batch, 0, full);
-            tma::load_4d(st.delta[at.stage], &map_delta, i * BQ, head, w.batch, 0, full);
-            at.advance();
+    auto [head, i] = start_of(p, w);
+    for (int step = w.step0; step < w.step1; ++step) {
+        st.ring.wait_empty(at);
+        sync::barrier& full = st.ring.full[at.stage];
+        sync::arrive_expect_bytes(full, shared_state<T, D>::step_bytes);
+        for (int dp = 0; dp < D / 64; ++dp) {
+            tma::load_4d(st.q[at.stage][dp], &map_q, dp * 64, i * BQ, head, w.batch, full);
+            tma::load_4d(st.dout[at.stage][dp], &map_do, dp * 64, i * BQ, head, w.batch, full);
+        }
+        tma::load_4d(st.lse[at.stage], &map_lse, i * BQ, head, w.batch, 0, full);
+        tma::load_4d(st.delta[at.stage], &map_delta, i * BQ, head, w.batch, 0, full);
+        at.advance();
+        if (++i == p.q_tiles) {
+            i = w.first_q_tile;
+            ++head;
         }
     }
 }
@@ -154,8 +185,8 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
                                          const CUtensorMap& map_dq) {
     const bool issuer = (threadIdx.x & 31) == 0;
     if (issuer) tma::prefetch_map(&map_dq);
-    const int steps = p.heads_per_block * (p.q_tiles - w.first_q_tile);
-    int head = w.first_head, i = w.first_q_tile;
+    const int steps = w.step1 - w.step0;
+    auto [head, i] = start_of(p, w);
 #pragma unroll 1  // unrolled, its copies spill at the producers' 24 registers
     for (int step = 0; step < steps; ++step) {
         const int buf = step & 1;
@@ -281,109 +312,147 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     sync::wait(st.kv_full, 0);
     if constexpr (K_IN_REGISTERS<D>)
         rt::load_swizzled(k_rows, 0, [&](int col) { return reinterpret_cast<const uint8_t*>(st.k[slice][col / 64]); });
-    for (int g = 0; g < p.heads_per_block; ++g) {
-        for (int i = w.first_q_tile; i < p.q_tiles; ++i, ++step) {
-            const int64_t q0 = int64_t(i) * BQ;
-            st.ring.wait_full(at);
-            const int stage = at.stage;
-            // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each), one wgmma group each.
-            if constexpr (K_IN_REGISTERS<D>)
-                keys_times(s, k_rows, st.q[stage]);
-            else
-                keys_times(s, st.k[slice], st.q[stage]);
-            publish_dq();
-            keys_times(dp, st.v[slice], st.dout[stage]);
-            wgmma::wait<1>();
-            wgmma::pin(s.d);
-            // P^T = exp2(c S^T - lse[query] log2(e)); causal: 0 where key > query. Rows come in column pairs.
-            // key > query as (key - q0 - this thread's first column) > rt::column_offset(e), in 32 bits (both
-            // positions < 2^31). Only steps that cross the diagonal take the masked copy: the branch is
-            // warp-uniform (slice is), so the descriptors stay in uniform registers, and a step clear of the
-            // diagonal (every step without causal) skips the mask's 48 instructions (D = 128: 603 -> 556 per step).
-            const int col0 = rt::column(0);
-            const int ahead = a.causal && key0 + 63 > q0 ? int(key0 - q0) + top - col0 : INT_MIN;
-            auto probabilities = [&](auto masked) {
-#pragma unroll
-                for (int e = 0; e < 32; e += 2) {
-                    const int col = rt::column(e);
-                    const float2 lse = *reinterpret_cast<const float2*>(&st.lse[stage][col]);
-                    float x0 = exp2_approx(fmaf(s.d[e], c, -lse.x * LOG2E)),
-                          x1 = exp2_approx(fmaf(s.d[e + 1], c, -lse.y * LOG2E));
-                    if constexpr (decltype(masked)::value) {
-                        const int row_ahead = ahead + (rt::is_bottom(e) ? 8 : 0);
-                        if (row_ahead > rt::column_offset(e)) x0 = 0.0f;
-                        if (row_ahead > rt::column_offset(e + 1)) x1 = 0.0f;
-                    }
-                    s.d[e] = x0;
-                    s.d[e + 1] = x1;
-                }
-            };
-            if (ahead != INT_MIN)
-                probabilities(std::true_type{});
-            else
-                probabilities(std::false_type{});
-            rt::to_a_operand(pt, s);
-            // dV += P^T dO: dO's boxes as the MN-major B (D rows, 64 queries deep).
-            wgmma::fence();
-#pragma unroll
-            for (int k16 = 0; k16 < 4; ++k16)
-                wgmma::mma<D, T>(dv.d, pt, k16, wgmma::tile_at<mn_major_d>(st.dout[stage][0]), 0, k16, 1);
-            wgmma::commit();
-            wgmma::wait<1>();  // dP^T is done (dV may run on)
-            wgmma::pin(dp.d);
-            // dS^T = P^T (dP^T - delta[query]).
+    int i = start_of(p, w).q_tile;
+    for (int n = w.step0; n < w.step1; ++n, ++step) {
+        const int64_t q0 = int64_t(i) * BQ;
+        st.ring.wait_full(at);
+        const int stage = at.stage;
+        // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each), one wgmma group each.
+        if constexpr (K_IN_REGISTERS<D>)
+            keys_times(s, k_rows, st.q[stage]);
+        else
+            keys_times(s, st.k[slice], st.q[stage]);
+        publish_dq();
+        keys_times(dp, st.v[slice], st.dout[stage]);
+        wgmma::wait<1>();
+        wgmma::pin(s.d);
+        // P^T = exp2(c S^T - lse[query] log2(e)); causal: 0 where key > query. Rows come in column pairs.
+        // key > query as (key - q0 - this thread's first column) > rt::column_offset(e), in 32 bits (both
+        // positions < 2^31). Only steps that cross the diagonal take the masked copy: the branch is
+        // warp-uniform (slice is), so the descriptors stay in uniform registers, and a step clear of the
+        // diagonal (every step without causal) skips the mask's 48 instructions (D = 128: 603 -> 556 per step).
+        const int col0 = rt::column(0);
+        const int ahead = a.causal && key0 + 63 > q0 ? int(key0 - q0) + top - col0 : INT_MIN;
+        auto probabilities = [&](auto masked) {
 #pragma unroll
             for (int e = 0; e < 32; e += 2) {
-                const float2 dl = *reinterpret_cast<const float2*>(&st.delta[stage][rt::column(e)]);
-                dp.d[e] = s.d[e] * (dp.d[e] - dl.x);
-                dp.d[e + 1] = s.d[e + 1] * (dp.d[e + 1] - dl.y);
+                const int col = rt::column(e);
+                const float2 lse = *reinterpret_cast<const float2*>(&st.lse[stage][col]);
+                float x0 = exp2_approx(fmaf(s.d[e], c, -lse.x * LOG2E)),
+                      x1 = exp2_approx(fmaf(s.d[e + 1], c, -lse.y * LOG2E));
+                if constexpr (decltype(masked)::value) {
+                    const int row_ahead = ahead + (rt::is_bottom(e) ? 8 : 0);
+                    if (row_ahead > rt::column_offset(e)) x0 = 0.0f;
+                    if (row_ahead > rt::column_offset(e + 1)) x1 = 0.0f;
+                }
+                s.d[e] = x0;
+                s.d[e + 1] = x1;
             }
-            rt::to_a_operand(dst, dp);
-            // dS^T into shared memory (keys = lines, queries = elements): the A of dQ = dS K, MN-major.
-            T* ds = st.ds[step & 1][slice];
-            rt::store_swizzled(dst, 0, [&](int) { return reinterpret_cast<uint8_t*>(ds); });
-            tma::fence_shared_to_async();
-            sync::named_sync(barrier_id::consumers, CONSUMERS * warpgroup::threads);  // both halves of dS are in
-            // dQ before dK, so that dQ's stores run under dK's product (D = 64: 3.23 -> 3.16 ms, B = 4, S = 4096;
-            // D = 128 even).
-            wgmma::fence();
-            if constexpr (computes_dq) {
-                // dQ (64 queries x DQ_COLS) = dS (64 x 128 keys) K (128 keys x D)[:, dq_col0 ...].
+        };
+        if (ahead != INT_MIN)
+            probabilities(std::true_type{});
+        else
+            probabilities(std::false_type{});
+        rt::to_a_operand(pt, s);
+        // dV += P^T dO: dO's boxes as the MN-major B (D rows, 64 queries deep).
+        wgmma::fence();
 #pragma unroll
-                for (int chunk = 0; chunk < 2; ++chunk)
+        for (int k16 = 0; k16 < 4; ++k16)
+            wgmma::mma<D, T>(dv.d, pt, k16, wgmma::tile_at<mn_major_d>(st.dout[stage][0]), 0, k16, 1);
+        wgmma::commit();
+        wgmma::wait<1>();  // dP^T is done (dV may run on)
+        wgmma::pin(dp.d);
+        // dS^T = P^T (dP^T - delta[query]).
 #pragma unroll
-                    for (int k16 = 0; k16 < 4; ++k16) {
-                        const auto& ds_tile = wgmma::tile_at<mn_major64>(st.ds[step & 1][chunk]);
-                        const auto& k_tile = wgmma::tile_at<mn_major_d>(st.k[chunk][0]);
-                        if (FRESH_ACCUMULATORS<D> && (chunk | k16) == 0)
-                            wgmma::mma_overwrite<DQ_COLS, T>(dq.d, ds_tile, 0, k_tile, dq_col0, 0);
-                        else
-                            wgmma::mma<DQ_COLS, T>(dq.d, ds_tile, 0, k_tile, dq_col0, k16, (chunk | k16) != 0);
-                    }
-                wgmma::commit();
-            }
-            // dK += dS^T Q.
-#pragma unroll
-            for (int k16 = 0; k16 < 4; ++k16)
-                wgmma::mma<D, T>(dk.d, dst, k16, wgmma::tile_at<mn_major_d>(st.q[stage][0]), 0, k16, 1);
-            wgmma::commit();
-            wgmma::wait<1>();  // dQ is done (dK may run on)
-            stage_dq();
-            // Nothing stays in flight across steps: with accumulators of this step's products still in flight
-            // while the next step's are issued, ptxas runs short of registers at D = 128 (C7512) or cannot
-            // follow the waits (C7514) and then makes every wgmma of the kernel synchronous, which costs far
-            // more than this wait (scripts/check_kernels.py checks it).
-            wgmma::wait<0>();
-            wgmma::pin(dv.d);
-            wgmma::pin(dk.d);
-            finish_step(stage);
-            at.advance();
+        for (int e = 0; e < 32; e += 2) {
+            const float2 dl = *reinterpret_cast<const float2*>(&st.delta[stage][rt::column(e)]);
+            dp.d[e] = s.d[e] * (dp.d[e] - dl.x);
+            dp.d[e + 1] = s.d[e + 1] * (dp.d[e + 1] - dl.y);
         }
+        rt::to_a_operand(dst, dp);
+        // dS^T into shared memory (keys = lines, queries = elements): the A of dQ = dS K, MN-major.
+        T* ds = st.ds[step & 1][slice];
+        rt::store_swizzled(dst, 0, [&](int) { return reinterpret_cast<uint8_t*>(ds); });
+        tma::fence_shared_to_async();
+        sync::named_sync(barrier_id::consumers, CONSUMERS * warpgroup::threads);  // both halves of dS are in
+        // dQ before dK, so that dQ's stores run under dK's product (D = 64: 3.23 -> 3.16 ms, B = 4, S = 4096;
+        // D = 128 even).
+        wgmma::fence();
+        if constexpr (computes_dq) {
+            // dQ (64 queries x DQ_COLS) = dS (64 x 128 keys) K (128 keys x D)[:, dq_col0 ...].
+#pragma unroll
+            for (int chunk = 0; chunk < 2; ++chunk)
+#pragma unroll
+                for (int k16 = 0; k16 < 4; ++k16) {
+                    const auto& ds_tile = wgmma::tile_at<mn_major64>(st.ds[step & 1][chunk]);
+                    const auto& k_tile = wgmma::tile_at<mn_major_d>(st.k[chunk][0]);
+                    if (FRESH_ACCUMULATORS<D> && (chunk | k16) == 0)
+                        wgmma::mma_overwrite<DQ_COLS, T>(dq.d, ds_tile, 0, k_tile, dq_col0, 0);
+                    else
+                        wgmma::mma<DQ_COLS, T>(dq.d, ds_tile, 0, k_tile, dq_col0, k16, (chunk | k16) != 0);
+                }
+            wgmma::commit();
+        }
+        // dK += dS^T Q.
+#pragma unroll
+        for (int k16 = 0; k16 < 4; ++k16)
+            wgmma::mma<D, T>(dk.d, dst, k16, wgmma::tile_at<mn_major_d>(st.q[stage][0]), 0, k16, 1);
+        wgmma::commit();
+        wgmma::wait<1>();  // dQ is done (dK may run on)
+        stage_dq();
+        // Nothing stays in flight across steps: with accumulators of this step's products still in flight
+        // while the next step's are issued, ptxas runs short of registers at D = 128 (C7512) or cannot
+        // follow the waits (C7514) and then makes every wgmma of the kernel synchronous, which costs far
+        // more than this wait (scripts/check_kernels.py checks it).
+        wgmma::wait<0>();
+        wgmma::pin(dv.d);
+        wgmma::pin(dk.d);
+        finish_step(stage);
+        at.advance();
+        if (++i == p.q_tiles) i = w.first_q_tile;
     }
 
     publish_dq();
     // dK (times scale) and dV -> the input dtype, staged in this consumer's Q / dO stage, stored by TMA.
     sync::named_sync(barrier_id::consumers, CONSUMERS * warpgroup::threads);  // neither consumer reads a stage any more
+    if (w.part >= 0) {
+        // A part of a split unit: its fp32 dK, dV to the scratch ([value][thread], coalesced), counted in; the last
+        // part in sums every part's, in part order (the same sum whichever part is last), and stores as a whole
+        // unit does. The others are done.
+        const int t = warpgroup::thread();
+        auto part_values = [&](int part) {
+            return a.split_scratch + ((int64_t(w.split_unit) * p.parts + part) * 2 + slice) * (int64_t(128) * D);
+        };
+        float* mine = part_values(w.part);
+#pragma unroll
+        for (int e = 0; e < D / 2; ++e) {
+            mine[e * 128 + t] = dk.d[e];
+            mine[(D / 2 + e) * 128 + t] = dv.d[e];
+        }
+        __threadfence();  // the values before the count (with the barrier: every thread's before the leader's add)
+        sync::named_sync(barrier_id::warpgroup(slice), warpgroup::threads);
+        if (leader) {
+            int* count = a.split_counts + 2 * w.split_unit + slice;
+            const bool last = atomicAdd(count, 1) == p.parts - 1;
+            if (last) *count = 0;  // left zero for the next launch that takes this slot
+            st.last_part[slice] = last;
+        }
+        sync::named_sync(barrier_id::warpgroup(slice), warpgroup::threads);
+        if (!st.last_part[slice]) return;
+        __threadfence();
+#pragma unroll
+        for (int e = 0; e < D / 2; ++e) {
+            dk.d[e] = __ldcg(part_values(0) + e * 128 + t);
+            dv.d[e] = __ldcg(part_values(0) + (D / 2 + e) * 128 + t);
+        }
+        for (int part = 1; part < p.parts; ++part) {
+#pragma unroll
+            for (int e = 0; e < D / 2; ++e) {
+                dk.d[e] += __ldcg(part_values(part) + e * 128 + t);
+                dv.d[e] += __ldcg(part_values(part) + (D / 2 + e) * 128 + t);
+            }
+        }
+    }
     const float scale = a.scale;
     rt::mul(dk, dk, scale);
 #pragma unroll
@@ -499,7 +568,10 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
     // query heads.
     p.chunk_heads = layout::heads_per_chunk(int64_t(p.heads_per_block) * a.q_len * D * (2 * int64_t(sizeof(T)) + 4),
                                             out_heads * a.batch, p.kv_tiles, (multiprocessor_count() + 1) / 2);
-    const int64_t blocks = int64_t(p.kv_tiles) * a.batch * out_heads;
+    p.split_from = int(a.split_from);
+    p.parts = a.split_parts;
+    const int64_t units = int64_t(p.kv_tiles) * a.batch * out_heads;
+    const int64_t blocks = a.split_parts ? a.split_from + (units - a.split_from) * a.split_parts : units;
     backward_kernel<T, D><<<unsigned(blocks), THREADS, smem_bytes_of<T, D>, stream>>>(
         maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], maps[7], maps[8], p);
     return cudaGetLastError();
@@ -513,8 +585,17 @@ const char* backward_unsupported(const backward_args& a) {
         return reason;
     if (a.group_split < 1 || (a.q_heads / a.kv_heads) % a.group_split)
         return "group_split must divide q_heads / kv_heads";
-    if (a.batch * a.kv_heads * a.group_split * ((a.kv_len + BK - 1) / BK) >= (int64_t(1) << 31))
-        return "too many blocks";
+    const int64_t units = a.batch * a.kv_heads * a.group_split * ((a.kv_len + BK - 1) / BK);
+    if (units >= (int64_t(1) << 31)) return "too many blocks";
+    if (a.split_parts != 0) {
+        if (a.split_parts < 2 || a.split_parts > 4) return "split_parts must be 0 or 2 to 4";
+        if (a.causal) return "the last wave split is for non-causal attention";
+        if (a.split_from < 0 || a.split_from >= units) return "split_from must name a unit (0 <= split_from < units)";
+        if (a.split_scratch == nullptr || a.split_counts == nullptr) return "a split needs its scratch and counters";
+        const int64_t steps = (a.q_heads / a.kv_heads / a.group_split) * ((a.q_len + BQ - 1) / BQ);
+        if (steps < a.split_parts) return "a split unit needs a step per part";
+        if (a.split_from + (units - a.split_from) * a.split_parts >= (int64_t(1) << 31)) return "too many blocks";
+    }
     if (a.lse == nullptr || a.delta == nullptr) return "lse and delta must be given";
     // TMA reads their rows: each starts 16-byte aligned (ops pads S to a multiple of 4 in memory).
     const int64_t sizes[2] = {a.batch, a.q_heads};
