@@ -51,10 +51,14 @@ def test_backward_splits_a_group_only_where_its_blocks_are_too_few(B, Hq, Hkv, S
 
 
 @pytest.mark.parametrize("units,steps,causal,plan", [
-    (2048, 32, False, (1980, 3)),   # the attention protocol at D = 128 (16k tokens): 68 units left, in thirds
-    (2048, 128, False, (1980, 3)),  # the same at S = 8192: quarters would take three rounds
+    (2048, 32, False, (2048, 0)),   # the attention protocol at D = 128 (16k tokens): 68 units left, no halves in a round
     (4096, 32, False, (4092, 4)),   # D = 64: 4 units left over 132 multiprocessors, in quarters
-    (2048, 16, False, (2048, 0)),   # short units: a part's overhead and merge eat the gain
+    (4096, 128, False, (4092, 4)),
+    (2040, 32, False, (1980, 2)),   # 60 left: 120 halves fit a round, 180 thirds do not
+    (2090, 32, False, (2090, 0)),   # 110 left: not even halves fit a round
+    (1990, 32, False, (1980, 4)),   # 10 left, in quarters
+    (1990, 12, False, (1980, 3)),   # 12-step units: thirds of 4 steps, no quarters of 3
+    (1990, 6, False, (1990, 0)),    # short units: a part's overhead and merge eat the gain
     (2048, 32, True, (2048, 0)),    # causal: never
     (132 * 16, 32, False, (2112, 0)),  # whole waves
     (100, 32, False, (100, 0)),     # under a wave

@@ -294,6 +294,8 @@ def _bwd_makespan(blocks_per_tile: int, kv_tiles: int, q_tiles: int, heads: int,
 # The backward's last wave (not causal): where the units (128 keys of a head, or of a part of a group) leave the last
 # wave mostly empty, its units are walked in 2-4 query ranges by as many blocks, and the last part of each sums the
 # parts' fp32 dK, dV. A part pays a unit's overhead and the merge (its dK, dV written, the last part reading them all).
+# Only where the parts fit one round on the GPU: in two rounds (the attention protocol at D = 128, 68 units left in
+# thirds) it measured 0.98-1.01x, in one (D = 64, 4 units in quarters) 1.008-1.021x (H100, benchmarks/NOTES.md).
 _BWD_MERGE_STEPS = 1.5
 _BWD_MIN_PART_STEPS = 4
 
@@ -301,16 +303,16 @@ _BWD_MIN_PART_STEPS = 4
 @functools.lru_cache(maxsize=256)
 def backward_tail_split(units: int, steps: int, causal: bool, sms: int) -> tuple[int, int]:
     """(split_from, parts): the backward's units from split_from on are each walked in `parts` query ranges, where
-    that shortens the last wave by 10% or more on `sms` multiprocessors; (units, 0) walks every unit whole.
-    `steps`: a unit's 64-query steps."""
+    the parts run as one round on `sms` multiprocessors and that shortens the last wave by 10% or more; (units, 0)
+    walks every unit whole. `steps`: a unit's 64-query steps."""
     r = units % sms
     if causal or units <= sms or r == 0:
         return units, 0
     best, best_time = 0, (steps + _BWD_BLOCK_OVERHEAD_STEPS) * _SPLIT_MARGIN
     for parts in (2, 3, 4):
-        if steps < parts * _BWD_MIN_PART_STEPS:
+        if steps < parts * _BWD_MIN_PART_STEPS or r * parts > sms:
             break
-        time = -(-(r * parts) // sms) * (steps / parts + _BWD_BLOCK_OVERHEAD_STEPS + _BWD_MERGE_STEPS)
+        time = steps / parts + _BWD_BLOCK_OVERHEAD_STEPS + _BWD_MERGE_STEPS
         if time < best_time:
             best, best_time = parts, time
     return (units - r, best) if best else (units, 0)
