@@ -484,7 +484,8 @@ def _launch_tickets(device: torch.device, schedule: str, what: str) -> int:
     return _zeroed_slot(device, "tickets", 32, 4096)
 
 
-# The attention forward's split tiles: fewer than a wave of them (< 2^10 multiprocessors) times two warpgroups.
+# Counters of a launch's split work (the attention forward's split tiles, the backward's split units): fewer than a
+# wave of them (< 2^10 multiprocessors) times two warpgroups.
 _SPLIT_COUNT_SLOT = 4096
 
 
