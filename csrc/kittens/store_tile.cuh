@@ -25,13 +25,15 @@ struct stmatrix_lane {
         m = lane / 8;
         row = row0 + ((threadIdx.x / 32) & 3) * 16 + (m & 1) * 8 + (lane & 7);
     }
-    // One stmatrix.x4: 8-column groups `group` and `group + 1` from fragment column col0 (one 16-column slice),
-    // their four packed registers in matrix order, to the panel holding them, in the 128-byte swizzle.
+    // The shared address of this lane's row of 8-column group `group + m / 2` from fragment column col0, in the
+    // panel holding it, in the 128-byte swizzle (stmatrix and ldmatrix take the same per-lane row addresses).
     template <typename Panel>
     __device__ __forceinline__ uint32_t address(int col0, int group, Panel panel) const {
         const int col = col0 + (group + m / 2) * 8;  // the first column of this lane's matrix
         return static_cast<uint32_t>(__cvta_generic_to_shared(panel(col) + tma::swizzled_offset_128b(row, col % 64)));
     }
+    // One stmatrix.x4: 8-column groups `group` and `group + 1` from fragment column col0 (one 16-column slice),
+    // their four packed registers in matrix order, to the panel holding them.
     template <typename Panel>
     __device__ __forceinline__ void store(int col0, int group, Panel panel, uint32_t r0, uint32_t r1, uint32_t r2,
                                           uint32_t r3) const {
