@@ -369,6 +369,9 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     if not isinstance(_group_split, int) or _group_split < 0 or _group_split and (Hq // Hkv) % _group_split:
         raise ValueError(f"_group_split must be 0 or a divisor of {Hq // Hkv} (query heads per key/value head), "
                          f"not {_group_split!r}")
+    if not isinstance(_tail_split, bool) and not (isinstance(_tail_split, tuple) and len(_tail_split) == 2
+                                                  and all(isinstance(x, int) for x in _tail_split)):
+        raise ValueError(f"_tail_split must be True, False or (split_from, parts), not {_tail_split!r}")
     ext = _require_kernels(q.device)
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), *(torch.zeros((B, Hkv, Sk, D), dtype=q.dtype, device=q.device) for _ in "kv")

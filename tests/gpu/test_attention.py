@@ -551,7 +551,8 @@ def test_backward_last_wave_split_is_checked():
     q, k, v = make(1, 2, 2, 256, 256, 64, torch.bfloat16, seed=1)
     o, lse = ops.attention_forward(q, k, v)
     g = torch.randn_like(o)
-    for bad, match in (((0, 5), "split_parts"), ((4, 2), "split_from"), ((-1, 2), "split_from")):
+    for bad, match in (((0, 5), "split_parts"), ((4, 2), "split_from"), ((-1, 2), "split_from"),
+                       ((1, 2, 3), "_tail_split"), ("yes", "_tail_split")):
         with pytest.raises(ValueError, match=match):
             ops.attention_backward(q, k, v, o, lse, g, _tail_split=bad)
     o, lse = ops.attention_forward(q, k, v, is_causal=True)
