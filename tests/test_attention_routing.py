@@ -53,7 +53,7 @@ def assert_close_bf16(actual, expected):
 # -- inference -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("hkv,is_causal,scale", [(4, False, None), (4, True, None), (1, True, 0.3), (1, False, 2.0)])
 def test_inference_runs_on_tk_attention(standin_tk_build, standin_attention, D, hkv, is_causal, scale):
     def f(q, k, v):
@@ -91,7 +91,7 @@ def _causal(q, k, v):
     [
         (_mask, {}, bf16, "attn_mask is given", None),  # the stand-in executor takes no masks: decomposed
         (_dropout, {}, bf16, "dropout_p=0.5 > 0", None),
-        (_plain, {"D": 96}, bf16, "head_dim 96 not in {64, 128}", "standin_sdpa"),
+        (_plain, {"D": 96}, bf16, "head_dim 96 not in {64, 128, 256}", "standin_sdpa"),
         (_causal, {"Sq": 8, "Sk": 16}, bf16, "causal with Sq=8 != Sk=16", "standin_sdpa"),
         (_plain, {}, torch.float32, "dtype float32 not in {bfloat16, float16}", "standin_sdpa"),
         (_plain, {"Sk": 0}, bf16, "key/value length is 0", "standin_sdpa"),
@@ -174,6 +174,29 @@ def test_training_with_backward_kernel_runs_tk_forward_and_backward(standin_tk_b
     row = attention_row(jf)
     assert row.claimed_by_tk and not row.reason
     assert row.ran_by == "tk: tk_attention_forward" and row.backward_ran_by == "tk: tk_attention_backward"
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_training_at_a_head_dim_only_the_forward_takes_goes_to_the_attention_executor(standin_tk_build,
+                                                                                        standin_attention, is_causal):
+    # D = 256: tk's forward kernel takes it (inference runs on tk, above), its backward does not, so in training the
+    # executor that takes forward and backward runs both, and explain says why.
+    standin_tk_build.add("attention_backward")
+    inputs = qkv(D=256, requires_grad=True)
+    jf, out, grad_o = run_training(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal),
+                                   inputs, [tk])
+    ref_out, ref_grads = reference(*inputs, grad_o, is_causal=is_causal)
+    assert_close_bf16(out, ref_out)
+    for t, g in zip(inputs, ref_grads):
+        assert_close_bf16(t.grad, g)
+    fwd, bwd = thunder.last_traces(jf)[-1], thunder.last_backward_traces(jf)[-1]
+    assert ("standin_sdpa_fwd", "standin_sdpa") in ops_of(fwd)
+    assert ("standin_sdpa_bwd", "standin_sdpa") in ops_of(bwd)
+    assert all(ex != "tk" for _, ex in ops_of(fwd) + ops_of(bwd))
+    row = attention_row(jf)
+    assert not row.claimed_by_tk
+    assert row.reason == ("head_dim 256: tk's attention backward takes {64, 128} (its forward takes it); "
+                          "standin_sdpa takes forward and backward")
 
 
 def test_training_in_an_explicit_list_goes_to_the_listed_attention_executor(standin_tk_build, standin_attention):

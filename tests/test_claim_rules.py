@@ -51,7 +51,7 @@ def test_one_rule_per_claimed_symbol():
 # -- attention ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("hq,hkv", [(16, 16), (16, 8), (32, 4), (8, 1)])
 def test_sdpa_shape_constraints_accept(D, hq, hkv):
     q, k = proxy(2, hq, 1000, D), proxy(2, hkv, 1000, D)
@@ -65,7 +65,8 @@ def test_sdpa_shape_constraints_accept(D, hq, hkv):
     [
         (lambda: (proxy(2, 16, 128, 128),) * 3 + (proxy(128, 128, dtype=thunder.bool8), 0.0, False), "attn_mask is given"),
         (lambda: (proxy(2, 16, 128, 128),) * 3 + (None, 0.1, False), "dropout_p=0.1 > 0"),
-        (lambda: (proxy(2, 16, 128, 96),) * 3 + (None, 0.0, False), "head_dim 96 not in {64, 128}"),
+        (lambda: (proxy(2, 16, 128, 96),) * 3 + (None, 0.0, False), "head_dim 96 not in {64, 128, 256}"),
+        (lambda: (proxy(2, 16, 128, 512),) * 3 + (None, 0.0, False), "head_dim 512 not in {64, 128, 256}"),
         (lambda: (proxy(2, 16, 128, 128, dtype=f32),) * 3 + (None, 0.0, False), "dtype float32 not in {bfloat16, float16}"),
         (lambda: (proxy(2, 16, 128, 128), proxy(2, 16, 256, 128), proxy(2, 16, 256, 128), None, 0.0, True),
          "causal with Sq=128 != Sk=256"),
@@ -125,7 +126,13 @@ def test_sdpa_needs_the_forward_kernel_and_its_gradient_the_backward_kernel(monk
     assert verdict.reason == "tk has no attention backward kernel in this build (attention_backward)"
 
     monkeypatch.setattr(_extension, "_load", lambda: (FakeBuild("attention_forward", "attention_backward"), ""))
-    assert sdpa.judge(*args, scale=None) and sdpa.judge_gradient()
+    assert sdpa.judge(*args, scale=None) and sdpa.judge_gradient(*args, scale=None)
+    # D = 256: the forward kernel takes it, the backward does not.
+    q256 = proxy(2, 16, 1024, 256)
+    args256 = (q256, q256, q256, None, 0.0, False)
+    assert sdpa.judge(*args256, scale=None)
+    verdict = sdpa.judge_gradient(*args256, scale=None)
+    assert verdict.reason == "head_dim 256: tk's attention backward takes {64, 128} (its forward takes it)"
     # A rule without a lowering has no gradient; the table's rules get theirs from the executor.
     assert RULES_BY_ID[SDPA.id].judge_gradient().reason == f"tk has no gradient for {SDPA_NAME}"
     # A symbol whose gradient needs no kernel of its own.

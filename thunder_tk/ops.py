@@ -119,7 +119,8 @@ def attention_bwd_delta(
 # ------------------------------------------------------------------------------------------------
 # Attention forward: O = softmax(scale Q K^T (causal)) V and the log-sum-exp of each query row
 
-ATTENTION_HEAD_DIMS = (64, 128)
+ATTENTION_HEAD_DIMS = (64, 128, 256)  # the forward kernel's
+ATTENTION_BACKWARD_HEAD_DIMS = (64, 128)  # the backward kernel's
 _ATTENTION_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -144,7 +145,7 @@ def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
     if D != Dk:
         raise ValueError(f"head dims differ: q {D}, k/v {Dk}")
     if D not in ATTENTION_HEAD_DIMS:
-        raise ValueError(f"head_dim {D} is not supported (64 or 128)")
+        raise ValueError(f"head_dim {D} is not supported (64, 128 or 256)")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     if Sk == 0 and Sq > 0:
@@ -215,7 +216,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     """o = softmax(scale q k^T, causal mask) v and lse = logsumexp of the scaled scores, by the tk kernel.
 
     q is (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) with Hkv dividing Hq (query head h reads key/value head
-    h // (Hq // Hkv)); bf16 or fp16; D 64 or 128; scale defaults to 1/sqrt(D); causal masks key j > query i and
+    h // (Hq // Hkv)); bf16 or fp16; D 64, 128 or 256 (the backward: 64 or 128); scale defaults to 1/sqrt(D); causal masks key j > query i and
     needs Sq == Sk. Inputs are read in place when the last dim is contiguous and the other strides are multiples
     of 8 elements (LitGPT's transposed views qualify); others are copied first. Returns o (B, Hq, Sq, D) in the
     input dtype, a transposed view of a contiguous (B, Sq, Hq, D) buffer, and lse (B, Hq, Sq) in float32 (natural
@@ -360,6 +361,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     check_attention_args(q, k, v, is_causal, scale)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
+    if D not in ATTENTION_BACKWARD_HEAD_DIMS:
+        raise ValueError(f"head_dim {D}: the attention backward takes 64 or 128 (the forward also takes 256)")
     for name, t in (("o", o), ("grad_o", grad_o)):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name} must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}")

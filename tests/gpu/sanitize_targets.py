@@ -98,12 +98,13 @@ def tile_library():
     print("tile-library sanitize targets ran")
 
 
-# Attention forward: tails in both lengths, causal, grouped-query heads, a transposed (B, S, H, D) view, D 64/128.
+# Attention forward: tails in both lengths, causal, grouped-query heads, a transposed (B, S, H, D) view, D 64/128/256.
 # (2, 16, 8, 600, ...): 160 tiles, more than the H100's 132 blocks, so blocks of the persistent grid take several.
 def attention_forward():
     for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (2, 2, 1, 70, 300, 64, False), (1, 1, 1, 1, 1, 64, False),
                                           (2, 16, 8, 600, 600, 64, True),
-                                          (1, 2, 1, 2200, 2200, 64, True)]:  # 192-row tiles, the first from row -64
+                                          (1, 2, 1, 2200, 2200, 64, True),  # 192-row tiles, the first from row -64
+                                          (1, 4, 2, 129, 129, 256, True), (2, 2, 1, 70, 300, 256, False)]:
         q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)
         ops.attention_forward(q, k, torch.randn_like(k), is_causal=causal)
@@ -111,6 +112,9 @@ def attention_forward():
     for B, Hq, Hkv, Sq, Sk, D, grid in [(1, 3, 3, 130, 9000, 128, 4), (1, 5, 5, 100, 8300, 128, 4)]:
         q, k = (torch.randn(B, h, s, D, device="cuda", dtype=torch.bfloat16) for h, s in ((Hq, Sq), (Hkv, Sk)))
         ops.attention_forward(q, k, torch.randn_like(k), _max_blocks=grid)
+    # D = 256: its one Q buffer handed back between tiles, two blocks walking 54 causal tiles.
+    q, k = (torch.randn(3, 3, 700, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ops.attention_forward(q, k, torch.randn_like(k), is_causal=True, _max_blocks=2)
     torch.cuda.synchronize()
     print("attention sanitize targets ran")
 

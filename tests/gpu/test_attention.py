@@ -1,6 +1,6 @@
 """The attention forward kernel (ops.attention_forward) against an fp64 math reference.
 
-Covers short and long, equal and unequal sequence lengths, D 64 and 128, grouped-query ratios 1/2/4/8, causal
+Covers short and long, equal and unequal sequence lengths, D 64, 128 and 256, grouped-query ratios 1/2/4/8, causal
 (top-left mask, as torch SDPA's is_causal) and not, bf16 and fp16, a custom scale, strided views, large scores,
 repeatability, outputs written in full (the caching allocator is filled with NaN first) and argument errors.
 """
@@ -107,6 +107,16 @@ CASES = [
     (1, 4, 4, 4097, 128, 64, False),  # Sq > Sk
     (1, 2, 1, 128, 17, 128, False),
     (1, 2, 1, 2500, 2500, 64, True),  # causal D = 64 from 2048 queries: 192-row tiles (three warpgroups), a tail of 4
+    # D = 256: 64-key stages, one Q buffer, O stored from registers.
+    (1, 1, 1, 1, 1, 256, False),
+    (2, 4, 4, 17, 17, 256, True),
+    (1, 8, 2, 128, 128, 256, False),  # GQA 4
+    (1, 8, 1, 1000, 1000, 256, True),  # GQA 8
+    (16, 8, 8, 128, 128, 256, True),  # 128 tiles
+    (1, 2, 1, 4097, 4097, 256, False),
+    (1, 2, 2, 1, 4097, 256, False),  # one query against a long cache
+    (1, 4, 4, 4097, 65, 256, False),  # Sq > Sk, a key block of one key
+    (3, 4, 1, 1000, 1, 256, False),  # one key
 ]
 
 
@@ -133,6 +143,8 @@ def test_matches_fp64_reference(case, dtype):
     # loaded or stored); 2200 also leaves a tail of 24 rows in the last tile.
     (1, 3, 3, 2048, 64, True),
     (1, 3, 3, 2200, 64, True),
+    (1, 3, 3, 300, 256, False),  # D = 256: one Q buffer handed back after each tile's last scores
+    (2, 2, 1, 257, 256, True),
 ])
 def test_persistent_grid_walks_many_tiles(B, Hq, Hkv, S, D, causal, max_blocks, schedule):
     # The forward runs one block per SM; a capped grid makes every block walk several tiles (K/V stages, Q buffers
@@ -192,7 +204,7 @@ def test_last_wave_split_by_keys(case, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("scale,causal,D", [(0.3, False, 64), (1.0, True, 128)])
+@pytest.mark.parametrize("scale,causal,D", [(0.3, False, 64), (1.0, True, 128), (0.5, True, 256)])
 def test_custom_scale(scale, causal, D, dtype):
     q, k, v = make(2, 4, 2, 300, 300, D, dtype)
     o, lse = check(q, k, v, causal=causal, scale=scale)
@@ -201,9 +213,9 @@ def test_custom_scale(scale, causal, D, dtype):
 
 
 @pytest.mark.parametrize("S", [1, 77, 129, 1000])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_causal_odd_lengths(S, D):
-    dtype = torch.bfloat16 if D == 128 else torch.float16
+    dtype = torch.bfloat16 if D >= 128 else torch.float16
     check(*make(2, 3, 3, S, S, D, dtype), causal=True)
 
 
@@ -246,9 +258,9 @@ def strided_inputs(layout, B, Hq, Hkv, S, D, dtype):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("layout", ["bshd", "fused_qkv", "seq_slice", "wide_rows"])
-def test_strided_views_match_contiguous_bitwise(layout, causal):
-    D = 128 if layout in ("bshd", "seq_slice") else 64
+@pytest.mark.parametrize("layout,D", [("bshd", 128), ("fused_qkv", 64), ("seq_slice", 128), ("wide_rows", 64),
+                                      ("bshd", 256), ("wide_rows", 256)])
+def test_strided_views_match_contiguous_bitwise(layout, D, causal):
     q, k, v, bufs = strided_inputs(layout, 2, 8, 2, 333, D, torch.bfloat16)
     before = [b.clone() for b in bufs]
     o, lse = check(q, k, v, causal=causal)
@@ -269,8 +281,10 @@ def test_output_projection_input_is_a_view():
     "case,dtype",
     [((4, 16, 16, 2048, 2048, 128, False), torch.bfloat16),
      ((4, 16, 16, 2048, 2048, 64, True), torch.float16),
-     ((2, 32, 4, 1500, 1500, 128, True), torch.bfloat16)],
-    ids=["full-bf16", "causal-fp16", "gqa8-causal-bf16"],
+     ((2, 32, 4, 1500, 1500, 128, True), torch.bfloat16),
+     ((2, 8, 8, 2048, 2048, 256, False), torch.bfloat16),
+     ((2, 8, 2, 1500, 1500, 256, True), torch.float16)],
+    ids=["full-bf16", "causal-fp16", "gqa8-causal-bf16", "d256-full-bf16", "d256-gqa4-causal-fp16"],
 )
 def test_repeatable_bitwise(case, dtype):
     # Many blocks on every SM: a race or an order-dependent reduction shows as a result that moves.
@@ -285,7 +299,7 @@ def test_repeatable_bitwise(case, dtype):
 @pytest.mark.parametrize(
     "case",
     [(3, 5, 5, 1, 1, 64, False), (1, 3, 1, 129, 129, 128, True), (2, 7, 7, 1000, 333, 64, False),
-     (1, 4, 4, 4097, 4097, 128, True)],
+     (1, 4, 4, 4097, 4097, 128, True), (1, 3, 1, 129, 129, 256, True), (2, 5, 5, 1000, 333, 256, False)],
     ids=case_id,
 )
 def test_output_written_entirely(case):
@@ -302,7 +316,8 @@ def test_output_written_entirely(case):
 @pytest.mark.parametrize(
     "D,causal,dtype",
     [(64, False, torch.bfloat16), (128, False, torch.bfloat16), (64, True, torch.bfloat16),
-     (128, True, torch.bfloat16), (128, True, torch.float16)],
+     (128, True, torch.bfloat16), (128, True, torch.float16), (256, False, torch.bfloat16),
+     (256, True, torch.float16)],
 )
 def test_large_scores(D, causal, dtype):
     # Inputs x 30: scores of order +-1000 (exp overflows fp32 without the running max), and softmax rows are
@@ -314,13 +329,14 @@ def test_large_scores(D, causal, dtype):
 
 def rising_scores(B, H, S, D, rise, dtype, seed, rising_rows):
     """q, k, v with small random scores, plus, in the query rows where rising_rows(row index) holds, a score that
-    sits `rise` (base 2, at the default scale) higher in each 128-key block than in the block before."""
+    sits `rise` (base 2, at the default scale) higher in each key block (the kernel's: 128 keys, 64 at D = 256)
+    than in the block before."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, H, S, D, device="cuda", generator=g) * 0.05
     k = torch.randn(B, H, S, D, device="cuda", generator=g) * 0.05
     v = torch.randn(B, H, S, D, device="cuda", generator=g)
     q[..., 0] = rising_rows(torch.arange(S, device="cuda")).float()
-    block = torch.arange(S, device="cuda") // 128
+    block = torch.arange(S, device="cuda") // (64 if D == 256 else 128)
     k[..., 0] = block * rise / (D ** -0.5 * 1.4426950408889634)  # base-2 score of a key: about its block times rise
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
@@ -334,7 +350,7 @@ def check_large_lse(q, k, v, causal=False):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("rise", [3.0, 7.5, 8.5, 12.0])
-@pytest.mark.parametrize("D,causal", [(64, False), (128, False), (128, True)])
+@pytest.mark.parametrize("D,causal", [(64, False), (128, False), (128, True), (256, False), (256, True)])
 def test_running_max_rising_block_by_block(D, causal, rise, dtype):
     # Every 128-key block's scores sit `rise` (base 2) above the block before, below, near and above the 8 by which
     # the kernel lets a block pass the maximum it keeps before it moves it and rescales o (lazy rescaling): so the
@@ -346,7 +362,8 @@ def test_running_max_rising_block_by_block(D, causal, rise, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("rise", [2.0, 3.5, 9.0, 200.0])
-@pytest.mark.parametrize("D,S,causal", [(64, 1000, False), (64, 2100, True), (128, 1000, False), (128, 700, True)])
+@pytest.mark.parametrize("D,S,causal", [(64, 1000, False), (64, 2100, True), (128, 1000, False), (128, 700, True),
+                                         (256, 1000, False), (256, 700, True)])
 def test_running_max_rising_in_one_warp_of_rows(D, S, causal, rise, dtype):
     # Only the second warp's 16 rows of each 64-row slice see scores rising by `rise` (base 2) per key block; the
     # other rows' scores stay small. The kernel takes each block against the maximum it keeps and checks the
@@ -566,6 +583,15 @@ def test_backward_group_split_is_checked():
     for bad in (3, -1):
         with pytest.raises(ValueError, match="_group_split"):
             ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), _group_split=bad)
+
+
+def test_backward_at_head_dim_256_is_refused_by_name():
+    # The forward takes D = 256, the backward kernel does not: a named error before any launch (the claim rule
+    # routes training at D = 256 to another executor instead, tests/test_attention_routing.py).
+    q, k, v = make(1, 2, 2, 64, 64, 256, torch.bfloat16, seed=1)
+    o, lse = ops.attention_forward(q, k, v)
+    with pytest.raises(ValueError, match="head_dim 256: the attention backward takes 64 or 128"):
+        ops.attention_backward(q, k, v, o, lse, torch.randn_like(o))
 
 
 @pytest.mark.parametrize("B,H,S,D", [(3, 6, 2048, 128), (2, 8, 4097, 64)])

@@ -580,6 +580,7 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
 }  // namespace
 
 const char* backward_unsupported(const backward_args& a) {
+    if (a.head_dim != 64 && a.head_dim != 128) return "head_dim must be 64 or 128 (the backward has no 256 kernel)";
     if (const char* reason = layout::shape_unsupported(a.dtype, a.head_dim, a.batch, a.q_heads, a.kv_heads, a.q_len,
                                                        a.kv_len, a.causal, a.scale))
         return reason;

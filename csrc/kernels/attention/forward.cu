@@ -23,7 +23,10 @@ namespace {
 
 using wgmma::major;
 
-constexpr int BN = 128;  // keys per stage
+// Keys per stage: 128, or 64 at D = 256, where S (64 x 128) beside O (64 x 256, 128 registers) and the stages'
+// shared memory (2 x 64 KB of K and V at 128 keys) would not fit.
+template <int D>
+constexpr int BN = D == 256 ? 64 : 128;
 constexpr int STAGES = 2;
 constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
 constexpr int PRODUCER_REGISTERS = 24;
@@ -32,10 +35,16 @@ constexpr float LAZY_SLACK = 8.0f;  // base-2 exponent by which a row may pass t
 // C consumer warpgroups per block, 64 query rows each: two, or three at D = 64 (launch_forward says where), whose
 // products are short next to the softmax of the same scores, so two warpgroups' softmax can run under the third's
 // products. At D = 128 S, P and O need 240 registers a thread: two only.
+// At D = 256 a 128-row tile's Q is 64 KB: one buffer only (with the K and V stages, 192 KB). Its O then leaves
+// from registers (DIRECT_O) instead of staged over Q, so that Q goes back to the producer as soon as the tile's last
+// scores are done and the next tile's Q loads under its last P V and epilogue.
 template <int D, int C>
 struct config {
     static_assert(C == 2 || (C == 3 && D == 64), "three consumer warpgroups fit D = 64's registers only");
+    static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
     static constexpr int CONSUMERS = C;
+    static constexpr int Q_BUFFERS = D == 256 ? 1 : 2;
+    static constexpr bool DIRECT_O = D == 256;
     static constexpr int BM = 64 * C;  // query rows per tile
     static constexpr int THREADS = (C + 1) * warpgroup::threads;
     static constexpr int CONSUMER_REGISTERS = C == 3 ? 160 : 240;
@@ -47,16 +56,17 @@ __device__ __forceinline__ int turn_barrier(int wg) { return 1 + C + wg; }
 
 template <typename T, int D, int C>
 struct shared_state {
-    static constexpr int BM = config<D, C>::BM;
+    static constexpr int BM = config<D, C>::BM, QB = config<D, C>::Q_BUFFERS;
     // [tile parity][64-wide panel of D]; each warpgroup stages its O rows here once its last scores are done
-    wgmma::operand_tile<T, BM, major::k> q[2][D / 64];
-    wgmma::operand_tile<T, BN, major::k> k[STAGES][D / 64];   // S = Q K^T: keys are B's N, D is the reduction
-    wgmma::operand_tile<T, D, major::mn> v[STAGES][BN / 64];  // O += P V: D is B's N (contiguous), keys the reduction
+    // (not with DIRECT_O)
+    wgmma::operand_tile<T, BM, major::k> q[QB][D / 64];
+    wgmma::operand_tile<T, BN<D>, major::k> k[STAGES][D / 64];   // S = Q K^T: keys are B's N, D the reduction
+    wgmma::operand_tile<T, D, major::mn> v[STAGES][BN<D> / 64];  // O += P V: D is B's N (contiguous), keys the reduction
     pipeline::ring<STAGES> k_ring, v_ring;  // full: the stage's bytes landed; empty: every consumer warp is done
-    pipeline::ring<2> q_ring;               // full: Q landed; empty: every consumer is done with the buffer
-    int q_tile_of[2];                       // the work item whose Q a buffer holds (-1: no more), with its `full`
+    pipeline::ring<QB> q_ring;              // full: Q landed; empty: every consumer is done with the buffer
+    int q_tile_of[QB];                      // the work item whose Q a buffer holds (-1: no more), with its `full`
     int merges[C];                          // a warpgroup's leader tells it that it merges its tile's parts
-    static constexpr uint32_t q_bytes = BM * D * sizeof(T), kv_bytes = BN * D * sizeof(T);
+    static constexpr uint32_t q_bytes = BM * D * sizeof(T), kv_bytes = BN<D> * D * sizeof(T);
 };
 
 // The last wave's tiles split by keys (dynamic schedule, no causal): where tiles % grid blocks leave most of the
@@ -112,7 +122,7 @@ __device__ __forceinline__ int2 key_blocks_of(const kernel_params& p, const work
 // the part-filled tile is the first one (rows near 0 see few keys), with its empty 64-row slices above row 0, instead
 // of the last one (which computes every key for its empty rows). With 192-row tiles at q_len = 2048 this lifts the
 // share of the computed scores that the mask keeps from 0.85 to 0.89 (4096: 0.89 to 0.94).
-template <int BM>
+template <int BM, int KEYS>
 __device__ __forceinline__ block_work work_of(const kernel_params& p, int linear) {
     const forward_args& a = p.args;
     const int64_t bh_count = a.batch * a.q_heads;
@@ -127,8 +137,8 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p, int linear
         bh = linear / p.q_tiles;
     }
     const int row0 = q_tile * BM - p.causal_padding;  // q_len < 2^31 (layout::shape_unsupported)
-    int kv_blocks = int((a.kv_len + BN - 1) / BN);
-    if (a.causal) kv_blocks = min(kv_blocks, (row0 + BM + BN - 1) / BN);
+    int kv_blocks = int((a.kv_len + KEYS - 1) / KEYS);
+    if (a.causal) kv_blocks = min(kv_blocks, (row0 + BM + KEYS - 1) / KEYS);
     return {q_tile, int(bh % a.q_heads), int(bh / a.q_heads), kv_blocks, row0};
 }
 
@@ -138,7 +148,8 @@ __device__ __forceinline__ void produce(shared_state<T, D, C>& st, const kernel_
     tma::prefetch_map(&map_q);
     tma::prefetch_map(&map_k);
     tma::prefetch_map(&map_v);
-    pipeline::cursor<2> at_q;
+    constexpr int BN = attention::BN<D>;
+    pipeline::cursor<config<D, C>::Q_BUFFERS> at_q;
     pipeline::cursor<STAGES> at;  // K and V stages run on across tiles
     // Static: items blockIdx.x, + grid, ... Dynamic: every block takes tickets until one is past the end, so a
     // launch hands out exactly items + grid of them, and the holder of the last one resets the counter.
@@ -159,7 +170,7 @@ __device__ __forceinline__ void produce(shared_state<T, D, C>& st, const kernel_
         st.q_tile_of[at_q.stage] = t;
         constexpr int BM = config<D, C>::BM;
         const work_item it = item_of(p, t);
-        const block_work w = work_of<BM>(p, it.tile);
+        const block_work w = work_of<BM, BN>(p, it.tile);
         const int2 blocks = key_blocks_of(p, it, w.kv_blocks);
         const int kv_head = w.head / p.kv_group;
         // 64-row slices above row 0 (causal padding) are not loaded: their rows are masked whole.
@@ -261,7 +272,8 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
                                              const work_item& it, int qb, int& pending, pipeline::cursor<STAGES>& at_k,
                                              pipeline::cursor<STAGES>& at_v, const CUtensorMap& map_o) {
     const forward_args& a = p.args;
-    constexpr int CONSUMERS = config<D, C>::CONSUMERS;
+    constexpr int CONSUMERS = config<D, C>::CONSUMERS, BN = attention::BN<D>;
+    constexpr bool DIRECT_O = config<D, C>::DIRECT_O;
     const int slice = warpgroup::uniform_index() - 1;  // query rows [64 slice, 64 slice + 64) of the tile
     const int64_t row0 = w.row0 + slice * 64;  // < 0: a causal padding slice (masked whole, nothing stored)
     const bool lane0 = (threadIdx.x & 31) == 0;
@@ -486,6 +498,9 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
         at_v.advance();
         rt::to_a_operand(pr, s);
     }
+    // DIRECT_O: Q is read no more (the scores and any rescore are done), so its buffer goes back now and the next
+    // tile's Q loads under this one's last P V and epilogue.
+    if constexpr (DIRECT_O) sync::arrive(st.q_ring.empty[qb]);
     st.v_ring.wait_full(at_v);
     my_turn();
     accumulate_pv(at_v.stage);
@@ -509,12 +524,29 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     rt::row_vec lse2{m.top + __log2f(l.top), m.bottom + __log2f(l.bottom)};  // base 2
     // A part of a split tile: its share to the scratch; the warpgroup that completes its rows' count merges.
     bool stores = true;
-    if (it.part >= 0) stores = merge_parts(st, p, it, slice, o, lse2);
+    if constexpr (!DIRECT_O)  // DIRECT_O tiles are never split (choose_split)
+        if (it.part >= 0) stores = merge_parts(st, p, it, slice, o, lse2);
     if (stores && (threadIdx.x & 3) == 0 && row0 >= 0) {
         const int64_t top = row0 + rt::top_row();
         float* lse = a.lse + int64_t(w.batch) * a.lse_stride[0] + int64_t(w.head) * a.lse_stride[1];
         if (top < a.q_len) lse[top] = lse2.top * LN2;
         if (top + 8 < a.q_len) lse[top + 8] = lse2.bottom * LN2;
+    }
+    if constexpr (DIRECT_O) {
+        // O rounded and stored from registers, two columns per 4-byte store; rows past q_len are not written (and
+        // a causal padding slice, row0 < 0, has none).
+        if (row0 >= 0) {
+            T* out = static_cast<T*>(a.o) + int64_t(w.batch) * a.o_stride[0] + int64_t(w.head) * a.o_stride[1];
+#pragma unroll
+            for (int e = 0; e < D / 2; e += 2) {
+                const auto pos = wgmma::accumulator_position(e);
+                const int64_t row = row0 + pos.row;
+                if (row < a.q_len)
+                    *reinterpret_cast<uint32_t*>(out + row * a.o_stride[2] + pos.col) = rt::pack2<T>(o.d[e], o.d[e + 1]);
+            }
+        }
+        __syncwarp();  // the warp whole again before the next tile's .aligned barriers and wgmma
+        return;
     }
     // O rounded into this warpgroup's rows of the Q stage.
     if (stores)
@@ -540,7 +572,7 @@ __device__ __forceinline__ void consume(shared_state<T, D, C>& st, const kernel_
     constexpr int CONSUMERS = config<D, C>::CONSUMERS;
     // Warpgroup 0 takes the first turn: the last one hands it over.
     if (warpgroup::index() == CONSUMERS) sync::named_arrive(turn_barrier<C>(0), 2 * warpgroup::threads);
-    pipeline::cursor<2> at_q;
+    pipeline::cursor<config<D, C>::Q_BUFFERS> at_q;
     pipeline::cursor<STAGES> at_k, at_v;
     int pending = -1;  // the Q buffer whose O store the leader has yet to see read (its hand-back is owed)
     for (;; at_q.advance()) {
@@ -548,8 +580,8 @@ __device__ __forceinline__ void consume(shared_state<T, D, C>& st, const kernel_
         const int t = st.q_tile_of[at_q.stage];
         if (t < 0) break;
         const work_item it = item_of(p, t);
-        consume_tile<T, D, C>(st, p, work_of<config<D, C>::BM>(p, it.tile), it, at_q.stage, pending, at_k, at_v,
-                              map_o);
+        consume_tile<T, D, C>(st, p, work_of<config<D, C>::BM, BN<D>>(p, it.tile), it, at_q.stage, pending, at_k,
+                              at_v, map_o);
     }
     // Warpgroup 0 takes the last warpgroup's last hand-over.
     if (warpgroup::index() == 1) sync::named_sync(turn_barrier<C>(0), 2 * warpgroup::threads);
@@ -610,8 +642,9 @@ split_choice choose_split(const forward_args& a, bool dynamic) {
     const int blocks = int(std::min<int64_t>(tiles, a.max_blocks > 0 ? a.max_blocks : multiprocessor_count()));
     split_choice s{blocks, int(tiles), 1, 0, 0};
     const int r = blocks > 0 ? int(tiles % blocks) : 0;
-    const int64_t kv_blocks = (a.kv_len + BN - 1) / BN;
-    if (a.causal || !dynamic || r == 0 || c != 2 || kv_blocks < SPLIT_MIN_KEY_BLOCKS) return s;
+    const int64_t kv_blocks = (a.kv_len + BN<128> - 1) / BN<128>;
+    // D = 256 is not split: its kernel (64-key stages, one Q buffer, O from registers) has no merge.
+    if (a.causal || !dynamic || r == 0 || c != 2 || a.head_dim == 256 || kv_blocks < SPLIT_MIN_KEY_BLOCKS) return s;
     double best = 1.0 - 0.05;
     for (int parts = 2; parts <= 4; ++parts) {
         const double rounds = double((int64_t(r) * parts + blocks - 1) / blocks) / parts;
@@ -671,6 +704,7 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
 }  // namespace
 
 const char* forward_unsupported(const forward_args& a) {
+    if (a.head_dim != 64 && a.head_dim != 128 && a.head_dim != 256) return "head_dim must be 64, 128 or 256";
     if (const char* reason = layout::shape_unsupported(a.dtype, a.head_dim, a.batch, a.q_heads, a.kv_heads, a.q_len,
                                                        a.kv_len, a.causal, a.scale))
         return reason;
@@ -701,7 +735,8 @@ cudaError_t launch_forward(const forward_args& a, cudaStream_t stream) {
     if (a.head_dim == 64 && consumers_of(a) == 3)
         return bf16 ? launch<__nv_bfloat16, 64, 3>(a, stream) : launch<__half, 64, 3>(a, stream);
     if (a.head_dim == 64) return bf16 ? launch<__nv_bfloat16, 64, 2>(a, stream) : launch<__half, 64, 2>(a, stream);
-    return bf16 ? launch<__nv_bfloat16, 128, 2>(a, stream) : launch<__half, 128, 2>(a, stream);
+    if (a.head_dim == 128) return bf16 ? launch<__nv_bfloat16, 128, 2>(a, stream) : launch<__half, 128, 2>(a, stream);
+    return bf16 ? launch<__nv_bfloat16, 256, 2>(a, stream) : launch<__half, 256, 2>(a, stream);
 }
 
 }  // namespace tk::attention
