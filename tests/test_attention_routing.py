@@ -177,10 +177,7 @@ def test_training_with_backward_kernel_runs_tk_forward_and_backward(standin_tk_b
 
 
 @pytest.mark.parametrize("is_causal", [True, False])
-def test_training_at_a_head_dim_only_the_forward_takes_goes_to_the_attention_executor(standin_tk_build,
-                                                                                        standin_attention, is_causal):
-    # D = 256: tk's forward kernel takes it (inference runs on tk, above), its backward does not, so in training the
-    # executor that takes forward and backward runs both, and explain says why.
+def test_training_at_head_dim_256_runs_tk_forward_and_backward(standin_tk_build, standin_attention, is_causal):
     standin_tk_build.add("attention_backward")
     inputs = qkv(D=256, requires_grad=True)
     jf, out, grad_o = run_training(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal),
@@ -189,14 +186,9 @@ def test_training_at_a_head_dim_only_the_forward_takes_goes_to_the_attention_exe
     assert_close_bf16(out, ref_out)
     for t, g in zip(inputs, ref_grads):
         assert_close_bf16(t.grad, g)
-    fwd, bwd = thunder.last_traces(jf)[-1], thunder.last_backward_traces(jf)[-1]
-    assert ("standin_sdpa_fwd", "standin_sdpa") in ops_of(fwd)
-    assert ("standin_sdpa_bwd", "standin_sdpa") in ops_of(bwd)
-    assert all(ex != "tk" for _, ex in ops_of(fwd) + ops_of(bwd))
     row = attention_row(jf)
-    assert not row.claimed_by_tk
-    assert row.reason == ("head_dim 256: tk's attention backward takes {64, 128} (its forward takes it); "
-                          "standin_sdpa takes forward and backward")
+    assert row.claimed_by_tk and not row.reason
+    assert row.ran_by == "tk: tk_attention_forward" and row.backward_ran_by == "tk: tk_attention_backward"
 
 
 def test_training_in_an_explicit_list_goes_to_the_listed_attention_executor(standin_tk_build, standin_attention):

@@ -109,8 +109,6 @@ class ClaimRule:
     # The compiled kernel tk's gradient of the symbol needs besides `kernel` (None: the gradient is made of
     # `kernel` and ops Thunder runs anyway). In a training trace tk takes the symbol only with its gradient.
     grad_kernel: str | None = None
-    # Constraints of the gradient's kernels beyond `check`'s (None: none), on the same arguments, metadata only.
-    check_gradient: Callable[..., Verdict] | None = None
     # Filled by the executor once the kernel exists: how a claimed symbol is lowered.
     execution_transform: Callable | None = field(default=None, compare=False)
     grad_transform: Callable | None = field(default=None, compare=False)
@@ -133,15 +131,12 @@ class ClaimRule:
             return decline(f"tk has no {self.family} kernel yet ({self.kernel} is not in this build)")
         return ACCEPT
 
-    def judge_gradient(self, *args, **kwargs) -> Verdict:
-        """Whether tk can also run the gradient of a symbol whose forward `judge` accepted, with the same
-        arguments (metadata only)."""
+    def judge_gradient(self) -> Verdict:
+        """Whether tk can also run the gradient of a symbol whose forward `judge` accepted (metadata only)."""
         if self.grad_transform is None:
             return decline(f"tk has no gradient for {self.name}")
         if self.grad_kernel is not None and not _extension.kernel_in_build(self.grad_kernel):
             return decline(f"tk has no {self.family} backward kernel in this build ({self.grad_kernel})")
-        if self.check_gradient is not None:
-            return self.check_gradient(*args, **kwargs)
         return ACCEPT
 
 
@@ -205,8 +200,7 @@ def _first_failure(*verdicts: Callable[[], Verdict]) -> Verdict:
 # ------------------------------------------------------------------------------------------------
 # Attention
 
-ATTENTION_HEAD_DIMS = ops.ATTENTION_HEAD_DIMS  # what the forward kernel takes
-ATTENTION_BACKWARD_HEAD_DIMS = ops.ATTENTION_BACKWARD_HEAD_DIMS  # and the backward's
+ATTENTION_HEAD_DIMS = ops.ATTENTION_HEAD_DIMS  # what the kernels take
 
 
 def _dims(dims) -> str:
@@ -246,15 +240,6 @@ def check_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         return decline(f"causal with Sq={Sq} != Sk={Sk}")
     if scale is not None and not math.isfinite(pyval(scale)):
         return decline(f"scale={pyval(scale)} is not finite")
-    return ACCEPT
-
-
-def check_sdpa_gradient(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> Verdict:
-    """What tk's attention backward adds to check_sdpa's constraints: its head dims."""
-    D = query.shape[-1]
-    if D not in ATTENTION_BACKWARD_HEAD_DIMS:
-        return decline(f"head_dim {D}: tk's attention backward takes {_dims(ATTENTION_BACKWARD_HEAD_DIMS)} "
-                       "(its forward takes it)")
     return ACCEPT
 
 
@@ -425,7 +410,7 @@ def check_attention_bwd_delta(o, grad_o) -> Verdict:
 
 RULES: tuple[ClaimRule, ...] = (
     ClaimRule(ltorch.scaled_dot_product_attention.id, "ltorch.scaled_dot_product_attention", "attention",
-              "attention_forward", check_sdpa, grad_kernel="attention_backward", check_gradient=check_sdpa_gradient),
+              "attention_forward", check_sdpa, grad_kernel="attention_backward"),
     ClaimRule(ltorch.linear.id, "ltorch.linear", "gemm", "gemm", check_linear),
     ClaimRule(prims.PrimIDs.LINEAR, "prims.linear", "gemm", "gemm", check_linear),
     ClaimRule(ltorch.matmul.id, "ltorch.matmul", "gemm", "gemm", check_matmul),

@@ -155,7 +155,7 @@ class TKExecutor(FusionExecutor):
             verdict = claim_rules.decline(f"tk has no lowering for {rule.name} yet")
         forward_accepted = bool(verdict)
         if verdict and gradient:
-            verdict = rule.judge_gradient(*args, **kwargs)
+            verdict = rule.judge_gradient()
         if verdict:
             return _Route(rule, verdict, None)
         for ex in self._gradient_fallbacks(rule) if gradient else self._fallbacks_in_use(rule):

@@ -119,8 +119,7 @@ def attention_bwd_delta(
 # ------------------------------------------------------------------------------------------------
 # Attention forward: O = softmax(scale Q K^T (causal)) V and the log-sum-exp of each query row
 
-ATTENTION_HEAD_DIMS = (64, 128, 256)  # the forward kernel's
-ATTENTION_BACKWARD_HEAD_DIMS = (64, 128)  # the backward kernel's
+ATTENTION_HEAD_DIMS = (64, 128, 256)
 _ATTENTION_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -216,7 +215,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     """o = softmax(scale q k^T, causal mask) v and lse = logsumexp of the scaled scores, by the tk kernel.
 
     q is (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) with Hkv dividing Hq (query head h reads key/value head
-    h // (Hq // Hkv)); bf16 or fp16; D 64, 128 or 256 (the backward: 64 or 128); scale defaults to 1/sqrt(D); causal masks key j > query i and
+    h // (Hq // Hkv)); bf16 or fp16; D 64, 128 or 256; scale defaults to 1/sqrt(D); causal masks key j > query i and
     needs Sq == Sk. Inputs are read in place when the last dim is contiguous and the other strides are multiples
     of 8 elements (LitGPT's transposed views qualify); others are copied first. Returns o (B, Hq, Sq, D) in the
     input dtype, a transposed view of a contiguous (B, Sq, Hq, D) buffer, and lse (B, Hq, Sq) in float32 (natural
@@ -266,9 +265,13 @@ def attention_backward_reference(q, k, v, o, lse, grad_o, *, is_causal=False, sc
     return torch.autograd.grad(out, (q64, k64, v64), grad_o.double())
 
 
-# The backward kernel's block: 128 keys, walking 64-query steps over the query heads of its key/value head (or of a
-# part of them: group_split).
+# The backward kernel's block: 128 keys (64 at D = 256), walking 64-query steps over the query heads of its key/value
+# head (or of a part of them: group_split).
 _BWD_KEYS, _BWD_QUERIES = 128, 64
+
+
+def _bwd_keys(D: int) -> int:
+    return 64 if D == 256 else _BWD_KEYS
 # A unit's cost beyond its steps, in steps (kernel time against steps, 2026-11-24). Not its start and end: a persistent
 # grid that loads the next unit under the last one's epilogue measured the same (benchmarks/NOTES.md, session 15).
 _BWD_BLOCK_OVERHEAD_STEPS = 2.2
@@ -280,14 +283,16 @@ _PART_SUM_LAUNCH_SECONDS = 1e-5
 _SPLIT_MARGIN = 0.9
 
 
-def _bwd_makespan(blocks_per_tile: int, kv_tiles: int, q_tiles: int, heads: int, causal: bool, sms: int) -> float:
+def _bwd_makespan(blocks_per_tile: int, kv_tiles: int, q_tiles: int, heads: int, causal: bool, sms: int,
+                  tile_steps: int = 2) -> float:
     """The backward grid's time in steps on `sms` multiprocessors, each block walking `heads` query heads: causal
-    key tiles t take q_tiles - 2t steps a head and start heaviest first (the longest block or the mean load,
-    whichever is more); full ones are alike and run in whole waves."""
+    key tiles t take q_tiles - tile_steps t steps a head (tile_steps: query tiles per key tile, 2 for 128 keys) and
+    start heaviest first (the longest block or the mean load, whichever is more); full ones are alike and run in
+    whole waves."""
     blocks = blocks_per_tile * kv_tiles
     if not causal:
         return -(-blocks // sms) * (heads * q_tiles + _BWD_BLOCK_OVERHEAD_STEPS)
-    steps = kv_tiles * q_tiles - kv_tiles * (kv_tiles - 1)  # sum over t of q_tiles - 2t
+    steps = kv_tiles * q_tiles - tile_steps * kv_tiles * (kv_tiles - 1) // 2  # sum over t of q_tiles - tile_steps t
     total = blocks_per_tile * (heads * steps + kv_tiles * _BWD_BLOCK_OVERHEAD_STEPS)
     return max(heads * q_tiles + _BWD_BLOCK_OVERHEAD_STEPS, total / sms)
 
@@ -328,14 +333,15 @@ def backward_group_split(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, ca
     G = Hq // Hkv
     if G == 1:
         return 1
-    kv_tiles, q_tiles = -(-Sk // _BWD_KEYS), -(-Sq // _BWD_QUERIES)
-    step_s = 5 * 2 * _BWD_KEYS * _BWD_QUERIES * D / _BWD_STEP_FLOP_RATE
-    whole = _bwd_makespan(B * Hkv, kv_tiles, q_tiles, G, causal, sms)
+    keys = _bwd_keys(D)
+    kv_tiles, q_tiles, tile_steps = -(-Sk // keys), -(-Sq // _BWD_QUERIES), keys // _BWD_QUERIES
+    step_s = 5 * 2 * keys * _BWD_QUERIES * D / _BWD_STEP_FLOP_RATE
+    whole = _bwd_makespan(B * Hkv, kv_tiles, q_tiles, G, causal, sms, tile_steps)
     best, best_steps = 1, whole
     for split in (s for s in range(2, G + 1) if G % s == 0):
         part_bytes = 2 * (split + 1) * B * Hkv * Sk * D * 2  # dK and dV: the parts read, the sums written
         summing = (part_bytes * _PART_SUM_SECONDS_PER_BYTE + 2 * _PART_SUM_LAUNCH_SECONDS) / step_s
-        steps = _bwd_makespan(B * Hkv * split, kv_tiles, q_tiles, G // split, causal, sms) + summing
+        steps = _bwd_makespan(B * Hkv * split, kv_tiles, q_tiles, G // split, causal, sms, tile_steps) + summing
         if steps < best_steps:
             best, best_steps = split, steps
     return best if best_steps < _SPLIT_MARGIN * whole else 1
@@ -361,8 +367,6 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     check_attention_args(q, k, v, is_causal, scale)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    if D not in ATTENTION_BACKWARD_HEAD_DIMS:
-        raise ValueError(f"head_dim {D}: the attention backward takes 64 or 128 (the forward also takes 256)")
     for name, t in (("o", o), ("grad_o", grad_o)):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name} must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}")
@@ -380,9 +384,10 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
         return torch.zeros_like(q), *(torch.zeros((B, Hkv, Sk, D), dtype=q.dtype, device=q.device) for _ in "kv")
     sms = _extension.multiprocessor_count(q.device.index)
     split = _group_split or backward_group_split(B, Hq, Hkv, Sq, Sk, D, bool(is_causal), sms)
-    units = B * Hkv * split * -(-Sk // _BWD_KEYS)
+    units = B * Hkv * split * -(-Sk // _bwd_keys(D))
     if _tail_split is True:
-        split_from, parts = ((units, 0) if torch.cuda.is_current_stream_capturing() else
+        # D = 256 walks every unit whole (its kernel has no merge of parts).
+        split_from, parts = ((units, 0) if torch.cuda.is_current_stream_capturing() or D == 256 else
                              backward_tail_split(units, (Hq // Hkv // split) * -(-Sq // _BWD_QUERIES),
                                                  bool(is_causal), sms))
     elif _tail_split is False:

@@ -130,6 +130,15 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     }
 }
 
+// The reverse of pack2: a register's two 16-bit elements as floats (low half first).
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t packed) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
+    else
+        return __half22float2(*reinterpret_cast<const __half2*>(&packed));
+}
+
 // Warp-wide store of four 8 x 8 matrices of 16-bit elements from registers to shared memory (stmatrix): register k
 // of lane l holds row l/4, columns 2(l%4) and 2(l%4) + 1 of matrix k (packed, low half first: the accumulator's
 // layout per 8-column group and 8-row half), and lane 8k + r gives the shared address of row r of matrix k, whose

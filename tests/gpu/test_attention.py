@@ -484,6 +484,15 @@ BACKWARD_CASES = [
     (1, 2, 1, 1000, 77, 64, False),  # Sq > Sk, key tail
     (1, 2, 2, 1, 300, 128, False),
     (1, 1, 1, 2049, 2049, 128, True),
+    # D = 256: blocks of 64 keys, the two warpgroups splitting D.
+    (1, 1, 1, 1, 1, 256, False),
+    (1, 2, 2, 17, 17, 256, True),
+    (2, 4, 4, 130, 130, 256, True),
+    (1, 8, 2, 128, 128, 256, False),  # GQA 4
+    (1, 8, 1, 500, 500, 256, True),  # GQA 8
+    (1, 4, 4, 17, 1000, 256, False),  # Sq < Sk
+    (1, 2, 1, 1000, 77, 256, False),  # Sq > Sk, a key tail
+    (1, 1, 1, 2049, 2049, 256, True),
 ]
 
 
@@ -516,6 +525,7 @@ GROUPED_CASES = [c for c in BACKWARD_CASES if c[2] < c[1]] + [
     (4, 8, 2, 1024, 1024, 64, True),  # 64 blocks grouped: chunks doubled to hold a wave of blocks
     (2, 16, 2, 2048, 2048, 128, True),
     (3, 6, 3, 777, 777, 128, False),
+    (2, 8, 2, 1024, 1024, 256, True),
 ]
 
 
@@ -575,6 +585,10 @@ def test_backward_last_wave_split_is_checked():
     o, lse = ops.attention_forward(q, k, v, is_causal=True)
     with pytest.raises(ValueError, match="non-causal"):
         ops.attention_backward(q, k, v, o, lse, g, is_causal=True, _tail_split=(0, 2))
+    q, k, v = make(1, 2, 2, 256, 256, 256, torch.bfloat16, seed=1)
+    o, lse = ops.attention_forward(q, k, v)
+    with pytest.raises(ValueError, match="not taken at head_dim 256"):
+        ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), _tail_split=(0, 2))
 
 
 def test_backward_group_split_is_checked():
@@ -585,16 +599,7 @@ def test_backward_group_split_is_checked():
             ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), _group_split=bad)
 
 
-def test_backward_at_head_dim_256_is_refused_by_name():
-    # The forward takes D = 256, the backward kernel does not: a named error before any launch (the claim rule
-    # routes training at D = 256 to another executor instead, tests/test_attention_routing.py).
-    q, k, v = make(1, 2, 2, 64, 64, 256, torch.bfloat16, seed=1)
-    o, lse = ops.attention_forward(q, k, v)
-    with pytest.raises(ValueError, match="head_dim 256: the attention backward takes 64 or 128"):
-        ops.attention_backward(q, k, v, o, lse, torch.randn_like(o))
-
-
-@pytest.mark.parametrize("B,H,S,D", [(3, 6, 2048, 128), (2, 8, 4097, 64)])
+@pytest.mark.parametrize("B,H,S,D", [(3, 6, 2048, 128), (2, 8, 4097, 64), (1, 5, 2048, 256)])
 def test_causal_head_chunks_with_a_partial_last_chunk(B, H, S, D):
     # Causal tiles go heaviest first within chunks of heads sized to L2 (16 MiB of shared bytes): at S = 2048,
     # D = 128 the forward's chunks hold 16 heads and the backward's 8 (18 heads: a last chunk of 2); at S = 4097,
@@ -624,15 +629,17 @@ def test_backward_reads_lse_rows_tma_cannot_read_from_a_copy():
         assert rel_err(dq2, dq.double()) < 1e-2
 
 
+@pytest.mark.parametrize("D", [64, 256])
 @pytest.mark.parametrize("scale", [0.3, -0.2])
-def test_backward_custom_scale(scale):
-    backward_check(*make(1, 4, 2, 150, 150, 64, torch.bfloat16, seed=4), causal=True, scale=scale)
+def test_backward_custom_scale(scale, D):
+    backward_check(*make(1, 4, 2, 150, 150, D, torch.bfloat16, seed=4), causal=True, scale=scale)
 
 
-def test_backward_strided_views_and_repeatability():
+@pytest.mark.parametrize("D", [128, 256])
+def test_backward_strided_views_and_repeatability(D):
     """LitGPT's (B, S, H, D) views read in place; dk and dv are bitwise repeatable (no atomics), dq is summed by
     atomic adds in varying order, so it may differ in the last bits only."""
-    B, S, Hq, Hkv, D = 2, 200, 4, 2, 128
+    B, S, Hq, Hkv = 2, 200, 4, 2
     q = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     v = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)

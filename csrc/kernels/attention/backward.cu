@@ -8,6 +8,10 @@
 // and the block's dQ tile, dS K over its 128 keys, is staged in shared memory (two buffers) and added into an
 // fp32 accumulator by the writer warp's TMA reduce-stores.
 // The same shared-memory boxes of Q, dO and K serve as K-major and MN-major operands (wgmma::tile_at).
+// Head dim 256 (consume_wide): dK and dV of 128 keys would need 256 registers a thread per warpgroup, so a block takes
+// 64 keys and its two warpgroups split D instead: one computes S^T and P^T, the other dP^T and dS^T (P^T handed over
+// in shared memory), and each adds its 128 columns of dV, dK and dQ with both operands from shared memory; dQ goes
+// to the fp32 accumulator by reduce-adds from registers (no shared memory is left for its staging).
 #include "backward.h"
 #include "../../kittens/kittens.cuh"
 #include "layout.cuh"
@@ -23,7 +27,9 @@ namespace {
 using wgmma::major;
 
 constexpr int BQ = 64;   // query rows per step
-constexpr int BK = 128;  // keys per block, 64 per consumer warpgroup
+constexpr int BK = 128;  // keys per block, 64 per consumer warpgroup (D <= 128)
+template <int D>
+constexpr int BK_OF = D == 256 ? 64 : BK;  // keys per block at head dim D
 constexpr int STAGES = 2;
 constexpr int CONSUMERS = 2, THREADS = (CONSUMERS + 1) * warpgroup::threads;
 constexpr int BOX = 64 * 64;  // elements of one 64 x 64 TMA box
@@ -52,6 +58,7 @@ constexpr int DQ_SLICES = D / DQ_COLS;
 namespace barrier_id {
 __device__ __forceinline__ int warpgroup(int slice) { return 1 + slice; }
 constexpr int consumers = 3;
+constexpr int pt_ready = 4;  // D = 256: role 0 has stored P^T (role 1 waits); no dQ hand-over barriers there
 __device__ __forceinline__ int dq_staged(int slice, int buf) { return 4 + 2 * slice + buf; }
 __device__ __forceinline__ int dq_free(int slice, int buf) { return 8 + 2 * slice + buf; }
 }  // namespace barrier_id
@@ -75,6 +82,23 @@ struct shared_state {
     static constexpr uint32_t kv_bytes = 2 * BK * D * sizeof(T), step_bytes = 2 * BQ * D * sizeof(T) + 2 * BQ * 4;
 };
 
+// Head dim 256: 64 keys; two Q/dO stages; P^T and dS^T (keys = lines, queries = elements) for the products both
+// warpgroups take from shared memory. 208 KB.
+template <typename T>
+struct shared_state<T, 256> {
+    alignas(1024) T k[1][4][BOX];  // [key chunk][D panel]
+    alignas(1024) T v[1][4][BOX];
+    alignas(1024) T q[STAGES][4][BOX];
+    alignas(1024) T dout[STAGES][4][BOX];
+    alignas(1024) T pt[BOX];
+    alignas(1024) T dst[BOX];
+    alignas(128) float lse[STAGES][BQ];
+    alignas(128) float delta[STAGES][BQ];
+    pipeline::ring<STAGES> ring;
+    sync::barrier kv_full;
+    static constexpr uint32_t kv_bytes = 2 * 64 * 256 * sizeof(T), step_bytes = 2 * BQ * 256 * sizeof(T) + 2 * BQ * 4;
+};
+
 struct kernel_params {
     backward_args args;
     int q_tiles, kv_tiles;
@@ -95,6 +119,7 @@ struct block_work {
 
 // Causal: key tile 0 sees every query tile, so within each L2 chunk of heads the low key tiles (the heaviest)
 // start first; the blocks of a chunk share its heads' Q, dO and dQ in L2.
+template <int KEYS>
 __device__ __forceinline__ block_work work_of(const kernel_params& p) {
     const backward_args& a = p.args;
     // A "head" here is a (batch, key/value head, split of its group): the splits of one key/value head are adjacent.
@@ -117,7 +142,7 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p) {
         bh = linear / p.kv_tiles;
     }
     // Causal: query tiles that end before the block's first key see none of its keys.
-    const int first = a.causal ? (kv_tile * BK) / BQ : 0;
+    const int first = a.causal ? (kv_tile * KEYS) / BQ : 0;
     const int split = int(bh % a.group_split), kv_head = int(bh / a.group_split % a.kv_heads);
     const int steps = p.heads_per_block * (p.q_tiles - first);
     return {kv_tile,
@@ -150,9 +175,9 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
     tma::prefetch_map(&map_do);
     tma::prefetch_map(&map_lse);
     tma::prefetch_map(&map_delta);
-    const int kv0 = w.kv_tile * BK;
+    const int kv0 = w.kv_tile * BK_OF<D>;
     sync::arrive_expect_bytes(st.kv_full, shared_state<T, D>::kv_bytes);
-    for (int c = 0; c < 2; ++c)
+    for (int c = 0; c < BK_OF<D> / 64; ++c)
         for (int dp = 0; dp < D / 64; ++dp) {
             tma::load_4d(st.k[c][dp], &map_k, dp * 64, kv0 + 64 * c, w.kv_head, w.batch, st.kv_full);
             tma::load_4d(st.v[c][dp], &map_v, dp * 64, kv0 + 64 * c, w.kv_head, w.batch, st.kv_full);
@@ -480,6 +505,177 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     }
 }
 
+// Head dim 256, warpgroup ROLE (0 or 1) of a block of 64 keys: columns [128 ROLE, 128 ROLE + 128) of dK, dV and dQ.
+// Per query tile, role 0 computes S^T = K Q^T and P^T into shared memory; role 1 computes dP^T = V dO^T, takes P^T
+// from there and stores dS^T = P^T (dP^T - delta). Then each role adds dV += P^T dO, dK += dS^T Q and forms
+// dQ = dS K over its columns, all operands from shared memory, and reduce-adds dQ into the fp32 accumulator.
+// A template parameter, not a branch on the warpgroup index (see consume).
+template <typename T, int ROLE>
+__device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const kernel_params& p, const block_work& w,
+                                             const CUtensorMap& map_dk, const CUtensorMap& map_dv) {
+    constexpr int HALF = 128, KEYS = BK_OF<256>;
+    constexpr int threads = CONSUMERS * warpgroup::threads;
+    using k_major64 = wgmma::operand_tile<T, 64, major::k>;
+    using mn_major64 = wgmma::operand_tile<T, 64, major::mn>;
+    using mn_major_half = wgmma::operand_tile<T, HALF, major::mn>;  // 128 of D (N) x 64 deep, two boxes
+    const backward_args& a = p.args;
+    const int64_t key0 = int64_t(w.kv_tile) * KEYS;
+    const float c = p.scale_log2;
+    const int top = rt::top_row();
+
+    rt::acc_tile<HALF> dv, dk, dq;
+    rt::fill(dv, 0.0f);
+    rt::fill(dk, 0.0f);
+    rt::acc_tile<64> x;  // S^T (role 0) or dP^T (role 1): 64 keys x 64 queries
+    rt::a_operand<T, 64> frag;
+    pipeline::cursor<STAGES> at;
+    const uint8_t* pt_bytes = reinterpret_cast<const uint8_t*>(st.pt);
+    const uint8_t* dst_bytes = reinterpret_cast<const uint8_t*>(st.dst);
+    // This thread's dQ elements: column pairs of its rows, D floats a row; rows of query tile i start at dq_rows.
+    float* const dq_head0 = a.dq_accum + (int64_t(w.batch) * a.q_heads) * a.q_len * 256;
+
+    sync::wait(st.kv_full, 0);
+    auto [head, i] = start_of(p, w);
+    for (int n = w.step0; n < w.step1; ++n) {
+        const int64_t q0 = int64_t(i) * BQ;
+        st.ring.wait_full(at);
+        const int stage = at.stage;
+        {
+            const auto& rows = ROLE == 0 ? st.k[0] : st.v[0];
+            const auto& cols = ROLE == 0 ? st.q[stage] : st.dout[stage];
+            wgmma::fence();
+#pragma unroll
+            for (int d = 0; d < 4; ++d)
+#pragma unroll
+                for (int k16 = 0; k16 < 4; ++k16) {
+                    const auto& a_tile = wgmma::tile_at<k_major64>(rows[d]);
+                    const auto& b_tile = wgmma::tile_at<k_major64>(cols[d]);
+                    if ((d | k16) == 0)
+                        wgmma::mma_overwrite<64, T>(x.d, a_tile, 0, b_tile, 0, 0);
+                    else
+                        wgmma::mma<64, T>(x.d, a_tile, 0, b_tile, 0, k16, 1);
+                }
+            wgmma::commit();
+            wgmma::wait<0>();
+            wgmma::pin(x.d);
+        }
+        if constexpr (ROLE == 0) {
+            // P^T = exp2(c S^T - lse log2(e)); causal: 0 where key > query (see consume's probabilities).
+            const int col0 = rt::column(0);
+            const int ahead = a.causal && key0 + 63 > q0 ? int(key0 - q0) + top - col0 : INT_MIN;
+#pragma unroll
+            for (int e = 0; e < 32; e += 2) {
+                const float2 lse = *reinterpret_cast<const float2*>(&st.lse[stage][rt::column(e)]);
+                float x0 = exp2_approx(fmaf(x.d[e], c, -lse.x * LOG2E)),
+                      x1 = exp2_approx(fmaf(x.d[e + 1], c, -lse.y * LOG2E));
+                if (ahead != INT_MIN) {
+                    const int row_ahead = ahead + (rt::is_bottom(e) ? 8 : 0);
+                    if (row_ahead > rt::column_offset(e)) x0 = 0.0f;
+                    if (row_ahead > rt::column_offset(e + 1)) x1 = 0.0f;
+                }
+                x.d[e] = x0;
+                x.d[e + 1] = x1;
+            }
+            rt::to_a_operand(frag, x);
+            rt::store_swizzled(frag, 0, [&](int) { return const_cast<uint8_t*>(pt_bytes); });
+            tma::fence_shared_to_async();
+            sync::named_arrive(barrier_id::pt_ready, threads);
+        } else {
+            // dS^T = P^T (dP^T - delta[query]), P^T as role 0 rounded it (the 16-bit P^T that dV multiplies too).
+#pragma unroll
+            for (int e = 0; e < 32; e += 2) {
+                const float2 dl = *reinterpret_cast<const float2*>(&st.delta[stage][rt::column(e)]);
+                x.d[e] -= dl.x;
+                x.d[e + 1] -= dl.y;
+            }
+            sync::named_sync(barrier_id::pt_ready, threads);
+            rt::load_swizzled(frag, 0, [&](int) { return pt_bytes; });
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float2 pr = rt::unpack2<T>(frag.r[j][q]);
+                    x.d[8 * j + 2 * q] *= pr.x;
+                    x.d[8 * j + 2 * q + 1] *= pr.y;
+                }
+            rt::to_a_operand(frag, x);
+            rt::store_swizzled(frag, 0, [&](int) { return const_cast<uint8_t*>(dst_bytes); });
+            tma::fence_shared_to_async();
+        }
+        sync::named_sync(barrier_id::consumers, threads);  // P^T and dS^T are in
+        wgmma::fence();
+        // dV[:, half] += P^T dO[:, half]; dK[:, half] += dS^T Q[:, half] (A: keys x queries, K-major).
+#pragma unroll
+        for (int k16 = 0; k16 < 4; ++k16)
+            wgmma::mma<HALF, T>(dv.d, wgmma::tile_at<k_major64>(st.pt), 0,
+                                wgmma::tile_at<mn_major_half>(st.dout[stage][2 * ROLE]), 0, k16, 1);
+        wgmma::commit();
+#pragma unroll
+        for (int k16 = 0; k16 < 4; ++k16)
+            wgmma::mma<HALF, T>(dk.d, wgmma::tile_at<k_major64>(st.dst), 0,
+                                wgmma::tile_at<mn_major_half>(st.q[stage][2 * ROLE]), 0, k16, 1);
+        wgmma::commit();
+        // dQ[:, half] = dS K[:, half] over the block's 64 keys (A: dS^T's boxes read MN-major).
+#pragma unroll
+        for (int k16 = 0; k16 < 4; ++k16) {
+            const auto& ds_tile = wgmma::tile_at<mn_major64>(st.dst);
+            const auto& k_tile = wgmma::tile_at<mn_major_half>(st.k[0][2 * ROLE]);
+            if (k16 == 0)
+                wgmma::mma_overwrite<HALF, T>(dq.d, ds_tile, 0, k_tile, 0, 0);
+            else
+                wgmma::mma<HALF, T>(dq.d, ds_tile, 0, k_tile, 0, k16, 1);
+        }
+        wgmma::commit();
+        wgmma::wait<0>();
+        wgmma::pin(dv.d);
+        wgmma::pin(dk.d);
+        wgmma::pin(dq.d);
+        // The stage goes back (every lane's lse/delta reads are before its warp's arrive: __syncwarp).
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) sync::arrive(st.ring.empty[stage]);
+        // dQ into the accumulator: rows of this query tile below q_len, a column pair per reduce-add.
+        {
+            float* rows = dq_head0 + (int64_t(head) * a.q_len + q0) * 256 + HALF * ROLE;
+#pragma unroll
+            for (int e = 0; e < HALF / 2; e += 2) {
+                const auto pos = wgmma::accumulator_position(e);
+                if (q0 + pos.row < a.q_len) red_add_v2(rows + int64_t(pos.row) * 256 + pos.col, dq.d[e], dq.d[e + 1]);
+            }
+        }
+        sync::named_sync(barrier_id::consumers, threads);  // both are done with P^T and dS^T
+        at.advance();
+        if (++i == p.q_tiles) {
+            i = w.first_q_tile;
+            ++head;
+        }
+    }
+
+    // dK (times scale) and dV -> the input dtype, this role's two boxes of each staged in stage 0's Q and dO.
+    rt::mul(dk, dk, a.scale);
+#pragma unroll
+    for (int e = 0; e < HALF / 2; e += 2) {
+        const auto pos = wgmma::accumulator_position(e);
+        const int box = 2 * ROLE + pos.col / 64;
+        const uint32_t offset = tma::swizzled_offset_128b(pos.row, pos.col % 64);
+        *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(st.q[0][box]) + offset) =
+            rt::pack2<T>(dk.d[e], dk.d[e + 1]);
+        *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(st.dout[0][box]) + offset) =
+            rt::pack2<T>(dv.d[e], dv.d[e + 1]);
+    }
+    tma::fence_shared_to_async();
+    sync::named_sync(barrier_id::warpgroup(ROLE), warpgroup::threads);
+    if (warpgroup::thread() == 0) {
+        if (key0 < a.kv_len) {
+            for (int b = 2 * ROLE; b < 2 * ROLE + 2; ++b) {
+                tma::store_4d(&map_dk, st.q[0][b], b * 64, int32_t(key0), w.out_head, w.batch);
+                tma::store_4d(&map_dv, st.dout[0][b], b * 64, int32_t(key0), w.out_head, w.batch);
+            }
+        }
+        tma::store_commit();
+        tma::store_wait_read();
+    }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(THREADS, 1)
     backward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
@@ -513,17 +709,25 @@ __global__ void __launch_bounds__(THREADS, 1)
         // of it (asking for more blocks the consumers forever). The producers only wait and issue copies, while
         // the consumers' dK and dV accumulators need every register of theirs.
         warpgroup::decrease_registers<PRODUCER_REGISTERS>();
-        const block_work w = work_of(p);
+        const block_work w = work_of<BK_OF<D>>(p);
         if (threadIdx.x == 0) produce_tiles<T, D>(st, p, w, map_q, map_k, map_v, map_do, map_lse, map_delta);
-        if (threadIdx.x / 32 == 2) write_dq<T, D>(st, p, w, map_dq);
+        if constexpr (D != 256)  // D = 256: the consumers add dQ themselves
+            if (threadIdx.x / 32 == 2) write_dq<T, D>(st, p, w, map_dq);
     } else {
         warpgroup::increase_registers<CONSUMER_REGISTERS>();
-        const block_work w = work_of(p);
-        // D = 128: both warpgroups compute half of dQ's columns; D = 64: warpgroup 0 all of them.
-        if (D == 128 || warpgroup::index() == 1)
-            consume<T, D, true>(st, p, w, map_dk, map_dv);
-        else
-            consume<T, D, false>(st, p, w, map_dk, map_dv);
+        const block_work w = work_of<BK_OF<D>>(p);
+        if constexpr (D == 256) {
+            if (warpgroup::index() == 1)
+                consume_wide<T, 0>(st, p, w, map_dk, map_dv);
+            else
+                consume_wide<T, 1>(st, p, w, map_dk, map_dv);
+        } else {
+            // D = 128: both warpgroups compute half of dQ's columns; D = 64: warpgroup 0 all of them.
+            if (D == 128 || warpgroup::index() == 1)
+                consume<T, D, true>(st, p, w, map_dk, map_dv);
+            else
+                consume<T, D, false>(st, p, w, map_dk, map_dv);
+        }
     }
 }
 
@@ -537,6 +741,7 @@ inline CUresult rows_map(CUtensorMap* map, const float* base, int64_t batch, int
 
 template <typename T, int D>
 constexpr int smem_bytes_of = sizeof(shared_state<T, D>) + 1024;
+static_assert(smem_bytes_of<__nv_bfloat16, 256> <= 227 * 1024, "the D = 256 state fits an H100's 227 KB");
 
 template <typename T, int D>
 cudaError_t launch(const backward_args& a, cudaStream_t stream) {
@@ -560,7 +765,7 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
     kernel_params p;
     p.args = a;
     p.q_tiles = int((a.q_len + BQ - 1) / BQ);
-    p.kv_tiles = int((a.kv_len + BK - 1) / BK);
+    p.kv_tiles = int((a.kv_len + BK_OF<D> - 1) / BK_OF<D>);
     p.group = int(a.q_heads / a.kv_heads);
     p.heads_per_block = int(p.group / a.group_split);
     p.scale_log2 = a.scale * LOG2E;
@@ -580,16 +785,18 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
 }  // namespace
 
 const char* backward_unsupported(const backward_args& a) {
-    if (a.head_dim != 64 && a.head_dim != 128) return "head_dim must be 64 or 128 (the backward has no 256 kernel)";
+    if (a.head_dim != 64 && a.head_dim != 128 && a.head_dim != 256) return "head_dim must be 64, 128 or 256";
     if (const char* reason = layout::shape_unsupported(a.dtype, a.head_dim, a.batch, a.q_heads, a.kv_heads, a.q_len,
                                                        a.kv_len, a.causal, a.scale))
         return reason;
     if (a.group_split < 1 || (a.q_heads / a.kv_heads) % a.group_split)
         return "group_split must divide q_heads / kv_heads";
-    const int64_t units = a.batch * a.kv_heads * a.group_split * ((a.kv_len + BK - 1) / BK);
+    const int64_t keys = a.head_dim == 256 ? BK_OF<256> : BK;
+    const int64_t units = a.batch * a.kv_heads * a.group_split * ((a.kv_len + keys - 1) / keys);
     if (units >= (int64_t(1) << 31)) return "too many blocks";
     if (a.split_parts != 0) {
         if (a.split_parts < 2 || a.split_parts > 4) return "split_parts must be 0 or 2 to 4";
+        if (a.head_dim == 256) return "the last wave split is not taken at head_dim 256";
         if (a.causal) return "the last wave split is for non-causal attention";
         if (a.split_from < 0 || a.split_from >= units) return "split_from must name a unit (0 <= split_from < units)";
         if (a.split_scratch == nullptr || a.split_counts == nullptr) return "a split needs its scratch and counters";
@@ -623,7 +830,8 @@ cudaError_t launch_backward(const backward_args& a, cudaStream_t stream) {
     if (backward_unsupported(a) != nullptr) return cudaErrorInvalidValue;
     const bool bf16 = a.dtype == int(dtype::bf16);
     if (a.head_dim == 64) return bf16 ? launch<__nv_bfloat16, 64>(a, stream) : launch<__half, 64>(a, stream);
-    return bf16 ? launch<__nv_bfloat16, 128>(a, stream) : launch<__half, 128>(a, stream);
+    if (a.head_dim == 128) return bf16 ? launch<__nv_bfloat16, 128>(a, stream) : launch<__half, 128>(a, stream);
+    return bf16 ? launch<__nv_bfloat16, 256>(a, stream) : launch<__half, 256>(a, stream);
 }
 
 }  // namespace tk::attention
