@@ -30,12 +30,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
-// Adds (x, y) to two adjacent floats in global memory (8-byte aligned) without returning them: one vector
-// reduction (sm_90), relaxed at GPU scope, as atomicAdd's are.
-__device__ __forceinline__ void red_add_v2(float* at, float x, float y) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(at), "f"(x), "f"(y) : "memory");
-}
-
 // Dynamic shared memory from its first 1024-byte boundary (what the 128-byte swizzle of TMA and wgmma needs), as a
 // State&. The offset is added to the shared array itself: a round trip of the address through an integer loses its
 // address space, and every access through the result then compiles to a generic load or store (LD.E / ST.E, on the

@@ -10,8 +10,9 @@
 // The same shared-memory boxes of Q, dO and K serve as K-major and MN-major operands (wgmma::tile_at).
 // Head dim 256 (consume_wide): dK and dV of 128 keys would need 256 registers a thread per warpgroup, so a block takes
 // 64 keys and its two warpgroups split D instead: one computes S^T and P^T, the other dP^T and dS^T (P^T handed over
-// in shared memory), and each adds its 128 columns of dV, dK and dQ with both operands from shared memory; dQ goes
-// to the fp32 accumulator by reduce-adds from registers (no shared memory is left for its staging).
+// in shared memory), and each adds its 128 columns of dV, dK and dQ with both operands from shared memory; dQ is
+// staged (fp32) over the step's own Q and dO boxes once both are done with them, and added into the accumulator by
+// TMA reduce-adds, which release the stage.
 #include "backward.h"
 #include "../../kittens/kittens.cuh"
 #include "layout.cuh"
@@ -508,11 +509,17 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
 // Head dim 256, warpgroup ROLE (0 or 1) of a block of 64 keys: columns [128 ROLE, 128 ROLE + 128) of dK, dV and dQ.
 // Per query tile, role 0 computes S^T = K Q^T and P^T into shared memory; role 1 computes dP^T = V dO^T, takes P^T
 // from there and stores dS^T = P^T (dP^T - delta). Then each role adds dV += P^T dO, dK += dS^T Q and forms
-// dQ = dS K over its columns, all operands from shared memory, and reduce-adds dQ into the fp32 accumulator.
+// dQ = dS K over its columns, all operands from shared memory. Once both roles' products are done, role 0 stages its
+// dQ columns (fp32, 32 KB) over the stage's Q boxes and role 1 over its dO boxes; the leader adds them into the
+// accumulator with TMA reduce-adds and, once those have read the staging (checked under the next step's first
+// products), hands the stage back for both of its role's warps (two arrivals empty the stage, not eight).
+// Bulk reduce-adds, not `red.global.add.v2` from registers: those measured 246-279 TFLOP/s (H100, S >= 2048), 8192
+// single-address atomics a step and block.
 // A template parameter, not a branch on the warpgroup index (see consume).
 template <typename T, int ROLE>
 __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const kernel_params& p, const block_work& w,
-                                             const CUtensorMap& map_dk, const CUtensorMap& map_dv) {
+                                             const CUtensorMap& map_dk, const CUtensorMap& map_dv,
+                                             const CUtensorMap& map_dq) {
     constexpr int HALF = 128, KEYS = BK_OF<256>;
     constexpr int threads = CONSUMERS * warpgroup::threads;
     using k_major64 = wgmma::operand_tile<T, 64, major::k>;
@@ -531,8 +538,16 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
     pipeline::cursor<STAGES> at;
     const uint8_t* pt_bytes = reinterpret_cast<const uint8_t*>(st.pt);
     const uint8_t* dst_bytes = reinterpret_cast<const uint8_t*>(st.dst);
-    // This thread's dQ elements: column pairs of its rows, D floats a row; rows of query tile i start at dq_rows.
-    float* const dq_head0 = a.dq_accum + (int64_t(w.batch) * a.q_heads) * a.q_len * 256;
+    const bool leader = warpgroup::thread() == 0;
+    int pending = -1;  // the stage whose dQ reduce-adds the leader has yet to see read (then it hands it back)
+    // Where this thread's dQ pairs go in a 64 x 32 fp32 box with the 128-byte swizzle: 8-column group j of the 128
+    // columns sits in box j / 4 at 16-byte chunk 2 (j % 4) + (lane % 4) / 2, XOR-ed with the row within 8 (the same
+    // for the bottom row, 1024 bytes on).
+    const int lane = threadIdx.x & 31;
+    uint32_t chunk_at[4];
+#pragma unroll
+    for (int g = 0; g < 4; ++g) chunk_at[g] = top * 128 + (lane & 1) * 8 + (((2 * g + ((lane & 3) >> 1)) ^ (top & 7)) << 4);
+    if (leader) tma::prefetch_map(&map_dq);
 
     sync::wait(st.kv_full, 0);
     auto [head, i] = start_of(p, w);
@@ -556,6 +571,14 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
                         wgmma::mma<64, T>(x.d, a_tile, 0, b_tile, 0, k16, 1);
                 }
             wgmma::commit();
+            if (pending >= 0) {  // the last step's dQ reduce-adds have had these products' time to read the staging
+                if (leader) {
+                    tma::store_wait_read();
+                    sync::arrive(st.ring.empty[pending]);
+                }
+                __syncwarp();
+                pending = -1;
+            }
             wgmma::wait<0>();
             wgmma::pin(x.d);
         }
@@ -630,19 +653,27 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
         wgmma::pin(dv.d);
         wgmma::pin(dk.d);
         wgmma::pin(dq.d);
-        // The stage goes back (every lane's lse/delta reads are before its warp's arrive: __syncwarp).
-        __syncwarp();
-        if ((threadIdx.x & 31) == 0) sync::arrive(st.ring.empty[stage]);
-        // dQ into the accumulator: rows of this query tile below q_len, a column pair per reduce-add.
+        // Both roles are done with P^T, dS^T and the stage's Q and dO (and every lane with its lse/delta rows).
+        sync::named_sync(barrier_id::consumers, threads);
         {
-            float* rows = dq_head0 + (int64_t(head) * a.q_len + q0) * 256 + HALF * ROLE;
+            uint8_t* staging = reinterpret_cast<uint8_t*>(ROLE == 0 ? st.q[stage][0] : st.dout[stage][0]);
 #pragma unroll
             for (int e = 0; e < HALF / 2; e += 2) {
-                const auto pos = wgmma::accumulator_position(e);
-                if (q0 + pos.row < a.q_len) red_add_v2(rows + int64_t(pos.row) * 256 + pos.col, dq.d[e], dq.d[e + 1]);
+                const int j = e / 4;
+                *reinterpret_cast<float2*>(staging + (j / 4) * 64 * 128 + (rt::is_bottom(e) ? 1024 : 0) +
+                                           chunk_at[j % 4]) = make_float2(dq.d[e], dq.d[e + 1]);
             }
+            tma::fence_shared_to_async();
+            sync::named_sync(barrier_id::warpgroup(ROLE), warpgroup::threads);
+            if (leader) {
+                for (int box = 0; box < HALF / 32; ++box)
+                    tma::store_add_4d(&map_dq, staging + box * 64 * 128, HALF * ROLE + 32 * box, int32_t(q0), head,
+                                      w.batch);
+                tma::store_commit();
+            }
+            __syncwarp();
+            pending = stage;
         }
-        sync::named_sync(barrier_id::consumers, threads);  // both are done with P^T and dS^T
         at.advance();
         if (++i == p.q_tiles) {
             i = w.first_q_tile;
@@ -650,7 +681,10 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
         }
     }
 
-    // dK (times scale) and dV -> the input dtype, this role's two boxes of each staged in stage 0's Q and dO.
+    // dK (times scale) and dV -> the input dtype, this role's two boxes of each staged in stage 0's Q and dO, once
+    // both roles' last dQ reduce-adds have read their staging there.
+    if (leader) tma::store_wait_read();
+    sync::named_sync(barrier_id::consumers, threads);
     rt::mul(dk, dk, a.scale);
 #pragma unroll
     for (int e = 0; e < HALF / 2; e += 2) {
@@ -698,7 +732,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     auto& st = *state;
     if (threadIdx.x == 0) {
         // full: the TMA thread (Q, dO, lse and delta bytes); empty: lane 0 of every consumer warp.
-        st.ring.init(1, CONSUMERS * 4);
+        st.ring.init(1, D == 256 ? CONSUMERS : CONSUMERS * 4);  // D = 256: each role's leader (consume_wide)
         sync::init(st.kv_full, 1);
         sync::fence_init();
     }
@@ -718,9 +752,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         const block_work w = work_of<BK_OF<D>>(p);
         if constexpr (D == 256) {
             if (warpgroup::index() == 1)
-                consume_wide<T, 0>(st, p, w, map_dk, map_dv);
+                consume_wide<T, 0>(st, p, w, map_dk, map_dv, map_dq);
             else
-                consume_wide<T, 1>(st, p, w, map_dk, map_dv);
+                consume_wide<T, 1>(st, p, w, map_dk, map_dv, map_dq);
         } else {
             // D = 128: both warpgroups compute half of dQ's columns; D = 64: warpgroup 0 all of them.
             if (D == 128 || warpgroup::index() == 1)
