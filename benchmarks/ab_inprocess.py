@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ref-label", default="reference")
     p.add_argument("--bench", choices=("attention", "gemm"), default="attention")
     p.add_argument("--rounds", type=int, default=9, help="turns per point and pass (odd: a true median)")
-    p.add_argument("--head-dims", type=int, nargs="+", default=[128], choices=(64, 128))
+    p.add_argument("--head-dims", type=int, nargs="+", default=[128], choices=(64, 128, 256))
     p.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--mask", choices=("both", "causal", "full"), default="both")
     p.add_argument("--no-backward", action="store_true")

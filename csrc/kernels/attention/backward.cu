@@ -59,7 +59,8 @@ constexpr int DQ_SLICES = D / DQ_COLS;
 namespace barrier_id {
 __device__ __forceinline__ int warpgroup(int slice) { return 1 + slice; }
 constexpr int consumers = 3;
-constexpr int pt_ready = 4;  // D = 256: role 0 has stored P^T (role 1 waits); no dQ hand-over barriers there
+// D = 256 (no dQ hand-over barriers there): role 0's S^T is done, so role 1 issues dP^T; role 0 has stored P^T.
+constexpr int s_done = 4, pt_ready = 5;
 __device__ __forceinline__ int dq_staged(int slice, int buf) { return 4 + 2 * slice + buf; }
 __device__ __forceinline__ int dq_free(int slice, int buf) { return 8 + 2 * slice + buf; }
 }  // namespace barrier_id
@@ -507,9 +508,10 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
 }
 
 // Head dim 256, warpgroup ROLE (0 or 1) of a block of 64 keys: columns [128 ROLE, 128 ROLE + 128) of dK, dV and dQ.
-// Per query tile, role 0 computes S^T = K Q^T and P^T into shared memory; role 1 computes dP^T = V dO^T, takes P^T
-// from there and stores dS^T = P^T (dP^T - delta). Then each role adds dV += P^T dO, dK += dS^T Q and forms
-// dQ = dS K over its columns, all operands from shared memory. Once both roles' products are done, role 0 stages its
+// Per query tile, role 0 computes S^T = K Q^T and P^T into shared memory; role 1 computes dP^T = V dO^T once S^T is
+// done (so that role 0's exponents run under it), takes P^T and stores dS^T = P^T (dP^T - delta). Each role adds
+// dV += P^T dO as soon as P^T is in (role 1's under its dS^T arithmetic), then dK += dS^T Q and forms dQ = dS K over
+// its columns, all operands from shared memory. Once both roles' products are done, role 0 stages its
 // dQ columns (fp32, 32 KB) over the stage's Q boxes and role 1 over its dO boxes; the leader adds them into the
 // accumulator with TMA reduce-adds and, once those have read the staging (checked under the next step's first
 // products), hands the stage back for both of its role's warps (two arrivals empty the stage, not eight).
@@ -558,6 +560,7 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
         {
             const auto& rows = ROLE == 0 ? st.k[0] : st.v[0];
             const auto& cols = ROLE == 0 ? st.q[stage] : st.dout[stage];
+            if constexpr (ROLE == 1) sync::named_sync(barrier_id::s_done, threads);
             wgmma::fence();
 #pragma unroll
             for (int d = 0; d < 4; ++d)
@@ -581,7 +584,17 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
             }
             wgmma::wait<0>();
             wgmma::pin(x.d);
+            if constexpr (ROLE == 0) sync::named_arrive(barrier_id::s_done, threads);
         }
+        // dV[:, half] += P^T dO[:, half] (A: P^T, keys x queries, K-major), once P^T is in.
+        auto add_dv = [&] {
+            wgmma::fence();
+#pragma unroll
+            for (int k16 = 0; k16 < 4; ++k16)
+                wgmma::mma<HALF, T>(dv.d, wgmma::tile_at<k_major64>(st.pt), 0,
+                                    wgmma::tile_at<mn_major_half>(st.dout[stage][2 * ROLE]), 0, k16, 1);
+            wgmma::commit();
+        };
         if constexpr (ROLE == 0) {
             // P^T = exp2(c S^T - lse log2(e)); causal: 0 where key > query (see consume's probabilities).
             const int col0 = rt::column(0);
@@ -603,6 +616,8 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
             rt::store_swizzled(frag, 0, [&](int) { return const_cast<uint8_t*>(pt_bytes); });
             tma::fence_shared_to_async();
             sync::named_arrive(barrier_id::pt_ready, threads);
+            sync::named_sync(barrier_id::warpgroup(ROLE), warpgroup::threads);  // this role's own P^T stores too
+            add_dv();
         } else {
             // dS^T = P^T (dP^T - delta[query]), P^T as role 0 rounded it (the 16-bit P^T that dV multiplies too).
 #pragma unroll
@@ -612,6 +627,7 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
                 x.d[e + 1] -= dl.y;
             }
             sync::named_sync(barrier_id::pt_ready, threads);
+            add_dv();
             rt::load_swizzled(frag, 0, [&](int) { return pt_bytes; });
 #pragma unroll
             for (int j = 0; j < 4; ++j)
@@ -625,14 +641,9 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
             rt::store_swizzled(frag, 0, [&](int) { return const_cast<uint8_t*>(dst_bytes); });
             tma::fence_shared_to_async();
         }
-        sync::named_sync(barrier_id::consumers, threads);  // P^T and dS^T are in
+        sync::named_sync(barrier_id::consumers, threads);  // dS^T is in
         wgmma::fence();
-        // dV[:, half] += P^T dO[:, half]; dK[:, half] += dS^T Q[:, half] (A: keys x queries, K-major).
-#pragma unroll
-        for (int k16 = 0; k16 < 4; ++k16)
-            wgmma::mma<HALF, T>(dv.d, wgmma::tile_at<k_major64>(st.pt), 0,
-                                wgmma::tile_at<mn_major_half>(st.dout[stage][2 * ROLE]), 0, k16, 1);
-        wgmma::commit();
+        // dK[:, half] += dS^T Q[:, half] (A: keys x queries, K-major).
 #pragma unroll
         for (int k16 = 0; k16 < 4; ++k16)
             wgmma::mma<HALF, T>(dk.d, wgmma::tile_at<k_major64>(st.dst), 0,
