@@ -168,28 +168,6 @@ __device__ __forceinline__ walk_start start_of(const kernel_params& p, const blo
     return {w.first_head + w.step0 / per_head, w.first_q_tile + w.step0 % per_head};
 }
 
-// D = 256: the order a block walks its query tiles in. The blocks of one head (64 keys each: all 64 of them at
-// S = 4096) would otherwise walk its tiles together and reduce-add their dQ into the same tile at the same time; so
-// each starts its own share of the head's tiles further on (rot) and goes round, head by head. (Every unit whole:
-// no last-wave split at D = 256.)
-struct rotated_walk {
-    int head, i, left;
-    int first, q_tiles, per_head, rot;
-    __device__ __forceinline__ void next() {
-        if (++i == q_tiles) i = first;
-        if (--left == 0) {
-            ++head;
-            left = per_head;
-            i = first + rot;
-        }
-    }
-};
-__device__ __forceinline__ rotated_walk rotated_start(const kernel_params& p, const block_work& w) {
-    const int per_head = p.q_tiles - w.first_q_tile;
-    const int rot = int(int64_t(w.kv_tile) * per_head / p.kv_tiles) % per_head;
-    return {w.first_head, w.first_q_tile + rot, per_head, w.first_q_tile, p.q_tiles, per_head, rot};
-}
-
 template <typename T, int D>
 __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
                                               const CUtensorMap& map_q, const CUtensorMap& map_k,
@@ -207,7 +185,8 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
             tma::load_4d(st.v[c][dp], &map_v, dp * 64, kv0 + 64 * c, w.kv_head, w.batch, st.kv_full);
         }
     pipeline::cursor<STAGES> at;
-    auto load_step = [&](int head, int i) {
+    auto [head, i] = start_of(p, w);
+    for (int step = w.step0; step < w.step1; ++step) {
         st.ring.wait_empty(at);
         sync::barrier& full = st.ring.full[at.stage];
         sync::arrive_expect_bytes(full, shared_state<T, D>::step_bytes);
@@ -218,18 +197,9 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
         tma::load_4d(st.lse[at.stage], &map_lse, i * BQ, head, w.batch, 0, full);
         tma::load_4d(st.delta[at.stage], &map_delta, i * BQ, head, w.batch, 0, full);
         at.advance();
-    };
-    if constexpr (D == 256) {
-        rotated_walk walk = rotated_start(p, w);
-        for (int step = w.step0; step < w.step1; ++step, walk.next()) load_step(walk.head, walk.i);
-    } else {
-        auto [head, i] = start_of(p, w);
-        for (int step = w.step0; step < w.step1; ++step) {
-            load_step(head, i);
-            if (++i == p.q_tiles) {
-                i = w.first_q_tile;
-                ++head;
-            }
+        if (++i == p.q_tiles) {
+            i = w.first_q_tile;
+            ++head;
         }
     }
 }
@@ -582,10 +552,9 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
     if (leader) tma::prefetch_map(&map_dq);
 
     sync::wait(st.kv_full, 0);
-    rotated_walk walk = rotated_start(p, w);
-    for (int n = w.step0; n < w.step1; ++n, walk.next()) {
-        const int head = walk.head;
-        const int64_t q0 = int64_t(walk.i) * BQ;
+    auto [head, i] = start_of(p, w);
+    for (int n = w.step0; n < w.step1; ++n) {
+        const int64_t q0 = int64_t(i) * BQ;
         st.ring.wait_full(at);
         const int stage = at.stage;
         {
@@ -717,6 +686,10 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
             pending = stage;
         }
         at.advance();
+        if (++i == p.q_tiles) {
+            i = w.first_q_tile;
+            ++head;
+        }
     }
 
     // dK (times scale) and dV -> the input dtype, this role's two boxes of each staged in stage 0's Q and dO, once
