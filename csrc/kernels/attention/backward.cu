@@ -542,9 +542,7 @@ __device__ __forceinline__ void write_dq_wide(shared_state<T, 256>& st, const ke
             ++head;
         }
     }
-    // A full barrier for every participant (an arrive here left compute-sanitizer's racecheck blind to the order it
-    // gives between one role's last dQ staging and the other's dK/dV staging over the same boxes).
-    sync::named_sync(barrier_id::dq_written_wide, DQ_WIDE_THREADS);
+    sync::named_arrive(barrier_id::dq_written_wide, DQ_WIDE_THREADS);
 }
 
 // Head dim 256, warpgroup ROLE (0 or 1) of a block of 64 keys: columns [128 ROLE, 128 ROLE + 128) of dK, dV and dQ.
@@ -710,27 +708,28 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
         }
     }
 
-    // dK (times scale) and dV -> the input dtype, this role's two boxes of each staged in stage 0's Q and dO, once
-    // the writer's last dQ reduce-adds have read their staging there.
+    // dK (times scale) and dV -> the input dtype, staged where this role staged its dQ (role 0 in stage 0's Q boxes,
+    // role 1 in its dO boxes: dK in the first two, dV in the last two), once the writer's last dQ reduce-adds have
+    // read them. Neither role writes where the other one staged.
     sync::named_sync(barrier_id::dq_written_wide, DQ_WIDE_THREADS);
     rt::mul(dk, dk, a.scale);
+    T(&own)[4][BOX] = ROLE == 0 ? st.q[0] : st.dout[0];
 #pragma unroll
     for (int e = 0; e < HALF / 2; e += 2) {
         const auto pos = wgmma::accumulator_position(e);
-        const int box = 2 * ROLE + pos.col / 64;
+        const int box = pos.col / 64;
         const uint32_t offset = tma::swizzled_offset_128b(pos.row, pos.col % 64);
-        *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(st.q[0][box]) + offset) =
-            rt::pack2<T>(dk.d[e], dk.d[e + 1]);
-        *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(st.dout[0][box]) + offset) =
+        *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(own[box]) + offset) = rt::pack2<T>(dk.d[e], dk.d[e + 1]);
+        *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(own[2 + box]) + offset) =
             rt::pack2<T>(dv.d[e], dv.d[e + 1]);
     }
     tma::fence_shared_to_async();
     sync::named_sync(barrier_id::warpgroup(ROLE), warpgroup::threads);
     if (warpgroup::thread() == 0) {
         if (key0 < a.kv_len) {
-            for (int b = 2 * ROLE; b < 2 * ROLE + 2; ++b) {
-                tma::store_4d(&map_dk, st.q[0][b], b * 64, int32_t(key0), w.out_head, w.batch);
-                tma::store_4d(&map_dv, st.dout[0][b], b * 64, int32_t(key0), w.out_head, w.batch);
+            for (int b = 0; b < 2; ++b) {
+                tma::store_4d(&map_dk, own[b], (2 * ROLE + b) * 64, int32_t(key0), w.out_head, w.batch);
+                tma::store_4d(&map_dv, own[2 + b], (2 * ROLE + b) * 64, int32_t(key0), w.out_head, w.batch);
             }
         }
         tma::store_commit();
