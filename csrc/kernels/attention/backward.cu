@@ -542,7 +542,7 @@ __device__ __forceinline__ void write_dq_wide(shared_state<T, 256>& st, const ke
             ++head;
         }
     }
-    sync::named_arrive(barrier_id::dq_written_wide, DQ_WIDE_THREADS);
+    sync::named_sync(barrier_id::dq_written_wide, DQ_WIDE_THREADS);  // (waits only for the roles to get there)
 }
 
 // Head dim 256, warpgroup ROLE (0 or 1) of a block of 64 keys: columns [128 ROLE, 128 ROLE + 128) of dK, dV and dQ.
