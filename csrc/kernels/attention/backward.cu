@@ -586,14 +586,18 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
             wgmma::pin(x.d);
             if constexpr (ROLE == 0) sync::named_arrive(barrier_id::s_done, threads);
         }
-        // dV[:, half] += P^T dO[:, half] (A: P^T, keys x queries, K-major), once P^T is in.
-        auto add_dv = [&] {
-            wgmma::fence();
+        // acc[:, half] += A B[:, half]: A keys x queries (P^T or dS^T, K-major), B this role's columns of dO or Q.
+        auto accumulate = [&](rt::acc_tile<HALF>& acc, const T(&a)[BOX], const T(&b)[4][BOX]) {
 #pragma unroll
             for (int k16 = 0; k16 < 4; ++k16)
-                wgmma::mma<HALF, T>(dv.d, wgmma::tile_at<k_major64>(st.pt), 0,
-                                    wgmma::tile_at<mn_major_half>(st.dout[stage][2 * ROLE]), 0, k16, 1);
+                wgmma::mma<HALF, T>(acc.d, wgmma::tile_at<k_major64>(a), 0, wgmma::tile_at<mn_major_half>(b[2 * ROLE]),
+                                    0, k16, 1);
             wgmma::commit();
+        };
+        // dV += P^T dO, once P^T is in.
+        auto add_dv = [&] {
+            wgmma::fence();
+            accumulate(dv, st.pt, st.dout[stage]);
         };
         if constexpr (ROLE == 0) {
             // P^T = exp2(c S^T - lse log2(e)); causal: 0 where key > query (see consume's probabilities).
@@ -643,12 +647,7 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
         }
         sync::named_sync(barrier_id::consumers, threads);  // dS^T is in
         wgmma::fence();
-        // dK[:, half] += dS^T Q[:, half] (A: keys x queries, K-major).
-#pragma unroll
-        for (int k16 = 0; k16 < 4; ++k16)
-            wgmma::mma<HALF, T>(dk.d, wgmma::tile_at<k_major64>(st.dst), 0,
-                                wgmma::tile_at<mn_major_half>(st.q[stage][2 * ROLE]), 0, k16, 1);
-        wgmma::commit();
+        accumulate(dk, st.dst, st.q[stage]);  // dK += dS^T Q
         // dQ[:, half] = dS K[:, half] over the block's 64 keys (A: dS^T's boxes read MN-major).
 #pragma unroll
         for (int k16 = 0; k16 < 4; ++k16) {
