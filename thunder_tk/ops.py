@@ -272,6 +272,8 @@ _BWD_KEYS, _BWD_QUERIES = 128, 64
 
 def _bwd_keys(D: int) -> int:
     return 64 if D == 256 else _BWD_KEYS
+
+
 # A unit's cost beyond its steps, in steps (kernel time against steps, 2026-11-24). Not its start and end: a persistent
 # grid that loads the next unit under the last one's epilogue measured the same (benchmarks/NOTES.md, session 15).
 _BWD_BLOCK_OVERHEAD_STEPS = 2.2
