@@ -98,7 +98,8 @@ struct shared_state<T, 256> {
     alignas(128) float delta[STAGES][BQ];
     pipeline::ring<STAGES> ring;
     sync::barrier kv_full;
-    static constexpr uint32_t kv_bytes = 2 * 64 * 256 * sizeof(T), step_bytes = 2 * BQ * 256 * sizeof(T) + 2 * BQ * 4;
+    static constexpr uint32_t kv_bytes = 2 * BK_OF<256> * 256 * sizeof(T),
+                              step_bytes = 2 * BQ * 256 * sizeof(T) + 2 * BQ * 4;
 };
 
 struct kernel_params {
@@ -241,6 +242,29 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
     if (issuer) tma::store_wait_read();  // the staging outlives the last reads
 }
 
+// Where this thread's pairs of a warpgroup's fp32 accumulator go in 64 x 32 boxes with the 128-byte swizzle (what the
+// dQ reduce-adds read): 8-column group j sits in box j / 4 at 16-byte chunk 2 (j % 4) + (lane % 4) / 2 of its
+// 128-byte row, XOR-ed with the row within 8 (the same for the bottom row, 8 further, 1024 bytes on). So four chunk
+// offsets and constants, not an address per pair.
+struct fp32_box_chunks {
+    uint32_t at[4];
+    __device__ __forceinline__ fp32_box_chunks() {
+        const int lane = threadIdx.x & 31, top = rt::top_row();
+#pragma unroll
+        for (int c = 0; c < 4; ++c) at[c] = top * 128 + (lane & 1) * 8 + (((2 * c + ((lane & 3) >> 1)) ^ (top & 7)) << 4);
+    }
+    // Columns [0, COLS) of the accumulator d into staging (COLS / 32 boxes of 8 KB).
+    template <int COLS>
+    __device__ __forceinline__ void store(uint8_t* staging, const float (&d)[COLS / 2]) const {
+#pragma unroll
+        for (int e = 0; e < COLS / 2; e += 2) {
+            const int j = e / 4;
+            *reinterpret_cast<float2*>(staging + (j / 4) * 64 * 128 + (rt::is_bottom(e) ? 1024 : 0) + at[j % 4]) =
+                make_float2(d[e], d[e + 1]);
+        }
+    }
+};
+
 // COMPUTES_DQ: whether this warpgroup issues a dQ product. A template parameter, not a branch on the warpgroup
 // index: ptxas serialises every wgmma of a kernel that issues one in a warpgroup-divergent branch (C7520).
 template <typename T, int D, bool COMPUTES_DQ>
@@ -304,21 +328,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         wgmma::pin(dq.d);
         const int buf = step & 1;
         if (step >= 2) sync::named_sync(barrier_id::dq_free(slice, buf), DQ_HANDOFF_THREADS);
-        uint8_t* staging = reinterpret_cast<uint8_t*>(st.dq[buf][slice]);
-        // Pairs (e, e + 1) of the accumulator: 8-column group j = e / 4 sits in box j / 4 at 16-byte chunk
-        // 2 (j % 4) + (lane % 4) / 2 of its 128-byte row, XOR-ed with the row within 8 (the same for the bottom
-        // row, 8 further, 1024 bytes on). So four chunk offsets and constants, not an address per pair.
-        const int lane = threadIdx.x & 31;
-        uint32_t chunk_at[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-            chunk_at[c] = top * 128 + (lane & 1) * 8 + (((2 * c + ((lane & 3) >> 1)) ^ (top & 7)) << 4);
-#pragma unroll
-        for (int e = 0; e < DQ_COLS / 2; e += 2) {
-            const int j = e / 4;
-            *reinterpret_cast<float2*>(staging + (j / 4) * 64 * 128 + (rt::is_bottom(e) ? 1024 : 0) +
-                                       chunk_at[j % 4]) = make_float2(dq.d[e], dq.d[e + 1]);
-        }
+        fp32_box_chunks().store<DQ_COLS>(reinterpret_cast<uint8_t*>(st.dq[buf][slice]), dq.d);
     };
     // The end of a step, once its products are done: its stage goes back to the producers.
     auto finish_step = [&](int stage) {
@@ -515,7 +525,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
 // dQ columns (fp32, 32 KB) over the stage's Q boxes and role 1 over its dO boxes; the leader adds them into the
 // accumulator with TMA reduce-adds and, once those have read the staging (checked under the next step's first
 // products), hands the stage back for both of its role's warps (two arrivals empty the stage, not eight).
-// Bulk reduce-adds, not `red.global.add.v2` from registers: those measured 246-279 TFLOP/s (H100, S >= 2048), 8192
+// Bulk reduce-adds, not `red.global.add.v2` from registers: those measured 221-279 TFLOP/s (H100, S >= 2048), 8192
 // single-address atomics a step and block.
 // A template parameter, not a branch on the warpgroup index (see consume).
 template <typename T, int ROLE>
@@ -542,13 +552,7 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
     const uint8_t* dst_bytes = reinterpret_cast<const uint8_t*>(st.dst);
     const bool leader = warpgroup::thread() == 0;
     int pending = -1;  // the stage whose dQ reduce-adds the leader has yet to see read (then it hands it back)
-    // Where this thread's dQ pairs go in a 64 x 32 fp32 box with the 128-byte swizzle: 8-column group j of the 128
-    // columns sits in box j / 4 at 16-byte chunk 2 (j % 4) + (lane % 4) / 2, XOR-ed with the row within 8 (the same
-    // for the bottom row, 1024 bytes on).
-    const int lane = threadIdx.x & 31;
-    uint32_t chunk_at[4];
-#pragma unroll
-    for (int g = 0; g < 4; ++g) chunk_at[g] = top * 128 + (lane & 1) * 8 + (((2 * g + ((lane & 3) >> 1)) ^ (top & 7)) << 4);
+    const fp32_box_chunks dq_chunks;  // where this thread's dQ pairs are staged
     if (leader) tma::prefetch_map(&map_dq);
 
     sync::wait(st.kv_full, 0);
@@ -667,12 +671,7 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
         sync::named_sync(barrier_id::consumers, threads);
         {
             uint8_t* staging = reinterpret_cast<uint8_t*>(ROLE == 0 ? st.q[stage][0] : st.dout[stage][0]);
-#pragma unroll
-            for (int e = 0; e < HALF / 2; e += 2) {
-                const int j = e / 4;
-                *reinterpret_cast<float2*>(staging + (j / 4) * 64 * 128 + (rt::is_bottom(e) ? 1024 : 0) +
-                                           chunk_at[j % 4]) = make_float2(dq.d[e], dq.d[e + 1]);
-            }
+            dq_chunks.store<HALF>(staging, dq.d);
             tma::fence_shared_to_async();
             sync::named_sync(barrier_id::warpgroup(ROLE), warpgroup::threads);
             if (leader) {
@@ -829,7 +828,6 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
 }  // namespace
 
 const char* backward_unsupported(const backward_args& a) {
-    if (a.head_dim != 64 && a.head_dim != 128 && a.head_dim != 256) return "head_dim must be 64, 128 or 256";
     if (const char* reason = layout::shape_unsupported(a.dtype, a.head_dim, a.batch, a.q_heads, a.kv_heads, a.q_len,
                                                        a.kv_len, a.causal, a.scale))
         return reason;

@@ -704,7 +704,6 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
 }  // namespace
 
 const char* forward_unsupported(const forward_args& a) {
-    if (a.head_dim != 64 && a.head_dim != 128 && a.head_dim != 256) return "head_dim must be 64, 128 or 256";
     if (const char* reason = layout::shape_unsupported(a.dtype, a.head_dim, a.batch, a.q_heads, a.kv_heads, a.q_len,
                                                        a.kv_len, a.causal, a.scale))
         return reason;

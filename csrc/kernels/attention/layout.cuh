@@ -28,11 +28,11 @@ inline bool strides_ok(const int64_t (&stride)[3], int64_t batch, int64_t heads,
     return true;
 }
 
-// Why these sizes and options cannot run (null when they can), for forward and backward alike (each checks its own
-// head dims first).
+// Why these sizes and options cannot run (null when they can), for forward and backward alike.
 inline const char* shape_unsupported(int dtype_code, int64_t head_dim, int64_t batch, int64_t q_heads,
                                      int64_t kv_heads, int64_t q_len, int64_t kv_len, bool causal, float scale) {
     if (dtype_code != int(dtype::bf16) && dtype_code != int(dtype::fp16)) return "dtype must be bfloat16 or float16";
+    if (head_dim != 64 && head_dim != 128 && head_dim != 256) return "head_dim must be 64, 128 or 256";
     if (batch < 1 || q_heads < 1 || kv_heads < 1 || q_len < 1 || kv_len < 1)
         return "batch, heads and lengths must be at least 1";
     if (q_heads % kv_heads) return "q_heads must be a multiple of kv_heads";
