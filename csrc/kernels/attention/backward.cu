@@ -11,8 +11,8 @@
 // Head dim 256 (consume_wide): dK and dV of 128 keys would need 256 registers a thread per warpgroup, so a block takes
 // 64 keys and its two warpgroups split D instead: one computes S^T and P^T, the other dP^T and dS^T (P^T handed over
 // in shared memory), and each adds its 128 columns of dV, dK and dQ with both operands from shared memory; dQ is
-// staged (fp32) over the step's own Q and dO boxes once both are done with them, and added into the accumulator by
-// TMA reduce-adds, which release the stage.
+// staged (fp32) over the step's own Q and dO boxes once both are done with them, and the writer warp adds it into
+// the accumulator by TMA reduce-adds and then releases the stage.
 #include "backward.h"
 #include "../../kittens/kittens.cuh"
 #include "layout.cuh"
@@ -61,6 +61,10 @@ __device__ __forceinline__ int warpgroup(int slice) { return 1 + slice; }
 constexpr int consumers = 3;
 // D = 256 (no dQ hand-over barriers there): role 0's S^T is done, so role 1 issues dP^T; role 0 has stored P^T.
 constexpr int s_done = 4, pt_ready = 5;
+// D = 256: both roles have staged a step's dQ for the writer warp (per stage, so that the roles' arrivals for the next
+// step never count towards this one); the writer's last reduce-adds have read their staging.
+__device__ __forceinline__ int dq_staged_wide(int stage) { return 6 + stage; }
+constexpr int dq_written_wide = 8;
 __device__ __forceinline__ int dq_staged(int slice, int buf) { return 4 + 2 * slice + buf; }
 __device__ __forceinline__ int dq_free(int slice, int buf) { return 8 + 2 * slice + buf; }
 }  // namespace barrier_id
@@ -517,21 +521,52 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     }
 }
 
+// Head dim 256: the writer warp adds each step's dQ, staged by both roles over the stage's Q (columns 0-127) and dO
+// (128-255) boxes, into the fp32 accumulator, and hands the stage back to the producer once the reduce-adds have read
+// it; so neither role waits for them. After the last step it tells the roles their staging has been read.
+constexpr int DQ_WIDE_THREADS = CONSUMERS * warpgroup::threads + 32;
+template <typename T>
+__device__ __forceinline__ void write_dq_wide(shared_state<T, 256>& st, const kernel_params& p, const block_work& w,
+                                              const CUtensorMap& map_dq) {
+    const bool issuer = (threadIdx.x & 31) == 0;
+    if (issuer) tma::prefetch_map(&map_dq);
+    pipeline::cursor<STAGES> at;
+    auto [head, i] = start_of(p, w);
+#pragma unroll 1
+    for (int step = w.step0; step < w.step1; ++step) {
+        sync::named_sync(barrier_id::dq_staged_wide(at.stage), DQ_WIDE_THREADS);
+        if (issuer) {
+            for (int half = 0; half < 2; ++half) {
+                const uint8_t* staging = reinterpret_cast<const uint8_t*>(half == 0 ? st.q[at.stage][0] : st.dout[at.stage][0]);
+                for (int box = 0; box < 4; ++box)
+                    tma::store_add_4d(&map_dq, staging + box * 64 * 128, 128 * half + 32 * box, i * BQ, head, w.batch);
+            }
+            tma::store_commit();
+            tma::store_wait_read();
+            sync::arrive(st.ring.empty[at.stage]);
+        }
+        __syncwarp();
+        at.advance();
+        if (++i == p.q_tiles) {
+            i = w.first_q_tile;
+            ++head;
+        }
+    }
+    sync::named_sync(barrier_id::dq_written_wide, DQ_WIDE_THREADS);  // (waits only for the roles to get there)
+}
+
 // Head dim 256, warpgroup ROLE (0 or 1) of a block of 64 keys: columns [128 ROLE, 128 ROLE + 128) of dK, dV and dQ.
 // Per query tile, role 0 computes S^T = K Q^T and P^T into shared memory; role 1 computes dP^T = V dO^T once S^T is
 // done (so that role 0's exponents run under it), takes P^T and stores dS^T = P^T (dP^T - delta). Each role adds
 // dV += P^T dO as soon as P^T is in (role 1's under its dS^T arithmetic), then dK += dS^T Q and forms dQ = dS K over
 // its columns, all operands from shared memory. Once both roles' products are done, role 0 stages its
-// dQ columns (fp32, 32 KB) over the stage's Q boxes and role 1 over its dO boxes; the leader adds them into the
-// accumulator with TMA reduce-adds and, once those have read the staging (checked under the next step's first
-// products), hands the stage back for both of its role's warps (two arrivals empty the stage, not eight).
-// Bulk reduce-adds, not `red.global.add.v2` from registers: those measured 221-279 TFLOP/s (H100, S >= 2048), 8192
-// single-address atomics a step and block.
+// dQ columns (fp32, 32 KB) over the stage's Q boxes and role 1 over its dO boxes, and the writer warp adds them into
+// the accumulator (write_dq_wide). Bulk reduce-adds, not `red.global.add.v2` from registers: those measured 246-279
+// TFLOP/s (H100, S >= 2048), 8192 single-address atomics a step and block.
 // A template parameter, not a branch on the warpgroup index (see consume).
 template <typename T, int ROLE>
 __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const kernel_params& p, const block_work& w,
-                                             const CUtensorMap& map_dk, const CUtensorMap& map_dv,
-                                             const CUtensorMap& map_dq) {
+                                             const CUtensorMap& map_dk, const CUtensorMap& map_dv) {
     constexpr int HALF = 128, KEYS = BK_OF<256>;
     constexpr int threads = CONSUMERS * warpgroup::threads;
     using k_major64 = wgmma::operand_tile<T, 64, major::k>;
@@ -550,10 +585,7 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
     pipeline::cursor<STAGES> at;
     const uint8_t* pt_bytes = reinterpret_cast<const uint8_t*>(st.pt);
     const uint8_t* dst_bytes = reinterpret_cast<const uint8_t*>(st.dst);
-    const bool leader = warpgroup::thread() == 0;
-    int pending = -1;  // the stage whose dQ reduce-adds the leader has yet to see read (then it hands it back)
     const fp32_box_chunks dq_chunks;  // where this thread's dQ pairs are staged
-    if (leader) tma::prefetch_map(&map_dq);
 
     sync::wait(st.kv_full, 0);
     auto [head, i] = start_of(p, w);
@@ -578,14 +610,6 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
                         wgmma::mma<64, T>(x.d, a_tile, 0, b_tile, 0, k16, 1);
                 }
             wgmma::commit();
-            if (pending >= 0) {  // the last step's dQ reduce-adds have had these products' time to read the staging
-                if (leader) {
-                    tma::store_wait_read();
-                    sync::arrive(st.ring.empty[pending]);
-                }
-                __syncwarp();
-                pending = -1;
-            }
             wgmma::wait<0>();
             wgmma::pin(x.d);
             if constexpr (ROLE == 0) sync::named_arrive(barrier_id::s_done, threads);
@@ -673,15 +697,7 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
             uint8_t* staging = reinterpret_cast<uint8_t*>(ROLE == 0 ? st.q[stage][0] : st.dout[stage][0]);
             dq_chunks.store<HALF>(staging, dq.d);
             tma::fence_shared_to_async();
-            sync::named_sync(barrier_id::warpgroup(ROLE), warpgroup::threads);
-            if (leader) {
-                for (int box = 0; box < HALF / 32; ++box)
-                    tma::store_add_4d(&map_dq, staging + box * 64 * 128, HALF * ROLE + 32 * box, int32_t(q0), head,
-                                      w.batch);
-                tma::store_commit();
-            }
-            __syncwarp();
-            pending = stage;
+            sync::named_arrive(barrier_id::dq_staged_wide(stage), DQ_WIDE_THREADS);  // the writer adds it (write_dq_wide)
         }
         at.advance();
         if (++i == p.q_tiles) {
@@ -690,28 +706,28 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
         }
     }
 
-    // dK (times scale) and dV -> the input dtype, this role's two boxes of each staged in stage 0's Q and dO, once
-    // both roles' last dQ reduce-adds have read their staging there.
-    if (leader) tma::store_wait_read();
-    sync::named_sync(barrier_id::consumers, threads);
+    // dK (times scale) and dV -> the input dtype, staged where this role staged its dQ (role 0 in stage 0's Q boxes,
+    // role 1 in its dO boxes: dK in the first two, dV in the last two), once the writer's last dQ reduce-adds have
+    // read them. Neither role writes where the other one staged.
+    sync::named_sync(barrier_id::dq_written_wide, DQ_WIDE_THREADS);
     rt::mul(dk, dk, a.scale);
+    T(&own)[4][BOX] = ROLE == 0 ? st.q[0] : st.dout[0];
 #pragma unroll
     for (int e = 0; e < HALF / 2; e += 2) {
         const auto pos = wgmma::accumulator_position(e);
-        const int box = 2 * ROLE + pos.col / 64;
+        const int box = pos.col / 64;
         const uint32_t offset = tma::swizzled_offset_128b(pos.row, pos.col % 64);
-        *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(st.q[0][box]) + offset) =
-            rt::pack2<T>(dk.d[e], dk.d[e + 1]);
-        *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(st.dout[0][box]) + offset) =
+        *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(own[box]) + offset) = rt::pack2<T>(dk.d[e], dk.d[e + 1]);
+        *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(own[2 + box]) + offset) =
             rt::pack2<T>(dv.d[e], dv.d[e + 1]);
     }
     tma::fence_shared_to_async();
     sync::named_sync(barrier_id::warpgroup(ROLE), warpgroup::threads);
     if (warpgroup::thread() == 0) {
         if (key0 < a.kv_len) {
-            for (int b = 2 * ROLE; b < 2 * ROLE + 2; ++b) {
-                tma::store_4d(&map_dk, st.q[0][b], b * 64, int32_t(key0), w.out_head, w.batch);
-                tma::store_4d(&map_dv, st.dout[0][b], b * 64, int32_t(key0), w.out_head, w.batch);
+            for (int b = 0; b < 2; ++b) {
+                tma::store_4d(&map_dk, own[b], (2 * ROLE + b) * 64, int32_t(key0), w.out_head, w.batch);
+                tma::store_4d(&map_dv, own[2 + b], (2 * ROLE + b) * 64, int32_t(key0), w.out_head, w.batch);
             }
         }
         tma::store_commit();
@@ -741,7 +757,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     auto& st = *state;
     if (threadIdx.x == 0) {
         // full: the TMA thread (Q, dO, lse and delta bytes); empty: lane 0 of every consumer warp.
-        st.ring.init(1, D == 256 ? CONSUMERS : CONSUMERS * 4);  // D = 256: each role's leader (consume_wide)
+        st.ring.init(1, D == 256 ? 1 : CONSUMERS * 4);  // D = 256: the dQ writer warp (write_dq_wide)
         sync::init(st.kv_full, 1);
         sync::fence_init();
     }
@@ -754,16 +770,20 @@ __global__ void __launch_bounds__(THREADS, 1)
         warpgroup::decrease_registers<PRODUCER_REGISTERS>();
         const block_work w = work_of<BK_OF<D>>(p);
         if (threadIdx.x == 0) produce_tiles<T, D>(st, p, w, map_q, map_k, map_v, map_do, map_lse, map_delta);
-        if constexpr (D != 256)  // D = 256: the consumers add dQ themselves
-            if (threadIdx.x / 32 == 2) write_dq<T, D>(st, p, w, map_dq);
+        if (threadIdx.x / 32 == 2) {
+            if constexpr (D == 256)
+                write_dq_wide<T>(st, p, w, map_dq);
+            else
+                write_dq<T, D>(st, p, w, map_dq);
+        }
     } else {
         warpgroup::increase_registers<CONSUMER_REGISTERS>();
         const block_work w = work_of<BK_OF<D>>(p);
         if constexpr (D == 256) {
             if (warpgroup::index() == 1)
-                consume_wide<T, 0>(st, p, w, map_dk, map_dv, map_dq);
+                consume_wide<T, 0>(st, p, w, map_dk, map_dv);
             else
-                consume_wide<T, 1>(st, p, w, map_dk, map_dv, map_dq);
+                consume_wide<T, 1>(st, p, w, map_dk, map_dv);
         } else {
             // D = 128: both warpgroups compute half of dQ's columns; D = 64: warpgroup 0 all of them.
             if (D == 128 || warpgroup::index() == 1)
