@@ -120,10 +120,12 @@ def attention_forward():
 
 
 # Attention backward: causal with tails and GQA, and a non-causal key tail; each GQA group whole and split in parts.
+# (1, 4, 1, 400, ...) at D = 256: blocks walk up to 28 steps, so each ring stage carries several steps' staged dQ.
 def attention_backward():
     for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (1, 2, 1, 70, 150, 64, False),
                                           (2, 8, 2, 200, 200, 64, True),
-                                          (1, 4, 2, 129, 129, 256, True), (1, 2, 1, 70, 150, 256, False)]:
+                                          (1, 4, 2, 129, 129, 256, True), (1, 2, 1, 70, 150, 256, False),
+                                          (1, 4, 1, 400, 400, 256, True)]:
         q, k, v = (torch.randn(B, h, s, D, device="cuda", dtype=torch.bfloat16) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
         o, lse = ops.attention_forward(q, k, v, is_causal=causal)
         for split in sorted({1, 2, Hq // Hkv} & set(range(1, Hq // Hkv + 1))):
