@@ -35,16 +35,18 @@ constexpr float LAZY_SLACK = 8.0f;  // base-2 exponent by which a row may pass t
 // C consumer warpgroups per block, 64 query rows each: two, or three at D = 64 (launch_forward says where), whose
 // products are short next to the softmax of the same scores, so two warpgroups' softmax can run under the third's
 // products. At D = 128 S, P and O need 240 registers a thread: two only.
-// At D = 256 a 128-row tile's Q is 64 KB: one buffer only (with the K and V stages, 192 KB). Its O then leaves
-// from registers (DIRECT_O) instead of staged over Q, so that Q goes back to the producer as soon as the tile's last
-// scores are done and the next tile's Q loads under its last P V and epilogue.
+// At D = 256 a 128-row tile's Q is 64 KB: one buffer only (with the K and V stages, 192 KB). Its O then goes
+// through a staging of its own (OWN_O_STAGING: 16 KB a warpgroup, 128 columns at a time, 224 KB in all) instead of
+// over Q, so that Q goes back to the producer as soon as the tile's last scores are done and the next tile's Q
+// loads under its last P V and epilogue. (Stored from registers, 4 bytes a thread and row, O cost 1.23-1.40x the
+// whole kernel at S <= 1024 and 1.04-1.11x at 4096: H100, benchmarks/NOTES.md.)
 template <int D, int C>
 struct config {
     static_assert(C == 2 || (C == 3 && D == 64), "three consumer warpgroups fit D = 64's registers only");
     static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
     static constexpr int CONSUMERS = C;
     static constexpr int Q_BUFFERS = D == 256 ? 1 : 2;
-    static constexpr bool DIRECT_O = D == 256;
+    static constexpr bool OWN_O_STAGING = D == 256;
     static constexpr int BM = 64 * C;  // query rows per tile
     static constexpr int THREADS = (C + 1) * warpgroup::threads;
     static constexpr int CONSUMER_REGISTERS = C == 3 ? 160 : 240;
@@ -58,7 +60,7 @@ template <typename T, int D, int C>
 struct shared_state {
     static constexpr int BM = config<D, C>::BM, QB = config<D, C>::Q_BUFFERS;
     // [tile parity][64-wide panel of D]; each warpgroup stages its O rows here once its last scores are done
-    // (not with DIRECT_O)
+    // (not with OWN_O_STAGING)
     wgmma::operand_tile<T, BM, major::k> q[QB][D / 64];
     wgmma::operand_tile<T, BN<D>, major::k> k[STAGES][D / 64];   // S = Q K^T: keys are B's N, D the reduction
     wgmma::operand_tile<T, D, major::mn> v[STAGES][BN<D> / 64];  // O += P V: D is B's N (contiguous), keys the reduction
@@ -66,6 +68,9 @@ struct shared_state {
     pipeline::ring<QB> q_ring;              // full: Q landed; empty: every consumer is done with the buffer
     int q_tile_of[QB];                      // the work item whose Q a buffer holds (-1: no more), with its `full`
     int merges[C];                          // a warpgroup's leader tells it that it merges its tile's parts
+    // OWN_O_STAGING: [warpgroup][64-wide panel] of 128 of O's columns (last, so that the other members sit where
+    // they do without it)
+    std::conditional_t<config<D, C>::OWN_O_STAGING, wgmma::operand_tile<T, 64, major::k>[C][2], uint8_t[1]> o_staging;
     static constexpr uint32_t q_bytes = BM * D * sizeof(T), kv_bytes = BN<D> * D * sizeof(T);
 };
 
@@ -273,7 +278,7 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
                                              pipeline::cursor<STAGES>& at_v, const CUtensorMap& map_o) {
     const forward_args& a = p.args;
     constexpr int CONSUMERS = config<D, C>::CONSUMERS, BN = attention::BN<D>;
-    constexpr bool DIRECT_O = config<D, C>::DIRECT_O;
+    constexpr bool OWN_O_STAGING = config<D, C>::OWN_O_STAGING;
     const int slice = warpgroup::uniform_index() - 1;  // query rows [64 slice, 64 slice + 64) of the tile
     const int64_t row0 = w.row0 + slice * 64;  // < 0: a causal padding slice (masked whole, nothing stored)
     const bool lane0 = (threadIdx.x & 31) == 0;
@@ -498,9 +503,9 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
         at_v.advance();
         rt::to_a_operand(pr, s);
     }
-    // DIRECT_O: Q is read no more (the scores and any rescore are done), so its buffer goes back now and the next
-    // tile's Q loads under this one's last P V and epilogue.
-    if constexpr (DIRECT_O) sync::arrive(st.q_ring.empty[qb]);
+    // OWN_O_STAGING: Q is read no more (the scores and any rescore are done), so its buffer goes back now and the
+    // next tile's Q loads under this one's last P V and epilogue.
+    if constexpr (OWN_O_STAGING) sync::arrive(st.q_ring.empty[qb]);
     st.v_ring.wait_full(at_v);
     my_turn();
     accumulate_pv(at_v.stage);
@@ -524,7 +529,7 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     rt::row_vec lse2{m.top + __log2f(l.top), m.bottom + __log2f(l.bottom)};  // base 2
     // A part of a split tile: its share to the scratch; the warpgroup that completes its rows' count merges.
     bool stores = true;
-    if constexpr (!DIRECT_O)  // DIRECT_O tiles are never split (choose_split)
+    if constexpr (!OWN_O_STAGING)  // OWN_O_STAGING tiles are never split (choose_split)
         if (it.part >= 0) stores = merge_parts(st, p, it, slice, o, lse2);
     if (stores && (threadIdx.x & 3) == 0 && row0 >= 0) {
         const int64_t top = row0 + rt::top_row();
@@ -532,20 +537,27 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
         if (top < a.q_len) lse[top] = lse2.top * LN2;
         if (top + 8 < a.q_len) lse[top + 8] = lse2.bottom * LN2;
     }
-    if constexpr (DIRECT_O) {
-        // O rounded and stored from registers, two columns per 4-byte store; rows past q_len are not written (and
-        // a causal padding slice, row0 < 0, has none).
-        if (row0 >= 0) {
-            T* out = static_cast<T*>(a.o) + int64_t(w.batch) * a.o_stride[0] + int64_t(w.head) * a.o_stride[1];
+    if constexpr (OWN_O_STAGING) {
+        // O rounded into this warpgroup's staging and stored by TMA, 128 columns at a time; rows past q_len are
+        // clipped by the map, and a causal padding slice (row0 < 0) stores nothing. Before each half, the leader
+        // sees the staging's last store (the other half, or the previous tile's) read.
+        auto& staging = st.o_staging[slice];
 #pragma unroll
-            for (int e = 0; e < D / 2; e += 2) {
-                const auto pos = wgmma::accumulator_position(e);
-                const int64_t row = row0 + pos.row;
-                if (row < a.q_len)
-                    *reinterpret_cast<uint32_t*>(out + row * a.o_stride[2] + pos.col) = rt::pack2<T>(o.d[e], o.d[e + 1]);
+        for (int h = 0; h < 2; ++h) {
+            if (warpgroup::thread() == 0) tma::store_wait_read();
+            sync::named_sync(1 + slice, warpgroup::threads);
+            rt::store_swizzled<T, 128, D>(o.d, 128 * h, 0, [&](int col) {
+                return reinterpret_cast<uint8_t*>(staging[col / 64 - 2 * h].data);
+            });
+            tma::fence_shared_to_async();
+            sync::named_sync(1 + slice, warpgroup::threads);
+            if (warpgroup::thread() == 0 && row0 >= 0 && row0 < a.q_len) {
+                for (int dp = 0; dp < 2; ++dp)
+                    tma::store_4d(&map_o, staging[dp].data, (2 * h + dp) * 64, int32_t(row0), w.head, w.batch);
+                tma::store_commit();
             }
         }
-        __syncwarp();  // the warp whole again before the next tile's .aligned barriers and wgmma
+        __syncwarp();  // lane 0 rejoins its warp before the next tile's .aligned barriers and wgmma
         return;
     }
     // O rounded into this warpgroup's rows of the Q stage.
@@ -615,6 +627,7 @@ __global__ void __launch_bounds__(config<D, C>::THREADS, 1)
 
 template <typename T, int D, int C>
 constexpr int smem_bytes_of = sizeof(shared_state<T, D, C>) + 1024;  // + alignment to 1024 bytes
+static_assert(smem_bytes_of<__nv_bfloat16, 256, 2> <= 227 * 1024, "the D = 256 state fits an H100's 227 KB");
 
 // The consumer warpgroups launch_forward runs for `a`: D = 64: three (192-row tiles), except causal attention
 // over fewer than 2048 queries, where the taller tiles mask more of their diagonal key blocks and fewer tiles
