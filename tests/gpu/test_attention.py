@@ -125,6 +125,13 @@ def case_id(c):
     return f"B{B}-H{Hq}kv{Hkv}-S{Sq}x{Sk}-D{D}" + ("-causal" if causal else "")
 
 
+def assert_split_counters_zero(ring_name: str) -> None:
+    """The split kernels' counters (a zeroed ring, ops._zeroed_slot) are left zero by every launch, for the next."""
+    torch.cuda.synchronize()
+    ring = ops._zeroed_rings[(ring_name, torch.cuda.current_device())]
+    assert int(ring.abs().sum()) == 0, f"a launch left a {ring_name} counter non-zero"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_fp64_reference(case, dtype):
@@ -198,9 +205,7 @@ def test_last_wave_split_by_keys(case, dtype):
     for _ in range(3):  # the parts are summed in one order whichever merges
         again_o, again_lse = ops.attention_forward(q, k, v, _max_blocks=max_blocks)
         assert torch.equal(again_o, o) and torch.equal(again_lse, lse)
-    torch.cuda.synchronize()
-    ring = ops._zeroed_rings[("attention_split", torch.cuda.current_device())]
-    assert int(ring.abs().sum()) == 0, "a launch left a split counter non-zero"
+    assert_split_counters_zero("attention_split")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
@@ -569,9 +574,7 @@ def test_backward_last_wave_split_by_queries(case, dtype):
         poison_allocator((scratch, torch.float32))  # a part read before it is written would bring NaN in
         _, again_dk, again_dv = ops.attention_backward(q, k, v, o, lse, g, _tail_split=(split_from, parts))
         assert torch.equal(again_dk, dk) and torch.equal(again_dv, dv)
-    torch.cuda.synchronize()
-    ring = ops._zeroed_rings[("attention_bwd_split", torch.cuda.current_device())]
-    assert int(ring.abs().sum()) == 0, "a launch left a split counter non-zero"
+    assert_split_counters_zero("attention_bwd_split")
 
 
 def test_backward_last_wave_split_is_checked():

@@ -354,7 +354,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     if constexpr (K_IN_REGISTERS<D>)
         rt::load_swizzled(k_rows, 0, [&](int col) { return reinterpret_cast<const uint8_t*>(st.k[slice][col / 64]); });
     int i = start_of(p, w).q_tile;
-    for (int n = w.step0; n < w.step1; ++n, ++step) {
+    for (const int steps = w.step1 - w.step0; step < steps; ++step) {
         const int64_t q0 = int64_t(i) * BQ;
         st.ring.wait_full(at);
         const int stage = at.stage;
