@@ -107,7 +107,7 @@ CASES = [
     (1, 4, 4, 4097, 128, 64, False),  # Sq > Sk
     (1, 2, 1, 128, 17, 128, False),
     (1, 2, 1, 2500, 2500, 64, True),  # causal D = 64 from 2048 queries: 192-row tiles (three warpgroups), a tail of 4
-    # D = 256: 64-key stages, one Q buffer, O stored from registers.
+    # D = 256: 64-key stages, one Q buffer, O staged apart from it.
     (1, 1, 1, 1, 1, 256, False),
     (2, 4, 4, 17, 17, 256, True),
     (1, 8, 2, 128, 128, 256, False),  # GQA 4

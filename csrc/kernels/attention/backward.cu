@@ -588,8 +588,8 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
     const fp32_box_chunks dq_chunks;  // where this thread's dQ pairs are staged
 
     sync::wait(st.kv_full, 0);
-    auto [head, i] = start_of(p, w);
-    for (int n = w.step0; n < w.step1; ++n) {
+    int i = start_of(p, w).q_tile;  // the step's query tile (the writer warp tracks its head)
+    for (int step = w.step0; step < w.step1; ++step) {
         const int64_t q0 = int64_t(i) * BQ;
         st.ring.wait_full(at);
         const int stage = at.stage;
@@ -700,10 +700,7 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
             sync::named_arrive(barrier_id::dq_staged_wide(stage), DQ_WIDE_THREADS);  // the writer adds it (write_dq_wide)
         }
         at.advance();
-        if (++i == p.q_tiles) {
-            i = w.first_q_tile;
-            ++head;
-        }
+        if (++i == p.q_tiles) i = w.first_q_tile;
     }
 
     // dK (times scale) and dV -> the input dtype, staged where this role staged its dQ (role 0 in stage 0's Q boxes,
