@@ -74,6 +74,26 @@ def test_profile_attention_parses_on_cpu():
     assert r.returncode == 0 and "--kernels" in r.stdout and "cudnn" in r.stdout, r.stderr[-3000:]
 
 
+def test_knob_inprocess_parses_knobs_and_sets_them_per_call(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("knob_bench", ROOT / "benchmarks" / "knob_inprocess.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # no CUDA work at import time
+    assert bench.parse_knob("THUNDER_TK_X=0,12,2") == ("THUNDER_TK_X", ["0", "12", "2"])
+    for bad in ("THUNDER_TK_X=0", "THUNDER_TK_X", "=1,2"):
+        with pytest.raises(SystemExit, match="NAME=V0,V1"):
+            bench.parse_knob(bad)
+    monkeypatch.delenv("THUNDER_TK_X", raising=False)
+    seen = []
+    run = bench.with_knob("THUNDER_TK_X", "12", lambda: seen.append(__import__("os").environ["THUNDER_TK_X"]))
+    run()
+    assert seen == ["12"]
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "knob_inprocess.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--knob" in r.stdout and "--bench" in r.stdout, r.stderr[-3000:]
+
+
 def test_attention_clocks_parses_on_cpu():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_clocks.py"), "--help"],
                        capture_output=True, text=True, timeout=120)
