@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attention import bwd_flops, fwd_flops, points  # noqa: E402
-from gemm import LAYOUTS, problems  # noqa: E402
+from gemm import LAYOUTS, layout_operands, problems  # noqa: E402
 from common import interleaved_times, write_results  # noqa: E402
 
 REF_PACKAGE = "thunder_tk_ref"
@@ -67,13 +67,8 @@ def paired_row(point: dict, fns: dict, flops: float, rounds: int) -> dict:
 
 def compare_gemm(cur, ref, name: str, M: int, N: int, K: int, layouts, rounds: int) -> list[dict]:
     """The problem's products (gemm.py's layouts: fwd X W^T, dX = dY W, dW = dY^T X) on each build."""
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     rows = []
-    for layout, (lhs, rhs) in {"fwd": (x, w.t()), "dX": (dy, w), "dW": (dy.t(), x)}.items():
-        if layout not in layouts:
-            continue
+    for layout, lhs, rhs in layout_operands(M, N, K, layouts):
         fns = {side: (lambda ops=ops: ops.gemm(lhs, rhs)) for side, ops in (("current", cur), ("reference", ref))}
         point = {"problem": name, "pass": layout, "M": lhs.shape[0], "N": rhs.shape[1], "K": lhs.shape[1]}
         rows.append(paired_row(point, fns, 2.0 * lhs.shape[0] * lhs.shape[1] * rhs.shape[1], rounds))

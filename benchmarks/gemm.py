@@ -60,6 +60,17 @@ def problems(quick: bool, llama_1b: bool = False, tokens: list[int] | None = Non
         yield f"{TOKENS}x{k}x{n}", TOKENS, n, k
 
 
+def layout_operands(M: int, N: int, K: int, layouts=LAYOUTS, device: str = "cuda"):
+    """(layout, lhs, rhs) of a linear layer's products on fresh bf16 operands, X (M x K), W (N x K), dY (M x N):
+    fwd X W^T, dX = dY W, dW = dY^T X (each an lhs @ rhs), for the layouts asked for."""
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+    for layout, (lhs, rhs) in {"fwd": (x, w.t()), "dX": (dy, w), "dW": (dy.t(), x)}.items():
+        if layout in layouts:
+            yield layout, lhs, rhs
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default="out/gemm.json")
@@ -103,12 +114,7 @@ def main() -> None:
     for name, M, N, K in problems(a.quick, a.llama_1b, a.tokens):
         if a.only and name not in a.only:
             continue
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        for layout, (lhs, rhs) in {"fwd": (x, w.t()), "dX": (dy, w), "dW": (dy.t(), x)}.items():
-            if layout not in a.layouts:
-                continue
+        for layout, lhs, rhs in layout_operands(M, N, K, a.layouts):
             if lhs.shape[1] % 8:  # dW of fewer tokens than 8 (K = tokens): tk takes K in multiples of 8 only
                 print(f"{name:>16} {layout:>3}: skipped (K = {lhs.shape[1]} is not a multiple of 8)", flush=True)
                 continue
@@ -160,7 +166,7 @@ def main() -> None:
                     rows[-1][f"{v}_ratio"] = t_cublas / ms[v]
             print(f"{name:>16} {layout:>3}: tk {rows[-1]['tk_tflops']:6.0f}  cuBLAS {rows[-1]['cublas_tflops']:6.0f} "
                   f"TFLOP/s  ratio {rows[-1]['ratio']:.3f}", flush=True)
-        del x, w, dy
+        lhs = rhs = None  # the problem's operands go before the next one's are made
         torch.cuda.empty_cache()
     if a.once:
         return

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from attention import bwd_flops, fwd_flops, points  # noqa: E402
 from common import interleaved_times, write_results  # noqa: E402
-from gemm import LAYOUTS, problems  # noqa: E402
+from gemm import LAYOUTS, layout_operands, problems  # noqa: E402
 
 
 def parse_knob(text: str) -> tuple[str, list[str]]:
@@ -120,17 +120,11 @@ def gemm_rows(a, name, values) -> list[dict]:
 
     rows = []
     for prob, M, N, K in problems(a.quick, a.llama_1b):
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        for layout, (lhs, rhs) in {"fwd": (x, w.t()), "dX": (dy, w), "dW": (dy.t(), x)}.items():
-            if layout not in a.layouts:
-                continue
+        for layout, lhs, rhs in layout_operands(M, N, K, a.layouts):
             point = {"problem": prob, "pass": layout}
             flops = 2.0 * lhs.shape[0] * lhs.shape[1] * rhs.shape[1]
             rows.append(time_point(point, name, values, lambda lhs=lhs, rhs=rhs: ops.gemm(lhs, rhs),
                                    lambda lhs=lhs, rhs=rhs: torch.matmul(lhs, rhs), flops, a.rounds))
-        del x, w, dy
         torch.cuda.empty_cache()
     return rows
 

@@ -159,6 +159,12 @@ def test_gemm_benchmark_llama_1b_problems():
         ("1x4096x4096", 1, 4096, 4096), ("1x4096x11008", 1, 11008, 4096),
         ("64x4096x4096", 64, 4096, 4096), ("64x4096x11008", 64, 11008, 4096)]
     assert [M for _, M, _, _ in bench.problems(False, llama_1b=True, tokens=[16])] == [16] * 5
+    products = {layout: (lhs, rhs) for layout, lhs, rhs in bench.layout_operands(5, 3, 4, device="cpu")}
+    assert list(products) == ["fwd", "dX", "dW"]  # X W^T (5 x 3), dY W (5 x 4), dY^T X (3 x 4)
+    assert [tuple((lhs @ rhs).shape) for lhs, rhs in products.values()] == [(5, 3), (5, 4), (3, 4)]
+    x, dy = products["fwd"][0], products["dX"][0]
+    assert products["dW"][0].data_ptr() == dy.data_ptr() and products["dW"][1].data_ptr() == x.data_ptr()
+    assert [layout for layout, _, _ in bench.layout_operands(2, 2, 2, ["dW"], device="cpu")] == ["dW"]
 
 
 def test_litgpt_step_memory_replay_finds_what_is_live_at_the_peak(capsys):
