@@ -99,10 +99,11 @@ def tile_library():
 
 
 # Attention forward: tails in both lengths, causal, grouped-query heads, a transposed (B, S, H, D) view, D 64/128/256.
-# (2, 16, 8, 600, ...): 160 tiles, more than the H100's 132 blocks, so blocks of the persistent grid take several.
+# (2, 20, 10, 600, ...): 160 tiles of 192 rows, more than the H100's 132 blocks, so blocks of the persistent grid take
+# several.
 def attention_forward():
     for B, Hq, Hkv, Sq, Sk, D, causal in [(1, 4, 2, 129, 129, 128, True), (2, 2, 1, 70, 300, 64, False), (1, 1, 1, 1, 1, 64, False),
-                                          (2, 16, 8, 600, 600, 64, True),
+                                          (2, 20, 10, 600, 600, 64, True),
                                           (1, 2, 1, 2200, 2200, 64, True),  # 192-row tiles, the first from row -64
                                           (1, 4, 2, 129, 129, 256, True), (2, 2, 1, 70, 300, 256, False)]:
         q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)

@@ -106,7 +106,8 @@ CASES = [
     (1, 2, 2, 1, 4097, 128, False),  # one query against a long cache
     (1, 4, 4, 4097, 128, 64, False),  # Sq > Sk
     (1, 2, 1, 128, 17, 128, False),
-    (1, 2, 1, 2500, 2500, 64, True),  # causal D = 64 from 2048 queries: 192-row tiles (three warpgroups), a tail of 4
+    (1, 2, 1, 2500, 2500, 64, True),  # causal D = 64: 192-row tiles (three warpgroups), a tail of 4
+    (2, 4, 2, 300, 300, 64, True),  # causal D = 64 under 2048 queries: two tiles a head, the first 64 rows above row 0
     # D = 256: 64-key stages, one Q buffer, O staged apart from it.
     (1, 1, 1, 1, 1, 256, False),
     (2, 4, 4, 17, 17, 256, True),
@@ -145,7 +146,8 @@ def test_matches_fp64_reference(case, dtype):
     (1, 2, 1, 300, 64, False),  # 3 key blocks per tile, 6 tiles
     (2, 2, 2, 257, 128, True),  # tiles of 1 to 3 key blocks, heaviest first
     (3, 4, 4, 128, 128, True),  # one key block per tile
-    (1, 3, 3, 2100, 64, True),  # causal D = 64 over 2048+ queries: 192-row tiles, 11 per head, up to 17 key blocks
+    (1, 3, 3, 2100, 64, True),  # causal D = 64: 192-row tiles, 11 per head, up to 17 key blocks
+    (2, 2, 2, 500, 64, True),  # causal D = 64: 3 tiles per head of 1 to 4 key blocks
     # Causal tiles laid out from the last row up: the first tile starts 64 rows above row 0 (an empty slice, not
     # loaded or stored); 2200 also leaves a tail of 24 rows in the last tile.
     (1, 3, 3, 2048, 64, True),

@@ -629,11 +629,11 @@ template <typename T, int D, int C>
 constexpr int smem_bytes_of = sizeof(shared_state<T, D, C>) + 1024;  // + alignment to 1024 bytes
 static_assert(smem_bytes_of<__nv_bfloat16, 256, 2> <= 227 * 1024, "the D = 256 state fits an H100's 227 KB");
 
-// The consumer warpgroups launch_forward runs for `a`: D = 64: three (192-row tiles), except causal attention
-// over fewer than 2048 queries, where the taller tiles mask more of their diagonal key blocks and fewer tiles
-// balance worse. Same-machine A/B against two (H100, benchmarks/NOTES.md): full 1.06-1.13x at S = 512-8192,
-// causal 1.02-1.06x at S >= 2048 but 0.90-0.93x at 512-1024.
-int consumers_of(const forward_args& a) { return a.head_dim == 64 && (!a.causal || a.q_len >= 2048) ? 3 : 2; }
+// The consumer warpgroups launch_forward runs for `a`: three (192-row tiles) at D = 64, two otherwise. Against two
+// at D = 64 in one process (H100, benchmarks/NOTES.md, session 22): causal 1.03x, 1.06x, 1.11x at S = 512, 1024,
+// 2048, 1.14-1.18x at 8192-16384 with or without the mask. (Causal attention under 2048 queries took two until
+// causal tiles were laid out from the last row, when 192-row tiles masked more of their diagonal blocks.)
+int consumers_of(const forward_args& a) { return a.head_dim == 64 ? 3 : 2; }
 
 struct split_choice {
     int blocks, split_from, parts;
@@ -744,9 +744,7 @@ forward_split_needs forward_split_plan(const forward_args& a, bool dynamic) {
 cudaError_t launch_forward(const forward_args& a, cudaStream_t stream) {
     if (forward_unsupported(a) != nullptr) return cudaErrorInvalidValue;
     const bool bf16 = a.dtype == int(dtype::bf16);
-    if (a.head_dim == 64 && consumers_of(a) == 3)
-        return bf16 ? launch<__nv_bfloat16, 64, 3>(a, stream) : launch<__half, 64, 3>(a, stream);
-    if (a.head_dim == 64) return bf16 ? launch<__nv_bfloat16, 64, 2>(a, stream) : launch<__half, 64, 2>(a, stream);
+    if (a.head_dim == 64) return bf16 ? launch<__nv_bfloat16, 64, 3>(a, stream) : launch<__half, 64, 3>(a, stream);
     if (a.head_dim == 128) return bf16 ? launch<__nv_bfloat16, 128, 2>(a, stream) : launch<__half, 128, 2>(a, stream);
     return bf16 ? launch<__nv_bfloat16, 256, 2>(a, stream) : launch<__half, 256, 2>(a, stream);
 }
