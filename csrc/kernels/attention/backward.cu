@@ -164,11 +164,19 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p) {
             part};
 }
 
-// Where a block's walk starts: the query head and tile of its step0.
-struct walk_start {
+// A step of a block's walk: its query head and tile. The walk goes over the block's query tiles (from first_q_tile)
+// of one head, then of the next.
+struct walk_position {
     int head, q_tile;
+    __device__ __forceinline__ void next(const kernel_params& p, const block_work& w) {
+        if (++q_tile == p.q_tiles) {
+            q_tile = w.first_q_tile;
+            ++head;
+        }
+    }
 };
-__device__ __forceinline__ walk_start start_of(const kernel_params& p, const block_work& w) {
+// Where a block's walk starts: the query head and tile of its step0.
+__device__ __forceinline__ walk_position start_of(const kernel_params& p, const block_work& w) {
     const int per_head = p.q_tiles - w.first_q_tile;
     return {w.first_head + w.step0 / per_head, w.first_q_tile + w.step0 % per_head};
 }
@@ -190,7 +198,8 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
             tma::load_4d(st.v[c][dp], &map_v, dp * 64, kv0 + 64 * c, w.kv_head, w.batch, st.kv_full);
         }
     pipeline::cursor<STAGES> at;
-    auto [head, i] = start_of(p, w);
+    walk_position walk = start_of(p, w);
+    auto& [head, i] = walk;
     for (int step = w.step0; step < w.step1; ++step) {
         st.ring.wait_empty(at);
         sync::barrier& full = st.ring.full[at.stage];
@@ -202,10 +211,7 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
         tma::load_4d(st.lse[at.stage], &map_lse, i * BQ, head, w.batch, 0, full);
         tma::load_4d(st.delta[at.stage], &map_delta, i * BQ, head, w.batch, 0, full);
         at.advance();
-        if (++i == p.q_tiles) {
-            i = w.first_q_tile;
-            ++head;
-        }
+        walk.next(p, w);
     }
 }
 
@@ -218,7 +224,8 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
     const bool issuer = (threadIdx.x & 31) == 0;
     if (issuer) tma::prefetch_map(&map_dq);
     const int steps = w.step1 - w.step0;
-    auto [head, i] = start_of(p, w);
+    walk_position walk = start_of(p, w);
+    auto& [head, i] = walk;
 #pragma unroll 1  // unrolled, its copies spill at the producers' 24 registers
     for (int step = 0; step < steps; ++step) {
         const int buf = step & 1;
@@ -238,10 +245,7 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
             for (int slice = 0; slice < DQ_SLICES<D>; ++slice)
                 sync::named_arrive(barrier_id::dq_free(slice, buf), DQ_HANDOFF_THREADS);
         }
-        if (++i == p.q_tiles) {
-            i = w.first_q_tile;
-            ++head;
-        }
+        walk.next(p, w);
     }
     if (issuer) tma::store_wait_read();  // the staging outlives the last reads
 }
@@ -353,7 +357,8 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     sync::wait(st.kv_full, 0);
     if constexpr (K_IN_REGISTERS<D>)
         rt::load_swizzled(k_rows, 0, [&](int col) { return reinterpret_cast<const uint8_t*>(st.k[slice][col / 64]); });
-    int i = start_of(p, w).q_tile;
+    walk_position walk = start_of(p, w);  // (its head goes unread here)
+    int& i = walk.q_tile;
     for (const int steps = w.step1 - w.step0; step < steps; ++step) {
         const int64_t q0 = int64_t(i) * BQ;
         st.ring.wait_full(at);
@@ -450,7 +455,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         wgmma::pin(dk.d);
         finish_step(stage);
         at.advance();
-        if (++i == p.q_tiles) i = w.first_q_tile;
+        walk.next(p, w);
     }
 
     publish_dq();
@@ -531,7 +536,8 @@ __device__ __forceinline__ void write_dq_wide(shared_state<T, 256>& st, const ke
     const bool issuer = (threadIdx.x & 31) == 0;
     if (issuer) tma::prefetch_map(&map_dq);
     pipeline::cursor<STAGES> at;
-    auto [head, i] = start_of(p, w);
+    walk_position walk = start_of(p, w);
+    auto& [head, i] = walk;
 #pragma unroll 1
     for (int step = w.step0; step < w.step1; ++step) {
         sync::named_sync(barrier_id::dq_staged_wide(at.stage), DQ_WIDE_THREADS);
@@ -547,10 +553,7 @@ __device__ __forceinline__ void write_dq_wide(shared_state<T, 256>& st, const ke
         }
         __syncwarp();
         at.advance();
-        if (++i == p.q_tiles) {
-            i = w.first_q_tile;
-            ++head;
-        }
+        walk.next(p, w);
     }
     sync::named_sync(barrier_id::dq_written_wide, DQ_WIDE_THREADS);  // (waits only for the roles to get there)
 }
@@ -588,7 +591,8 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
     const fp32_box_chunks dq_chunks;  // where this thread's dQ pairs are staged
 
     sync::wait(st.kv_full, 0);
-    int i = start_of(p, w).q_tile;  // the step's query tile (the writer warp tracks its head)
+    walk_position walk = start_of(p, w);  // (its head goes unread here: the writer warp adds dQ)
+    int& i = walk.q_tile;
     for (int step = w.step0; step < w.step1; ++step) {
         const int64_t q0 = int64_t(i) * BQ;
         st.ring.wait_full(at);
@@ -700,7 +704,7 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
             sync::named_arrive(barrier_id::dq_staged_wide(stage), DQ_WIDE_THREADS);  // the writer adds it (write_dq_wide)
         }
         at.advance();
-        if (++i == p.q_tiles) i = w.first_q_tile;
+        walk.next(p, w);
     }
 
     // dK (times scale) and dV -> the input dtype, staged where this role staged its dQ (role 0 in stage 0's Q boxes,
