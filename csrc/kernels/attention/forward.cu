@@ -32,7 +32,7 @@ constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
 constexpr int PRODUCER_REGISTERS = 24;
 constexpr float LAZY_SLACK = 8.0f;  // base-2 exponent by which a row may pass the maximum in use (see softmax)
 
-// C consumer warpgroups per block, 64 query rows each: two, or three at D = 64 (launch_forward says where), whose
+// C consumer warpgroups per block, 64 query rows each: two, or three at D = 64 (consumers_for), whose
 // products are short next to the softmax of the same scores, so two warpgroups' softmax can run under the third's
 // products. At D = 128 S, P and O need 240 registers a thread: two only.
 // At D = 256 a 128-row tile's Q is 64 KB: one buffer only (with the K and V stages, 192 KB). Its O then goes
@@ -629,11 +629,11 @@ template <typename T, int D, int C>
 constexpr int smem_bytes_of = sizeof(shared_state<T, D, C>) + 1024;  // + alignment to 1024 bytes
 static_assert(smem_bytes_of<__nv_bfloat16, 256, 2> <= 227 * 1024, "the D = 256 state fits an H100's 227 KB");
 
-// The consumer warpgroups launch_forward runs for `a`: three (192-row tiles) at D = 64, two otherwise. Against two
+// The consumer warpgroups of the kernel for head dim D: three (192-row tiles) at D = 64, two otherwise. Against two
 // at D = 64 in one process (H100, benchmarks/NOTES.md, session 22): causal 1.03x, 1.06x, 1.11x at S = 512, 1024,
 // 2048, 1.14-1.18x at 8192-16384 with or without the mask. (Causal attention under 2048 queries took two until
 // causal tiles were laid out from the last row, when 192-row tiles masked more of their diagonal blocks.)
-int consumers_of(const forward_args& a) { return a.head_dim == 64 ? 3 : 2; }
+constexpr int consumers_for(int head_dim) { return head_dim == 64 ? 3 : 2; }
 
 struct split_choice {
     int blocks, split_from, parts;
@@ -650,13 +650,13 @@ struct split_choice {
 constexpr int SPLIT_MIN_KEY_BLOCKS = 64;
 
 split_choice choose_split(const forward_args& a, bool dynamic) {
-    const int c = consumers_of(a), bm = 64 * c;
+    const int c = consumers_for(int(a.head_dim)), bm = 64 * c;
     const int64_t tiles = (a.q_len + bm - 1) / bm * a.batch * a.q_heads;
     const int blocks = int(std::min<int64_t>(tiles, a.max_blocks > 0 ? a.max_blocks : multiprocessor_count()));
     split_choice s{blocks, int(tiles), 1, 0, 0};
     const int r = blocks > 0 ? int(tiles % blocks) : 0;
     const int64_t kv_blocks = (a.kv_len + BN<128> - 1) / BN<128>;
-    // D = 256 is not split: its kernel (64-key stages, one Q buffer, O from registers) has no merge.
+    // D = 256 is not split: its kernel (64-key stages, one Q buffer, O staged apart from it) has no merge.
     if (a.causal || !dynamic || r == 0 || c != 2 || a.head_dim == 256 || kv_blocks < SPLIT_MIN_KEY_BLOCKS) return s;
     double best = 1.0 - 0.05;
     for (int parts = 2; parts <= 4; ++parts) {
@@ -744,9 +744,11 @@ forward_split_needs forward_split_plan(const forward_args& a, bool dynamic) {
 cudaError_t launch_forward(const forward_args& a, cudaStream_t stream) {
     if (forward_unsupported(a) != nullptr) return cudaErrorInvalidValue;
     const bool bf16 = a.dtype == int(dtype::bf16);
-    if (a.head_dim == 64) return bf16 ? launch<__nv_bfloat16, 64, 3>(a, stream) : launch<__half, 64, 3>(a, stream);
-    if (a.head_dim == 128) return bf16 ? launch<__nv_bfloat16, 128, 2>(a, stream) : launch<__half, 128, 2>(a, stream);
-    return bf16 ? launch<__nv_bfloat16, 256, 2>(a, stream) : launch<__half, 256, 2>(a, stream);
+    constexpr int C64 = consumers_for(64), C128 = consumers_for(128), C256 = consumers_for(256);
+    if (a.head_dim == 64) return bf16 ? launch<__nv_bfloat16, 64, C64>(a, stream) : launch<__half, 64, C64>(a, stream);
+    if (a.head_dim == 128)
+        return bf16 ? launch<__nv_bfloat16, 128, C128>(a, stream) : launch<__half, 128, C128>(a, stream);
+    return bf16 ? launch<__nv_bfloat16, 256, C256>(a, stream) : launch<__half, 256, C256>(a, stream);
 }
 
 }  // namespace tk::attention
