@@ -238,8 +238,8 @@ def check_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         return decline("key/value length is 0 (every softmax row would be empty)")
     if pyval(is_causal) and Sq != Sk:
         return decline(f"causal with Sq={Sq} != Sk={Sk}")
-    if scale is not None and not math.isfinite(pyval(scale)):
-        return decline(f"scale={pyval(scale)} is not finite")
+    if scale is not None and (reason := ops.attention_scale_unsupported(pyval(scale))):
+        return decline(reason)
     return ACCEPT
 
 
@@ -274,6 +274,8 @@ def gemm_output_tiles(m: int, n: int, sms: int) -> int:
     """Output tiles of tk's persistent GEMM for an m x n product: 128 x 256, or 128 x 128 where the kernel takes
     narrow tiles (its tile_n_of: 256-wide tiles fill under 80% of the grid's last wave, 128-wide ones 10 points more)."""
     rows = -(-m // _GEMM_BM)
+    if rows == 0 or n == 0:
+        return 0
 
     def tiles(width):
         return rows * -(-n // width)

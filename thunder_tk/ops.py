@@ -151,8 +151,21 @@ def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
         raise ValueError("key/value length is 0: every query row would be empty")
     if is_causal and Sq != Sk:
         raise ValueError(f"causal attention needs equal query and key lengths; got {Sq} and {Sk}")
-    if scale is not None and not math.isfinite(scale):
-        raise ValueError(f"scale must be finite; got {scale}")
+    if scale is not None and (reason := attention_scale_unsupported(scale)):
+        raise ValueError(reason)
+
+
+def attention_scale_unsupported(scale: float) -> str | None:
+    """Why the kernels cannot take `scale`, or None. They take |scale| and |scale| log2(e) as float32: a magnitude that
+    float32 rounds to 0 (other than 0 itself, which _kernel_scale handles) or whose base-2 factor overflows it would
+    reach them as a scale they refuse or as an infinite one."""
+    scale = float(scale)
+    if not math.isfinite(scale):
+        return f"scale={scale} is not finite"
+    as_float32 = torch.tensor([abs(scale), abs(scale) * math.log2(math.e)], dtype=torch.float32)
+    if scale != 0 and not (as_float32[0] > 0 and torch.isfinite(as_float32).all()):
+        return f"scale={scale} is outside float32's range (the kernels compute in float32)"
+    return None
 
 
 def _kernel_scale(q: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, float, float]:
@@ -174,8 +187,9 @@ def _tma_reads_in_place(t: torch.Tensor) -> bool:
 
 
 def _tma_readable(t: torch.Tensor) -> torch.Tensor:
-    """t itself when TMA can read it in place, else a contiguous copy."""
-    return t if _tma_reads_in_place(t) else t.contiguous()
+    """t itself when TMA can read it in place, else a contiguous copy in fresh (aligned) storage: not
+    t.contiguous(), which is t itself where t is contiguous but starts off a 16-byte boundary."""
+    return t if _tma_reads_in_place(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def _row_vectors(shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
@@ -595,7 +609,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.ndim != 2:
         raise ValueError(f"linear expects a 2-D weight; got {weight.ndim}-D")
     lead = x.shape[:-1]
-    y = gemm(x.reshape(-1, x.shape[-1]), weight.t(), bias)
+    y = gemm(x.reshape(math.prod(lead), x.shape[-1]), weight.t(), bias)  # not (-1, K): torch refuses it at K = 0
     return y.reshape(*lead, weight.shape[0])
 
 
