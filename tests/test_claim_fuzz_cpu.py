@@ -40,6 +40,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.trace import detached_trace
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fuzzing import pick
 from thunder_tk import _extension, claim_rules, ops
 from thunder_tk.claim_rules import RULES_BY_ID
 from thunder_tk.functional import attention_bwd_delta_symbol
@@ -119,16 +120,6 @@ def size(rng: random.Random, hi: int, zero: float = 0.0) -> int:
     if r < zero + 0.45:
         return max(1, min(hi, 64 * rng.randint(1, max(1, hi // 64)) + rng.choice((-1, 1, 7, -9, 33))))
     return rng.randint(1, hi)
-
-
-def pick(rng: random.Random, options: list[tuple[float, object]]):
-    """One of `options`, (weight, value) pairs."""
-    x = rng.random() * sum(w for w, _ in options)
-    for w, value in options:
-        x -= w
-        if x < 0:
-            return value
-    return options[-1][1]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fuzzing import pick
+from test_cross_entropy import reference_grad
 from thunder_tk import ops
 
 pytestmark = pytest.mark.gpu
@@ -49,16 +51,6 @@ HALF = (torch.bfloat16, torch.float16)
 
 # ------------------------------------------------------------------------------------------------
 # Shared helpers
-
-
-def pick(rng: random.Random, options):
-    """One value of `options`, (weight, value) pairs."""
-    x = rng.random() * sum(w for w, _ in options)
-    for w, value in options:
-        x -= w
-        if x < 0:
-            return value
-    return options[-1][1]
 
 
 def edge_size(rng: random.Random, hi: int) -> int:
@@ -646,18 +638,6 @@ def cross_entropy_tensors(case: CrossEntropyCase, empty: bool = False):
 def cross_entropy_check_of(case: CrossEntropyCase):
     logits, target, _ = cross_entropy_tensors(case, empty=True)
     ops.check_cross_entropy_args(logits, target)
-
-
-def reference_grad(logits, target, grad_loss, ignore_index):
-    """grad_loss[r] * (softmax(logits[r]) - onehot(target[r])) in float64; zero where target == ignore_index; rows
-    whose target is outside [0, classes) are left out by the callers."""
-    p = torch.softmax(logits.double(), dim=1)
-    valid = (target >= 0) & (target < logits.shape[1])
-    rows = torch.arange(logits.shape[0], device=logits.device)
-    p[rows[valid], target[valid]] -= 1.0
-    grad = grad_loss.double().unsqueeze(1) * p
-    grad[target == ignore_index] = 0.0
-    return grad
 
 
 def check_rows(case, loss, lse, ref_loss, ref_lse, bad, ignored, what):
