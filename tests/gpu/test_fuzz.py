@@ -37,7 +37,10 @@ import torch
 import torch.nn.functional as F
 
 from fuzzing import pick
-from test_cross_entropy import reference_grad
+from test_attention import GRAD_TOL, LSE_TOL, O_TOL
+from test_cross_entropy import GRAD_TOL as CE_GRAD_TOL
+from test_cross_entropy import ROW_TOL, reference_grad
+from test_gemm import TOL as GEMM_TOL
 from thunder_tk import ops
 
 pytestmark = pytest.mark.gpu
@@ -163,7 +166,6 @@ def assert_mostly_accepted(cases, check_of):
 # ------------------------------------------------------------------------------------------------
 # GEMM: ops.gemm (a (M, K) @ b (K, N) + bias) and ops.linear (x (..., K) @ weight (N, K)^T + bias)
 
-GEMM_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # test_gemm.py's, ||out - ref|| / ||ref|| against fp32
 
 
 @dataclass
@@ -334,9 +336,6 @@ def test_gemm_generator_mostly_accepted():
 # ------------------------------------------------------------------------------------------------
 # Attention: ops.attention_forward and ops.attention_backward against ops' float64 references
 
-O_TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}  # test_attention.py's, ||o - ref|| / ||ref||
-LSE_TOL = 1e-2  # max |lse - ref|, plus 1e-5 of max |ref| (test_attention.check_large_lse)
-GRAD_TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}  # ||grad - ref|| / max(||ref||, a floor; see the test)
 ATTENTION_BUDGET = 2e7  # B * Hq * Sq * Sk: the float64 references' score matrices stay near 160 MB
 
 
@@ -549,8 +548,6 @@ def test_attention_generator_mostly_accepted():
 # ------------------------------------------------------------------------------------------------
 # Cross-entropy: ops.cross_entropy_forward / _backward / _forward_grad and ops.cross_entropy against float64
 
-ROW_TOL = 1e-5  # |loss or lse - ref| / (1 + |ref lse|) (test_cross_entropy.py)
-CE_GRAD_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 REDUCED_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}  # ops.cross_entropy, rtol and atol
 CE_BUDGET = 16_000_000  # rows * classes
 
