@@ -11,6 +11,7 @@ import contextlib
 import functools
 import math
 import os
+import struct
 
 import torch
 
@@ -162,10 +163,17 @@ def attention_scale_unsupported(scale: float) -> str | None:
     scale = float(scale)
     if not math.isfinite(scale):
         return f"scale={scale} is not finite"
-    as_float32 = torch.tensor([abs(scale), abs(scale) * math.log2(math.e)], dtype=torch.float32)
-    if scale != 0 and not (as_float32[0] > 0 and torch.isfinite(as_float32).all()):
+    if scale != 0 and not (_as_float32(abs(scale)) > 0 and math.isfinite(_as_float32(abs(scale) * math.log2(math.e)))):
         return f"scale={scale} is outside float32's range (the kernels compute in float32)"
     return None
+
+
+def _as_float32(x: float) -> float:
+    """x rounded to float32 (inf past its range), in plain Python: the check runs on every attention call."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def _kernel_scale(q: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, float, float]:
