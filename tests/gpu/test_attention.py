@@ -8,6 +8,7 @@ repeatability, outputs written in full (the caching allocator is filled with NaN
 import pytest
 import torch
 
+from poisoning import poison_allocator
 from thunder_tk import ops
 
 pytestmark = [
@@ -40,18 +41,6 @@ def reference(q, k, v, causal=False, scale=None):
 
 def rel_err(out, ref):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def poison_allocator(*specs):
-    """Leaves NaN-filled blocks of each (shape, dtype) in the CUDA caching allocator, so the op's own output
-    allocations most likely land on NaN: an element the kernel never writes stays NaN."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # no stale free blocks of a fitting size that hold finite garbage
-    blocks = [torch.full(shape, float("nan"), device="cuda", dtype=dtype) for shape, dtype in specs for _ in range(2)]
-    del blocks
-    probe = torch.empty(specs[0][0], device="cuda", dtype=specs[0][1])
-    assert torch.isnan(probe).all(), "the caching allocator did not hand back a poisoned block"
-    del probe
 
 
 def run(q, k, v, causal=False, scale=None):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import thunder
 
 import thunder_tk
+from poisoning import poison_allocator
 from thunder_tk import ops, tk
 
 pytestmark = pytest.mark.gpu
@@ -64,18 +65,6 @@ def rel_err(out, ref):
 
 def row_err(out, ref, ref_lse):
     return ((out.double() - ref).abs() / (1 + ref_lse.abs())).max().item() if ref.numel() else 0.0
-
-
-def poison_allocator(*specs):
-    """Leaves NaN-filled blocks of each (shape, dtype) in the CUDA caching allocator, so the op's own output
-    allocations most likely land on NaN: an element the kernel never writes stays NaN."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # no stale free blocks of a fitting size that hold finite garbage
-    blocks = [torch.full(shape, float("nan"), device=DEVICE, dtype=dtype) for shape, dtype in specs for _ in range(2)]
-    del blocks
-    probe = torch.empty(specs[0][0], device=DEVICE, dtype=specs[0][1])
-    assert torch.isnan(probe).all(), "the caching allocator did not hand back a poisoned block"
-    del probe
 
 
 def forward(logits, target, ignore_index=-100):

@@ -20,9 +20,8 @@ targets, ...): ops.check_*_args must reject exactly those, and the ops must then
 family checks that the generator's cases are mostly accepted, so a generator gone wrong cannot pass by testing only
 rejections. The tolerances are those of test_gemm.py, test_attention.py and test_cross_entropy.py.
 
-At the default seed every case passes (H100: about 15 s for the file). Other seeds can meet a known backward bug
-(PADDED_KEYS_NAN: NaN dq rows with few keys in fp16); such a case is reported as xfail, with its parameters, where
-the bug predicts exactly its NaN rows, and fails otherwise. The tests at the end pin each bug found down.
+At the default seed every case passes (H100: about 15 s for the file). The tests at the end pin down the bugs the
+fuzzing found.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from fuzzing import pick
+from poisoning import poison_allocator
 from test_attention import GRAD_TOL, LSE_TOL, O_TOL
 from test_cross_entropy import GRAD_TOL as CE_GRAD_TOL
 from test_cross_entropy import ROW_TOL, reference_grad
@@ -131,17 +131,6 @@ def check_acceptance(case, check):
     error = raised(check)
     assert error is None, f"the check rejects a case meant to be valid: {type(error).__name__}: {error}: " \
                           f"{describe(case)}"
-
-
-def poison_allocator(*shapes_dtypes):
-    """Best effort: leaves NaN-filled blocks of the given (shape, dtype) sizes in the caching allocator, so that the
-    op's own outputs most likely land on NaN and an element it never writes stays NaN (0xFF bytes are NaN in bf16,
-    fp16 and fp32 alike)."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    blocks = [torch.full((math.prod(shape) * dtype.itemsize,), 255, dtype=torch.uint8, device="cuda")
-              for shape, dtype in shapes_dtypes for _ in range(2)]
-    del blocks
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float:
@@ -466,24 +455,6 @@ def uncancelled_norms(q, k, v, g, causal, scale) -> tuple[float, float]:
     return dq.norm().item(), dk.norm().item()
 
 
-PADDED_KEYS_NAN = (
-    "attention_backward: the keys past kv_len in the last key block are zero-filled but not masked (without causal), "
-    "so their P = exp(-lse); where a row's lse is very negative (few keys, negative scores) dS = -P delta overflows "
-    "the 16-bit dS (fp16 past 65504; bf16 once exp(-lse) overflows fp32, lse < -88) and inf times the zero-filled K "
-    "rows puts NaN into the row's dq")
-
-
-def padded_key_overflow_rows(case: AttentionCase, o, lse, g) -> torch.Tensor:
-    """(B, Hq, Sq): the rows whose dq the known bug (PADDED_KEYS_NAN) may make NaN: no causal mask, a last key block
-    partly past kv_len (blocks of 128 keys, 64 at D = 256), and exp(-lse) |delta| near the 16-bit dS's range or
-    exp(-lse) near fp32's."""
-    if case.causal or case.Sk % (64 if case.D == 256 else 128) == 0:
-        return torch.zeros(lse.shape, dtype=torch.bool, device=lse.device)
-    neg_lse = -lse.double()
-    delta = (g.double() * o.double()).sum(-1).abs()
-    return (neg_lse > 80) | (neg_lse.clamp_max(80).exp() * delta > 0.25 * torch.finfo(case.dtype).max)
-
-
 def attention_check_of(case: AttentionCase):
     q, k, v = attention_tensors(case, empty=True)
     ops.check_attention_args(q, k, v, case.causal, case.scale)
@@ -524,21 +495,13 @@ def test_attention_fuzz(index):
     grads = ops.attention_backward(q, k, v, o, lse, g, is_causal=case.causal, scale=case.scale)
     refs = ops.attention_backward_reference(q, k, v, o, lse, g, is_causal=case.causal, scale=case.scale)
     uncancelled = (*uncancelled_norms(q, k, v, g, case.causal, case.scale), 0.0)
-    known = None
     for name, got, ref, like, size in zip(("dq", "dk", "dv"), grads, refs, (q, k, v), uncancelled):
         assert got.shape == like.shape and got.dtype == like.dtype, f"{name} {got.shape} {got.dtype}: {describe(case)}"
-        if name == "dq":  # the known bug below: NaN rows of dq where it predicts them are set apart
-            finite_rows = torch.isfinite(got).all(-1)
-            if not finite_rows.all() and not (~finite_rows & ~padded_key_overflow_rows(case, o, lse, g)).any():
-                known = f"{int((~finite_rows).sum())} non-finite dq row(s), each where {PADDED_KEYS_NAN}"
-                got, ref = got[finite_rows], ref[finite_rows]
         assert torch.isfinite(got).all(), f"{name} has unwritten (NaN) or non-finite elements: {describe(case)}"
         # test_attention.py's floor, 1e-3 sqrt(numel), or 1e-3 of the terms' size (uncancelled_norms)
         err = rel_err(got, ref, floor=1e-3 * max(got.numel() ** 0.5, size))
         assert err < GRAD_TOL[case.dtype], f"{name} relative error {err:.3g}: {describe(case)}"
     assert all(torch.equal(t, b) for t, b in zip((q, k, v), before)), f"the inputs were written to: {describe(case)}"
-    if known:
-        pytest.xfail(f"known bug: {known}: {describe(case)}")
 
 
 def test_attention_generator_mostly_accepted():
@@ -726,28 +689,31 @@ def test_cross_entropy_generator_mostly_accepted():
 # ------------------------------------------------------------------------------------------------
 # Bugs the fuzzing found (2026-11-25): on the GPU (the backward's NaN rows, from test_attention_fuzz at other seeds) and
 # through the CPU consistency test (tests/test_claim_fuzz_cpu.py; cases the checks accepted and the op then failed).
-# The backward's NaN rows are a kernel bug still open: xfail(strict=True) keeps it visible until it is fixed. The
-# others are fixed in ops and the claim rules, and their tests below check the fixed behaviour.
+# The backward's NaN rows were the kernel's (its padding keys' P is 0 now); the others are fixed in ops and the claim
+# rules. The tests below check the fixed behaviour.
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=PADDED_KEYS_NAN)
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("dtype,row_lse", [(torch.float16, -12.0), (torch.bfloat16, -95.0)], ids=["fp16", "bf16"])
-def test_backward_rows_with_a_very_negative_lse_stay_finite(dtype, row_lse):
-    """One key (127 zero-filled ones in its block); query row 0 scores it row_lse (its lse), and delta is large
-    (about 4000). Found by test_attention_fuzz at other seeds (THUNDER_TK_FUZZ_SEED=10 case 46: one NaN dq row)."""
-    D, Sq = 64, 4
+def test_backward_rows_with_a_very_negative_lse_stay_finite(dtype, row_lse, D):
+    """One key (the rest of its block zero-filled); query row 0 scores it row_lse (its lse), and delta is large
+    (about 4000). The padding keys' P was exp(-lse), not 0, and dS = -P delta overflowed 16 bits: NaN in that dq row
+    (found by test_attention_fuzz at THUNDER_TK_FUZZ_SEED=10, case 46)."""
+    Sq = 4
     make = Maker(8, dtype)
     q, k, v = make.randn(1, 1, Sq, D), make.randn(1, 1, 1, D), make.randn(1, 1, 1, D, scale=4.0)
     key = k.float()[0, 0, 0]
     q[0, 0, 0] = (key * (row_lse / D ** -0.5 / float(key @ key))).to(dtype)
     o, lse = ops.attention_forward(q, k, v)
-    if not (abs(lse[0, 0, 0].item() - row_lse) < 1.0 and torch.isfinite(o).all()):  # not the xfail's AssertionError
+    if not (abs(lse[0, 0, 0].item() - row_lse) < 1.0 and torch.isfinite(o).all()):
         raise RuntimeError(f"the case is not set up as meant: lse {lse.flatten().tolist()}")
     g = (v.float().expand(1, 1, Sq, D) * 4).to(dtype).contiguous()  # delta = 4 |v|^2
-    dq, dk, dv = ops.attention_backward(q, k, v, o, lse, g)
-    if not (torch.isfinite(dk).all() and torch.isfinite(dv).all()):
-        raise RuntimeError("dk or dv not finite: not the known bug")
-    assert torch.isfinite(dq).all(), f"dq rows finite: {torch.isfinite(dq).all(-1).flatten().tolist()}"
+    grads = ops.attention_backward(q, k, v, o, lse, g)
+    refs = ops.attention_backward_reference(q, k, v, o, lse, g)
+    for name, got, ref, size in zip(("dq", "dk", "dv"), grads, refs, (*uncancelled_norms(q, k, v, g, False, None), 0)):
+        assert torch.isfinite(got).all(), f"{name} rows finite: {torch.isfinite(got).all(-1).flatten().tolist()}"
+        err = rel_err(got, ref, floor=1e-3 * max(got.numel() ** 0.5, size))
+        assert err < GRAD_TOL[dtype], f"{name} relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("offset", [1, 4])

@@ -17,6 +17,7 @@
 #include "../../kittens/kittens.cuh"
 #include "layout.cuh"
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cmath>
@@ -354,6 +355,12 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         sync::named_arrive(barrier_id::dq_staged(slice, (step - 1) & 1), DQ_HANDOFF_THREADS);
     };
 
+    // Keys past kv_len (the last block's rows that TMA filled with zeros) score 0, so their P would be exp(-lse): large
+    // where a row's lse is very negative (few keys, negative scores), and dS = -P delta then overflows 16 bits (fp16
+    // from lse of about -6 at large delta), which times K's zero rows is NaN in dQ. Their P is 0 instead: this
+    // thread's rows top + r with r >= keys_left are such keys (r is 0 or 8).
+    const int keys_left = int(std::min<int64_t>(a.kv_len - key0 - top, 64));
+    const bool key_tail = key0 + 64 > a.kv_len;
     sync::wait(st.kv_full, 0);
     if constexpr (K_IN_REGISTERS<D>)
         rt::load_swizzled(k_rows, 0, [&](int col) { return reinterpret_cast<const uint8_t*>(st.k[slice][col / 64]); });
@@ -377,6 +384,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         // positions < 2^31). Only steps that cross the diagonal take the masked copy: the branch is
         // warp-uniform (slice is), so the descriptors stay in uniform registers, and a step clear of the
         // diagonal (every step without causal) skips the mask's 48 instructions (D = 128: 603 -> 556 per step).
+        // The last key block's rows past kv_len take the masked copy too (see keys_left).
         const int col0 = rt::column(0);
         const int ahead = a.causal && key0 + 63 > q0 ? int(key0 - q0) + top - col0 : INT_MIN;
         auto probabilities = [&](auto masked) {
@@ -387,15 +395,15 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
                 float x0 = exp2_approx(fmaf(s.d[e], c, -lse.x * LOG2E)),
                       x1 = exp2_approx(fmaf(s.d[e + 1], c, -lse.y * LOG2E));
                 if constexpr (decltype(masked)::value) {
-                    const int row_ahead = ahead + (rt::is_bottom(e) ? 8 : 0);
-                    if (row_ahead > rt::column_offset(e)) x0 = 0.0f;
-                    if (row_ahead > rt::column_offset(e + 1)) x1 = 0.0f;
+                    const int row = rt::is_bottom(e) ? 8 : 0, row_ahead = ahead + row;
+                    if (row_ahead > rt::column_offset(e) || row >= keys_left) x0 = 0.0f;
+                    if (row_ahead > rt::column_offset(e + 1) || row >= keys_left) x1 = 0.0f;
                 }
                 s.d[e] = x0;
                 s.d[e + 1] = x1;
             }
         };
-        if (ahead != INT_MIN)
+        if (ahead != INT_MIN || key_tail)
             probabilities(std::true_type{});
         else
             probabilities(std::false_type{});
@@ -589,6 +597,9 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
     const uint8_t* pt_bytes = reinterpret_cast<const uint8_t*>(st.pt);
     const uint8_t* dst_bytes = reinterpret_cast<const uint8_t*>(st.dst);
     const fp32_box_chunks dq_chunks;  // where this thread's dQ pairs are staged
+    // Keys past kv_len get P = 0 (see consume): this thread's rows top + r with r >= keys_left.
+    const int keys_left = int(std::min<int64_t>(a.kv_len - key0 - top, 64));
+    const bool key_tail = key0 + KEYS > a.kv_len;
 
     sync::wait(st.kv_full, 0);
     walk_position walk = start_of(p, w);  // (its head goes unread here: the writer warp adds dQ)
@@ -632,7 +643,8 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
             accumulate(dv, st.pt, st.dout[stage]);
         };
         if constexpr (ROLE == 0) {
-            // P^T = exp2(c S^T - lse log2(e)); causal: 0 where key > query (see consume's probabilities).
+            // P^T = exp2(c S^T - lse log2(e)); causal: 0 where key > query; 0 for keys past kv_len (see consume's
+            // probabilities and keys_left).
             const int col0 = rt::column(0);
             const int ahead = a.causal && key0 + 63 > q0 ? int(key0 - q0) + top - col0 : INT_MIN;
 #pragma unroll
@@ -640,10 +652,10 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
                 const float2 lse = *reinterpret_cast<const float2*>(&st.lse[stage][rt::column(e)]);
                 float x0 = exp2_approx(fmaf(x.d[e], c, -lse.x * LOG2E)),
                       x1 = exp2_approx(fmaf(x.d[e + 1], c, -lse.y * LOG2E));
-                if (ahead != INT_MIN) {
-                    const int row_ahead = ahead + (rt::is_bottom(e) ? 8 : 0);
-                    if (row_ahead > rt::column_offset(e)) x0 = 0.0f;
-                    if (row_ahead > rt::column_offset(e + 1)) x1 = 0.0f;
+                if (ahead != INT_MIN || key_tail) {
+                    const int row = rt::is_bottom(e) ? 8 : 0, row_ahead = ahead + row;
+                    if (row_ahead > rt::column_offset(e) || row >= keys_left) x0 = 0.0f;
+                    if (row_ahead > rt::column_offset(e + 1) || row >= keys_left) x1 = 0.0f;
                 }
                 x.d[e] = x0;
                 x.d[e + 1] = x1;
