@@ -6,6 +6,7 @@ Every rank asserts; a failing rank exits nonzero, which fails the torchrun and t
 """
 
 import os
+import re
 import sys
 import time
 
@@ -177,7 +178,8 @@ def case_small(device) -> None:
 
 
 def case_timeout(device) -> None:
-    """Rank 0 calls a collective that rank 1 never joins: a clear error after the timeout, no hang."""
+    """Rank 0 calls a collective that no other rank joins: a clear error after the timeout, naming a peer it waited
+    for (which one depends on the order it waits in: with 4 ranks it is rank 3), no hang."""
     group = dist.new_group(list(range(dist.get_world_size())))
     ch = collectives.Channel(group, device, collectives.ChannelConfig(blocks=4, buffer_bytes=8 << 20, timeout_s=2.0))
     if dist.get_rank() == 0:
@@ -192,7 +194,9 @@ def case_timeout(device) -> None:
                 attempt()
             except collectives.CollectiveTimeoutError as e:
                 text = str(e)
-                assert "timed out" in text and "rank 1" in text and "all_gather" in text, text
+                waited_for = re.search(r"waiting for rank (\d+)\b", text)
+                assert "timed out" in text and "all_gather" in text and waited_for, text
+                assert 0 < int(waited_for.group(1)) < dist.get_world_size(), text
             else:
                 raise AssertionError("no CollectiveTimeoutError")
         print(f"ok: timeout after {waited:.1f} s: {text}", flush=True)
