@@ -455,6 +455,20 @@ def uncancelled_norms(q, k, v, g, causal, scale) -> tuple[float, float]:
     return dq.norm().item(), dk.norm().item()
 
 
+def check_attention_grads(grads, refs, inputs, g, causal, scale, context: str) -> None:
+    """dq, dk, dv against the reference: each in its input's shape and dtype, written in full and finite, and within
+    GRAD_TOL by relative error with test_attention.py's floor, 1e-3 sqrt(numel), or 1e-3 of the terms' size
+    (uncancelled_norms)."""
+    q, k, v = inputs
+    uncancelled = (*uncancelled_norms(q, k, v, g, causal, scale), 0.0)
+    for name, got, ref, like, size in zip(("dq", "dk", "dv"), grads, refs, inputs, uncancelled):
+        assert got.shape == like.shape and got.dtype == like.dtype, f"{name} {got.shape} {got.dtype}: {context}"
+        assert torch.isfinite(got).all(), \
+            f"{name} has unwritten (NaN) or non-finite rows {(~torch.isfinite(got).all(-1)).nonzero().tolist()}: {context}"
+        err = rel_err(got, ref, floor=1e-3 * max(got.numel() ** 0.5, size))
+        assert err < GRAD_TOL[like.dtype], f"{name} relative error {err:.3g}: {context}"
+
+
 def attention_check_of(case: AttentionCase):
     q, k, v = attention_tensors(case, empty=True)
     ops.check_attention_args(q, k, v, case.causal, case.scale)
@@ -494,13 +508,7 @@ def test_attention_fuzz(index):
     poison_allocator((tuple(q.shape), q.dtype), (tuple(k.shape), k.dtype))
     grads = ops.attention_backward(q, k, v, o, lse, g, is_causal=case.causal, scale=case.scale)
     refs = ops.attention_backward_reference(q, k, v, o, lse, g, is_causal=case.causal, scale=case.scale)
-    uncancelled = (*uncancelled_norms(q, k, v, g, case.causal, case.scale), 0.0)
-    for name, got, ref, like, size in zip(("dq", "dk", "dv"), grads, refs, (q, k, v), uncancelled):
-        assert got.shape == like.shape and got.dtype == like.dtype, f"{name} {got.shape} {got.dtype}: {describe(case)}"
-        assert torch.isfinite(got).all(), f"{name} has unwritten (NaN) or non-finite elements: {describe(case)}"
-        # test_attention.py's floor, 1e-3 sqrt(numel), or 1e-3 of the terms' size (uncancelled_norms)
-        err = rel_err(got, ref, floor=1e-3 * max(got.numel() ** 0.5, size))
-        assert err < GRAD_TOL[case.dtype], f"{name} relative error {err:.3g}: {describe(case)}"
+    check_attention_grads(grads, refs, (q, k, v), g, case.causal, case.scale, describe(case))
     assert all(torch.equal(t, b) for t, b in zip((q, k, v), before)), f"the inputs were written to: {describe(case)}"
 
 
@@ -710,10 +718,7 @@ def test_backward_rows_with_a_very_negative_lse_stay_finite(dtype, row_lse, D):
     g = (v.float().expand(1, 1, Sq, D) * 4).to(dtype).contiguous()  # delta = 4 |v|^2
     grads = ops.attention_backward(q, k, v, o, lse, g)
     refs = ops.attention_backward_reference(q, k, v, o, lse, g)
-    for name, got, ref, size in zip(("dq", "dk", "dv"), grads, refs, (*uncancelled_norms(q, k, v, g, False, None), 0)):
-        assert torch.isfinite(got).all(), f"{name} rows finite: {torch.isfinite(got).all(-1).flatten().tolist()}"
-        err = rel_err(got, ref, floor=1e-3 * max(got.numel() ** 0.5, size))
-        assert err < GRAD_TOL[dtype], f"{name} relative error {err:.3g}"
+    check_attention_grads(grads, refs, (q, k, v), g, False, None, f"D = {D}, {dtype}, lse {row_lse}")
 
 
 @pytest.mark.parametrize("offset", [1, 4])
