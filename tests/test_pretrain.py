@@ -46,6 +46,30 @@ def test_overrides_are_yaml_values():
     assert config.train.max_steps == 7 and config.optimizer.class_path == "torch.optim.SGD"
 
 
+def test_model_config_fields_replace_those_of_model_name(tmp_path):
+    from litgpt import Config
+
+    from thunder_tk.litgpt_models import load_spec
+    from thunder_tk.pretrain import model_config_of
+
+    config = load_config(CONFIGS / "llama-2-7b.yaml", parse_overrides(["--model_config.n_layer", "8"]))
+    cfg, seq = model_config_of(config)
+    named = Config.from_name("Llama-2-7b-hf")
+    assert (cfg.n_layer, seq) == (8, 4096)
+    assert (cfg.n_embd, cfg.n_head, cfg.intermediate_size, cfg.padded_vocab_size) == (
+        named.n_embd, named.n_head, named.intermediate_size, named.padded_vocab_size)
+    with pytest.raises(ConfigError, match=r"^model_config.n_layers: not a field of LitGPT's Config$"):
+        model_config_of(load_config(CONFIGS / "llama-2-7b.yaml", {"model_config": {"n_layers": 8}}))
+    # The benchmarks' YAML loader takes the same combination.
+    yaml_path = tmp_path / "short.yaml"
+    yaml_path.write_text("model_name: Llama-3.2-1B\nmodel_config:\n  n_layer: 2\n")
+    spec = load_spec(str(yaml_path))
+    assert spec.config.n_layer == 2 and spec.config.n_query_groups == Config.from_name("Llama-3.2-1B").n_query_groups
+    yaml_path.write_text("model_name: Llama-3.2-1B\nmodel_config: [2]\n")
+    with pytest.raises(ConfigError, match="model_config: expected a mapping"):
+        load_spec(str(yaml_path))
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

@@ -45,17 +45,9 @@ def load_spec(name_or_yaml: str, *, n_layer: int | None = None, micro_batch_size
         train = doc.get("train") or {}
         model_config = doc.get("model_config")
         model_name = doc.get("model_name")
-        if model_config is not None:
-            if not isinstance(model_config, dict):
-                raise ConfigError(f"{path}: model_config must be a mapping")
-            try:
-                config = Config(**model_config)
-            except TypeError as e:
-                raise ConfigError(f"{path}: model_config: {e}") from e
-        elif model_name:
-            config = _from_name(Config, str(model_name), f"{path}: model_name")
-        else:
+        if model_config is None and not model_name:
             raise ConfigError(f"{path}: needs model_name or model_config")
+        config = config_of(Config, str(model_name) if model_name else None, model_config, f"{path}: ")
         source = str(path)
     else:
         config = _from_name(Config, name_or_yaml, "model name")
@@ -75,6 +67,39 @@ def _config_dict(config) -> dict:
     d = asdict(config)
     # Derived fields are recomputed by Config's __post_init__.
     return {k: v for k, v in d.items() if k not in ("rope_n_elem",)}
+
+
+def config_of(Config, model_name: str | None, model_config: dict | None, where: str = ""):
+    """LitGPT's Config from a name, from explicit fields, or, where model_name is a LitGPT config name and
+    model_config is given too, the named config with those fields replaced (e.g. `--model_config.n_layer 8` for a
+    shorter run of the same shapes). A model_name LitGPT does not know beside a model_config is just a label, as
+    in LitGPT's own pretrain."""
+    if model_config is not None and not isinstance(model_config, dict):
+        raise ConfigError(f"{where}model_config: expected a mapping of LitGPT Config fields")
+    if model_name is None or (model_config is not None and not _is_config_name(Config, model_name)):
+        try:
+            return Config(**model_config)
+        except TypeError as e:
+            raise ConfigError(f"{where}model_config: {e}") from None
+    config = _from_name(Config, model_name, f"{where}model_name")
+    if not model_config:
+        return config
+    fields = _config_dict(config)
+    unknown = sorted(k for k in model_config if k not in fields)
+    if unknown:
+        raise ConfigError(f"{where}model_config.{unknown[0]}: not a field of LitGPT's Config")
+    try:
+        return Config(**{**fields, **model_config})
+    except (TypeError, ValueError, AssertionError) as e:
+        raise ConfigError(f"{where}model_config: {e}") from None
+
+
+def _is_config_name(Config, name: str) -> bool:
+    try:
+        Config.from_name(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _from_name(Config, name: str, what: str):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from thunder_tk.litgpt_models import ConfigError, _litgpt, _from_name
+from thunder_tk.litgpt_models import ConfigError, _litgpt, config_of
 from thunder_tk.pretrain_config import PretrainConfig, world_size_of
 
 # Dense bf16 tensor-core peaks by device name, for MFU. Unknown devices report no MFU.
@@ -122,13 +122,7 @@ class Dist:
 
 def model_config_of(config: PretrainConfig):
     _, Config = _litgpt()
-    if config.model_config is not None:
-        try:
-            cfg = Config(**config.model_config)
-        except TypeError as e:
-            raise ConfigError(f"model_config: {e}") from None
-    else:
-        cfg = _from_name(Config, config.model_name, "model_name")
+    cfg = config_of(Config, config.model_name, config.model_config)
     seq = config.train.max_seq_length or min(cfg.block_size, 2048)
     if seq > cfg.block_size:
         raise ConfigError(f"train.max_seq_length: {seq} exceeds the model's block_size {cfg.block_size}")
