@@ -253,7 +253,7 @@ class P2PChannel {
     static constexpr int ring = 256;
 
     P2PChannel(int world, int blocks, int slots, int64_t cell_bytes, int rank, std::vector<std::uintptr_t> buffers,
-               std::uintptr_t error_record, int64_t timeout_ns, std::uintptr_t comm_stream) {
+               std::uintptr_t error_record, int64_t timeout_ns, std::uintptr_t comm_stream, bool pairs) {
         namespace c = tk::collectives;
         if (world < 2 || world > c::max_ranks)
             throw std::invalid_argument("P2PChannel: world must be 2.." + std::to_string(c::max_ranks));
@@ -261,7 +261,9 @@ class P2PChannel {
         if (rank < 0 || rank >= world) throw std::invalid_argument("P2PChannel: rank out of range");
         if (blocks < 1 || slots < 2 || cell_bytes < 16 || cell_bytes % 16)
             throw std::invalid_argument("P2PChannel: blocks >= 1, slots >= 2, cell_bytes a positive multiple of 16");
-        args_.layout = c::channel_layout{world, blocks, slots, cell_bytes};
+        if (pairs && (world < 3 || blocks < world - 1))
+            throw std::invalid_argument("P2PChannel: pairs needs at least 3 ranks and a block per peer");
+        args_.layout = c::channel_layout{world, blocks, slots, cell_bytes, pairs};
         args_.rank = rank;
         for (int r = 0; r < world; ++r) args_.buffers[r] = reinterpret_cast<void*>(buffers[r]);
         // The record lives in pinned host memory; the kernels write it through its device mapping.
@@ -283,8 +285,8 @@ class P2PChannel {
     P2PChannel(const P2PChannel&) = delete;
     P2PChannel& operator=(const P2PChannel&) = delete;
 
-    static py::dict layout(int world, int blocks, int slots, int64_t cell_bytes) {
-        tk::collectives::channel_layout L{world, blocks, slots, cell_bytes};
+    static py::dict layout(int world, int blocks, int slots, int64_t cell_bytes, bool pairs) {
+        tk::collectives::channel_layout L{world, blocks, slots, cell_bytes, pairs};
         return py::dict(py::arg("flag_bytes") = L.flag_words() * 8, py::arg("stage_offset") = L.stage_offset(),
                         py::arg("total_bytes") = L.total_bytes());
     }
@@ -538,11 +540,12 @@ PYBIND11_MODULE(_C, m) {
     py::class_<P2PChannel>(m, "P2PChannel", py::module_local(),
                            "One rank's end of a peer-memory channel (thunder_tk.collectives sets it up).")
         .def(py::init<int, int, int, int64_t, int, std::vector<std::uintptr_t>, std::uintptr_t, int64_t,
-                      std::uintptr_t>(),
+                      std::uintptr_t, bool>(),
              py::arg("world"), py::arg("blocks"), py::arg("slots"), py::arg("cell_bytes"), py::arg("rank"),
-             py::arg("buffers"), py::arg("error_record"), py::arg("timeout_ns"), py::arg("comm_stream"))
+             py::arg("buffers"), py::arg("error_record"), py::arg("timeout_ns"), py::arg("comm_stream"),
+             py::arg("pairs") = false)
         .def_static("layout", &P2PChannel::layout, py::arg("world"), py::arg("blocks"), py::arg("slots"),
-                    py::arg("cell_bytes"), "Byte sizes of one rank's symmetric buffer.")
+                    py::arg("cell_bytes"), py::arg("pairs") = false, "Byte sizes of one rank's symmetric buffer.")
         .def("all_gather", &P2PChannel::all_gather, py::arg("inp"), py::arg("out"), py::arg("bytes_per_rank"),
              py::arg("chunk_bytes"), py::arg("elem_bytes"), py::arg("caller_stream"), py::arg("async_op"),
              py::arg("grid") = 0, py::arg("sender_warps") = 8,

@@ -33,6 +33,9 @@ def test_environment_knobs(monkeypatch):
     monkeypatch.setenv("THUNDER_TK_COLLECTIVE_SLOTS", "4")
     cfg = ChannelConfig.from_env()
     assert (cfg.blocks, cfg.buffer_bytes, cfg.slots) == (32, 16 << 20, 4)
+    assert not cfg.pairs
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_PAIRS", "1")
+    assert ChannelConfig.from_env().pairs
     monkeypatch.setenv("THUNDER_TK_COLLECTIVE_SLOTS", "1")
     with pytest.raises(ValueError, match="slots must be >= 2"):
         ChannelConfig.from_env()

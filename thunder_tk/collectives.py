@@ -17,6 +17,9 @@ Environment knobs (read when a channel is made, so set them alike on every rank)
 - THUNDER_TK_COLLECTIVE_BUFFER_MB (default 64): staging buffer per rank.
 - THUNDER_TK_COLLECTIVE_SLOTS (default 2): staging cells per (block, peer); the buffer is split into
   blocks x slots x peers cells.
+- THUNDER_TK_COLLECTIVE_PAIRS (default 0): with three or more ranks, each block exchanges with one peer (block b
+  sends to the rank 1 + b % (ranks - 1) ahead) instead of every block with every peer; the buffer is then split
+  into blocks x slots cells.
 """
 
 from __future__ import annotations
@@ -128,6 +131,9 @@ class ChannelConfig:
     ag_sender_warps: int = 8
     rs_sender_warps: int = 4
     min_chunk_bytes: int = MIN_CHUNK_BYTES  # smallest unit of work one block moves (a multiple of 16)
+    # With three or more ranks: each block paired with one peer each way (its handshakes wait for one peer, its
+    # stores go to one), the blocks of a lane (one per peer) sharing units. Ignored with two ranks.
+    pairs: bool = False
 
     def __post_init__(self):
         problems = [f"{name} {why}" for name, bad, why in (
@@ -150,6 +156,7 @@ class ChannelConfig:
             buffer_bytes=_env_number("THUNDER_TK_COLLECTIVE_BUFFER_MB", 64) << 20,
             timeout_s=_env_number("THUNDER_TK_COLLECTIVE_TIMEOUT_S", 600.0, float),
             slots=_env_number("THUNDER_TK_COLLECTIVE_SLOTS", SLOTS),
+            pairs=bool(_env_number("THUNDER_TK_COLLECTIVE_PAIRS", 0)),
         )
 
 
@@ -172,12 +179,20 @@ class Channel:
         self.rank = group.rank()
         self.config = config
         peers = max(1, self.world - 1)
-        cell = config.buffer_bytes // (config.blocks * config.slots * peers) // 4096 * 4096
+        # Pairs need a block per peer; with two ranks they are what the plain layout does anyway.
+        self.pairs = config.pairs and self.world >= 3
+        if self.pairs and config.blocks < peers:
+            raise ValueError(f"pairs need a block per peer: {config.blocks} blocks for {peers} peers; raise "
+                             "THUNDER_TK_COLLECTIVE_BLOCKS or unset THUNDER_TK_COLLECTIVE_PAIRS")
+        # Blocks that share the units of a message: all of them, or with pairs one lane of `peers` blocks.
+        self.lanes = config.blocks // peers if self.pairs else config.blocks
+        cells = config.blocks * config.slots * (1 if self.pairs else peers)
+        cell = config.buffer_bytes // cells // 4096 * 4096
         if cell < config.min_chunk_bytes:
             raise ValueError(f"a {config.buffer_bytes >> 20} MiB buffer is too small for {config.blocks} blocks and "
                              f"{self.world} ranks with {config.slots} slots; raise THUNDER_TK_COLLECTIVE_BUFFER_MB")
         self.cell_bytes = cell
-        layout = ext.P2PChannel.layout(self.world, config.blocks, config.slots, cell)
+        layout = ext.P2PChannel.layout(self.world, config.blocks, config.slots, cell, self.pairs)
         with torch.cuda.device(self.device):
             self._buffer = symm_mem.empty(layout["total_bytes"], dtype=torch.uint8, device=self.device)
             self._buffer[: layout["flag_bytes"]].zero_()
@@ -190,13 +205,13 @@ class Channel:
             self._error_view = self._error.numpy()  # read without going through torch ops
             self._kernels = ext.P2PChannel(self.world, config.blocks, config.slots, cell, self.rank,
                                            [int(p) for p in self._handle.buffer_ptrs], self._error.data_ptr(),
-                                           int(config.timeout_s * 1e9), self.stream.cuda_stream)
+                                           int(config.timeout_s * 1e9), self.stream.cuda_stream, self.pairs)
         self._failure: CollectiveError | None = None
 
     def chunk_bytes(self, bytes_per_rank: int) -> int:
         """Bytes per unit of work: several units per block where the message allows (a block pipelines its
         units through its cells), never below the config's min_chunk_bytes nor above a cell."""
-        per_unit = -(-bytes_per_rank // (self.config.blocks * UNITS_PER_BLOCK))
+        per_unit = -(-bytes_per_rank // (self.lanes * UNITS_PER_BLOCK))
         return min(self.cell_bytes, max(self.config.min_chunk_bytes, -(-per_unit // 16) * 16))
 
     # -- failures ---------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 // All-gather and reduce-scatter over NVLink peer mappings (see p2p.h for the protocol).
 //
-// Block b of every rank handles units b, b + grid, ... of the message. Unit k of a block (counted over the
+// Block b of every rank handles units b, b + grid, ... of the message (with `pairs`: the blocks of lane
+// b / (world - 1), one per peer distance, handle units lane, lane + lanes, ..., each with its own peer). Unit k of a block (counted over the
 // block's whole life, across calls) is staged in cell k % slots and announced with flag value k + 1. A sender
 // may refill a cell once every receiver has reported the unit `slots` earlier as consumed. Each block is two
 // teams of warps running side by side: the sending team streams units out over NVLink while the receiving team
@@ -63,9 +64,9 @@ struct flags_of {
 // Staging cell (b, j) in `receiver_buffer` that holds data from the sender `src` (receiver = `receiver`).
 __device__ __forceinline__ char* cell(void* receiver_buffer, const channel_layout& L, int b, int j, int src,
                                       int receiver) {
-    const int index = (src - receiver - 1 + L.world) % L.world;
+    const int index = L.pairs ? 0 : (src - receiver - 1 + L.world) % L.world;
     return static_cast<char*>(receiver_buffer) + L.stage_offset() +
-           ((int64_t(b) * L.slots + j) * (L.world - 1) + index) * L.cell_bytes;
+           ((int64_t(b) * L.slots + j) * L.cells_per_slot() + index) * L.cell_bytes;
 }
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
@@ -160,15 +161,27 @@ struct stream_state {
     uint64_t seq0;  // units this block had done before this launch
     int64_t op;
     int senders;    // threads of the sending team
+    int d0, npeers; // the block sends to the ranks d0 .. d0 + npeers - 1 ahead, receives from as many behind
+    int lane, lanes;  // the block's units are lane, lane + lanes, ... (siblings of a lane share its units)
 
     // The block's state at the start of a launch of `op` on channel `ch`.
     __device__ static stream_state of(const channel_args& ch, int64_t op, int sender_warps) {
         const flags_of mine{static_cast<uint64_t*>(ch.buffers[ch.rank]), ch.layout};
-        return {ch, mine, static_cast<int>(blockIdx.x), ch.rank, ch.layout.world, *mine.seq(blockIdx.x), op,
-                32 * sender_warps};
+        const int b = blockIdx.x, P = ch.layout.peers(), grid = gridDim.x;
+        const bool pairs = ch.layout.pairs;
+        return {ch, mine, b, ch.rank, ch.layout.world, *mine.seq(b), op, 32 * sender_warps,
+                pairs ? 1 + b % P : 1, pairs ? 1 : P, pairs ? b / P : b, pairs ? grid / P : grid};
     }
-    // Where the block's unit k starts, in units of `unit` (bytes or elements): units go round the grid.
-    __device__ int64_t unit_offset(int64_t k, int64_t unit) const { return (b + k * gridDim.x) * unit; }
+    __device__ bool pairs() const { return ch.layout.pairs; }
+    __device__ int to(int i) const { return (me + d0 + i) % world; }            // i-th rank sent to
+    __device__ int from(int i) const { return (me + world - d0 - i) % world; }  // i-th rank received from
+    // Where the block's unit k starts, in units of `unit` (bytes or elements): units go round the lanes.
+    __device__ int64_t unit_offset(int64_t k, int64_t unit) const { return (lane + k * lanes) * unit; }
+    // With pairs, the siblings of a lane take turns at work done once per unit (all-gather's own copy,
+    // reduce-scatter's sum).
+    __device__ bool my_turn(int64_t k) const { return !pairs() || k % ch.layout.peers() == d0 - 1; }
+    // Block of this lane paired with the peer distance d (1..world-1).
+    __device__ int sibling(int d) const { return pairs() ? lane * ch.layout.peers() + d - 1 : b; }
     __device__ int slot(int64_t k) const { return static_cast<int>((seq0 + k) % ch.layout.slots); }
     __device__ uint64_t value(int64_t k) const { return seq0 + k + 1; }
     __device__ flags_of flags_at(int rank) const { return {static_cast<uint64_t*>(ch.buffers[rank]), ch.layout}; }
@@ -180,8 +193,8 @@ __device__ bool wait_cell_free(const team& t, const stream_state& s, int64_t k) 
     const uint64_t v = s.value(k);
     const int slots = s.ch.layout.slots;
     if (t.leader() && v > uint64_t(slots)) {
-        for (int i = 1; i < s.world && ok; ++i) {
-            const int p = (s.me + i) % s.world;
+        for (int i = 0; i < s.npeers && ok; ++i) {
+            const int p = s.to(i);
             ok = wait_flag(s.ch, s.mine, s.mine.consumed(s.b, s.slot(k), p), v - slots, false, s.op, p, s.b);
         }
     }
@@ -192,37 +205,52 @@ __device__ bool wait_cell_free(const team& t, const stream_state& s, int64_t k) 
 __device__ void announce(const team& t, const stream_state& s, int64_t k) {
     t.sync();  // the team's writes happen before the leader's release store (cumulative at system scope)
     if (t.leader()) {
-        for (int i = 1; i < s.world; ++i) {
-            const int p = (s.me + i) % s.world;
+        for (int i = 0; i < s.npeers; ++i) {
+            const int p = s.to(i);
             peer::store_release(s.flags_at(p).ready(s.b, s.slot(k), s.me), s.value(k));
         }
     }
 }
 
-__device__ bool wait_ready(const team& t, const stream_state& s, int64_t k) {
+// The cells a receiving team drains for one unit: the i-th (i < n) is the cell of block(i) holding data from
+// rank src(i). Either the block's own cells (one per peer it receives from), or with `whole` (a reduction needs
+// every rank's part in one place) and pairs, on the sibling's turn the cells of its whole lane, and none otherwise.
+struct inbox {
+    int n;
+    bool lane;  // the lane's cells: the i-th from the sibling paired with distance i + 1
+    __device__ static inbox of(const stream_state& s, int64_t k, bool whole) {
+        if (!whole || !s.pairs()) return {s.npeers, false};
+        return {s.my_turn(k) ? s.world - 1 : 0, true};
+    }
+    __device__ int block(const stream_state& s, int i) const { return lane ? s.sibling(i + 1) : s.b; }
+    __device__ int src(const stream_state& s, int i) const {
+        return lane ? (s.me + s.world - 1 - i) % s.world : s.from(i);
+    }
+};
+
+__device__ bool wait_ready(const team& t, const stream_state& s, const inbox& in, int64_t k) {
     bool ok = true;
     if (t.leader())
-        for (int i = 1; i < s.world && ok; ++i) {
-            const int p = (s.me + s.world - i) % s.world;
-            ok = wait_flag(s.ch, s.mine, s.mine.ready(s.b, s.slot(k), p), s.value(k), true, s.op, p, s.b);
-        }
+        for (int i = 0; i < in.n && ok; ++i)
+            ok = wait_flag(s.ch, s.mine, s.mine.ready(in.block(s, i), s.slot(k), in.src(s, i)), s.value(k), true,
+                           s.op, in.src(s, i), in.block(s, i));
     return t.agrees(ok);
 }
 
-__device__ void release_cells(const team& t, const stream_state& s, int64_t k) {
+__device__ void release_cells(const team& t, const stream_state& s, const inbox& in, int64_t k) {
     t.sync();
     if (t.leader())
-        for (int i = 1; i < s.world; ++i) {
-            const int p = (s.me + i) % s.world;
-            peer::store_release(s.flags_at(p).consumed(s.b, s.slot(k), s.me), s.value(k));
-        }
+        for (int i = 0; i < in.n; ++i)
+            peer::store_release(s.flags_at(in.src(s, i)).consumed(in.block(s, i), s.slot(k), s.me), s.value(k));
 }
 
-// The senders run send(k) for each of the block's units, the receivers recv(k); a failed wait (the channel is
-// then aborted) ends the team's loop, and the other team's waits end on the abort word.
+// The senders run send(k) for each of the block's units, the receivers recv(k, inbox) for each unit their
+// inbox has cells of (`whole`: see inbox_of); a failed wait (the channel is then aborted) ends the team's loop,
+// and the other team's waits end on the abort word. Siblings of a lane have the same units, so their sequence
+// numbers (and so the slot of each unit) stay equal.
 template <class Send, class Recv>
-__device__ void run_units(stream_state& s, int64_t units, Send send, Recv recv) {
-    const int64_t mine = units > s.b ? (units - s.b + gridDim.x - 1) / gridDim.x : 0;
+__device__ void run_units(stream_state& s, int64_t units, bool whole, Send send, Recv recv) {
+    const int64_t mine = units > s.lane ? (units - s.lane + s.lanes - 1) / s.lanes : 0;
     const team t = team::mine(s.senders);
     for (int64_t k = 0; k < mine; ++k) {
         if (t.id == 0) {
@@ -230,9 +258,11 @@ __device__ void run_units(stream_state& s, int64_t units, Send send, Recv recv) 
             send(t, k);
             announce(t, s, k);
         } else {
-            if (!wait_ready(t, s, k)) break;
-            recv(t, k);
-            release_cells(t, s, k);
+            const inbox in = inbox::of(s, k, whole);
+            if (in.n == 0) continue;
+            if (!wait_ready(t, s, in, k)) break;
+            recv(t, k, in);
+            release_cells(t, s, in, k);
         }
     }
     __syncthreads();
@@ -316,22 +346,24 @@ __global__ void __launch_bounds__(threads) all_gather_kernel(const all_gather_ar
     auto send = [&](const team& t, int64_t k) {
         const int64_t off = unit_offset(k), len = min(C, n - off);
         char* dst[max_ranks];
-        dst[0] = out + s.me * n + off;
-        for (int i = 1; i < s.world; ++i) {
-            const int p = (s.me + i) % s.world;
-            dst[i] = cell(ch.buffers[p], ch.layout, s.b, s.slot(k), s.me, p);
+        int n_dst = 0;
+        if (s.my_turn(k)) dst[n_dst++] = out + s.me * n + off;  // this rank's own part, once per unit
+        for (int i = 0; i < s.npeers; ++i) {
+            const int p = s.to(i);
+            dst[n_dst++] = cell(ch.buffers[p], ch.layout, s.b, s.slot(k), s.me, p);
         }
-        copy_team<false>(t, dst, s.world, in + off, len, a.elem_bytes);
+        copy_team<false>(t, dst, n_dst, in + off, len, a.elem_bytes);
     };
-    auto recv = [&](const team& t, int64_t k) {
+    auto recv = [&](const team& t, int64_t k, const inbox& box) {
         const int64_t off = unit_offset(k), len = min(C, n - off);
-        for (int i = 1; i < s.world; ++i) {
-            const int p = (s.me + s.world - i) % s.world;
+        for (int i = 0; i < box.n; ++i) {
+            const int p = box.src(s, i);
             char* dst[1] = {out + p * n + off};
-            copy_team<true>(t, dst, 1, cell(ch.buffers[s.me], ch.layout, s.b, s.slot(k), p, s.me), len, a.elem_bytes);
+            copy_team<true>(t, dst, 1, cell(ch.buffers[s.me], ch.layout, box.block(s, i), s.slot(k), p, s.me), len,
+                            a.elem_bytes);
         }
     };
-    run_units(s, (n + C - 1) / C, send, recv);
+    run_units(s, (n + C - 1) / C, false, send, recv);
 }
 
 // TwoRanks: the packed two-term path only; otherwise the fp32 accumulation over any number of ranks. Separate
@@ -349,19 +381,26 @@ __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_sc
 
     auto send = [&](const team& t, int64_t k) {
         const int64_t off = unit_offset(k), len = min(C, n - off);
-        for (int i = 1; i < s.world; ++i) {
-            const int p = (s.me + i) % s.world;
+        for (int i = 0; i < s.npeers; ++i) {
+            const int p = s.to(i);
             char* dst[1] = {cell(ch.buffers[p], ch.layout, s.b, s.slot(k), s.me, p)};
             copy_team<false>(t, dst, 1, reinterpret_cast<const char*>(in + p * n + off), len * sizeof(T), sizeof(T));
         }
     };
-    auto recv = [&](const team& t, int64_t k) {
+    auto recv = [&](const team& t, int64_t k, const inbox&) {
         const int threads = t.size;
         const int64_t off = unit_offset(k), len = min(C, n - off);
         const T* own = in + s.me * n + off;
         T* o = out + off;
+        // Rank r's part arrived in the cell of the lane's block paired with r's distance behind this rank (with
+        // pairs, each such block has one cell per slot).
+        const int slot = s.slot(k);
+        const char* first = s.pairs() ? cell(ch.buffers[s.me], ch.layout, s.sibling(1), slot, s.me, s.me) : nullptr;
         auto source = [&](int r) -> const T* {
-            return r == s.me ? own : reinterpret_cast<const T*>(cell(ch.buffers[s.me], ch.layout, s.b, s.slot(k), r, s.me));
+            if (r == s.me) return own;
+            if (!s.pairs()) return reinterpret_cast<const T*>(cell(ch.buffers[s.me], ch.layout, s.b, slot, r, s.me));
+            const int d = s.me > r ? s.me - r : s.me - r + s.world;  // the sibling(d) cells follow sibling(1)'s
+            return reinterpret_cast<const T*>(first + int64_t(d - 1) * ch.layout.slots * ch.layout.cell_bytes);
         };
         constexpr int V = vec16_elems<T>;
         int64_t done = 0;
@@ -417,12 +456,16 @@ __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_sc
             o[i] = static_cast<T>(acc * scale);
         }
     };
-    run_units(s, (n + C - 1) / C, send, recv);
+    run_units(s, (n + C - 1) / C, true, send, recv);
 }
 
-int grid_for(int64_t units, int grid, int blocks) {
-    const int64_t cap = grid > 0 ? std::min(grid, blocks) : blocks;
-    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(units, cap)));
+// Blocks for a message of `units` (grid > 0: at most that many): one per unit up to the layout's count; with
+// pairs, whole lanes of world - 1 blocks.
+int grid_for(int64_t units, int grid, const channel_layout& L) {
+    const int64_t cap = grid > 0 ? std::min(grid, L.blocks) : L.blocks;
+    const int per_lane = L.pairs ? L.peers() : 1;
+    const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(units, cap / per_lane));
+    return static_cast<int>(lanes * per_lane);
 }
 
 template <typename T>
@@ -436,7 +479,7 @@ void launch_rs(const reduce_scatter_args& args, int grid, cudaStream_t stream) {
 cudaError_t check(const channel_args& ch) {
     const auto& L = ch.layout;
     if (L.world < 2 || L.world > max_ranks || ch.rank < 0 || ch.rank >= L.world || L.blocks < 1 || L.slots < 2 ||
-        L.cell_bytes < 16 || L.cell_bytes % 16)
+        L.cell_bytes < 16 || L.cell_bytes % 16 || (L.pairs && (L.world < 3 || L.blocks < L.peers())))
         return cudaErrorInvalidValue;
     return cudaSuccess;
 }
@@ -451,7 +494,7 @@ cudaError_t launch_all_gather(const all_gather_args& args, int grid, cudaStream_
     if (args.sender_warps < 1 || args.sender_warps >= threads / 32) return cudaErrorInvalidValue;
     if (args.bytes_per_rank == 0) return cudaSuccess;
     const int64_t units = (args.bytes_per_rank + args.chunk_bytes - 1) / args.chunk_bytes;
-    all_gather_kernel<<<grid_for(units, grid, args.ch.layout.blocks), threads, 0, stream>>>(args);
+    all_gather_kernel<<<grid_for(units, grid, args.ch.layout), threads, 0, stream>>>(args);
     return cudaGetLastError();
 }
 
@@ -463,7 +506,7 @@ cudaError_t launch_reduce_scatter(const reduce_scatter_args& args, int grid, cud
         return cudaErrorInvalidValue;
     if (args.elems_per_rank == 0) return cudaSuccess;
     const int64_t units = (args.elems_per_rank + args.chunk_elems - 1) / args.chunk_elems;
-    const int g = grid_for(units, grid, args.ch.layout.blocks);
+    const int g = grid_for(units, grid, args.ch.layout);
     switch (static_cast<dtype>(args.dtype)) {
         case dtype::bf16: launch_rs<__nv_bfloat16>(args, g, stream); break;
         case dtype::fp16: launch_rs<__half>(args, g, stream); break;

@@ -6,7 +6,9 @@
 // rank's staging cells (remote writes), then stores a "ready" flag there; the receiver copies (all-gather) or
 // reduces (reduce-scatter) from its own staging into the output and stores a "consumed" flag back at the sender.
 // Each block of the grid owns `slots` cells per peer, used round robin, so a message of any size streams
-// through a fixed buffer. Flags carry per-block sequence numbers that keep growing across calls: no resets,
+// through a fixed buffer. With `pairs` (three or more ranks) a block exchanges with one peer each way instead
+// of all of them: block b sends to the rank 1 + b % (world - 1) ahead and receives from the rank as far behind,
+// so its handshakes wait for one peer, and it owns `slots` cells in all. Flags carry per-block sequence numbers that keep growing across calls: no resets,
 // no host involvement, and the same launch works in a CUDA graph only if replayed in the same order on all
 // ranks (as for any collective).
 #pragma once
@@ -24,11 +26,14 @@ struct channel_layout {
     int blocks;         // grid blocks the flags are laid out for (a launch uses at most this many)
     int slots;          // staging cells per (block, peer), used round robin
     int64_t cell_bytes; // capacity of one staging cell, a multiple of 16
+    bool pairs;         // blocks paired with one peer each (needs world >= 3 and blocks >= world - 1)
 
+    __host__ __device__ int peers() const { return world > 1 ? world - 1 : 1; }
+    __host__ __device__ int cells_per_slot() const { return pairs ? 1 : peers(); }  // of one block
     __host__ __device__ int64_t flag_words() const { return 2ll * blocks * slots * world + blocks + 1; }
     __host__ __device__ int64_t stage_offset() const { return (flag_words() * 8 + 4095) / 4096 * 4096; }
     __host__ __device__ int64_t total_bytes() const {
-        return stage_offset() + int64_t(blocks) * slots * (world > 1 ? world - 1 : 1) * cell_bytes;
+        return stage_offset() + int64_t(blocks) * slots * cells_per_slot() * cell_bytes;
     }
 };
 
