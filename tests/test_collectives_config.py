@@ -8,7 +8,7 @@ from thunder_tk.collectives import ChannelConfig
 
 def test_defaults_give_reduce_scatter_more_receiving_warps():
     cfg = ChannelConfig(blocks=128, buffer_bytes=64 << 20, timeout_s=600)
-    assert (cfg.slots, cfg.ag_sender_warps, cfg.rs_sender_warps) == (2, 8, 4)
+    assert (cfg.slots, cfg.ag_sender_warps, cfg.rs_sender_warps, cfg.pairs) == (4, 8, 4, True)
     assert cfg.min_chunk_bytes == collectives.MIN_CHUNK_BYTES
 
 
@@ -33,9 +33,9 @@ def test_environment_knobs(monkeypatch):
     monkeypatch.setenv("THUNDER_TK_COLLECTIVE_SLOTS", "4")
     cfg = ChannelConfig.from_env()
     assert (cfg.blocks, cfg.buffer_bytes, cfg.slots) == (32, 16 << 20, 4)
-    assert not cfg.pairs
-    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_PAIRS", "1")
-    assert ChannelConfig.from_env().pairs
+    assert cfg.pairs
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_PAIRS", "0")
+    assert not ChannelConfig.from_env().pairs
     monkeypatch.setenv("THUNDER_TK_COLLECTIVE_SLOTS", "1")
     with pytest.raises(ValueError, match="slots must be >= 2"):
         ChannelConfig.from_env()

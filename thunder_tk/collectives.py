@@ -15,11 +15,10 @@ Environment knobs (read when a channel is made, so set them alike on every rank)
 - THUNDER_TK_COLLECTIVE_BLOCKS (default 128): thread blocks (one SM each) a large collective may use; fewer
   leave more SMs to overlapping compute at some cost in bandwidth (benchmarks/NOTES.md).
 - THUNDER_TK_COLLECTIVE_BUFFER_MB (default 64): staging buffer per rank.
-- THUNDER_TK_COLLECTIVE_SLOTS (default 2): staging cells per (block, peer); the buffer is split into
-  blocks x slots x peers cells.
-- THUNDER_TK_COLLECTIVE_PAIRS (default 0): with three or more ranks, each block exchanges with one peer (block b
-  sends to the rank 1 + b % (ranks - 1) ahead) instead of every block with every peer; the buffer is then split
-  into blocks x slots cells.
+- THUNDER_TK_COLLECTIVE_SLOTS (default 4): staging cells per (block, peer); the buffer is split into
+  blocks x slots x peers cells (blocks x slots with pairs).
+- THUNDER_TK_COLLECTIVE_PAIRS (default 1): with three or more ranks, each block exchanges with one peer (block b
+  sends to the rank 1 + b % (ranks - 1) ahead) instead of every block with every peer (0).
 """
 
 from __future__ import annotations
@@ -34,7 +33,10 @@ from thunder_tk.ops import _DTYPE_CODES
 
 MAX_RANKS = 16  # the kernels' peer table
 MIN_CHUNK_BYTES = 8192  # smallest unit of work one block moves
-SLOTS = 2  # staging cells per (block, peer): one being drained while the next is written
+# Staging cells per (block, peer): senders run up to SLOTS units ahead of the receivers. 4x H200, paired blocks
+# (6be777d): 4 slots against 2 took reduce-scatter from 257 to 290 GB/s at 64 MiB and 286 to 325 at 256 MiB,
+# all-gather 307 to 313 at 64 MiB; on 2x H200 2, 4 and 8 were equal within 1% (benchmarks/NOTES.md).
+SLOTS = 4
 UNITS_PER_BLOCK = 4  # aim for this many units per block, so sending and draining overlap inside each block
 
 
@@ -133,7 +135,9 @@ class ChannelConfig:
     min_chunk_bytes: int = MIN_CHUNK_BYTES  # smallest unit of work one block moves (a multiple of 16)
     # With three or more ranks: each block paired with one peer each way (its handshakes wait for one peer, its
     # stores go to one), the blocks of a lane (one per peer) sharing units. Ignored with two ranks.
-    pairs: bool = False
+    # 4x H200 (6be777d): reduce-scatter 0.91-0.99x NCCL at >= 64 MiB unpaired, 1.06-1.10x paired (4 slots),
+    # all-gather 0.98-1.06x and 1.06-1.18x, and under 17 us where unpaired took 17-19 at <= 1 MiB.
+    pairs: bool = True
 
     def __post_init__(self):
         problems = [f"{name} {why}" for name, bad, why in (
@@ -156,7 +160,7 @@ class ChannelConfig:
             buffer_bytes=_env_number("THUNDER_TK_COLLECTIVE_BUFFER_MB", 64) << 20,
             timeout_s=_env_number("THUNDER_TK_COLLECTIVE_TIMEOUT_S", 600.0, float),
             slots=_env_number("THUNDER_TK_COLLECTIVE_SLOTS", SLOTS),
-            pairs=bool(_env_number("THUNDER_TK_COLLECTIVE_PAIRS", 0)),
+            pairs=bool(_env_number("THUNDER_TK_COLLECTIVE_PAIRS", 1)),
         )
 
 

@@ -129,10 +129,12 @@ def case_kernels(device) -> None:
     log("ok: 1 GiB all_gather and reduce_scatter")
 
     # Every channel setting is a valid input: extreme sender/receiver splits, 3 slots, tiny units, odd grids.
-    # With three or more ranks, blocks paired with one peer each: lanes of w - 1 blocks (a block count that is not
-    # a multiple leaves blocks idle), one lane only, the default's 128 blocks.
-    settings = [dict(blocks=8, slots=3, ag_sender_warps=1, rs_sender_warps=15),
-                dict(blocks=5, slots=2, ag_sender_warps=15, rs_sender_warps=1, min_chunk_bytes=16),
+    # Unpaired blocks (each with every peer), among them the defaults before pairs; with three or more ranks blocks
+    # paired with one peer each: lanes of w - 1 blocks (a block count that is not a multiple leaves blocks idle),
+    # one lane only, 128 blocks with 2 slots. The module-level calls above ran the defaults (paired, 4 slots).
+    settings = [dict(blocks=8, slots=3, ag_sender_warps=1, rs_sender_warps=15, pairs=False),
+                dict(blocks=5, slots=2, ag_sender_warps=15, rs_sender_warps=1, min_chunk_bytes=16, pairs=False),
+                dict(blocks=128, slots=2, pairs=False),
                 dict(blocks=8, slots=2, pairs=True),
                 dict(blocks=max(2, w - 1), slots=3, pairs=True, min_chunk_bytes=16),
                 dict(blocks=128, slots=2, pairs=True)]
@@ -152,8 +154,8 @@ def case_kernels(device) -> None:
                 err = ((got.double() - exact).abs() / scale).max().item()
                 bound = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: (w - 1) * 2 ** -24}[dtype]
                 assert err <= bound * 1.01, f"reduce_scatter {cfg} {dtype} {shape}: rel err {err:.3g}"
-    log(f"ok: {len(settings)} channel settings (sender splits 1/15 and 15/1, 3 slots, 16-byte units, blocks paired "
-        f"with one peer{'' if w > 2 else ': the same as unpaired with two ranks'})")
+    log(f"ok: {len(settings)} channel settings (sender splits 1/15 and 15/1, 3 slots, 16-byte units, unpaired and "
+        f"paired blocks{'' if w > 2 else ': the same as unpaired with two ranks'})")
 
     # Errors name the problem.
     for bad, msg in ((torch.zeros(3, device=device, dtype=torch.int32), "support"),
