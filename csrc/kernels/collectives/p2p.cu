@@ -5,7 +5,8 @@
 // block's whole life, across calls) is staged in cell k % slots and announced with flag value k + 1. A sender
 // may refill a cell once every receiver has reported the unit `slots` earlier as consumed. Each block is two
 // teams of warps running side by side: the sending team streams units out over NVLink while the receiving team
-// drains the units that have arrived, so the link never waits for a local copy.
+// drains the units that have arrived, so the link never waits for a local copy. tests/test_collectives_schedule.py
+// plays this schedule on the CPU for 2-16 ranks: change its index arithmetic there too.
 #include "kernels/collectives/p2p.h"
 
 #include <algorithm>
