@@ -76,15 +76,20 @@ def config_of(Config, model_name: str | None, model_config: dict | None, where: 
     in LitGPT's own pretrain."""
     if model_config is not None and not isinstance(model_config, dict):
         raise ConfigError(f"{where}model_config: expected a mapping of LitGPT Config fields")
-    if model_name is None or (model_config is not None and not _is_config_name(Config, model_name)):
+    if model_config is None:
+        return _from_name(Config, model_name, f"{where}model_name")
+    try:
+        named = Config.from_name(model_name) if model_name is not None else None
+    except ValueError:
+        named = None  # a name LitGPT does not know: a label beside the fields
+    if named is None:
         try:
             return Config(**model_config)
         except TypeError as e:
             raise ConfigError(f"{where}model_config: {e}") from None
-    config = _from_name(Config, model_name, f"{where}model_name")
     if not model_config:
-        return config
-    fields = _config_dict(config)
+        return named
+    fields = _config_dict(named)
     unknown = sorted(k for k in model_config if k not in fields)
     if unknown:
         raise ConfigError(f"{where}model_config.{unknown[0]}: not a field of LitGPT's Config")
@@ -92,14 +97,6 @@ def config_of(Config, model_name: str | None, model_config: dict | None, where: 
         return Config(**{**fields, **model_config})
     except (TypeError, ValueError, AssertionError) as e:
         raise ConfigError(f"{where}model_config: {e}") from None
-
-
-def _is_config_name(Config, name: str) -> bool:
-    try:
-        Config.from_name(name)
-    except ValueError:
-        return False
-    return True
 
 
 def _from_name(Config, name: str, what: str):
