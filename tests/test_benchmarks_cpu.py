@@ -44,7 +44,11 @@ def test_pretrain_compare_runs_both_variants(tmp_path):
     rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"tk", "thunder default"}
     assert rows["tk"]["final_loss"] == pytest.approx(rows["thunder default"]["final_loss"], rel=1e-4)
-    assert "goal tk >= 1.15x Thunder default" in r.stdout
+    assert "goal tk >= 1.15x Thunder default" in r.stdout and "by the median step" in r.stdout
+    # The median step's pace beside the mean's (a few stalled steps move the mean, not the median).
+    assert all(row["tokens_per_s_per_gpu_median_step"] > 0 and row["step_s_median"] <= row["step_s_max"]
+               for row in rows.values())
+    assert rows["thunder default"]["vs_thunder_default_median_step"] == 1.0
     assert not list((tmp_path / "work").rglob("*.pt"))  # --no-checkpoint
 
 

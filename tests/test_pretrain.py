@@ -187,6 +187,11 @@ def test_baseline_executors_without_checkpoints(tmp_path, capsys):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["executors"] == ["default"] and summary["tokens_per_s_per_device_after_first_step"] > 0
     assert summary["peak_memory_gib"] is None and summary["mfu_after_first_step"] is None  # CPU
+    # Two steps after the first, one logging interval each: the median pace is at most the slowest interval's.
+    pace, slowest = summary["step_seconds_median_after_first_step"], summary["step_seconds_max_after_first_step"]
+    assert 0 < pace <= slowest
+    assert summary["tokens_per_s_per_device_median_step"] == pytest.approx(summary["global_batch_size"]
+                                                                         * summary["seq_len"] / pace)
 
 
 def _word_tokenizer(folder: Path, corpus: list[str]) -> Path:

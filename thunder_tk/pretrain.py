@@ -12,6 +12,7 @@ import gc
 import importlib
 import json
 import math
+import statistics
 import os
 import sys
 import time
@@ -321,6 +322,11 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
 
     first_step = step
     run_start = steady_start = time.perf_counter()
+    # Seconds per step over each logging interval after the first step (log points synchronise). Their median is
+    # the steady pace, which the odd slow interval (a host stall, an evaluation, a checkpoint) does not move; the
+    # mean over the run takes those in.
+    paces: list[float] = []
+    mark, mark_step = steady_start, None
     last_loss = float("nan")
     while step < total_steps:
         step_start = time.perf_counter()
@@ -349,11 +355,16 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
             if dist.device.type == "cuda":
                 torch.cuda.synchronize(dist.device)
             steady_start = time.perf_counter()  # after compilation and the explain report
+            mark, mark_step = steady_start, step
         if step % t.log_interval == 0 or step == total_steps:
             last_loss = float(dist.all_reduce_sum(loss_sum) / dist.world)
             if dist.device.type == "cuda":
                 torch.cuda.synchronize(dist.device)
-            seconds = time.perf_counter() - step_start
+            now = time.perf_counter()
+            seconds = now - step_start
+            if mark_step is not None and step > mark_step:
+                paces.append((now - mark) / (step - mark_step))
+                mark, mark_step = now, step
             tokens_per_s = t.global_batch_size * seq / seconds
             mfu = fpt * tokens_per_s / dist.world / peak if peak else None
             record = {"step": step, "loss": last_loss, "lr": lr, "tokens": samples * seq,
@@ -382,6 +393,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     elapsed = time.perf_counter() - run_start
     steady = ((step - first_step - 1) * t.global_batch_size * seq / (loop_end - steady_start)
               if step > first_step + 1 else None)
+    pace = statistics.median(paces) if paces else None
     peak_gib = (dist.max_over_ranks(torch.cuda.max_memory_allocated(dist.device) / 2**30)
                 if dist.device.type == "cuda" else None)
     summary = {
@@ -390,6 +402,10 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
         "tokens_per_s_after_first_step": steady,
         "tokens_per_s_per_device_after_first_step": steady / dist.world if steady else None,
         "mfu_after_first_step": fpt * steady / dist.world / peak if steady and peak else None,
+        # The same pace from the median logging interval (per step), and the slowest interval's.
+        "step_seconds_median_after_first_step": pace,
+        "step_seconds_max_after_first_step": max(paces) if paces else None,
+        "tokens_per_s_per_device_median_step": t.global_batch_size * seq / pace / dist.world if pace else None,
         "device": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu",
         "world_size": dist.world, "seq_len": seq, "global_batch_size": t.global_batch_size,
         "executors": list(config.compiler.executors) if config.compiler.jit else ["eager"],
@@ -400,6 +416,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         stream.write(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, {elapsed:.1f} s"
                      + (f", {steady / 1e3:.1f}k tok/s after the first (compiling) step" if steady else "")
+                     + (f" (median step {pace:.3f} s, slowest {max(paces):.3f} s)" if pace else "")
                      + f"; outputs in {out_dir}\n")
     return summary
 
