@@ -41,6 +41,15 @@ PUBLISHED_7B_TOKENS_PER_GPU = 10.6e3
 UNEVEN = 1.5  # a step this many times the median one: the mean is not the variant's pace
 
 
+def slow_steps(steps: list[dict], median: float | None) -> list[dict]:
+    """The logged steps after the first that took over UNEVEN x the median step, with the host's share of each and
+    the garbage collector's (what stalled them)."""
+    if not median:
+        return []
+    return [{k: r.get(k) for k in ("step", "step_seconds", "host_seconds", "gc_seconds")}
+            for r in [r for r in steps if "step_seconds" in r][1:] if r["step_seconds"] > UNEVEN * median]
+
+
 def run_variant(name: str, executors: str, env: dict, a, overrides: list[str]) -> dict:
     out_dir = Path(a.work) / "".join(c if c.isalnum() else "_" for c in name)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -88,6 +97,7 @@ def run_variant(name: str, executors: str, env: dict, a, overrides: list[str]) -
         "steps": s["steps"], "world_size": s["world_size"], "seq_len": s["seq_len"],
         "global_batch_size": s["global_batch_size"], "device": s["device"],
     })
+    row["slow_steps"] = slow_steps(steps, row["step_s_median"])
     explain = out_dir / "explain.json"
     if explain.exists():
         rows = json.loads(explain.read_text())["rows"]
@@ -131,6 +141,10 @@ def main():
             if r.get("step_s_max") and r.get("step_s_median") and r["step_s_max"] > UNEVEN * r["step_s_median"]:
                 print(f"{r['variant']}: uneven steps (slowest {r['step_s_max']:.3f} s against a median of "
                       f"{r['step_s_median']:.3f} s): compare the variants by the median step")
+                for slow in r.get("slow_steps", []):
+                    print("  step {step}: {step_seconds:.3f} s, host {host_seconds:.3f} s, garbage collector "
+                          "{gc_seconds:.3f} s".format(**{k: (v if v is not None else float("nan"))
+                                                         for k, v in slow.items()}))
         tk = ok.get("tk")
         if tk and base:
             ratio = tk["vs_thunder_default"]

@@ -52,6 +52,21 @@ def test_pretrain_compare_runs_both_variants(tmp_path):
     assert not list((tmp_path / "work").rglob("*.pt"))  # --no-checkpoint
 
 
+def test_pretrain_compare_names_the_slow_steps():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain_compare", ROOT / "benchmarks" / "pretrain_compare.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    steps = [{"step": 1, "step_seconds": 50.0, "host_seconds": 49.0, "gc_seconds": 0.5},  # the compiling step
+             {"step": 2, "step_seconds": 0.2, "host_seconds": 0.05, "gc_seconds": 0.0},
+             {"step": 2, "val_loss": 3.0},
+             {"step": 3, "step_seconds": 0.9, "host_seconds": 0.85, "gc_seconds": 0.6},
+             {"step": 4, "step_seconds": 0.21, "host_seconds": 0.05, "gc_seconds": 0.0}]
+    assert bench.slow_steps(steps, 0.2) == [{"step": 3, "step_seconds": 0.9, "host_seconds": 0.85, "gc_seconds": 0.6}]
+    assert bench.slow_steps(steps, None) == []
+
+
 def test_attention_benchmark_imports_and_parses_on_cpu():
     import importlib.util
 

@@ -1,5 +1,6 @@
 """`thunder-tk pretrain` on a CPU: configs and their errors, the data stream, checkpoints, and the tiny run."""
 
+import gc
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ pytest.importorskip("litgpt")
 from thunder_tk.cli import main
 from thunder_tk.data import SyntheticTokens
 from thunder_tk.litgpt_models import ConfigError
-from thunder_tk.pretrain import learning_rate, pretrain
+from thunder_tk.pretrain import GcClock, learning_rate, pretrain
 from thunder_tk.pretrain_config import load_config, parse_overrides
 
 CONFIGS = Path(__file__).resolve().parents[1] / "litgpt_configs"
@@ -171,6 +172,17 @@ def test_tiny_config_end_to_end(tmp_path, capsys):
     assert json.loads((tmp_path / "explain.json").read_text())["rows"]
 
 
+def test_gc_clock_counts_collections_while_installed():
+    clock = GcClock()
+    with clock.installed():
+        gc.collect()
+        gc.collect()
+    gc.collect()  # not counted: removed
+    seconds, collections = clock.take()
+    assert collections == 2 and seconds > 0
+    assert clock.take() == (0.0, 0)
+
+
 def test_baseline_executors_without_checkpoints(tmp_path, capsys):
     """`compiler.executors: [default]` is Thunder's default list with a general fuser in nvFuser's place;
     --no-checkpoint (benchmark runs) writes none, and the summary carries what the comparison reads."""
@@ -192,6 +204,11 @@ def test_baseline_executors_without_checkpoints(tmp_path, capsys):
     assert 0 < pace <= slowest
     assert summary["tokens_per_s_per_device_median_step"] == pytest.approx(summary["global_batch_size"]
                                                                          * summary["seq_len"] / pace)
+    # Each logged step says how long the host took to issue it and what the garbage collector cost since the last.
+    steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < s["host_seconds"] <= s["step_seconds"] and s["gc_seconds"] >= 0 and s["gc_collections"] >= 0
+               for s in steps if "step_seconds" in s)
+    assert not any(isinstance(c, GcClock) for c in gc.callbacks)  # removed when the run ends
 
 
 def _word_tokenizer(folder: Path, corpus: list[str]) -> Path:

@@ -65,6 +65,36 @@ def tracing_without_cyclic_gc(active: bool = True):
             gc.enable()
 
 
+class GcClock:
+    """Time the cyclic garbage collector spends, read per logging interval: a step that stalls on the host shows
+    whether the collector was the cause (with `host_seconds`, in the metrics)."""
+
+    def __init__(self):
+        self.seconds, self.collections, self._start = 0.0, 0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.collections += 1
+            self._start = None
+
+    def take(self) -> tuple[float, int]:
+        """Seconds and collections since the last take."""
+        out = (self.seconds, self.collections)
+        self.seconds, self.collections = 0.0, 0
+        return out
+
+    @contextlib.contextmanager
+    def installed(self):
+        gc.callbacks.append(self)
+        try:
+            yield self
+        finally:
+            gc.callbacks.remove(self)
+
+
 # ------------------------------------------------------------------------------------------------
 # Setup
 
@@ -328,63 +358,70 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     paces: list[float] = []
     mark, mark_step = steady_start, None
     last_loss = float("nan")
-    while step < total_steps:
-        step_start = time.perf_counter()
-        lr = learning_rate(step, total_steps, base_lr, t.lr_warmup_steps, t.min_lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=dist.device)
-        with tracing_without_cyclic_gc(step == first_step):  # the first step traces forward and backward
-            for micro in range(accum):
-                first = samples + (micro * dist.world + dist.rank) * t.micro_batch_size
-                x, y = batch(data, list(range(first, first + t.micro_batch_size)), dist.device)
-                loss = net(x, y) / accum
-                loss.backward()
-                loss_sum += loss.detach().float()
-        if t.max_norm is not None:
-            clip_gradients(params, t.max_norm, dist)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        samples += t.global_batch_size
-        step += 1
+    gc_clock = GcClock()
+    with gc_clock.installed():
+        while step < total_steps:
+            step_start = time.perf_counter()
+            lr = learning_rate(step, total_steps, base_lr, t.lr_warmup_steps, t.min_lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=dist.device)
+            with tracing_without_cyclic_gc(step == first_step):  # the first step traces forward and backward
+                for micro in range(accum):
+                    first = samples + (micro * dist.world + dist.rank) * t.micro_batch_size
+                    x, y = batch(data, list(range(first, first + t.micro_batch_size)), dist.device)
+                    loss = net(x, y) / accum
+                    loss.backward()
+                    loss_sum += loss.detach().float()
+            if t.max_norm is not None:
+                clip_gradients(params, t.max_norm, dist)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            enqueued = time.perf_counter()  # the step's work issued; on a GPU the host waits below
+            samples += t.global_batch_size
+            step += 1
 
-        if step == first_step + 1:
-            if config.compiler.jit and dist.main:
-                write_explain(net, out_dir)
-            dist.barrier()
-            if dist.device.type == "cuda":
-                torch.cuda.synchronize(dist.device)
-            steady_start = time.perf_counter()  # after compilation and the explain report
-            mark, mark_step = steady_start, step
-        if step % t.log_interval == 0 or step == total_steps:
-            last_loss = float(dist.all_reduce_sum(loss_sum) / dist.world)
-            if dist.device.type == "cuda":
-                torch.cuda.synchronize(dist.device)
-            now = time.perf_counter()
-            seconds = now - step_start
-            if mark_step is not None and step > mark_step:
-                paces.append((now - mark) / (step - mark_step))
-                mark, mark_step = now, step
-            tokens_per_s = t.global_batch_size * seq / seconds
-            mfu = fpt * tokens_per_s / dist.world / peak if peak else None
-            record = {"step": step, "loss": last_loss, "lr": lr, "tokens": samples * seq,
-                      "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / dist.world,
-                      "mfu": mfu, "step_seconds": seconds}
-            if dist.main:
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(record) + "\n")
-                progress.update(
-                    f"step {step}/{total_steps} | loss {last_loss:.4f} | {tokens_per_s / 1e3:.1f}k tok/s"
-                    + (f" | MFU {100 * mfu:.1f}%" if mfu is not None else "") + f" | lr {lr:.2e}",
-                    final=step == total_steps,
-                )
-        if config.eval.interval and step % config.eval.interval == 0:
-            val = evaluate()
-            if dist.main:
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps({"step": step, "val_loss": val}) + "\n")
-        if checkpoints and t.save_interval and step % t.save_interval == 0 and step < total_steps:
-            save(step)
+            if step == first_step + 1:
+                if config.compiler.jit and dist.main:
+                    write_explain(net, out_dir)
+                dist.barrier()
+                if dist.device.type == "cuda":
+                    torch.cuda.synchronize(dist.device)
+                steady_start = time.perf_counter()  # after compilation and the explain report
+                mark, mark_step = steady_start, step
+            if step % t.log_interval == 0 or step == total_steps:
+                last_loss = float(dist.all_reduce_sum(loss_sum) / dist.world)
+                if dist.device.type == "cuda":
+                    torch.cuda.synchronize(dist.device)
+                now = time.perf_counter()
+                seconds = now - step_start
+                if mark_step is not None and step > mark_step:
+                    paces.append((now - mark) / (step - mark_step))
+                    mark, mark_step = now, step
+                tokens_per_s = t.global_batch_size * seq / seconds
+                mfu = fpt * tokens_per_s / dist.world / peak if peak else None
+                gc_seconds, gc_collections = gc_clock.take()
+                # host_seconds: this step until its work was issued (near step_seconds: the host set the pace);
+                # gc_*: the cyclic collector since the previous log point (this rank's).
+                record = {"step": step, "loss": last_loss, "lr": lr, "tokens": samples * seq,
+                          "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / dist.world,
+                          "mfu": mfu, "step_seconds": seconds, "host_seconds": enqueued - step_start,
+                          "gc_seconds": gc_seconds, "gc_collections": gc_collections}
+                if dist.main:
+                    with metrics_path.open("a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    progress.update(
+                        f"step {step}/{total_steps} | loss {last_loss:.4f} | {tokens_per_s / 1e3:.1f}k tok/s"
+                        + (f" | MFU {100 * mfu:.1f}%" if mfu is not None else "") + f" | lr {lr:.2e}",
+                        final=step == total_steps,
+                    )
+            if config.eval.interval and step % config.eval.interval == 0:
+                val = evaluate()
+                if dist.main:
+                    with metrics_path.open("a") as f:
+                        f.write(json.dumps({"step": step, "val_loss": val}) + "\n")
+            if checkpoints and t.save_interval and step % t.save_interval == 0 and step < total_steps:
+                save(step)
     if dist.device.type == "cuda":
         torch.cuda.synchronize(dist.device)
     loop_end = time.perf_counter()
