@@ -22,6 +22,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 summary=()
 # DEADLINE=<seconds>: no step runs past that many seconds of this script (a step is cut short by `timeout`, or
 # skipped with under 15 s left), so the summary and the packed logs still come back inside the device tool's limit.
+# A cut step shows as CUT in the summary (its own timeout or DEADLINE's; the build, `info` and the SASS listing
+# take their share of DEADLINE first); FAIL means the step itself failed.
 step() { local name=$1; shift; local t0=$SECONDS
          if [ -n "${DEADLINE:-}" ]; then
            local left=$((DEADLINE - SECONDS))
@@ -29,7 +31,9 @@ step() { local name=$1; shift; local t0=$SECONDS
            set -- timeout $left "$@"
          fi
          "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-         summary+=("$(printf '%-22s %-6s %4ss  %s' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL)" $((SECONDS-t0)) "$(tail -n 1 "$OUT/$name.log" | cut -c1-90)")"); return $rc; }
+         # 124: a `timeout` fired (the step's own or DEADLINE's): the step was cut, not failed on its own.
+         local verdict=$([ $rc = 0 ] && echo ok || { [ $rc = 124 ] && echo CUT || echo FAIL; })
+         summary+=("$(printf '%-22s %-6s %4ss  %s' "$name" "$verdict" $((SECONDS-t0)) "$(tail -n 1 "$OUT/$name.log" | cut -c1-90)")"); return $rc; }
 
 if compgen -G ".whl/*.whl" > /dev/null; then
   step wheels python3 scripts/offline_wheels.py install --from .whl --target /tmp/site
