@@ -12,8 +12,8 @@ import gc
 import importlib
 import json
 import math
-import statistics
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict
