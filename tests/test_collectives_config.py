@@ -19,6 +19,7 @@ def test_defaults_give_reduce_scatter_more_receiving_warps():
     ("ag_sender_warps", 16, "ag_sender_warps must be 1..15"),
     ("rs_sender_warps", 0, "rs_sender_warps must be 1..15"),
     ("min_chunk_bytes", 8200, "min_chunk_bytes must be a positive multiple of 16"),
+    ("units_per_block", 0, "units_per_block must be >= 1"),
 ])
 def test_a_bad_setting_is_named(field, value, words):
     kwargs = dict(blocks=128, buffer_bytes=64 << 20, timeout_s=600.0)
@@ -36,6 +37,25 @@ def test_environment_knobs(monkeypatch):
     assert cfg.pairs
     monkeypatch.setenv("THUNDER_TK_COLLECTIVE_PAIRS", "0")
     assert not ChannelConfig.from_env().pairs
+    assert ChannelConfig.from_env().units_per_block == collectives.UNITS_PER_BLOCK
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_UNITS", "8")
+    assert ChannelConfig.from_env().units_per_block == 8
     monkeypatch.setenv("THUNDER_TK_COLLECTIVE_SLOTS", "1")
     with pytest.raises(ValueError, match="slots must be >= 2"):
         ChannelConfig.from_env()
+
+
+@pytest.mark.parametrize("units, total_mib, want", [
+    # 4 ranks, 42 lanes of paired blocks, 128 KiB cells: a 16 MiB message is 4 MiB per rank.
+    (4, 16, 24976),        # 4 MiB / (42 x 4), up to a multiple of 16
+    (8, 16, 12496),        # twice the units, half the bytes each
+    (4, 1, 8192),          # below the smallest unit: the smallest unit
+    (4, 1024, 128 << 10),  # above a cell: a cell
+])
+def test_units_per_block_sets_the_unit_size(units, total_mib, want):
+    cfg = ChannelConfig(blocks=128, buffer_bytes=64 << 20, timeout_s=600, units_per_block=units)
+    per_rank = (total_mib << 20) // 4
+    got = collectives.chunk_bytes(per_rank, 42, cfg, 128 << 10)
+    assert got == want and got % 16 == 0
+    if cfg.min_chunk_bytes < got < 128 << 10:
+        assert -(-per_rank // got) <= 42 * units  # every lane gets at most `units` of them

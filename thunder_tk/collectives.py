@@ -133,6 +133,10 @@ class ChannelConfig:
     ag_sender_warps: int = 8
     rs_sender_warps: int = 4
     min_chunk_bytes: int = MIN_CHUNK_BYTES  # smallest unit of work one block moves (a multiple of 16)
+    # Units each block (lane) aims at: more make a deeper pipeline (its first send and last drain a smaller share
+    # of the message) at more handshakes. With 128 blocks and a 64 MiB buffer, messages of about 5 to 84 MiB
+    # gathered on 4 ranks come out at this many per lane (smaller ones at min_chunk_bytes, larger at a cell).
+    units_per_block: int = UNITS_PER_BLOCK
     # With three or more ranks: each block paired with one peer each way (its handshakes wait for one peer, its
     # stores go to one), the blocks of a lane (one per peer) sharing units. Ignored with two ranks.
     # 4x H200 (6be777d): reduce-scatter 0.91-0.99x NCCL at >= 64 MiB unpaired, 1.06-1.10x paired (4 slots),
@@ -149,6 +153,7 @@ class ChannelConfig:
             ("rs_sender_warps", not 1 <= self.rs_sender_warps <= 15, "must be 1..15 (of a block's 16 warps)"),
             ("min_chunk_bytes", self.min_chunk_bytes < 16 or self.min_chunk_bytes % 16,
              "must be a positive multiple of 16"),
+            ("units_per_block", self.units_per_block < 1, "must be >= 1"),
         ) if bad]
         if problems:
             raise ValueError(f"ChannelConfig: {'; '.join(problems)} (got {self})")
@@ -161,7 +166,15 @@ class ChannelConfig:
             timeout_s=_env_number("THUNDER_TK_COLLECTIVE_TIMEOUT_S", 600.0, float),
             slots=_env_number("THUNDER_TK_COLLECTIVE_SLOTS", SLOTS),
             pairs=bool(_env_number("THUNDER_TK_COLLECTIVE_PAIRS", 1)),
+            units_per_block=_env_number("THUNDER_TK_COLLECTIVE_UNITS", UNITS_PER_BLOCK),
         )
+
+
+def chunk_bytes(bytes_per_rank: int, lanes: int, config: ChannelConfig, cell_bytes: int) -> int:
+    """Bytes per unit of work: config.units_per_block units per lane where the message allows (a block pipelines
+    its units through its cells), a multiple of 16, never below config.min_chunk_bytes nor above a cell."""
+    per_unit = -(-bytes_per_rank // (lanes * config.units_per_block))
+    return min(cell_bytes, max(config.min_chunk_bytes, -(-per_unit // 16) * 16))
 
 
 class Channel:
@@ -213,10 +226,8 @@ class Channel:
         self._failure: CollectiveError | None = None
 
     def chunk_bytes(self, bytes_per_rank: int) -> int:
-        """Bytes per unit of work: several units per block where the message allows (a block pipelines its
-        units through its cells), never below the config's min_chunk_bytes nor above a cell."""
-        per_unit = -(-bytes_per_rank // (self.lanes * UNITS_PER_BLOCK))
-        return min(self.cell_bytes, max(self.config.min_chunk_bytes, -(-per_unit // 16) * 16))
+        """Bytes per unit of work (see chunk_bytes)."""
+        return chunk_bytes(bytes_per_rank, self.lanes, self.config, self.cell_bytes)
 
     # -- failures ---------------------------------------------------------------------------------------
 
