@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Compare a kernel source's SASS in the working tree with its SASS at another commit: whether a refactor
-changed the machine code (an unchanged kernel needs no new GPU run).
+changed the machine code (before the GPU run that any kernel change still gets).
 
     python3 scripts/sass_compare.py csrc/kernels/attention/backward.cu            # against HEAD
     python3 scripts/sass_compare.py csrc/kernels/gemm/gemm.cu --against be1b924
