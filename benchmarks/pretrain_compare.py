@@ -138,10 +138,10 @@ def main():
                             "first_step_s", "step_s_median", "step_s_max", "final_loss", "vs_thunder_default",
                             "vs_thunder_default_median_step"])
         for r in table:
-            if r.get("step_s_max") and r.get("step_s_median") and r["step_s_max"] > UNEVEN * r["step_s_median"]:
+            if r.get("slow_steps"):  # steps over UNEVEN x the median (slow_steps)
                 print(f"{r['variant']}: uneven steps (slowest {r['step_s_max']:.3f} s against a median of "
                       f"{r['step_s_median']:.3f} s): compare the variants by the median step")
-                for slow in r.get("slow_steps", []):
+                for slow in r["slow_steps"]:
                     print("  step {step}: {step_seconds:.3f} s, host {host_seconds:.3f} s, garbage collector "
                           "{gc_seconds:.3f} s".format(**{k: (v if v is not None else float("nan"))
                                                          for k, v in slow.items()}))

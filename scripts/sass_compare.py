@@ -57,6 +57,8 @@ def main() -> int:
     if find_nvcc() is None:
         sys.exit("sass_compare: no nvcc (on PATH or under $CUDA_HOME)")
     source = Path(a.source).resolve()
+    if not source.is_relative_to(CSRC) or not source.is_file():
+        sys.exit(f"sass_compare: {a.source} is not a source file under {CSRC}")
     relative = source.relative_to(ROOT)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

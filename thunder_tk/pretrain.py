@@ -356,7 +356,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     # the steady pace, which the odd slow interval (a host stall, an evaluation, a checkpoint) does not move; the
     # mean over the run takes those in.
     paces: list[float] = []
-    mark, mark_step = steady_start, None
+    mark, mark_step = 0.0, None  # the last log point after the first step (time, step); none yet
     last_loss = float("nan")
     gc_clock = GcClock()
     with gc_clock.installed():
@@ -430,7 +430,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     elapsed = time.perf_counter() - run_start
     steady = ((step - first_step - 1) * t.global_batch_size * seq / (loop_end - steady_start)
               if step > first_step + 1 else None)
-    pace = statistics.median(paces) if paces else None
+    pace, slowest = (statistics.median(paces), max(paces)) if paces else (None, None)
     peak_gib = (dist.max_over_ranks(torch.cuda.max_memory_allocated(dist.device) / 2**30)
                 if dist.device.type == "cuda" else None)
     summary = {
@@ -441,7 +441,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
         "mfu_after_first_step": fpt * steady / dist.world / peak if steady and peak else None,
         # The same pace from the median logging interval (per step), and the slowest interval's.
         "step_seconds_median_after_first_step": pace,
-        "step_seconds_max_after_first_step": max(paces) if paces else None,
+        "step_seconds_max_after_first_step": slowest,
         "tokens_per_s_per_device_median_step": t.global_batch_size * seq / pace / dist.world if pace else None,
         "device": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu",
         "world_size": dist.world, "seq_len": seq, "global_batch_size": t.global_batch_size,
@@ -453,7 +453,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         stream.write(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, {elapsed:.1f} s"
                      + (f", {steady / 1e3:.1f}k tok/s after the first (compiling) step" if steady else "")
-                     + (f" (median step {pace:.3f} s, slowest {max(paces):.3f} s)" if pace else "")
+                     + (f" (median step {pace:.3f} s, slowest {slowest:.3f} s)" if pace else "")
                      + f"; outputs in {out_dir}\n")
     return summary
 
