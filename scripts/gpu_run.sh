@@ -163,8 +163,9 @@ printf '%s\n' "${summary[@]}"
 # and charts into two archives (PACK_OUT=0 leaves everything loose).
 if [ "${PACK_OUT:-1}" = 1 ]; then
   ( cd "$OUT" && shopt -s nullglob
-    logs=(*.log *.txt *.xml); charts=(*.png)
-    [ ${#logs[@]} -gt 0 ] && tar czf logs.tgz "${logs[@]}" && rm -f "${logs[@]}"
+    # pretrain/: each variant's metrics.jsonl, summary and explain report (many small files) go with the logs
+    logs=(*.log *.txt *.xml); charts=(*.png); [ -d pretrain ] && logs+=(pretrain)
+    [ ${#logs[@]} -gt 0 ] && tar czf logs.tgz "${logs[@]}" && rm -rf "${logs[@]}"
     [ ${#charts[@]} -gt 0 ] && tar czf charts.tgz "${charts[@]}" && rm -f "${charts[@]}"
     echo "in \$OUT: $(ls | tr '\n' ' ')" )
 fi
