@@ -274,6 +274,27 @@ struct fp32_box_chunks {
     }
 };
 
+// P^T = exp2(c S^T - lse[query] log2(e)) in place, over a thread's share of a 64 keys x 64 queries fragment (the
+// queries in column pairs). `masked`: 0 where the key is past the query (causal: key - query, as
+// row + `ahead` against rt::column_offset, in 32 bits; `ahead` INT_MIN where the step is clear of the diagonal)
+// and for this thread's key rows at or past `keys_left` (keys past kv_len, which TMA filled with zeros: their
+// exp(-lse) can overflow dS). Both consumers take it; a constant `masked` drops the mask's instructions.
+__device__ __forceinline__ void exponentiate_scores(float (&d)[32], const float* lse, float c, bool masked, int ahead,
+                                                    int keys_left) {
+#pragma unroll
+    for (int e = 0; e < 32; e += 2) {
+        const float2 l = *reinterpret_cast<const float2*>(&lse[rt::column(e)]);
+        float x0 = exp2_approx(fmaf(d[e], c, -l.x * LOG2E)), x1 = exp2_approx(fmaf(d[e + 1], c, -l.y * LOG2E));
+        if (masked) {
+            const int row = rt::is_bottom(e) ? 8 : 0, row_ahead = ahead + row;
+            if (row_ahead > rt::column_offset(e) || row >= keys_left) x0 = 0.0f;
+            if (row_ahead > rt::column_offset(e + 1) || row >= keys_left) x1 = 0.0f;
+        }
+        d[e] = x0;
+        d[e + 1] = x1;
+    }
+}
+
 // COMPUTES_DQ: whether this warpgroup issues a dQ product. A template parameter, not a branch on the warpgroup
 // index: ptxas serialises every wgmma of a kernel that issues one in a warpgroup-divergent branch (C7520).
 template <typename T, int D, bool COMPUTES_DQ>
@@ -387,26 +408,10 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         // The last key block's rows past kv_len take the masked copy too (see keys_left).
         const int col0 = rt::column(0);
         const int ahead = a.causal && key0 + 63 > q0 ? int(key0 - q0) + top - col0 : INT_MIN;
-        auto probabilities = [&](auto masked) {
-#pragma unroll
-            for (int e = 0; e < 32; e += 2) {
-                const int col = rt::column(e);
-                const float2 lse = *reinterpret_cast<const float2*>(&st.lse[stage][col]);
-                float x0 = exp2_approx(fmaf(s.d[e], c, -lse.x * LOG2E)),
-                      x1 = exp2_approx(fmaf(s.d[e + 1], c, -lse.y * LOG2E));
-                if constexpr (decltype(masked)::value) {
-                    const int row = rt::is_bottom(e) ? 8 : 0, row_ahead = ahead + row;
-                    if (row_ahead > rt::column_offset(e) || row >= keys_left) x0 = 0.0f;
-                    if (row_ahead > rt::column_offset(e + 1) || row >= keys_left) x1 = 0.0f;
-                }
-                s.d[e] = x0;
-                s.d[e + 1] = x1;
-            }
-        };
         if (ahead != INT_MIN || key_tail)
-            probabilities(std::true_type{});
+            exponentiate_scores(s.d, st.lse[stage], c, true, ahead, keys_left);
         else
-            probabilities(std::false_type{});
+            exponentiate_scores(s.d, st.lse[stage], c, false, ahead, keys_left);
         rt::to_a_operand(pt, s);
         // dV += P^T dO: dO's boxes as the MN-major B (D rows, 64 queries deep).
         wgmma::fence();
@@ -647,19 +652,7 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
             // probabilities and keys_left).
             const int col0 = rt::column(0);
             const int ahead = a.causal && key0 + 63 > q0 ? int(key0 - q0) + top - col0 : INT_MIN;
-#pragma unroll
-            for (int e = 0; e < 32; e += 2) {
-                const float2 lse = *reinterpret_cast<const float2*>(&st.lse[stage][rt::column(e)]);
-                float x0 = exp2_approx(fmaf(x.d[e], c, -lse.x * LOG2E)),
-                      x1 = exp2_approx(fmaf(x.d[e + 1], c, -lse.y * LOG2E));
-                if (ahead != INT_MIN || key_tail) {
-                    const int row = rt::is_bottom(e) ? 8 : 0, row_ahead = ahead + row;
-                    if (row_ahead > rt::column_offset(e) || row >= keys_left) x0 = 0.0f;
-                    if (row_ahead > rt::column_offset(e + 1) || row >= keys_left) x1 = 0.0f;
-                }
-                x.d[e] = x0;
-                x.d[e + 1] = x1;
-            }
+            exponentiate_scores(x.d, st.lse[stage], c, ahead != INT_MIN || key_tail, ahead, keys_left);
             rt::to_a_operand(frag, x);
             rt::store_swizzled(frag, 0, [&](int) { return const_cast<uint8_t*>(pt_bytes); });
             tma::fence_shared_to_async();
