@@ -42,12 +42,29 @@ UNEVEN = 1.5  # a step this many times the median one: the mean is not the varia
 
 
 def slow_steps(steps: list[dict], median: float | None) -> list[dict]:
-    """The logged steps after the first that took over UNEVEN x the median step, with the host's share of each and
-    the garbage collector's (what stalled them)."""
+    """The logged steps after the first that took over UNEVEN x the median step, with what may have stalled them:
+    the host's share of each (and by phase), the garbage collector's and the CUDA allocator's counters (the keys a
+    step's record has)."""
     if not median:
         return []
-    return [{k: r.get(k) for k in ("step", "step_seconds", "host_seconds", "gc_seconds")}
+    keys = ("step", "step_seconds", "host_seconds", "host_phases", "gc_seconds", "alloc_retries", "device_allocs")
+    return [{k: r[k] for k in keys if k in r}
             for r in [r for r in steps if "step_seconds" in r][1:] if r["step_seconds"] > UNEVEN * median]
+
+
+def describe_slow_step(slow: dict) -> str:
+    """One line for a slow step: its time, the host's, the host's largest phases, the collector's and the allocator's."""
+    def sec(key):
+        return f"{slow[key]:.3f} s" if slow.get(key) is not None else "?"
+    line = f"  step {slow['step']}: {sec('step_seconds')}, host {sec('host_seconds')}"
+    phases = slow.get("host_phases") or {}
+    if phases:
+        top = sorted(phases.items(), key=lambda kv: -kv[1])[:2]
+        line += " (" + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in top) + ")"
+    line += f", garbage collector {sec('gc_seconds')}"
+    if slow.get("alloc_retries") is not None:
+        line += f", allocator retries {slow['alloc_retries']}, cudaMalloc calls {slow.get('device_allocs')}"
+    return line
 
 
 def run_variant(name: str, executors: str, env: dict, a, overrides: list[str]) -> dict:
@@ -142,9 +159,7 @@ def main():
                 print(f"{r['variant']}: uneven steps (slowest {r['step_s_max']:.3f} s against a median of "
                       f"{r['step_s_median']:.3f} s): compare the variants by the median step")
                 for slow in r["slow_steps"]:
-                    print("  step {step}: {step_seconds:.3f} s, host {host_seconds:.3f} s, garbage collector "
-                          "{gc_seconds:.3f} s".format(**{k: (v if v is not None else float("nan"))
-                                                         for k, v in slow.items()}))
+                    print(describe_slow_step(slow))
         tk = ok.get("tk")
         if tk and base:
             ratio = tk["vs_thunder_default"]

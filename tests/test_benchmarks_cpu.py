@@ -65,6 +65,13 @@ def test_pretrain_compare_names_the_slow_steps():
              {"step": 4, "step_seconds": 0.21, "host_seconds": 0.05, "gc_seconds": 0.0}]
     assert bench.slow_steps(steps, 0.2) == [{"step": 3, "step_seconds": 0.9, "host_seconds": 0.85, "gc_seconds": 0.6}]
     assert bench.slow_steps(steps, None) == []
+    # A record with the host's phases and the allocator's counters: the line names the largest phases and both.
+    steps[3].update(host_phases={"batch": 0.001, "forward": 0.7, "backward": 0.1, "clip": 0.0, "optimizer": 0.02},
+                    alloc_retries=0, device_allocs=3)
+    (slow,) = bench.slow_steps(steps, 0.2)
+    assert slow["host_phases"]["forward"] == 0.7 and slow["device_allocs"] == 3
+    assert bench.describe_slow_step(slow) == ("  step 3: 0.900 s, host 0.850 s (forward 0.700 s, backward 0.100 s), "
+                                              "garbage collector 0.600 s, allocator retries 0, cudaMalloc calls 3")
 
 
 def test_attention_benchmark_imports_and_parses_on_cpu():

@@ -208,6 +208,14 @@ def test_baseline_executors_without_checkpoints(tmp_path, capsys):
     steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < s["host_seconds"] <= s["step_seconds"] and s["gc_seconds"] >= 0 and s["gc_collections"] >= 0
                for s in steps if "step_seconds" in s)
+    # ... and by phase: the phases are parts of the host's time (the rest is the learning rate and bookkeeping);
+    # the allocator's counters are CUDA's (None here).
+    for s in (s for s in steps if "step_seconds" in s):
+        phases = s["host_phases"]
+        assert set(phases) == {"batch", "forward", "backward", "clip", "optimizer"}
+        assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
+        assert sum(phases.values()) <= s["host_seconds"] + 1e-5
+        assert s["alloc_retries"] is None and s["device_allocs"] is None
     assert not any(isinstance(c, GcClock) for c in gc.callbacks)  # removed when the run ends
 
 

@@ -65,6 +65,57 @@ def tracing_without_cyclic_gc(active: bool = True):
             gc.enable()
 
 
+class HostPhases:
+    """Host seconds per phase of one step (data, forward, backward, clipping, optimizer), summed over its micro
+    batches: where a step that stalls on the host spent the time (`host_phases` in the metrics)."""
+
+    NAMES = ("batch", "forward", "backward", "clip", "optimizer")
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(self.NAMES, 0.0)
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.NAMES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 6) for k, v in self.seconds.items()}
+
+
+class AllocatorCounters:
+    """The CUDA caching allocator's retries (a failed cudaMalloc: cached blocks freed, with a device-wide
+    synchronisation) and its cudaMalloc/cudaFree calls since the last take; None off CUDA. Either can stall the
+    host for as long as the GPU's queue takes to drain."""
+
+    KEYS = {"alloc_retries": "num_alloc_retries", "device_allocs": "num_device_alloc",
+            "device_frees": "num_device_free"}
+
+    def __init__(self, device: torch.device):
+        self.device = device if device.type == "cuda" else None
+        self.last = self._read()
+
+    def _read(self) -> dict[str, int] | None:
+        if self.device is None:
+            return None
+        stats = torch.cuda.memory_stats(self.device)
+        return {name: int(stats.get(key, 0)) for name, key in self.KEYS.items()}
+
+    def take(self) -> dict[str, int | None]:
+        now = self._read()
+        if now is None:
+            return dict.fromkeys(self.KEYS)
+        out = {k: now[k] - self.last[k] for k in now}
+        self.last = now
+        return out
+
+
 class GcClock:
     """Time the cyclic garbage collector spends, read per logging interval: a step that stalls on the host shows
     whether the collector was the cause (with `host_seconds`, in the metrics)."""
@@ -359,9 +410,12 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     mark, mark_step = 0.0, None  # the last log point after the first step (time, step); none yet
     last_loss = float("nan")
     gc_clock = GcClock()
+    phase = HostPhases()
+    allocator = AllocatorCounters(dist.device)
     with gc_clock.installed():
         while step < total_steps:
             step_start = time.perf_counter()
+            phase.reset()
             lr = learning_rate(step, total_steps, base_lr, t.lr_warmup_steps, t.min_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -369,14 +423,19 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
             with tracing_without_cyclic_gc(step == first_step):  # the first step traces forward and backward
                 for micro in range(accum):
                     first = samples + (micro * dist.world + dist.rank) * t.micro_batch_size
-                    x, y = batch(data, list(range(first, first + t.micro_batch_size)), dist.device)
-                    loss = net(x, y) / accum
-                    loss.backward()
-                    loss_sum += loss.detach().float()
+                    with phase("batch"):
+                        x, y = batch(data, list(range(first, first + t.micro_batch_size)), dist.device)
+                    with phase("forward"):
+                        loss = net(x, y) / accum
+                    with phase("backward"):
+                        loss.backward()
+                        loss_sum += loss.detach().float()
             if t.max_norm is not None:
-                clip_gradients(params, t.max_norm, dist)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+                with phase("clip"):
+                    clip_gradients(params, t.max_norm, dist)
+            with phase("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             enqueued = time.perf_counter()  # the step's work issued; on a GPU the host waits below
             samples += t.global_batch_size
             step += 1
@@ -401,12 +460,14 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
                 tokens_per_s = t.global_batch_size * seq / seconds
                 mfu = fpt * tokens_per_s / dist.world / peak if peak else None
                 gc_seconds, gc_collections = gc_clock.take()
-                # host_seconds: this step until its work was issued (near step_seconds: the host set the pace);
-                # gc_*: the cyclic collector since the previous log point (this rank's).
+                # host_seconds: this step until its work was issued (near step_seconds: the host set the pace),
+                # host_phases: that time by phase; gc_*: the cyclic collector, and the allocator's counters, since
+                # the previous log point (this rank's).
                 record = {"step": step, "loss": last_loss, "lr": lr, "tokens": samples * seq,
                           "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / dist.world,
                           "mfu": mfu, "step_seconds": seconds, "host_seconds": enqueued - step_start,
-                          "gc_seconds": gc_seconds, "gc_collections": gc_collections}
+                          "host_phases": phase.rounded(), "gc_seconds": gc_seconds,
+                          "gc_collections": gc_collections, **allocator.take()}
                 if dist.main:
                     with metrics_path.open("a") as f:
                         f.write(json.dumps(record) + "\n")
