@@ -12,7 +12,7 @@ pytest.importorskip("litgpt")
 from thunder_tk.cli import main
 from thunder_tk.data import SyntheticTokens
 from thunder_tk.litgpt_models import ConfigError
-from thunder_tk.pretrain import GcClock, learning_rate, pretrain
+from thunder_tk.pretrain import GcClock, StallTracer, learning_rate, pretrain
 from thunder_tk.pretrain_config import load_config, parse_overrides
 
 CONFIGS = Path(__file__).resolve().parents[1] / "litgpt_configs"
@@ -181,6 +181,27 @@ def test_gc_clock_counts_collections_while_installed():
     seconds, collections = clock.take()
     assert collections == 2 and seconds > 0
     assert clock.take() == (0.0, 0)
+
+
+def test_stall_tracer_writes_every_stack_of_a_step_past_its_threshold(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.delenv("THUNDER_TK_STALL_TRACE", raising=False)
+    assert StallTracer(tmp_path, 0).file is None  # off unless asked for
+    monkeypatch.setenv("THUNDER_TK_STALL_TRACE", "0.05")
+    tracer = StallTracer(tmp_path, 0)
+    tracer.arm(0)
+    time.sleep(0.3)  # past the threshold: the stacks are written while the step still runs
+    tracer.disarm()
+    tracer.arm(1)
+    tracer.disarm()  # a quick step: nothing
+    tracer.close()
+    text = (tmp_path / "stall_traces.txt").read_text()
+    assert "-- step 1:" in text and "-- step 2:" in text and text.count("Timeout") == 1
+    assert "test_stall_tracer_writes_every_stack" in text  # the main thread's frame, where it sat
+    other_rank = StallTracer(tmp_path, 2)
+    assert other_rank.file.name.endswith("stall_traces.rank2.txt")
+    other_rank.close()
 
 
 def test_baseline_executors_without_checkpoints(tmp_path, capsys):

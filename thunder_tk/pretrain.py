@@ -116,6 +116,39 @@ class AllocatorCounters:
         return out
 
 
+class StallTracer:
+    """THUNDER_TK_STALL_TRACE=<seconds>: where a step's host work runs past that many seconds, faulthandler writes
+    every thread's Python stack to out_dir/stall_traces.txt (this rank's). Its watchdog is a C thread that needs no
+    GIL, so the stack shows where the main thread sat even if another thread held the interpreter."""
+
+    def __init__(self, out_dir: Path, rank: int):
+        self.seconds = float(os.environ.get("THUNDER_TK_STALL_TRACE", 0) or 0)
+        self.file = None
+        if self.seconds > 0:
+            name = "stall_traces.txt" if rank == 0 else f"stall_traces.rank{rank}.txt"
+            self.file = (out_dir / name).open("a")
+
+    def arm(self, step: int) -> None:
+        if self.file is not None:
+            import faulthandler
+
+            self.file.write(f"-- step {step + 1}: traces if its host work passes {self.seconds} s\n")
+            self.file.flush()
+            faulthandler.dump_traceback_later(self.seconds, repeat=False, file=self.file)
+
+    def disarm(self) -> None:
+        if self.file is not None:
+            import faulthandler
+
+            faulthandler.cancel_dump_traceback_later()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.disarm()
+            self.file.close()
+            self.file = None
+
+
 class GcClock:
     """Time the cyclic garbage collector spends, read per logging interval: a step that stalls on the host shows
     whether the collector was the cause (with `host_seconds`, in the metrics)."""
@@ -412,10 +445,13 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     gc_clock = GcClock()
     phase = HostPhases()
     allocator = AllocatorCounters(dist.device)
-    with gc_clock.installed():
+    stalls = StallTracer(out_dir, dist.rank)
+    with gc_clock.installed(), contextlib.closing(stalls):
         while step < total_steps:
             step_start = time.perf_counter()
             phase.reset()
+            if step > first_step:  # the first step traces and compiles for a minute
+                stalls.arm(step)
             lr = learning_rate(step, total_steps, base_lr, t.lr_warmup_steps, t.min_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -437,6 +473,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             enqueued = time.perf_counter()  # the step's work issued; on a GPU the host waits below
+            stalls.disarm()
             samples += t.global_batch_size
             step += 1
 
