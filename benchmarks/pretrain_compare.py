@@ -33,6 +33,10 @@ VARIANTS = {
     "tk, dynamic GEMM schedule": ("[tk]", {"THUNDER_TK_GEMM_SCHEDULE": "dynamic"}),
     "tk, dynamic GEMM, 32 collective blocks": ("[tk]", {"THUNDER_TK_GEMM_SCHEDULE": "dynamic",
                                                          "THUNDER_TK_COLLECTIVE_BLOCKS": "32"}),
+    # Inductor compiling in each rank's own process, no pool of compile-worker processes: whether that pool (its
+    # workers started or stopped in the background) is what starves the host once per process in the first steps.
+    "tk, inductor in-process": ("[tk]", {"TORCHINDUCTOR_COMPILE_THREADS": "1"}),
+    "thunder default, inductor in-process": ("[default]", {"TORCHINDUCTOR_COMPILE_THREADS": "1"}),
 }
 DEFAULT_VARIANTS = ("tk", "thunder default")
 # Thunder (inductor_cat_cudnn executors), Llama-2-7B FSDP on 8x H100, bs 1, seq 4096: tokens/s per GPU
