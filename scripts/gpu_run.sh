@@ -154,7 +154,9 @@ if bench_wanted delta; then
   step bench_delta python3 benchmarks/attention_bwd_delta.py ${BENCH_ARGS:-} --json "$OUT/attention_bwd_delta.json" --png "$OUT/attention_bwd_delta.png"
   cat "$OUT/bench_delta.log"
 fi
-echo; echo "== $(cat "$OUT/gpu.txt") | commit ${THUNDER_TK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo ?)}"
+# Without THUNDER_TK_COMMIT, git's word; "-dirty" says the tree is not that commit's (a copied tree beside an older
+# .git, as on the device hosts, or uncommitted changes).
+echo; echo "== $(cat "$OUT/gpu.txt") | commit ${THUNDER_TK_COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo ?)}"
 grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 1
 [ -f "$OUT/sass.txt" ] && echo "sass: $(tr -s ' \n' ' ' < "$OUT/sass.txt")"
 grep -E "registers|spill" "$OUT/build.log" 2>/dev/null | sort | uniq -c | sort -rn | head -n 4
