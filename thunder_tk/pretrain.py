@@ -8,6 +8,7 @@ or many (torchrun + Thunder FSDP).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import importlib
 import json
@@ -72,7 +73,7 @@ class HostPhases:
     NAMES = ("batch", "forward", "backward", "clip", "optimizer")
 
     def __init__(self):
-        self.seconds = dict.fromkeys(self.NAMES, 0.0)
+        self.reset()
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.NAMES, 0.0)
@@ -130,16 +131,12 @@ class StallTracer:
 
     def arm(self, step: int) -> None:
         if self.file is not None:
-            import faulthandler
-
             self.file.write(f"-- step {step + 1}: traces if its host work passes {self.seconds} s\n")
             self.file.flush()
             faulthandler.dump_traceback_later(self.seconds, repeat=False, file=self.file)
 
     def disarm(self) -> None:
         if self.file is not None:
-            import faulthandler
-
             faulthandler.cancel_dump_traceback_later()
 
     def close(self) -> None:
