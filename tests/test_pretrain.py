@@ -188,6 +188,9 @@ def test_stall_tracer_writes_every_stack_of_a_step_past_its_threshold(tmp_path, 
 
     monkeypatch.delenv("THUNDER_TK_STALL_TRACE", raising=False)
     assert StallTracer(tmp_path, 0).file is None  # off unless asked for
+    monkeypatch.setenv("THUNDER_TK_STALL_TRACE", "half a second")
+    with pytest.raises(ConfigError, match="THUNDER_TK_STALL_TRACE='half a second' is not a number of seconds"):
+        StallTracer(tmp_path, 0)
     monkeypatch.setenv("THUNDER_TK_STALL_TRACE", "0.05")
     tracer = StallTracer(tmp_path, 0)
     tracer.arm(0)

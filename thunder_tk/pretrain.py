@@ -123,7 +123,11 @@ class StallTracer:
     GIL, so the stack shows where the main thread sat even if another thread held the interpreter."""
 
     def __init__(self, out_dir: Path, rank: int):
-        self.seconds = float(os.environ.get("THUNDER_TK_STALL_TRACE", 0) or 0)
+        raw = os.environ.get("THUNDER_TK_STALL_TRACE", "")
+        try:
+            self.seconds = float(raw) if raw else 0.0
+        except ValueError:
+            raise ConfigError(f"THUNDER_TK_STALL_TRACE={raw!r} is not a number of seconds") from None
         self.file = None
         if self.seconds > 0:
             name = "stall_traces.txt" if rank == 0 else f"stall_traces.rank{rank}.txt"
