@@ -51,7 +51,8 @@ def slow_steps(steps: list[dict], median: float | None) -> list[dict]:
     step's record has)."""
     if not median:
         return []
-    keys = ("step", "step_seconds", "host_seconds", "host_phases", "gc_seconds", "alloc_retries", "device_allocs")
+    keys = ("step", "step_seconds", "host_seconds", "host_phases", "gc_seconds", "alloc_retries", "device_allocs",
+            "system")
     return [{k: r[k] for k in keys if k in r}
             for r in [r for r in steps if "step_seconds" in r][1:] if r["step_seconds"] > UNEVEN * median]
 
@@ -68,6 +69,12 @@ def describe_slow_step(slow: dict) -> str:
     line += f", garbage collector {sec('gc_seconds')}"
     if slow.get("alloc_retries") is not None:
         line += f", allocator retries {slow['alloc_retries']}, cudaMalloc calls {slow.get('device_allocs')}"
+    system = slow.get("system") or {}
+    if system.get("main_thread_cpu_s") is not None:  # since the log point before: the whole interval's
+        line += (f"; interval: main thread CPU {system['main_thread_cpu_s']:.3f} s, "
+                 f"{system['involuntary_switches']} involuntary switches, {system['minor_faults']} minor and "
+                 f"{system['major_faults']} major faults, compactions {system['compactions']}, "
+                 f"reclaims {system['reclaims']}, NUMA migrations {system['numa_migrations']}")
     return line
 
 

@@ -72,6 +72,14 @@ def test_pretrain_compare_names_the_slow_steps():
     assert slow["host_phases"]["forward"] == 0.7 and slow["device_allocs"] == 3
     assert bench.describe_slow_step(slow) == ("  step 3: 0.900 s, host 0.850 s (forward 0.700 s, backward 0.100 s), "
                                               "garbage collector 0.600 s, allocator retries 0, cudaMalloc calls 3")
+    # With the operating system's counters over the interval: the main thread's CPU time beside the step's.
+    steps[3]["system"] = {"main_thread_cpu_s": 0.12, "voluntary_switches": 40, "involuntary_switches": 900,
+                          "minor_faults": 5, "major_faults": 0, "compactions": 0, "reclaims": 0,
+                          "numa_migrations": 7000, "huge_page_faults": 0}
+    (slow,) = bench.slow_steps(steps, 0.2)
+    assert bench.describe_slow_step(slow).endswith(
+        "cudaMalloc calls 3; interval: main thread CPU 0.120 s, 900 involuntary switches, 5 minor and 0 major "
+        "faults, compactions 0, reclaims 0, NUMA migrations 7000")
 
 
 def test_attention_benchmark_imports_and_parses_on_cpu():

@@ -2,6 +2,7 @@
 
 import gc
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ pytest.importorskip("litgpt")
 from thunder_tk.cli import main
 from thunder_tk.data import SyntheticTokens
 from thunder_tk.litgpt_models import ConfigError
-from thunder_tk.pretrain import GcClock, StallTracer, learning_rate, pretrain
+from thunder_tk.pretrain import GcClock, OsCounters, StallTracer, learning_rate, pretrain
 from thunder_tk.pretrain_config import load_config, parse_overrides
 
 CONFIGS = Path(__file__).resolve().parents[1] / "litgpt_configs"
@@ -183,6 +184,27 @@ def test_gc_clock_counts_collections_while_installed():
     assert clock.take() == (0.0, 0)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_os_counters_tell_a_busy_main_thread_from_a_waiting_one():
+    import time
+
+    counters = OsCounters()
+    counters.take()
+    time.sleep(0.2)
+    waited = counters.take()
+    end = time.perf_counter() + 0.2
+    scratch = []
+    while time.perf_counter() < end:
+        scratch.append(bytearray(1 << 16))  # busy, and touching fresh pages
+        if len(scratch) > 64:
+            scratch.clear()
+    busy = counters.take()
+    assert set(waited) == set(busy) == set(OsCounters.KEYS)
+    assert waited["main_thread_cpu_s"] < 0.05 and busy["main_thread_cpu_s"] > 0.1
+    assert waited["voluntary_switches"] >= 1  # the sleep
+    assert all(isinstance(v, (int, float)) and v >= 0 for v in busy.values())
+
+
 def test_stall_tracer_writes_every_stack_of_a_step_past_its_threshold(tmp_path, monkeypatch):
     import time
 
@@ -201,6 +223,12 @@ def test_stall_tracer_writes_every_stack_of_a_step_past_its_threshold(tmp_path, 
     tracer.close()
     text = (tmp_path / "stall_traces.txt").read_text()
     assert "-- step 1:" in text and "-- step 2:" in text and text.count("Timeout") == 1
+    # The slow step's line of what the system did: the main thread slept, so its CPU time is far below 0.3 s.
+    (line,) = [x for x in text.splitlines() if x.startswith("-- host work")]
+    counters = json.loads(line.split("meanwhile: ", 1)[1])
+    assert set(counters) == set(OsCounters.KEYS)
+    if sys.platform.startswith("linux"):
+        assert 0 <= counters["main_thread_cpu_s"] < 0.2 and counters["voluntary_switches"] >= 1
     assert "test_stall_tracer_writes_every_stack" in text  # the main thread's frame, where it sat
     other_rank = StallTracer(tmp_path, 2)
     assert other_rank.file.name.endswith("stall_traces.rank2.txt")

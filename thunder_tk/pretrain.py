@@ -117,6 +117,54 @@ class AllocatorCounters:
         return out
 
 
+class OsCounters:
+    """What the operating system did to this process since the last take: the main thread's CPU seconds (a step
+    whose host time is long but whose CPU time is short waited: descheduled, blocked on a lock or in the kernel),
+    its context switches (involuntary ones: preempted by other work), the process's page faults, and the host's
+    direct memory compactions, direct reclaims and NUMA page migrations (each can hold a thread in a page fault).
+    Linux only; elsewhere every value is None. Read from the main thread."""
+
+    VMSTAT = {"compactions": ("compact_stall",), "reclaims": ("allocstall_normal", "allocstall_movable"),
+              "numa_migrations": ("numa_pages_migrated",), "huge_page_faults": ("thp_fault_alloc",)}
+    KEYS = ("main_thread_cpu_s", "voluntary_switches", "involuntary_switches", "minor_faults", "major_faults",
+            *VMSTAT)
+
+    def __init__(self):
+        self.available = sys.platform.startswith("linux") and Path("/proc/thread-self/status").exists()
+        self.last = self._read()
+
+    def _read(self) -> dict[str, float] | None:
+        if not self.available:
+            return None
+        try:
+            out: dict[str, float] = {"main_thread_cpu_s": time.thread_time()}
+            for line in Path("/proc/thread-self/status").read_text().splitlines():
+                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                    name, value = line.split(":")
+                    out["voluntary_switches" if name.startswith("vol") else "involuntary_switches"] = int(value)
+            # /proc/self/stat: the command name (field 2) may hold spaces; the fields after its ')' are fixed
+            fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+            out["minor_faults"], out["major_faults"] = int(fields[7]), int(fields[9])
+            vmstat = dict(line.split() for line in Path("/proc/vmstat").read_text().splitlines())
+            for key, names in self.VMSTAT.items():
+                out[key] = sum(int(vmstat.get(n, 0)) for n in names)
+            return out
+        except (OSError, ValueError, IndexError):
+            self.available = False
+            return None
+
+    def take(self) -> dict[str, float | None]:
+        """The counts since the last take (CPU seconds rounded to microseconds)."""
+        now = self._read()
+        if now is None or self.last is None:
+            self.last = now
+            return dict.fromkeys(self.KEYS)
+        out = {k: now.get(k, 0) - self.last.get(k, 0) for k in self.KEYS}
+        out["main_thread_cpu_s"] = round(out["main_thread_cpu_s"], 6)
+        self.last = now
+        return out
+
+
 class StallTracer:
     """THUNDER_TK_STALL_TRACE=<seconds>: where a step's host work runs past that many seconds, faulthandler writes
     every thread's Python stack to out_dir/stall_traces.txt (this rank's). Its watchdog is a C thread that needs no
@@ -129,6 +177,7 @@ class StallTracer:
         except ValueError:
             raise ConfigError(f"THUNDER_TK_STALL_TRACE={raw!r} is not a number of seconds") from None
         self.file = None
+        self.os, self.armed_at = OsCounters(), None
         if self.seconds > 0:
             name = "stall_traces.txt" if rank == 0 else f"stall_traces.rank{rank}.txt"
             self.file = (out_dir / name).open("a")
@@ -137,11 +186,21 @@ class StallTracer:
         if self.file is not None:
             self.file.write(f"-- step {step + 1}: traces if its host work passes {self.seconds} s\n")
             self.file.flush()
+            self.os.take()
+            self.armed_at = time.perf_counter()
             faulthandler.dump_traceback_later(self.seconds, repeat=False, file=self.file)
 
     def disarm(self) -> None:
-        if self.file is not None:
+        """Where the step's host work ran past the threshold, also writes what the operating system did meanwhile
+        (this rank's: the metrics are rank 0's alone)."""
+        if self.file is not None and self.armed_at is not None:
             faulthandler.cancel_dump_traceback_later()
+            host = time.perf_counter() - self.armed_at
+            self.armed_at = None
+            counters = self.os.take()
+            if host > self.seconds:
+                self.file.write(f"-- host work {host:.3f} s; the system meanwhile: {json.dumps(counters)}\n")
+                self.file.flush()
 
     def close(self) -> None:
         if self.file is not None:
@@ -446,6 +505,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     gc_clock = GcClock()
     phase = HostPhases()
     allocator = AllocatorCounters(dist.device)
+    system = OsCounters()
     stalls = StallTracer(out_dir, dist.rank)
     with gc_clock.installed(), contextlib.closing(stalls):
         while step < total_steps:
@@ -499,13 +559,13 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
                 mfu = fpt * tokens_per_s / dist.world / peak if peak else None
                 gc_seconds, gc_collections = gc_clock.take()
                 # host_seconds: this step until its work was issued (near step_seconds: the host set the pace),
-                # host_phases: that time by phase; gc_*: the cyclic collector, and the allocator's counters, since
-                # the previous log point (this rank's).
+                # host_phases: that time by phase; gc_*: the cyclic collector, the allocator's counters and the
+                # operating system's (`system`), since the previous log point (this rank's).
                 record = {"step": step, "loss": last_loss, "lr": lr, "tokens": samples * seq,
                           "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / dist.world,
                           "mfu": mfu, "step_seconds": seconds, "host_seconds": enqueued - step_start,
                           "host_phases": phase.rounded(), "gc_seconds": gc_seconds,
-                          "gc_collections": gc_collections, **allocator.take()}
+                          "gc_collections": gc_collections, **allocator.take(), "system": system.take()}
                 if dist.main:
                     with metrics_path.open("a") as f:
                         f.write(json.dumps(record) + "\n")
