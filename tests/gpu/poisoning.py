@@ -4,33 +4,42 @@ from __future__ import annotations
 
 import torch
 
-# Free blocks that held finite garbage and would have been the allocator's best fit for a poisoned size: kept
-# allocated (NaN-filled) until the next poisoning, so that the op under test cannot be handed one of them.
-_held: list[torch.Tensor] = []
-TRIES = 64
+SMALL_REQUEST = 1 << 20  # the caching allocator serves requests up to 1 MiB from its small pool's 2 MiB segments
+ROUNDS = 8
+
+
+def _free_blocks() -> list[tuple[int, str]]:
+    """(size, segment type) of each free block of the cached segments that serve this device's current stream."""
+    device, stream = torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream
+    return [(b["size"], seg["segment_type"]) for seg in torch.cuda.memory_snapshot()
+            if seg.get("device", device) == device and seg.get("stream", stream) == stream
+            for b in seg["blocks"] if b["state"] == "inactive"]
 
 
 def poison_allocator(*specs):
-    """Leaves NaN-filled blocks of each (shape, dtype) in the CUDA caching allocator, so the op's own output
-    allocations most likely land on NaN: an element the kernel never writes stays NaN. Asserts that an allocation of
-    each spec does come back poisoned, so a test cannot silently lose its poisoning.
+    """Leaves the CUDA caching allocator's free memory all NaN, with free blocks of each (shape, dtype) among it, so
+    the op's own output allocations land on NaN: an element the kernel never writes stays NaN. Asserts that an
+    allocation of the first spec does come back poisoned, so a test cannot silently lose its poisoning.
 
-    `empty_cache` releases only wholly free segments: a free block of a segment that still holds live tensors
-    (the test's inputs) keeps its finite garbage and can be the best fit for an output (seen in the fuzz tests, for
-    a 42 KB output among small-pool inputs). Each such block a probe draws is NaN-filled and held until the next
-    call, and the probe is drawn again, until the allocator's choice for that size is a NaN block."""
+    `empty_cache` releases only wholly free segments; the free blocks of segments that still hold live tensors (the
+    test's inputs) keep whatever they held, and one of them can be an output's best fit. So every such block is
+    taken (a small-pool block in pieces of at most 1 MiB, the most a small request asks), filled with 0xFF bytes
+    (NaN in every floating dtype) and given back."""
     torch.cuda.synchronize()
-    _held.clear()
-    torch.cuda.empty_cache()  # no stale free blocks of a fitting size that hold finite garbage, where it can
-    blocks = [torch.full(shape, float("nan"), device="cuda", dtype=dtype) for shape, dtype in specs for _ in range(2)]
-    del blocks
-    for shape, dtype in specs:
-        for _ in range(TRIES):
-            probe = torch.empty(shape, device="cuda", dtype=dtype)
-            if probe.numel() == 0 or torch.isnan(probe).all():
-                del probe  # back to the free list: the next allocation of this size takes it
-                break
-            _held.append(probe.fill_(float("nan")))
-        else:
-            raise AssertionError(f"the caching allocator did not hand back a poisoned block for {shape} {dtype} "
-                                 f"in {TRIES} tries")
+    torch.cuda.empty_cache()
+    held, left = [], None
+    for _ in range(ROUNDS):
+        # A large-pool block under 1 MiB serves no request of the large pool: it is never handed out.
+        wanted = sorted(min(size, SMALL_REQUEST) if kind == "small" else size
+                        for size, kind in _free_blocks() if kind == "small" or size > SMALL_REQUEST)
+        if not wanted or (left is not None and len(wanted) >= left):  # done, or no longer shrinking
+            break
+        left = len(wanted)
+        for nbytes in wanted:  # smallest first: each request's best fit is a block of just that size
+            held.append(torch.empty(nbytes, device="cuda", dtype=torch.uint8).fill_(0xFF))
+    held += [torch.empty(shape, device="cuda", dtype=dtype).reshape(-1).view(torch.uint8).fill_(0xFF)
+             for shape, dtype in specs for _ in range(2)]
+    del held
+    probe = torch.empty(specs[0][0], device="cuda", dtype=specs[0][1])
+    assert torch.isnan(probe).all(), "the caching allocator did not hand back a poisoned block"
+    del probe
