@@ -22,12 +22,18 @@ def poison_allocator(*specs):
     allocation of the first spec does come back poisoned, so a test cannot silently lose its poisoning.
 
     `empty_cache` releases only wholly free segments; the free blocks of segments that still hold live tensors (the
-    test's inputs) keep whatever they held, and one of them can be an output's best fit. So every such block is
-    taken (a small-pool block in pieces of at most 1 MiB, the most a small request asks), filled with 0xFF bytes
-    (NaN in every floating dtype) and given back."""
+    test's inputs) keep whatever they held, and one of them can be an output's best fit; so does the unused tail of
+    a fresh segment, which coalesces with the poisoned block before it once freed and can lie under a larger
+    output (seen for outputs just under 1 MiB). So every free block is taken (a small-pool block in pieces of at
+    most 1 MiB, the most a small request asks), filled with 0xFF bytes (NaN in every floating dtype) and given
+    back."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    held, left = [], None
+    # Blocks of the specs' sizes first: those that need a fresh segment leave its tail free, which the sweep below
+    # takes too.
+    held = [torch.empty(shape, device="cuda", dtype=dtype).reshape(-1).view(torch.uint8).fill_(0xFF)
+            for shape, dtype in specs for _ in range(2)]
+    left = None
     for _ in range(ROUNDS):
         # A large-pool block under 1 MiB serves no request of the large pool: it is never handed out.
         wanted = sorted(min(size, SMALL_REQUEST) if kind == "small" else size
@@ -37,8 +43,6 @@ def poison_allocator(*specs):
         left = len(wanted)
         for nbytes in wanted:  # smallest first: each request's best fit is a block of just that size
             held.append(torch.empty(nbytes, device="cuda", dtype=torch.uint8).fill_(0xFF))
-    held += [torch.empty(shape, device="cuda", dtype=dtype).reshape(-1).view(torch.uint8).fill_(0xFF)
-             for shape, dtype in specs for _ in range(2)]
     del held
     probe = torch.empty(specs[0][0], device="cuda", dtype=specs[0][1])
     assert torch.isnan(probe).all(), "the caching allocator did not hand back a poisoned block"
