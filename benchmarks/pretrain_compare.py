@@ -37,6 +37,10 @@ VARIANTS = {
     # workers started or stopped in the background) is what starves the host once per process in the first steps.
     "tk, inductor in-process": ("[tk]", {"TORCHINDUCTOR_COMPILE_THREADS": "1"}),
     "thunder default, inductor in-process": ("[default]", {"TORCHINDUCTOR_COMPILE_THREADS": "1"}),
+    # Each rank (and the compile workers it starts) on its own share of the CPUs near its GPU: whether one rank's
+    # host work taking another's cores is what stalls them.
+    "tk, exclusive cores": ("[tk]", {"THUNDER_TK_CPU_AFFINITY": "exclusive"}),
+    "thunder default, exclusive cores": ("[default]", {"THUNDER_TK_CPU_AFFINITY": "exclusive"}),
 }
 DEFAULT_VARIANTS = ("tk", "thunder default")
 # Thunder (inductor_cat_cudnn executors), Llama-2-7B FSDP on 8x H100, bs 1, seq 4096: tokens/s per GPU

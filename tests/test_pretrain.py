@@ -2,6 +2,7 @@
 
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,8 @@ pytest.importorskip("litgpt")
 from thunder_tk.cli import main
 from thunder_tk.data import SyntheticTokens
 from thunder_tk.litgpt_models import ConfigError
-from thunder_tk.pretrain import GcClock, OsCounters, StallTracer, learning_rate, pretrain
+from thunder_tk.pretrain import (GcClock, OsCounters, StallTracer, bind_cpus, exclusive_cpus, learning_rate,
+                                 parse_cpulist, pretrain)
 from thunder_tk.pretrain_config import load_config, parse_overrides
 
 CONFIGS = Path(__file__).resolve().parents[1] / "litgpt_configs"
@@ -182,6 +184,48 @@ def test_gc_clock_counts_collections_while_installed():
     seconds, collections = clock.take()
     assert collections == 2 and seconds > 0
     assert clock.take() == (0.0, 0)
+
+
+def test_cpulists_parse_as_the_kernel_writes_them():
+    assert parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert parse_cpulist("5") == {5} and parse_cpulist("") == set()
+
+
+def test_exclusive_cpus_share_each_numa_node_among_its_gpus():
+    node0, node1 = set(range(0, 16)), set(range(16, 32))
+    near = [node0, node0, node1, node1]  # GPUs 0-1 on node 0, 2-3 on node 1
+    shares = [exclusive_cpus(r, near, node0 | node1) for r in range(4)]
+    assert shares == [set(range(0, 8)), set(range(8, 16)), set(range(16, 24)), set(range(24, 32))]
+    # A container allowed only part of a node: the allowed CPUs near the GPU, shared out
+    allowed = set(range(4, 12)) | node1
+    assert [exclusive_cpus(r, near, allowed) for r in (0, 1)] == [set(range(4, 8)), set(range(8, 12))]
+    # Unknown neighbourhoods, or none of them allowed: every local rank shares out the allowed CPUs
+    assert [exclusive_cpus(r, [None] * 3, set(range(6))) for r in range(3)] == [{0, 1}, {2, 3}, {4, 5}]
+    assert exclusive_cpus(1, [node1, node1], node0) == set(range(8, 16))
+    # More ranks than CPUs: never an empty set
+    assert [exclusive_cpus(r, [None] * 4, {7, 9}) for r in range(4)] == [{7}, {7}, {9}, {9}]
+    for r in range(4):
+        assert exclusive_cpus(r, [None] * 4, {3}) == {3}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_bind_cpus_binds_only_when_asked(monkeypatch):
+    before = os.sched_getaffinity(0)
+    try:
+        monkeypatch.delenv("THUNDER_TK_CPU_AFFINITY", raising=False)
+        assert bind_cpus(0, 2) is None and os.sched_getaffinity(0) == before
+        monkeypatch.setenv("THUNDER_TK_CPU_AFFINITY", "pinned")
+        with pytest.raises(ConfigError, match="THUNDER_TK_CPU_AFFINITY='pinned': expected 'exclusive' or 'none'"):
+            bind_cpus(0, 2)
+        monkeypatch.setenv("THUNDER_TK_CPU_AFFINITY", "exclusive")
+        if len(before) >= 2:  # no GPU here: the two local ranks share out the allowed CPUs
+            first = bind_cpus(0, 2)
+            assert os.sched_getaffinity(0) == set(first)
+            os.sched_setaffinity(0, before)  # as the second rank's process would start
+            second = bind_cpus(1, 2)
+            assert set(first) | set(second) == before and not set(first) & set(second)
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -2,6 +2,7 @@
 resumed run continues bit-identically. The same code path runs NCCL on GPUs."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -27,7 +28,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(tmp_path: Path, name: str, nproc: int, *extra: str) -> dict[int, float]:
+def _run(tmp_path: Path, name: str, nproc: int, *extra: str, env: dict | None = None) -> dict[int, float]:
     cfg = tmp_path / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump({**MICRO, "devices": nproc, "out_dir": str(tmp_path / name)}))
     if nproc == 1:
@@ -36,7 +37,7 @@ def _run(tmp_path: Path, name: str, nproc: int, *extra: str) -> dict[int, float]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                str(_free_port()),
                "-m", "thunder_tk.cli", "pretrain", "--config", str(cfg), *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
@@ -44,9 +45,14 @@ def _run(tmp_path: Path, name: str, nproc: int, *extra: str) -> dict[int, float]
 
 def test_two_process_fsdp_matches_one_process_and_resumes(tmp_path):
     single = _run(tmp_path, "single", 1)
-    fsdp = _run(tmp_path, "fsdp", 2)
+    # Each rank on its own share of the CPUs (THUNDER_TK_CPU_AFFINITY): the same losses, the binding recorded.
+    fsdp = _run(tmp_path, "fsdp", 2, env={"THUNDER_TK_CPU_AFFINITY": "exclusive"})
     for step in (1, 2, 3, 4):
         assert fsdp[step] == pytest.approx(single[step], rel=1e-4)
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    if allowed:
+        bound = json.loads((tmp_path / "fsdp" / "summary.json").read_text())["cpus_bound"]
+        assert bound == max(1, allowed // 2)
     shards = sorted(p.name for p in (tmp_path / "fsdp" / "checkpoints" / "step-00000004").iterdir())
     assert shards == ["rank0.pt", "rank1.pt"]
 

@@ -254,6 +254,62 @@ def max_over_ranks(value: float, device: torch.device) -> float:
     return float(t)
 
 
+def parse_cpulist(text: str) -> set[int]:
+    """A kernel CPU list ("0-3,8,10-11") as a set."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def exclusive_cpus(local_rank: int, near: list[set[int] | None], allowed: set[int]) -> set[int]:
+    """This local rank's share of the allowed CPUs: those near its GPU (`near[r]`, the GPU's NUMA-local CPUs, None
+    where unknown) divided evenly, in order, among the local ranks whose GPUs are near the same CPUs. Where a GPU's
+    neighbourhood is unknown or holds no allowed CPU, all local ranks share out the allowed CPUs instead. Never empty
+    while `allowed` is not: with more ranks than CPUs, neighbours in rank order share one."""
+    mine = near[local_rank] & allowed if near[local_rank] is not None else set()
+    if not mine:
+        group, pool = list(range(len(near))), sorted(allowed)
+    else:
+        group = [r for r, cpus in enumerate(near) if cpus is not None and cpus & allowed == mine]
+        pool = sorted(mine)
+    share, index = len(pool) / len(group), group.index(local_rank)
+    chosen = set(pool[int(index * share):int((index + 1) * share)])
+    return chosen or {pool[min(int(index * share), len(pool) - 1)]}
+
+
+def gpu_local_cpus(device_index: int) -> set[int] | None:
+    """The CPUs the system lists as local to a CUDA device (its PCI function's NUMA node), or None."""
+    try:
+        props = torch.cuda.get_device_properties(device_index)
+        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        return parse_cpulist(Path(f"/sys/bus/pci/devices/{bus}/local_cpulist").read_text()) or None
+    except (AttributeError, OSError, ValueError, RuntimeError):
+        return None
+
+
+def bind_cpus(local_rank: int, local_world: int) -> list[int] | None:
+    """THUNDER_TK_CPU_AFFINITY=exclusive: this process (and what it starts later: inductor's compile workers, data
+    threads) runs on its own share of the CPUs near its GPU, so that one rank's work cannot take another rank's cores
+    (the 4-GPU hosts' once-per-process host stalls, benchmarks/NOTES.md). Unset or `none`: the affinity is left
+    alone. Returns the CPUs bound, or None."""
+    mode = os.environ.get("THUNDER_TK_CPU_AFFINITY", "none").strip().lower()
+    if mode in ("", "none"):
+        return None
+    if mode != "exclusive":
+        raise ConfigError(f"THUNDER_TK_CPU_AFFINITY={mode!r}: expected 'exclusive' or 'none'")
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    allowed = os.sched_getaffinity(0)
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    near = [gpu_local_cpus(r) if cuda else None for r in range(local_world)]
+    cpus = exclusive_cpus(local_rank, near, allowed)
+    os.sched_setaffinity(0, cpus)
+    return sorted(cpus)
+
+
 class Dist:
     def __init__(self, config: PretrainConfig):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -266,6 +322,8 @@ class Dist:
                 f"but {self.world} were launched; start with `torchrun --nnodes {config.num_nodes} "
                 f"--nproc_per_node {config.devices} -m thunder_tk.cli pretrain ...`"
             )
+        # Before anything starts threads or processes, which inherit the affinity.
+        self.cpus = bind_cpus(self.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.device = torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -607,6 +665,8 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
         "executors": list(config.compiler.executors) if config.compiler.jit else ["eager"],
         # Largest per-rank peak of torch's allocator during training (setup excluded).
         "peak_memory_gib": peak_gib,
+        # THUNDER_TK_CPU_AFFINITY=exclusive: how many CPUs rank 0 was bound to (None: the affinity left alone).
+        "cpus_bound": len(dist.cpus) if dist.cpus is not None else None,
     }
     if dist.main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
