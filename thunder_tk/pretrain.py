@@ -176,11 +176,11 @@ class StallTracer:
             self.seconds = float(raw) if raw else 0.0
         except ValueError:
             raise ConfigError(f"THUNDER_TK_STALL_TRACE={raw!r} is not a number of seconds") from None
-        self.file = None
-        self.os, self.armed_at = OsCounters(), None
+        self.file, self.os, self.armed_at = None, None, None
         if self.seconds > 0:
             name = "stall_traces.txt" if rank == 0 else f"stall_traces.rank{rank}.txt"
             self.file = (out_dir / name).open("a")
+            self.os = OsCounters()
 
     def arm(self, step: int) -> None:
         if self.file is not None:
