@@ -31,10 +31,10 @@ MODES = {"pool": {}, "pool, kept": {"TORCHINDUCTOR_QUIESCE_ASYNC_COMPILE_POOL": 
 
 def child(index: int, seconds: float, threshold: float, launched: float, quiesce: float | None) -> None:
     import torch
+    from torch._inductor import config as inductor_config
+    from torch._inductor.async_compile import AsyncCompile
 
     if quiesce is not None:
-        from torch._inductor import config as inductor_config
-
         inductor_config.quiesce_async_compile_time = quiesce
 
     device = torch.device("cuda", index % torch.cuda.device_count()) if torch.cuda.is_available() else "cpu"
@@ -47,8 +47,6 @@ def child(index: int, seconds: float, threshold: float, launched: float, quiesce
     @torch.compile
     def g(x):
         return (x.cos() * 3 - 1).relu().amax()
-
-    from torch._inductor.async_compile import AsyncCompile
 
     x = torch.randn(4096, device=device)
     f(x)  # compiled in this process while the pool starts (its readiness is a job of its own)
@@ -68,13 +66,10 @@ def child(index: int, seconds: float, threshold: float, launched: float, quiesce
             # at_s: since the launch, on the parent's clock (CLOCK_MONOTONIC is one clock for every process)
             gaps.append({"at_s": round(now - launched, 3), "gap_s": round(now - last, 3)})
         last = now
-    from torch._inductor import config
-
     print(json.dumps({"process": index, "compile_s": round(compiled - start, 2),
                       "compiled_at_s": round(compiled - launched, 2),
                       "pool_job_at_s": None if pool_job_at is None else round(pool_job_at - launched, 2),
-                      "compile_threads":
-                      config.compile_threads, "iterations": iterations, "gaps": gaps,
+                      "compile_threads": inductor_config.compile_threads, "iterations": iterations, "gaps": gaps,
                       "max_gap_s": max((g["gap_s"] for g in gaps), default=0.0)}), flush=True)
 
 

@@ -259,11 +259,13 @@ def test_stall_tracer_writes_every_stack_of_a_step_past_its_threshold(tmp_path, 
         StallTracer(tmp_path, 0)
     monkeypatch.setenv("THUNDER_TK_STALL_TRACE", "0.05")
     tracer = StallTracer(tmp_path, 0)
+    start = time.perf_counter()
     tracer.arm(0)
     time.sleep(0.3)  # past the threshold: the stacks are written while the step still runs
-    tracer.disarm()
+    tracer.disarm(time.perf_counter() - start)
+    start = time.perf_counter()
     tracer.arm(1)
-    tracer.disarm()  # a quick step: nothing
+    tracer.disarm(time.perf_counter() - start)  # a quick step: nothing
     tracer.close()
     text = (tmp_path / "stall_traces.txt").read_text()
     assert "-- step 1:" in text and "-- step 2:" in text and text.count("Timeout") == 1

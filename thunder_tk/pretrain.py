@@ -156,10 +156,9 @@ class OsCounters:
     def take(self) -> dict[str, float | None]:
         """The counts since the last take (CPU seconds rounded to microseconds)."""
         now = self._read()
-        if now is None or self.last is None:
-            self.last = now
+        if now is None:  # off Linux, or /proc stopped answering (then never again: `available`)
             return dict.fromkeys(self.KEYS)
-        out = {k: now.get(k, 0) - self.last.get(k, 0) for k in self.KEYS}
+        out = {k: now[k] - self.last[k] for k in self.KEYS}
         out["main_thread_cpu_s"] = round(out["main_thread_cpu_s"], 6)
         self.last = now
         return out
@@ -176,7 +175,7 @@ class StallTracer:
             self.seconds = float(raw) if raw else 0.0
         except ValueError:
             raise ConfigError(f"THUNDER_TK_STALL_TRACE={raw!r} is not a number of seconds") from None
-        self.file, self.os, self.armed_at = None, None, None
+        self.file, self.os, self.armed = None, None, False
         if self.seconds > 0:
             name = "stall_traces.txt" if rank == 0 else f"stall_traces.rank{rank}.txt"
             self.file = (out_dir / name).open("a")
@@ -187,19 +186,18 @@ class StallTracer:
             self.file.write(f"-- step {step + 1}: traces if its host work passes {self.seconds} s\n")
             self.file.flush()
             self.os.take()
-            self.armed_at = time.perf_counter()
+            self.armed = True
             faulthandler.dump_traceback_later(self.seconds, repeat=False, file=self.file)
 
-    def disarm(self) -> None:
-        """Where the step's host work ran past the threshold, also writes what the operating system did meanwhile
-        (this rank's: the metrics are rank 0's alone)."""
-        if self.file is not None and self.armed_at is not None:
+    def disarm(self, host_seconds: float | None = None) -> None:
+        """Where the step's host work (`host_seconds`, as the metrics count it) ran past the threshold, also writes
+        what the operating system did meanwhile (this rank's: the metrics are rank 0's alone)."""
+        if self.armed:
             faulthandler.cancel_dump_traceback_later()
-            host = time.perf_counter() - self.armed_at
-            self.armed_at = None
+            self.armed = False
             counters = self.os.take()
-            if host > self.seconds:
-                self.file.write(f"-- host work {host:.3f} s; the system meanwhile: {json.dumps(counters)}\n")
+            if host_seconds is not None and host_seconds > self.seconds:
+                self.file.write(f"-- host work {host_seconds:.3f} s; the system meanwhile: {json.dumps(counters)}\n")
                 self.file.flush()
 
     def close(self) -> None:
@@ -592,7 +590,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             enqueued = time.perf_counter()  # the step's work issued; on a GPU the host waits below
-            stalls.disarm()
+            stalls.disarm(enqueued - step_start)
             samples += t.global_batch_size
             step += 1
 
