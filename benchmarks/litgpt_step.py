@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import re
 import statistics
 import sys
 import time
@@ -32,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import ClockSampler, bar_chart, print_table, profiled_kernels, write_results  # noqa: E402
 
 from thunder_tk.pretrain import LossModule, max_over_ranks, tracing_without_cyclic_gc  # noqa: E402
+# Where a step's GPU time goes: kernels by what they compute (shared with `thunder-tk pretrain`'s profile).
+from thunder_tk.step_profile import TK_KERNEL, kernel_kind  # noqa: E402
 
 
 def build(model_name: str, n_layer: int | None, seq: int, device: torch.device):
@@ -126,24 +127,6 @@ def variant_names(given: list[str] | None) -> list[str] | None:
 
 def _world() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
-# Where a step's GPU time goes: kernels by what they compute, whoever's they are (names as CUDA reports them; tk's
-# kernels live in namespaces tk::gemm, tk::attention, tk::loss, tk::p2p...). The first pattern that matches wins.
-KERNEL_KINDS = (
-    ("loss", re.compile(r"tk::loss|nll_loss|log_softmax|cross_entropy|xentropy", re.I)),
-    ("attention", re.compile(r"tk::attention|flash|fmha|attention|cudnn|sdpa|efficient", re.I)),  # cuDNN's say sm90
-    ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|sm90_|splitK", re.I)),
-    ("collective", re.compile(r"tk::p2p|tk::coll|nccl", re.I)),
-    ("optimizer", re.compile(r"multi_tensor|adam|foreach", re.I)),
-    ("fused (triton)", re.compile(r"triton", re.I)),
-    ("copy/fill", re.compile(r"copy|fill|memset|memcpy|cat|index", re.I)),
-)
-TK_KERNEL = re.compile(r"\btk::")
-
-
-def kernel_kind(name: str) -> str:
-    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
 
 
 def profile_step(step, device: torch.device, top: int) -> dict:

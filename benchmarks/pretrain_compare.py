@@ -46,6 +46,7 @@ DEFAULT_VARIANTS = ("tk", "thunder default")
 # Thunder (inductor_cat_cudnn executors), Llama-2-7B FSDP on 8x H100, bs 1, seq 4096: tokens/s per GPU
 # (lightning-thunder issue #940; shared/docs/performance-anchors.md)
 PUBLISHED_7B_TOKENS_PER_GPU = 10.6e3
+ENV_PROFILE = "THUNDER_TK_PROFILE_STEPS"
 UNEVEN = 1.5  # a step this many times the median one: the mean is not the variant's pace
 
 
@@ -82,10 +83,28 @@ def describe_slow_step(slow: dict) -> str:
     return line
 
 
+def profile_rows(rows: list[dict]) -> list[dict]:
+    """One row per profiled variant, ms per step (rank 0): the step's wall time and GPU window, the main (compute)
+    stream's busy and idle time (idle split into another stream busy and every stream idle), the main stream's
+    time by kernel kind, and the other streams' busy time."""
+    table = []
+    for r in rows:
+        p = r.get("profile")
+        if not p or "main_stream" not in p:
+            continue
+        main = next(s for s in p["streams"] if s["main"])
+        row = {"variant": r["variant"], "wall": p["wall_ms"], "window": p["window_ms"], "main busy": p["main_busy_ms"],
+               "idle, other busy": p["main_idle_other_stream_busy_ms"], "idle, all idle": p["main_idle_all_idle_ms"],
+               "other streams busy": sum(s["busy_ms"] for s in p["streams"] if not s["main"])}
+        row.update({f"main: {kind}": ms for kind, ms in main["kinds_ms"].items()})
+        table.append(row)
+    return table
+
+
 def run_variant(name: str, executors: str, env: dict, a, overrides: list[str]) -> dict:
     out_dir = Path(a.work) / "".join(c if c.isalnum() else "_" for c in name)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("summary.json", "metrics.jsonl", "explain.json"):
+    for stale in ("summary.json", "metrics.jsonl", "explain.json", "profile.json"):
         (out_dir / stale).unlink(missing_ok=True)
     # --standalone: a rendezvous on a free local port
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(a.nproc)]
@@ -130,6 +149,9 @@ def run_variant(name: str, executors: str, env: dict, a, overrides: list[str]) -
         "global_batch_size": s["global_batch_size"], "device": s["device"],
     })
     row["slow_steps"] = slow_steps(steps, row["step_s_median"])
+    profile = out_dir / "profile.json"  # THUNDER_TK_PROFILE_STEPS: rank 0's GPU time by stream and kernel kind
+    if profile.exists():
+        row["profile"] = json.loads(profile.read_text())
     explain = out_dir / "explain.json"
     if explain.exists():
         rows = json.loads(explain.read_text())["rows"]
@@ -175,6 +197,11 @@ def main():
                       f"{r['step_s_median']:.3f} s): compare the variants by the median step")
                 for slow in r["slow_steps"]:
                     print(describe_slow_step(slow))
+        profiled = profile_rows(table)
+        if profiled:
+            columns = list(dict.fromkeys(k for row in profiled for k in row))
+            print(f"\nGPU time per step (ms, rank 0, profiled steps; {ENV_PROFILE}):")
+            print_table([{c: row.get(c, 0.0) for c in columns} for row in profiled], columns)
         tk = ok.get("tk")
         if tk and base:
             ratio = tk["vs_thunder_default"]

@@ -82,6 +82,28 @@ def test_pretrain_compare_names_the_slow_steps():
         "faults, compactions 0, reclaims 0, NUMA migrations 7000")
 
 
+def test_pretrain_compare_tabulates_the_profiles():
+    import importlib.util
+
+    from thunder_tk.step_profile import summarize
+
+    spec = importlib.util.spec_from_file_location("pretrain_compare", ROOT / "benchmarks" / "pretrain_compare.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ms = 1_000_000
+    profile = summarize([{"name": "nvjet_tst_x", "stream": 7, "start": 0, "end": 8 * ms},
+                         {"name": "ncclDevKernel_AllGather", "stream": 13, "start": 7 * ms, "end": 10 * ms},
+                         {"name": "triton_poi_fused_add_0", "stream": 7, "start": 10 * ms, "end": 11 * ms}],
+                        steps=1, wall_s=0.012)
+    rows = [{"variant": "tk", "profile": profile}, {"variant": "thunder default"},  # not profiled: no row
+            {"variant": "cpu", "profile": summarize([], steps=1, wall_s=0.01)}]  # no GPU activities: no row
+    (row,) = bench.profile_rows(rows)
+    assert row["variant"] == "tk" and row["wall"] == pytest.approx(12.0) and row["window"] == pytest.approx(11.0)
+    assert row["main busy"] == pytest.approx(9.0) and row["idle, other busy"] == pytest.approx(2.0)
+    assert row["idle, all idle"] == pytest.approx(0.0) and row["other streams busy"] == pytest.approx(3.0)
+    assert row["main: gemm"] == pytest.approx(8.0) and row["main: fused (triton)"] == pytest.approx(1.0)
+
+
 def test_attention_benchmark_imports_and_parses_on_cpu():
     import importlib.util
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from thunder_tk.litgpt_models import ConfigError, _litgpt, config_of
 from thunder_tk.pretrain_config import PretrainConfig, world_size_of
+from thunder_tk.step_profile import StepProfiler
 
 # Dense bf16 tensor-core peaks by device name, for MFU. Unknown devices report no MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12}
@@ -464,6 +465,9 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     if dist.main:
         out_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
+    # The diagnostics' environment settings are read before the model is built: a bad one fails in seconds.
+    stalls = StallTracer(out_dir, dist.rank)
+    profiler = StepProfiler(out_dir, dist.rank, dist.device)
     torch.manual_seed(config.seed)
     cfg, seq = model_config_of(config)
     GPT, _ = _litgpt()
@@ -558,13 +562,16 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     paces: list[float] = []
     mark, mark_step = 0.0, None  # the last log point after the first step (time, step); none yet
     last_loss = float("nan")
+    interval_profiled = False  # a profiled step in the current logging interval
     gc_clock = GcClock()
     phase = HostPhases()
     allocator = AllocatorCounters(dist.device)
     system = OsCounters()
-    stalls = StallTracer(out_dir, dist.rank)
     with gc_clock.installed(), contextlib.closing(stalls):
         while step < total_steps:
+            profiler.before(step + 1)  # THUNDER_TK_PROFILE_STEPS: it synchronises first, outside the step's time
+            profiled = profiler.active
+            interval_profiled |= profiled
             step_start = time.perf_counter()
             phase.reset()
             if step > first_step:  # the first step traces and compiles for a minute
@@ -593,6 +600,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
             stalls.disarm(enqueued - step_start)
             samples += t.global_batch_size
             step += 1
+            profiler.after(step)
 
             if step == first_step + 1:
                 if config.compiler.jit and dist.main:
@@ -609,8 +617,9 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
                 now = time.perf_counter()
                 seconds = now - step_start
                 if mark_step is not None and step > mark_step:
-                    paces.append((now - mark) / (step - mark_step))
-                    mark, mark_step = now, step
+                    if not interval_profiled:  # the profiler's synchronisations and its write are no pace
+                        paces.append((now - mark) / (step - mark_step))
+                    mark, mark_step, interval_profiled = now, step, False
                 tokens_per_s = t.global_batch_size * seq / seconds
                 mfu = fpt * tokens_per_s / dist.world / peak if peak else None
                 gc_seconds, gc_collections = gc_clock.take()
@@ -622,6 +631,8 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
                           "mfu": mfu, "step_seconds": seconds, "host_seconds": enqueued - step_start,
                           "host_phases": phase.rounded(), "gc_seconds": gc_seconds,
                           "gc_collections": gc_collections, **allocator.take(), "system": system.take()}
+                if profiled:  # under the profiler, and synchronised at its end
+                    record["profiled"] = True
                 if dist.main:
                     with metrics_path.open("a") as f:
                         f.write(json.dumps(record) + "\n")
@@ -637,14 +648,17 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
                         f.write(json.dumps({"step": step, "val_loss": val}) + "\n")
             if checkpoints and t.save_interval and step % t.save_interval == 0 and step < total_steps:
                 save(step)
+    profiler.finish()  # the run ended inside the window
     if dist.device.type == "cuda":
         torch.cuda.synchronize(dist.device)
     loop_end = time.perf_counter()
     if checkpoints and (step > first_step or checkpoint is None):
         save(step)
     elapsed = time.perf_counter() - run_start
-    steady = ((step - first_step - 1) * t.global_batch_size * seq / (loop_end - steady_start)
-              if step > first_step + 1 else None)
+    # The profiled steps (THUNDER_TK_PROFILE_STEPS) are left out of the steady pace, with their wall time.
+    steady_steps = step - first_step - 1 - profiler.done
+    steady = (steady_steps * t.global_batch_size * seq / (loop_end - steady_start - profiler.spent_s)
+              if steady_steps > 0 else None)
     pace, slowest = (statistics.median(paces), max(paces)) if paces else (None, None)
     peak_gib = (dist.max_over_ranks(torch.cuda.max_memory_allocated(dist.device) / 2**30)
                 if dist.device.type == "cuda" else None)
