@@ -30,6 +30,10 @@ VARIANTS = {
     "tk - collectives": ("[tk]", {"THUNDER_TK_DISABLE": "collective"}),
     "tk - gemm": ("[tk]", {"THUNDER_TK_DISABLE": "gemm"}),
     "tk, 32 collective blocks": ("[tk]", {"THUNDER_TK_COLLECTIVE_BLOCKS": "32"}),
+    "tk, 64 collective blocks": ("[tk]", {"THUNDER_TK_COLLECTIVE_BLOCKS": "64"}),
+    # The FSDP collectives in the fuser's order (all gathers before the forward's compute, every reduce-scatter
+    # after the backward's), as before thunder_tk/fsdp_schedule.py.
+    "tk, fused order": ("[tk]", {"THUNDER_TK_DISABLE": "collective_schedule"}),
     "tk, dynamic GEMM schedule": ("[tk]", {"THUNDER_TK_GEMM_SCHEDULE": "dynamic"}),
     "tk, dynamic GEMM, 32 collective blocks": ("[tk]", {"THUNDER_TK_GEMM_SCHEDULE": "dynamic",
                                                          "THUNDER_TK_COLLECTIVE_BLOCKS": "32"}),

@@ -37,8 +37,9 @@ Unlike the environment variable, the option refuses names it does not know (`kno
 # grouped K/V instead of repeat_interleave's copies (pattern_fusion.GROUPED_KV).
 # The GEMM size policy (GEMM_SIZE_POLICY below) is one too: turned off, tk claims every GEMM its kernel supports.
 GEMM_SIZE_POLICY = "gemm_size_policy"
+# So is the FSDP schedule (fsdp_schedule.COLLECTIVE_SCHEDULE): turned off, the fuser's order of collectives stays.
 DISABLE_FEATURES = frozenset({"cross_entropy_forward_grad", "cross_entropy_gradient_over_logits", GEMM_SIZE_POLICY,
-                              "attention_grouped_kv"})
+                              "attention_grouped_kv", "collective_schedule"})
 
 
 def _env_names() -> set[str]:

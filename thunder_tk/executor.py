@@ -267,9 +267,14 @@ class TKExecutor(FusionExecutor):
     def fusion_pass(self, trace):
         from thunder_tk.pattern_fusion import attend_grouped_kv, fold_row_scaling, write_gradient_over_logits
 
+        from thunder_tk.fsdp_schedule import overlap_collectives
+
         trace = attend_grouped_kv(write_gradient_over_logits(fold_row_scaling(trace)))
         fuser = self._fuser_in_use()
-        return trace if fuser is None else fuser.fusion_pass(trace)
+        if fuser is None:  # the list's own fuser runs after this pass (tk's fuser then schedules, see fusion.py)
+            return trace
+        # After the fuser, whose regrouping undoes Thunder's sorting of the waits.
+        return overlap_collectives(fuser.fusion_pass(trace))
 
     def get_fuel(self, amount: int = 1, /) -> bool:
         return self.default_fuser().get_fuel(amount)

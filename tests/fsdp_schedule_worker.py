@@ -1,0 +1,65 @@
+"""Run by tests/test_fsdp_schedule.py under torchrun (two gloo ranks): a 3-layer LitGPT model under Thunder FSDP,
+jitted with the executors argv[1] names ("tk", "tk-fused-order": tk with the schedule off, "default"). Rank 0
+writes where the collectives and waits sit in the traces that run, the loss and the gradients' norms, as JSON to
+argv[2]."""
+
+import json
+import sys
+
+import thunder
+import torch
+import torch.distributed as dist
+from litgpt import GPT, Config
+from thunder.distributed import fsdp
+
+from thunder_tk.pretrain import LossModule, resolve_executors
+
+
+def positions(trace, pattern: str) -> list[int]:
+    return [i for i, b in enumerate(trace.bound_symbols) if pattern in b.sym.name]
+
+
+def first_gemm(trace) -> int:
+    return min(i for i, b in enumerate(trace.bound_symbols) if b.sym.name in ("linear", "matmul", "tk_linear",
+                                                                                "tk_matmul"))
+
+
+def last_gemm(trace) -> int:
+    return max(i for i, b in enumerate(trace.bound_symbols) if b.sym.name in ("linear", "matmul", "tk_linear",
+                                                                                "tk_matmul"))
+
+
+def main(variant: str, out: str) -> None:
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    cfg = Config(name="s", block_size=64, vocab_size=128, padded_vocab_size=128, n_layer=3, n_head=2,
+                 n_query_groups=2, n_embd=64, head_size=32, bias=False, norm_class_name="RMSNorm",
+                 mlp_class_name="LLaMAMLP", intermediate_size=128, rotary_percentage=1.0, parallel_residual=False)
+    model = GPT(cfg)
+    model.max_seq_length = 64
+    options = {"tk_disable": "collective_schedule"} if variant == "tk-fused-order" else {}
+    names = ["default"] if variant == "default" else ["tk"]
+    net = fsdp(thunder.jit(LossModule(model), executors=resolve_executors(names), **options),
+               device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 128, (2, 64), generator=g)
+    y = torch.randint(0, 128, (2, 64), generator=g)
+    loss = net(x, y)
+    loss.backward()
+    grads = {n: float(p.grad.double().norm()) for n, p in net.named_parameters()}
+    fw, bw = thunder.last_traces(net)[-1], thunder.last_backward_traces(net)[-1]
+    if dist.get_rank() == 0:
+        gathers = [b.args[0].name for b in fw.bound_symbols if "all_gather" in b.sym.name]
+        result = {
+            "loss": float(loss), "grads": grads, "gathers": gathers,
+            "forward_waits": positions(fw, "wait"), "forward_first_gemm": first_gemm(fw),
+            "backward_reduce_scatters": positions(bw, "reduce_scatter"), "backward_last_gemm": last_gemm(bw),
+            "backward_waits": positions(bw, "wait"),
+        }
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
