@@ -29,14 +29,19 @@ VARIANTS = {
     "thunder default": ("[default]", {}),
     "tk - collectives": ("[tk]", {"THUNDER_TK_DISABLE": "collective"}),
     "tk - gemm": ("[tk]", {"THUNDER_TK_DISABLE": "gemm"}),
-    "tk, 32 collective blocks": ("[tk]", {"THUNDER_TK_COLLECTIVE_BLOCKS": "32"}),
-    "tk, 64 collective blocks": ("[tk]", {"THUNDER_TK_COLLECTIVE_BLOCKS": "64"}),
-    # The FSDP collectives in the fuser's order (all gathers before the forward's compute, every reduce-scatter
-    # after the backward's), as before thunder_tk/fsdp_schedule.py.
-    "tk, fused order": ("[tk]", {"THUNDER_TK_DISABLE": "collective_schedule"}),
-    "tk, dynamic GEMM schedule": ("[tk]", {"THUNDER_TK_GEMM_SCHEDULE": "dynamic"}),
+    # On several GPUs `thunder-tk pretrain` sets FSDP_KERNEL_SETTINGS (32 collective blocks, the dynamic GEMM
+    # schedule) unless the environment does; these variants set both, so they mean what their names say.
+    "tk, 32 collective blocks": ("[tk]", {"THUNDER_TK_COLLECTIVE_BLOCKS": "32", "THUNDER_TK_GEMM_SCHEDULE": "static"}),
+    "tk, dynamic GEMM schedule": ("[tk]", {"THUNDER_TK_GEMM_SCHEDULE": "dynamic",
+                                           "THUNDER_TK_COLLECTIVE_BLOCKS": "128"}),
     "tk, dynamic GEMM, 32 collective blocks": ("[tk]", {"THUNDER_TK_GEMM_SCHEDULE": "dynamic",
                                                          "THUNDER_TK_COLLECTIVE_BLOCKS": "32"}),
+    # tk without its FSDP schedule (thunder_tk/fsdp_schedule.py): the fuser's order, all gathers before the
+    # forward's compute and every reduce-scatter after the backward's.
+    "tk - fsdp schedule": ("[tk]", {"THUNDER_TK_DISABLE": "collective_schedule"}),
+    # tk as it ran before the schedule: the fuser's order, 128 collective blocks, the static GEMM schedule.
+    "tk, fused order": ("[tk]", {"THUNDER_TK_DISABLE": "collective_schedule", "THUNDER_TK_COLLECTIVE_BLOCKS": "128",
+                                 "THUNDER_TK_GEMM_SCHEDULE": "static"}),
     # Inductor compiling in each rank's own process, no pool of compile-worker processes: whether that pool (its
     # workers started or stopped in the background) is what starves the host once per process in the first steps.
     "tk, inductor in-process": ("[tk]", {"TORCHINDUCTOR_COMPILE_THREADS": "1"}),
@@ -62,8 +67,10 @@ def slow_steps(steps: list[dict], median: float | None) -> list[dict]:
         return []
     keys = ("step", "step_seconds", "host_seconds", "host_phases", "gc_seconds", "alloc_retries", "device_allocs",
             "system")
+    # (Profiled steps, THUNDER_TK_PROFILE_STEPS, are slow by the profiler's own synchronisations and writing.)
     return [{k: r[k] for k in keys if k in r}
-            for r in [r for r in steps if "step_seconds" in r][1:] if r["step_seconds"] > UNEVEN * median]
+            for r in [r for r in steps if "step_seconds" in r][1:]
+            if r["step_seconds"] > UNEVEN * median and not r.get("profiled")]
 
 
 def describe_slow_step(slow: dict) -> str:

@@ -65,6 +65,8 @@ def test_pretrain_compare_names_the_slow_steps():
              {"step": 4, "step_seconds": 0.21, "host_seconds": 0.05, "gc_seconds": 0.0}]
     assert bench.slow_steps(steps, 0.2) == [{"step": 3, "step_seconds": 0.9, "host_seconds": 0.85, "gc_seconds": 0.6}]
     assert bench.slow_steps(steps, None) == []
+    assert bench.slow_steps([*steps, {"step": 5, "step_seconds": 1.5, "profiled": True}], 0.2) == \
+        bench.slow_steps(steps, 0.2)  # a profiled step is slow by the profiler's doing
     # A record with the host's phases and the allocator's counters: the line names the largest phases and both.
     steps[3].update(host_phases={"batch": 0.001, "forward": 0.7, "backward": 0.1, "clip": 0.0, "optimizer": 0.02},
                     alloc_retries=0, device_allocs=3)

@@ -249,6 +249,18 @@ def test_os_counters_tell_a_busy_main_thread_from_a_waiting_one():
     assert all(isinstance(v, (int, float)) and v >= 0 for v in busy.values())
 
 
+def test_fsdp_kernel_settings_only_on_several_gpus_and_never_over_the_environment():
+    from thunder_tk.pretrain import FSDP_KERNEL_SETTINGS, apply_fsdp_kernel_settings
+
+    env = {}
+    assert apply_fsdp_kernel_settings(1, env) == {} and env == {}
+    assert apply_fsdp_kernel_settings(4, env) == FSDP_KERNEL_SETTINGS and env == FSDP_KERNEL_SETTINGS
+    assert FSDP_KERNEL_SETTINGS == {"THUNDER_TK_COLLECTIVE_BLOCKS": "32", "THUNDER_TK_GEMM_SCHEDULE": "dynamic"}
+    env = {"THUNDER_TK_GEMM_SCHEDULE": "static"}
+    assert apply_fsdp_kernel_settings(2, env) == {"THUNDER_TK_COLLECTIVE_BLOCKS": "32"}
+    assert env["THUNDER_TK_GEMM_SCHEDULE"] == "static"
+
+
 def test_stall_tracer_writes_every_stack_of_a_step_past_its_threshold(tmp_path, monkeypatch):
     import time
 

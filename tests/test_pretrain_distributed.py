@@ -49,6 +49,12 @@ def test_two_process_fsdp_matches_one_process_and_resumes(tmp_path):
     fsdp = _run(tmp_path, "fsdp", 2, env={"THUNDER_TK_CPU_AFFINITY": "exclusive"})
     for step in (1, 2, 3, 4):
         assert fsdp[step] == pytest.approx(single[step], rel=1e-4)
+    # Several processes: tk's kernel settings for FSDP, where the environment leaves them unset.
+    from thunder_tk.pretrain import FSDP_KERNEL_SETTINGS
+
+    expected = {k: v for k, v in FSDP_KERNEL_SETTINGS.items() if k not in os.environ}
+    assert json.loads((tmp_path / "fsdp" / "summary.json").read_text())["kernel_settings"] == expected
+    assert json.loads((tmp_path / "single" / "summary.json").read_text())["kernel_settings"] == {}
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     if allowed:
         bound = json.loads((tmp_path / "fsdp" / "summary.json").read_text())["cpus_bound"]

@@ -309,6 +309,25 @@ def bind_cpus(local_rank: int, local_world: int) -> list[int] | None:
     return sorted(cpus)
 
 
+# Settings of tk's kernels for FSDP training on several GPUs, where tk's schedule (thunder_tk/fsdp_schedule.py)
+# runs collectives beside the compute: collectives on 32 SMs instead of 128 (a collective block and a GEMM block
+# each need a whole SM), and GEMMs taking their tiles from a counter, so blocks that start late, behind a
+# collective, take fewer. Llama-2-7B at 8 layers on 4x H100 (f078594), median step: 0.202 s, against 0.211 s with
+# 128 blocks (static schedule), 0.213 s with 128 blocks (dynamic), 0.208 s with 32 blocks (static). A variable
+# already set in the environment wins.
+FSDP_KERNEL_SETTINGS = {"THUNDER_TK_COLLECTIVE_BLOCKS": "32", "THUNDER_TK_GEMM_SCHEDULE": "dynamic"}
+
+
+def apply_fsdp_kernel_settings(world: int, environ=os.environ) -> dict[str, str]:
+    """Sets FSDP_KERNEL_SETTINGS where several processes train and the environment leaves them unset; returns the
+    ones it set."""
+    if world <= 1:
+        return {}
+    chosen = {k: v for k, v in FSDP_KERNEL_SETTINGS.items() if k not in environ}
+    environ.update(chosen)
+    return chosen
+
+
 class Dist:
     def __init__(self, config: PretrainConfig):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -461,6 +480,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
 
     stream = stream or sys.stdout
     dist = Dist(config)
+    kernel_settings = apply_fsdp_kernel_settings(dist.world)  # before any GEMM or collective reads them
     out_dir = Path(config.out_dir)
     if dist.main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -679,6 +699,8 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
         "peak_memory_gib": peak_gib,
         # THUNDER_TK_CPU_AFFINITY=exclusive: how many CPUs rank 0 was bound to (None: the affinity left alone).
         "cpus_bound": len(dist.cpus) if dist.cpus is not None else None,
+        # FSDP_KERNEL_SETTINGS this run set (several GPUs, the environment silent on them).
+        "kernel_settings": kernel_settings,
     }
     if dist.main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
