@@ -1,5 +1,6 @@
 """Run by tests/test_fsdp_schedule.py under torchrun (two gloo ranks): a 3-layer LitGPT model under Thunder FSDP,
-jitted with the executors argv[1] names ("tk", "tk-fused-order": tk with the schedule off, "default"). Rank 0
+jitted with the executors argv[1] names ("tk", "tk-fused-order": tk with the schedule off, "default"; a name with
+"zero3" in it shards with ZeRO-3). Rank 0
 writes where the collectives and waits sit in the traces that run, the loss and the gradients' norms, as JSON to
 argv[2]."""
 
@@ -10,7 +11,7 @@ import thunder
 import torch
 import torch.distributed as dist
 from litgpt import GPT, Config
-from thunder.distributed import fsdp
+from thunder.distributed import FSDPType, fsdp
 
 from thunder_tk.pretrain import LossModule, resolve_executors
 
@@ -37,10 +38,11 @@ def main(variant: str, out: str) -> None:
                  mlp_class_name="LLaMAMLP", intermediate_size=128, rotary_percentage=1.0, parallel_residual=False)
     model = GPT(cfg)
     model.max_seq_length = 64
-    options = {"tk_disable": "collective_schedule"} if variant == "tk-fused-order" else {}
+    options = {"tk_disable": "collective_schedule"} if variant.endswith("fused-order") else {}
     names = ["default"] if variant == "default" else ["tk"]
+    strategy = FSDPType.ZERO3 if "zero3" in variant else FSDPType.ZERO2
     net = fsdp(thunder.jit(LossModule(model), executors=resolve_executors(names), **options),
-               device=torch.device("cpu"))
+               device=torch.device("cpu"), sharding_strategy=strategy)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 128, (2, 64), generator=g)
     y = torch.randint(0, 128, (2, 64), generator=g)
@@ -55,6 +57,8 @@ def main(variant: str, out: str) -> None:
             "forward_waits": positions(fw, "wait"), "forward_first_gemm": first_gemm(fw),
             "backward_reduce_scatters": positions(bw, "reduce_scatter"), "backward_last_gemm": last_gemm(bw),
             "backward_waits": positions(bw, "wait"),
+            "backward_gathers": [(i, b.args[0].name) for i, b in enumerate(bw.bound_symbols)
+                                 if "all_gather" in b.sym.name],
         }
         with open(out, "w") as f:
             json.dump(result, f)

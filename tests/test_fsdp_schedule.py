@@ -75,3 +75,63 @@ def test_the_baseline_keeps_its_order(runs):
     assert default["gathers"][0] == "t_model_lm_head_weight"
     assert max(default["forward_waits"]) < default["forward_first_gemm"]
     assert default["loss"] == pytest.approx(runs["tk"]["loss"], rel=1e-5)
+
+
+def _synthetic_trace(regather: bool):
+    """Two gathered parameters, each read by a linear after its wait (the second gathers the first parameter again
+    where `regather`: ZeRO-3's backward). Built by hand: Thunder 0.2.6's ZeRO-3 keeps the forward's gathered
+    parameters for the backward, so its traces never gather twice."""
+    import thunder
+    import thunder.torch as ltorch
+    from thunder.core import prims
+    from thunder.core.proxies import FutureTensorProxy, TensorProxy
+    from thunder.core.trace import TraceCtx, tracectx
+    from thunder.executors.torchex import all_gather_prim_impl, wait_prim_impl
+
+    trace = TraceCtx()
+    with tracectx(trace):
+        def tensor(name, shape):
+            return TensorProxy(name, shape=shape, device=thunder.devices.cpu, dtype=thunder.dtypes.float32)
+
+        p, q, x = tensor("p", (2, 4)), tensor("q", (2, 4)), tensor("x", (2, 4))
+        trace.args = (p, q, x)
+        f1 = FutureTensorProxy(name="f1", like=tensor("u1", (4, 4)))
+        f2 = FutureTensorProxy(name="f2", like=tensor("u2", (4, 4)))
+        w1, w2, y, z = tensor("w1", (4, 4)), tensor("w2", (4, 4)), tensor("y", (2, 4)), tensor("z", (2, 4))
+        trace.bound_symbols = [
+            prims.unpack_trivial.bind(p, name="p", output=p),
+            prims.unpack_trivial.bind(q, name="q", output=q),
+            prims.unpack_trivial.bind(x, name="x", output=x),
+            all_gather_prim_impl.bind(p, None, True, None, output=f1),
+            wait_prim_impl.bind(f1, output=w1),
+            ltorch.linear.bind(x, w1, None, output=y),
+            all_gather_prim_impl.bind(p if regather else q, None, True, None, output=f2),
+            wait_prim_impl.bind(f2, output=w2),
+            ltorch.linear.bind(y, w2, None, output=z),
+            prims.python_return.bind(z, output=None),
+        ]
+    return trace
+
+
+def _order(trace) -> list[str]:
+    names = {"torch_all_gather_prim_impl": "gather", "torch_wait_prim_impl": "wait", "linear": "linear"}
+    return [names[b.sym.name] for b in trace.bound_symbols if b.sym.name in names]
+
+
+def test_second_gather_goes_out_early_unless_it_regathers():
+    from thunder_tk.fsdp_schedule import overlap_collectives
+
+    # Two parameters: both gathers go out first, each wait just before its linear.
+    assert _order(overlap_collectives(_synthetic_trace(False))) == ["gather", "gather", "wait", "linear", "wait",
+                                                                    "linear"]
+    # ZeRO-3's second gather of one parameter: only when needed, so the parameters are never all unsharded at once.
+    assert _order(overlap_collectives(_synthetic_trace(True))) == ["gather", "wait", "linear", "gather", "wait",
+                                                                   "linear"]
+
+
+def test_disabled_or_without_waits_the_trace_is_left_alone(monkeypatch):
+    from thunder_tk.fsdp_schedule import overlap_collectives
+
+    trace = _synthetic_trace(False)
+    monkeypatch.setenv("THUNDER_TK_DISABLE", "collective_schedule")
+    assert overlap_collectives(trace) is trace

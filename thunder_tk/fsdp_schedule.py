@@ -13,6 +13,8 @@ still follows its producers and every rank, running the same trace, issues its c
 - what feeds only collectives (a gradient's division before its reduce-scatter) runs as soon as it can;
 - everything else keeps its order;
 - a wait comes last, just before the first op that reads its result.
+Under ZeRO-3 (parameters gathered again in the backward) an all-gather goes out only when nothing else can run,
+just before its wait: memory before overlap.
 `THUNDER_TK_DISABLE=collective_schedule` (or `tk_disable=`) keeps the fuser's order.
 """
 
@@ -29,7 +31,7 @@ _COLLECTIVES = {"torch_all_gather_prim_impl", "torch_reduce_scatter_prim_impl", 
                 "torch_broadcast_prim_impl", "tk_all_gather", "tk_reduce_scatter"}
 _WAIT = "torch_wait_prim_impl"
 # Selection classes, lowest first.
-_ISSUE, _FEED, _OTHER, _WAITING, _LAST = range(5)
+_ISSUE, _FEED, _OTHER, _WAITING, _REGATHER, _LAST = range(6)
 
 
 def has_collectives(trace) -> bool:
@@ -61,6 +63,12 @@ def overlap_collectives(trace):
     def first_use(n) -> int:
         return min((index[id(c.bsym)] for c in n.children), default=end)
 
+    # A parameter gathered twice (ZeRO-3: again in the backward) has its gathers issued only when nothing else can
+    # run, just before their waits: issued as soon as they could be, the backward's gathers would all go out at
+    # the backward's start, every layer's parameters unsharded at once, which ZeRO-3 exists to avoid.
+    gathered = [n.bsym.flat_proxy_args[0].name for n in nodes
+                if "all_gather" in n.bsym.sym.name and n.bsym.flat_proxy_args]
+    regathers = len(gathered) != len(set(gathered))
     # (class, key) per node: keys order nodes within a class.
     rank: dict[int, tuple[int, int]] = {}
     for n in nodes:
@@ -69,6 +77,8 @@ def overlap_collectives(trace):
             rank[id(n)] = (_LAST, i)
         elif name == _WAIT:
             rank[id(n)] = (_WAITING, first_use(n))  # just in time for its first reader
+        elif regathers and "all_gather" in name:
+            rank[id(n)] = (_REGATHER, i)
         elif name in _COLLECTIVES:
             waits = [c for c in n.children if c.bsym.sym.name == _WAIT]
             rank[id(n)] = (_ISSUE, min((first_use(w) for w in waits), default=i))  # in the order of need
