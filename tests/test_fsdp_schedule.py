@@ -77,10 +77,11 @@ def test_the_baseline_keeps_its_order(runs):
     assert default["loss"] == pytest.approx(runs["tk"]["loss"], rel=1e-5)
 
 
-def _synthetic_trace(regather: bool):
+def _synthetic_trace(regather: bool, tk_ops: bool = False):
     """Two gathered parameters, each read by a linear after its wait (the second gathers the first parameter again
-    where `regather`: ZeRO-3's backward). Built by hand: Thunder 0.2.6's ZeRO-3 keeps the forward's gathered
-    parameters for the backward, so its traces never gather twice."""
+    where `regather`: ZeRO-3's backward); `tk_ops`: gathered by tk's own symbol, as on GPUs. Built by hand:
+    Thunder 0.2.6's ZeRO-3 keeps the forward's gathered parameters for the backward, so its traces never gather
+    twice, and tk declines collectives on CPU."""
     import thunder
     import thunder.torch as ltorch
     from thunder.core import prims
@@ -88,6 +89,9 @@ def _synthetic_trace(regather: bool):
     from thunder.core.trace import TraceCtx, tracectx
     from thunder.executors.torchex import all_gather_prim_impl, wait_prim_impl
 
+    from thunder_tk.lowering import tk_all_gather
+
+    gather = tk_all_gather if tk_ops else all_gather_prim_impl
     trace = TraceCtx()
     with tracectx(trace):
         def tensor(name, shape):
@@ -102,10 +106,10 @@ def _synthetic_trace(regather: bool):
             prims.unpack_trivial.bind(p, name="p", output=p),
             prims.unpack_trivial.bind(q, name="q", output=q),
             prims.unpack_trivial.bind(x, name="x", output=x),
-            all_gather_prim_impl.bind(p, None, True, None, output=f1),
+            gather.bind(p, None, True, None, output=f1),
             wait_prim_impl.bind(f1, output=w1),
             ltorch.linear.bind(x, w1, None, output=y),
-            all_gather_prim_impl.bind(p if regather else q, None, True, None, output=f2),
+            gather.bind(p if regather else q, None, True, None, output=f2),
             wait_prim_impl.bind(f2, output=w2),
             ltorch.linear.bind(y, w2, None, output=z),
             prims.python_return.bind(z, output=None),
@@ -114,7 +118,8 @@ def _synthetic_trace(regather: bool):
 
 
 def _order(trace) -> list[str]:
-    names = {"torch_all_gather_prim_impl": "gather", "torch_wait_prim_impl": "wait", "linear": "linear"}
+    names = {"torch_all_gather_prim_impl": "gather", "tk_all_gather": "gather", "torch_wait_prim_impl": "wait",
+             "linear": "linear"}
     return [names[b.sym.name] for b in trace.bound_symbols if b.sym.name in names]
 
 
@@ -127,6 +132,10 @@ def test_second_gather_goes_out_early_unless_it_regathers():
     # ZeRO-3's second gather of one parameter: only when needed, so the parameters are never all unsharded at once.
     assert _order(overlap_collectives(_synthetic_trace(True))) == ["gather", "wait", "linear", "gather", "wait",
                                                                    "linear"]
+    # tk's own all-gather symbol (what runs on GPUs) is a collective to the schedule too.
+    ordered = overlap_collectives(_synthetic_trace(False, tk_ops=True))
+    assert _order(ordered) == ["gather", "gather", "wait", "linear", "wait", "linear"]
+    assert sum(b.sym.name == "tk_all_gather" for b in ordered.bound_symbols) == 2
 
 
 def test_disabled_or_without_waits_the_trace_is_left_alone(monkeypatch):
