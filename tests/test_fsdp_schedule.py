@@ -5,7 +5,6 @@ order (the baseline is not changed)."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,16 +16,11 @@ pytest.importorskip("litgpt")
 WORKER = Path(__file__).with_name("fsdp_schedule_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path: Path, variant: str) -> dict:
     out = tmp_path / f"{variant}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), str(WORKER), variant, str(out)]
+    # --standalone: a rendezvous on a free local port
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
+           variant, str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text())

@@ -34,10 +34,6 @@ _WAIT = "torch_wait_prim_impl"
 _ISSUE, _FEED, _OTHER, _WAITING, _REGATHER, _LAST = range(6)
 
 
-def has_collectives(trace) -> bool:
-    return any(b.sym.name in _COLLECTIVES for b in trace.bound_symbols)
-
-
 def overlap_collectives(trace):
     """The trace re-sorted as the module says, or the trace itself where it has no waits on collectives (or has
     deletions already: the sort needs the plain dataflow)."""
