@@ -107,3 +107,20 @@ def test_bad_setting_fails_before_the_model_is_built(tmp_path, monkeypatch, caps
     assert main(["pretrain", "--config", str(config), "--out_dir", str(tmp_path), "--train.max_steps", "3"]) == 2
     assert "THUNDER_TK_PROFILE_STEPS='1:3'" in capsys.readouterr().err
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_resumed_runs_first_step_is_not_profiled(tmp_path, monkeypatch):
+    """Resumed at step 3, the run's first step is step 4, which traces and compiles: a window starting there is
+    not profiled (its time would be taken out of a pace that never counted it)."""
+    pytest.importorskip("litgpt")
+    from thunder_tk.cli import main
+
+    config = Path(__file__).resolve().parents[1] / "litgpt_configs" / "tiny.yaml"
+    monkeypatch.delenv("THUNDER_TK_PROFILE_STEPS", raising=False)
+    assert main(["pretrain", "--config", str(config), "--out_dir", str(tmp_path), "--train.max_steps", "3"]) == 0
+    monkeypatch.setenv("THUNDER_TK_PROFILE_STEPS", "4:1")
+    assert main(["pretrain", "--config", str(config), "--out_dir", str(tmp_path), "--train.max_steps", "6",
+                 "--resume", "--no-checkpoint"]) == 0
+    assert not (tmp_path / "profile.json").exists()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["tokens_per_s_after_first_step"] > 0

@@ -589,7 +589,8 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     system = OsCounters()
     with gc_clock.installed(), contextlib.closing(stalls):
         while step < total_steps:
-            profiler.before(step + 1)  # THUNDER_TK_PROFILE_STEPS: it synchronises first, outside the step's time
+            if step > first_step:  # never the run's first step, which traces and compiles (a resumed run's too)
+                profiler.before(step + 1)  # THUNDER_TK_PROFILE_STEPS: it synchronises first, outside the step's time
             profiled = profiler.active
             interval_profiled |= profiled
             step_start = time.perf_counter()

@@ -157,7 +157,8 @@ class StepProfiler:
     def __init__(self, out_dir: Path, rank: int, device: torch.device, environ=os.environ):
         self.window = parse_steps(environ.get(ENV))
         self.out_dir, self.rank, self.device = out_dir, rank, device
-        self.prof, self.t0, self.done = None, 0.0, 0
+        self.prof, self.done = None, 0
+        self.started = self.t0 = 0.0  # the window's start: before its first synchronisation, after it
         # Wall time from the window's first synchronisation to the profile written: the run's pace leaves it out.
         self.spent_s = 0.0
 
