@@ -20,6 +20,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -117,6 +118,39 @@ def bench_op(op: str, per_rank: int, world: int, dtype: str, channels: dict) -> 
     return row
 
 
+class TorchLowContention:
+    """torch's own copy-engine collectives (symmetric-memory workspace, pulls/pushes by cudaMemcpyAsync), shaped
+    like a tk channel for bench_op. They allocate their output, so `out` is ignored."""
+
+    def __init__(self, group):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+        self.group_name = group.group_name
+        self.config = None
+
+    @classmethod
+    def probe(cls, group, device) -> "TorchLowContention | None":
+        """One, if both ops run on every rank (all ranks agree, so none is left waiting in a collective)."""
+        try:
+            lc = cls(group)
+            x = torch.ones(4096 * group.size(), device=device)
+            ok = bool(lc.all_gather(x[:4096]).sum().item() == x.numel()) and bool(
+                lc.reduce_scatter(x).sum().item() == 4096 * group.size())
+        except Exception as e:  # noqa: BLE001 - any failure means "not available"
+            print(f"rank {dist.get_rank()}: torch low-contention probe failed: {type(e).__name__}: {e}", flush=True)
+            lc, ok = None, False
+        flag = torch.tensor([int(ok)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return lc if flag.item() else None
+
+    def all_gather(self, x, out=None):
+        return torch.ops.symm_mem._low_contention_all_gather(x, self.group_name)
+
+    def reduce_scatter(self, x, op="sum", out=None):
+        return torch.ops.symm_mem._low_contention_reduce_scatter(x, op, self.group_name)
+
+
 def geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
@@ -178,6 +212,11 @@ def main() -> None:
                         "16 for both ops (0: the channel's), KIB smallest unit per block (0: the default), P 1 for "
                         "blocks paired with one peer each, U units each block aims at (0: the default), e.g. "
                         "128:4:128 128:2:64:0:4 128:4:64:0:0:1:8")
+    p.add_argument("--engines", nargs="+", default=[], choices=["copy", "auto"],
+                   help="more tk channels timed beside tk, moving data on the copy engines (tk_copy) or on them "
+                        "from THUNDER_TK_COLLECTIVE_CE_MIN_MB up (tk_auto); other settings from the environment")
+    p.add_argument("--torch-low-contention", action="store_true",
+                   help="also time torch's copy-engine collectives (torch.ops.symm_mem._low_contention_*)")
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     a = p.parse_args()
 
@@ -203,6 +242,15 @@ def main() -> None:
         name = (f"tk_b{b}s{slots}m{mib}" + (f"w{warps}" if warps else "") + (f"k{kib}" if kib else "")
                 + ("p" if pairs else "") + (f"u{units}" if units else ""))
         channels[name] = collectives.Channel(group, device, cfg)
+    for engine in a.engines:
+        channels[f"tk_{engine}"] = collectives.Channel(
+            group, device, dataclasses.replace(collectives.ChannelConfig.from_env(), engine=engine))
+    if a.torch_low_contention:
+        lc = TorchLowContention.probe(group, device)
+        if lc is not None:
+            channels["torch_lc"] = lc
+        elif rank == 0:
+            print("torch's low-contention collectives are unavailable here; not timed", flush=True)
     names = list(channels)
     if rank == 0:
         cfg = channels["tk"].config

@@ -36,6 +36,11 @@ VARIANTS = {
                                            "THUNDER_TK_COLLECTIVE_BLOCKS": "128"}),
     "tk, dynamic GEMM, 32 collective blocks": ("[tk]", {"THUNDER_TK_GEMM_SCHEDULE": "dynamic",
                                                          "THUNDER_TK_COLLECTIVE_BLOCKS": "32"}),
+    # The large collectives on the copy engines (no SMs taken from the GEMMs that overlap them); messages under
+    # 16 MiB gathered stay on 32 blocks of tk's kernels.
+    "tk, dynamic GEMM, copy-engine collectives": ("[tk]", {"THUNDER_TK_GEMM_SCHEDULE": "dynamic",
+                                                            "THUNDER_TK_COLLECTIVE_BLOCKS": "32",
+                                                            "THUNDER_TK_COLLECTIVE_ENGINE": "auto"}),
     # tk without its FSDP schedule (thunder_tk/fsdp_schedule.py): the fuser's order, all gathers before the
     # forward's compute and every reduce-scatter after the backward's.
     "tk - fsdp schedule": ("[tk]", {"THUNDER_TK_DISABLE": "collective_schedule"}),

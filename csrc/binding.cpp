@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "kernels/attention/backward.h"
 #include "kernels/attention/dq_finalize.h"
 #include "kernels/attention/forward.h"
+#include "kernels/collectives/copy_engine.h"
 #include "kernels/collectives/p2p.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/loss/cross_entropy.h"
@@ -291,9 +293,30 @@ class P2PChannel {
                         py::arg("total_bytes") = L.total_bytes());
     }
 
+    // Attach the copy-engine path (a second symmetric buffer of copy_engine_layout); made once, collectively.
+    void attach_copy_engine(int slots, int64_t buffer_bytes, std::vector<std::uintptr_t> buffers, int reduce_blocks) {
+        if (static_cast<int>(buffers.size()) != args_.layout.world)
+            throw std::invalid_argument("P2PChannel.attach_copy_engine: one buffer per rank");
+        copy_engine_ = std::make_unique<tk::collectives::copy_engine>(args_.layout.world, args_.rank, slots,
+                                                                      buffer_bytes, buffers.data(), reduce_blocks);
+    }
+
+    static py::dict copy_engine_layout(int world, int slots, int64_t buffer_bytes) {
+        tk::collectives::copy_engine_layout L{world, slots, buffer_bytes};
+        return py::dict(py::arg("flag_bytes") = L.flag_words() * 4, py::arg("stage_offset") = L.stage_offset(),
+                        py::arg("gather_slot_bytes") = L.gather_slot_bytes(),
+                        py::arg("scatter_slot_bytes") = L.scatter_slot_bytes());
+    }
+
+    // `copy_engine`: move the data on the copy engines (needs attach_copy_engine); a stream under CUDA-graph capture
+    // always gets the SM kernels (the copy engine's flags carry host-side sequence numbers).
     int all_gather(std::uintptr_t in, std::uintptr_t out, int64_t bytes_per_rank, int64_t chunk_bytes, int elem_bytes,
-                   std::uintptr_t caller, bool async, int grid, int sender_warps) {
+                   std::uintptr_t caller, bool async, int grid, int sender_warps, bool copy_engine) {
         check_sender_warps(sender_warps);
+        if (use_copy_engine(copy_engine, caller))
+            return ordered(caller, async, "all_gather (copy engine)", [&](cudaStream_t s) {
+                return copy_engine_->all_gather(as_ptr<void>(in), reinterpret_cast<void*>(out), bytes_per_rank, s);
+            });
         tk::collectives::all_gather_args a{args_, as_ptr<void>(in), reinterpret_cast<void*>(out), bytes_per_rank,
                                            chunk_bytes, elem_bytes, sender_warps};
         return ordered(caller, async, "all_gather",
@@ -301,8 +324,13 @@ class P2PChannel {
     }
 
     int reduce_scatter(std::uintptr_t in, std::uintptr_t out, int64_t elems_per_rank, int64_t chunk_elems, int dtype,
-                       bool average, std::uintptr_t caller, bool async, int grid, int sender_warps) {
+                       bool average, std::uintptr_t caller, bool async, int grid, int sender_warps, bool copy_engine) {
         check_sender_warps(sender_warps);
+        if (use_copy_engine(copy_engine, caller))
+            return ordered(caller, async, "reduce_scatter (copy engine)", [&](cudaStream_t s) {
+                return copy_engine_->reduce_scatter(as_ptr<void>(in), reinterpret_cast<void*>(out), elems_per_rank,
+                                                    dtype, average, s);
+            });
         tk::collectives::reduce_scatter_args a{args_, as_ptr<void>(in), reinterpret_cast<void*>(out), elems_per_rank,
                                                chunk_elems, dtype, average, sender_warps};
         return ordered(caller, async, "reduce_scatter",
@@ -317,6 +345,14 @@ class P2PChannel {
     }
 
   private:
+    bool use_copy_engine(bool wanted, std::uintptr_t caller) const {
+        if (!wanted) return false;
+        if (!copy_engine_) throw std::invalid_argument("P2PChannel: no copy engine attached");
+        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+        check_launch(cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(caller), &status), "capture query");
+        return status == cudaStreamCaptureStatusNone;
+    }
+
     static void check_sender_warps(int warps) {
         if (warps < 1 || warps > 15)
             throw std::invalid_argument("P2PChannel: sender_warps must be 1..15 (of a block's 16 warps)");
@@ -351,6 +387,7 @@ class P2PChannel {
     }
 
     tk::collectives::channel_args args_{};
+    std::unique_ptr<tk::collectives::copy_engine> copy_engine_;
     cudaStream_t comm_ = nullptr, last_stream_ = nullptr;
     cudaEvent_t inputs_ready_ = nullptr;
     std::array<cudaEvent_t, ring> done_{};
@@ -548,12 +585,19 @@ PYBIND11_MODULE(_C, m) {
                     py::arg("cell_bytes"), py::arg("pairs") = false, "Byte sizes of one rank's symmetric buffer.")
         .def("all_gather", &P2PChannel::all_gather, py::arg("inp"), py::arg("out"), py::arg("bytes_per_rank"),
              py::arg("chunk_bytes"), py::arg("elem_bytes"), py::arg("caller_stream"), py::arg("async_op"),
-             py::arg("grid") = 0, py::arg("sender_warps") = 8,
-             "Returns a handle for wait(). sender_warps: of a block's 16 warps, how many send.")
+             py::arg("grid") = 0, py::arg("sender_warps") = 8, py::arg("copy_engine") = false,
+             "Returns a handle for wait(). sender_warps: of a block's 16 warps, how many send. copy_engine: move "
+             "the data on the copy engines (attach_copy_engine first).")
         .def("reduce_scatter", &P2PChannel::reduce_scatter, py::arg("inp"), py::arg("out"), py::arg("elems_per_rank"),
              py::arg("chunk_elems"), py::arg("dtype"), py::arg("average"), py::arg("caller_stream"),
-             py::arg("async_op"), py::arg("grid") = 0, py::arg("sender_warps") = 8,
-             "Returns a handle for wait(). sender_warps: of a block's 16 warps, how many send (the rest reduce).")
+             py::arg("async_op"), py::arg("grid") = 0, py::arg("sender_warps") = 8, py::arg("copy_engine") = false,
+             "Returns a handle for wait(). sender_warps: of a block's 16 warps, how many send (the rest reduce). "
+             "copy_engine: move the data on the copy engines (attach_copy_engine first).")
+        .def("attach_copy_engine", &P2PChannel::attach_copy_engine, py::arg("slots"), py::arg("buffer_bytes"),
+             py::arg("buffers"), py::arg("reduce_blocks"),
+             "Set up the copy-engine path on a second symmetric buffer (every rank, before its first use).")
+        .def_static("copy_engine_layout", &P2PChannel::copy_engine_layout, py::arg("world"), py::arg("slots"),
+                    py::arg("buffer_bytes"), "Byte offsets of the copy-engine buffer's flags and slot sizes.")
         .def("wait", &P2PChannel::wait, py::arg("handle"), py::arg("stream"));
 
     register_selftests(m);

@@ -20,6 +20,10 @@ def test_defaults_give_reduce_scatter_more_receiving_warps():
     ("rs_sender_warps", 0, "rs_sender_warps must be 1..15"),
     ("min_chunk_bytes", 8200, "min_chunk_bytes must be a positive multiple of 16"),
     ("units_per_block", 0, "units_per_block must be >= 1"),
+    ("engine", "nvlink", "engine must be one of sm, copy, auto"),
+    ("copy_slots", 1, "copy_slots must be >= 2"),
+    ("copy_buffer_bytes", 4096, "copy_buffer_bytes must be at least 1 MiB"),
+    ("copy_reduce_blocks", 0, "copy_reduce_blocks must be >= 1"),
 ])
 def test_a_bad_setting_is_named(field, value, words):
     kwargs = dict(blocks=128, buffer_bytes=64 << 20, timeout_s=600.0)
@@ -59,3 +63,23 @@ def test_units_per_block_sets_the_unit_size(units, total_mib, want):
     assert got == want and got % 16 == 0
     if cfg.min_chunk_bytes < got < 128 << 10:
         assert -(-per_rank // got) <= 42 * units  # every lane gets at most `units` of them
+
+
+def test_the_engine_knobs_choose_per_message(monkeypatch):
+    assert ChannelConfig.from_env().engine == "sm"
+    assert not ChannelConfig.from_env().uses_copy_engine(1 << 30)
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_ENGINE", "Copy")
+    cfg = ChannelConfig.from_env()
+    assert cfg.engine == "copy" and cfg.uses_copy_engine(16) and cfg.uses_copy_engine(1 << 30)
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_ENGINE", "auto")
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_CE_MIN_MB", "0.5")
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_CE_BUFFER_MB", "32")
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_CE_SLOTS", "3")
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_CE_REDUCE_BLOCKS", "8")
+    cfg = ChannelConfig.from_env()
+    assert (cfg.copy_min_bytes, cfg.copy_buffer_bytes, cfg.copy_slots, cfg.copy_reduce_blocks) == (
+        512 << 10, 32 << 20, 3, 8)
+    assert not cfg.uses_copy_engine((512 << 10) - 1) and cfg.uses_copy_engine(512 << 10)
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_ENGINE", "dma")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        ChannelConfig.from_env()

@@ -19,6 +19,13 @@ Environment knobs (read when a channel is made, so set them alike on every rank)
   blocks x slots x peers cells (blocks x slots with pairs).
 - THUNDER_TK_COLLECTIVE_PAIRS (default 1): with three or more ranks, each block exchanges with one peer (block b
   sends to the rank 1 + b % (ranks - 1) ahead) instead of every block with every peer (0).
+- THUNDER_TK_COLLECTIVE_ENGINE (default sm): "sm" moves every collective's data with tk's kernels; "copy" moves
+  it on the GPUs' copy engines (cudaMemcpyAsync between peer mappings: no SMs, but for reduce-scatter's sum on
+  THUNDER_TK_COLLECTIVE_CE_REDUCE_BLOCKS blocks, default 16), so compute that overlaps keeps every SM; "auto"
+  uses the copy engines from THUNDER_TK_COLLECTIVE_CE_MIN_MB (default 16) of gathered data up. Streams under
+  CUDA-graph capture always get the kernels. The copy-engine path has a buffer of its own,
+  THUNDER_TK_COLLECTIVE_CE_BUFFER_MB (default 128), in THUNDER_TK_COLLECTIVE_CE_SLOTS (default 2) slots per
+  source, and no timeout: a rank that never reaches a collective leaves its peers waiting, as with NCCL.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ MIN_CHUNK_BYTES = 8192  # smallest unit of work one block moves
 # all-gather 307 to 313 at 64 MiB; on 2x H200 2, 4 and 8 were equal within 1% (benchmarks/NOTES.md).
 SLOTS = 4
 UNITS_PER_BLOCK = 4  # aim for this many units per block, so sending and draining overlap inside each block
+ENGINES = ("sm", "copy", "auto")
 
 
 class CollectiveError(RuntimeError):
@@ -142,6 +150,13 @@ class ChannelConfig:
     # 4x H200 (6be777d): reduce-scatter 0.91-0.99x NCCL at >= 64 MiB unpaired, 1.06-1.10x paired (4 slots),
     # all-gather 0.98-1.06x and 1.06-1.18x, and under 17 us where unpaired took 17-19 at <= 1 MiB.
     pairs: bool = True
+    # Where the data moves: "sm" (tk's kernels), "copy" (the copy engines), "auto" (copy engines for gathered
+    # sizes >= copy_min_bytes). The copy engines leave the SMs to the compute that overlaps a collective.
+    engine: str = "sm"
+    copy_buffer_bytes: int = 128 << 20
+    copy_slots: int = 2
+    copy_min_bytes: int = 16 << 20
+    copy_reduce_blocks: int = 16
 
     def __post_init__(self):
         problems = [f"{name} {why}" for name, bad, why in (
@@ -154,6 +169,11 @@ class ChannelConfig:
             ("min_chunk_bytes", self.min_chunk_bytes < 16 or self.min_chunk_bytes % 16,
              "must be a positive multiple of 16"),
             ("units_per_block", self.units_per_block < 1, "must be >= 1"),
+            ("engine", self.engine not in ENGINES, f"must be one of {', '.join(ENGINES)}"),
+            ("copy_buffer_bytes", self.copy_buffer_bytes < (1 << 20), "must be at least 1 MiB"),
+            ("copy_slots", self.copy_slots < 2, "must be >= 2 (one slot is read while the next fills)"),
+            ("copy_min_bytes", self.copy_min_bytes < 0, "must be >= 0"),
+            ("copy_reduce_blocks", self.copy_reduce_blocks < 1, "must be >= 1"),
         ) if bad]
         if problems:
             raise ValueError(f"ChannelConfig: {'; '.join(problems)} (got {self})")
@@ -167,7 +187,17 @@ class ChannelConfig:
             slots=_env_number("THUNDER_TK_COLLECTIVE_SLOTS", SLOTS),
             pairs=bool(_env_number("THUNDER_TK_COLLECTIVE_PAIRS", 1)),
             units_per_block=_env_number("THUNDER_TK_COLLECTIVE_UNITS", UNITS_PER_BLOCK),
+            engine=os.environ.get("THUNDER_TK_COLLECTIVE_ENGINE", "sm").strip().lower() or "sm",
+            copy_buffer_bytes=_env_number("THUNDER_TK_COLLECTIVE_CE_BUFFER_MB", 128) << 20,
+            copy_slots=_env_number("THUNDER_TK_COLLECTIVE_CE_SLOTS", 2),
+            copy_min_bytes=int(_env_number("THUNDER_TK_COLLECTIVE_CE_MIN_MB", 16.0, float) * (1 << 20)),
+            copy_reduce_blocks=_env_number("THUNDER_TK_COLLECTIVE_CE_REDUCE_BLOCKS", 16),
         )
+
+    def uses_copy_engine(self, gathered_bytes: int) -> bool:
+        """Whether a collective of `gathered_bytes` (all-gather output, reduce-scatter input) moves on the copy
+        engines."""
+        return self.engine == "copy" or (self.engine == "auto" and gathered_bytes >= self.copy_min_bytes)
 
 
 def chunk_bytes(bytes_per_rank: int, lanes: int, config: ChannelConfig, cell_bytes: int) -> int:
@@ -223,6 +253,18 @@ class Channel:
             self._kernels = ext.P2PChannel(self.world, config.blocks, config.slots, cell, self.rank,
                                            [int(p) for p in self._handle.buffer_ptrs], self._error.data_ptr(),
                                            int(config.timeout_s * 1e9), self.stream.cuda_stream, self.pairs)
+            self._copy_buffer = self._copy_handle = None
+            if config.engine != "sm":
+                copy_layout = ext.P2PChannel.copy_engine_layout(self.world, config.copy_slots,
+                                                                config.copy_buffer_bytes)
+                self._copy_buffer = symm_mem.empty(config.copy_buffer_bytes, dtype=torch.uint8, device=self.device)
+                self._copy_buffer[: copy_layout["flag_bytes"]].zero_()
+                self._copy_handle = symm_mem.rendezvous(self._copy_buffer, group)
+                self._copy_handle.barrier()
+                torch.cuda.current_stream(self.device).synchronize()
+                self._kernels.attach_copy_engine(config.copy_slots, config.copy_buffer_bytes,
+                                                 [int(p) for p in self._copy_handle.buffer_ptrs],
+                                                 config.copy_reduce_blocks)
         self._failure: CollectiveError | None = None
 
     def chunk_bytes(self, bytes_per_rank: int) -> int:
@@ -279,7 +321,8 @@ class Channel:
         nbytes = a.numel() * a.element_size()
         handle = self._kernels.all_gather(a.data_ptr(), out.data_ptr(), nbytes, self.chunk_bytes(nbytes),
                                           a.element_size(), _current_stream(self._index), async_op, 0,
-                                          self.config.ag_sender_warps)
+                                          self.config.ag_sender_warps,
+                                          self.config.uses_copy_engine(nbytes * self.world))
         if not async_op:
             return out
         return self._work(handle, (a, out)), out
@@ -300,7 +343,8 @@ class Channel:
         n, esize = out.numel(), a.element_size()
         handle = self._kernels.reduce_scatter(a.data_ptr(), out.data_ptr(), n, self.chunk_bytes(n * esize) // esize,
                                               _DTYPE_CODES[a.dtype], op == "avg", _current_stream(self._index),
-                                              async_op, 0, self.config.rs_sender_warps)
+                                              async_op, 0, self.config.rs_sender_warps,
+                                              self.config.uses_copy_engine(a.numel() * esize))
         if not async_op:
             return out
         return self._work(handle, (a, out)), out

@@ -172,6 +172,77 @@ def case_kernels(device) -> None:
     log("ok: bad inputs raise")
 
 
+def case_copy_engine(device) -> None:
+    """The copy-engine path: the same answers as NCCL, through a small buffer (many chunks per call, slots reused
+    across calls and ops), mixed with the SM kernels on one channel, asynchronous, and at 1 GiB."""
+    import dataclasses
+
+    w, r = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator(device=device).manual_seed(4321 + r)
+    base = dataclasses.replace(collectives.ChannelConfig.from_env(), timeout_s=60.0, engine="copy",
+                               copy_buffer_bytes=1 << 20)
+    ch = collectives.Channel(dist.group.WORLD, device, base)
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            x = torch.randn(shape, device=device, dtype=dtype, generator=g)
+            poison_allocator(x.numel() * x.element_size() * w * 2, device)
+            assert torch.equal(ch.all_gather(x), nccl_all_gather(x)), f"copy-engine all_gather {dtype} {shape}"
+            y = torch.randn((shape[0] * w, *shape[1:]), device=device, dtype=dtype, generator=g)
+            for name in ("sum", "avg"):
+                poison_allocator(y.numel() * y.element_size() * 2, device)
+                err, bound = reduce_scatter_error(ch.reduce_scatter(y, name), y, name == "avg")
+                assert err <= bound * 1.01, f"copy-engine reduce_scatter {name} {dtype} {shape}: {err:.3g} > {bound:.3g}"
+    base_view = torch.randn(64, 48, device=device, dtype=torch.bfloat16, generator=g)
+    for view in (base_view.t(), base_view[:, ::3], base_view[5:37]):
+        assert torch.equal(ch.all_gather(view), nccl_all_gather(view.contiguous()))
+    log(f"ok: copy engine: all_gather bit-identical, reduce_scatter exact to one rounding, {len(SHAPES)} shapes, "
+        "3 dtypes, strided views, 1 MiB buffer")
+
+    # One channel choosing per call ("auto" from 64 KiB gathered): SM kernels and copy engines interleaved, on the
+    # caller's stream and asynchronously, each call's data checked.
+    mixed = collectives.Channel(dist.group.WORLD, device,
+                                dataclasses.replace(base, engine="auto", copy_min_bytes=64 << 10))
+    pending = []
+    for i in range(200):
+        n = [1, 1000, 12345, 1 << 18, 3 << 20][i % 5]
+        x = torch.full((n,), float(r + i), device=device, dtype=torch.float32)
+        if i % 2:
+            expect = torch.cat([torch.full((n,), float(q + i), device=device) for q in range(w)])
+            if i % 3 == 0:
+                work, got = mixed.all_gather(x, async_op=True)
+                pending.append((work, got, expect, i))
+                continue
+            got = mixed.all_gather(x)
+        else:
+            got = mixed.reduce_scatter(torch.cat([x] * w))
+            expect = torch.full((n,), float(sum(q + i for q in range(w))), device=device)
+        assert torch.equal(got, expect), f"mixed call {i} (n={n}) wrong"
+    for work, got, expect, i in pending:
+        work.wait()
+        assert torch.equal(got, expect), f"async mixed call {i} wrong"
+    log("ok: 200 calls mixing SM kernels and copy engines on one channel, sync and async")
+
+    # Async with compute in between, and 1 GiB through the default copy buffer.
+    big = collectives.Channel(dist.group.WORLD, device, dataclasses.replace(base, copy_buffer_bytes=128 << 20))
+    x = torch.randn(8 << 20, device=device, dtype=torch.bfloat16, generator=g)
+    work, out = big.all_gather(x, async_op=True)
+    busy = torch.randn(4096, 4096, device=device)
+    for _ in range(4):
+        busy = busy @ busy * 1e-3
+    work.wait()
+    assert torch.equal(out, nccl_all_gather(x))
+    x = torch.randn((1 << 29) // w, device=device, dtype=torch.bfloat16, generator=g)
+    assert torch.equal(big.all_gather(x), nccl_all_gather(x)), "1 GiB copy-engine all_gather differs"
+    y = torch.randn(1 << 29, device=device, dtype=torch.bfloat16, generator=g)
+    got = big.reduce_scatter(y)
+    exact = y.float()
+    dist.all_reduce(exact)
+    exact = exact[r * got.shape[0]:(r + 1) * got.shape[0]]
+    err = ((got.float() - exact).abs() / exact.abs().clamp_min(1e-2)).max().item()
+    assert err <= 2 ** -8 * 1.01, f"1 GiB copy-engine reduce_scatter: rel err {err:.3g}"
+    log("ok: copy engine async with compute, and 1 GiB all_gather and reduce_scatter")
+
+
 def case_small(device) -> None:
     """A few shapes of each op and dtype (for compute-sanitizer, which is slow)."""
     r = dist.get_rank()

@@ -46,6 +46,11 @@ def test_all_gather_and_reduce_scatter_match_nccl():
     assert "ok: 1 GiB all_gather and reduce_scatter" in out
 
 
+def test_copy_engine_collectives_match_nccl():
+    out = torchrun("copy_engine")
+    assert "ok: copy engine async with compute, and 1 GiB" in out
+
+
 def test_a_missing_peer_times_out_with_a_clear_error():
     out = torchrun("timeout", timeout=200)
     assert "ok: timeout after" in out and "ok: other channels still work" in out

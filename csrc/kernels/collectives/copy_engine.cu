@@ -1,0 +1,290 @@
+// Collectives on the copy engines (see copy_engine.h for the protocol).
+#include "kernels/collectives/copy_engine.h"
+
+#include <cuda.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kittens/common.cuh"
+
+namespace tk::collectives {
+namespace {
+
+enum flag_kind : int { ag_ready = 0, ag_done = 1, rs_ready = 2, rs_done = 3 };
+constexpr int scratch_stage = 0, scratch_reduce = 1;  // then 2 + p for link p
+
+using stream_value_fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+// Driver entry points looked up at run time, so the module never links libcuda.
+stream_value_fn driver_fn(const char* name) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &status) != cudaSuccess ||
+        status != cudaDriverEntryPointSuccess)
+        return nullptr;
+    return reinterpret_cast<stream_value_fn>(p);
+}
+stream_value_fn wait_value() {
+    static stream_value_fn fn = driver_fn("cuStreamWaitValue32");
+    return fn;
+}
+stream_value_fn write_value() {
+    static stream_value_fn fn = driver_fn("cuStreamWriteValue32");
+    return fn;
+}
+
+cudaError_t from_driver(CUresult r) { return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorUnknown; }
+
+// Reduce-scatter's sum: out[i] = scale * sum over ranks r (in rank order, fp32) of src[r][i].
+struct sum_args {
+    const void* src[max_ranks];
+    void* out;
+    int64_t n;
+    int world;
+    float scale;
+};
+
+constexpr int sum_threads = 512;
+constexpr int sum_unroll = 4;
+
+template <typename T> __device__ __forceinline__ float as_float(T v) { return static_cast<float>(v); }
+
+template <typename T>
+__global__ void __launch_bounds__(sum_threads) sum_kernel(const sum_args a) {
+    const T* const* src = reinterpret_cast<const T* const*>(a.src);
+    T* out = static_cast<T*>(a.out);
+    bool vec = (reinterpret_cast<uintptr_t>(out) & 15) == 0;
+    for (int r = 0; r < a.world; ++r) vec = vec && (reinterpret_cast<uintptr_t>(src[r]) & 15) == 0;
+    constexpr int V = 16 / sizeof(T);
+    const int64_t stride = int64_t(gridDim.x) * sum_threads;
+    const int64_t first = int64_t(blockIdx.x) * sum_threads + threadIdx.x;
+    int64_t done = 0;
+    if (vec) {
+        const int64_t n_vec = a.n / V;
+        for (int64_t base = first; base < n_vec; base += stride * sum_unroll) {
+            float acc[sum_unroll][V];
+#pragma unroll
+            for (int u = 0; u < sum_unroll; ++u)
+#pragma unroll
+                for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
+            for (int r = 0; r < a.world; ++r) {
+                const uint4* p = reinterpret_cast<const uint4*>(src[r]);
+                uint4 raw[sum_unroll];
+#pragma unroll
+                for (int u = 0; u < sum_unroll; ++u) {
+                    const int64_t i = base + u * stride;
+                    if (i < n_vec) raw[u] = __ldcg(p + i);  // staging is rewritten by peers' copies: skip L1
+                }
+#pragma unroll
+                for (int u = 0; u < sum_unroll; ++u) {
+                    const T* v = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+                    for (int e = 0; e < V; ++e) acc[u][e] += as_float(v[e]);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < sum_unroll; ++u) {
+                const int64_t i = base + u * stride;
+                if (i >= n_vec) break;
+                uint4 packed;
+                T* w = reinterpret_cast<T*>(&packed);
+#pragma unroll
+                for (int e = 0; e < V; ++e) w[e] = static_cast<T>(acc[u][e] * a.scale);
+                reinterpret_cast<uint4*>(out)[i] = packed;
+            }
+        }
+        done = n_vec * V;
+    }
+    for (int64_t i = done + first; i < a.n; i += stride) {
+        float acc = 0.0f;
+        for (int r = 0; r < a.world; ++r) acc += as_float(__ldcg(src[r] + i));
+        out[i] = static_cast<T>(acc * a.scale);
+    }
+}
+
+cudaError_t launch_sum(const sum_args& a, int dtype_code, int max_blocks, cudaStream_t s) {
+    const int elem = dtype_code == static_cast<int>(dtype::fp32) ? 4 : 2;
+    const int64_t per_block = int64_t(sum_threads) * sum_unroll * (16 / elem);
+    const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, (a.n + per_block - 1) / per_block)));
+    switch (static_cast<dtype>(dtype_code)) {
+        case dtype::bf16: sum_kernel<__nv_bfloat16><<<grid, sum_threads, 0, s>>>(a); break;
+        case dtype::fp16: sum_kernel<__half><<<grid, sum_threads, 0, s>>>(a); break;
+        case dtype::fp32: sum_kernel<float><<<grid, sum_threads, 0, s>>>(a); break;
+        default: return cudaErrorInvalidValue;
+    }
+    return cudaGetLastError();
+}
+
+void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess)
+        throw std::runtime_error(std::string("copy_engine: ") + what + ": " + cudaGetErrorString(e));
+}
+
+#define TK_TRY(expr)                                  \
+    do {                                              \
+        if (cudaError_t e_ = (expr); e_ != cudaSuccess) \
+            return e_;                                \
+    } while (0)
+
+}  // namespace
+
+copy_engine::copy_engine(int world, int rank, int slots, int64_t buffer_bytes, const std::uintptr_t* buffers,
+                         int reduce_blocks) {
+    if (world < 2 || world > max_ranks) throw std::invalid_argument("copy_engine: world must be 2.." + std::to_string(max_ranks));
+    if (rank < 0 || rank >= world) throw std::invalid_argument("copy_engine: rank out of range");
+    if (slots < 2) throw std::invalid_argument("copy_engine: slots must be >= 2");
+    if (reduce_blocks < 1) throw std::invalid_argument("copy_engine: reduce_blocks must be >= 1");
+    layout_ = copy_engine_layout{world, slots, buffer_bytes};
+    if (layout_.scatter_slot_bytes() < 4096)
+        throw std::invalid_argument("copy_engine: buffer too small for " + std::to_string(world) + " ranks and " +
+                                    std::to_string(slots) + " slots");
+    if (wait_value() == nullptr || write_value() == nullptr)
+        throw std::runtime_error("copy_engine: the driver has no cuStreamWaitValue32/cuStreamWriteValue32");
+    rank_ = rank;
+    reduce_blocks_ = reduce_blocks;
+    for (int r = 0; r < world; ++r) buffers_[r] = reinterpret_cast<void*>(buffers[r]);
+    check(cudaStreamCreateWithFlags(&stage_, cudaStreamNonBlocking), "stream");
+    check(cudaStreamCreateWithFlags(&reduce_, cudaStreamNonBlocking), "stream");
+    for (int p = 0; p < world; ++p)
+        if (p != rank) check(cudaStreamCreateWithFlags(&link_[p], cudaStreamNonBlocking), "stream");
+    check(cudaEventCreateWithFlags(&forked_, cudaEventDisableTiming), "event");
+    for (auto& ev : joined_) check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "event");
+}
+
+copy_engine::~copy_engine() {
+    for (auto ev : joined_) if (ev) cudaEventDestroy(ev);
+    if (forked_) cudaEventDestroy(forked_);
+    for (auto s : link_) if (s) cudaStreamDestroy(s);
+    if (reduce_) cudaStreamDestroy(reduce_);
+    if (stage_) cudaStreamDestroy(stage_);
+}
+
+uint32_t* copy_engine::flag(int rank, int kind, int source, int slot) const {
+    return static_cast<uint32_t*>(buffers_[rank]) + (int64_t(kind) * layout_.world + source) * layout_.slots + slot;
+}
+
+// Set this rank's word `kind`[rank_][slot] in `to_rank`'s buffer to `value`, after everything before it on `s`.
+cudaError_t copy_engine::signal(cudaStream_t s, int scratch, uint32_t value, int to_rank, int kind, int slot) {
+    uint32_t* word = static_cast<uint32_t*>(buffers_[rank_]) + 4ll * layout_.world * layout_.slots + scratch;
+    TK_TRY(from_driver(write_value()(s, reinterpret_cast<CUdeviceptr>(word), value, CU_STREAM_WRITE_VALUE_DEFAULT)));
+    return cudaMemcpyAsync(flag(to_rank, kind, rank_, slot), word, sizeof(uint32_t), cudaMemcpyDefault, s);
+}
+
+// Hold `s` until this rank's word `kind`[source][slot] has reached `value` (wrapping comparison).
+cudaError_t copy_engine::wait(cudaStream_t s, int kind, int source, int slot, uint32_t value) {
+    return from_driver(wait_value()(s, reinterpret_cast<CUdeviceptr>(flag(rank_, kind, source, slot)), value,
+                                    CU_STREAM_WAIT_VALUE_GEQ));
+}
+
+cudaError_t copy_engine::fork(cudaStream_t caller) {
+    TK_TRY(cudaEventRecord(forked_, caller));
+    TK_TRY(cudaStreamWaitEvent(stage_, forked_, 0));
+    TK_TRY(cudaStreamWaitEvent(reduce_, forked_, 0));
+    for (int p = 0; p < layout_.world; ++p)
+        if (p != rank_) TK_TRY(cudaStreamWaitEvent(link_[p], forked_, 0));
+    return cudaSuccess;
+}
+
+cudaError_t copy_engine::join(cudaStream_t caller) {
+    int i = 0;
+    auto join_one = [&](cudaStream_t s) -> cudaError_t {
+        TK_TRY(cudaEventRecord(joined_[i], s));
+        TK_TRY(cudaStreamWaitEvent(caller, joined_[i], 0));
+        ++i;
+        return cudaSuccess;
+    };
+    TK_TRY(join_one(stage_));
+    TK_TRY(join_one(reduce_));
+    for (int p = 0; p < layout_.world; ++p)
+        if (p != rank_) TK_TRY(join_one(link_[p]));
+    return cudaSuccess;
+}
+
+cudaError_t copy_engine::all_gather(const void* in, void* out, int64_t bytes_per_rank, cudaStream_t stream) {
+    if (bytes_per_rank <= 0) return bytes_per_rank == 0 ? cudaSuccess : cudaErrorInvalidValue;
+    const int W = layout_.world, S = layout_.slots;
+    const int64_t C = layout_.gather_slot_bytes();
+    const int64_t chunks = (bytes_per_rank + C - 1) / C;
+    const char* src = static_cast<const char*>(in);
+    char* dst = static_cast<char*>(out);
+    TK_TRY(fork(stream));
+    // This rank's own part goes straight to its place, beside the exchange.
+    TK_TRY(cudaMemcpyAsync(dst + rank_ * bytes_per_rank, src, bytes_per_rank, cudaMemcpyDefault, reduce_));
+    for (int64_t i = 0; i < chunks; ++i) {
+        const uint64_t k = gathered_ + i;
+        const int slot = static_cast<int>(k % S);
+        const uint32_t seq = static_cast<uint32_t>(k + 1);
+        const int64_t off = i * C, len = std::min(C, bytes_per_rank - off);
+        char* my_slot = stage(rank_) + slot * C;
+        if (k >= static_cast<uint64_t>(S))  // every peer has read the chunk this slot held before
+            for (int p = 0; p < W; ++p)
+                if (p != rank_) TK_TRY(wait(stage_, ag_done, p, slot, static_cast<uint32_t>(k + 1 - S)));
+        TK_TRY(cudaMemcpyAsync(my_slot, src + off, len, cudaMemcpyDefault, stage_));
+        for (int p = 0; p < W; ++p)
+            if (p != rank_) TK_TRY(signal(stage_, scratch_stage, seq, p, ag_ready, slot));
+        for (int p = 0; p < W; ++p) {
+            if (p == rank_) continue;
+            TK_TRY(wait(link_[p], ag_ready, p, slot, seq));
+            TK_TRY(cudaMemcpyAsync(dst + p * bytes_per_rank + off, stage(p) + slot * C, len, cudaMemcpyDefault,
+                                   link_[p]));
+            TK_TRY(signal(link_[p], 2 + p, seq, p, ag_done, slot));
+        }
+    }
+    gathered_ += chunks;
+    return join(stream);
+}
+
+cudaError_t copy_engine::reduce_scatter(const void* in, void* out, int64_t elems_per_rank, int dtype_code,
+                                        bool average, cudaStream_t stream) {
+    if (elems_per_rank <= 0) return elems_per_rank == 0 ? cudaSuccess : cudaErrorInvalidValue;
+    if (dtype_code < 0 || dtype_code > 2) return cudaErrorInvalidValue;
+    const int W = layout_.world, S = layout_.slots;
+    const int64_t es = dtype_code == static_cast<int>(dtype::fp32) ? 4 : 2;
+    const int64_t slot_bytes = layout_.scatter_slot_bytes();
+    const int64_t C = slot_bytes / es;  // elements per chunk
+    const int64_t chunks = (elems_per_rank + C - 1) / C;
+    const char* src = static_cast<const char*>(in);
+    char* dst = static_cast<char*>(out);
+    // Where the part from `sender` sits in `receiver`'s staging.
+    auto region = [&](int receiver, int sender, int slot) {
+        const int q = (sender - receiver - 1 + W) % W;
+        return stage(receiver) + (int64_t(q) * S + slot) * slot_bytes;
+    };
+    TK_TRY(fork(stream));
+    for (int64_t i = 0; i < chunks; ++i) {
+        const uint64_t k = scattered_ + i;
+        const int slot = static_cast<int>(k % S);
+        const uint32_t seq = static_cast<uint32_t>(k + 1);
+        const int64_t off = i * C, len = std::min(C, elems_per_rank - off);
+        for (int p = 0; p < W; ++p) {
+            if (p == rank_) continue;
+            if (k >= static_cast<uint64_t>(S))  // p has summed what this rank staged there `slots` chunks ago
+                TK_TRY(wait(link_[p], rs_done, p, slot, static_cast<uint32_t>(k + 1 - S)));
+            TK_TRY(cudaMemcpyAsync(region(p, rank_, slot), src + (p * elems_per_rank + off) * es, len * es,
+                                   cudaMemcpyDefault, link_[p]));
+            TK_TRY(signal(link_[p], 2 + p, seq, p, rs_ready, slot));
+        }
+        sum_args a{};
+        for (int r = 0; r < W; ++r) {
+            if (r == rank_) {
+                a.src[r] = src + (r * elems_per_rank + off) * es;
+            } else {
+                TK_TRY(wait(reduce_, rs_ready, r, slot, seq));
+                a.src[r] = region(rank_, r, slot);
+            }
+        }
+        a.out = dst + off * es;
+        a.n = len;
+        a.world = W;
+        a.scale = average ? 1.0f / W : 1.0f;
+        TK_TRY(launch_sum(a, dtype_code, reduce_blocks_, reduce_));
+        for (int p = 0; p < W; ++p)
+            if (p != rank_) TK_TRY(signal(reduce_, scratch_reduce, seq, p, rs_done, slot));
+    }
+    scattered_ += chunks;
+    return join(stream);
+}
+
+}  // namespace tk::collectives
