@@ -24,6 +24,7 @@ import dataclasses  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -125,7 +126,9 @@ class TorchLowContention:
     def __init__(self, group):
         import torch.distributed._symmetric_memory as symm_mem
 
-        symm_mem.enable_symm_mem_for_group(group.group_name)
+        with warnings.catch_warnings():  # needed before torch 2.10, deprecated since
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group.group_name)
         self.group_name = group.group_name
         self.config = None
 
@@ -144,11 +147,14 @@ class TorchLowContention:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return lc if flag.item() else None
 
+    # They run on a stream of their own and register their work: wait_tensor puts the caller's stream after it.
     def all_gather(self, x, out=None):
-        return torch.ops.symm_mem._low_contention_all_gather(x, self.group_name)
+        return torch.ops._c10d_functional.wait_tensor(
+            torch.ops.symm_mem._low_contention_all_gather(x, self.group_name))
 
     def reduce_scatter(self, x, op="sum", out=None):
-        return torch.ops.symm_mem._low_contention_reduce_scatter(x, op, self.group_name)
+        return torch.ops._c10d_functional.wait_tensor(
+            torch.ops.symm_mem._low_contention_reduce_scatter(x, op, self.group_name))
 
 
 def geomean(xs: list[float]) -> float:
