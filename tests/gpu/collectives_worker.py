@@ -223,7 +223,7 @@ def case_copy_engine(device) -> None:
     log("ok: 200 calls mixing SM kernels and copy engines on one channel, sync and async")
 
     # Async with compute in between, and 1 GiB through the default copy buffer.
-    big = collectives.Channel(dist.group.WORLD, device, dataclasses.replace(base, copy_buffer_bytes=128 << 20))
+    big = collectives.Channel(dist.group.WORLD, device, dataclasses.replace(base, copy_buffer_bytes=256 << 20))
     x = torch.randn(8 << 20, device=device, dtype=torch.bfloat16, generator=g)
     work, out = big.all_gather(x, async_op=True)
     busy = torch.randn(4096, 4096, device=device)
