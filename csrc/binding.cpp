@@ -294,11 +294,13 @@ class P2PChannel {
     }
 
     // Attach the copy-engine path (a second symmetric buffer of copy_engine_layout); made once, collectively.
-    void attach_copy_engine(int slots, int64_t buffer_bytes, std::vector<std::uintptr_t> buffers, int reduce_blocks) {
+    void attach_copy_engine(int slots, int64_t buffer_bytes, std::vector<std::uintptr_t> buffers, int reduce_blocks,
+                            bool signal_by_copy) {
         if (static_cast<int>(buffers.size()) != args_.layout.world)
             throw std::invalid_argument("P2PChannel.attach_copy_engine: one buffer per rank");
         copy_engine_ = std::make_unique<tk::collectives::copy_engine>(args_.layout.world, args_.rank, slots,
-                                                                      buffer_bytes, buffers.data(), reduce_blocks);
+                                                                      buffer_bytes, buffers.data(), reduce_blocks,
+                                                                      signal_by_copy);
     }
 
     static py::dict copy_engine_layout(int world, int slots, int64_t buffer_bytes) {
@@ -594,7 +596,7 @@ PYBIND11_MODULE(_C, m) {
              "Returns a handle for wait(). sender_warps: of a block's 16 warps, how many send (the rest reduce). "
              "copy_engine: move the data on the copy engines (attach_copy_engine first).")
         .def("attach_copy_engine", &P2PChannel::attach_copy_engine, py::arg("slots"), py::arg("buffer_bytes"),
-             py::arg("buffers"), py::arg("reduce_blocks"),
+             py::arg("buffers"), py::arg("reduce_blocks"), py::arg("signal_by_copy") = false,
              "Set up the copy-engine path on a second symmetric buffer (every rank, before its first use).")
         .def_static("copy_engine_layout", &P2PChannel::copy_engine_layout, py::arg("world"), py::arg("slots"),
                     py::arg("buffer_bytes"), "Byte offsets of the copy-engine buffer's flags and slot sizes.")

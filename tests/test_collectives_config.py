@@ -24,6 +24,7 @@ def test_defaults_give_reduce_scatter_more_receiving_warps():
     ("copy_slots", 1, "copy_slots must be >= 2"),
     ("copy_buffer_bytes", 4096, "copy_buffer_bytes must be at least 1 MiB"),
     ("copy_reduce_blocks", 0, "copy_reduce_blocks must be >= 1"),
+    ("copy_signal", "flag", "copy_signal must be write or copy"),
 ])
 def test_a_bad_setting_is_named(field, value, words):
     kwargs = dict(blocks=128, buffer_bytes=64 << 20, timeout_s=600.0)
@@ -76,7 +77,9 @@ def test_the_engine_knobs_choose_per_message(monkeypatch):
     monkeypatch.setenv("THUNDER_TK_COLLECTIVE_CE_BUFFER_MB", "32")
     monkeypatch.setenv("THUNDER_TK_COLLECTIVE_CE_SLOTS", "3")
     monkeypatch.setenv("THUNDER_TK_COLLECTIVE_CE_REDUCE_BLOCKS", "8")
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_CE_SIGNAL", "copy")
     cfg = ChannelConfig.from_env()
+    assert cfg.copy_signal == "copy"
     assert (cfg.copy_min_bytes, cfg.copy_buffer_bytes, cfg.copy_slots, cfg.copy_reduce_blocks) == (
         512 << 10, 32 << 20, 3, 8)
     assert not cfg.uses_copy_engine((512 << 10) - 1) and cfg.uses_copy_engine(512 << 10)

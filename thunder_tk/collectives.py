@@ -26,6 +26,8 @@ Environment knobs (read when a channel is made, so set them alike on every rank)
   CUDA-graph capture always get the kernels. The copy-engine path has a buffer of its own,
   THUNDER_TK_COLLECTIVE_CE_BUFFER_MB (default 256), in THUNDER_TK_COLLECTIVE_CE_SLOTS (default 4) slots per
   source, and no timeout: a rank that never reaches a collective leaves its peers waiting, as with NCCL.
+  THUNDER_TK_COLLECTIVE_CE_SIGNAL (default write): how it raises a peer's flag, "write" (a stream write into
+  the peer's memory) or "copy" (a local stream write and a 4-byte copy to the peer).
 """
 
 from __future__ import annotations
@@ -159,6 +161,9 @@ class ChannelConfig:
     copy_slots: int = 4
     copy_min_bytes: int = 16 << 20
     copy_reduce_blocks: int = 32
+    # How a copy-engine collective raises a peer's flag: "write" (a stream write into the peer's mapping) or
+    # "copy" (a stream write into a local word, then a 4-byte cudaMemcpyAsync to the peer: what NCCL does).
+    copy_signal: str = "write"
 
     def __post_init__(self):
         problems = [f"{name} {why}" for name, bad, why in (
@@ -176,6 +181,7 @@ class ChannelConfig:
             ("copy_slots", self.copy_slots < 2, "must be >= 2 (one slot is read while the next fills)"),
             ("copy_min_bytes", self.copy_min_bytes < 0, "must be >= 0"),
             ("copy_reduce_blocks", self.copy_reduce_blocks < 1, "must be >= 1"),
+            ("copy_signal", self.copy_signal not in ("write", "copy"), "must be write or copy"),
         ) if bad]
         if problems:
             raise ValueError(f"ChannelConfig: {'; '.join(problems)} (got {self})")
@@ -194,6 +200,7 @@ class ChannelConfig:
             copy_slots=_env_number("THUNDER_TK_COLLECTIVE_CE_SLOTS", 4),
             copy_min_bytes=int(_env_number("THUNDER_TK_COLLECTIVE_CE_MIN_MB", 16.0, float) * (1 << 20)),
             copy_reduce_blocks=_env_number("THUNDER_TK_COLLECTIVE_CE_REDUCE_BLOCKS", 32),
+            copy_signal=os.environ.get("THUNDER_TK_COLLECTIVE_CE_SIGNAL", "write").strip().lower() or "write",
         )
 
     def uses_copy_engine(self, gathered_bytes: int) -> bool:
@@ -266,7 +273,7 @@ class Channel:
                 torch.cuda.current_stream(self.device).synchronize()
                 self._kernels.attach_copy_engine(config.copy_slots, config.copy_buffer_bytes,
                                                  [int(p) for p in self._copy_handle.buffer_ptrs],
-                                                 config.copy_reduce_blocks)
+                                                 config.copy_reduce_blocks, config.copy_signal == "copy")
         self._failure: CollectiveError | None = None
 
     def chunk_bytes(self, bytes_per_rank: int) -> int:

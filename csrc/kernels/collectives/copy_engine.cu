@@ -37,6 +37,16 @@ stream_value_fn write_value() {
 
 cudaError_t from_driver(CUresult r) { return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorUnknown; }
 
+// Bytes per chunk: a message goes in at least `min_chunks` chunks where each can still be `min_chunk_bytes`, so
+// that one chunk's local step (all-gather's staging copy, reduce-scatter's sum) overlaps the next one's transfer
+// instead of preceding a single transfer; never more than a slot; a multiple of 256 bytes (and of `elem`).
+constexpr int64_t min_chunks = 4, min_chunk_bytes = 2 << 20;
+int64_t chunk_size(int64_t bytes, int64_t slot_bytes, int64_t elem) {
+    int64_t c = std::max(min_chunk_bytes, (bytes + min_chunks - 1) / min_chunks);
+    c = std::min(slot_bytes, (c + 255) / 256 * 256);
+    return std::max<int64_t>(elem, c / elem * elem);
+}
+
 // Reduce-scatter's sum: out[i] = scale * sum over ranks r (in rank order, fp32) of src[r][i].
 struct sum_args {
     const void* src[max_ranks];
@@ -131,7 +141,8 @@ void check(cudaError_t e, const char* what) {
 }  // namespace
 
 copy_engine::copy_engine(int world, int rank, int slots, int64_t buffer_bytes, const std::uintptr_t* buffers,
-                         int reduce_blocks) {
+                         int reduce_blocks, bool signal_by_copy)
+    : signal_by_copy_(signal_by_copy) {
     if (world < 2 || world > max_ranks) throw std::invalid_argument("copy_engine: world must be 2.." + std::to_string(max_ranks));
     if (rank < 0 || rank >= world) throw std::invalid_argument("copy_engine: rank out of range");
     if (slots < 2) throw std::invalid_argument("copy_engine: slots must be >= 2");
@@ -165,8 +176,12 @@ uint32_t* copy_engine::flag(int rank, int kind, int source, int slot) const {
     return static_cast<uint32_t*>(buffers_[rank]) + (int64_t(kind) * layout_.world + source) * layout_.slots + slot;
 }
 
-// Set this rank's word `kind`[rank_][slot] in `to_rank`'s buffer to `value`, after everything before it on `s`.
+// Set this rank's word `kind`[rank_][slot] in `to_rank`'s buffer to `value`, after everything before it on `s`:
+// a stream write straight into the peer's mapping, or (signal_by_copy_) a local stream write and a 4-byte copy.
 cudaError_t copy_engine::signal(cudaStream_t s, int scratch, uint32_t value, int to_rank, int kind, int slot) {
+    if (!signal_by_copy_)
+        return from_driver(write_value()(s, reinterpret_cast<CUdeviceptr>(flag(to_rank, kind, rank_, slot)), value,
+                                         CU_STREAM_WRITE_VALUE_DEFAULT));
     uint32_t* word = static_cast<uint32_t*>(buffers_[rank_]) + 4ll * layout_.world * layout_.slots + scratch;
     TK_TRY(from_driver(write_value()(s, reinterpret_cast<CUdeviceptr>(word), value, CU_STREAM_WRITE_VALUE_DEFAULT)));
     return cudaMemcpyAsync(flag(to_rank, kind, rank_, slot), word, sizeof(uint32_t), cudaMemcpyDefault, s);
@@ -205,7 +220,7 @@ cudaError_t copy_engine::join(cudaStream_t caller) {
 cudaError_t copy_engine::all_gather(const void* in, void* out, int64_t bytes_per_rank, cudaStream_t stream) {
     if (bytes_per_rank <= 0) return bytes_per_rank == 0 ? cudaSuccess : cudaErrorInvalidValue;
     const int W = layout_.world, S = layout_.slots;
-    const int64_t C = layout_.gather_slot_bytes();
+    const int64_t C = chunk_size(bytes_per_rank, layout_.gather_slot_bytes(), 1);
     const int64_t chunks = (bytes_per_rank + C - 1) / C;
     const char* src = static_cast<const char*>(in);
     char* dst = static_cast<char*>(out);
@@ -243,7 +258,7 @@ cudaError_t copy_engine::reduce_scatter(const void* in, void* out, int64_t elems
     const int W = layout_.world, S = layout_.slots;
     const int64_t es = dtype_code == static_cast<int>(dtype::fp32) ? 4 : 2;
     const int64_t slot_bytes = layout_.scatter_slot_bytes();
-    const int64_t C = slot_bytes / es;  // elements per chunk
+    const int64_t C = chunk_size(elems_per_rank * es, slot_bytes, es) / es;  // elements per chunk
     const int64_t chunks = (elems_per_rank + C - 1) / C;
     const char* src = static_cast<const char*>(in);
     char* dst = static_cast<char*>(out);

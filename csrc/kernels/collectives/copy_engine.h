@@ -11,8 +11,10 @@
 // the SM kernels' sum) and writes "done" back to each sender. A slot is rewritten only after every reader's
 // "done" for the chunk `slots` earlier has arrived.
 //
-// Flags are written by a 4-byte copy from a local word that a stream write set (what a stream can order after
-// its copies); waits are stream waits on local words (cuStreamWaitValue32, driver entry point found at run time).
+// Flags are raised by stream writes into the peer's mapping (cuStreamWriteValue32), or by a 4-byte copy from a
+// local word a stream write set; waits are stream waits on local words (cuStreamWaitValue32). Driver entry points
+// are found at run time. A message moves in several chunks so that one chunk's local step overlaps the next's
+// transfer.
 // Sequence numbers count a channel's chunks since it was made, the same on every rank as long as every rank
 // issues the same collectives: as with any collective, a rank that skips one leaves the others waiting. Streams
 // under CUDA-graph capture are not served here (the caller uses the SM kernels there).
@@ -44,8 +46,10 @@ struct copy_engine_layout {
 class copy_engine {
   public:
     // `buffers`: every rank's symmetric buffer as mapped in this process (world entries); `reduce_blocks`: the
-    // grid of reduce-scatter's sum kernel. Throws std::runtime_error or std::invalid_argument.
-    copy_engine(int world, int rank, int slots, int64_t buffer_bytes, const std::uintptr_t* buffers, int reduce_blocks);
+    // grid of reduce-scatter's sum kernel; `signal_by_copy`: raise peers' flags by a 4-byte copy from a local
+    // word instead of a stream write into the peer's mapping. Throws std::runtime_error or std::invalid_argument.
+    copy_engine(int world, int rank, int slots, int64_t buffer_bytes, const std::uintptr_t* buffers, int reduce_blocks,
+                bool signal_by_copy);
     ~copy_engine();
     copy_engine(const copy_engine&) = delete;
     copy_engine& operator=(const copy_engine&) = delete;
@@ -66,6 +70,7 @@ class copy_engine {
     cudaError_t join(cudaStream_t caller);
 
     copy_engine_layout layout_{};
+    bool signal_by_copy_ = false;
     int rank_ = 0, reduce_blocks_ = 0;
     void* buffers_[max_ranks] = {};
     cudaStream_t stage_ = nullptr, reduce_ = nullptr, link_[max_ranks] = {};  // link_[p]: traffic with peer p
