@@ -65,6 +65,32 @@ def reduce_scatter_error(got: torch.Tensor, y: torch.Tensor, average: bool) -> t
     return err, {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: (w - 1) * 2 ** -24}[y.dtype]
 
 
+def check_async_all_gather(ch, device, g) -> None:
+    """An async all-gather (`ch`: a Channel, or the module's functions) while the caller's stream computes."""
+    x = torch.randn(8 << 20, device=device, dtype=torch.bfloat16, generator=g)
+    work, out = ch.all_gather(x, async_op=True)
+    busy = torch.randn(4096, 4096, device=device)
+    for _ in range(4):
+        busy = busy @ busy * 1e-3
+    work.wait()
+    assert torch.equal(out, nccl_all_gather(x)), "async all_gather differs"
+
+
+def check_one_gib(ch, device, g) -> None:
+    """1 GiB gathered: all-gather bit-identical to NCCL, reduce-scatter within one bf16 rounding of the fp32 sum."""
+    w, r = dist.get_world_size(), dist.get_rank()
+    x = torch.randn((1 << 29) // w, device=device, dtype=torch.bfloat16, generator=g)
+    assert torch.equal(ch.all_gather(x), nccl_all_gather(x)), "1 GiB all_gather differs"
+    del x
+    y = torch.randn(1 << 29, device=device, dtype=torch.bfloat16, generator=g)
+    got = ch.reduce_scatter(y)
+    exact = y.float()
+    dist.all_reduce(exact)  # fp32 sums: exact enough to judge a bf16 result
+    exact = exact[r * got.shape[0]:(r + 1) * got.shape[0]]
+    err = ((got.float() - exact).abs() / exact.abs().clamp_min(1e-2)).max().item()
+    assert err <= 2 ** -8 * 1.01, f"1 GiB reduce_scatter: rel err {err:.3g}"
+
+
 # Shard shapes: 1 element, sizes that are not multiples of 16 bytes, multi-dim, tile tails, a few MiB.
 SHAPES = [(1,), (3,), (7,), (8,), (4097,), (5, 3, 7), (65536 + 5,), (1 << 20, 3), (3 << 20,)]
 
@@ -96,14 +122,7 @@ def case_kernels(device) -> None:
         assert torch.equal(collectives.all_gather(view), nccl_all_gather(view.contiguous()))
     log("ok: strided and transposed views")
 
-    # Async: the caller's stream keeps computing while the channel's stream moves data.
-    x = torch.randn(8 << 20, device=device, dtype=torch.bfloat16, generator=g)
-    work, out = collectives.all_gather(x, async_op=True)
-    busy = torch.randn(4096, 4096, device=device)
-    for _ in range(4):
-        busy = busy @ busy * 1e-3
-    work.wait()
-    assert torch.equal(out, nccl_all_gather(x))
+    check_async_all_gather(collectives, device, g)
     log("ok: async all_gather with compute in between")
 
     # Many calls of mixed sizes and both ops through one channel (flags and buffer cells reused throughout).
@@ -120,16 +139,7 @@ def case_kernels(device) -> None:
     log("ok: 200 mixed calls on one channel")
 
     # 1 GiB gathered (the largest size the issue names), through the 64 MiB staging buffer many times over.
-    x = torch.randn((1 << 29) // w, device=device, dtype=torch.bfloat16, generator=g)
-    assert torch.equal(collectives.all_gather(x), nccl_all_gather(x)), "1 GiB all_gather differs"
-    y = torch.randn(1 << 29, device=device, dtype=torch.bfloat16, generator=g)
-    got = collectives.reduce_scatter(y)
-    exact = y.float()
-    dist.all_reduce(exact)  # fp32 sums: exact enough to judge a bf16 result
-    exact = exact[r * got.shape[0]:(r + 1) * got.shape[0]]
-    err = ((got.float() - exact).abs() / exact.abs().clamp_min(1e-2)).max().item()
-    assert err <= 2 ** -8 * 1.01, f"1 GiB reduce_scatter: rel err {err:.3g}"
-    del x, y, got, exact
+    check_one_gib(collectives, device, g)
     log("ok: 1 GiB all_gather and reduce_scatter")
 
     # Every channel setting is a valid input: extreme sender/receiver splits, 3 slots, tiny units, odd grids.
@@ -224,22 +234,8 @@ def case_copy_engine(device) -> None:
 
     # Async with compute in between, and 1 GiB through the default copy buffer.
     big = collectives.Channel(dist.group.WORLD, device, dataclasses.replace(base, copy_buffer_bytes=256 << 20))
-    x = torch.randn(8 << 20, device=device, dtype=torch.bfloat16, generator=g)
-    work, out = big.all_gather(x, async_op=True)
-    busy = torch.randn(4096, 4096, device=device)
-    for _ in range(4):
-        busy = busy @ busy * 1e-3
-    work.wait()
-    assert torch.equal(out, nccl_all_gather(x))
-    x = torch.randn((1 << 29) // w, device=device, dtype=torch.bfloat16, generator=g)
-    assert torch.equal(big.all_gather(x), nccl_all_gather(x)), "1 GiB copy-engine all_gather differs"
-    y = torch.randn(1 << 29, device=device, dtype=torch.bfloat16, generator=g)
-    got = big.reduce_scatter(y)
-    exact = y.float()
-    dist.all_reduce(exact)
-    exact = exact[r * got.shape[0]:(r + 1) * got.shape[0]]
-    err = ((got.float() - exact).abs() / exact.abs().clamp_min(1e-2)).max().item()
-    assert err <= 2 ** -8 * 1.01, f"1 GiB copy-engine reduce_scatter: rel err {err:.3g}"
+    check_async_all_gather(big, device, g)
+    check_one_gib(big, device, g)
     log("ok: copy engine async with compute, and 1 GiB all_gather and reduce_scatter")
 
 
