@@ -95,8 +95,8 @@ def bench_op(op: str, per_rank: int, world: int, dtype: str, channels: dict) -> 
         dist.all_reduce(full)
         exact = full[dist.get_rank() * per_rank:(dist.get_rank() + 1) * per_rank]
         nccl_err = ((out.float() - exact).abs() / (exact.abs() + 1)).max().item()
-    ok = True
-    for fn in tk.values():  # every tk configuration must agree with NCCL on every rank
+    matches = {}
+    for name, fn in tk.items():  # every channel must agree with NCCL on every rank
         got = fn()
         if op == "all_gather":
             same = torch.equal(got, out)
@@ -105,10 +105,12 @@ def bench_op(op: str, per_rank: int, world: int, dtype: str, channels: dict) -> 
             same = tk_err <= max(nccl_err, TOLERANCE[dtype])
         flag = torch.tensor([int(same)], device="cuda")
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        ok = ok and bool(flag.item())
+        matches[name] = bool(flag.item())
 
     nbytes = per_rank * world * x.element_size()
-    row = {"op": op, "size_mib": nbytes / 2**20, "bytes": nbytes, "world": world, "dtype": dtype, "match": ok,
+    # "match": every channel agrees; "<name>_match" says which one does not.
+    row = {"op": op, "size_mib": nbytes / 2**20, "bytes": nbytes, "world": world, "dtype": dtype,
+           "match": all(matches.values()), **{f"{name}_match": m for name, m in matches.items()},
            "tk_blocks": channels["tk"].config.blocks, "tk_buffer_mib": channels["tk"].config.buffer_bytes >> 20}
     for name, fn in [("nccl", nccl), *tk.items()]:  # NCCL then tk, back to back
         t = time_us(fn)
@@ -176,7 +178,8 @@ def summarize(rows: list[dict]) -> None:
         verdict = f"{'PASS' if min(values) >= goal else 'FAIL'} (min {min(values):.2f})" if values else "n/a (no sizes)"
         print(f"goal: {label}: {verdict}")
     if not all(r["match"] for r in rows):
-        print("!!! WARNING: tk results differ from NCCL for some rows (match=False); timings there are meaningless")
+        print("!!! WARNING: some channels' results differ from NCCL (the match column names them); their timings "
+              "there are meaningless")
 
 
 def plot(path: str, rows: list[dict], names: list[str], title: str) -> None:
@@ -274,14 +277,17 @@ def main() -> None:
             if rank == 0:
                 print(f"{op:>14} {row['size_mib']:9.4g} MiB: nccl {row['nccl_us']:9.1f} us  tk {row['tk_us']:9.1f} us"
                       f"  speedup {row['speedup']:.2f}", flush=True)
-                if not row["match"]:
-                    print(f"!!! WARNING: tk {op} at {row['size_mib']:g} MiB does NOT match NCCL", flush=True)
+                for name in names:
+                    if not row[f"{name}_match"]:
+                        print(f"!!! WARNING: {name} {op} at {row['size_mib']:g} MiB does NOT match NCCL", flush=True)
 
     if rank == 0:
         us_cols = [f"{n}_us" for n in ["nccl", *names]]
         bw_cols = [f"{n}_GBps" for n in ["nccl", *names]]
         table = [{"op": r["op"], "MiB": f"{r['size_mib']:g}", **{c: f"{r[c]:.1f}" for c in us_cols + bw_cols},
-                  "speedup": f"{r['speedup']:.2f}", "match": "yes" if r["match"] else "NO"} for r in rows]
+                  "speedup": f"{r['speedup']:.2f}",
+                  "match": "yes" if r["match"] else "NO: " + " ".join(n for n in names if not r[f"{n}_match"])}
+                 for r in rows]
         print_table(table, ["op", "MiB", *us_cols, *bw_cols, "speedup", "match"])
         summarize(rows)
         print(f"wrote {write_results(a.json, 'collectives', rows)}")

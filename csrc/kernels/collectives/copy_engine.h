@@ -75,7 +75,9 @@ class copy_engine {
     void* buffers_[max_ranks] = {};
     cudaStream_t stage_ = nullptr, reduce_ = nullptr, link_[max_ranks] = {};  // link_[p]: traffic with peer p
     cudaEvent_t forked_ = nullptr, joined_[max_ranks + 2] = {};
-    uint32_t gathered_ = 0, scattered_ = 0;  // chunks so far; the flags carry count + 1 (wrapping)
+    // Chunks so far. 64 bits: a slot's reuse test (chunk >= slots) must never see the count start over; the flags
+    // carry its low 32 bits + 1, compared with wrap-around.
+    uint64_t gathered_ = 0, scattered_ = 0;
 };
 
 }  // namespace tk::collectives
