@@ -161,8 +161,9 @@ def test_checkpoints_are_written_atomically_at_intervals(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000004"
 
 
-def test_tiny_config_end_to_end(tmp_path, capsys):
+def test_tiny_config_end_to_end(tmp_path, capsys, monkeypatch):
     """The README's main job on a CPU: trains, writes metrics, checkpoint, summary and the explain report."""
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_ENGINE", "auto")
     assert main(["pretrain", "--config", str(TINY), "--out_dir", str(tmp_path), "--train.max_steps", "12"]) == 0
     out = capsys.readouterr().out
     assert "step 12/12 | loss" in out and "done: 12 steps" in out
@@ -170,6 +171,8 @@ def test_tiny_config_end_to_end(tmp_path, capsys):
     assert losses[12] < losses[1]  # it learns the synthetic stream
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 12 and summary["device"] == "cpu"
+    assert summary["tk_environment"]["THUNDER_TK_COLLECTIVE_ENGINE"] == "auto"
+    assert all(k.startswith("THUNDER_TK_") for k in summary["tk_environment"])
     explain = (tmp_path / "explain.txt").read_text()
     assert "prims.linear" in explain and "ltorch.scaled_dot_product_attention" in explain
     assert json.loads((tmp_path / "explain.json").read_text())["rows"]

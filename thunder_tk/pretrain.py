@@ -702,6 +702,9 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
         "cpus_bound": len(dist.cpus) if dist.cpus is not None else None,
         # FSDP_KERNEL_SETTINGS this run set (several GPUs, the environment silent on them).
         "kernel_settings": kernel_settings,
+        # Every THUNDER_TK_* setting the run had (those above included): which collective engine, how many
+        # collective blocks, which GEMM schedule, what was disabled, so a result says how it was made.
+        "tk_environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("THUNDER_TK_")},
     }
     if dist.main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
