@@ -163,6 +163,8 @@ def run_variant(name: str, executors: str, env: dict, a, overrides: list[str]) -
         "final_loss": s["final_loss"],
         "steps": s["steps"], "world_size": s["world_size"], "seq_len": s["seq_len"],
         "global_batch_size": s["global_batch_size"], "device": s["device"],
+        # What the run's tk settings were, the variant's own and those it inherited or pretrain chose.
+        "tk_environment": s.get("tk_environment"),
     })
     row["slow_steps"] = slow_steps(steps, row["step_s_median"])
     profile = out_dir / "profile.json"  # THUNDER_TK_PROFILE_STEPS: rank 0's GPU time by stream and kernel kind
