@@ -72,10 +72,19 @@ def test_console_entry_point_has_no_traceback():
     assert r.returncode == 2 and "Traceback" not in r.stderr and "error:" in r.stderr
 
 
-def test_info(capsys):
+def test_info(capsys, monkeypatch):
     assert main(["info"]) == 0
     text = capsys.readouterr().out
     assert "executors=[tk] amounts to: ['tk'" in text
+    assert "collectives (THUNDER_TK_COLLECTIVE_*): 128 blocks, 64 MiB buffer, 4 slots, paired blocks" in text
+    assert "engine sm" in text
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_ENGINE", "auto")
+    assert main(["info"]) == 0
+    assert "engine auto (from 16 MiB gathered, 256 MiB buffer, 4 slots, 32 summing blocks, flags by write)" in (
+        capsys.readouterr().out)
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_BLOCKS", "none")
+    assert main(["info"]) == 0
+    assert "invalid: THUNDER_TK_COLLECTIVE_BLOCKS='none' is not an integer" in capsys.readouterr().out
 
 
 def test_a_source_checkout_without_kernels_says_so(tmp_path):

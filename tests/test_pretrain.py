@@ -365,3 +365,21 @@ def test_compiler_disable_reaches_the_executor(tmp_path):
     explain = (tmp_path / "explain.txt").read_text()
     gemm_lines = [line for line in explain.splitlines() if "linear" in line]
     assert gemm_lines and all("disabled by the tk_disable compile option" in line for line in gemm_lines), explain
+
+
+def test_bad_collective_settings_fail_before_the_model_is_built(monkeypatch):
+    from thunder_tk.pretrain import check_collective_environment
+
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_ENGINE", "dma")
+    check_collective_environment(1)  # one process: no collectives, nothing to check
+    with pytest.raises(ConfigError, match=r"engine must be one of.*THUNDER_TK_COLLECTIVE_ENGINE='dma'"):
+        check_collective_environment(4)
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_ENGINE", "auto")
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_CE_SLOTS", "1")
+    with pytest.raises(ConfigError, match=r"copy_slots must be >= 2.*THUNDER_TK_COLLECTIVE_CE_SLOTS='1'"):
+        check_collective_environment(2)
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_CE_SLOTS", "many")
+    with pytest.raises(ConfigError, match="THUNDER_TK_COLLECTIVE_CE_SLOTS='many' is not an integer"):
+        check_collective_environment(2)
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_CE_SLOTS", "4")
+    check_collective_environment(2)

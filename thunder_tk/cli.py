@@ -83,7 +83,24 @@ def _cmd_info(args) -> int:
         print(_extension.unavailable_reason())
     fuser = thunder_tk.tk.default_fuser()
     print(f"executors=[tk] amounts to: {[ex.name for ex in thunder_tk.executors()]} (fuser: {fuser.name})")
+    print(f"collectives (THUNDER_TK_COLLECTIVE_*): {_collective_settings()}")
     return 0
+
+
+def _collective_settings() -> str:
+    from thunder_tk.collectives import ChannelConfig
+
+    try:
+        c = ChannelConfig.from_env()
+    except ValueError as e:
+        return f"invalid: {e}"
+    text = (f"{c.blocks} blocks, {c.buffer_bytes >> 20} MiB buffer, {c.slots} slots, "
+            f"{'paired' if c.pairs else 'unpaired'} blocks, timeout {c.timeout_s:g} s, engine {c.engine}")
+    if c.engine != "sm":
+        text += (f" ({'from ' + format(c.copy_min_bytes / 2**20, 'g') + ' MiB gathered, ' if c.engine == 'auto' else ''}"
+                 f"{c.copy_buffer_bytes >> 20} MiB buffer, {c.copy_slots} slots, {c.copy_reduce_blocks} summing "
+                 f"blocks, flags by {c.copy_signal})")
+    return text
 
 
 def _parser() -> argparse.ArgumentParser:

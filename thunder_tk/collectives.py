@@ -33,6 +33,7 @@ Environment knobs (read when a channel is made, so set them alike on every rank)
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -188,6 +189,17 @@ class ChannelConfig:
 
     @staticmethod
     def from_env() -> "ChannelConfig":
+        """The settings the THUNDER_TK_COLLECTIVE_* variables give; a bad one raises ValueError naming it."""
+        try:
+            return ChannelConfig._from_env()
+        except ValueError as e:
+            text = str(e)
+            named = [f"{env}={os.environ[env]!r}" for field, env in _FIELD_ENV.items()
+                     if env in os.environ and re.search(rf"\b{field} ", text)]
+            raise ValueError(text + (f" (from {', '.join(named)})" if named else "")) from None
+
+    @staticmethod
+    def _from_env() -> "ChannelConfig":
         return ChannelConfig(
             blocks=_env_number("THUNDER_TK_COLLECTIVE_BLOCKS", 128),
             buffer_bytes=_env_number("THUNDER_TK_COLLECTIVE_BUFFER_MB", 64) << 20,
@@ -207,6 +219,17 @@ class ChannelConfig:
         """Whether a collective of `gathered_bytes` (all-gather output, reduce-scatter input) moves on the copy
         engines."""
         return self.engine == "copy" or (self.engine == "auto" and gathered_bytes >= self.copy_min_bytes)
+
+
+# The environment variable behind each ChannelConfig field that from_env reads.
+_FIELD_ENV = {
+    "blocks": "THUNDER_TK_COLLECTIVE_BLOCKS", "buffer_bytes": "THUNDER_TK_COLLECTIVE_BUFFER_MB",
+    "timeout_s": "THUNDER_TK_COLLECTIVE_TIMEOUT_S", "slots": "THUNDER_TK_COLLECTIVE_SLOTS",
+    "units_per_block": "THUNDER_TK_COLLECTIVE_UNITS", "engine": "THUNDER_TK_COLLECTIVE_ENGINE",
+    "copy_buffer_bytes": "THUNDER_TK_COLLECTIVE_CE_BUFFER_MB", "copy_slots": "THUNDER_TK_COLLECTIVE_CE_SLOTS",
+    "copy_min_bytes": "THUNDER_TK_COLLECTIVE_CE_MIN_MB", "copy_reduce_blocks": "THUNDER_TK_COLLECTIVE_CE_REDUCE_BLOCKS",
+    "copy_signal": "THUNDER_TK_COLLECTIVE_CE_SIGNAL",
+}
 
 
 def chunk_bytes(bytes_per_rank: int, lanes: int, config: ChannelConfig, cell_bytes: int) -> int:

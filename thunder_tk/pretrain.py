@@ -328,6 +328,19 @@ def apply_fsdp_kernel_settings(world: int, environ=os.environ) -> dict[str, str]
     return chosen
 
 
+def check_collective_environment(world: int) -> None:
+    """With several processes, the THUNDER_TK_COLLECTIVE_* settings are checked before the model is built: read
+    at the first collective, a bad one would fail minutes into the first step."""
+    if world <= 1:
+        return
+    from thunder_tk.collectives import ChannelConfig
+
+    try:
+        ChannelConfig.from_env()
+    except ValueError as e:
+        raise ConfigError(f"tk collectives' settings: {e}") from None
+
+
 class Dist:
     def __init__(self, config: PretrainConfig):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -481,6 +494,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     stream = stream or sys.stdout
     dist = Dist(config)
     kernel_settings = apply_fsdp_kernel_settings(dist.world)  # before any GEMM or collective reads them
+    check_collective_environment(dist.world)
     out_dir = Path(config.out_dir)
     if dist.main:
         out_dir.mkdir(parents=True, exist_ok=True)
