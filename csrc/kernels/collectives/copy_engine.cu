@@ -1,4 +1,5 @@
-// Collectives on the copy engines (see copy_engine.h for the protocol).
+// Collectives on the copy engines (see copy_engine.h for the protocol). tests/test_copy_engine_protocol.py plays
+// this protocol on the CPU for 2-16 ranks: change its chunking, slots or sequence numbers there too.
 #include "kernels/collectives/copy_engine.h"
 
 #include <cuda.h>
