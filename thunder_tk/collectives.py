@@ -59,6 +59,11 @@ class CollectiveTimeoutError(CollectiveError):
     """A peer did not reach the same collective within the channel's timeout."""
 
 
+def _env_word(name: str, default: str) -> str:
+    """A lower-case word from the environment; unset or blank gives `default`."""
+    return os.environ.get(name, "").strip().lower() or default
+
+
 def _env_number(name: str, default, parse=int):
     raw = os.environ.get(name, "")
     try:
@@ -200,19 +205,20 @@ class ChannelConfig:
 
     @staticmethod
     def _from_env() -> "ChannelConfig":
+        env = _FIELD_ENV
         return ChannelConfig(
-            blocks=_env_number("THUNDER_TK_COLLECTIVE_BLOCKS", 128),
-            buffer_bytes=_env_number("THUNDER_TK_COLLECTIVE_BUFFER_MB", 64) << 20,
-            timeout_s=_env_number("THUNDER_TK_COLLECTIVE_TIMEOUT_S", 600.0, float),
-            slots=_env_number("THUNDER_TK_COLLECTIVE_SLOTS", SLOTS),
-            pairs=bool(_env_number("THUNDER_TK_COLLECTIVE_PAIRS", 1)),
-            units_per_block=_env_number("THUNDER_TK_COLLECTIVE_UNITS", UNITS_PER_BLOCK),
-            engine=os.environ.get("THUNDER_TK_COLLECTIVE_ENGINE", "sm").strip().lower() or "sm",
-            copy_buffer_bytes=_env_number("THUNDER_TK_COLLECTIVE_CE_BUFFER_MB", 256) << 20,
-            copy_slots=_env_number("THUNDER_TK_COLLECTIVE_CE_SLOTS", 4),
-            copy_min_bytes=int(_env_number("THUNDER_TK_COLLECTIVE_CE_MIN_MB", 16.0, float) * (1 << 20)),
-            copy_reduce_blocks=_env_number("THUNDER_TK_COLLECTIVE_CE_REDUCE_BLOCKS", 32),
-            copy_signal=os.environ.get("THUNDER_TK_COLLECTIVE_CE_SIGNAL", "write").strip().lower() or "write",
+            blocks=_env_number(env["blocks"], 128),
+            buffer_bytes=_env_number(env["buffer_bytes"], 64) << 20,
+            timeout_s=_env_number(env["timeout_s"], 600.0, float),
+            slots=_env_number(env["slots"], SLOTS),
+            pairs=bool(_env_number(env["pairs"], 1)),
+            units_per_block=_env_number(env["units_per_block"], UNITS_PER_BLOCK),
+            engine=_env_word(env["engine"], "sm"),
+            copy_buffer_bytes=_env_number(env["copy_buffer_bytes"], 256) << 20,
+            copy_slots=_env_number(env["copy_slots"], 4),
+            copy_min_bytes=int(_env_number(env["copy_min_bytes"], 16.0, float) * (1 << 20)),
+            copy_reduce_blocks=_env_number(env["copy_reduce_blocks"], 32),
+            copy_signal=_env_word(env["copy_signal"], "write"),
         )
 
     def uses_copy_engine(self, gathered_bytes: int) -> bool:
@@ -221,10 +227,12 @@ class ChannelConfig:
         return self.engine == "copy" or (self.engine == "auto" and gathered_bytes >= self.copy_min_bytes)
 
 
-# The environment variable behind each ChannelConfig field that from_env reads.
+# The environment variable behind each ChannelConfig field that from_env reads (its one spelling: from_env reads
+# through this table, and names the variable of a field its checks reject).
 _FIELD_ENV = {
     "blocks": "THUNDER_TK_COLLECTIVE_BLOCKS", "buffer_bytes": "THUNDER_TK_COLLECTIVE_BUFFER_MB",
     "timeout_s": "THUNDER_TK_COLLECTIVE_TIMEOUT_S", "slots": "THUNDER_TK_COLLECTIVE_SLOTS",
+    "pairs": "THUNDER_TK_COLLECTIVE_PAIRS",
     "units_per_block": "THUNDER_TK_COLLECTIVE_UNITS", "engine": "THUNDER_TK_COLLECTIVE_ENGINE",
     "copy_buffer_bytes": "THUNDER_TK_COLLECTIVE_CE_BUFFER_MB", "copy_slots": "THUNDER_TK_COLLECTIVE_CE_SLOTS",
     "copy_min_bytes": "THUNDER_TK_COLLECTIVE_CE_MIN_MB", "copy_reduce_blocks": "THUNDER_TK_COLLECTIVE_CE_REDUCE_BLOCKS",
@@ -243,8 +251,6 @@ class Channel:
     """One rank's end of tk's peer-memory channel for a process group on one GPU. Making one is collective."""
 
     def __init__(self, group, device: torch.device, config: ChannelConfig | None = None):
-        import torch.distributed._symmetric_memory as symm_mem
-
         from thunder_tk import _extension
 
         ext = _extension.extension()
@@ -273,12 +279,7 @@ class Channel:
         self.cell_bytes = cell
         layout = ext.P2PChannel.layout(self.world, config.blocks, config.slots, cell, self.pairs)
         with torch.cuda.device(self.device):
-            self._buffer = symm_mem.empty(layout["total_bytes"], dtype=torch.uint8, device=self.device)
-            self._buffer[: layout["flag_bytes"]].zero_()
-            self._handle = symm_mem.rendezvous(self._buffer, group)
-            # Every rank's flags are zero before any rank's first launch writes into them.
-            self._handle.barrier()
-            torch.cuda.current_stream(self.device).synchronize()
+            self._buffer, self._handle = self._symmetric_buffer(layout["total_bytes"], layout["flag_bytes"])
             self.stream = torch.cuda.Stream(self.device, priority=-1)
             self._error = torch.zeros(len(_ERROR_FIELDS) + 1, dtype=torch.int64, pin_memory=True)
             self._error_view = self._error.numpy()  # read without going through torch ops
@@ -289,15 +290,25 @@ class Channel:
             if config.engine != "sm":
                 copy_layout = ext.P2PChannel.copy_engine_layout(self.world, config.copy_slots,
                                                                 config.copy_buffer_bytes)
-                self._copy_buffer = symm_mem.empty(config.copy_buffer_bytes, dtype=torch.uint8, device=self.device)
-                self._copy_buffer[: copy_layout["flag_bytes"]].zero_()
-                self._copy_handle = symm_mem.rendezvous(self._copy_buffer, group)
-                self._copy_handle.barrier()
-                torch.cuda.current_stream(self.device).synchronize()
+                self._copy_buffer, self._copy_handle = self._symmetric_buffer(config.copy_buffer_bytes,
+                                                                              copy_layout["flag_bytes"])
                 self._kernels.attach_copy_engine(config.copy_slots, config.copy_buffer_bytes,
                                                  [int(p) for p in self._copy_handle.buffer_ptrs],
                                                  config.copy_reduce_blocks, config.copy_signal == "copy")
         self._failure: CollectiveError | None = None
+
+    def _symmetric_buffer(self, nbytes: int, flag_bytes: int):
+        """A buffer of torch's symmetric memory mapped into every rank of the group, its first `flag_bytes` zeroed on
+        every rank before any rank returns (so no launch writes a peer's flag before that peer has cleared it).
+        Collective; call under this channel's device."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+        buffer[:flag_bytes].zero_()
+        handle = symm_mem.rendezvous(buffer, self.group)
+        handle.barrier()
+        torch.cuda.current_stream(self.device).synchronize()
+        return buffer, handle
 
     def chunk_bytes(self, bytes_per_rank: int) -> int:
         """Bytes per unit of work (see chunk_bytes)."""
