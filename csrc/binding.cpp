@@ -306,8 +306,7 @@ class P2PChannel {
     static py::dict copy_engine_layout(int world, int slots, int64_t buffer_bytes) {
         tk::collectives::copy_engine_layout L{world, slots, buffer_bytes};
         return py::dict(py::arg("flag_bytes") = L.flag_words() * 4, py::arg("stage_offset") = L.stage_offset(),
-                        py::arg("gather_slot_bytes") = L.gather_slot_bytes(),
-                        py::arg("scatter_slot_bytes") = L.scatter_slot_bytes());
+                        py::arg("slot_bytes") = L.slot_bytes());
     }
 
     // `copy_engine`: move the data on the copy engines (needs attach_copy_engine); a stream under CUDA-graph capture

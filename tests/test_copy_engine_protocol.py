@@ -1,13 +1,13 @@
 """The copy-engine collectives' protocol (csrc/kernels/collectives/copy_engine.cu), played out on the CPU for
-2..16 ranks over many calls of mixed sizes on one channel.
+2..16 ranks over many calls of mixed sizes and both ops on one channel.
 
-The path has run on 2 and 4 GPUs only. Here each rank's streams (staging, summing, one per peer) are queues of the
-operations copy_engine.cu enqueues, in its order: copies, stream waits on a flag word (wrap-around >=), flag
-writes into a peer, sums. A random scheduler runs whichever stream's next operation may run. It checks that every
-chunk of every message reaches its output with the right data (all-gather), that every sum sees all ranks' parts
-of the right chunk (reduce-scatter), that no staging slot is rewritten while a reader still needs it, and that no
-call deadlocks. It mirrors the C++ index arithmetic (chunk_size, slots, sequence numbers, regions); a change
-there should be made in both.
+The path has run on 2 and 4 GPUs only. Here each rank's streams (the local one, one per peer) are queues of the
+operations copy_engine.cu enqueues, in its order: pushes into a peer's staging, stream waits on a flag word
+(wrap-around >=), flag writes into a peer, the receiver's copy or sum. A random scheduler runs whichever stream's
+next operation may run. It checks that every chunk of every message reaches its output (all-gather: every peer's
+chunk; reduce-scatter: every rank's part of the right chunk in each sum), that no staging slot is rewritten while
+its receiver still needs it, whichever op wrote it and whichever reads it next, and that no call deadlocks. It
+mirrors the C++ index arithmetic (chunk_size, slots, sequence numbers); a change there should be made in both.
 """
 
 import random
@@ -33,80 +33,58 @@ def geq(word: int, value: int) -> bool:
 class Model:
     """Every rank's flag words, staging contents and streams, persistent across calls like the channel's."""
 
-    def __init__(self, world: int, slots: int, gather_slot: int, scatter_slot: int, start: int = 0):
-        self.W, self.S = world, slots
-        self.gather_slot, self.scatter_slot = gather_slot, scatter_slot
-        self.flags = {}      # (rank, kind, source, slot) -> uint32 word
-        self.stage = {}      # (rank, slot) -> (owner, chunk): all-gather
-        self.region = {}     # (receiver, sender, slot) -> (sender, chunk): reduce-scatter
-        self.readers = {}    # (rank, slot) -> peers yet to pull the chunk staged there
-        self.gathered = self.scattered = start  # chunk counters (start: to test far-along counts)
-        self.streams = {(r, s): [] for r in range(world) for s in ["stage", "reduce", *range(world)]}
+    def __init__(self, world: int, slots: int, slot_bytes: int, start: int = 0):
+        self.W, self.S, self.slot_bytes = world, slots, slot_bytes
+        self.flags = {}      # (rank, kind, source, slot) -> uint32 word; kind "ready" or "done"
+        self.region = {}     # (receiver, sender, slot) -> (op, chunk) staged there, or "consumed"
+        self.chunks = start  # chunk counter of both ops (start: to test far-along counts)
+        self.streams = {(r, s): [] for r in range(world) for s in ["local", *range(world)]}
         # A channel `start` chunks along: every word holds the last sequence number its slot carried, every slot
-        # has been read or summed.
+        # has been consumed.
         for slot in range(slots):
             last = max((k for k in range(max(0, start - slots), start) if k % slots == slot), default=None)
             if last is None:
                 continue
             for r in range(world):
-                self.stage[(r, slot)] = (r, last)
                 for src in range(world):
                     if src != r:
-                        for kind in ("ag_ready", "ag_done", "rs_ready", "rs_done"):
+                        for kind in ("ready", "done"):
                             self.flags[(r, kind, src, slot)] = (last + 1) & 0xFFFFFFFF
-                        self.region[(r, src, slot)] = (src, "summed")
+                        self.region[(r, src, slot)] = "consumed"
 
     # -- what copy_engine.cu enqueues ----------------------------------------------------------------
 
-    def all_gather(self, nbytes: int, out: dict, call: int) -> None:
+    def _exchange(self, op: str, nbytes: int, elem: int, out: dict, tag) -> int:
         W, S = self.W, self.S
-        C = chunk_size(nbytes, self.gather_slot, 1)
+        C = chunk_size(nbytes, self.slot_bytes, elem)
         chunks = -(-nbytes // C)
+        q = self.streams
         for r in range(W):
-            q = self.streams
             for i in range(chunks):
-                k = self.gathered + i
+                k = self.chunks + i
                 slot, seq = k % S, (k + 1) & 0xFFFFFFFF
-                if k >= S:
-                    for p in range(W):
-                        if p != r:
-                            q[(r, "stage")].append(("wait", r, "ag_done", p, slot, (k + 1 - S) & 0xFFFFFFFF))
-                q[(r, "stage")].append(("stage", r, slot, k))
-                for p in range(W):
-                    if p != r:
-                        q[(r, "stage")].append(("signal", p, "ag_ready", r, slot, seq))
-                for p in range(W):
-                    if p == r:
-                        continue
-                    q[(r, p)].append(("wait", r, "ag_ready", p, slot, seq))
-                    q[(r, p)].append(("pull", r, p, slot, k, out, (call, i)))
-                    q[(r, p)].append(("signal", p, "ag_done", r, slot, seq))
-        self.gathered += chunks
-
-    def reduce_scatter(self, nelems: int, es: int, out: dict, call: int) -> None:
-        W, S = self.W, self.S
-        C = chunk_size(nelems * es, self.scatter_slot, es) // es
-        chunks = -(-nelems // C)
-        for r in range(W):
-            q = self.streams
-            for i in range(chunks):
-                k = self.scattered + i
-                slot, seq = k % S, (k + 1) & 0xFFFFFFFF
-                for p in range(W):
+                for p in range(W):  # push(k, p, ...)
                     if p == r:
                         continue
                     if k >= S:
-                        q[(r, p)].append(("wait", r, "rs_done", p, slot, (k + 1 - S) & 0xFFFFFFFF))
-                    q[(r, p)].append(("push", r, p, slot, k))
-                    q[(r, p)].append(("signal", p, "rs_ready", r, slot, seq))
-                for p in range(W):
+                        q[(r, p)].append(("wait", r, "done", p, slot, (k + 1 - S) & 0xFFFFFFFF))
+                    q[(r, p)].append(("push", r, p, slot, (op, k)))
+                    q[(r, p)].append(("signal", p, "ready", r, slot, seq))
+                for p in range(W):  # await_peers(k)
                     if p != r:
-                        q[(r, "reduce")].append(("wait", r, "rs_ready", p, slot, seq))
-                q[(r, "reduce")].append(("sum", r, slot, k, out, (call, i)))
-                for p in range(W):
+                        q[(r, "local")].append(("wait", r, "ready", p, slot, seq))
+                q[(r, "local")].append(("consume", r, slot, (op, k), out, (tag, i)))
+                for p in range(W):  # release(k)
                     if p != r:
-                        q[(r, "reduce")].append(("signal", p, "rs_done", r, slot, seq))
-        self.scattered += chunks
+                        q[(r, "local")].append(("signal", p, "done", r, slot, seq))
+        self.chunks += chunks
+        return chunks
+
+    def all_gather(self, nbytes: int, out: dict, tag) -> int:
+        return self._exchange("ag", nbytes, 1, out, tag)
+
+    def reduce_scatter(self, nelems: int, es: int, out: dict, tag) -> int:
+        return self._exchange("rs", nelems * es, es, out, tag)
 
     # -- running the streams --------------------------------------------------------------------------
 
@@ -123,31 +101,19 @@ class Model:
         if kind == "signal":
             _, to, flag, src, slot, value = op
             self.flags[(to, flag, src, slot)] = value
-        elif kind == "stage":
-            _, r, slot, k = op
-            left = self.readers.get((r, slot))
-            assert not left, f"rank {r} restaged slot {slot} for chunk {k} while ranks {sorted(left)} had not read it"
-            self.stage[(r, slot)] = (r, k)
-            self.readers[(r, slot)] = set(range(self.W)) - {r}
-        elif kind == "pull":
-            _, r, p, slot, k, out, where = op
-            assert self.stage.get((p, slot)) == (p, k), (
-                f"rank {r} pulled {self.stage.get((p, slot))} from rank {p}'s slot {slot}, wanted chunk {k}")
-            self.readers[(p, slot)].discard(r)
-            out.setdefault((r, p), []).append(where)
         elif kind == "push":
-            _, r, p, slot, k = op
+            _, r, p, slot, chunk = op
             prev = self.region.get((p, r, slot))
-            assert prev is None or prev[1] == "summed", (
-                f"rank {r} overwrote its part of chunk {prev} in rank {p}'s slot {slot} before it was summed")
-            self.region[(p, r, slot)] = (r, k)
-        elif kind == "sum":
-            _, r, slot, k, out, where = op
+            assert prev is None or prev == "consumed", (
+                f"rank {r} overwrote {prev} in its slot {slot} at rank {p} with {chunk} before rank {p} used it")
+            self.region[(p, r, slot)] = chunk
+        elif kind == "consume":
+            _, r, slot, chunk, out, where = op
             for p in range(self.W):
                 if p != r:
                     got = self.region.get((r, p, slot))
-                    assert got == (p, k), f"rank {r} summed {got} from rank {p} in slot {slot}, wanted chunk {k}"
-                    self.region[(r, p, slot)] = (p, "summed")
+                    assert got == chunk, f"rank {r} used {got} from rank {p} in slot {slot}, wanted {chunk}"
+                    self.region[(r, p, slot)] = "consumed"
             out.setdefault(r, []).append(where)
         else:
             raise AssertionError(op)
@@ -175,35 +141,22 @@ class Model:
 def test_every_chunk_arrives_and_no_slot_is_reused_early(world, slots):
     rng = random.Random(world * 100 + slots)
     # Small slots: messages of many chunks. A counter far along checks the wrap-around compares of 32-bit flags.
-    m = Model(world, slots, gather_slot=1 << 20, scatter_slot=1 << 19, start=(1 << 32) - 7 * slots)
+    m = Model(world, slots, slot_bytes=1 << 19, start=(1 << 32) - 7 * slots)
     for call in range(10 if world <= 4 else 4):
         queued = rng.randint(1, 3)  # calls enqueued before any runs, as the host does
         expected = []
         for j in range(queued):
+            out: dict = {}
             if rng.random() < 0.5:
-                nbytes = rng.choice([16, 4096, 3 << 20, (5 << 20) + 5])
-                out: dict = {}
-                chunks = -(-nbytes // chunk_size(nbytes, m.gather_slot, 1))
-                m.all_gather(nbytes, out, (call, j))
-                expected.append(("ag", out, chunks, (call, j)))
+                chunks = m.all_gather(rng.choice([16, 4096, 3 << 20, (5 << 20) + 5]), out, (call, j))
             else:
                 es = rng.choice([2, 4])
-                nelems = rng.choice([1, 1000, (3 << 20) // es + 3])  # up to 7 chunks of 512 KiB
-                out = {}
-                chunks = -(-nelems // (chunk_size(nelems * es, m.scatter_slot, es) // es))
-                m.reduce_scatter(nelems, es, out, (call, j))
-                expected.append(("rs", out, chunks, (call, j)))
+                chunks = m.reduce_scatter(rng.choice([1, 1000, (3 << 20) // es + 3]), es, out, (call, j))
+            expected.append((out, [((call, j), i) for i in range(chunks)]))
         m.drain(rng)
-        for op, out, chunks, tag in expected:
-            want = [(tag, i) for i in range(chunks)]
-            if op == "ag":
-                for r in range(world):
-                    for p in range(world):
-                        if p != r:
-                            assert out[(r, p)] == want, (op, r, p, out.get((r, p)))
-            else:
-                for r in range(world):
-                    assert out[r] == want, (op, r, out.get(r))
+        for out, want in expected:
+            for r in range(world):
+                assert out[r] == want, (r, out.get(r))
 
 
 def test_chunk_size_mirrors_the_kernel():
@@ -216,18 +169,41 @@ def test_chunk_size_mirrors_the_kernel():
     assert chunk_size(1 << 30, 1000, 4) == 1000
 
 
-@pytest.mark.parametrize("op, dropped, words", [("all_gather", "ag_done", "restaged|pulled"),
-                                                 ("reduce_scatter", "rs_done", "overwrote|summed")])
-def test_the_model_catches_a_missing_wait(op, dropped, words):
-    """The checks bite: without the done-waits a slot is rewritten while a reader still needs it."""
-    m = Model(4, 2, gather_slot=1 << 20, scatter_slot=1 << 19)
-    if op == "all_gather":
-        m.all_gather(9 << 20, {}, 0)
-    else:
-        m.reduce_scatter(9 << 19, 2, {}, 0)
-    plan = {key: [o for o in q if not (o[0] == "wait" and o[2] == dropped)] for key, q in m.streams.items()}
-    with pytest.raises(AssertionError, match=words):
-        for seed in range(50):  # some interleaving runs a sender ahead of the readers
-            m2 = Model(4, 2, gather_slot=1 << 20, scatter_slot=1 << 19)
+def _without_done_waits(m: Model) -> dict:
+    return {key: [o for o in q if not (o[0] == "wait" and o[2] == "done")] for key, q in m.streams.items()}
+
+
+@pytest.mark.parametrize("calls", [["ag"], ["rs"], ["ag", "rs"], ["rs", "ag"]])
+def test_the_model_catches_a_missing_wait(calls):
+    """The checks bite: without the done-waits a slot is rewritten while its receiver still needs it, within one op
+    and from one op to the other."""
+    m = Model(4, 2, slot_bytes=1 << 19)
+    # One op alone: 9 chunks over 2 slots. Two ops: the first's 2 chunks fill both slots, the second's 1 chunk
+    # takes slot 0 again.
+    sizes = [9 << 19] if len(calls) == 1 else [1 << 20, 1 << 19]
+    for n, (op, nbytes) in enumerate(zip(calls, sizes)):
+        if op == "ag":
+            m.all_gather(nbytes, {}, n)
+        else:
+            m.reduce_scatter(nbytes // 2, 2, {}, n)
+    plan = _without_done_waits(m)
+    with pytest.raises(AssertionError, match="overwrote|used"):
+        for seed in range(200):  # some interleaving runs a sender ahead of a receiver
+            m2 = Model(4, 2, slot_bytes=1 << 19)
+            m2.streams = {k: list(v) for k, v in plan.items()}
+            m2.drain(random.Random(seed))
+
+
+def test_two_ops_that_counted_chunks_apart_would_collide():
+    """Why the ops share one chunk counter: with one per op (each op's slot reuse waiting only on its own earlier
+    chunks), an all-gather's chunk still staged at a receiver is overwritten by the reduce-scatter after it."""
+    m = Model(4, 2, slot_bytes=1 << 19)
+    m.all_gather(1 << 19, {}, 0)  # one chunk, slot 0
+    m.chunks = 0                  # a reduce-scatter counting from zero again: slot 0, no wait
+    m.reduce_scatter(1 << 18, 2, {}, 1)
+    plan = {key: list(q) for key, q in m.streams.items()}
+    with pytest.raises(AssertionError, match="overwrote|used"):
+        for seed in range(200):
+            m2 = Model(4, 2, slot_bytes=1 << 19)
             m2.streams = {k: list(v) for k, v in plan.items()}
             m2.drain(random.Random(seed))

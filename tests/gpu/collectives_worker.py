@@ -208,6 +208,23 @@ def case_copy_engine(device) -> None:
     log(f"ok: copy engine: all_gather bit-identical, reduce_scatter exact to one rounding, {len(SHAPES)} shapes, "
         "3 dtypes, strided views, 1 MiB buffer")
 
+    # Both ops back to back with no host wait between them, one rank made to lag now and then: they share the
+    # staging slots, so no sender may overwrite a chunk that a slower receiver has yet to use, whichever op staged it.
+    queued = []
+    for i in range(60):
+        n = [5000, 40000, 1 << 16][i % 3]
+        if r == 0 and i % 7 == 0:
+            torch.cuda._sleep(200_000)
+        x = torch.full((n,), float(7 * r + i), device=device, dtype=torch.float32)
+        queued.append((ch.all_gather(x), torch.cat([torch.full((n,), float(7 * q + i), device=device)
+                                                    for q in range(w)]), f"all_gather {i}"))
+        y = torch.full((n * w,), float(r + i), device=device, dtype=torch.float32)
+        queued.append((ch.reduce_scatter(y), torch.full((n,), float(sum(q + i for q in range(w))), device=device),
+                       f"reduce_scatter {i}"))
+    for got, expect, what in queued:
+        assert torch.equal(got, expect), f"back-to-back {what} wrong"
+    log("ok: copy engine: 120 all_gather and reduce_scatter calls back to back through shared slots")
+
     # One channel choosing per call ("auto" from 64 KiB gathered): SM kernels and copy engines interleaved, on the
     # caller's stream and asynchronously, each call's data checked.
     mixed = collectives.Channel(dist.group.WORLD, device,

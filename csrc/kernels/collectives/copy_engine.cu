@@ -13,8 +13,8 @@
 namespace tk::collectives {
 namespace {
 
-enum flag_kind : int { ag_ready = 0, ag_done = 1, rs_ready = 2, rs_done = 3 };
-constexpr int scratch_stage = 0, scratch_reduce = 1;  // then 2 + p for link p
+enum flag_kind : int { ready = 0, done = 1 };
+constexpr int scratch_local = 0;  // then 1 + p for link p
 
 using stream_value_fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
@@ -39,7 +39,7 @@ stream_value_fn write_value() {
 cudaError_t from_driver(CUresult r) { return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorUnknown; }
 
 // Bytes per chunk: a message goes in at least `min_chunks` chunks where each can still be `min_chunk_bytes`, so
-// that one chunk's local step (all-gather's staging copy, reduce-scatter's sum) overlaps the next one's transfer
+// that one chunk's local step (the receiver's copy or sum) overlaps the next one's transfer
 // instead of preceding a single transfer; never more than a slot; a multiple of 256 bytes (and of `elem`).
 constexpr int64_t min_chunks = 4, min_chunk_bytes = 2 << 20;
 int64_t chunk_size(int64_t bytes, int64_t slot_bytes, int64_t elem) {
@@ -128,6 +128,54 @@ cudaError_t launch_sum(const sum_args& a, int dtype_code, int max_blocks, cudaSt
     return cudaGetLastError();
 }
 
+// All-gather's local step: dst[j][0, n) = src[j][0, n) for each of the grid's y entries (the staged chunks and the
+// rank's own), in the widest word all of an entry's addresses allow.
+struct copy_args {
+    const void* src[max_ranks];
+    void* dst[max_ranks];
+    int64_t n;  // bytes per entry
+};
+
+template <typename W>
+__device__ __forceinline__ int64_t copy_words(const char* src, char* dst, int64_t n, int64_t first, int64_t stride) {
+    const W* s = reinterpret_cast<const W*>(src);
+    W* d = reinterpret_cast<W*>(dst);
+    const int64_t words = n / int64_t(sizeof(W));
+    for (int64_t base = first; base < words; base += stride * sum_unroll) {
+        W w[sum_unroll];
+#pragma unroll
+        for (int u = 0; u < sum_unroll; ++u)
+            if (base + u * stride < words) w[u] = __ldcg(s + base + u * stride);  // staging is rewritten by peers
+#pragma unroll
+        for (int u = 0; u < sum_unroll; ++u)
+            if (base + u * stride < words) d[base + u * stride] = w[u];
+    }
+    return words * int64_t(sizeof(W));
+}
+
+__global__ void __launch_bounds__(sum_threads) copy_kernel(const copy_args a) {
+    const char* src = static_cast<const char*>(a.src[blockIdx.y]);
+    char* dst = static_cast<char*>(a.dst[blockIdx.y]);
+    const int64_t stride = int64_t(gridDim.x) * sum_threads;
+    const int64_t first = int64_t(blockIdx.x) * sum_threads + threadIdx.x;
+    const uintptr_t align = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst);
+    int64_t done;
+    if ((align & 15) == 0) done = copy_words<uint4>(src, dst, a.n, first, stride);
+    else if ((align & 7) == 0) done = copy_words<uint2>(src, dst, a.n, first, stride);
+    else if ((align & 3) == 0) done = copy_words<unsigned int>(src, dst, a.n, first, stride);
+    else if ((align & 1) == 0) done = copy_words<unsigned short>(src, dst, a.n, first, stride);
+    else done = copy_words<unsigned char>(src, dst, a.n, first, stride);
+    for (int64_t i = done + first; i < a.n; i += stride) dst[i] = src[i];
+}
+
+cudaError_t launch_copy(const copy_args& a, int entries, int max_blocks, cudaStream_t s) {
+    const int64_t per_block = int64_t(sum_threads) * sum_unroll * 16;
+    const int64_t want = (a.n + per_block - 1) / per_block;
+    const int x = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::max(1, max_blocks / entries), want)));
+    copy_kernel<<<dim3(x, entries), sum_threads, 0, s>>>(a);
+    return cudaGetLastError();
+}
+
 void check(cudaError_t e, const char* what) {
     if (e != cudaSuccess)
         throw std::runtime_error(std::string("copy_engine: ") + what + ": " + cudaGetErrorString(e));
@@ -149,7 +197,7 @@ copy_engine::copy_engine(int world, int rank, int slots, int64_t buffer_bytes, c
     if (slots < 2) throw std::invalid_argument("copy_engine: slots must be >= 2");
     if (reduce_blocks < 1) throw std::invalid_argument("copy_engine: reduce_blocks must be >= 1");
     layout_ = copy_engine_layout{world, slots, buffer_bytes};
-    if (layout_.scatter_slot_bytes() < 4096)
+    if (layout_.slot_bytes() < 4096)
         throw std::invalid_argument("copy_engine: buffer too small for " + std::to_string(world) + " ranks and " +
                                     std::to_string(slots) + " slots");
     if (wait_value() == nullptr || write_value() == nullptr)
@@ -157,8 +205,7 @@ copy_engine::copy_engine(int world, int rank, int slots, int64_t buffer_bytes, c
     rank_ = rank;
     reduce_blocks_ = reduce_blocks;
     for (int r = 0; r < world; ++r) buffers_[r] = reinterpret_cast<void*>(buffers[r]);
-    check(cudaStreamCreateWithFlags(&stage_, cudaStreamNonBlocking), "stream");
-    check(cudaStreamCreateWithFlags(&reduce_, cudaStreamNonBlocking), "stream");
+    check(cudaStreamCreateWithFlags(&local_, cudaStreamNonBlocking), "stream");
     for (int p = 0; p < world; ++p)
         if (p != rank) check(cudaStreamCreateWithFlags(&link_[p], cudaStreamNonBlocking), "stream");
     check(cudaEventCreateWithFlags(&forked_, cudaEventDisableTiming), "event");
@@ -169,12 +216,17 @@ copy_engine::~copy_engine() {
     for (auto ev : joined_) if (ev) cudaEventDestroy(ev);
     if (forked_) cudaEventDestroy(forked_);
     for (auto s : link_) if (s) cudaStreamDestroy(s);
-    if (reduce_) cudaStreamDestroy(reduce_);
-    if (stage_) cudaStreamDestroy(stage_);
+    if (local_) cudaStreamDestroy(local_);
 }
 
 uint32_t* copy_engine::flag(int rank, int kind, int source, int slot) const {
     return static_cast<uint32_t*>(buffers_[rank]) + (int64_t(kind) * layout_.world + source) * layout_.slots + slot;
+}
+
+char* copy_engine::region(int receiver, int sender, int slot) const {
+    const int W = layout_.world, q = (sender - receiver - 1 + W) % W;
+    return static_cast<char*>(buffers_[receiver]) + layout_.stage_offset() +
+           (int64_t(q) * layout_.slots + slot) * layout_.slot_bytes();
 }
 
 // Set this rank's word `kind`[rank_][slot] in `to_rank`'s buffer to `value`, after everything before it on `s`:
@@ -183,7 +235,7 @@ cudaError_t copy_engine::signal(cudaStream_t s, int scratch, uint32_t value, int
     if (!signal_by_copy_)
         return from_driver(write_value()(s, reinterpret_cast<CUdeviceptr>(flag(to_rank, kind, rank_, slot)), value,
                                          CU_STREAM_WRITE_VALUE_DEFAULT));
-    uint32_t* word = static_cast<uint32_t*>(buffers_[rank_]) + 4ll * layout_.world * layout_.slots + scratch;
+    uint32_t* word = static_cast<uint32_t*>(buffers_[rank_]) + 2ll * layout_.world * layout_.slots + scratch;
     TK_TRY(from_driver(write_value()(s, reinterpret_cast<CUdeviceptr>(word), value, CU_STREAM_WRITE_VALUE_DEFAULT)));
     return cudaMemcpyAsync(flag(to_rank, kind, rank_, slot), word, sizeof(uint32_t), cudaMemcpyDefault, s);
 }
@@ -196,8 +248,7 @@ cudaError_t copy_engine::wait(cudaStream_t s, int kind, int source, int slot, ui
 
 cudaError_t copy_engine::fork(cudaStream_t caller) {
     TK_TRY(cudaEventRecord(forked_, caller));
-    TK_TRY(cudaStreamWaitEvent(stage_, forked_, 0));
-    TK_TRY(cudaStreamWaitEvent(reduce_, forked_, 0));
+    TK_TRY(cudaStreamWaitEvent(local_, forked_, 0));
     for (int p = 0; p < layout_.world; ++p)
         if (p != rank_) TK_TRY(cudaStreamWaitEvent(link_[p], forked_, 0));
     return cudaSuccess;
@@ -211,44 +262,62 @@ cudaError_t copy_engine::join(cudaStream_t caller) {
         ++i;
         return cudaSuccess;
     };
-    TK_TRY(join_one(stage_));
-    TK_TRY(join_one(reduce_));
+    TK_TRY(join_one(local_));
     for (int p = 0; p < layout_.world; ++p)
         if (p != rank_) TK_TRY(join_one(link_[p]));
     return cudaSuccess;
 }
 
+// Chunk k of a message to peer p: once p has consumed what this rank pushed into the same slot `slots` chunks
+// ago, copy `bytes` from `from` into this rank's region at p and raise p's ready word.
+cudaError_t copy_engine::push(uint64_t k, int p, const void* from, int64_t bytes) {
+    const int slot = static_cast<int>(k % layout_.slots);
+    if (k >= static_cast<uint64_t>(layout_.slots))
+        TK_TRY(wait(link_[p], done, p, slot, static_cast<uint32_t>(k + 1 - layout_.slots)));
+    TK_TRY(cudaMemcpyAsync(region(p, rank_, slot), from, bytes, cudaMemcpyDefault, link_[p]));
+    return signal(link_[p], 1 + p, static_cast<uint32_t>(k + 1), p, ready, slot);
+}
+
+// Hold the local stream until every peer's chunk k has arrived.
+cudaError_t copy_engine::await_peers(uint64_t k) {
+    for (int r = 0; r < layout_.world; ++r)
+        if (r != rank_)
+            TK_TRY(wait(local_, ready, r, static_cast<int>(k % layout_.slots), static_cast<uint32_t>(k + 1)));
+    return cudaSuccess;
+}
+
+// After the local stream's work on chunk k: tell every sender its slot is free again.
+cudaError_t copy_engine::release(uint64_t k) {
+    for (int p = 0; p < layout_.world; ++p)
+        if (p != rank_)
+            TK_TRY(signal(local_, scratch_local, static_cast<uint32_t>(k + 1), p, done, static_cast<int>(k % layout_.slots)));
+    return cudaSuccess;
+}
+
 cudaError_t copy_engine::all_gather(const void* in, void* out, int64_t bytes_per_rank, cudaStream_t stream) {
     if (bytes_per_rank <= 0) return bytes_per_rank == 0 ? cudaSuccess : cudaErrorInvalidValue;
-    const int W = layout_.world, S = layout_.slots;
-    const int64_t C = chunk_size(bytes_per_rank, layout_.gather_slot_bytes(), 1);
+    const int W = layout_.world;
+    const int64_t C = chunk_size(bytes_per_rank, layout_.slot_bytes(), 1);
     const int64_t chunks = (bytes_per_rank + C - 1) / C;
     const char* src = static_cast<const char*>(in);
     char* dst = static_cast<char*>(out);
     TK_TRY(fork(stream));
-    // This rank's own part goes straight to its place, beside the exchange.
-    TK_TRY(cudaMemcpyAsync(dst + rank_ * bytes_per_rank, src, bytes_per_rank, cudaMemcpyDefault, reduce_));
     for (int64_t i = 0; i < chunks; ++i) {
-        const uint64_t k = gathered_ + i;
-        const int slot = static_cast<int>(k % S);
-        const uint32_t seq = static_cast<uint32_t>(k + 1);
+        const uint64_t k = chunks_ + i;
         const int64_t off = i * C, len = std::min(C, bytes_per_rank - off);
-        char* my_slot = stage(rank_) + slot * C;
-        if (k >= static_cast<uint64_t>(S))  // every peer has read the chunk this slot held before
-            for (int p = 0; p < W; ++p)
-                if (p != rank_) TK_TRY(wait(stage_, ag_done, p, slot, static_cast<uint32_t>(k + 1 - S)));
-        TK_TRY(cudaMemcpyAsync(my_slot, src + off, len, cudaMemcpyDefault, stage_));
         for (int p = 0; p < W; ++p)
-            if (p != rank_) TK_TRY(signal(stage_, scratch_stage, seq, p, ag_ready, slot));
-        for (int p = 0; p < W; ++p) {
-            if (p == rank_) continue;
-            TK_TRY(wait(link_[p], ag_ready, p, slot, seq));
-            TK_TRY(cudaMemcpyAsync(dst + p * bytes_per_rank + off, stage(p) + slot * C, len, cudaMemcpyDefault,
-                                   link_[p]));
-            TK_TRY(signal(link_[p], 2 + p, seq, p, ag_done, slot));
+            if (p != rank_) TK_TRY(push(k, p, src + off, len));
+        TK_TRY(await_peers(k));
+        copy_args a{};
+        for (int r = 0; r < W; ++r) {  // the peers' staged chunks and this rank's own, each to its place
+            a.src[r] = r == rank_ ? static_cast<const void*>(src + off) : region(rank_, r, static_cast<int>(k % layout_.slots));
+            a.dst[r] = dst + r * bytes_per_rank + off;
         }
+        a.n = len;
+        TK_TRY(launch_copy(a, W, reduce_blocks_, local_));
+        TK_TRY(release(k));
     }
-    gathered_ += chunks;
+    chunks_ += chunks;
     return join(stream);
 }
 
@@ -256,50 +325,31 @@ cudaError_t copy_engine::reduce_scatter(const void* in, void* out, int64_t elems
                                         bool average, cudaStream_t stream) {
     if (elems_per_rank <= 0) return elems_per_rank == 0 ? cudaSuccess : cudaErrorInvalidValue;
     if (dtype_code < 0 || dtype_code > 2) return cudaErrorInvalidValue;
-    const int W = layout_.world, S = layout_.slots;
+    const int W = layout_.world;
     const int64_t es = dtype_code == static_cast<int>(dtype::fp32) ? 4 : 2;
-    const int64_t slot_bytes = layout_.scatter_slot_bytes();
-    const int64_t C = chunk_size(elems_per_rank * es, slot_bytes, es) / es;  // elements per chunk
+    const int64_t C = chunk_size(elems_per_rank * es, layout_.slot_bytes(), es) / es;  // elements per chunk
     const int64_t chunks = (elems_per_rank + C - 1) / C;
     const char* src = static_cast<const char*>(in);
     char* dst = static_cast<char*>(out);
-    // Where the part from `sender` sits in `receiver`'s staging.
-    auto region = [&](int receiver, int sender, int slot) {
-        const int q = (sender - receiver - 1 + W) % W;
-        return stage(receiver) + (int64_t(q) * S + slot) * slot_bytes;
-    };
     TK_TRY(fork(stream));
     for (int64_t i = 0; i < chunks; ++i) {
-        const uint64_t k = scattered_ + i;
-        const int slot = static_cast<int>(k % S);
-        const uint32_t seq = static_cast<uint32_t>(k + 1);
+        const uint64_t k = chunks_ + i;
         const int64_t off = i * C, len = std::min(C, elems_per_rank - off);
-        for (int p = 0; p < W; ++p) {
-            if (p == rank_) continue;
-            if (k >= static_cast<uint64_t>(S))  // p has summed what this rank staged there `slots` chunks ago
-                TK_TRY(wait(link_[p], rs_done, p, slot, static_cast<uint32_t>(k + 1 - S)));
-            TK_TRY(cudaMemcpyAsync(region(p, rank_, slot), src + (p * elems_per_rank + off) * es, len * es,
-                                   cudaMemcpyDefault, link_[p]));
-            TK_TRY(signal(link_[p], 2 + p, seq, p, rs_ready, slot));
-        }
+        for (int p = 0; p < W; ++p)  // the part of the input that p reduces
+            if (p != rank_) TK_TRY(push(k, p, src + (p * elems_per_rank + off) * es, len * es));
+        TK_TRY(await_peers(k));
         sum_args a{};
-        for (int r = 0; r < W; ++r) {
-            if (r == rank_) {
-                a.src[r] = src + (r * elems_per_rank + off) * es;
-            } else {
-                TK_TRY(wait(reduce_, rs_ready, r, slot, seq));
-                a.src[r] = region(rank_, r, slot);
-            }
-        }
+        for (int r = 0; r < W; ++r)
+            a.src[r] = r == rank_ ? static_cast<const void*>(src + (r * elems_per_rank + off) * es)
+                                  : region(rank_, r, static_cast<int>(k % layout_.slots));
         a.out = dst + off * es;
         a.n = len;
         a.world = W;
         a.scale = average ? 1.0f / W : 1.0f;
-        TK_TRY(launch_sum(a, dtype_code, reduce_blocks_, reduce_));
-        for (int p = 0; p < W; ++p)
-            if (p != rank_) TK_TRY(signal(reduce_, scratch_reduce, seq, p, rs_done, slot));
+        TK_TRY(launch_sum(a, dtype_code, reduce_blocks_, local_));
+        TK_TRY(release(k));
     }
-    scattered_ += chunks;
+    chunks_ += chunks;
     return join(stream);
 }
 
