@@ -5,6 +5,7 @@
 Every rank asserts; a failing rank exits nonzero, which fails the torchrun and the test.
 """
 
+import dataclasses
 import os
 import re
 import sys
@@ -185,8 +186,6 @@ def case_kernels(device) -> None:
 def case_copy_engine(device) -> None:
     """The copy-engine path: the same answers as NCCL, through a small buffer (many chunks per call, slots reused
     across calls and ops), mixed with the SM kernels on one channel, asynchronous, and at 1 GiB."""
-    import dataclasses
-
     w, r = dist.get_world_size(), dist.get_rank()
     g = torch.Generator(device=device).manual_seed(4321 + r)
     base = dataclasses.replace(collectives.ChannelConfig.from_env(), timeout_s=60.0, engine="copy",
@@ -268,6 +267,17 @@ def case_small(device) -> None:
             # (a bf16 sum near zero can then differ from ours by more than any fixed tolerance).
             err, bound = reduce_scatter_error(collectives.reduce_scatter(y), y, False)
             assert err <= bound * 1.01, f"reduce_scatter {dtype} {shape}: rel err {err:.3g} > {bound:.3g}"
+    # The copy-engine path's kernels (the receiver's copy and sum), through a 1 MiB buffer: the largest shape takes
+    # several chunks, and the odd ones misaligned words.
+    ce = collectives.Channel(dist.group.WORLD, device, dataclasses.replace(
+        collectives.ChannelConfig.from_env(), engine="copy", copy_buffer_bytes=1 << 20))
+    for dtype in DTYPES:
+        for shape in ((1,), (4097,), (5, 3, 7), (300000,)):
+            x = torch.randn(shape, device=device, dtype=dtype) + r
+            assert torch.equal(ce.all_gather(x), nccl_all_gather(x)), f"copy-engine all_gather {dtype} {shape}"
+            y = torch.cat([x] * dist.get_world_size())
+            err, bound = reduce_scatter_error(ce.reduce_scatter(y), y, False)
+            assert err <= bound * 1.01, f"copy-engine reduce_scatter {dtype} {shape}: {err:.3g} > {bound:.3g}"
     log("ok: small")
 
 
