@@ -86,3 +86,41 @@ def test_the_engine_knobs_choose_per_message(monkeypatch):
     monkeypatch.setenv("THUNDER_TK_COLLECTIVE_ENGINE", "dma")
     with pytest.raises(ValueError, match="engine must be one of"):
         ChannelConfig.from_env()
+
+
+def test_ranks_whose_settings_differ_fail_alike_and_name_the_variable(tmp_path):
+    """Two gloo ranks: a shared setting that differs, or one rank's invalid setting, raises the same error on both
+    ranks (before any buffer is made), naming the variable and which rank holds what; the per-rank settings
+    (timeout, the copy engines' summing blocks and signalling) may differ."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cases = [
+        {"name": "same", "env": [{"THUNDER_TK_COLLECTIVE_BLOCKS": "32"}, {"THUNDER_TK_COLLECTIVE_BLOCKS": "32"}]},
+        {"name": "blocks", "env": [{}, {"THUNDER_TK_COLLECTIVE_BLOCKS": "32"}]},
+        {"name": "engine and slots", "env": [{"THUNDER_TK_COLLECTIVE_ENGINE": "auto"},
+                                             {"THUNDER_TK_COLLECTIVE_CE_SLOTS": "8"}]},
+        {"name": "per rank", "env": [{"THUNDER_TK_COLLECTIVE_TIMEOUT_S": "30",
+                                      "THUNDER_TK_COLLECTIVE_CE_REDUCE_BLOCKS": "8"},
+                                     {"THUNDER_TK_COLLECTIVE_CE_SIGNAL": "copy"}]},
+        {"name": "invalid on one", "env": [{}, {"THUNDER_TK_COLLECTIVE_SLOTS": "1"}]},
+    ]
+    worker = Path(__file__).with_name("collective_settings_worker.py")
+    out = tmp_path / "outcome"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
+           json.dumps(cases), str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    assert got[0] == got[1]  # both ranks fail (or pass) alike
+    o = got[0]
+    assert o["same"] == "ok" and o["per rank"] == "ok"
+    assert "THUNDER_TK_COLLECTIVE_BLOCKS (blocks): 128 on rank 0, 32 on rank 1" in o["blocks"], o["blocks"]
+    assert "THUNDER_TK_COLLECTIVE_ENGINE (engine): 'auto' on rank 0, 'sm' on rank 1" in o["engine and slots"]
+    assert "THUNDER_TK_COLLECTIVE_CE_SLOTS (copy_slots): 4 on rank 0, 8 on rank 1" in o["engine and slots"]
+    assert "BLOCKS" not in o["engine and slots"]
+    assert o["invalid on one"].startswith("tk collectives' settings are invalid on rank 1: ")
+    assert "THUNDER_TK_COLLECTIVE_SLOTS='1'" in o["invalid on one"], o["invalid on one"]

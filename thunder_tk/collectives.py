@@ -10,7 +10,9 @@ Calls are stream-ordered like NCCL's: the channel's stream waits for the caller'
 peer that never arrives makes the kernel stop after the channel's timeout; the next `wait()` or call on that
 channel raises `CollectiveTimeoutError` naming the op and the peer.
 
-Environment knobs (read when a channel is made, so set them alike on every rank):
+Environment knobs (read when a channel is made; making one checks that every rank of the group has the same
+settings, but for the timeout and the copy engines' summing blocks and signalling, and raises ValueError on every
+rank alike, naming the variable and which ranks have which value):
 - THUNDER_TK_COLLECTIVE_TIMEOUT_S (default 600): how long a kernel waits for a peer.
 - THUNDER_TK_COLLECTIVE_BLOCKS (default 128): thread blocks (one SM each) a large collective may use; fewer
   leave more SMs to overlapping compute at some cost in bandwidth (benchmarks/NOTES.md).
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 
 import torch
@@ -240,6 +242,44 @@ _FIELD_ENV = {
 }
 
 
+# ChannelConfig fields that act on one rank only. Every other field fixes the buffers' layout, how a message is cut
+# into units or chunks, or which path a call takes, so a rank whose value differs would read its peers' data at the
+# wrong offsets or wait for a path they never take.
+_PER_RANK_FIELDS = frozenset({"timeout_s", "copy_reduce_blocks", "copy_signal"})
+
+
+def check_same_on_every_rank(config: ChannelConfig | Exception, group=None) -> None:
+    """Collective over `group` (default: the world group): every rank passes its settings, or the error reading
+    them raised; all ranks then raise the same ValueError if any rank's settings are invalid or any shared field
+    differs between ranks (each named with its variable and which ranks hold which value). Without an initialised
+    process group only this rank's own error is raised."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        if isinstance(config, Exception):
+            raise ValueError(str(config)) from None
+        return
+    mine = (str(config) if isinstance(config, Exception) else
+            {f.name: getattr(config, f.name) for f in fields(config) if f.name not in _PER_RANK_FIELDS})
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    invalid = [f"rank {r}: {e}" for r, e in enumerate(every) if isinstance(e, str)]
+    if invalid:
+        raise ValueError("tk collectives' settings are invalid on " + "; ".join(invalid))
+    differ = []
+    for name in every[0]:
+        holders: dict[str, list[int]] = {}
+        for r, settings in enumerate(every):
+            holders.setdefault(repr(settings[name]), []).append(r)
+        if len(holders) > 1:
+            label = f"{_FIELD_ENV[name]} ({name})" if name in _FIELD_ENV else name
+            differ.append(f"{label}: " + ", ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} "
+                                                    f"{', '.join(map(str, rs))}" for v, rs in holders.items()))
+    if differ:
+        raise ValueError("tk collectives' settings differ between the ranks of a group, which must share them: "
+                         + "; ".join(differ))
+
+
 def chunk_bytes(bytes_per_rank: int, lanes: int, config: ChannelConfig, cell_bytes: int) -> int:
     """Bytes per unit of work: config.units_per_block units per lane where the message allows (a block pipelines
     its units through its cells), a multiple of 16, never below config.min_chunk_bytes nor above a cell."""
@@ -256,9 +296,15 @@ class Channel:
         ext = _extension.extension()
         if ext is None:
             raise CollectiveError(f"tk collectives unavailable: {_extension.unavailable_reason()}")
-        config = config or ChannelConfig.from_env()
-        self.group = group
+        if config is None:
+            try:
+                config = ChannelConfig.from_env()
+            except ValueError as e:  # raised on every rank alike below, not left for the others to wait on
+                config = e
         self.device = torch.device(device)
+        with torch.cuda.device(self.device):  # an NCCL group's object collective runs on the current device
+            check_same_on_every_rank(config, group)
+        self.group = group
         self._index = self.device.index
         self.world = group.size()
         self.rank = group.rank()

@@ -329,14 +329,19 @@ def apply_fsdp_kernel_settings(world: int, environ=os.environ) -> dict[str, str]
 
 
 def check_collective_environment(world: int) -> None:
-    """With several processes, the THUNDER_TK_COLLECTIVE_* settings are checked before the model is built: read
-    at the first collective, a bad one would fail minutes into the first step."""
+    """With several processes, the THUNDER_TK_COLLECTIVE_* settings are checked before the model is built, on
+    every rank and against each other (collective): read at the first collective, a bad one, or one rank's
+    differing from another's, would fail minutes into the first step."""
     if world <= 1:
         return
-    from thunder_tk.collectives import ChannelConfig
+    from thunder_tk.collectives import ChannelConfig, check_same_on_every_rank
 
     try:
-        ChannelConfig.from_env()
+        config = ChannelConfig.from_env()
+    except ValueError as e:
+        config = e
+    try:
+        check_same_on_every_rank(config)
     except ValueError as e:
         raise ConfigError(f"tk collectives' settings: {e}") from None
 
