@@ -182,6 +182,20 @@ def case_kernels(device) -> None:
             raise AssertionError(f"no error for {msg}")
     log("ok: bad inputs raise")
 
+    # Settings that differ between ranks: the same error on every rank before any buffer is made, and the group
+    # still works afterwards.
+    try:
+        collectives.Channel(dist.group.WORLD, device, collectives.ChannelConfig(
+            blocks=32 if r == w - 1 else 64, buffer_bytes=8 << 20, timeout_s=60.0))
+    except ValueError as e:
+        others = f"rank{'s' if w > 2 else ''} {', '.join(map(str, range(w - 1)))}"
+        assert f"(blocks): 64 on {others}, 32 on rank {w - 1}" in str(e), e
+    else:
+        raise AssertionError("no error for settings that differ between ranks")
+    x = torch.randn(100, device=device, generator=g)
+    assert torch.equal(collectives.all_gather(x), nccl_all_gather(x))
+    log("ok: settings that differ between ranks raise on every rank")
+
 
 def case_copy_engine(device) -> None:
     """The copy-engine path: the same answers as NCCL, through a small buffer (many chunks per call, slots reused
