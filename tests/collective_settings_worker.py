@@ -1,6 +1,6 @@
 """Run by tests/test_collectives_config.py under torchrun (two gloo ranks): for each case of argv[1] (JSON: a list
 of {"name", "env": [rank 0's THUNDER_TK_COLLECTIVE_* settings, rank 1's]}), set this rank's variables, check the
-settings against the other rank's (check_same_on_every_rank, as Channel and `thunder-tk pretrain` do) and record
+settings against the other rank's (settings_on_every_rank, as Channel and `thunder-tk pretrain` do) and record
 "ok" or the error's text; rank r writes {name: outcome} as JSON to argv[2] + ".r"."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 
 import torch.distributed as dist
 
-from thunder_tk.collectives import ChannelConfig, check_same_on_every_rank
+from thunder_tk.collectives import settings_on_every_rank
 
 
 def main(cases_json: str, out: str) -> None:
@@ -21,11 +21,7 @@ def main(cases_json: str, out: str) -> None:
             del os.environ[name]
         os.environ.update(case["env"][rank])
         try:
-            config = ChannelConfig.from_env()
-        except ValueError as e:
-            config = e
-        try:
-            check_same_on_every_rank(config)
+            settings_on_every_rank()
             outcomes[case["name"]] = "ok"
         except ValueError as e:
             outcomes[case["name"]] = str(e)

@@ -280,6 +280,17 @@ def check_same_on_every_rank(config: ChannelConfig | Exception, group=None) -> N
                          + "; ".join(differ))
 
 
+def settings_on_every_rank(group=None) -> ChannelConfig:
+    """Collective: this rank's settings from the environment (ChannelConfig.from_env), once check_same_on_every_rank
+    has found them valid on every rank of `group` and the same where they must be."""
+    try:
+        config = ChannelConfig.from_env()
+    except ValueError as e:  # raised on every rank alike below, not left for the others to wait on
+        config = e
+    check_same_on_every_rank(config, group)
+    return config
+
+
 def chunk_bytes(bytes_per_rank: int, lanes: int, config: ChannelConfig, cell_bytes: int) -> int:
     """Bytes per unit of work: config.units_per_block units per lane where the message allows (a block pipelines
     its units through its cells), a multiple of 16, never below config.min_chunk_bytes nor above a cell."""
@@ -296,14 +307,12 @@ class Channel:
         ext = _extension.extension()
         if ext is None:
             raise CollectiveError(f"tk collectives unavailable: {_extension.unavailable_reason()}")
-        if config is None:
-            try:
-                config = ChannelConfig.from_env()
-            except ValueError as e:  # raised on every rank alike below, not left for the others to wait on
-                config = e
         self.device = torch.device(device)
         with torch.cuda.device(self.device):  # an NCCL group's object collective runs on the current device
-            check_same_on_every_rank(config, group)
+            if config is None:
+                config = settings_on_every_rank(group)
+            else:
+                check_same_on_every_rank(config, group)
         self.group = group
         self._index = self.device.index
         self.world = group.size()
