@@ -1,7 +1,8 @@
 """Run by tests/test_collectives_config.py under torchrun (two gloo ranks): for each case of argv[1] (JSON: a list
-of {"name", "env": [rank 0's THUNDER_TK_COLLECTIVE_* settings, rank 1's]}), set this rank's variables, check the
-settings against the other rank's (settings_on_every_rank, as Channel and `thunder-tk pretrain` do) and record
-"ok" or the error's text; rank r writes {name: outcome} as JSON to argv[2] + ".r"."""
+of {"name", "env": [rank 0's THUNDER_TK_COLLECTIVE_* and THUNDER_TK_DISABLE settings, rank 1's]}), set this rank's
+variables, check them against the other rank's as `thunder-tk pretrain` does before it builds the model (a Channel
+checks the THUNDER_TK_COLLECTIVE_* ones the same way) and record "ok" or the error's text; rank r writes
+{name: outcome} as JSON to argv[2] + ".r"."""
 
 import json
 import os
@@ -9,7 +10,7 @@ import sys
 
 import torch.distributed as dist
 
-from thunder_tk.collectives import settings_on_every_rank
+from thunder_tk.pretrain import ConfigError, check_collective_environment
 
 
 def main(cases_json: str, out: str) -> None:
@@ -17,13 +18,13 @@ def main(cases_json: str, out: str) -> None:
     rank = dist.get_rank()
     outcomes = {}
     for case in json.loads(cases_json):
-        for name in [k for k in os.environ if k.startswith("THUNDER_TK_COLLECTIVE_")]:
+        for name in [k for k in os.environ if k.startswith(("THUNDER_TK_COLLECTIVE_", "THUNDER_TK_DISABLE"))]:
             del os.environ[name]
         os.environ.update(case["env"][rank])
         try:
-            settings_on_every_rank()
+            check_collective_environment(dist.get_world_size())
             outcomes[case["name"]] = "ok"
-        except ValueError as e:
+        except ConfigError as e:
             outcomes[case["name"]] = str(e)
     with open(f"{out}.{rank}", "w") as f:
         json.dump(outcomes, f)

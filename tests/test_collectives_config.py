@@ -89,9 +89,10 @@ def test_the_engine_knobs_choose_per_message(monkeypatch):
 
 
 def test_ranks_whose_settings_differ_fail_alike_and_name_the_variable(tmp_path):
-    """Two gloo ranks: a shared setting that differs, or one rank's invalid setting, raises the same error on both
-    ranks (before any buffer is made), naming the variable and which rank holds what; the per-rank settings
-    (timeout, the copy engines' summing blocks and signalling) may differ."""
+    """Two gloo ranks, checked as `thunder-tk pretrain` does before it builds the model: a shared collective setting
+    that differs, one rank's invalid setting, or THUNDER_TK_DISABLE turning collectives (or their schedule) off on
+    one rank only, raises the same error on both ranks, naming the variable and which rank holds what; the per-rank
+    settings (timeout, the copy engines' summing blocks and signalling) and local kernels' switches may differ."""
     import json
     import os
     import subprocess
@@ -107,6 +108,9 @@ def test_ranks_whose_settings_differ_fail_alike_and_name_the_variable(tmp_path):
                                       "THUNDER_TK_COLLECTIVE_CE_REDUCE_BLOCKS": "8"},
                                      {"THUNDER_TK_COLLECTIVE_CE_SIGNAL": "copy"}]},
         {"name": "invalid on one", "env": [{}, {"THUNDER_TK_COLLECTIVE_SLOTS": "1"}]},
+        {"name": "collectives off on one", "env": [{"THUNDER_TK_DISABLE": "gemm,collective"}, {}]},
+        {"name": "schedule off on one", "env": [{}, {"THUNDER_TK_DISABLE": "collective_schedule"}]},
+        {"name": "gemm off on one", "env": [{"THUNDER_TK_DISABLE": "gemm"}, {}]},
     ]
     worker = Path(__file__).with_name("collective_settings_worker.py")
     out = tmp_path / "outcome"
@@ -117,10 +121,13 @@ def test_ranks_whose_settings_differ_fail_alike_and_name_the_variable(tmp_path):
     got = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
     assert got[0] == got[1]  # both ranks fail (or pass) alike
     o = got[0]
-    assert o["same"] == "ok" and o["per rank"] == "ok"
+    assert o["same"] == "ok" and o["per rank"] == "ok" and o["gemm off on one"] == "ok"
     assert "THUNDER_TK_COLLECTIVE_BLOCKS (blocks): 128 on rank 0, 32 on rank 1" in o["blocks"], o["blocks"]
     assert "THUNDER_TK_COLLECTIVE_ENGINE (engine): 'auto' on rank 0, 'sm' on rank 1" in o["engine and slots"]
     assert "THUNDER_TK_COLLECTIVE_CE_SLOTS (copy_slots): 4 on rank 0, 8 on rank 1" in o["engine and slots"]
     assert "BLOCKS" not in o["engine and slots"]
-    assert o["invalid on one"].startswith("tk collectives' settings are invalid on rank 1: ")
+    assert "tk collectives' settings are invalid on rank 1: " in o["invalid on one"], o["invalid on one"]
     assert "THUNDER_TK_COLLECTIVE_SLOTS='1'" in o["invalid on one"], o["invalid on one"]
+    assert "THUNDER_TK_DISABLE turns off different collective rules on different ranks (rank 0: collective; " \
+        "rank 1: none)" in o["collectives off on one"], o["collectives off on one"]
+    assert "(rank 0: none; rank 1: collective_schedule)" in o["schedule off on one"], o["schedule off on one"]

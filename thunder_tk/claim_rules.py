@@ -69,6 +69,14 @@ def known_disable_names() -> frozenset[str]:
     return frozenset({r.name for r in RULES} | {r.family for r in RULES}) | DISABLE_FEATURES
 
 
+def collective_switches() -> set[str]:
+    """The THUNDER_TK_DISABLE names that change which collectives run, or in what order: the collective rules and
+    family, and the FSDP schedule. Every rank of a group must list the same ones, or the ranks would wait in
+    different libraries (or for collectives in different orders)."""
+    collective = {r.name for r in RULES if r.family == "collective"} | {"collective", "collective_schedule"}
+    return _env_names() & collective
+
+
 def disabled_names() -> set[str]:
     """What the environment and the compile option being compiled turn off: rule names, families, features."""
     return _env_names() | _option_names()
