@@ -290,7 +290,8 @@ cudaError_t copy_engine::await_peers(uint64_t k) {
 cudaError_t copy_engine::release(uint64_t k) {
     for (int p = 0; p < layout_.world; ++p)
         if (p != rank_)
-            TK_TRY(signal(local_, scratch_local, static_cast<uint32_t>(k + 1), p, done, static_cast<int>(k % layout_.slots)));
+            TK_TRY(signal(local_, scratch_local, static_cast<uint32_t>(k + 1), p, done,
+                          static_cast<int>(k % layout_.slots)));
     return cudaSuccess;
 }
 
@@ -310,7 +311,8 @@ cudaError_t copy_engine::all_gather(const void* in, void* out, int64_t bytes_per
         TK_TRY(await_peers(k));
         copy_args a{};
         for (int r = 0; r < W; ++r) {  // the peers' staged chunks and this rank's own, each to its place
-            a.src[r] = r == rank_ ? static_cast<const void*>(src + off) : region(rank_, r, static_cast<int>(k % layout_.slots));
+            a.src[r] = r == rank_ ? static_cast<const void*>(src + off)
+                                  : region(rank_, r, static_cast<int>(k % layout_.slots));
             a.dst[r] = dst + r * bytes_per_rank + off;
         }
         a.n = len;

@@ -47,8 +47,9 @@ struct copy_engine_layout {
 class copy_engine {
   public:
     // `buffers`: every rank's symmetric buffer as mapped in this process (world entries); `reduce_blocks`: the
-    // grid of the receiver's kernel (all-gather's copy, reduce-scatter's sum); `signal_by_copy`: raise peers' flags by a 4-byte copy from a local
-    // word instead of a stream write into the peer's mapping. Throws std::runtime_error or std::invalid_argument.
+    // grid of the receiver's kernel (all-gather's copy, reduce-scatter's sum); `signal_by_copy`: raise peers'
+    // flags by a 4-byte copy from a local word instead of a stream write into the peer's mapping. Throws
+    // std::runtime_error or std::invalid_argument.
     copy_engine(int world, int rank, int slots, int64_t buffer_bytes, const std::uintptr_t* buffers, int reduce_blocks,
                 bool signal_by_copy);
     ~copy_engine();
