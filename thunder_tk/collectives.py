@@ -248,7 +248,7 @@ _FIELD_ENV = {
 _PER_RANK_FIELDS = frozenset({"timeout_s", "copy_reduce_blocks", "copy_signal"})
 
 
-def check_same_on_every_rank(config: ChannelConfig | Exception, group=None) -> None:
+def check_same_on_every_rank(config: ChannelConfig | ValueError, group=None) -> None:
     """Collective over `group` (default: the world group): every rank passes its settings, or the error reading
     them raised; all ranks then raise the same ValueError if any rank's settings are invalid or any shared field
     differs between ranks (each named with its variable and which ranks hold which value). Without an initialised
@@ -256,10 +256,10 @@ def check_same_on_every_rank(config: ChannelConfig | Exception, group=None) -> N
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        if isinstance(config, Exception):
-            raise ValueError(str(config)) from None
+        if isinstance(config, ValueError):
+            raise config
         return
-    mine = (str(config) if isinstance(config, Exception) else
+    mine = (str(config) if isinstance(config, ValueError) else
             {f.name: getattr(config, f.name) for f in fields(config) if f.name not in _PER_RANK_FIELDS})
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
