@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/collectives/rank_sum.cuh"
 #include "kittens/common.cuh"
 
 namespace tk::collectives {
@@ -60,59 +61,23 @@ struct sum_args {
 constexpr int sum_threads = 512;
 constexpr int sum_unroll = 4;
 
-template <typename T> __device__ __forceinline__ float as_float(T v) { return static_cast<float>(v); }
-
 template <typename T>
 __global__ void __launch_bounds__(sum_threads) sum_kernel(const sum_args a) {
     const T* const* src = reinterpret_cast<const T* const*>(a.src);
     T* out = static_cast<T*>(a.out);
     bool vec = (reinterpret_cast<uintptr_t>(out) & 15) == 0;
     for (int r = 0; r < a.world; ++r) vec = vec && (reinterpret_cast<uintptr_t>(src[r]) & 15) == 0;
-    constexpr int V = 16 / sizeof(T);
     const int64_t stride = int64_t(gridDim.x) * sum_threads;
     const int64_t first = int64_t(blockIdx.x) * sum_threads + threadIdx.x;
+    auto source = [&](int r) { return src[r]; };
+    auto load = [](int, const auto* q) { return __ldcg(q); };  // staging is rewritten by peers' copies: skip L1
     int64_t done = 0;
     if (vec) {
-        const int64_t n_vec = a.n / V;
-        for (int64_t base = first; base < n_vec; base += stride * sum_unroll) {
-            float acc[sum_unroll][V];
-#pragma unroll
-            for (int u = 0; u < sum_unroll; ++u)
-#pragma unroll
-                for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
-            for (int r = 0; r < a.world; ++r) {
-                const uint4* p = reinterpret_cast<const uint4*>(src[r]);
-                uint4 raw[sum_unroll];
-#pragma unroll
-                for (int u = 0; u < sum_unroll; ++u) {
-                    const int64_t i = base + u * stride;
-                    if (i < n_vec) raw[u] = __ldcg(p + i);  // staging is rewritten by peers' copies: skip L1
-                }
-#pragma unroll
-                for (int u = 0; u < sum_unroll; ++u) {
-                    const T* v = reinterpret_cast<const T*>(&raw[u]);
-#pragma unroll
-                    for (int e = 0; e < V; ++e) acc[u][e] += as_float(v[e]);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < sum_unroll; ++u) {
-                const int64_t i = base + u * stride;
-                if (i >= n_vec) break;
-                uint4 packed;
-                T* w = reinterpret_cast<T*>(&packed);
-#pragma unroll
-                for (int e = 0; e < V; ++e) w[e] = static_cast<T>(acc[u][e] * a.scale);
-                reinterpret_cast<uint4*>(out)[i] = packed;
-            }
-        }
-        done = n_vec * V;
+        const int64_t n_vec = a.n / vec16_elems<T>;
+        sum_rank_vectors<T, sum_unroll>(out, n_vec, first, stride, a.world, a.scale, source, load);
+        done = n_vec * vec16_elems<T>;
     }
-    for (int64_t i = done + first; i < a.n; i += stride) {
-        float acc = 0.0f;
-        for (int r = 0; r < a.world; ++r) acc += as_float(__ldcg(src[r] + i));
-        out[i] = static_cast<T>(acc * a.scale);
-    }
+    sum_rank_elements<T>(out, done, a.n, first, stride, a.world, a.scale, source, load);
 }
 
 cudaError_t launch_sum(const sum_args& a, int dtype_code, int max_blocks, cudaStream_t s) {
@@ -295,64 +260,66 @@ cudaError_t copy_engine::release(uint64_t k) {
     return cudaSuccess;
 }
 
-cudaError_t copy_engine::all_gather(const void* in, void* out, int64_t bytes_per_rank, cudaStream_t stream) {
-    if (bytes_per_rank <= 0) return bytes_per_rank == 0 ? cudaSuccess : cudaErrorInvalidValue;
-    const int W = layout_.world;
-    const int64_t C = chunk_size(bytes_per_rank, layout_.slot_bytes(), 1);
-    const int64_t chunks = (bytes_per_rank + C - 1) / C;
-    const char* src = static_cast<const char*>(in);
-    char* dst = static_cast<char*>(out);
+// The chunk loop both ops share, over a message of `units` of `unit_bytes` each (all-gather: bytes of one rank's
+// part; reduce-scatter: elements of the part each rank reduces): per chunk, push each peer its piece
+// (`peer_piece(p, offset)`), hold the local stream until the peers' pieces are in, run `local_step(slot, offset,
+// length)` there and free the slots. One chunk count for both ops, so neither reuses a slot the other still fills.
+template <typename PeerPiece, typename LocalStep>
+cudaError_t copy_engine::for_each_chunk(int64_t units, int64_t unit_bytes, cudaStream_t stream, PeerPiece peer_piece,
+                                        LocalStep local_step) {
+    const int64_t C = chunk_size(units * unit_bytes, layout_.slot_bytes(), unit_bytes) / unit_bytes;
+    const int64_t chunks = (units + C - 1) / C;
     TK_TRY(fork(stream));
     for (int64_t i = 0; i < chunks; ++i) {
         const uint64_t k = chunks_ + i;
-        const int64_t off = i * C, len = std::min(C, bytes_per_rank - off);
-        for (int p = 0; p < W; ++p)
-            if (p != rank_) TK_TRY(push(k, p, src + off, len));
+        const int64_t off = i * C, len = std::min(C, units - off);
+        for (int p = 0; p < layout_.world; ++p)
+            if (p != rank_) TK_TRY(push(k, p, peer_piece(p, off), len * unit_bytes));
         TK_TRY(await_peers(k));
-        copy_args a{};
-        for (int r = 0; r < W; ++r) {  // the peers' staged chunks and this rank's own, each to its place
-            a.src[r] = r == rank_ ? static_cast<const void*>(src + off)
-                                  : region(rank_, r, static_cast<int>(k % layout_.slots));
-            a.dst[r] = dst + r * bytes_per_rank + off;
-        }
-        a.n = len;
-        TK_TRY(launch_copy(a, W, reduce_blocks_, local_));
+        TK_TRY(local_step(static_cast<int>(k % layout_.slots), off, len));
         TK_TRY(release(k));
     }
     chunks_ += chunks;
     return join(stream);
 }
 
+cudaError_t copy_engine::all_gather(const void* in, void* out, int64_t bytes_per_rank, cudaStream_t stream) {
+    if (bytes_per_rank <= 0) return bytes_per_rank == 0 ? cudaSuccess : cudaErrorInvalidValue;
+    const char* src = static_cast<const char*>(in);
+    char* dst = static_cast<char*>(out);
+    auto piece = [&](int, int64_t off) { return src + off; };  // every peer gets this rank's part
+    auto copy_out = [&](int slot, int64_t off, int64_t len) {
+        copy_args a{};
+        for (int r = 0; r < layout_.world; ++r) {  // the peers' staged chunks and this rank's own, each to its place
+            a.src[r] = r == rank_ ? static_cast<const void*>(src + off) : region(rank_, r, slot);
+            a.dst[r] = dst + r * bytes_per_rank + off;
+        }
+        a.n = len;
+        return launch_copy(a, layout_.world, reduce_blocks_, local_);
+    };
+    return for_each_chunk(bytes_per_rank, 1, stream, piece, copy_out);
+}
+
 cudaError_t copy_engine::reduce_scatter(const void* in, void* out, int64_t elems_per_rank, int dtype_code,
                                         bool average, cudaStream_t stream) {
     if (elems_per_rank <= 0) return elems_per_rank == 0 ? cudaSuccess : cudaErrorInvalidValue;
     if (dtype_code < 0 || dtype_code > 2) return cudaErrorInvalidValue;
-    const int W = layout_.world;
     const int64_t es = dtype_code == static_cast<int>(dtype::fp32) ? 4 : 2;
-    const int64_t C = chunk_size(elems_per_rank * es, layout_.slot_bytes(), es) / es;  // elements per chunk
-    const int64_t chunks = (elems_per_rank + C - 1) / C;
     const char* src = static_cast<const char*>(in);
     char* dst = static_cast<char*>(out);
-    TK_TRY(fork(stream));
-    for (int64_t i = 0; i < chunks; ++i) {
-        const uint64_t k = chunks_ + i;
-        const int64_t off = i * C, len = std::min(C, elems_per_rank - off);
-        for (int p = 0; p < W; ++p)  // the part of the input that p reduces
-            if (p != rank_) TK_TRY(push(k, p, src + (p * elems_per_rank + off) * es, len * es));
-        TK_TRY(await_peers(k));
+    // Rank r's part of the input, from element `off` of it: the piece r reduces.
+    auto part = [&](int r, int64_t off) { return src + (r * elems_per_rank + off) * es; };
+    auto sum = [&](int slot, int64_t off, int64_t len) {
         sum_args a{};
-        for (int r = 0; r < W; ++r)
-            a.src[r] = r == rank_ ? static_cast<const void*>(src + (r * elems_per_rank + off) * es)
-                                  : region(rank_, r, static_cast<int>(k % layout_.slots));
+        for (int r = 0; r < layout_.world; ++r)
+            a.src[r] = r == rank_ ? static_cast<const void*>(part(r, off)) : region(rank_, r, slot);
         a.out = dst + off * es;
         a.n = len;
-        a.world = W;
-        a.scale = average ? 1.0f / W : 1.0f;
-        TK_TRY(launch_sum(a, dtype_code, reduce_blocks_, local_));
-        TK_TRY(release(k));
-    }
-    chunks_ += chunks;
-    return join(stream);
+        a.world = layout_.world;
+        a.scale = average ? 1.0f / layout_.world : 1.0f;
+        return launch_sum(a, dtype_code, reduce_blocks_, local_);
+    };
+    return for_each_chunk(elems_per_rank, es, stream, part, sum);
 }
 
 }  // namespace tk::collectives

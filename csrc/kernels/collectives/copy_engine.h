@@ -74,6 +74,9 @@ class copy_engine {
     cudaError_t release(uint64_t k);
     cudaError_t fork(cudaStream_t caller);
     cudaError_t join(cudaStream_t caller);
+    template <typename PeerPiece, typename LocalStep>
+    cudaError_t for_each_chunk(int64_t units, int64_t unit_bytes, cudaStream_t stream, PeerPiece peer_piece,
+                               LocalStep local_step);
 
     copy_engine_layout layout_{};
     bool signal_by_copy_ = false;

@@ -8,6 +8,7 @@
 // drains the units that have arrived, so the link never waits for a local copy. tests/test_collectives_schedule.py
 // plays this schedule on the CPU for 2-16 ranks: change its index arithmetic there too.
 #include "kernels/collectives/p2p.h"
+#include "kernels/collectives/rank_sum.cuh"
 
 #include <algorithm>
 
@@ -403,6 +404,8 @@ __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_sc
             const int d = s.me > r ? s.me - r : s.me - r + s.world;  // the sibling(d) cells follow sibling(1)'s
             return reinterpret_cast<const T*>(first + int64_t(d - 1) * ch.layout.slots * ch.layout.cell_bytes);
         };
+        // This rank's own part is never rewritten by a peer; the staged ones skip L1.
+        auto load = [&](int r, const auto* q) { return r == s.me ? *q : __ldcg(q); };
         constexpr int V = vec16_elems<T>;
         int64_t done = 0;
         if constexpr (TwoRanks) {
@@ -415,47 +418,10 @@ __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_sc
           }
         } else if (aligned16(own) && aligned16(o)) {
             const int64_t n_vec = len / V;
-            // `reduce_unroll` independent vectors per thread, each source's loads issued together: enough bytes in
-            // flight to drain a cell at local memory speed.
-            for (int64_t base = t.rank(); base < n_vec; base += int64_t(threads) * reduce_unroll) {
-                float acc[reduce_unroll][V];
-#pragma unroll
-                for (int u = 0; u < reduce_unroll; ++u)
-#pragma unroll
-                    for (int e = 0; e < V; ++e) acc[u][e] = 0.0f;
-                for (int r = 0; r < s.world; ++r) {  // rank order: the same sum on every rank
-                    const uint4* p = reinterpret_cast<const uint4*>(source(r));
-                    uint4 raw[reduce_unroll];
-#pragma unroll
-                    for (int u = 0; u < reduce_unroll; ++u) {
-                        const int64_t i = base + int64_t(u) * threads;
-                        if (i < n_vec) raw[u] = r == s.me ? p[i] : __ldcg(p + i);
-                    }
-#pragma unroll
-                    for (int u = 0; u < reduce_unroll; ++u) {
-                        const T* v = reinterpret_cast<const T*>(&raw[u]);
-#pragma unroll
-                        for (int e = 0; e < V; ++e) acc[u][e] += to_float(v[e]);
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < reduce_unroll; ++u) {
-                    const int64_t i = base + int64_t(u) * threads;
-                    if (i >= n_vec) break;
-                    uint4 packed_out;
-                    T* w = reinterpret_cast<T*>(&packed_out);
-#pragma unroll
-                    for (int e = 0; e < V; ++e) w[e] = static_cast<T>(acc[u][e] * scale);
-                    reinterpret_cast<uint4*>(o)[i] = packed_out;
-                }
-            }
+            sum_rank_vectors<T, reduce_unroll>(o, n_vec, t.rank(), threads, s.world, scale, source, load);
             done = n_vec * V;
         }
-        for (int64_t i = done + t.rank(); i < len; i += threads) {
-            float acc = 0.0f;
-            for (int r = 0; r < s.world; ++r) acc += to_float(r == s.me ? own[i] : __ldcg(source(r) + i));
-            o[i] = static_cast<T>(acc * scale);
-        }
+        sum_rank_elements<T>(o, done, len, t.rank(), threads, s.world, scale, source, load);
     };
     run_units(s, (n + C - 1) / C, true, send, recv);
 }
