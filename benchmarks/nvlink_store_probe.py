@@ -2,11 +2,13 @@
 benchmarks/copy_engine_probe.py).
 
 Run under torchrun, one process per GPU of the host. Every rank holds a buffer of torch's symmetric memory with one
-region per sending rank. An elementwise kernel on the rank's own GPU (torch's negation of float32: 16-byte vector
-loads and stores, one kernel per peer on a stream of its own, all at once) moves the data:
-- solo push: rank 0 alone stores its source into its region at every peer (the others wait);
-- all-to-all push: every rank does so at once (an all-gather's traffic);
-- all-to-all pull: every rank loads every peer's source into its own memory at once.
+region per sending rank. A kernel on the rank's own GPU negates float32 data on the way (so a stale region shows):
+- "interleaved": one Triton kernel whose consecutive blocks take the peers in turn, so every link carries data all
+  the time (as tk's SM collectives do);
+- "per-peer kernels": torch's elementwise kernel once per peer, each on a stream of its own (a large grid fills the
+  GPU, so the peers are served mostly one after another).
+Patterns: solo push (rank 0 alone stores its source into its region at every peer; the others wait), all-to-all
+push (every rank at once: an all-gather's traffic), all-to-all pull (every rank loads every peer's source).
 GB/s = bytes leaving (push) or arriving at (pull) one GPU / time: the busbw of an all-gather of that traffic. A
 rank times its own kernels from its start event to its last end; the slowest rank sets the row. The regions are
 checked afterwards (each must hold its sender's source, negated).
@@ -24,6 +26,50 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+try:  # torch's CUDA wheels bring Triton
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def neg_copy(src, dst, offs, mask):
+        tl.store(dst + offs, -tl.load(src + offs, mask=mask), mask=mask)
+
+    @triton.jit
+    def move(src0, src1, src2, src3, src4, src5, src6, dst0, dst1, dst2, dst3, dst4, dst5, dst6, n,
+             PEERS: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        peer = pid % PEERS
+        offs = (pid // PEERS).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        # Up to 7 peers (8 GPUs); a block takes its peer's (source, destination) pair.
+        if peer == 0:
+            neg_copy(src0, dst0, offs, mask)
+        elif peer == 1:
+            neg_copy(src1, dst1, offs, mask)
+        elif peer == 2:
+            neg_copy(src2, dst2, offs, mask)
+        elif peer == 3:
+            neg_copy(src3, dst3, offs, mask)
+        elif peer == 4:
+            neg_copy(src4, dst4, offs, mask)
+        elif peer == 5:
+            neg_copy(src5, dst5, offs, mask)
+        else:
+            neg_copy(src6, dst6, offs, mask)
+
+
+def launch_interleaved(pairs, n: int) -> None:
+    """Block b moves block b // peers of the data from pairs[b % peers][1] to pairs[b % peers][0]."""
+    if triton is None:
+        raise SystemExit("nvlink_store_probe: needs Triton")
+    srcs = [inp for _, inp in pairs] + [pairs[0][1]] * (7 - len(pairs))
+    dsts = [out for out, _ in pairs] + [pairs[0][0]] * (7 - len(pairs))
+    block = 4096
+    move[(len(pairs) * triton.cdiv(n, block),)](*srcs, *dsts, n, PEERS=len(pairs), BLOCK=block, num_warps=8)
 
 
 def main() -> None:
@@ -51,14 +97,19 @@ def main() -> None:
         region = {(r, s): handle.get_buffer(r, (world * n,), torch.float32)[s * n:(s + 1) * n]
                   for r in range(world) for s in range(world)}
 
-        def timed(label: str, active: bool, moves, per_gpu_bytes: int) -> None:
+        def timed(label: str, active: bool, moves, per_gpu_bytes: int, kernel: str) -> None:
             times = []
             for _ in range(a.repeats + 1):
                 torch.cuda.synchronize(device)
                 dist.barrier()
                 start, ends = torch.cuda.Event(enable_timing=True), []
                 start.record()
-                if active:
+                if active and kernel == "interleaved":
+                    launch_interleaved(moves, n)
+                    e = torch.cuda.Event(enable_timing=True)
+                    e.record()
+                    ends.append(e)
+                elif active:
                     for st, (out, inp) in zip(streams, moves):
                         st.wait_event(start)
                         with torch.cuda.stream(st):
@@ -70,10 +121,12 @@ def main() -> None:
                 times.append(max((start.elapsed_time(e) for e in ends), default=0.0))
             ms = torch.tensor([statistics.median(times[1:])], device=device)
             dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-            row = {"pattern": label, "mib_per_peer": mib, "ms": float(ms), "GBps": per_gpu_bytes / float(ms) / 1e6}
+            label = f"{label}, {kernel}"
+            row = {"pattern": label, "kernel": kernel, "mib_per_peer": mib, "ms": float(ms),
+                   "GBps": per_gpu_bytes / float(ms) / 1e6}
             rows.append(row)
             if rank == 0:
-                print(f"{label:>22} {mib:5d} MiB a peer: {row['ms']:8.3f} ms  {row['GBps']:7.1f} GB/s", flush=True)
+                print(f"{label:>40} {mib:5d} MiB a peer: {row['ms']:8.3f} ms  {row['GBps']:7.1f} GB/s", flush=True)
 
         def check(label: str, senders) -> None:
             """Each sender's source, negated, must be in this rank's region for it."""
@@ -92,14 +145,21 @@ def main() -> None:
         dist.barrier()
         src_of = {s: region[(s, s)] for s in range(world)}
         nbytes = n * 4
-        timed("solo push (rank 0)", rank == 0, [(region[(q, rank)], src) for q in peers], nbytes * len(peers))
-        check("solo push", [0])
-        timed("all-to-all push", True, [(region[(q, rank)], src) for q in peers], nbytes * len(peers))
-        check("all-to-all push", range(world))
         pulled = [torch.empty(n, device=device) for _ in peers]
-        timed("all-to-all pull", True, [(out, src_of[q]) for out, q in zip(pulled, peers)], nbytes * len(peers))
-        if not all(torch.equal(out, -src_of[q]) for out, q in zip(pulled, peers)):
-            raise SystemExit("nvlink_store_probe: all-to-all pull: a pulled copy does not match its source")
+        for kernel in ("interleaved", "per-peer kernels"):
+            pushes = [(region[(q, rank)], src) for q in peers]
+            timed("solo push (rank 0)", rank == 0, pushes, nbytes * len(peers), kernel)
+            check(f"solo push, {kernel}", [0])
+            timed("all-to-all push", True, pushes, nbytes * len(peers), kernel)
+            check(f"all-to-all push, {kernel}", range(world))
+            for out in pulled:
+                out.fill_(float("nan"))
+            timed("all-to-all pull", True, [(out, src_of[q]) for out, q in zip(pulled, peers)], nbytes * len(peers),
+                  kernel)
+            if not all(torch.equal(out, -src_of[q]) for out, q in zip(pulled, peers)):
+                raise SystemExit(f"nvlink_store_probe: all-to-all pull, {kernel}: a pulled copy does not match")
+            for s_ in peers:  # the next kind's pushes must write the regions again to pass the checks
+                region[(rank, s_)].fill_(float("nan"))
         torch.cuda.synchronize(device)
         dist.barrier()  # no rank frees its buffer while a peer may still read it
     if rank == 0 and a.json:
