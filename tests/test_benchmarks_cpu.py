@@ -2,6 +2,7 @@
 session, so a broken path must show here first."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -338,3 +339,23 @@ def test_gemm_clocks_parses_on_cpu():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemm_clocks.py"), "--problems", "8192:2048:fwd"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "M:K:N:fwd|dX|dW" in r.stderr
+
+
+def test_nvlink_store_probe_interleaved_kernel_moves_every_peer_block_in_triton_interpreter():
+    """The probe's Triton kernel, run by Triton's CPU interpreter: block b serves peer b % peers, tails masked."""
+    pytest.importorskip("triton")
+    code = """
+import sys, torch
+sys.path.insert(0, %r)
+import nvlink_store_probe as p
+for peers in (1, 3, 7):
+    for n in (1, 4095, 4096 * 2 + 17):
+        srcs = [torch.randn(n) for _ in range(peers)]
+        dsts = [torch.full((n + 8,), float("nan")) for _ in range(peers)]
+        p.launch_interleaved([(d[:n], s) for d, s in zip(dsts, srcs)], n)
+        assert all(torch.equal(d[:n], -s) and d[n:].isnan().all() for d, s in zip(dsts, srcs)), (peers, n)
+print("ok")
+""" % str(ROOT / "benchmarks")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
