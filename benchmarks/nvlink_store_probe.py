@@ -39,37 +39,23 @@ if triton is not None:
         tl.store(dst + offs, -tl.load(src + offs, mask=mask), mask=mask)
 
     @triton.jit
-    def move(src0, src1, src2, src3, src4, src5, src6, dst0, dst1, dst2, dst3, dst4, dst5, dst6, n,
-             PEERS: tl.constexpr, BLOCK: tl.constexpr):
+    def move(srcs, dsts, n, PEERS: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         peer = pid % PEERS
         offs = (pid // PEERS).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        # Up to 7 peers (8 GPUs); a block takes its peer's (source, destination) pair.
-        if peer == 0:
-            neg_copy(src0, dst0, offs, mask)
-        elif peer == 1:
-            neg_copy(src1, dst1, offs, mask)
-        elif peer == 2:
-            neg_copy(src2, dst2, offs, mask)
-        elif peer == 3:
-            neg_copy(src3, dst3, offs, mask)
-        elif peer == 4:
-            neg_copy(src4, dst4, offs, mask)
-        elif peer == 5:
-            neg_copy(src5, dst5, offs, mask)
-        else:
-            neg_copy(src6, dst6, offs, mask)
+        for q in tl.static_range(PEERS):  # a block takes its peer's (source, destination) pair
+            if peer == q:
+                neg_copy(srcs[q], dsts[q], offs, mask)
 
 
 def launch_interleaved(pairs, n: int) -> None:
     """Block b moves block b // peers of the data from pairs[b % peers][1] to pairs[b % peers][0]."""
     if triton is None:
         raise SystemExit("nvlink_store_probe: needs Triton")
-    srcs = [inp for _, inp in pairs] + [pairs[0][1]] * (7 - len(pairs))
-    dsts = [out for out, _ in pairs] + [pairs[0][0]] * (7 - len(pairs))
     block = 4096
-    move[(len(pairs) * triton.cdiv(n, block),)](*srcs, *dsts, n, PEERS=len(pairs), BLOCK=block, num_warps=8)
+    move[(len(pairs) * triton.cdiv(n, block),)](tuple(inp for _, inp in pairs), tuple(out for out, _ in pairs), n,
+                                                 PEERS=len(pairs), BLOCK=block, num_warps=8)
 
 
 def main() -> None:
