@@ -79,9 +79,9 @@ def main() -> None:
         buffer = symm_mem.empty(world * n, dtype=torch.float32, device=device)
         handle = symm_mem.rendezvous(buffer, dist.group.WORLD)
         src = torch.randn(n, device=device)
-        # region(r, s): rank r's region for sender s, as this process maps it.
-        region = {(r, s): handle.get_buffer(r, (world * n,), torch.float32)[s * n:(s + 1) * n]
-                  for r in range(world) for s in range(world)}
+        # region(r, s): rank r's region for sender s, as this process maps it (one view of each rank's buffer).
+        mapped = [handle.get_buffer(r, (world * n,), torch.float32) for r in range(world)]
+        region = {(r, s): mapped[r][s * n:(s + 1) * n] for r in range(world) for s in range(world)}
 
         def timed(label: str, active: bool, moves, per_gpu_bytes: int, kernel: str) -> None:
             times = []
