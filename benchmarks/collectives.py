@@ -216,11 +216,11 @@ def main() -> None:
     p.add_argument("--blocks", type=int, nargs="+",
                    help="tk block counts: the first is reported as tk, the others as tk_b{B} (default: env channel)")
     p.add_argument("--buffer-mib", type=int, default=64, help="staging buffer of the --blocks channels")
-    p.add_argument("--configs", nargs="+", default=[], metavar="B:S:MIB[:W[:KIB[:P[:U[:T]]]]]",
+    p.add_argument("--configs", nargs="+", default=[], metavar="B:S:MIB[:W[:KIB[:P[:U]]]]",
                    help="more tk channels timed beside tk: B blocks, S slots, MIB staging buffer, W sending warps of "
                         "16 for both ops (0: the channel's), KIB smallest unit per block (0: the default), P 1 for "
-                        "blocks paired with one peer each, U units each block aims at (0: the default), T sending teams "
-                        "for both ops (0: the channel's), e.g. 128:4:128 128:2:64:0:4 128:4:64:0:0:1:8 128:4:64:0:0:1:0:2")
+                        "blocks paired with one peer each, U units each block aims at (0: the default), e.g. "
+                        "128:4:128 128:2:64:0:4 128:4:64:0:0:1:8")
     p.add_argument("--engines", nargs="+", default=[], choices=["copy", "auto"],
                    help="more tk channels timed beside tk, moving data on the copy engines (tk_copy) or on them "
                         "from THUNDER_TK_COLLECTIVE_CE_MIN_MB up (tk_auto); other settings from the environment")
@@ -243,14 +243,13 @@ def main() -> None:
     else:
         channels = {"tk": collectives.channel(group, device)}
     for spec in a.configs:
-        b, slots, mib, warps, kib, pairs, units, teams = ([int(v) for v in spec.split(":")] + [0] * 5)[:8]
+        b, slots, mib, warps, kib, pairs, units = ([int(v) for v in spec.split(":")] + [0, 0, 0, 0])[:7]
         cfg = collectives.ChannelConfig(blocks=b, buffer_bytes=mib << 20, timeout_s=60, slots=slots,
                                         **({"ag_sender_warps": warps, "rs_sender_warps": warps} if warps else {}),
                                         **({"min_chunk_bytes": kib << 10} if kib else {}), pairs=bool(pairs),
-                                        **({"units_per_block": units} if units else {}),
-                                        **({"ag_sender_teams": teams, "rs_sender_teams": teams} if teams else {}))
+                                        **({"units_per_block": units} if units else {}))
         name = (f"tk_b{b}s{slots}m{mib}" + (f"w{warps}" if warps else "") + (f"k{kib}" if kib else "")
-                + ("p" if pairs else "") + (f"u{units}" if units else "") + (f"t{teams}" if teams else ""))
+                + ("p" if pairs else "") + (f"u{units}" if units else ""))
         channels[name] = collectives.Channel(group, device, cfg)
     for engine in a.engines:
         channels[f"tk_{engine}"] = collectives.Channel(

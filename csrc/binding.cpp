@@ -312,29 +312,28 @@ class P2PChannel {
     // `copy_engine`: move the data on the copy engines (needs attach_copy_engine); a stream under CUDA-graph capture
     // always gets the SM kernels (the copy engine's flags carry host-side sequence numbers).
     int all_gather(std::uintptr_t in, std::uintptr_t out, int64_t bytes_per_rank, int64_t chunk_bytes, int elem_bytes,
-                   std::uintptr_t caller, bool async, int grid, int sender_warps, bool copy_engine, int sender_teams) {
-        check_senders(sender_warps, sender_teams);
+                   std::uintptr_t caller, bool async, int grid, int sender_warps, bool copy_engine) {
+        check_sender_warps(sender_warps);
         if (use_copy_engine(copy_engine, caller))
             return ordered(caller, async, "all_gather (copy engine)", [&](cudaStream_t s) {
                 return copy_engine_->all_gather(as_ptr<void>(in), reinterpret_cast<void*>(out), bytes_per_rank, s);
             });
         tk::collectives::all_gather_args a{args_, as_ptr<void>(in), reinterpret_cast<void*>(out), bytes_per_rank,
-                                           chunk_bytes, elem_bytes, sender_warps, sender_teams};
+                                           chunk_bytes, elem_bytes, sender_warps};
         return ordered(caller, async, "all_gather",
                        [&](cudaStream_t s) { return tk::collectives::launch_all_gather(a, grid, s); });
     }
 
     int reduce_scatter(std::uintptr_t in, std::uintptr_t out, int64_t elems_per_rank, int64_t chunk_elems, int dtype,
-                       bool average, std::uintptr_t caller, bool async, int grid, int sender_warps, bool copy_engine,
-                       int sender_teams) {
-        check_senders(sender_warps, sender_teams);
+                       bool average, std::uintptr_t caller, bool async, int grid, int sender_warps, bool copy_engine) {
+        check_sender_warps(sender_warps);
         if (use_copy_engine(copy_engine, caller))
             return ordered(caller, async, "reduce_scatter (copy engine)", [&](cudaStream_t s) {
                 return copy_engine_->reduce_scatter(as_ptr<void>(in), reinterpret_cast<void*>(out), elems_per_rank,
                                                     dtype, average, s);
             });
         tk::collectives::reduce_scatter_args a{args_, as_ptr<void>(in), reinterpret_cast<void*>(out), elems_per_rank,
-                                               chunk_elems, dtype, average, sender_warps, sender_teams};
+                                               chunk_elems, dtype, average, sender_warps};
         return ordered(caller, async, "reduce_scatter",
                        [&](cudaStream_t s) { return tk::collectives::launch_reduce_scatter(a, grid, s); });
     }
@@ -355,13 +354,9 @@ class P2PChannel {
         return status == cudaStreamCaptureStatusNone;
     }
 
-    static void check_senders(int warps, int teams) {
+    static void check_sender_warps(int warps) {
         if (warps < 1 || warps > 15)
             throw std::invalid_argument("P2PChannel: sender_warps must be 1..15 (of a block's 16 warps)");
-        if (teams < 1 || teams > tk::collectives::max_sender_teams || warps % teams)
-            throw std::invalid_argument("P2PChannel: sender_teams must be 1.." +
-                                        std::to_string(tk::collectives::max_sender_teams) +
-                                        " and divide sender_warps (" + std::to_string(warps) + ")");
     }
 
     template <class Launch> int ordered(std::uintptr_t caller_handle, bool async, const char* what, Launch launch) {
@@ -592,17 +587,13 @@ PYBIND11_MODULE(_C, m) {
         .def("all_gather", &P2PChannel::all_gather, py::arg("inp"), py::arg("out"), py::arg("bytes_per_rank"),
              py::arg("chunk_bytes"), py::arg("elem_bytes"), py::arg("caller_stream"), py::arg("async_op"),
              py::arg("grid") = 0, py::arg("sender_warps") = 8, py::arg("copy_engine") = false,
-             py::arg("sender_teams") = 1,
              "Returns a handle for wait(). sender_warps: of a block's 16 warps, how many send. copy_engine: move "
-             "the data on the copy engines (attach_copy_engine first). sender_teams: the senders split into this "
-             "many teams that take units in turns.")
+             "the data on the copy engines (attach_copy_engine first).")
         .def("reduce_scatter", &P2PChannel::reduce_scatter, py::arg("inp"), py::arg("out"), py::arg("elems_per_rank"),
              py::arg("chunk_elems"), py::arg("dtype"), py::arg("average"), py::arg("caller_stream"),
              py::arg("async_op"), py::arg("grid") = 0, py::arg("sender_warps") = 8, py::arg("copy_engine") = false,
-             py::arg("sender_teams") = 1,
              "Returns a handle for wait(). sender_warps: of a block's 16 warps, how many send (the rest reduce). "
-             "copy_engine: move the data on the copy engines (attach_copy_engine first). sender_teams: as in "
-             "all_gather.")
+             "copy_engine: move the data on the copy engines (attach_copy_engine first).")
         .def("attach_copy_engine", &P2PChannel::attach_copy_engine, py::arg("slots"), py::arg("buffer_bytes"),
              py::arg("buffers"), py::arg("reduce_blocks"), py::arg("signal_by_copy") = false,
              "Set up the copy-engine path on a second symmetric buffer (every rank, before its first use).")

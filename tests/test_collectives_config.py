@@ -9,7 +9,6 @@ from thunder_tk.collectives import ChannelConfig
 def test_defaults_give_reduce_scatter_more_receiving_warps():
     cfg = ChannelConfig(blocks=128, buffer_bytes=64 << 20, timeout_s=600)
     assert (cfg.slots, cfg.ag_sender_warps, cfg.rs_sender_warps, cfg.pairs) == (4, 8, 4, True)
-    assert (cfg.ag_sender_teams, cfg.rs_sender_teams) == (1, 1)
     assert cfg.min_chunk_bytes == collectives.MIN_CHUNK_BYTES
 
 
@@ -19,9 +18,6 @@ def test_defaults_give_reduce_scatter_more_receiving_warps():
     ("slots", 1, "slots must be >= 2"),
     ("ag_sender_warps", 16, "ag_sender_warps must be 1..15"),
     ("rs_sender_warps", 0, "rs_sender_warps must be 1..15"),
-    ("ag_sender_teams", 3, "ag_sender_teams must be 1..4 and divide ag_sender_warps"),
-    ("rs_sender_teams", 0, "rs_sender_teams must be 1..4 and divide rs_sender_warps"),
-    ("rs_sender_teams", 8, "rs_sender_teams must be 1..4"),
     ("min_chunk_bytes", 8200, "min_chunk_bytes must be a positive multiple of 16"),
     ("units_per_block", 0, "units_per_block must be >= 1"),
     ("engine", "nvlink", "engine must be one of sm, copy, auto"),

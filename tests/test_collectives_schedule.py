@@ -2,7 +2,7 @@
 2..16 ranks, paired and unpaired, over many calls of mixed sizes on one channel.
 
 The kernels have run on 2 and 4 GPUs only. This plays the same schedule with every block's sending and receiving
-team (each of its sending teams, which take the block's units in turns) as a coroutine and a random interleaving, for the rank counts no host here has. It checks that every unit of
+team as a coroutine and a random interleaving, for the rank counts no host here has. It checks that every unit of
 every rank's message reaches every output once, with the right data, that reduce-scatter sums all ranks' parts in
 rank order, that no cell is overwritten before it is drained, and that no call deadlocks. It mirrors the kernel's
 index arithmetic (to/from, lanes, turns, slots, sequence numbers); a change there should be made in both.
@@ -42,9 +42,8 @@ def block_state(ch: Channel, me: int, b: int, grid: int):
                 to=[(me + d0 + i) % W for i in range(npeers)], frm=[(me + W - d0 - i) % W for i in range(npeers)])
 
 
-def play(ch: Channel, op: str, units: int, rng: random.Random, teams: int = 1) -> dict:
-    """One call of `op` with `units` units per rank, each block's senders in `teams` teams; returns what each
-    rank's output received per unit."""
+def play(ch: Channel, op: str, units: int, rng: random.Random) -> dict:
+    """One call of `op` with `units` units per rank; returns what each rank's output received per unit."""
     W, P, grid = ch.world, ch.peers, ch.grid(units)
     out = {}  # all_gather: (rank, src, unit) -> payload; reduce_scatter: (rank, unit) -> tuple of summed parts
 
@@ -57,8 +56,8 @@ def play(ch: Channel, op: str, units: int, rng: random.Random, teams: int = 1) -
     def mine(s):
         return -(-(units - s["lane"]) // s["lanes"]) if units > s["lane"] else 0
 
-    def sender(s, team):
-        for k in range(team, mine(s), teams):
+    def sender(s):
+        for k in range(mine(s)):
             slot, value, unit = (s["seq0"] + k) % ch.slots, s["seq0"] + k + 1, s["lane"] + k * s["lanes"]
             if value > ch.slots:
                 for p in s["to"]:
@@ -113,7 +112,7 @@ def play(ch: Channel, op: str, units: int, rng: random.Random, teams: int = 1) -
         for b in range(grid):
             s = block_state(ch, r, b, grid)
             states.append(s)
-            agents += [sender(s, team) for team in range(teams)] + [receiver(s)]
+            agents += [sender(s), receiver(s)]
     waiting = {i: None for i in range(len(agents))}  # agent -> condition it waits for (None: runnable)
     while waiting:
         # A random runnable team steps next: a few random probes, then (all of them waiting) a full scan.
@@ -135,14 +134,13 @@ def play(ch: Channel, op: str, units: int, rng: random.Random, teams: int = 1) -
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5, 8, 16])
 @pytest.mark.parametrize("pairs", [False, True])
-@pytest.mark.parametrize("teams", [1, 2, 3])
-def test_every_unit_arrives_once_over_many_calls(world, pairs, teams):
-    rng = random.Random(world * 2 + pairs + 100 * teams)
+def test_every_unit_arrives_once_over_many_calls(world, pairs):
+    rng = random.Random(world * 2 + pairs)
     for blocks, slots in ((2 * world + 1, 2), (world - 1 if world > 2 else 1, 3), (20, 4)):
         ch = Channel(world, blocks, slots, pairs)
         for _ in range(6):
             op, units = rng.choice(["all_gather", "reduce_scatter"]), rng.choice([1, 2, 5, 17, 40])
-            out = play(ch, op, units, rng, teams)
+            out = play(ch, op, units, rng)
             if op == "all_gather":
                 assert out == {(r, src, u): (src, u) for r in range(world) for src in range(world)
                                for u in range(units)}

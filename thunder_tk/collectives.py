@@ -44,7 +44,6 @@ import torch
 from thunder_tk.ops import _DTYPE_CODES
 
 MAX_RANKS = 16  # the kernels' peer table
-MAX_SENDER_TEAMS = 4  # the kernels' limit (p2p.h)
 MIN_CHUNK_BYTES = 8192  # smallest unit of work one block moves
 # Staging cells per (block, peer): senders run up to SLOTS units ahead of the receivers. 4x H200, paired blocks
 # (6be777d): 4 slots against 2 took reduce-scatter from 257 to 290 GB/s at 64 MiB and 286 to 325 at 256 MiB,
@@ -151,10 +150,6 @@ class ChannelConfig:
     # add, and were its bottleneck with 8 (2x H200, 1 GiB: 240 GB/s with 8 senders, 361 with 4; NOTES.md).
     ag_sender_warps: int = 8
     rs_sender_warps: int = 4
-    # The sending warps split into this many teams that take a block's units in turns: a team waits at each
-    # unit's flag until the unit's stores have reached the peer, and another team's stores fill that wait.
-    ag_sender_teams: int = 1
-    rs_sender_teams: int = 1
     min_chunk_bytes: int = MIN_CHUNK_BYTES  # smallest unit of work one block moves (a multiple of 16)
     # Units each block (lane) aims at: more make a deeper pipeline (its first send and last drain a smaller share
     # of the message) at more handshakes. With 128 blocks and a 64 MiB buffer, messages of about 5 to 84 MiB
@@ -186,10 +181,6 @@ class ChannelConfig:
             ("slots", self.slots < 2, "must be >= 2 (one cell drains while the next fills)"),
             ("ag_sender_warps", not 1 <= self.ag_sender_warps <= 15, "must be 1..15 (of a block's 16 warps)"),
             ("rs_sender_warps", not 1 <= self.rs_sender_warps <= 15, "must be 1..15 (of a block's 16 warps)"),
-            ("ag_sender_teams", not 1 <= self.ag_sender_teams <= MAX_SENDER_TEAMS
-             or self.ag_sender_warps % self.ag_sender_teams, f"must be 1..{MAX_SENDER_TEAMS} and divide ag_sender_warps"),
-            ("rs_sender_teams", not 1 <= self.rs_sender_teams <= MAX_SENDER_TEAMS
-             or self.rs_sender_warps % self.rs_sender_teams, f"must be 1..{MAX_SENDER_TEAMS} and divide rs_sender_warps"),
             ("min_chunk_bytes", self.min_chunk_bytes < 16 or self.min_chunk_bytes % 16,
              "must be a positive multiple of 16"),
             ("units_per_block", self.units_per_block < 1, "must be >= 1"),
@@ -429,8 +420,7 @@ class Channel:
         handle = self._kernels.all_gather(a.data_ptr(), out.data_ptr(), nbytes, self.chunk_bytes(nbytes),
                                           a.element_size(), _current_stream(self._index), async_op, 0,
                                           self.config.ag_sender_warps,
-                                          self.config.uses_copy_engine(nbytes * self.world),
-                                          self.config.ag_sender_teams)
+                                          self.config.uses_copy_engine(nbytes * self.world))
         if not async_op:
             return out
         return self._work(handle, (a, out)), out
@@ -452,8 +442,7 @@ class Channel:
         handle = self._kernels.reduce_scatter(a.data_ptr(), out.data_ptr(), n, self.chunk_bytes(n * esize) // esize,
                                               _DTYPE_CODES[a.dtype], op == "avg", _current_stream(self._index),
                                               async_op, 0, self.config.rs_sender_warps,
-                                              self.config.uses_copy_engine(a.numel() * esize),
-                                              self.config.rs_sender_teams)
+                                              self.config.uses_copy_engine(a.numel() * esize))
         if not async_op:
             return out
         return self._work(handle, (a, out)), out

@@ -23,25 +23,21 @@ constexpr int threads = 512;
 constexpr int unroll = 8;  // 16-byte vectors in flight per thread per destination pass (loads are latency-bound)
 constexpr int reduce_unroll = 4;  // per source: a reduce has `world` sources in flight
 
-// Part of the block: one of the sending teams (the first `senders` threads, split into `teams` teams of equal
-// size, named barriers 1..teams) or the receivers (the rest, named barrier teams + 1).
+// Part of the block: the senders (the first `senders` threads, named barrier 1) or the receivers (the rest, named
+// barrier 2).
 struct team {
-    int id;     // 0..teams - 1: a sending team, teams: the receivers
-    int teams;  // sending teams of the block
-    int size;   // threads in the team, a multiple of 32
-    int first;  // the team's first thread
-    __device__ static team mine(int senders, int teams) {
-        if (threadIdx.x >= senders) return team{teams, teams, threads - senders, senders};
-        const int size = senders / teams, id = threadIdx.x / size;
-        return team{id, teams, size, id * size};
+    int id;    // 0: senders, 1: receivers
+    int size;  // threads in the team, a multiple of 32
+    int first; // the team's first thread
+    __device__ static team mine(int senders) {
+        return threadIdx.x < senders ? team{0, senders, 0} : team{1, threads - senders, senders};
     }
-    __device__ bool sends() const { return id < teams; }
     __device__ int rank() const { return threadIdx.x - first; }
     __device__ bool leader() const { return rank() == 0; }
     __device__ void sync() const { sync::named_sync(1 + id, size); }
     // The leader's verdict, seen by the whole team.
     __device__ bool agrees(bool leader_ok) const {
-        __shared__ int ok[max_sender_teams + 1];
+        __shared__ int ok[2];
         if (leader()) ok[id] = leader_ok;
         sync();
         const bool r = ok[id] != 0;
@@ -166,17 +162,16 @@ struct stream_state {
     int b, me, world;
     uint64_t seq0;  // units this block had done before this launch
     int64_t op;
-    int senders;    // threads of the sending teams
-    int sender_teams;
+    int senders;    // threads of the sending team
     int d0, npeers; // the block sends to the ranks d0 .. d0 + npeers - 1 ahead, receives from as many behind
     int lane, lanes;  // the block's units are lane, lane + lanes, ... (siblings of a lane share its units)
 
     // The block's state at the start of a launch of `op` on channel `ch`.
-    __device__ static stream_state of(const channel_args& ch, int64_t op, int sender_warps, int sender_teams) {
+    __device__ static stream_state of(const channel_args& ch, int64_t op, int sender_warps) {
         const flags_of mine{static_cast<uint64_t*>(ch.buffers[ch.rank]), ch.layout};
         const int b = blockIdx.x, P = ch.layout.peers(), grid = gridDim.x;
         const bool pairs = ch.layout.pairs;
-        return {ch, mine, b, ch.rank, ch.layout.world, *mine.seq(b), op, 32 * sender_warps, sender_teams,
+        return {ch, mine, b, ch.rank, ch.layout.world, *mine.seq(b), op, 32 * sender_warps,
                 pairs ? 1 + b % P : 1, pairs ? 1 : P, pairs ? b / P : b, pairs ? grid / P : grid};
     }
     __device__ bool pairs() const { return ch.layout.pairs; }
@@ -251,24 +246,20 @@ __device__ void release_cells(const team& t, const stream_state& s, const inbox&
             peer::store_release(s.flags_at(in.src(s, i)).consumed(in.block(s, i), s.slot(k), s.me), s.value(k));
 }
 
-// The sending teams run send(k) for the block's units in turns (team i: units i, i + teams, ...), so that one
-// team's wait at `announce` (its release makes the unit's stores reach the peer first) overlaps the others'
-// stores; the receivers run recv(k, inbox) for each unit their inbox has cells of (`whole`: see inbox_of), in
-// order. A failed wait (the channel is then aborted) ends the team's loop, and the other teams' waits end on the
-// abort word. Siblings of a lane have the same units, so their sequence numbers (and so the slot of each unit)
-// stay equal.
+// The senders run send(k) for each of the block's units, the receivers recv(k, inbox) for each unit their
+// inbox has cells of (`whole`: see inbox_of); a failed wait (the channel is then aborted) ends the team's loop,
+// and the other team's waits end on the abort word. Siblings of a lane have the same units, so their sequence
+// numbers (and so the slot of each unit) stay equal.
 template <class Send, class Recv>
 __device__ void run_units(stream_state& s, int64_t units, bool whole, Send send, Recv recv) {
     const int64_t mine = units > s.lane ? (units - s.lane + s.lanes - 1) / s.lanes : 0;
-    const team t = team::mine(s.senders, s.sender_teams);
-    if (t.sends()) {
-        for (int64_t k = t.id; k < mine; k += t.teams) {
+    const team t = team::mine(s.senders);
+    for (int64_t k = 0; k < mine; ++k) {
+        if (t.id == 0) {
             if (!wait_cell_free(t, s, k)) break;
             send(t, k);
             announce(t, s, k);
-        }
-    } else {
-        for (int64_t k = 0; k < mine; ++k) {
+        } else {
             const inbox in = inbox::of(s, k, whole);
             if (in.n == 0) continue;
             if (!wait_ready(t, s, in, k)) break;
@@ -347,7 +338,7 @@ __device__ bool channel_open(const flags_of& mine) {
 
 __global__ void __launch_bounds__(threads) all_gather_kernel(const all_gather_args a) {
     const channel_args& ch = a.ch;
-    stream_state s = stream_state::of(ch, op_all_gather, a.sender_warps, a.sender_teams);
+    stream_state s = stream_state::of(ch, op_all_gather, a.sender_warps);
     if (!channel_open(s.mine)) return;
     const int64_t n = a.bytes_per_rank, C = a.chunk_bytes;
     const char* in = static_cast<const char*>(a.in);
@@ -382,7 +373,7 @@ __global__ void __launch_bounds__(threads) all_gather_kernel(const all_gather_ar
 template <typename T, bool TwoRanks>
 __global__ void __launch_bounds__(threads) reduce_scatter_kernel(const reduce_scatter_args a) {
     const channel_args& ch = a.ch;
-    stream_state s = stream_state::of(ch, op_reduce_scatter, a.sender_warps, a.sender_teams);
+    stream_state s = stream_state::of(ch, op_reduce_scatter, a.sender_warps);
     if (!channel_open(s.mine)) return;
     const int64_t n = a.elems_per_rank, C = a.chunk_elems;
     const T* in = static_cast<const T*>(a.in);
@@ -452,10 +443,6 @@ void launch_rs(const reduce_scatter_args& args, int grid, cudaStream_t stream) {
         reduce_scatter_kernel<T, false><<<grid, threads, 0, stream>>>(args);
 }
 
-bool bad_senders(int warps, int teams) {
-    return warps < 1 || warps >= threads / 32 || teams < 1 || teams > max_sender_teams || warps % teams;
-}
-
 cudaError_t check(const channel_args& ch) {
     const auto& L = ch.layout;
     if (L.world < 2 || L.world > max_ranks || ch.rank < 0 || ch.rank >= L.world || L.blocks < 1 || L.slots < 2 ||
@@ -471,7 +458,7 @@ cudaError_t launch_all_gather(const all_gather_args& args, int grid, cudaStream_
     if (args.chunk_bytes < 16 || args.chunk_bytes % 16 || args.chunk_bytes > args.ch.layout.cell_bytes ||
         (args.elem_bytes != 2 && args.elem_bytes != 4) || args.bytes_per_rank % args.elem_bytes)
         return cudaErrorInvalidValue;
-    if (bad_senders(args.sender_warps, args.sender_teams)) return cudaErrorInvalidValue;
+    if (args.sender_warps < 1 || args.sender_warps >= threads / 32) return cudaErrorInvalidValue;
     if (args.bytes_per_rank == 0) return cudaSuccess;
     const int64_t units = (args.bytes_per_rank + args.chunk_bytes - 1) / args.chunk_bytes;
     all_gather_kernel<<<grid_for(units, grid, args.ch.layout), threads, 0, stream>>>(args);
@@ -482,7 +469,7 @@ cudaError_t launch_reduce_scatter(const reduce_scatter_args& args, int grid, cud
     if (cudaError_t e = check(args.ch); e != cudaSuccess) return e;
     const int elem = args.dtype == static_cast<int>(dtype::fp32) ? 4 : 2;
     if (args.chunk_elems < 1 || (args.chunk_elems * elem) % 16 || args.chunk_elems * elem > args.ch.layout.cell_bytes ||
-        bad_senders(args.sender_warps, args.sender_teams))
+        args.sender_warps < 1 || args.sender_warps >= threads / 32)
         return cudaErrorInvalidValue;
     if (args.elems_per_rank == 0) return cudaSuccess;
     const int64_t units = (args.elems_per_rank + args.chunk_elems - 1) / args.chunk_elems;

@@ -19,7 +19,6 @@
 namespace tk::collectives {
 
 constexpr int max_ranks = 16;
-constexpr int max_sender_teams = 4;  // a block's sending warps split into at most this many teams
 
 // The layout of one rank's symmetric buffer, identical on every rank (all sizes in bytes).
 struct channel_layout {
@@ -60,7 +59,6 @@ struct all_gather_args {
     int64_t chunk_bytes;  // per unit of work; <= cell_bytes, multiple of 16
     int elem_bytes;       // 2 or 4: the unit of unaligned copies
     int sender_warps;     // of a block's 16 warps, how many send (1..15); the rest receive
-    int sender_teams;     // the senders in this many teams taking units in turns (1..max_sender_teams, divides warps)
 };
 
 // out[i] = sum over ranks r of (input of rank r)[rank * elems_per_rank + i], accumulated in fp32 in rank order,
@@ -74,7 +72,6 @@ struct reduce_scatter_args {
     int dtype;            // tk::dtype
     bool average;
     int sender_warps;     // of a block's 16 warps, how many send (1..15); the rest receive and reduce
-    int sender_teams;     // as in all_gather_args
 };
 
 // Enqueue on `stream`; never synchronise. `grid` <= layout.blocks (0: as many as the message needs).
