@@ -110,6 +110,7 @@ def test_ranks_whose_settings_differ_fail_alike_and_name_the_variable(tmp_path):
         {"name": "invalid on one", "env": [{}, {"THUNDER_TK_COLLECTIVE_SLOTS": "1"}]},
         {"name": "collectives off on one", "env": [{"THUNDER_TK_DISABLE": "gemm,collective"}, {}]},
         {"name": "schedule off on one", "env": [{}, {"THUNDER_TK_DISABLE": "collective_schedule"}]},
+        {"name": "two off on one", "env": [{"THUNDER_TK_DISABLE": "collective_schedule,collective"}, {}]},
         {"name": "gemm off on one", "env": [{"THUNDER_TK_DISABLE": "gemm"}, {}]},
     ]
     worker = Path(__file__).with_name("collective_settings_worker.py")
@@ -128,6 +129,21 @@ def test_ranks_whose_settings_differ_fail_alike_and_name_the_variable(tmp_path):
     assert "BLOCKS" not in o["engine and slots"]
     assert "tk collectives' settings are invalid on rank 1: " in o["invalid on one"], o["invalid on one"]
     assert "THUNDER_TK_COLLECTIVE_SLOTS='1'" in o["invalid on one"], o["invalid on one"]
-    assert "THUNDER_TK_DISABLE turns off different collective rules on different ranks (rank 0: collective; " \
-        "rank 1: none)" in o["collectives off on one"], o["collectives off on one"]
-    assert "(rank 0: none; rank 1: collective_schedule)" in o["schedule off on one"], o["schedule off on one"]
+    assert "THUNDER_TK_DISABLE turns off different collective rules on different ranks (collective on rank 0, " \
+        "none on rank 1)" in o["collectives off on one"], o["collectives off on one"]
+    assert "(none on rank 0, collective_schedule on rank 1)" in o["schedule off on one"], o["schedule off on one"]
+    assert "(collective+collective_schedule on rank 0, none on rank 1)" in o["two off on one"], o["two off on one"]
+
+
+def test_settings_problem_names_the_ranks_and_fields():
+    base = collectives.shared_settings(ChannelConfig(blocks=128, buffer_bytes=64 << 20, timeout_s=600))
+    assert "timeout_s" not in base  # acts on one rank only
+    assert collectives.settings_problem([base, dict(base), dict(base)]) is None
+    other = {**base, "slots": 8}
+    assert collectives.settings_problem([base, other, base]) == (
+        "tk collectives' settings differ between the ranks of a group, which must share them: "
+        "THUNDER_TK_COLLECTIVE_SLOTS (slots): 4 on ranks 0, 2, 8 on rank 1")
+    bad = collectives.shared_settings(ValueError("ChannelConfig: slots must be >= 2"))
+    assert collectives.settings_problem([base, other, bad]) == (
+        "tk collectives' settings are invalid on rank 2: ChannelConfig: slots must be >= 2")
+    assert collectives.ranks_holding(["a", "b", "a"]) == "a on ranks 0, 2, b on rank 1"

@@ -248,36 +248,56 @@ _FIELD_ENV = {
 _PER_RANK_FIELDS = frozenset({"timeout_s", "copy_reduce_blocks", "copy_signal"})
 
 
+def shared_settings(config: ChannelConfig | ValueError) -> dict | str:
+    """What a rank brings to the comparison between ranks: its shared fields, or the text of the error its
+    settings raised."""
+    if isinstance(config, ValueError):
+        return str(config)
+    return {f.name: getattr(config, f.name) for f in fields(config) if f.name not in _PER_RANK_FIELDS}
+
+
+def ranks_holding(values: list[str]) -> str:
+    """Which ranks hold which value (values[r] is rank r's, as text): "a on ranks 0, 2, b on rank 1"."""
+    holders: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        holders.setdefault(v, []).append(r)
+    return ", ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}" for v, rs in holders.items())
+
+
+def settings_problem(every: list[dict | str]) -> str | None:
+    """The error for every rank's shared_settings (every[r] is rank r's), or None: the ranks whose settings are
+    invalid, else each shared field that differs (named with its variable and which ranks hold which value)."""
+    invalid = [f"rank {r}: {e}" for r, e in enumerate(every) if isinstance(e, str)]
+    if invalid:
+        return "tk collectives' settings are invalid on " + "; ".join(invalid)
+    differ = []
+    for name in every[0]:
+        values = [repr(settings[name]) for settings in every]
+        if len(set(values)) > 1:
+            label = f"{_FIELD_ENV[name]} ({name})" if name in _FIELD_ENV else name
+            differ.append(f"{label}: {ranks_holding(values)}")
+    if differ:
+        return ("tk collectives' settings differ between the ranks of a group, which must share them: "
+                + "; ".join(differ))
+    return None
+
+
 def check_same_on_every_rank(config: ChannelConfig | ValueError, group=None) -> None:
     """Collective over `group` (default: the world group): every rank passes its settings, or the error reading
     them raised; all ranks then raise the same ValueError if any rank's settings are invalid or any shared field
-    differs between ranks (each named with its variable and which ranks hold which value). Without an initialised
-    process group only this rank's own error is raised."""
+    differs between ranks (settings_problem). Without an initialised process group only this rank's own error is
+    raised."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         if isinstance(config, ValueError):
             raise config
         return
-    mine = (str(config) if isinstance(config, ValueError) else
-            {f.name: getattr(config, f.name) for f in fields(config) if f.name not in _PER_RANK_FIELDS})
     every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    invalid = [f"rank {r}: {e}" for r, e in enumerate(every) if isinstance(e, str)]
-    if invalid:
-        raise ValueError("tk collectives' settings are invalid on " + "; ".join(invalid))
-    differ = []
-    for name in every[0]:
-        holders: dict[str, list[int]] = {}
-        for r, settings in enumerate(every):
-            holders.setdefault(repr(settings[name]), []).append(r)
-        if len(holders) > 1:
-            label = f"{_FIELD_ENV[name]} ({name})" if name in _FIELD_ENV else name
-            differ.append(f"{label}: " + ", ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} "
-                                                    f"{', '.join(map(str, rs))}" for v, rs in holders.items()))
-    if differ:
-        raise ValueError("tk collectives' settings differ between the ranks of a group, which must share them: "
-                         + "; ".join(differ))
+    dist.all_gather_object(every, shared_settings(config), group=group)
+    problem = settings_problem(every)
+    if problem:
+        raise ValueError(problem)
 
 
 def settings_on_every_rank(group=None) -> ChannelConfig:

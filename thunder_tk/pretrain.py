@@ -330,27 +330,33 @@ def apply_fsdp_kernel_settings(world: int, environ=os.environ) -> dict[str, str]
 
 def check_collective_environment(world: int) -> None:
     """With several processes, the THUNDER_TK_COLLECTIVE_* settings and the collective switches of
-    THUNDER_TK_DISABLE are checked before the model is built, on every rank and against each other (collective):
-    a bad one, or one rank's differing from another's, would otherwise fail or hang minutes into the first step."""
+    THUNDER_TK_DISABLE are checked before the model is built, on every rank and against each other (one object
+    all-gather): a bad one, or one rank's differing from another's, would otherwise fail or hang minutes into the
+    first step."""
     if world <= 1:
         return
-    from thunder_tk.claim_rules import DISABLE_ENV, collective_switches
-    from thunder_tk.collectives import settings_on_every_rank
-
-    try:
-        settings_on_every_rank()
-    except ValueError as e:
-        raise ConfigError(f"tk collectives' settings: {e}") from None
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    from thunder_tk.claim_rules import DISABLE_ENV, collective_switches
+    from thunder_tk.collectives import ChannelConfig, ranks_holding, settings_problem, shared_settings
+
+    try:
+        config = ChannelConfig.from_env()
+    except ValueError as e:  # raised on every rank alike below, not left for the others to wait on
+        config = e
+    if not dist.is_available() or not dist.is_initialized():
+        if isinstance(config, ValueError):
+            raise ConfigError(f"tk collectives' settings: {config}") from None
         return
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, sorted(collective_switches()))
-    if any(names != every[0] for names in every):
-        listed = "; ".join(f"rank {r}: {', '.join(names) or 'none'}" for r, names in enumerate(every))
-        raise ConfigError(f"{DISABLE_ENV} turns off different collective rules on different ranks ({listed}); "
-                          "every rank must run the same collectives in the same order")
+    dist.all_gather_object(every, (shared_settings(config), "+".join(sorted(collective_switches())) or "none"))
+    problem = settings_problem([settings for settings, _ in every])
+    if problem:
+        raise ConfigError(f"tk collectives' settings: {problem}")
+    switches = [names for _, names in every]
+    if len(set(switches)) > 1:
+        raise ConfigError(f"{DISABLE_ENV} turns off different collective rules on different ranks "
+                          f"({ranks_holding(switches)}); every rank must run the same collectives in the same order")
 
 
 class Dist:
