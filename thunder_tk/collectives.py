@@ -300,13 +300,19 @@ def check_same_on_every_rank(config: ChannelConfig | ValueError, group=None) -> 
         raise ValueError(problem)
 
 
+def settings_or_error() -> ChannelConfig | ValueError:
+    """This rank's settings from the environment (ChannelConfig.from_env), or the error reading them: returned, not
+    raised, so that a collective check raises it on every rank alike instead of leaving the others waiting."""
+    try:
+        return ChannelConfig.from_env()
+    except ValueError as e:
+        return e
+
+
 def settings_on_every_rank(group=None) -> ChannelConfig:
     """Collective: this rank's settings from the environment (ChannelConfig.from_env), once check_same_on_every_rank
     has found them valid on every rank of `group` and the same where they must be."""
-    try:
-        config = ChannelConfig.from_env()
-    except ValueError as e:  # raised on every rank alike below, not left for the others to wait on
-        config = e
+    config = settings_or_error()
     check_same_on_every_rank(config, group)
     return config
 

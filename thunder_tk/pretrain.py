@@ -338,12 +338,9 @@ def check_collective_environment(world: int) -> None:
     import torch.distributed as dist
 
     from thunder_tk.claim_rules import DISABLE_ENV, collective_switches
-    from thunder_tk.collectives import ChannelConfig, ranks_holding, settings_problem, shared_settings
+    from thunder_tk.collectives import ranks_holding, settings_or_error, settings_problem, shared_settings
 
-    try:
-        config = ChannelConfig.from_env()
-    except ValueError as e:  # raised on every rank alike below, not left for the others to wait on
-        config = e
+    config = settings_or_error()
     if not dist.is_available() or not dist.is_initialized():
         if isinstance(config, ValueError):
             raise ConfigError(f"tk collectives' settings: {config}") from None
