@@ -544,6 +544,7 @@ TAIL_SPLIT_CASES = [
     (1, 2, 2, 1000, 300, 128, 0, 3),  # every unit in thirds of 16 steps; a key tail (300 = 2 x 128 + 44), a query tail
     (2, 4, 2, 640, 256, 64, 5, 2),  # GQA 2: a unit's 20 steps span its group's two heads; the last 3 of 8 units halved
     (1, 8, 1, 200, 1000, 128, 3, 4),  # MQA 8: 32 steps a unit over 8 heads, in quarters; the last 5 of 8 units
+    (1, 3, 3, 1000, 1100, 128, 20, 7),  # the last 7 of 27 units in sevenths of 16 steps (2-3 each); key and query tails
 ]
 
 
@@ -572,7 +573,7 @@ def test_backward_last_wave_split_is_checked():
     q, k, v = make(1, 2, 2, 256, 256, 64, torch.bfloat16, seed=1)
     o, lse = ops.attention_forward(q, k, v)
     g = torch.randn_like(o)
-    for bad, match in (((0, 5), "split_parts"), ((4, 2), "split_from"), ((-1, 2), "split_from"),
+    for bad, match in (((0, 9), "split_parts"), ((4, 2), "split_from"), ((-1, 2), "split_from"),
                        ((1, 2, 3), "_tail_split"), ("yes", "_tail_split")):
         with pytest.raises(ValueError, match=match):
             ops.attention_backward(q, k, v, o, lse, g, _tail_split=bad)

@@ -863,7 +863,7 @@ const char* backward_unsupported(const backward_args& a) {
     const int64_t units = a.batch * a.kv_heads * a.group_split * ((a.kv_len + keys - 1) / keys);
     if (units >= (int64_t(1) << 31)) return "too many blocks";
     if (a.split_parts != 0) {
-        if (a.split_parts < 2 || a.split_parts > 4) return "split_parts must be 0 or 2 to 4";
+        if (a.split_parts < 2 || a.split_parts > 8) return "split_parts must be 0 or 2 to 8";
         if (a.head_dim == 256) return "the last wave split is not taken at head_dim 256";
         if (a.causal) return "the last wave split is for non-causal attention";
         if (a.split_from < 0 || a.split_from >= units) return "split_from must name a unit (0 <= split_from < units)";

@@ -29,7 +29,7 @@ struct backward_args {
     // part and key tile, so that small batches of grouped heads still fill the GPU; the caller sums the parts.
     int64_t group_split = 1;
     // The last wave split (not causal): units (blocks of 128 keys, in block order) from split_from on are each walked
-    // by split_parts blocks (2-4), one query range each. A part leaves its dK, dV in fp32 split_scratch and counts
+    // by split_parts blocks (2-8), one query range each. A part leaves its dK, dV in fp32 split_scratch and counts
     // itself in split_counts (zeroed; left zero); the unit's last part sums all parts in part order and stores.
     // split_parts 0: every unit walked whole.
     int64_t split_from = 0;
