@@ -30,6 +30,45 @@ def max_rel_diff(xs, ys) -> float:
                for x, y in zip(xs, ys))
 
 
+def time_point(B: int, H: int, S: int, D: int, parts_list, rounds: int, sms: int) -> dict:
+    """One protocol point: the whole walk, each split, ops' own choice and cuDNN, in turns."""
+    from thunder_tk import ops
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    q, k, v, grad_o = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    o, lse = ops.attention_forward(q, k, v)
+    units = B * H * -(-S // 128)
+    r = units % sms
+    fns = {"whole": lambda: ops.attention_backward(q, k, v, o, lse, grad_o, _tail_split=False)}
+    for parts in parts_list:
+        fns[f"{parts} parts"] = (lambda parts=parts:
+                                 ops.attention_backward(q, k, v, o, lse, grad_o, _tail_split=(units - r, parts)))
+    fns["policy"] = lambda: ops.attention_backward(q, k, v, o, lse, grad_o)
+    outs = {name: fn() for name, fn in fns.items()}
+    inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        ref = torch.nn.functional.scaled_dot_product_attention(*inputs)
+    fns["cudnn"] = lambda: torch.autograd.grad(ref, inputs, grad_o, retain_graph=True)
+    times = interleaved_times(fns, rounds=rounds, warmup_ms=10, rep_ms=60)
+    flops = bwd_flops(B, H, S, D, False)
+    row = {"shape": f"{B}x{H}x{S}x{D}", "units": units, "left": r, "sms": sms,
+           "policy_plan": list(ops.backward_tail_split(units, -(-S // 64), False, sms))}
+    cells = []
+    for name in fns:
+        row[f"{name}_tflops"] = flops / statistics.median(times[name]) / 1e9
+        ratios = sorted(w / t for w, t in zip(times["whole"], times[name]))
+        row[f"{name}_vs_whole"] = statistics.median(ratios)
+        row[f"{name}_vs_whole_range"] = [ratios[0], ratios[-1]]
+        row[f"{name}_vs_cudnn"] = statistics.median(c / t for c, t in zip(times["cudnn"], times[name]))
+        if name in outs and name != "whole":
+            row[f"{name}_max_rel_diff"] = max_rel_diff(outs[name], outs["whole"])
+        cells.append(f"{name} {row[f'{name}_tflops']:.0f} ({row[f'{name}_vs_whole']:.3f}x "
+                     f"[{ratios[0]:.3f}, {ratios[-1]:.3f}], cuDNN {row[f'{name}_vs_cudnn']:.3f}x)")
+    print(f"{row['shape']} ({units} units, {r} left, policy {row['policy_plan']}): " + " | ".join(cells), flush=True)
+    return row
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
@@ -39,45 +78,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="out/attention_tail_parts.json")
     a = p.parse_args(argv)
 
-    from thunder_tk import ops
     from thunder_tk._extension import multiprocessor_count
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     sms = multiprocessor_count(0)
     rows = []
     for B, H, S, D, _ in points(a.seq_lens, a.head_dims, (False,)):
-        torch.manual_seed(0)
-        q, k, v, grad_o = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        o, lse = ops.attention_forward(q, k, v)
-        units = B * H * -(-S // 128)
-        r = units % sms
-        fns = {"whole": lambda: ops.attention_backward(q, k, v, o, lse, grad_o, _tail_split=False)}
-        for parts in a.parts:
-            fns[f"{parts} parts"] = (lambda parts=parts:
-                                     ops.attention_backward(q, k, v, o, lse, grad_o, _tail_split=(units - r, parts)))
-        fns["policy"] = lambda: ops.attention_backward(q, k, v, o, lse, grad_o)
-        outs = {name: fn() for name, fn in fns.items()}
-        inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            ref = torch.nn.functional.scaled_dot_product_attention(*inputs)
-        fns["cudnn"] = lambda: torch.autograd.grad(ref, inputs, grad_o, retain_graph=True)
-        times = interleaved_times(fns, rounds=a.rounds, warmup_ms=10, rep_ms=60)
-        flops = bwd_flops(B, H, S, D, False)
-        row = {"shape": f"{B}x{H}x{S}x{D}", "units": units, "left": r, "sms": sms}
-        cells = []
-        for name in fns:
-            row[f"{name}_tflops"] = flops / statistics.median(times[name]) / 1e9
-            ratios = sorted(w / t for w, t in zip(times["whole"], times[name]))
-            row[f"{name}_vs_whole"] = statistics.median(ratios)
-            row[f"{name}_vs_whole_range"] = [ratios[0], ratios[-1]]
-            row[f"{name}_vs_cudnn"] = statistics.median(c / t for c, t in zip(times["cudnn"], times[name]))
-            if name in outs and name != "whole":
-                row[f"{name}_max_rel_diff"] = max_rel_diff(outs[name], outs["whole"])
-            cells.append(f"{name} {row[f'{name}_tflops']:.0f} ({row[f'{name}_vs_whole']:.3f}x "
-                         f"[{ratios[0]:.3f}, {ratios[-1]:.3f}], cuDNN {row[f'{name}_vs_cudnn']:.3f}x)")
-        print(f"{row['shape']} ({units} units, {r} left): " + " | ".join(cells), flush=True)
-        rows.append(row)
-        del q, k, v, grad_o, o, lse, outs, inputs, ref, fns
+        rows.append(time_point(B, H, S, D, a.parts, a.rounds, sms))
         torch.cuda.empty_cache()
     write_results(a.json, "attention_tail_parts", rows)
     return 0

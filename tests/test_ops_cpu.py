@@ -52,6 +52,10 @@ def test_backward_splits_a_group_only_where_its_blocks_are_too_few(B, Hq, Hkv, S
 
 @pytest.mark.parametrize("units,steps,causal,plan", [
     (2048, 32, False, (2048, 0)),   # the attention protocol at D = 128 (16k tokens): 68 units left, no halves in a round
+    (2048, 64, False, (2048, 0)),   # S = 4096: several rounds of parts, but the units are too short for them
+    (2048, 128, False, (1980, 5)),  # S = 8192: fifths in three rounds (340 parts on 132 multiprocessors)
+    (2048, 256, False, (1980, 5)),  # S = 16384
+    (2090, 256, False, (2090, 0)),  # 110 left: long units, but rounds of parts would not shorten the wave enough
     (4096, 32, False, (4092, 4)),   # D = 64: 4 units left over 132 multiprocessors, in quarters
     (4096, 128, False, (4092, 4)),
     (2040, 32, False, (1980, 2)),   # 60 left: 120 halves fit a round, 180 thirds do not

@@ -322,29 +322,36 @@ def _bwd_makespan(blocks_per_tile: int, kv_tiles: int, q_tiles: int, heads: int,
 
 
 # The backward's last wave (not causal): where the units (128 keys of a head, or of a part of a group) leave the last
-# wave mostly empty, its units are walked in 2-4 query ranges by as many blocks, and the last part of each sums the
-# parts' fp32 dK, dV. A part pays a unit's overhead and the merge (its dK, dV written, the last part reading them all).
-# Only where the parts fit one round on the GPU: in two rounds (the attention protocol at D = 128, 68 units left in
-# thirds) it measured 0.98-1.01x, in one (D = 64, 4 units in quarters) 1.008-1.021x (H100, benchmarks/NOTES.md).
+# wave mostly empty, its units are walked in query ranges by several blocks, and the last part of each sums the parts'
+# fp32 dK, dV. A part pays a unit's overhead and the merge (its dK, dV written, the last part reading them all).
+# Parts that fit one round on the GPU: 2-4 of them (D = 64, 4 units in quarters: 1.008-1.021x). Parts in several
+# rounds pay more, since the whole units' last wave ends ragged and each round starts on multiprocessors at different
+# times: _BWD_RAGGED_STEPS a part more fits what they measured at D = 128 with 68 units left (H100, in one process:
+# S = 2048, 32-step units, 0.98-1.00x; 4096, 0.99-1.01x; 8192, 1.00-1.02x; 16384, 1.01-1.03x; benchmarks/NOTES.md).
+# So several rounds are taken only for units of _BWD_ROUNDS_MIN_STEPS steps or more, in 3-8 parts.
 _BWD_MERGE_STEPS = 1.5
 _BWD_MIN_PART_STEPS = 4
+_BWD_RAGGED_STEPS = 4.3
+_BWD_ROUNDS_MIN_STEPS = 128
 
 
 @functools.lru_cache(maxsize=256)
 def backward_tail_split(units: int, steps: int, causal: bool, sms: int) -> tuple[int, int]:
     """(split_from, parts): the backward's units from split_from on are each walked in `parts` query ranges, where
-    the parts run as one round on `sms` multiprocessors and that shortens the last wave by 10% or more; (units, 0)
-    walks every unit whole. `steps`: a unit's 64-query steps."""
+    that shortens the last wave by 10% or more on `sms` multiprocessors (in one round of parts, or in several for
+    long units); (units, 0) walks every unit whole. `steps`: a unit's 64-query steps."""
     r = units % sms
     if causal or units <= sms or r == 0:
         return units, 0
     best, best_time = 0, (steps + _BWD_BLOCK_OVERHEAD_STEPS) * _SPLIT_MARGIN
-    for parts in (2, 3, 4):
-        if steps < parts * _BWD_MIN_PART_STEPS or r * parts > sms:
-            break
-        time = steps / parts + _BWD_BLOCK_OVERHEAD_STEPS + _BWD_MERGE_STEPS
-        if time < best_time:
-            best, best_time = parts, time
+    for parts in range(2, 9):
+        rounds = -(-r * parts // sms)
+        if steps < parts * _BWD_MIN_PART_STEPS or (rounds == 1 and parts > 4) or \
+                (rounds > 1 and (parts < 3 or steps < _BWD_ROUNDS_MIN_STEPS)):
+            continue
+        part = steps / parts + _BWD_BLOCK_OVERHEAD_STEPS + _BWD_MERGE_STEPS + (_BWD_RAGGED_STEPS if rounds > 1 else 0)
+        if rounds * part < best_time:
+            best, best_time = parts, rounds * part
     return (units - r, best) if best else (units, 0)
 
 

@@ -133,6 +133,10 @@ def attention_backward():
             ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), is_causal=causal, _group_split=split)
         if not causal and D != 256:  # the last wave split: units from 1 on walked in query ranges and merged
             ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), _tail_split=(1, 2))
+    # 68 units all in fifths: 340 parts, several rounds on any Hopper part, as the protocol's S >= 8192 takes them.
+    q, k, v = (torch.randn(1, 17, s, 128, device="cuda", dtype=torch.bfloat16) for s in (640, 512, 512))
+    o, lse = ops.attention_forward(q, k, v)
+    ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), _tail_split=(0, 5))
     torch.cuda.synchronize()
     print("attention backward sanitize targets ran")
 

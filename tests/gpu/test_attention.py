@@ -545,6 +545,7 @@ TAIL_SPLIT_CASES = [
     (2, 4, 2, 640, 256, 64, 5, 2),  # GQA 2: a unit's 20 steps span its group's two heads; the last 3 of 8 units halved
     (1, 8, 1, 200, 1000, 128, 3, 4),  # MQA 8: 32 steps a unit over 8 heads, in quarters; the last 5 of 8 units
     (1, 3, 3, 1000, 1100, 128, 20, 7),  # the last 7 of 27 units in sevenths of 16 steps (2-3 each); key and query tails
+    (1, 17, 17, 1000, 512, 128, 0, 3),  # all 68 units in thirds: 204 parts, more than one round on a 132-SM GPU
 ]
 
 
