@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attention import bwd_flops, points  # noqa: E402
-from common import interleaved_times, write_results  # noqa: E402
+from common import bar_chart, interleaved_times, write_results  # noqa: E402
 
 
 def max_rel_diff(xs, ys) -> float:
@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--parts", type=int, nargs="+", default=[3, 4, 5, 7])
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--json", default="out/attention_tail_parts.json")
+    p.add_argument("--png", help="bar chart of each split's and ops' plan's speed against the whole walk")
     a = p.parse_args(argv)
 
     from thunder_tk._extension import multiprocessor_count
@@ -86,6 +87,10 @@ def main(argv=None) -> int:
         rows.append(time_point(B, H, S, D, a.parts, a.rounds, sms))
         torch.cuda.empty_cache()
     write_results(a.json, "attention_tail_parts", rows)
+    if a.png and rows:
+        names = [k[: -len("_vs_whole")] for k in rows[0] if k.endswith("_vs_whole") and not k.startswith("whole")]
+        bar_chart(a.png, "attention backward, last wave split: speed against the whole walk (D = 128, no mask)",
+                  [r["shape"] for r in rows], {n: [r[f"{n}_vs_whole"] for r in rows] for n in names}, "x whole walk")
     return 0
 
 
