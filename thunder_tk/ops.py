@@ -327,7 +327,7 @@ def _bwd_makespan(blocks_per_tile: int, kv_tiles: int, q_tiles: int, heads: int,
 # Parts that fit one round on the GPU: 2-4 of them (D = 64, 4 units in quarters: 1.008-1.021x). Parts in several
 # rounds pay more, since the whole units' last wave ends ragged and each round starts on multiprocessors at different
 # times: _BWD_RAGGED_STEPS a part more fits what they measured at D = 128 with 68 units left (H100, in one process:
-# S = 2048, 32-step units, 0.98-1.00x; 4096, 0.99-1.01x; 8192, 1.00-1.02x; 16384, 1.01-1.03x; benchmarks/NOTES.md).
+# S = 2048, 32-step units, 0.98-1.00x; 4096, 0.99-1.02x; 8192, 1.00-1.02x; 16384, 1.01-1.03x; benchmarks/NOTES.md).
 # So several rounds are taken only for units of _BWD_ROUNDS_MIN_STEPS steps or more, in 3-8 parts.
 _BWD_MERGE_STEPS = 1.5
 _BWD_MIN_PART_STEPS = 4
