@@ -38,7 +38,7 @@ def time_point(B: int, H: int, S: int, D: int, parts_list, rounds: int, sms: int
     torch.manual_seed(0)
     q, k, v, grad_o = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     o, lse = ops.attention_forward(q, k, v)
-    units = B * H * -(-S // 128)
+    units = B * H * -(-S // ops._BWD_KEYS)  # ops' units and steps, as attention_backward counts them (D <= 128)
     r = units % sms
     fns = {"whole": lambda: ops.attention_backward(q, k, v, o, lse, grad_o, _tail_split=False)}
     for parts in parts_list:
@@ -53,7 +53,7 @@ def time_point(B: int, H: int, S: int, D: int, parts_list, rounds: int, sms: int
     times = interleaved_times(fns, rounds=rounds, warmup_ms=10, rep_ms=60)
     flops = bwd_flops(B, H, S, D, False)
     row = {"shape": f"{B}x{H}x{S}x{D}", "units": units, "left": r, "sms": sms,
-           "policy_plan": list(ops.backward_tail_split(units, -(-S // 64), False, sms))}
+           "policy_plan": list(ops.backward_tail_split(units, -(-S // ops._BWD_QUERIES), False, sms))}
     cells = []
     for name in fns:
         row[f"{name}_tflops"] = flops / statistics.median(times[name]) / 1e9
