@@ -87,6 +87,9 @@ def variants(fsdp: bool, device: torch.device):
                                                        THUNDER_TK_GEMM_SCHEDULE="dynamic"),
         # tk with LitGPT's repeated K/V heads made, saved and read as traced (no pattern_fusion.attend_grouped_kv)
         "thunder [tk] K/V repeated": thunder_variant([thunder_tk.tk], tk_disable="attention_grouped_kv"),
+        # tk with SwiGLU's two products and silu(h1) * h2 apart (no pattern_fusion.fuse_swiglu): two GEMMs, and the
+        # fuser's kernel forms the gated product
+        "thunder [tk] SwiGLU apart": thunder_variant([thunder_tk.tk], tk_disable="gemm_swiglu"),
     }
 
 
@@ -107,6 +110,7 @@ _VARIANT_ALIASES = {
     "thunder [tk] cuBLAS GEMMs": ("tk_cublas_gemms",),
     "thunder [tk] dynamic GEMMs": ("tk_dynamic_gemms",),
     "thunder [tk] K/V repeated": ("tk_kv_repeated",),
+    "thunder [tk] SwiGLU apart": ("tk_swiglu_apart",),
 }
 VARIANT_NAMES = tuple(_VARIANT_ALIASES)
 _ALIASES = {alias: name for name, aliases in _VARIANT_ALIASES.items() for alias in aliases}

@@ -232,6 +232,33 @@ void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t b
     check_launch(tk::gemm::launch_gemm(g, reinterpret_cast<cudaStream_t>(stream)), "gemm");
 }
 
+// SwiGLU's two products of a LLaMA-style MLP in one launch: h1 = A W1^T, h2 = A W2^T, g = silu(h1) * h2.
+void gemm_swiglu(std::uintptr_t a, std::uintptr_t w1, std::uintptr_t w2, std::uintptr_t h1, std::uintptr_t h2,
+                 std::uintptr_t g_out, int dtype, int64_t M, int64_t N, int64_t K, int64_t a_stride_m,
+                 int64_t w_stride_n, int64_t out_stride_m, std::uintptr_t stream, std::uintptr_t tickets) {
+    tk::gemm::gemm_args g{};
+    g.a = as_ptr<void>(a);
+    g.b = as_ptr<void>(w1);
+    g.b2 = as_ptr<void>(w2);
+    g.c = reinterpret_cast<void*>(h1);
+    g.c2 = reinterpret_cast<void*>(h2);
+    g.c3 = reinterpret_cast<void*>(g_out);
+    g.dtype = dtype;
+    g.M = M;
+    g.N = N;
+    g.K = K;
+    g.a_stride_m = a_stride_m;
+    g.a_stride_k = 1;
+    g.b_stride_k = 1;
+    g.b_stride_n = w_stride_n;
+    g.c_stride_m = out_stride_m;
+    g.tickets = reinterpret_cast<int*>(tickets);
+    if (g.b == nullptr || g.b2 == nullptr) throw std::invalid_argument("thunder_tk gemm_swiglu: both weights are needed");
+    if (const char* why = tk::gemm::gemm_unsupported(g))
+        throw std::invalid_argument(std::string("thunder_tk gemm_swiglu: ") + why);
+    check_launch(tk::gemm::launch_gemm(g, reinterpret_cast<cudaStream_t>(stream)), "gemm_swiglu");
+}
+
 void cross_entropy_forward_grad(std::uintptr_t logits, std::uintptr_t target, std::uintptr_t loss, std::uintptr_t lse,
                                 std::uintptr_t grad, int64_t grad_row_stride, int dtype, int64_t rows, int64_t classes,
                                 int64_t logits_row_stride, int64_t ignore_index, std::uintptr_t stream) {
@@ -469,7 +496,7 @@ void register_selftests(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "gemm", "reduce_scatter"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "gemm", "gemm_swiglu", "reduce_scatter"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -565,6 +592,12 @@ PYBIND11_MODULE(_C, m) {
           "launch that may run at the same time; 0 or -1 whole tiles only; `skinny`: 1 the kernel for few rows (at "
           "most 64, A K-major), which splits K over `partials` and `flags` where given, -1 never, 0 where it "
           "applies.");
+    m.def("gemm_swiglu", &gemm_swiglu, py::arg("a"), py::arg("w1"), py::arg("w2"), py::arg("h1"), py::arg("h2"),
+          py::arg("g"), py::arg("dtype"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a_stride_m"),
+          py::arg("w_stride_n"), py::arg("out_stride_m"), py::arg("stream"), py::arg("tickets") = 0,
+          "SwiGLU's products in one launch: h1 = A W1^T, h2 = A W2^T and g = silu(h1) * h2 (each rounded to the "
+          "element type), A (M, K) and the weights (N, K) K-major, the outputs (M, N) with one row stride; "
+          "enqueued on `stream`; `tickets` as gemm's.");
     m.def("gemm_stream_k_workspace",
           [] {
               const int64_t floats = tk::gemm::stream_k_workspace_floats();

@@ -177,6 +177,7 @@ class StandinBuild:
         monkeypatch.setattr(ops, "cross_entropy_backward", cross_entropy_backward_standin, raising=False)
         monkeypatch.setattr(ops, "cross_entropy_forward_grad", cross_entropy_forward_grad_standin, raising=False)
         monkeypatch.setattr(ops, "gemm", gemm_standin)
+        monkeypatch.setattr(ops, "swiglu_linear", swiglu_linear_standin)
 
     def kernels(self):
         return sorted(self._kernels)
@@ -211,6 +212,16 @@ def gemm_standin(a, b, bias=None, **knobs):
     if bias is not None:
         out = out + bias.double()
     return out.to(a.dtype)
+
+
+def swiglu_linear_standin(x, w1, w2):
+    """ops.swiglu_linear's contract in float64 math: (silu(h1) * h2, h1, h2), h1 = x w1^T and h2 = x w2^T rounded to
+    x's dtype, silu(h1) rounded before the product."""
+    assert x.shape[-1] == w1.shape[1] and w1.shape == w2.shape and w1.shape[0] % 8 == 0 and w1.shape[1] % 8 == 0
+    assert x.dtype == w1.dtype == w2.dtype and x.dtype in (torch.bfloat16, torch.float16), (x.dtype, w1.dtype)
+    h1, h2 = ((x.double() @ w.double().t()).to(x.dtype) for w in (w1, w2))
+    silu = F.silu(h1.double()).to(x.dtype)
+    return (silu.double() * h2.double()).to(x.dtype), h1, h2
 
 
 def cross_entropy_forward_grad_standin(logits, target, ignore_index=-100, *, overwrite=False):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import thunder
 
 import thunder_tk
-from thunder_tk import lowering, tk
+from thunder_tk import lowering, pattern_fusion, tk
 
 bf16 = torch.bfloat16
 HIDDEN, CLASSES = 16, 64  # the tests lower FORWARD_GRAD_MIN_CLASSES to 64
@@ -223,3 +223,96 @@ def test_scale_rows_in_chunks_matches_one_pass(monkeypatch):
     assert torch.equal(ops.scale_rows(t.t().contiguous().t(), scale), expected)
     with pytest.raises(ValueError, match="scale_rows takes"):
         ops.scale_rows(t, scale[:-1])
+
+
+# ------------------------------------------------------------------------------------------------
+# SwiGLU: LLaMA's MLP, silu(fc_1(x)) * fc_2(x), its two products in one tk_swiglu_linear launch.
+
+
+class SwiGLU(torch.nn.Module):
+    """LitGPT's LLaMAMLP: proj(silu(fc_1(x)) * fc_2(x)); `bias` on fc_2 only, `swap` writes the product the other way
+    round."""
+
+    def __init__(self, n=64, hidden=128, bias=False, swap=False):
+        super().__init__()
+        self.fc_1 = torch.nn.Linear(n, hidden, bias=False)
+        self.fc_2 = torch.nn.Linear(n, hidden, bias=bias)
+        self.proj = torch.nn.Linear(hidden, n, bias=False)
+        self.swap = swap
+
+    def forward(self, x):
+        a, b = torch.nn.functional.silu(self.fc_1(x)), self.fc_2(x)
+        return self.proj(b * a if self.swap else a * b)
+
+
+def swiglu_ops(jm):
+    fwd = thunder.last_traces(jm)[-1]
+    return [b.sym.name for b in fwd.bound_symbols if b.sym.name.startswith("tk_")]
+
+
+def run_swiglu(model, *, grad=True, **compile_options):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 16, model.fc_1.in_features, generator=g).to(bf16)
+    jm = thunder.jit(model, executors=[tk], **compile_options)
+    ref = model.double()
+    xr = x.double().requires_grad_(grad)
+    expected = ref(xr)
+    model.to(bf16)
+    if not grad:
+        with torch.no_grad():
+            return jm, jm(x), expected, None, None
+    xj = x.clone().requires_grad_()
+    out = jm(xj)
+    cot = torch.randn(out.shape, generator=g).to(bf16)
+    out.backward(cot)
+    expected.backward(cot.double())
+    grads = {n: (p.grad, rp.grad) for (n, p), rp in zip(model.named_parameters(), ref.parameters())}
+    return jm, out, expected, (xj.grad, xr.grad), grads
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["silu-first", "silu-second"])
+def test_swiglu_products_in_one_launch_in_training(standin_tk_build, swap):
+    """The forward runs tk_swiglu_linear for fc_1 and fc_2 (h1 and h2 saved for the backward as before), the
+    backward is unchanged, and the result and every gradient match float64 eager."""
+    model = SwiGLU(swap=swap).to(bf16)
+    jm, out, expected, (dx, dx_ref), grads = run_swiglu(model)
+    assert swiglu_ops(jm) == ["tk_swiglu_linear", "tk_linear"]
+    ran_by = [r.ran_by for r in thunder_tk.explain(jm).rows if r.trace == "forward"]
+    assert ran_by == ["tk: tk_swiglu_linear"] * 2 + ["tk: tk_linear"]
+    assert rel_err(out, expected) < 2e-2
+    assert rel_err(dx, dx_ref) < 3e-2
+    for name, (got, want) in grads.items():
+        assert rel_err(got, want) < 3e-2, name
+    saved = [p for p in thunder.last_traces(jm)[-1].bound_symbols[-1].flat_proxy_args
+             if getattr(p, "dtype", None) is not None and p.ndim == 3]
+    assert all(p.dtype == thunder.bfloat16 for p in saved), "no float32 copies of the MLP's products saved"
+
+
+def test_swiglu_in_inference(standin_tk_build):
+    jm, out, expected, _, _ = run_swiglu(SwiGLU().to(bf16), grad=False)
+    assert swiglu_ops(jm) == ["tk_swiglu_linear", "tk_linear"]
+    assert rel_err(out, expected) < 2e-2
+
+
+@pytest.mark.parametrize("how", ["option", "env", "build"])
+def test_swiglu_turned_off_keeps_two_gemms(standin_tk_build, monkeypatch, how):
+    options = {}
+    if how == "option":
+        options["tk_disable"] = pattern_fusion.SWIGLU
+    elif how == "env":
+        monkeypatch.setenv("THUNDER_TK_DISABLE", pattern_fusion.SWIGLU)
+    else:
+        standin_tk_build.remove("gemm_swiglu")
+    jm, out, expected, _, _ = run_swiglu(SwiGLU().to(bf16), **options)
+    assert swiglu_ops(jm).count("tk_linear") == 3 and "tk_swiglu_linear" not in swiglu_ops(jm)
+    assert rel_err(out, expected) < 2e-2
+
+
+@pytest.mark.parametrize("model", [
+    pytest.param(lambda: SwiGLU(bias=True), id="fc_2-bias"),
+    pytest.param(lambda: SwiGLU(hidden=100), id="hidden-not-multiple-of-8"),
+])
+def test_swiglu_left_apart_where_the_launch_cannot_take_it(standin_tk_build, model):
+    jm, out, expected, _, _ = run_swiglu(model().to(bf16))
+    assert "tk_swiglu_linear" not in swiglu_ops(jm)
+    assert rel_err(out, expected) < 2e-2

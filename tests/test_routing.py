@@ -169,3 +169,25 @@ def test_planned_litgpt_grouped_query_attention_reads_kv_unexpanded():
     # v, a view of the fused qkv projection's output, is made compact for the attention, so the backward saves
     # v's own heads, not the whole projection.
     assert not [p for p in fwd.bound_symbols[-1].flat_proxy_args if tuple(getattr(p, "shape", ())) == (2, 256, 768)]
+
+
+def test_planned_litgpt_mlp_runs_swiglu_in_one_launch():
+    """LitGPT's LLaMAMLP, planned for an sm_90 GPU: each layer's fc_1 and fc_2 run as one tk_swiglu_linear (which
+    also writes silu(h1) * h2), the backward's GEMMs stay tk_matmul, and the forward saves no float32 copy of the
+    MLP's products for the backward."""
+    from litgpt import GPT, Config
+
+    cfg = Config(n_layer=2, n_head=8, n_query_groups=2, n_embd=512, block_size=256, padded_vocab_size=512,
+                 vocab_size=512, bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
+                 intermediate_size=1024, rotary_percentage=1.0, parallel_residual=False)
+    with torch.device("meta"):
+        model = GPT(cfg).to(torch.bfloat16)
+    tokens = torch.zeros(2, 256, dtype=torch.int64, device="meta")
+    jm = trace_planned(model, [tokens])
+    fwd = thunder.last_traces(jm)[-1]
+    fused = [b for b in fwd.bound_symbols if b.sym.name == "tk_swiglu_linear"]
+    assert len(fused) == 2
+    for b in fused:
+        assert [tuple(t.shape) for t in b.output] == [(2, 256, 1024)] * 3
+    saved = [p for p in fwd.bound_symbols[-1].flat_proxy_args if tuple(getattr(p, "shape", ())) == (2, 256, 1024)]
+    assert saved and all(p.dtype == thunder.bfloat16 for p in saved)

@@ -147,6 +147,21 @@ def _matmul_impl(a, b):
 tk_linear = tk.register_operator("tk_linear", meta=_linear_meta, fn=_linear_impl, tags=_GEMM_TAGS)
 tk_matmul = tk.register_operator("tk_matmul", meta=_matmul_meta, fn=_matmul_impl, tags=_GEMM_TAGS)
 
+
+# SwiGLU's two products and silu(h1) * h2 in one launch; only pattern_fusion.fuse_swiglu puts it in a trace (for two
+# tk_linear of one input whose outputs meet in silu(h1) * h2), so it has no lowering of its own.
+def _swiglu_linear_meta(x: TensorProxy, w1: TensorProxy, w2: TensorProxy):
+    shape = (*x.shape[:-1], w1.shape[0])
+    return tuple(TensorProxy(like=x, shape=shape) for _ in range(3))
+
+
+def _swiglu_linear_impl(x, w1, w2):
+    return ops.swiglu_linear(x, w1, w2)
+
+
+tk_swiglu_linear = tk.register_operator("tk_swiglu_linear", meta=_swiglu_linear_meta, fn=_swiglu_linear_impl,
+                                        tags=_GEMM_TAGS)
+
 # The claimed symbols take the operators' arguments, so the operators are the execution transforms.
 for _symbol_id in (ltorch.linear.id, prims.PrimIDs.LINEAR):
     tk.set_lowering(_symbol_id, execution_transform=tk_linear, grad_transform=None)

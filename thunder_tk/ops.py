@@ -628,6 +628,55 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.reshape(*lead, weight.shape[0])
 
 
+def _k_major_rows(t: torch.Tensor) -> torch.Tensor:
+    """t (rows, K) as the kernels read it K-major: unit stride along K, a row stride that is a multiple of 8 and a
+    16-byte aligned start; copied to fresh row-major storage where it is not."""
+    rows = t.shape[0]
+    if t.data_ptr() % 16 == 0 and (t.shape[1] <= 1 or t.stride(1) == 1) and (rows <= 1 or t.stride(0) % 8 == 0):
+        return t
+    return t.contiguous()
+
+
+def swiglu_linear(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, _schedule: str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(g, h1, h2) with h1 = x W1^T, h2 = x W2^T and g = silu(h1) * h2, by one tk launch: LLaMA's SwiGLU MLP up to
+    its output projection. x (..., K); w1, w2 (N, K); each result (..., N) in x's dtype, rounded as PyTorch rounds
+    the unfused ops (h1 and h2 from fp32 accumulators, silu(h1) before the product). K and N multiples of 8.
+    `_schedule` as gemm's (tests)."""
+    for name, w in (("w1", w1), ("w2", w2)):
+        if not isinstance(w, torch.Tensor) or w.ndim != 2:
+            raise ValueError(f"swiglu_linear: {name} must be a 2-D (N, K) weight")
+    if not isinstance(x, torch.Tensor) or x.ndim < 1 or x.shape[-1] != w1.shape[1] or w1.shape != w2.shape:
+        raise ValueError(f"swiglu_linear: x (..., K) and two (N, K) weights of one shape expected; got "
+                         f"{tuple(getattr(x, 'shape', ()))}, {tuple(w1.shape)}, {tuple(w2.shape)}")
+    if x.dtype not in _GEMM_DTYPES or w1.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"swiglu_linear: bfloat16 or float16 operands of one dtype; got {x.dtype}, {w1.dtype}, "
+                         f"{w2.dtype}")
+    if x.device.type != "cuda" or w1.device != x.device or w2.device != x.device:
+        raise ValueError(f"swiglu_linear runs on CUDA tensors on one device; got {x.device}, {w1.device}, "
+                         f"{w2.device}")
+    N, K = w1.shape
+    if K % 8 or N % 8:
+        raise ValueError(f"swiglu_linear: K ({K}) and N ({N}) must be multiples of 8")
+    ext = _require_kernels(x.device)
+    lead = x.shape[:-1]
+    M = math.prod(lead)
+    h1, h2, g = (torch.empty((*lead, N), dtype=x.dtype, device=x.device) for _ in range(3))
+    if M == 0 or N == 0:
+        return g, h1, h2
+    if K == 0:
+        return g.zero_(), h1.zero_(), h2.zero_()
+    a = _k_major_rows(x.reshape(M, K))
+    w1, w2 = _k_major_rows(w1), _k_major_rows(w2)
+    if N > 1 and w1.stride(0) != w2.stride(0):  # one map layout for both weights
+        w1, w2 = w1.contiguous(), w2.contiguous()
+    with _on(x.device):
+        ext.gemm_swiglu(a.data_ptr(), w1.data_ptr(), w2.data_ptr(), h1.data_ptr(), h2.data_ptr(), g.data_ptr(),
+                        _DTYPE_CODES[x.dtype], M, N, K, a.stride(0) if M > 1 else K, w1.stride(0) if N > 1 else K,
+                        N, _stream_handle(x.device), _gemm_tickets(x.device, _schedule))
+    return g, h1, h2
+
+
 # ------------------------------------------------------------------------------------------------
 # Cross-entropy over the classes of (rows, classes) logits, fused: fp32 math on 16-bit logits without an fp32 copy.
 

@@ -31,12 +31,19 @@ backward are tk's and the gradients' only use is that sum; off with the feature 
 the logits are dead once D is written, where the logits are a GEMM's own output that nothing but the cross-entropy
 reads (through reshapes). There tk_cross_entropy_forward_grad becomes tk_cross_entropy_forward_grad_over_logits,
 which writes D into the logits' memory: the step's peak holds one such tensor, not two.
+
+`fuse_swiglu`: LLaMA's MLP computes silu(x W1^T) * (x W2^T). Where both products are tk_linear of one x (no bias)
+and their outputs meet in that gated product, one tk_swiglu_linear launch computes both products, 128 columns of
+each per tile, and writes silu(h1) * h2 beside them from shared memory (h1 and h2 stay outputs: the backward reads
+them). The fuser's kernel that read both products back to form the gated one goes. Off with the feature name
+`gemm_swiglu`.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+import thunder
 from thunder.core import prims
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
@@ -373,3 +380,99 @@ def attend_grouped_kv(trace):
             bsyms[backward] = [bb.from_bsym(args=(bb.args[0], k0, v0, *bb.args[3:]),
                                             output=(bb.output[0], *grads)), *after]
     return _rewritten(out, bsyms, "tk: attention reads grouped K and V instead of their repeat_interleave copies")
+
+
+SWIGLU = "gemm_swiglu"
+"""THUNDER_TK_DISABLE name that keeps SwiGLU's two products and silu(h1) * h2 apart (the fuser then computes the
+product from both GEMMs' outputs)."""
+
+_TO = frozenset({"to", "convert_element_type"})
+_MUL = frozenset({"mul"})
+_SILU = frozenset({"silu"})
+
+
+def _plain_linear(p, bsyms: list[BoundSymbol], producer: dict[str, int]):
+    """(index, x, w) where tensor p is tk_linear(x, w) without a bias, else None."""
+    from thunder_tk.lowering import tk_linear
+
+    j = producer.get(p.name) if isinstance(p, TensorProxy) else None
+    if j is None or bsyms[j].sym.id != tk_linear.id:
+        return None
+    x, w, bias = bsyms[j].args
+    return (j, x, w) if bias is None else None
+
+
+def _upcast_of(p, bsyms: list[BoundSymbol], producer: dict[str, int]):
+    """The tensor that p converts to float32 (to / convert_element_type), else None."""
+    b = _made_by(p, _TO, bsyms, producer)
+    if b is None or b.output.dtype != thunder.float32 or not isinstance(b.args[0], TensorProxy):
+        return None
+    return b.args[0]
+
+
+def _swiglu_plan(bsyms: list[BoundSymbol], k: int, producer: dict[str, int]):
+    """For bsym k: (fc_1 index, fc_2 index, x, w1, w2, g) where its output g is silu(x w1^T) * (x w2^T) as traced,
+    with both products tk_linear of one x without bias: `mul(silu(h1), h2)` in 16 bits (inference), or
+    `to(mul(to(silu(h1), f32), to(h2, f32)), dtype)` (training, as Thunder's autodiff writes it). Else None."""
+    b = bsyms[k]
+    if b.sym.name in _TO and isinstance(b.args[0], TensorProxy):
+        mul = _made_by(b.args[0], _MUL, bsyms, producer)
+        if mul is None or len(mul.flat_proxy_args) != 2:
+            return None
+        factors = [_upcast_of(f, bsyms, producer) for f in mul.args[:2]]
+    elif b.sym.name in _MUL and len(b.flat_proxy_args) == 2:
+        factors = list(b.args[:2])
+    else:
+        return None
+    g = b.output
+    if any(f is None for f in factors) or not isinstance(g, TensorProxy):
+        return None
+    for silu_side in (0, 1):
+        silu = _made_by(factors[silu_side], _SILU, bsyms, producer)
+        if silu is None or (len(silu.args) > 1 and silu.args[1]):  # not in place
+            continue
+        fc_1 = _plain_linear(silu.args[0], bsyms, producer)
+        fc_2 = _plain_linear(factors[1 - silu_side], bsyms, producer)
+        if fc_1 is None or fc_2 is None or fc_1[1] is not fc_2[1] or fc_1[0] == fc_2[0]:
+            continue
+        (i1, x, w1), (i2, _, w2) = fc_1, fc_2
+        h1 = bsyms[i1].output
+        if (tuple(w1.shape) != tuple(w2.shape) or w1.shape[0] % 8 or w1.shape[1] % 8 or g.dtype != x.dtype
+                or w1.dtype != x.dtype or w2.dtype != x.dtype or tuple(g.shape) != tuple(h1.shape)
+                or x.dtype not in (thunder.bfloat16, thunder.float16)):
+            return None
+        return i1, i2, x, w1, w2, g
+    return None
+
+
+def fuse_swiglu(trace):
+    """The trace with SwiGLU's two tk_linear products and silu(h1) * h2 as one tk_swiglu_linear launch, which also
+    returns h1 and h2 for whatever else reads them (the backward): the fuser no longer reads both products back to
+    form the gated one. Off with the feature name SWIGLU, and where the build has no gemm_swiglu kernel."""
+    from thunder_tk import _extension, claim_rules
+    from thunder_tk.lowering import tk_swiglu_linear
+
+    if SWIGLU in claim_rules.disabled_names() or not _extension.kernel_in_build("gemm_swiglu"):
+        return trace
+    bsyms = list(trace.bound_symbols)
+    if not any(b.sym.name in _SILU for b in bsyms):
+        return trace
+    producer, _ = _producers_and_users(bsyms)
+    plans, taken = [], set()
+    for k, b in enumerate(bsyms):
+        plan = _swiglu_plan(bsyms, k, producer)
+        if plan is None or plan[0] in taken or plan[1] in taken:
+            continue
+        taken.update(plan[:2])
+        plans.append((k, plan))
+    if not plans:
+        return trace
+    out = from_trace(trace)
+    with tracectx(out):
+        for k, (i1, i2, x, w1, w2, g) in plans:
+            h1, h2 = bsyms[i1].output, bsyms[i2].output
+            first, second = min(i1, i2), max(i1, i2)
+            bsyms[first] = tk_swiglu_linear.bind(x, w1, w2, output=(g, h1, h2))
+            bsyms[second] = None
+            bsyms[k] = None
+    return _rewritten(out, bsyms, "tk: SwiGLU's two products and silu(h1) * h2 in one GEMM launch")

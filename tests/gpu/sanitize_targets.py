@@ -74,6 +74,17 @@ def gemm_skinny():
     print("gemm_skinny sanitize targets ran")
 
 
+# SwiGLU's one launch: tails in M and N, and 160 tiles (more than a block each) with both schedules.
+def gemm_swiglu():
+    for M, K, N in ((130, 72, 264), (1024, 64, 2560)):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w1, w2 = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        ops.swiglu_linear(x, w1, w2)
+        ops.swiglu_linear(x, w1, w2, _schedule="dynamic")
+    torch.cuda.synchronize()
+    print("gemm_swiglu sanitize targets ran")
+
+
 # Tile-library unit kernels: register tiles and shared vectors, wgmma with A in registers, ldmatrix into an A
 # fragment, TMA reduce-store.
 def tile_library():
@@ -179,7 +190,7 @@ def cross_entropy_forward_grad():
     print("cross-entropy forward+grad sanitize targets ran")
 
 
-SECTIONS = [attention_bwd_delta, gemm, gemm_skinny, tile_library, attention_forward, attention_backward, cross_entropy,
+SECTIONS = [attention_bwd_delta, gemm, gemm_skinny, gemm_swiglu, tile_library, attention_forward, attention_backward, cross_entropy,
             cross_entropy_forward_grad]
 
 if __name__ == "__main__":

@@ -379,7 +379,9 @@ def test_mlp_training_step_runs_every_gemm_on_tk():
     gemms = [r for r in report.rows if r.symbol in ("prims.linear", "ltorch.matmul")]
     assert len(gemms) >= 7  # 3 forward; dX of proj and dW of all three (x needs no gradient)
     assert all(r.claimed_by_tk for r in gemms), str(report)
-    assert {r.ran_by for r in gemms} == {"tk: tk_linear", "tk: tk_matmul"}
+    # fc_1 and fc_2 in one launch with silu(h1) * h2 (pattern_fusion.fuse_swiglu), proj and the backward's alone
+    assert sorted(r.ran_by for r in gemms if r.trace == "forward") == ["tk: tk_linear"] + ["tk: tk_swiglu_linear"] * 2
+    assert {r.ran_by for r in gemms} == {"tk: tk_linear", "tk: tk_matmul", "tk: tk_swiglu_linear"}
 
 
 def test_persistent_grid_and_every_device():

@@ -16,6 +16,10 @@
 //
 // Ping-pong variant: the consumers take 128 x 128 tiles of their own in turns (the ring's tiles alternate between
 // them), so one writes its tile out while the other's products keep the tensor cores busy.
+//
+// SwiGLU variant (GATED): a block's B tile is 128 columns of B above the same 128 of B2, so the consumers' 64 x 256
+// accumulators hold both products of 128 output columns; the store warp writes both, then silu(C) * C2 over C's half
+// of the staging (one pass in shared memory, where the unfused step re-read both products from memory).
 #include "gemm.h"
 #include "../../kittens/kittens.cuh"
 
@@ -78,6 +82,11 @@ struct kernel_params {
     int k_blocks;
     bool tma_store;  // C rows 16-byte aligned: stage the epilogue in shared memory and store with TMA
     int* tickets;    // dynamic schedule counter, or null (static: p.split)
+};
+
+// The SwiGLU launch's other operand and outputs (unused, zeroed, elsewhere).
+struct gated_maps {
+    CUtensorMap b2, c2, c3;
 };
 
 // Stream-K workspace: per block slot, per consumer warpgroup, its fp32 accumulators in fragment order (each
@@ -274,6 +283,83 @@ __device__ __forceinline__ void store_staged_tiles(State& st, const kernel_param
     tma::store_wait();  // the staging must outlive the stores' reads
 }
 
+// silu(c) * c2 for a packed pair of each, rounded as PyTorch rounds the two ops in 16 bits (silu's result first).
+template <typename T>
+__device__ __forceinline__ uint32_t gate_pair(uint32_t c, uint32_t c2) {
+    T x[2], y[2], out[2];
+    memcpy(x, &c, 4);
+    memcpy(y, &c2, 4);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const float v = to_float(x[i]);
+        const float silu = to_float(T(v / (1.0f + __expf(-v))));
+        out[i] = T(silu * to_float(y[i]));
+    }
+    uint32_t r;
+    memcpy(&r, out, 4);
+    return r;
+}
+
+// One warp: C3 = silu(C) * C2 over C's two staged 64 x 64 panels, from C2's two. Both halves were staged with the
+// same swizzle within a panel, so the pairs sit at the same offsets; each lane takes every 32nd 16-byte chunk.
+template <typename T>
+__device__ __forceinline__ void gate_staged_panels(T* c, const T* c2) {
+    uint4* out = reinterpret_cast<uint4*>(c);
+    const uint4* other = reinterpret_cast<const uint4*>(c2);
+#pragma unroll 1
+    for (int i = threadIdx.x & 31; i < 2 * 64 * 64 * int(sizeof(T)) / 16; i += 32) {
+        uint4 a = out[i];
+        const uint4 b = other[i];
+        a.x = gate_pair<T>(a.x, b.x);
+        a.y = gate_pair<T>(a.y, b.y);
+        a.z = gate_pair<T>(a.z, b.z);
+        a.w = gate_pair<T>(a.w, b.w);
+        out[i] = a;
+    }
+}
+
+// A store warp (all its lanes) of a SwiGLU launch, for consumer warpgroup wg: each staged 64 x 256 block is C's 128
+// columns (panels 0-1) and C2's (2-3); lane 0 stores both, and once the stores have read the staging the lanes write
+// C3 over panels 0-1, which lane 0 stores too before handing the staging back.
+template <typename T, typename State>
+__device__ __forceinline__ void store_staged_gated(State& st, const kernel_params& p, const CUtensorMap& map_c,
+                                                   const gated_maps& gm, int wg) {
+    const bool leader = (threadIdx.x & 31) == 0;
+    if (leader) sync::arrive(st.c_free[wg]);  // the staging starts out free
+    for (uint32_t k = 0;; ++k) {
+        sync::wait(st.c_staged[wg], k & 1);
+        const int row0 = st.c_origin[wg][0], col0 = st.c_origin[wg][1];
+        if (row0 < 0) break;
+        if (leader) {
+#pragma unroll
+            for (int panel = 0; panel < 2; ++panel) {
+                const int gc = col0 + panel * 64;
+                if (gc < p.args.N && row0 < p.args.M) {
+                    tma::store_2d(&map_c, st.c_stage[wg][panel], gc, row0);
+                    tma::store_2d(&gm.c2, st.c_stage[wg][2 + panel], gc, row0);
+                }
+            }
+            tma::store_commit();
+            tma::store_wait_read();
+        }
+        __syncwarp();  // C's panels are free to overwrite once lane 0's stores have read them
+        gate_staged_panels<T>(st.c_stage[wg][0], st.c_stage[wg][2]);
+        tma::fence_shared_to_async();
+        __syncwarp();
+        if (leader) {
+#pragma unroll
+            for (int panel = 0; panel < 2; ++panel) {
+                const int gc = col0 + panel * 64;
+                if (gc < p.args.N && row0 < p.args.M) tma::store_2d(&gm.c3, st.c_stage[wg][panel], gc, row0);
+            }
+            tma::store_commit();
+            tma::store_wait_read();
+            sync::arrive(st.c_free[wg]);
+        }
+    }
+    if (leader) tma::store_wait();  // the staging must outlive the stores' reads
+}
+
 // One tile's walk over the ring, keeping one wgmma group in flight: stage s is released once the group after it
 // has been issued, the last once all are done. `first_waited`: the caller already waited for the first stage (it
 // read the tile index there). `landed(kb)` runs once k-block kb's stage has landed, `issue(stage)` issues its
@@ -300,7 +386,7 @@ __device__ __forceinline__ void walk_k_blocks(State& st, pipeline::cursor<STAGES
 }
 
 // Consumer warpgroups: wgmma over the ring, then the epilogue of each tile.
-template <typename T, major MA, major MB, int CLUSTER, int BN, typename State, typename TileOf>
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool GATED, typename State, typename TileOf>
 __device__ __forceinline__ void consume(State& st, const kernel_params& p, const CUtensorMap& map_c, int cluster,
                                         int clusters, TileOf tile_of) {
     // A stage is free once every consumer warp of both blocks is done with it: the peer's producer writes
@@ -371,8 +457,11 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
         }
         if (w.contributors_from < cluster) take_partials<BN>(p, w.contributors_from, cluster, slice, d);
 
-        const int64_t row0 = int64_t(tile.m) * BM + slice * 64, col0 = int64_t(tile.n) * BN;
-        if (State::STORE_WARPS && p.tma_store)
+        // A SwiGLU tile's 256 accumulator columns are 128 output columns of each product.
+        const int64_t row0 = int64_t(tile.m) * BM + slice * 64, col0 = int64_t(tile.n) * (GATED ? BN / 2 : BN);
+        if constexpr (GATED)
+            stage_rows64<T, BN>(st, p, slice, d, int(row0), int(col0), handoffs);
+        else if (State::STORE_WARPS && p.tma_store)
             stage_rows64<T, BN>(st, p, slice, d, int(row0), int(col0), handoffs);
         else
             write_rows64<T, BN>(st, p, map_c, slice, d, row0, col0);
@@ -456,12 +545,15 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
 }
 
 // PINGPONG: the consumers take 128 x 128 tiles in turns (BN = 128, no cluster); otherwise they share each tile.
-template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS>
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, bool GATED>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                const __grid_constant__ CUtensorMap map_c, const __grid_constant__ kernel_params p) {
+                const __grid_constant__ CUtensorMap map_c, const __grid_constant__ gated_maps gm,
+                const __grid_constant__ kernel_params p) {
     static_assert(!PINGPONG || (CLUSTER == 1 && BN == 128), "ping-pong: 128 x 128 tiles, no cluster");
     static_assert(!STORE_WARPS || (BN == 256 && !PINGPONG), "store warps: 256-wide shared tiles");
+    static_assert(!GATED || (STORE_WARPS && CLUSTER == 1 && MA == major::k && MB == major::k),
+                  "SwiGLU: store warps, no cluster, both operands K-major");
     using state_t = shared_state<T, MA, MB, BN, STORE_WARPS>;
     constexpr int STAGES = state_t::STAGES;
     extern __shared__ uint8_t raw_smem[];
@@ -497,6 +589,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (threadIdx.x == 0) {
             tma::prefetch_map(&map_a);
             tma::prefetch_map(&map_b);
+            if constexpr (GATED) tma::prefetch_map(&gm.b2);
             pipeline::cursor<STAGES> at;
             // Dynamic: every block takes tickets until one is past the end, so a launch hands out exactly
             // pairs + grid tickets, and the holder of the last one resets the counter for the next launch.
@@ -508,7 +601,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             // k-blocks [k_begin, k_end) of tile t (its index in the order) into the ring.
             auto load_tile = [&](int t, int k_begin, int k_end) {
                 const auto tile = tile_of(t);
-                const int m0 = tile.m * BM, n0 = tile.n * BN;
+                const int m0 = tile.m * BM, n0 = tile.n * (GATED ? BN / 2 : BN);
                 for (int kb = k_begin; kb < k_end; ++kb) {
                     const int k0 = kb * BK;
                     st.ring.wait_empty(at);
@@ -524,7 +617,10 @@ __global__ void __launch_bounds__(THREADS, 1)
                     }
                     constexpr uint16_t everyone = (1u << CLUSTER) - 1;
                     constexpr int b_rows = BN / CLUSTER;  // this block's share of the B tile
-                    if constexpr (CLUSTER == 1 && MB == major::k) {
+                    if constexpr (GATED) {  // B's 128 columns above B2's same 128
+                        tma::load_2d(st.b[s].data, &map_b, k0, n0, full);
+                        tma::load_2d(st.b[s].data + (BN / 2) * BK, &gm.b2, k0, n0, full);
+                    } else if constexpr (CLUSTER == 1 && MB == major::k) {
                         tma::load_2d(st.b[s].data, &map_b, k0, n0, full);
                     } else if constexpr (CLUSTER == 1) {
                         for (int panel = 0; panel < BN / 64; ++panel)
@@ -570,13 +666,15 @@ __global__ void __launch_bounds__(THREADS, 1)
                     sync::arrive(st.ring.full[at.stage]);
                 }
             }
+        } else if (GATED && (threadIdx.x / 32 == 1 || threadIdx.x / 32 == 2)) {
+            if constexpr (GATED) store_staged_gated<T>(st, p, map_c, gm, int(threadIdx.x / 32) - 1);
         } else if (STORE_WARPS && p.tma_store && (threadIdx.x == 32 || threadIdx.x == 64)) {
             store_staged_tiles(st, p, map_c, int(threadIdx.x / 32) - 1);
         }
     } else if constexpr (PINGPONG) {
         consume_pingpong<T, MA, MB>(st, p, map_c, pairs, cluster, clusters, tile_of);
     } else {
-        consume<T, MA, MB, CLUSTER, BN>(st, p, map_c, cluster, clusters, tile_of);
+        consume<T, MA, MB, CLUSTER, BN, GATED>(st, p, map_c, cluster, clusters, tile_of);
     }
     // No block leaves while its peer may still write into its shared memory or arrive on its barriers.
     // (Lane 0 of the producer warp arrives late: reconverge the warp first, the cluster barrier is .aligned.)
@@ -609,14 +707,14 @@ cudaLaunchConfig_t launch_config(cudaLaunchAttribute* attribute, int smem_bytes,
 
 // Per device, once: the kernel's shared-memory opt-in (an attribute of the kernel in each device's context) and
 // the persistent grid: one block per SM, or for clusters as many as the occupancy query says fit at once.
-template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS>
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, bool GATED = false>
 cudaError_t prepare(int* grid_blocks) {
     static std::atomic<int> blocks[max_devices];
     const int device = current_device();
     if (device < 0) return cudaErrorInvalidDevice;
     int known = blocks[device].load(std::memory_order_acquire);
     if (known == 0) {
-        auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS>;
+        auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS, GATED>;
         constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN, STORE_WARPS>;
         cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         if (e != cudaSuccess) return e;
@@ -649,12 +747,15 @@ bool split_wanted(const gemm_args& g) {
 // than blocks (each finisher adds the others' partial sums), and ranges of at least 4 k-blocks.
 constexpr int SPLIT_MAX_PIECES = 4, SPLIT_MIN_K_BLOCKS = 4;
 
-template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS>
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, bool GATED = false>
 cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
-    auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS>;
+    auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS, GATED>;
     constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN, STORE_WARPS>;
     int resident = 0;
-    if (cudaError_t e = prepare<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS>(&resident); e != cudaSuccess) return e;
+    if (cudaError_t e = prepare<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS, GATED>(&resident); e != cudaSuccess)
+        return e;
+    // SwiGLU: each product's B tile is half the block's (128 columns of B, 128 of B2), and an output tile 128 wide.
+    constexpr int b_box = GATED ? BN / 2 : BN / CLUSTER, out_tile_n = GATED ? BN / 2 : BN;
 
     CUtensorMap map_a, map_b;
     const auto sw = tma::swizzle::b128;
@@ -662,7 +763,7 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
                      ? tma::make_tensor_map_2d(&map_a, g.a, tma::element_type<T>(), 2, g.K, g.M, g.a_stride_m, BK, BM, sw)
                      : tma::make_tensor_map_2d(&map_a, g.a, tma::element_type<T>(), 2, g.M, g.K, g.a_stride_k, 64, BK, sw);
     if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
-    r = MB == major::k ? tma::make_tensor_map_2d(&map_b, g.b, tma::element_type<T>(), 2, g.K, g.N, g.b_stride_n, BK, BN / CLUSTER, sw)
+    r = MB == major::k ? tma::make_tensor_map_2d(&map_b, g.b, tma::element_type<T>(), 2, g.K, g.N, g.b_stride_n, BK, b_box, sw)
                        : tma::make_tensor_map_2d(&map_b, g.b, tma::element_type<T>(), 2, g.N, g.K, g.b_stride_k, 64, BK, sw);
     if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
     CUtensorMap map_c{};
@@ -673,31 +774,42 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     if (tma_store &&
         tma::make_tensor_map_2d(&map_c, g.c, tma::element_type<T>(), 2, g.N, g.M, g.c_stride_m, 64, 64, sw) != CUDA_SUCCESS)
         return cudaErrorInvalidValue;
+    gated_maps gm{};
+    if constexpr (GATED) {
+        if (!tma_store ||
+            tma::make_tensor_map_2d(&gm.b2, g.b2, tma::element_type<T>(), 2, g.K, g.N, g.b_stride_n, BK, b_box, sw) !=
+                CUDA_SUCCESS ||
+            tma::make_tensor_map_2d(&gm.c2, g.c2, tma::element_type<T>(), 2, g.N, g.M, g.c_stride_m, 64, 64, sw) !=
+                CUDA_SUCCESS ||
+            tma::make_tensor_map_2d(&gm.c3, g.c3, tma::element_type<T>(), 2, g.N, g.M, g.c_stride_m, 64, 64, sw) !=
+                CUDA_SUCCESS)
+            return cudaErrorInvalidValue;
+    }
 
     kernel_params p;
     p.tma_store = tma_store;
     p.args = g;
     // The schedule walks pairs of tile rows; a pair past M computes on zero-filled A and stores nothing.
     const int tiles_m = int((g.M + BM - 1) / BM);
-    p.order = {(tiles_m + CLUSTER - 1) / CLUSTER, int((g.N + BN - 1) / BN),
+    p.order = {(tiles_m + CLUSTER - 1) / CLUSTER, int((g.N + out_tile_n - 1) / out_tile_n),
                g.group_rows > 0 ? std::max(1, g.group_rows / CLUSTER) : GROUP_ROWS / CLUSTER};
     p.k_blocks = int((g.K + BK - 1) / BK);
     p.tickets = CLUSTER == 1 ? g.tickets : nullptr;
 
     int clusters = std::max(1, std::min(p.order.count(), resident / CLUSTER));
     p.split = schedule::whole_tiles(p.order.count(), p.k_blocks);
-    if (CLUSTER == 1 && !PINGPONG && split_wanted(g)) {
+    if (CLUSTER == 1 && !PINGPONG && !GATED && split_wanted(g)) {
         p.split = schedule::plan_split_tail(p.order.count(), p.k_blocks, resident, SPLIT_MAX_PIECES, SPLIT_MIN_K_BLOCKS);
         clusters = p.split.dp_tiles > 0 ? resident : p.split.sk_blocks;
     }
     if constexpr (CLUSTER == 1) {
-        kernel<<<clusters, THREADS, smem_bytes, stream>>>(map_a, map_b, map_c, p);
+        kernel<<<clusters, THREADS, smem_bytes, stream>>>(map_a, map_b, map_c, gm, p);
         return cudaGetLastError();
     }
     cudaLaunchAttribute attribute[1];
     cudaLaunchConfig_t config = launch_config<CLUSTER>(attribute, smem_bytes, stream);
     config.gridDim = dim3(CLUSTER * clusters);
-    return cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, p);
+    return cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, gm, p);
 }
 
 template <typename T, int C, int BN, bool PINGPONG = false, bool STORE_WARPS = false>
@@ -753,6 +865,24 @@ cudaError_t dispatch_cluster(const gemm_args& g, cudaStream_t stream) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// SwiGLU's launch: one kernel shape (store warps, 128 output columns of each product per tile), either schedule.
+template <typename T>
+cudaError_t dispatch_gated(const gemm_args& g, cudaStream_t stream) {
+    return launch<T, major::k, major::k, 1, 256, false, true, true>(g, stream);
+}
+
+const char* gated_unsupported(const gemm_args& g) {
+    if (g.bias != nullptr) return "SwiGLU takes no bias";
+    if (g.a_stride_k != 1 || g.b_stride_k != 1) return "SwiGLU needs A and both weights K-major";
+    if (g.c2 == nullptr || g.c3 == nullptr) return "SwiGLU needs its three outputs";
+    if (!aligned16(g.b2) || !aligned16(g.c) || !aligned16(g.c2) || !aligned16(g.c3))
+        return "SwiGLU's weights and outputs must be 16-byte aligned";
+    if (g.N % 8 || (g.M > 1 && g.c_stride_m % 8)) return "SwiGLU's output rows must be multiples of 8 elements";
+    if (g.cluster == 2 || g.tile_n == 128 || g.pingpong == 1 || g.epilogue == 2 || g.stream_k == 1 || g.skinny == 1)
+        return "SwiGLU runs 256-wide tiles with store warps only (no cluster, ping-pong, stream-K or skinny kernel)";
+    return nullptr;
+}
+
 }  // namespace
 
 const char* gemm_unsupported(const gemm_args& g) {
@@ -781,6 +911,7 @@ const char* gemm_unsupported(const gemm_args& g) {
     const int64_t b_lead = g.b_stride_k == 1 ? g.b_stride_n : g.b_stride_k;
     if (a_lead % 8 || b_lead % 8) return "leading strides must be multiples of 8 elements";
     if (!aligned16(g.a) || !aligned16(g.b)) return "A and B must be 16-byte aligned";
+    if (g.b2 != nullptr) return gated_unsupported(g);
     return nullptr;
 }
 
@@ -803,6 +934,8 @@ int gemm_resident_blocks(int cluster) {
 
 cudaError_t launch_gemm(const gemm_args& g, cudaStream_t stream) {
     if (gemm_unsupported(g) != nullptr) return cudaErrorInvalidValue;
+    if (g.b2 != nullptr)
+        return g.dtype == int(dtype::bf16) ? dispatch_gated<__nv_bfloat16>(g, stream) : dispatch_gated<__half>(g, stream);
     // Few rows: the skinny kernel spreads the weight's columns and K over every SM (skinny.cu).
     if (g.skinny == 1 || (g.skinny == 0 && skinny_unsupported(g) == nullptr)) return launch_skinny(g, stream);
     if (g.dtype == int(dtype::bf16)) return dispatch_cluster<__nv_bfloat16>(g, stream);

@@ -41,6 +41,14 @@ struct gemm_args {
     // The skinny kernel for few rows (skinny.cu): 0 automatic (M <= SKINNY_MAX_M with A K-major and none of the
     // knobs above; it splits K over the workspace above where one is given), 1 forced, -1 off.
     int skinny;
+    // SwiGLU's two products in one launch (b2 non-null): C = A B and C2 = A B2 (B2 with B's strides), and
+    // C3 = silu(C) * C2, each rounded to the element type as PyTorch rounds silu(c) * c2 in 16 bits. A block's B tile
+    // is 128 columns of B above the same 128 of B2, so its accumulators hold both products of its 128 output
+    // columns; its store warp writes C and C2 from the staging, then C3 over C's half of it. C2 and C3 have C's row
+    // stride. A and B K-major, no bias, with the store warps' epilogue only (gemm_unsupported names the rest).
+    const void* b2;
+    void* c2;
+    void* c3;
 };
 
 constexpr int SKINNY_MAX_M = 64;
