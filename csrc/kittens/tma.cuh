@@ -111,8 +111,12 @@ __device__ __forceinline__ void store_add_4d(const CUtensorMap* map, const void*
 }
 
 __device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// Wait until the committed stores have finished reading shared memory (it may then be overwritten).
-__device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Wait until the committed stores, all but the newest `Pending` groups, have finished reading shared memory (it
+// may then be overwritten).
+template <int Pending = 0>
+__device__ __forceinline__ void store_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(Pending) : "memory");
+}
 // Wait until the committed stores are complete in global memory.
 __device__ __forceinline__ void store_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 

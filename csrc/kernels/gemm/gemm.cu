@@ -284,6 +284,9 @@ __device__ __forceinline__ void store_staged_tiles(State& st, const kernel_param
 }
 
 // silu(c) * c2 for a packed pair of each, rounded as PyTorch rounds the two ops in 16 bits (silu's result first).
+// The fast exponential and reciprocal: an IEEE division made every element a serial chain with a slow-path call
+// (ptxas interleaved none of them), which kept the store warp busy for longer than a tile's products at K = 2048.
+// For v -> -inf, 1 + e^-v overflows to inf and v / inf gives -0, the limit.
 template <typename T>
 __device__ __forceinline__ uint32_t gate_pair(uint32_t c, uint32_t c2) {
     T x[2], y[2], out[2];
@@ -292,7 +295,7 @@ __device__ __forceinline__ uint32_t gate_pair(uint32_t c, uint32_t c2) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const float v = to_float(x[i]);
-        const float silu = to_float(T(v / (1.0f + __expf(-v))));
+        const float silu = to_float(T(__fdividef(v, 1.0f + __expf(-v))));
         out[i] = T(silu * to_float(y[i]));
     }
     uint32_t r;
@@ -301,12 +304,13 @@ __device__ __forceinline__ uint32_t gate_pair(uint32_t c, uint32_t c2) {
 }
 
 // One warp: C3 = silu(C) * C2 over C's two staged 64 x 64 panels, from C2's two. Both halves were staged with the
-// same swizzle within a panel, so the pairs sit at the same offsets; each lane takes every 32nd 16-byte chunk.
+// same swizzle within a panel, so the pairs sit at the same offsets; each lane takes every 32nd 16-byte chunk, two
+// at a time (more would not fit the producer warpgroup's 40 registers).
 template <typename T>
 __device__ __forceinline__ void gate_staged_panels(T* c, const T* c2) {
     uint4* out = reinterpret_cast<uint4*>(c);
     const uint4* other = reinterpret_cast<const uint4*>(c2);
-#pragma unroll 1
+#pragma unroll 2
     for (int i = threadIdx.x & 31; i < 2 * 64 * 64 * int(sizeof(T)) / 16; i += 32) {
         uint4 a = out[i];
         const uint4 b = other[i];
@@ -319,30 +323,35 @@ __device__ __forceinline__ void gate_staged_panels(T* c, const T* c2) {
 }
 
 // A store warp (all its lanes) of a SwiGLU launch, for consumer warpgroup wg: each staged 64 x 256 block is C's 128
-// columns (panels 0-1) and C2's (2-3); lane 0 stores both, and once the stores have read the staging the lanes write
-// C3 over panels 0-1, which lane 0 stores too before handing the staging back.
+// columns (panels 0-1) and C2's (2-3). Lane 0 stores C's panels, then C2's, as two groups; once the first group has
+// read its panels the lanes write C3 over them, which lane 0 stores too before the staging is handed back.
+// Every lane touches the staging, so every lane hands it back (c_free counts 32 arrivals here), after lane 0's
+// last stores have read it; and lane 0 alone reads the origin and passes it on (racecheck flagged the other lanes'
+// reads of it, which only the warp's convergence ordered before a single arrival).
 template <typename T, typename State>
 __device__ __forceinline__ void store_staged_gated(State& st, const kernel_params& p, const CUtensorMap& map_c,
                                                    const gated_maps& gm, int wg) {
     const bool leader = (threadIdx.x & 31) == 0;
-    if (leader) sync::arrive(st.c_free[wg]);  // the staging starts out free
+    sync::arrive(st.c_free[wg]);  // the staging starts out free
     for (uint32_t k = 0;; ++k) {
         sync::wait(st.c_staged[wg], k & 1);
-        const int row0 = st.c_origin[wg][0], col0 = st.c_origin[wg][1];
+        const int row0 = __shfl_sync(0xffffffffu, leader ? st.c_origin[wg][0] : 0, 0);
+        const int col0 = __shfl_sync(0xffffffffu, leader ? st.c_origin[wg][1] : 0, 0);
         if (row0 < 0) break;
         if (leader) {
 #pragma unroll
-            for (int panel = 0; panel < 2; ++panel) {
-                const int gc = col0 + panel * 64;
-                if (gc < p.args.N && row0 < p.args.M) {
-                    tma::store_2d(&map_c, st.c_stage[wg][panel], gc, row0);
-                    tma::store_2d(&gm.c2, st.c_stage[wg][2 + panel], gc, row0);
+            for (int product = 0; product < 2; ++product) {
+#pragma unroll
+                for (int panel = 0; panel < 2; ++panel) {
+                    const int gc = col0 + panel * 64;
+                    if (gc < p.args.N && row0 < p.args.M)
+                        tma::store_2d(product == 0 ? &map_c : &gm.c2, st.c_stage[wg][2 * product + panel], gc, row0);
                 }
+                tma::store_commit();
             }
-            tma::store_commit();
-            tma::store_wait_read();
+            tma::store_wait_read<1>();  // C's panels read; C2's may still be in flight
         }
-        __syncwarp();  // C's panels are free to overwrite once lane 0's stores have read them
+        __syncwarp();
         gate_staged_panels<T>(st.c_stage[wg][0], st.c_stage[wg][2]);
         tma::fence_shared_to_async();
         __syncwarp();
@@ -354,8 +363,9 @@ __device__ __forceinline__ void store_staged_gated(State& st, const kernel_param
             }
             tma::store_commit();
             tma::store_wait_read();
-            sync::arrive(st.c_free[wg]);
         }
+        __syncwarp();
+        sync::arrive(st.c_free[wg]);
     }
     if (leader) tma::store_wait();  // the staging must outlive the stores' reads
 }
@@ -565,7 +575,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         st.ring.init(1, PINGPONG ? 4 : CLUSTER * CONSUMERS * 4);
         for (int wg = 0; wg < CONSUMERS; ++wg) {
             sync::init(st.c_staged[wg], warpgroup::threads);
-            sync::init(st.c_free[wg], 1);
+            sync::init(st.c_free[wg], GATED ? 32 : 1);  // SwiGLU: every lane of the store warp
         }
         sync::fence_init();
     }
