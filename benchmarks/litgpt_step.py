@@ -90,6 +90,12 @@ def variants(fsdp: bool, device: torch.device):
         # tk with SwiGLU's two products and silu(h1) * h2 apart (no pattern_fusion.fuse_swiglu): two GEMMs, and the
         # fuser's kernel forms the gated product
         "thunder [tk] SwiGLU apart": thunder_variant([thunder_tk.tk], tk_disable="gemm_swiglu"),
+        # tk with SwiGLU's backward apart from proj's dX GEMM (no pattern_fusion.fuse_swiglu_grad): the GEMM writes
+        # dg, and the fuser's kernel reads dg, h1 and h2 back for dh1 and dh2
+        "thunder [tk] SwiGLU backward apart": thunder_variant([thunder_tk.tk], tk_disable="gemm_swiglu_grad"),
+        # both apart: tk's step before either SwiGLU fusion
+        "thunder [tk] SwiGLU both apart": thunder_variant([thunder_tk.tk], tk_disable=["gemm_swiglu",
+                                                                                      "gemm_swiglu_grad"]),
     }
 
 
@@ -111,6 +117,8 @@ _VARIANT_ALIASES = {
     "thunder [tk] dynamic GEMMs": ("tk_dynamic_gemms",),
     "thunder [tk] K/V repeated": ("tk_kv_repeated",),
     "thunder [tk] SwiGLU apart": ("tk_swiglu_apart",),
+    "thunder [tk] SwiGLU backward apart": ("tk_swiglu_bwd_apart",),
+    "thunder [tk] SwiGLU both apart": ("tk_swiglu_both_apart",),
 }
 VARIANT_NAMES = tuple(_VARIANT_ALIASES)
 _ALIASES = {alias: name for name, aliases in _VARIANT_ALIASES.items() for alias in aliases}

@@ -1,7 +1,9 @@
 """LLaMA's gated MLP products, g = silu(x W1^T) * (x W2^T) with h1 and h2 kept (the backward reads them), three ways
 in turns: tk's one launch (ops.swiglu_linear), tk's two GEMMs and torch.compile's kernel for the gated product (what
 Thunder [tk] ran before pattern_fusion.fuse_swiglu), and cuBLAS's two GEMMs with the same compiled kernel; and tk's
-two GEMMs with no gate, the floor of the one launch.
+two GEMMs with no gate, the floor of the one launch. And the backward through the output projection: tk's one
+launch (ops.matmul_swiglu_grad: dg's tiles turned into dh1 and dh2 in shared memory), against tk's or cuBLAS's dX GEMM
+and a compiled kernel for the gradient, and tk's GEMM alone.
 
     python3 benchmarks/swiglu.py --shapes 8192:2048:8192 8192:4096:14336 --json out/swiglu.json
 """
@@ -54,19 +56,61 @@ def time_shape(M: int, K: int, N: int, gate, rounds: int) -> list[dict]:
     return rows
 
 
+def time_backward(M: int, K: int, N: int, grad, rounds: int) -> list[dict]:
+    """SwiGLU's backward through the output projection (K = model width, N = MLP width): dg = dy @ W3 (W3 (K, N) as
+    the backward trace reads proj's weight) and dh1, dh2 from dg, h1 and h2."""
+    from thunder_tk import ops
+
+    torch.manual_seed(0)
+    dy = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w3 = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+    h1 = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 2
+    h2 = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    fns = {"tk one launch": lambda: ops.matmul_swiglu_grad(dy, w3, h1, h2),
+           "tk GEMM + compiled gradient": lambda: grad(ops.gemm(dy, w3), h1, h2),
+           "cuBLAS GEMM + compiled gradient": lambda: grad(dy @ w3, h1, h2),
+           "tk GEMM, no gradient": lambda: (ops.gemm(dy, w3), None)}
+    outs = {name: fn() for name, fn in fns.items()}
+    ref = outs["cuBLAS GEMM + compiled gradient"][0].double()
+    times = interleaved_times(fns, rounds=rounds, warmup_ms=20, rep_ms=100)
+    base = times["tk GEMM + compiled gradient"]
+    rows = []
+    for name in fns:
+        ms = statistics.median(times[name])
+        got = outs[name][1]
+        rows.append({"shape": f"bwd {M}x{K}->{N}", "variant": name, "ms": ms, "tflops": 2.0 * M * K * N / ms / 1e9,
+                     "vs_tk_apart": statistics.median(b / t for b, t in zip(base, times[name])),
+                     "g_rel_err_vs_cublas": (float((outs[name][0].double() - ref).norm() / ref.norm())
+                                             if got is not None else None)})
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", type=shape_arg, default=[(8192, 2048, 8192), (8192, 4096, 14336)],
                    metavar="TOKENS:K:N", help="tokens, model width K and MLP width N")
     p.add_argument("--rounds", type=int, default=7)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--forward-only", action="store_true", help="the products and the gate only")
+    which.add_argument("--backward-only", action="store_true", help="the projection's dX and the gradient only")
     p.add_argument("--json", default="out/swiglu.json")
     p.add_argument("--png", help="bar chart of the variants' TFLOP/s per shape")
     a = p.parse_args(argv)
 
     gate = torch.compile(lambda h1, h2: F.silu(h1) * h2)
+
+    def gate_grad(dg, h1, h2):  # as Thunder's unfused backward computes it: fp32 from the 16-bit tensors
+        x, y, g = h1.float(), h2.float(), dg.float()
+        s = torch.sigmoid(x)
+        return (g * y * s * (1 + x * (1 - s))).to(dg.dtype), (g * x * s).to(dg.dtype)
+
+    grad = torch.compile(gate_grad)
     rows = []
     for M, K, N in a.shapes:
-        rows += time_shape(M, K, N, gate, a.rounds)
+        if not a.backward_only:
+            rows += time_shape(M, K, N, gate, a.rounds)
+        if not a.forward_only:
+            rows += time_backward(M, K, N, grad, a.rounds)
         torch.cuda.empty_cache()
     print_table(rows, ["shape", "variant", "ms", "tflops", "vs_tk_apart", "g_rel_err_vs_cublas"])
     write_results(a.json, "swiglu", rows)

@@ -259,6 +259,33 @@ void gemm_swiglu(std::uintptr_t a, std::uintptr_t w1, std::uintptr_t w2, std::ui
     check_launch(tk::gemm::launch_gemm(g, reinterpret_cast<cudaStream_t>(stream)), "gemm_swiglu");
 }
 
+// SwiGLU's backward through its output projection in one launch: with dg = A B (the gradient of g = silu(h1) * h2,
+// never written), dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1).
+void gemm_swiglu_grad(std::uintptr_t a, std::uintptr_t b, std::uintptr_t h1, std::uintptr_t h2, std::uintptr_t dh1,
+                      std::uintptr_t dh2, int dtype, int64_t M, int64_t N, int64_t K, int64_t a_stride_m,
+                      int64_t b_stride_k, int64_t b_stride_n, int64_t row_stride, std::uintptr_t stream) {
+    tk::gemm::gemm_args g{};
+    g.a = as_ptr<void>(a);
+    g.b = as_ptr<void>(b);
+    g.h1 = as_ptr<void>(h1);
+    g.h2 = as_ptr<void>(h2);
+    g.c = reinterpret_cast<void*>(dh1);
+    g.c2 = reinterpret_cast<void*>(dh2);
+    g.dtype = dtype;
+    g.M = M;
+    g.N = N;
+    g.K = K;
+    g.a_stride_m = a_stride_m;
+    g.a_stride_k = 1;
+    g.b_stride_k = b_stride_k;
+    g.b_stride_n = b_stride_n;
+    g.c_stride_m = row_stride;
+    if (g.h1 == nullptr) throw std::invalid_argument("thunder_tk gemm_swiglu_grad: h1 is needed");
+    if (const char* why = tk::gemm::gemm_unsupported(g))
+        throw std::invalid_argument(std::string("thunder_tk gemm_swiglu_grad: ") + why);
+    check_launch(tk::gemm::launch_gemm(g, reinterpret_cast<cudaStream_t>(stream)), "gemm_swiglu_grad");
+}
+
 void cross_entropy_forward_grad(std::uintptr_t logits, std::uintptr_t target, std::uintptr_t loss, std::uintptr_t lse,
                                 std::uintptr_t grad, int64_t grad_row_stride, int dtype, int64_t rows, int64_t classes,
                                 int64_t logits_row_stride, int64_t ignore_index, std::uintptr_t stream) {
@@ -496,7 +523,7 @@ void register_selftests(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "gemm", "gemm_swiglu", "reduce_scatter"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "gemm", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -598,6 +625,13 @@ PYBIND11_MODULE(_C, m) {
           "SwiGLU's products in one launch: h1 = A W1^T, h2 = A W2^T and g = silu(h1) * h2 (each rounded to the "
           "element type), A (M, K) and the weights (N, K) K-major, the outputs (M, N) with one row stride; "
           "enqueued on `stream`; `tickets` as gemm's.");
+    m.def("gemm_swiglu_grad", &gemm_swiglu_grad, py::arg("a"), py::arg("b"), py::arg("h1"), py::arg("h2"),
+          py::arg("dh1"), py::arg("dh2"), py::arg("dtype"), py::arg("M"), py::arg("N"), py::arg("K"),
+          py::arg("a_stride_m"), py::arg("b_stride_k"), py::arg("b_stride_n"), py::arg("row_stride"),
+          py::arg("stream"),
+          "SwiGLU's backward through its output projection: with dg = A B (A (M, K) K-major, B (K, N) with one unit "
+          "stride; dg never written), dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1), each rounded once to the "
+          "element type; h1, h2, dh1 and dh2 (M, N) with one row stride; enqueued on `stream`.");
     m.def("gemm_stream_k_workspace",
           [] {
               const int64_t floats = tk::gemm::stream_k_workspace_floats();

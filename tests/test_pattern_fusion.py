@@ -8,6 +8,8 @@ build without the kernel keep the forward + backward kernels; a second use of th
 Gradients match float64 eager in every case.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -231,17 +233,18 @@ def test_scale_rows_in_chunks_matches_one_pass(monkeypatch):
 
 class SwiGLU(torch.nn.Module):
     """LitGPT's LLaMAMLP: proj(silu(fc_1(x)) * fc_2(x)); `bias` on fc_2 only, `swap` writes the product the other way
-    round."""
+    round, `act` another gate (GLU's sigmoid, GEGLU's gelu)."""
 
-    def __init__(self, n=64, hidden=128, bias=False, swap=False):
+    def __init__(self, n=64, hidden=128, bias=False, swap=False, act=F.silu):
         super().__init__()
+        self.act = act
         self.fc_1 = torch.nn.Linear(n, hidden, bias=False)
         self.fc_2 = torch.nn.Linear(n, hidden, bias=bias)
         self.proj = torch.nn.Linear(hidden, n, bias=False)
         self.swap = swap
 
     def forward(self, x):
-        a, b = torch.nn.functional.silu(self.fc_1(x)), self.fc_2(x)
+        a, b = self.act(self.fc_1(x)), self.fc_2(x)
         return self.proj(b * a if self.swap else a * b)
 
 
@@ -254,10 +257,9 @@ def run_swiglu(model, *, grad=True, **compile_options):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 16, model.fc_1.in_features, generator=g).to(bf16)
     jm = thunder.jit(model, executors=[tk], **compile_options)
-    ref = model.double()
+    ref = copy.deepcopy(model).double()  # its own parameters, so that their gradients are the reference's
     xr = x.double().requires_grad_(grad)
     expected = ref(xr)
-    model.to(bf16)
     if not grad:
         with torch.no_grad():
             return jm, jm(x), expected, None, None
@@ -316,3 +318,85 @@ def test_swiglu_left_apart_where_the_launch_cannot_take_it(standin_tk_build, mod
     jm, out, expected, _, _ = run_swiglu(model().to(bf16))
     assert "tk_swiglu_linear" not in swiglu_ops(jm)
     assert rel_err(out, expected) < 2e-2
+
+
+# SwiGLU's backward: the output projection's dX GEMM and the ~20 elementwise ops of silu(h1) * h2's gradient in one
+# tk_matmul_swiglu_grad launch.
+
+
+def backward_ops(jm):
+    return [b.sym.name for b in thunder.last_backward_traces(jm)[-1].bound_symbols
+            if b.sym.name.startswith("tk_") or b.sym.name in ("silu", "exp", "neg", "sigmoid")]
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["silu-first", "silu-second"])
+def test_swiglu_backward_in_the_projection_gemm(standin_tk_build, swap):
+    """One tk_matmul_swiglu_grad replaces proj's dX product and the whole elementwise gradient (nothing recomputes
+    silu or exponentials any more), the weight gradients read its dh1 and dh2, and every gradient matches float64
+    eager with the model's own float64 copy."""
+    jm, out, expected, (dx, dx_ref), grads = run_swiglu(SwiGLU(swap=swap).to(bf16))
+    ops_run = backward_ops(jm)
+    assert ops_run.count("tk_matmul_swiglu_grad") == 1, ops_run
+    assert not {"silu", "exp", "neg", "sigmoid"} & set(ops_run), ops_run
+    assert ops_run.count("tk_matmul") == 5  # proj's dW, fc_1's and fc_2's dX and dW
+    ran_by = sorted(r.ran_by for r in thunder_tk.explain(jm).rows if r.trace == "backward")
+    assert "tk: tk_matmul_swiglu_grad" in ran_by and not any("decomposed" in r for r in ran_by), ran_by
+    assert rel_err(dx, dx_ref) < 3e-2
+    for name, (got, want) in grads.items():
+        assert rel_err(got, want) < 3e-2, name
+
+
+@pytest.mark.parametrize("how", ["option", "env", "build"])
+def test_swiglu_backward_turned_off_keeps_the_elementwise_ops(standin_tk_build, monkeypatch, how):
+    options = {}
+    if how == "option":
+        options["tk_disable"] = pattern_fusion.SWIGLU_GRAD
+    elif how == "env":
+        monkeypatch.setenv("THUNDER_TK_DISABLE", pattern_fusion.SWIGLU_GRAD)
+    else:
+        standin_tk_build.remove("gemm_swiglu_grad")
+    jm, out, expected, (dx, dx_ref), grads = run_swiglu(SwiGLU().to(bf16), **options)
+    ops_run = backward_ops(jm)
+    assert "tk_matmul_swiglu_grad" not in ops_run and "silu" in ops_run
+    assert ops_run.count("tk_matmul") == 6
+    assert rel_err(dx, dx_ref) < 3e-2
+    assert swiglu_ops(jm) == ["tk_swiglu_linear", "tk_linear"]  # the forward's fusion is its own switch
+
+
+@pytest.mark.parametrize("act", [torch.sigmoid, F.gelu], ids=["glu-sigmoid", "geglu"])
+def test_other_gates_are_not_taken_for_swiglu(standin_tk_build, act):
+    """GLU and GEGLU backwards have the same shape (dg, h1, h2 to two gradients by elementwise ops), so only the probe
+    tells them apart: they must stay with the fuser, with correct gradients."""
+    jm, out, expected, (dx, dx_ref), grads = run_swiglu(SwiGLU(act=act).to(bf16))
+    assert "tk_matmul_swiglu_grad" not in backward_ops(jm)
+    assert rel_err(dx, dx_ref) < 3e-2
+    for name, (got, want) in grads.items():
+        assert rel_err(got, want) < 3e-2, name
+
+
+def test_swiglu_backward_probe_tells_the_roles_apart():
+    """The probe on a hand-written region: h1 and h2 given in either order, and the outputs in either order, come back
+    as (h1, h2, dh1, dh2); a region computing dg * silu(h1) twice matches nothing."""
+    def region_of(fn):  # the torch executor's ops, as the backward trace has them
+        jfn = thunder.jit(fn, executors=[])
+        jfn(*(torch.randn(4, 16, dtype=bf16) for _ in range(3)))
+        trace = thunder.last_traces(jfn)[-1]
+        bsyms = [b for b in trace.bound_symbols if b.sym.name in pattern_fusion._GATE_GRAD_OPS]
+        dg, h1, h2 = trace.args
+        outs = list(trace.output)
+        return bsyms, dg, h1, h2, outs
+
+    def grads(dg, h1, h2):
+        s = torch.sigmoid(h1.float())
+        return ((dg.float() * h2.float() * s * (1 + h1.float() * (1 - s))).to(bf16),
+                (dg.float() * h1.float() * s).to(bf16))
+
+    bsyms, dg, h1, h2, outs = region_of(grads)
+    region = set(range(len(bsyms)))
+    for inputs in ([h1, h2], [h2, h1]):
+        for outputs in (outs, outs[::-1]):
+            roles = pattern_fusion._gate_grad_roles(bsyms, region, dg, inputs, outputs)
+            assert roles is not None
+            assert [p.name for p in roles] == [h1.name, h2.name, outs[0].name, outs[1].name]
+    bsyms, dg, h1, h2, outs = region_of(lambda dg, h1, h2: (grads(dg, h1, h2)[1], grads(dg, h1, h2)[1]))
+    assert pattern_fusion._gate_grad_roles(bsyms, set(range(len(bsyms))), dg, [h1, h2], outs) is None

@@ -162,6 +162,20 @@ def _swiglu_linear_impl(x, w1, w2):
 tk_swiglu_linear = tk.register_operator("tk_swiglu_linear", meta=_swiglu_linear_meta, fn=_swiglu_linear_impl,
                                         tags=_GEMM_TAGS)
 
+# SwiGLU's backward through its output projection in one launch: dh1 and dh2 from the incoming gradient's rows a, the
+# projection's weight b (dg = a @ b is never written) and the forward's h1 and h2; only
+# pattern_fusion.fuse_swiglu_grad puts it in a trace.
+def _matmul_swiglu_grad_meta(a: TensorProxy, b: TensorProxy, h1: TensorProxy, h2: TensorProxy):
+    return TensorProxy(like=h1), TensorProxy(like=h2)
+
+
+def _matmul_swiglu_grad_impl(a, b, h1, h2):
+    return ops.matmul_swiglu_grad(a, b, h1, h2)
+
+
+tk_matmul_swiglu_grad = tk.register_operator("tk_matmul_swiglu_grad", meta=_matmul_swiglu_grad_meta,
+                                             fn=_matmul_swiglu_grad_impl, tags=_GEMM_TAGS)
+
 # The claimed symbols take the operators' arguments, so the operators are the execution transforms.
 for _symbol_id in (ltorch.linear.id, prims.PrimIDs.LINEAR):
     tk.set_lowering(_symbol_id, execution_transform=tk_linear, grad_transform=None)

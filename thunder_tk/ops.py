@@ -677,6 +677,46 @@ def swiglu_linear(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, _sched
     return g, h1, h2
 
 
+def matmul_swiglu_grad(a: torch.Tensor, b: torch.Tensor, h1: torch.Tensor, h2: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh1, dh2): SwiGLU's backward through its output projection by one tk launch. With dg = a @ b, the gradient
+    of g = silu(h1) * h2 (never written), dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1), each computed in fp32
+    from the 16-bit dg, h1 and h2 and rounded once. a (M, K) (rows of the incoming gradient), b (K, N) (the output
+    projection's weight); h1, h2 (..., N) with M rows in all; results in h1's shape and dtype. N a multiple of 8."""
+    check_gemm_args(a, b, None)
+    M, K = a.shape
+    N = b.shape[1]
+    for name, h in (("h1", h1), ("h2", h2)):
+        if not isinstance(h, torch.Tensor) or h.dtype != a.dtype or h.device != a.device:
+            raise ValueError(f"matmul_swiglu_grad: {name} must be a {a.dtype} tensor on {a.device}")
+    if h1.shape != h2.shape or h1.ndim < 1 or h1.shape[-1] != N or math.prod(h1.shape[:-1]) != M:
+        raise ValueError(f"matmul_swiglu_grad: h1 and h2 must be (..., {N}) with {M} rows; got {tuple(h1.shape)}, "
+                         f"{tuple(h2.shape)}")
+    if N % 8:
+        raise ValueError(f"matmul_swiglu_grad: N ({N}) must be a multiple of 8")
+    ext = _require_kernels(a.device)
+    dh1, dh2 = torch.empty_like(h1, memory_format=torch.contiguous_format), torch.empty_like(
+        h2, memory_format=torch.contiguous_format)
+    if M == 0 or N == 0:
+        return dh1, dh2
+    if K == 0:  # dg = 0
+        return dh1.zero_(), dh2.zero_()
+    a = _k_major_rows(a)
+    b_layout = _gemm_layout(b, 0)
+    if b_layout is None:
+        b = b.t().clone(memory_format=torch.contiguous_format).t()
+        b_layout = (K, 1)
+    b_sn, b_sk = b_layout
+    # One row stride for h1, h2 and the outputs (N: contiguous rows); the forward's products are already so.
+    h1, h2 = (h.reshape(M, N) for h in (h1, h2))
+    h1, h2 = (h if h.is_contiguous() and h.data_ptr() % 16 == 0 else h.contiguous() for h in (h1, h2))
+    with _on(a.device):
+        ext.gemm_swiglu_grad(a.data_ptr(), b.data_ptr(), h1.data_ptr(), h2.data_ptr(), dh1.data_ptr(),
+                             dh2.data_ptr(), _DTYPE_CODES[a.dtype], M, N, K, a.stride(0) if M > 1 else K, b_sk, b_sn,
+                             N, _stream_handle(a.device))
+    return dh1, dh2
+
+
 # ------------------------------------------------------------------------------------------------
 # Cross-entropy over the classes of (rows, classes) logits, fused: fp32 math on 16-bit logits without an fp32 copy.
 

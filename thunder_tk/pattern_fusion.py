@@ -37,6 +37,15 @@ and their outputs meet in that gated product, one tk_swiglu_linear launch comput
 each per tile, and writes silu(h1) * h2 beside them from shared memory (h1 and h2 stay outputs: the backward reads
 them). The fuser's kernel that read both products back to form the gated one goes. Off with the feature name
 `gemm_swiglu`.
+
+`fuse_swiglu_grad`: in the backward, the output projection's dX GEMM makes dg (the gradient of silu(h1) * h2), and
+Thunder's autodiff then spells out dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1) in some twenty elementwise ops,
+which the fuser runs as one kernel reading dg, h1 and h2 back. Where dg is read by nothing else, one
+tk_matmul_swiglu_grad launch computes dh1 and dh2 from dg's tiles in shared memory instead. The region is found by its
+shape (elementwise ops from dg and two more tensors like it to two tensors like it) and confirmed by running its ops
+on a small CPU probe against the formula, which also tells h1 from h2 and dh1 from dh2: Thunder's decomposition of
+silu's gradient may change between versions without this rewrite matching something else. Off with the feature
+name `gemm_swiglu_grad`.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import thunder
+import torch
 from thunder.core import prims
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
@@ -476,3 +486,152 @@ def fuse_swiglu(trace):
             bsyms[second] = None
             bsyms[k] = None
     return _rewritten(out, bsyms, "tk: SwiGLU's two products and silu(h1) * h2 in one GEMM launch")
+
+
+SWIGLU_GRAD = "gemm_swiglu_grad"
+"""THUNDER_TK_DISABLE name that keeps SwiGLU's backward apart from the output projection's dX GEMM (the fuser then
+reads dg, h1 and h2 back to form dh1 and dh2)."""
+
+# The elementwise ops (as the torch executor runs them) that Thunder's autodiff writes for silu(h1) * h2's backward,
+# including silu(h1) recomputed from the saved h1.
+_GATE_GRAD_OPS = frozenset({"to", "convert_element_type", "clone", "mul", "neg", "exp", "add", "sub", "div",
+                            "true_divide", "reciprocal", "silu", "sigmoid"})
+# The probe's values: h1 spread over silu's bend, dg and h2 of unit scale. Its tolerance (relative, over the probe)
+# leaves room for the bf16 roundings between Thunder's ops (0.2-0.6% over the probe), far below what a wrong formula
+# or a swapped role gives (order 1).
+_PROBE_ELEMENTS, _PROBE_H1_SCALE, _PROBE_TOLERANCE = 512, 3.0, 4e-2
+
+
+def _gate_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int], users: dict[str, list[int]]):
+    """For the tk_matmul at k: (index of dg's reshape or None, dg, the region's indices, its two other inputs, its two
+    outputs) where the product's output dg (or its one reshape) is read only by elementwise ops (_GATE_GRAD_OPS)
+    which, with the elementwise ops that feed them alone, read two more tensors and make two tensors read elsewhere,
+    all of dg's shape and dtype. Else None. What the region computes is checked by _gate_grad_roles."""
+    b = bsyms[k]
+    a, w = b.args[:2]
+    out = b.output
+    if not (isinstance(a, TensorProxy) and isinstance(w, TensorProxy) and isinstance(out, TensorProxy)
+            and a.ndim == 2 and w.ndim == 2 and out.ndim == 2):
+        return None
+    dg, view, readers = out, None, users.get(out.name, [])
+    if len(readers) == 1 and bsyms[readers[0]].sym.name in _RESHAPES:
+        view = readers[0]
+        dg = bsyms[view].output
+        readers = users.get(dg.name, [])
+    if (not isinstance(dg, TensorProxy) or not readers or dg.dtype not in (thunder.bfloat16, thunder.float16)
+            or dg.shape[-1] != out.shape[1] or any(bsyms[j].sym.name not in _GATE_GRAD_OPS for j in readers)):
+        return None
+    region, made = set(), {dg.name}
+    for j in range(min(readers), len(bsyms)):  # what reads dg, and what reads that, elementwise
+        if bsyms[j].sym.name in _GATE_GRAD_OPS and any(p.name in made for p in bsyms[j].flat_proxy_args):
+            region.add(j)
+            made.update(p.name for p in bsyms[j].flat_proxy_outs)
+    grown = True
+    while grown:  # the elementwise ops whose results only the region reads (e.g. silu(h1) recomputed)
+        grown = False
+        for j in sorted(region):
+            for p in bsyms[j].flat_proxy_args:
+                i = producer.get(p.name)
+                if (p.name in made or i is None or bsyms[i].sym.name not in _GATE_GRAD_OPS
+                        or not all(u in region for q in bsyms[i].flat_proxy_outs for u in users[q.name])):
+                    continue
+                region.add(i)
+                made.update(q.name for q in bsyms[i].flat_proxy_outs)
+                grown = True
+    inputs = list({p.name: p for j in sorted(region) for p in bsyms[j].flat_proxy_args if p.name not in made}.values())
+    outputs = [p for j in sorted(region) for p in bsyms[j].flat_proxy_outs
+               if any(u not in region for u in users[p.name])]
+    like_dg = all(isinstance(p, TensorProxy) and tuple(p.shape) == tuple(dg.shape) and p.dtype == dg.dtype
+                  for p in inputs + outputs)
+    if len(inputs) != 2 or len(outputs) != 2 or not like_dg or dg.shape[-1] % 8:
+        return None
+    if any(producer.get(p.name, -1) > k for p in inputs):  # the launch replaces the product at k
+        return None
+    return view, dg, region, inputs, outputs
+
+
+def _evaluate_region(bsyms: list[BoundSymbol], region: set[int], values: dict[str, torch.Tensor], outputs) -> list:
+    """The region's outputs for the given input values, by running its ops' own Python (as the trace would)."""
+    namespace: dict = {}
+    lines: list[str] = []
+    for j in sorted(region):
+        for ctx in bsyms[j].gather_ctxs():
+            namespace.update(ctx)
+        lines += bsyms[j].python(indent=0)
+    namespace.update(values)
+    exec(compile("\n".join(lines), "<tk: SwiGLU backward probe>", "exec"), namespace)
+    return [namespace[p.name] for p in outputs]
+
+
+def _gate_grad_roles(bsyms: list[BoundSymbol], region: set[int], dg: TensorProxy, inputs, outputs):
+    """(h1, h2, dh1, dh2) among the region's inputs and outputs such that, run on a probe (CPU, dg's dtype), the
+    outputs are dg * h2 * silu'(h1) and dg * silu(h1); None if no assignment matches."""
+    dtype = thunder.dtypes.to_torch_dtype(dg.dtype)
+    gen = torch.Generator().manual_seed(0)
+    shape = (1,) * (dg.ndim - 1) + (_PROBE_ELEMENTS,)
+    grad, first, second = (torch.randn(shape, generator=gen).to(dtype) for _ in range(3))
+    first = (first.double() * _PROBE_H1_SCALE).to(dtype)
+    g64, x, y = grad.double(), first.double(), second.double()
+    s = torch.sigmoid(x)
+    want = (g64 * y * s * (1 + x * (1 - s)), g64 * x * s)
+
+    def close(got, ref):
+        return bool(torch.isfinite(got).all()) and float((got.double() - ref).norm() / ref.norm()) < _PROBE_TOLERANCE
+
+    for h1, h2 in (inputs, inputs[::-1]):
+        try:
+            got = _evaluate_region(bsyms, region, {dg.name: grad, h1.name: first, h2.name: second}, outputs)
+        except Exception:  # an op the probe cannot run: leave the region to the fuser
+            return None
+        if any(not isinstance(t, torch.Tensor) or t.shape != shape for t in got):
+            return None
+        for d1, d2 in ((0, 1), (1, 0)):
+            if close(got[d1], want[0]) and close(got[d2], want[1]):
+                return h1, h2, outputs[d1], outputs[d2]
+    return None
+
+
+def fuse_swiglu_grad(trace):
+    """The trace with SwiGLU's backward folded into the output projection's dX GEMM: where a tk_matmul's output dg
+    is read only by the elementwise ops that make dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1) (found by their
+    shape, confirmed by running them on a probe), one tk_matmul_swiglu_grad launch computes dh1 and dh2 from dg's tiles
+    in shared memory: dg is neither written nor read back. Off with the feature name SWIGLU_GRAD, and where the build
+    has no gemm_swiglu_grad kernel."""
+    from thunder_tk import _extension, claim_rules
+    from thunder_tk.lowering import tk_matmul, tk_matmul_swiglu_grad
+
+    if SWIGLU_GRAD in claim_rules.disabled_names() or not _extension.kernel_in_build("gemm_swiglu_grad"):
+        return trace
+    bsyms = list(trace.bound_symbols)
+    if not any(b.sym.name in _SILU for b in bsyms) or not any(b.sym.id == tk_matmul.id for b in bsyms):
+        return trace
+    producer, users = _producers_and_users(bsyms)
+    plans, taken = [], set()
+    for k, b in enumerate(bsyms):
+        if b.sym.id != tk_matmul.id:
+            continue
+        found = _gate_grad_region(bsyms, k, producer, users)
+        if found is None or found[2] & taken:
+            continue
+        view, dg, region, inputs, outputs = found
+        roles = _gate_grad_roles(bsyms, region, dg, inputs, outputs)
+        if roles is None:
+            continue
+        taken |= region
+        plans.append((k, view, region, roles))
+    if not plans:
+        return trace
+    from thunder_tk.executor import sites_of
+
+    out = from_trace(trace)
+    with tracectx(out):
+        for k, view, region, (h1, h2, dh1, dh2) in plans:
+            a, w = bsyms[k].args[:2]
+            # The product's decision (its site) goes with its results, so that `explain` names the launch for it.
+            dh1.tags.update(sites_of(bsyms[k].output))
+            bsyms[k] = tk_matmul_swiglu_grad.bind(a, w, h1, h2, output=(dh1, dh2))
+            if view is not None:
+                bsyms[view] = None
+            for j in region:
+                bsyms[j] = None
+    return _rewritten(out, bsyms, "tk: SwiGLU's backward in the output projection's dX GEMM")

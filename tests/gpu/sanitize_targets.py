@@ -81,6 +81,9 @@ def gemm_swiglu():
         w1, w2 = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         ops.swiglu_linear(x, w1, w2)
         ops.swiglu_linear(x, w1, w2, _schedule="dynamic")
+        # The backward's launch: dh1, dh2 from dg = x @ w (tiles of 128 columns, several a block at N = 2560).
+        h1, h2 = (torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        ops.matmul_swiglu_grad(x, torch.randn(K, N, device="cuda", dtype=torch.bfloat16), h1, h2)
     torch.cuda.synchronize()
     print("gemm_swiglu sanitize targets ran")
 

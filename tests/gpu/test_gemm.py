@@ -381,7 +381,9 @@ def test_mlp_training_step_runs_every_gemm_on_tk():
     assert all(r.claimed_by_tk for r in gemms), str(report)
     # fc_1 and fc_2 in one launch with silu(h1) * h2 (pattern_fusion.fuse_swiglu), proj and the backward's alone
     assert sorted(r.ran_by for r in gemms if r.trace == "forward") == ["tk: tk_linear"] + ["tk: tk_swiglu_linear"] * 2
-    assert {r.ran_by for r in gemms} == {"tk: tk_linear", "tk: tk_matmul", "tk: tk_swiglu_linear"}
+    # proj's dX with SwiGLU's backward in one launch (pattern_fusion.fuse_swiglu_grad)
+    assert {r.ran_by for r in gemms} == {"tk: tk_linear", "tk: tk_matmul", "tk: tk_swiglu_linear",
+                                         "tk: tk_matmul_swiglu_grad"}
 
 
 def test_persistent_grid_and_every_device():

@@ -96,3 +96,86 @@ def test_errors():
         ops.swiglu_linear(x.cpu(), w.cpu(), w.cpu())
     g, h1, h2 = ops.swiglu_linear(x[:0], w, w)
     assert g.shape == h1.shape == h2.shape == (0, 16)
+
+
+# ------------------------------------------------------------------------------------------------
+# ops.matmul_swiglu_grad: SwiGLU's backward through its output projection, dg = a @ b never written.
+
+
+def grad_reference(a, b, h1, h2):
+    """dh1, dh2 in float64 from the exact dg (the kernel's dg is rounded once to the dtype, as the unfused GEMM's)."""
+    dg = (a.double() @ b.double()).reshape(h1.shape)
+    x, y = h1.double(), h2.double()
+    s = torch.sigmoid(x)
+    return dg * y * s * (1 + x * (1 - s)), dg * x * s
+
+
+def check_grad(a, b, h1, h2):
+    poison_allocator((h1.shape, h1.dtype))
+    dh1, dh2 = ops.matmul_swiglu_grad(a, b, h1, h2)
+    ref1, ref2 = grad_reference(a, b, h1, h2)
+    for name, got, ref in (("dh1", dh1, ref1), ("dh2", dh2, ref2)):
+        assert got.shape == h1.shape and got.dtype == h1.dtype, name
+        assert torch.isfinite(got).all(), f"{name}: unwritten or non-finite outputs"
+        assert rel_err(got, ref) < TOL[a.dtype], name
+    return dh1, dh2
+
+
+def grad_operands(M, K, N, dtype, *, weight_k_major=False):
+    a = torch.randn(M, K, device="cuda", dtype=dtype)
+    # proj's weight (K_model = K rows of N): B (K, N) N-major as the backward trace reads it, or K-major
+    w = torch.randn(K, N, device="cuda", dtype=dtype) / K ** 0.5
+    b = w.t().contiguous().t() if weight_k_major else w
+    h1 = torch.randn(M, N, device="cuda", dtype=dtype) * 2
+    h2 = torch.randn(M, N, device="cuda", dtype=dtype)
+    return a, b, h1, h2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_grad_matches_float64(M, K, N, dtype):
+    check_grad(*grad_operands(M, K, N, dtype))
+
+
+@pytest.mark.parametrize("M,K,N", [(17, 136, 200), (1000, 520, 1032)])
+def test_grad_weight_k_major(M, K, N):
+    check_grad(*grad_operands(M, K, N, torch.bfloat16, weight_k_major=True))
+
+
+def test_grad_three_d_strided_and_repeatable():
+    """h1 and h2 (B, S, N) as LitGPT's MLP saves them, and as column slices of wider tensors (copied for the kernel);
+    a (rows, K) as a slice with a wider row stride; run after run the same bits, and the same as contiguous inputs."""
+    B, S, K, N = 3, 70, 264, 392
+    wide = torch.randn(B * S, K + 8, device="cuda", dtype=torch.bfloat16)
+    a = wide[:, :K]
+    w = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+    hw1, hw2 = (torch.randn(B, S, N + 8, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    h1, h2 = hw1[..., :N] * 3, hw2[..., 8:]
+    first = check_grad(a, w, h1, h2)
+    for _ in range(3):
+        for x, y in zip(first, ops.matmul_swiglu_grad(a, w, h1, h2)):
+            assert torch.equal(x, y)
+    for x, y in zip(first, ops.matmul_swiglu_grad(a.contiguous(), w, h1.contiguous(), h2.contiguous())):
+        assert torch.equal(x, y)
+
+
+def test_grad_large_values():
+    """silu' at large magnitudes (exp overflowing for very negative h1) stays finite and correct."""
+    a, b, h1, h2 = grad_operands(512, 256, 640, torch.bfloat16)
+    check_grad(a, b, h1 * 30, h2)
+
+
+def test_grad_errors():
+    a = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(64, 16, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(4, 16, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ops.matmul_swiglu_grad(a, b[:, :12], h[:, :12], h[:, :12])
+    with pytest.raises(ValueError, match="rows"):
+        ops.matmul_swiglu_grad(a, b, h[:3], h[:3])
+    with pytest.raises(ValueError, match="h2"):
+        ops.matmul_swiglu_grad(a, b, h, h.half())
+    with pytest.raises(ValueError, match="CUDA"):
+        ops.matmul_swiglu_grad(a.cpu(), b.cpu(), h.cpu(), h.cpu())
+    dh1, dh2 = ops.matmul_swiglu_grad(a[:0], b, h[:0], h[:0])
+    assert dh1.shape == dh2.shape == (0, 16)

@@ -20,6 +20,11 @@
 // SwiGLU variant (GATED): a block's B tile is 128 columns of B above the same 128 of B2, so the consumers' 64 x 256
 // accumulators hold both products of 128 output columns; the store warp writes both, then silu(C) * C2 over C's half
 // of the staging (one pass in shared memory, where the unfused step re-read both products from memory).
+//
+// SwiGLU's backward variant (GATE_GRAD): dg = A B, the gradient of g = silu(h1) * h2, is never written; the store
+// warp turns each staged 64 x 128 block of it, with h1 and h2 loaded by TMA into shared memory while the block's
+// products ran, into dh1 = dg h2 silu'(h1) and dh2 = dg silu(h1), and stores those (the unfused step wrote dg and
+// read dg, h1 and h2 back). 128-wide tiles with four stages, so that h1's and h2's staging fits.
 #include "gemm.h"
 #include "../../kittens/kittens.cuh"
 
@@ -39,6 +44,9 @@ constexpr int BM = 128, BK = 64;
 // STORE_WARPS: the epilogue by store warps from a whole tile's staging (256-wide tiles only), which leaves room
 // for three stages.
 constexpr int stages_of(int tn, bool store_warps) { return tn == 256 ? (store_warps ? 3 : 4) : 6; }
+// What a launch computes besides C = A B (+ bias): SwiGLU's forward (two products and the gate) or its backward
+// (dh1 and dh2 from dg's tiles), both in the store warps' epilogue.
+enum class fused { none, swiglu, swiglu_grad };
 // With clusters of C = 2 blocks, the blocks share their B tile: block r loads rows [128 r, 128 r + 128) of it
 // and the copy engine writes them into both blocks' shared memory (halving L2 -> SM traffic for B).
 // C = 1 is the plain persistent kernel.
@@ -52,11 +60,22 @@ __host__ __device__ constexpr int warpgroup(int wg) { return 1 + wg; }
 __host__ __device__ constexpr int turn(int wg) { return 1 + CONSUMERS + wg; }
 }  // namespace barrier_id
 
-template <typename T, major MA, major MB, int TileN, bool StoreWarps>
+// SwiGLU's backward: h1 and h2 of a consumer warpgroup's 64 x 128 block of the tile, as swizzled 64 x 64 panels
+// (dh1 and dh2 are written over them and stored from there), and the barrier of their TMA loads.
+template <typename T, bool On>
+struct gate_grad_staging {};
+template <typename T>
+struct gate_grad_staging<T, true> {
+    alignas(1024) T h1[CONSUMERS][2][64 * 64];
+    alignas(1024) T h2[CONSUMERS][2][64 * 64];
+    sync::barrier h_full[CONSUMERS];
+};
+
+template <typename T, major MA, major MB, int TileN, bool StoreWarps, fused F = fused::none>
 struct shared_state {
     static constexpr int BN = TileN;
     static constexpr bool STORE_WARPS = StoreWarps;
-    static constexpr int STAGES = stages_of(BN, STORE_WARPS);
+    static constexpr int STAGES = F == fused::swiglu_grad ? 4 : stages_of(BN, STORE_WARPS);
     wgmma::operand_tile<T, BM, MA> a[STAGES];
     wgmma::operand_tile<T, BN, MB> b[STAGES];
     // Output staging for the TMA-store epilogue, per consumer warpgroup, as swizzled 64 x 64 panels: its 64 x BN
@@ -72,6 +91,7 @@ struct shared_state {
     // Dynamic schedule: the tile (index into the schedule) whose first k-block a stage holds, written by the
     // producer before it arms the stage's `full` barrier; -1: no more tiles.
     int tile_at[STAGES];
+    gate_grad_staging<T, F == fused::swiglu_grad> gate_grad;
     static constexpr uint32_t stage_bytes = (BM + BN) * BK * sizeof(T);
 };
 
@@ -84,9 +104,10 @@ struct kernel_params {
     int* tickets;    // dynamic schedule counter, or null (static: p.split)
 };
 
-// The SwiGLU launch's other operand and outputs (unused, zeroed, elsewhere).
+// The SwiGLU launches' other operand, outputs and inputs (unused, zeroed, elsewhere): forward B2, C2 and C3;
+// backward C2 (dh2), H1 and H2.
 struct gated_maps {
-    CUtensorMap b2, c2, c3;
+    CUtensorMap b2, c2, c3, h1, h2;
 };
 
 // Stream-K workspace: per block slot, per consumer warpgroup, its fp32 accumulators in fragment order (each
@@ -370,6 +391,100 @@ __device__ __forceinline__ void store_staged_gated(State& st, const kernel_param
     if (leader) tma::store_wait();  // the staging must outlive the stores' reads
 }
 
+// dh1 = dg h2 silu'(h1) and dh2 = dg silu(h1) for a packed pair of each, in fp32 from the 16-bit inputs with one
+// rounding at the end (silu'(x) = s (1 + x (1 - s)), s the logistic function; fast exponential and reciprocal as in
+// gate_pair, with s -> 0 for x -> -inf).
+template <typename T>
+__device__ __forceinline__ void gate_grad_pair(uint32_t dg, uint32_t& h1_to_dh1, uint32_t& h2_to_dh2) {
+    T g[2], x[2], y[2], d1[2], d2[2];
+    memcpy(g, &dg, 4);
+    memcpy(x, &h1_to_dh1, 4);
+    memcpy(y, &h2_to_dh2, 4);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const float v = to_float(x[i]), grad = to_float(g[i]);
+        const float s = __fdividef(1.0f, 1.0f + __expf(-v));
+        d2[i] = T(grad * v * s);
+        d1[i] = T(grad * to_float(y[i]) * (s + v * s * (1.0f - s)));
+    }
+    memcpy(&h1_to_dh1, d1, 4);
+    memcpy(&h2_to_dh2, d2, 4);
+}
+
+// One warp: dh1 over H1's two staged 64 x 64 panels and dh2 over H2's, from dG's two (all staged with the same
+// swizzle, so the three sit at the same offsets); each lane takes every 32nd 16-byte chunk.
+template <typename T>
+__device__ __forceinline__ void gate_grad_staged_panels(const T* dg, T* h1, T* h2) {
+    const uint4* grad = reinterpret_cast<const uint4*>(dg);
+    uint4* first = reinterpret_cast<uint4*>(h1);
+    uint4* second = reinterpret_cast<uint4*>(h2);
+#pragma unroll 2
+    for (int i = threadIdx.x & 31; i < 2 * 64 * 64 * int(sizeof(T)) / 16; i += 32) {
+        const uint4 d = grad[i];
+        uint4 a = first[i], b = second[i];
+        gate_grad_pair<T>(d.x, a.x, b.x);
+        gate_grad_pair<T>(d.y, a.y, b.y);
+        gate_grad_pair<T>(d.z, a.z, b.z);
+        gate_grad_pair<T>(d.w, a.w, b.w);
+        first[i] = a;
+        second[i] = b;
+    }
+}
+
+// A store warp (all its lanes) of a SwiGLU backward launch, for consumer warpgroup wg. Lane 0 loads h1 and h2 of the
+// warpgroup's rows of the block's next tile (the static schedule's, which the store warp walks as the consumers do)
+// as soon as the stores of the tile before have read their staging, so that they land while the tile's products
+// run. Once dG's block is staged and h1 and h2 have landed, the lanes write dh1 and dh2 over h1 and h2 and hand
+// dG's staging back (c_free counts 32 arrivals); lane 0 then stores dh1 and dh2.
+template <typename T, typename State, typename TileOf>
+__device__ __forceinline__ void store_staged_gate_grad(State& st, const kernel_params& p, const CUtensorMap& map_c,
+                                                       const gated_maps& gm, int wg, int cluster, int clusters,
+                                                       TileOf tile_of) {
+    const bool leader = (threadIdx.x & 31) == 0;
+    auto& gg = st.gate_grad;
+    // h1's and h2's 64 x 128 blocks of the block's i-th tile, if it has one.
+    auto load_inputs = [&](int i) {
+        const schedule::work w = p.split.item(cluster, clusters, i);
+        if (w.tile < 0) return;
+        const auto tile = tile_of(w.tile);
+        const int row0 = tile.m * BM + wg * 64, col0 = tile.n * State::BN;
+        sync::arrive_expect_bytes(gg.h_full[wg], uint32_t(sizeof(gg.h1[wg]) + sizeof(gg.h2[wg])));
+#pragma unroll
+        for (int panel = 0; panel < 2; ++panel) {
+            tma::load_2d(gg.h1[wg][panel], &gm.h1, col0 + panel * 64, row0, gg.h_full[wg]);
+            tma::load_2d(gg.h2[wg][panel], &gm.h2, col0 + panel * 64, row0, gg.h_full[wg]);
+        }
+    };
+    if (leader) load_inputs(0);
+    sync::arrive(st.c_free[wg]);  // the staging starts out free
+    for (uint32_t k = 0;; ++k) {
+        sync::wait(st.c_staged[wg], k & 1);
+        const int row0 = __shfl_sync(0xffffffffu, leader ? st.c_origin[wg][0] : 0, 0);
+        const int col0 = __shfl_sync(0xffffffffu, leader ? st.c_origin[wg][1] : 0, 0);
+        if (row0 < 0) break;
+        sync::wait(gg.h_full[wg], k & 1);
+        gate_grad_staged_panels<T>(st.c_stage[wg][0], gg.h1[wg][0], gg.h2[wg][0]);
+        tma::fence_shared_to_async();
+        __syncwarp();
+        sync::arrive(st.c_free[wg]);  // dG's staging is read: the consumers may stage their next block
+        if (leader) {
+#pragma unroll
+            for (int panel = 0; panel < 2; ++panel) {
+                const int gc = col0 + panel * 64;
+                if (gc < p.args.N && row0 < p.args.M) {
+                    tma::store_2d(&map_c, gg.h1[wg][panel], gc, row0);
+                    tma::store_2d(&gm.c2, gg.h2[wg][panel], gc, row0);
+                }
+            }
+            tma::store_commit();
+            tma::store_wait_read();
+            load_inputs(int(k) + 1);
+        }
+        __syncwarp();
+    }
+    if (leader) tma::store_wait();  // the staging must outlive the stores' reads
+}
+
 // One tile's walk over the ring, keeping one wgmma group in flight: stage s is released once the group after it
 // has been issued, the last once all are done. `first_waited`: the caller already waited for the first stage (it
 // read the tile index there). `landed(kb)` runs once k-block kb's stage has landed, `issue(stage)` issues its
@@ -396,7 +511,7 @@ __device__ __forceinline__ void walk_k_blocks(State& st, pipeline::cursor<STAGES
 }
 
 // Consumer warpgroups: wgmma over the ring, then the epilogue of each tile.
-template <typename T, major MA, major MB, int CLUSTER, int BN, bool GATED, typename State, typename TileOf>
+template <typename T, major MA, major MB, int CLUSTER, int BN, fused F, typename State, typename TileOf>
 __device__ __forceinline__ void consume(State& st, const kernel_params& p, const CUtensorMap& map_c, int cluster,
                                         int clusters, TileOf tile_of) {
     // A stage is free once every consumer warp of both blocks is done with it: the peer's producer writes
@@ -468,8 +583,9 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
         if (w.contributors_from < cluster) take_partials<BN>(p, w.contributors_from, cluster, slice, d);
 
         // A SwiGLU tile's 256 accumulator columns are 128 output columns of each product.
+        constexpr bool GATED = F == fused::swiglu;
         const int64_t row0 = int64_t(tile.m) * BM + slice * 64, col0 = int64_t(tile.n) * (GATED ? BN / 2 : BN);
-        if constexpr (GATED)
+        if constexpr (F != fused::none)
             stage_rows64<T, BN>(st, p, slice, d, int(row0), int(col0), handoffs);
         else if (State::STORE_WARPS && p.tma_store)
             stage_rows64<T, BN>(st, p, slice, d, int(row0), int(col0), handoffs);
@@ -555,16 +671,19 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
 }
 
 // PINGPONG: the consumers take 128 x 128 tiles in turns (BN = 128, no cluster); otherwise they share each tile.
-template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, bool GATED>
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, fused F>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                 const __grid_constant__ CUtensorMap map_c, const __grid_constant__ gated_maps gm,
                 const __grid_constant__ kernel_params p) {
     static_assert(!PINGPONG || (CLUSTER == 1 && BN == 128), "ping-pong: 128 x 128 tiles, no cluster");
-    static_assert(!STORE_WARPS || (BN == 256 && !PINGPONG), "store warps: 256-wide shared tiles");
+    constexpr bool GATED = F == fused::swiglu, GATE_GRAD = F == fused::swiglu_grad;
+    static_assert(!STORE_WARPS || ((BN == 256 || GATE_GRAD) && !PINGPONG), "store warps: 256-wide shared tiles");
     static_assert(!GATED || (STORE_WARPS && CLUSTER == 1 && MA == major::k && MB == major::k),
                   "SwiGLU: store warps, no cluster, both operands K-major");
-    using state_t = shared_state<T, MA, MB, BN, STORE_WARPS>;
+    static_assert(!GATE_GRAD || (STORE_WARPS && CLUSTER == 1 && BN == 128 && MA == major::k),
+                  "SwiGLU's backward: store warps, no cluster, 128-wide tiles, A K-major");
+    using state_t = shared_state<T, MA, MB, BN, STORE_WARPS, F>;
     constexpr int STAGES = state_t::STAGES;
     extern __shared__ uint8_t raw_smem[];
     auto& st = aligned_shared<state_t>(raw_smem);
@@ -575,7 +694,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         st.ring.init(1, PINGPONG ? 4 : CLUSTER * CONSUMERS * 4);
         for (int wg = 0; wg < CONSUMERS; ++wg) {
             sync::init(st.c_staged[wg], warpgroup::threads);
-            sync::init(st.c_free[wg], GATED ? 32 : 1);  // SwiGLU: every lane of the store warp
+            sync::init(st.c_free[wg], F != fused::none ? 32 : 1);  // SwiGLU: every lane of the store warp
+            if constexpr (GATE_GRAD) sync::init(st.gate_grad.h_full[wg], 1);
         }
         sync::fence_init();
     }
@@ -600,6 +720,10 @@ __global__ void __launch_bounds__(THREADS, 1)
             tma::prefetch_map(&map_a);
             tma::prefetch_map(&map_b);
             if constexpr (GATED) tma::prefetch_map(&gm.b2);
+            if constexpr (GATE_GRAD) {
+                tma::prefetch_map(&gm.h1);
+                tma::prefetch_map(&gm.h2);
+            }
             pipeline::cursor<STAGES> at;
             // Dynamic: every block takes tickets until one is past the end, so a launch hands out exactly
             // pairs + grid tickets, and the holder of the last one resets the counter for the next launch.
@@ -678,13 +802,16 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
         } else if (GATED && (threadIdx.x / 32 == 1 || threadIdx.x / 32 == 2)) {
             if constexpr (GATED) store_staged_gated<T>(st, p, map_c, gm, int(threadIdx.x / 32) - 1);
+        } else if (GATE_GRAD && (threadIdx.x / 32 == 1 || threadIdx.x / 32 == 2)) {
+            if constexpr (GATE_GRAD)
+                store_staged_gate_grad<T>(st, p, map_c, gm, int(threadIdx.x / 32) - 1, cluster, clusters, tile_of);
         } else if (STORE_WARPS && p.tma_store && (threadIdx.x == 32 || threadIdx.x == 64)) {
             store_staged_tiles(st, p, map_c, int(threadIdx.x / 32) - 1);
         }
     } else if constexpr (PINGPONG) {
         consume_pingpong<T, MA, MB>(st, p, map_c, pairs, cluster, clusters, tile_of);
     } else {
-        consume<T, MA, MB, CLUSTER, BN, GATED>(st, p, map_c, cluster, clusters, tile_of);
+        consume<T, MA, MB, CLUSTER, BN, F>(st, p, map_c, cluster, clusters, tile_of);
     }
     // No block leaves while its peer may still write into its shared memory or arrive on its barriers.
     // (Lane 0 of the producer warp arrives late: reconverge the warp first, the cluster barrier is .aligned.)
@@ -694,11 +821,13 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 }
 
-template <typename T, major MA, major MB, int BN, bool STORE_WARPS>
-constexpr int smem_bytes_of = sizeof(shared_state<T, MA, MB, BN, STORE_WARPS>) + 1024;  // + alignment to 1024 bytes
+template <typename T, major MA, major MB, int BN, bool STORE_WARPS, fused F = fused::none>
+constexpr int smem_bytes_of = sizeof(shared_state<T, MA, MB, BN, STORE_WARPS, F>) + 1024;  // + alignment to 1024 bytes
 static_assert(smem_bytes_of<__nv_bfloat16, major::k, major::k, 256, true> <= 227 * 1024 &&
               smem_bytes_of<__nv_bfloat16, major::k, major::k, 256, false> <= 227 * 1024 &&
-              smem_bytes_of<__nv_bfloat16, major::k, major::k, 128, false> <= 227 * 1024, "shared memory per block");
+              smem_bytes_of<__nv_bfloat16, major::k, major::k, 128, false> <= 227 * 1024 &&
+              smem_bytes_of<__nv_bfloat16, major::k, major::mn, 128, true, fused::swiglu_grad> <= 227 * 1024,
+              "shared memory per block");
 
 template <int CLUSTER>
 cudaLaunchConfig_t launch_config(cudaLaunchAttribute* attribute, int smem_bytes, cudaStream_t stream) {
@@ -717,15 +846,15 @@ cudaLaunchConfig_t launch_config(cudaLaunchAttribute* attribute, int smem_bytes,
 
 // Per device, once: the kernel's shared-memory opt-in (an attribute of the kernel in each device's context) and
 // the persistent grid: one block per SM, or for clusters as many as the occupancy query says fit at once.
-template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, bool GATED = false>
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, fused F = fused::none>
 cudaError_t prepare(int* grid_blocks) {
     static std::atomic<int> blocks[max_devices];
     const int device = current_device();
     if (device < 0) return cudaErrorInvalidDevice;
     int known = blocks[device].load(std::memory_order_acquire);
     if (known == 0) {
-        auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS, GATED>;
-        constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN, STORE_WARPS>;
+        auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS, F>;
+        constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN, STORE_WARPS, F>;
         cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         if (e != cudaSuccess) return e;
         known = multiprocessor_count();
@@ -757,12 +886,13 @@ bool split_wanted(const gemm_args& g) {
 // than blocks (each finisher adds the others' partial sums), and ranges of at least 4 k-blocks.
 constexpr int SPLIT_MAX_PIECES = 4, SPLIT_MIN_K_BLOCKS = 4;
 
-template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, bool GATED = false>
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, fused F = fused::none>
 cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
-    auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS, GATED>;
-    constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN, STORE_WARPS>;
+    constexpr bool GATED = F == fused::swiglu;
+    auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS, F>;
+    constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN, STORE_WARPS, F>;
     int resident = 0;
-    if (cudaError_t e = prepare<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS, GATED>(&resident); e != cudaSuccess)
+    if (cudaError_t e = prepare<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS, F>(&resident); e != cudaSuccess)
         return e;
     // SwiGLU: each product's B tile is half the block's (128 columns of B, 128 of B2), and an output tile 128 wide.
     constexpr int b_box = GATED ? BN / 2 : BN / CLUSTER, out_tile_n = GATED ? BN / 2 : BN;
@@ -795,6 +925,14 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
                 CUDA_SUCCESS)
             return cudaErrorInvalidValue;
     }
+    if constexpr (F == fused::swiglu_grad) {
+        auto output_map = [&](CUtensorMap* map, const void* at) {
+            return tma::make_tensor_map_2d(map, at, tma::element_type<T>(), 2, g.N, g.M, g.c_stride_m, 64, 64, sw);
+        };
+        if (!tma_store || output_map(&gm.c2, g.c2) != CUDA_SUCCESS || output_map(&gm.h1, g.h1) != CUDA_SUCCESS ||
+            output_map(&gm.h2, g.h2) != CUDA_SUCCESS)
+            return cudaErrorInvalidValue;
+    }
 
     kernel_params p;
     p.tma_store = tma_store;
@@ -808,7 +946,7 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
 
     int clusters = std::max(1, std::min(p.order.count(), resident / CLUSTER));
     p.split = schedule::whole_tiles(p.order.count(), p.k_blocks);
-    if (CLUSTER == 1 && !PINGPONG && !GATED && split_wanted(g)) {
+    if (CLUSTER == 1 && !PINGPONG && F == fused::none && split_wanted(g)) {
         p.split = schedule::plan_split_tail(p.order.count(), p.k_blocks, resident, SPLIT_MAX_PIECES, SPLIT_MIN_K_BLOCKS);
         clusters = p.split.dp_tiles > 0 ? resident : p.split.sk_blocks;
     }
@@ -878,7 +1016,29 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // SwiGLU's launch: one kernel shape (store warps, 128 output columns of each product per tile), either schedule.
 template <typename T>
 cudaError_t dispatch_gated(const gemm_args& g, cudaStream_t stream) {
-    return launch<T, major::k, major::k, 1, 256, false, true, true>(g, stream);
+    return launch<T, major::k, major::k, 1, 256, false, true, fused::swiglu>(g, stream);
+}
+
+// SwiGLU's backward: 128-wide tiles with store warps, the static schedule; B either major.
+template <typename T>
+cudaError_t dispatch_gate_grad(const gemm_args& g, cudaStream_t stream) {
+    if (g.b_stride_k == 1) return launch<T, major::k, major::k, 1, 128, false, true, fused::swiglu_grad>(g, stream);
+    return launch<T, major::k, major::mn, 1, 128, false, true, fused::swiglu_grad>(g, stream);
+}
+
+const char* gate_grad_unsupported(const gemm_args& g) {
+    if (g.bias != nullptr || g.b2 != nullptr || g.c3 != nullptr) return "SwiGLU's backward takes one B and no bias";
+    if (g.a_stride_k != 1) return "SwiGLU's backward needs A K-major";
+    if (g.c2 == nullptr || g.h2 == nullptr) return "SwiGLU's backward needs h1, h2 and both outputs";
+    if (!aligned16(g.c) || !aligned16(g.c2) || !aligned16(g.h1) || !aligned16(g.h2))
+        return "SwiGLU's backward: h1, h2 and the outputs must be 16-byte aligned";
+    if (g.N % 8 || (g.M > 1 && g.c_stride_m % 8))
+        return "SwiGLU's backward: rows must be multiples of 8 elements";
+    if (g.cluster == 2 || g.tile_n == 256 || g.pingpong == 1 || g.epilogue == 2 || g.stream_k == 1 || g.skinny == 1 ||
+        g.tickets != nullptr)
+        return "SwiGLU's backward runs 128-wide tiles with store warps on the static schedule only (no cluster, "
+               "ping-pong, stream-K, skinny kernel or dynamic schedule)";
+    return nullptr;
 }
 
 const char* gated_unsupported(const gemm_args& g) {
@@ -921,7 +1081,9 @@ const char* gemm_unsupported(const gemm_args& g) {
     const int64_t b_lead = g.b_stride_k == 1 ? g.b_stride_n : g.b_stride_k;
     if (a_lead % 8 || b_lead % 8) return "leading strides must be multiples of 8 elements";
     if (!aligned16(g.a) || !aligned16(g.b)) return "A and B must be 16-byte aligned";
+    if (g.h1 != nullptr) return gate_grad_unsupported(g);
     if (g.b2 != nullptr) return gated_unsupported(g);
+    if (g.c2 != nullptr || g.c3 != nullptr || g.h2 != nullptr) return "extra outputs or inputs without their launch";
     return nullptr;
 }
 
@@ -944,6 +1106,9 @@ int gemm_resident_blocks(int cluster) {
 
 cudaError_t launch_gemm(const gemm_args& g, cudaStream_t stream) {
     if (gemm_unsupported(g) != nullptr) return cudaErrorInvalidValue;
+    if (g.h1 != nullptr)
+        return g.dtype == int(dtype::bf16) ? dispatch_gate_grad<__nv_bfloat16>(g, stream)
+                                           : dispatch_gate_grad<__half>(g, stream);
     if (g.b2 != nullptr)
         return g.dtype == int(dtype::bf16) ? dispatch_gated<__nv_bfloat16>(g, stream) : dispatch_gated<__half>(g, stream);
     // Few rows: the skinny kernel spreads the weight's columns and K over every SM (skinny.cu).

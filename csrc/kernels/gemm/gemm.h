@@ -49,6 +49,11 @@ struct gemm_args {
     const void* b2;
     void* c2;
     void* c3;
+    // SwiGLU's backward (h1 non-null): with dG = A B (never written), C = dh1 = dG h2 silu'(h1) and C2 = dh2 =
+    // dG silu(h1), each rounded once from fp32; h1 and h2 are the forward's products, read by TMA with C's row
+    // stride. A K-major, no bias, 128-wide tiles with store warps on the static schedule only (gemm_unsupported).
+    const void* h1;
+    const void* h2;
 };
 
 constexpr int SKINNY_MAX_M = 64;
