@@ -69,7 +69,9 @@ def time_backward(M: int, K: int, N: int, grad, rounds: int) -> list[dict]:
     fns = {"tk one launch": lambda: ops.matmul_swiglu_grad(dy, w3, h1, h2),
            "tk GEMM + compiled gradient": lambda: grad(ops.gemm(dy, w3), h1, h2),
            "cuBLAS GEMM + compiled gradient": lambda: grad(dy @ w3, h1, h2),
-           "tk GEMM, no gradient": lambda: (ops.gemm(dy, w3), None)}
+           "tk GEMM, no gradient": lambda: (ops.gemm(dy, w3), None),
+           # the one launch's tile shape without its epilogue: what 128-wide tiles cost at this shape
+           "tk GEMM 128-wide tiles, no gradient": lambda: (ops.gemm(dy, w3, _tile_n=128), None)}
     outs = {name: fn() for name, fn in fns.items()}
     ref = outs["cuBLAS GEMM + compiled gradient"][0].double()
     times = interleaved_times(fns, rounds=rounds, warmup_ms=20, rep_ms=100)

@@ -329,11 +329,15 @@ def backward_ops(jm):
             if b.sym.name.startswith("tk_") or b.sym.name in ("silu", "exp", "neg", "sigmoid")]
 
 
+@pytest.mark.parametrize("fuser", [False, True], ids=["no-fuser", "fuser"])
 @pytest.mark.parametrize("swap", [False, True], ids=["silu-first", "silu-second"])
-def test_swiglu_backward_in_the_projection_gemm(standin_tk_build, swap):
+def test_swiglu_backward_in_the_projection_gemm(standin_tk_build, request, swap, fuser):
     """One tk_matmul_swiglu_grad replaces proj's dX product and the whole elementwise gradient (nothing recomputes
     silu or exponentials any more), the weight gradients read its dh1 and dh2, and every gradient matches float64
-    eager with the model's own float64 copy."""
+    eager with the model's own float64 copy. With a fuser in the executors (the GPU's case) tk's rewrites see the
+    joint trace's prims and ltorch ops; without one, the backward trace's torch ops."""
+    if fuser:
+        request.getfixturevalue("standin_nvfuser")
     jm, out, expected, (dx, dx_ref), grads = run_swiglu(SwiGLU(swap=swap).to(bf16))
     ops_run = backward_ops(jm)
     assert ops_run.count("tk_matmul_swiglu_grad") == 1, ops_run
@@ -363,10 +367,13 @@ def test_swiglu_backward_turned_off_keeps_the_elementwise_ops(standin_tk_build, 
     assert swiglu_ops(jm) == ["tk_swiglu_linear", "tk_linear"]  # the forward's fusion is its own switch
 
 
+@pytest.mark.parametrize("fuser", [False, True], ids=["no-fuser", "fuser"])
 @pytest.mark.parametrize("act", [torch.sigmoid, F.gelu], ids=["glu-sigmoid", "geglu"])
-def test_other_gates_are_not_taken_for_swiglu(standin_tk_build, act):
+def test_other_gates_are_not_taken_for_swiglu(standin_tk_build, request, act, fuser):
     """GLU and GEGLU backwards have the same shape (dg, h1, h2 to two gradients by elementwise ops), so only the probe
     tells them apart: they must stay with the fuser, with correct gradients."""
+    if fuser:
+        request.getfixturevalue("standin_nvfuser")
     jm, out, expected, (dx, dx_ref), grads = run_swiglu(SwiGLU(act=act).to(bf16))
     assert "tk_matmul_swiglu_grad" not in backward_ops(jm)
     assert rel_err(dx, dx_ref) < 3e-2

@@ -173,8 +173,8 @@ def test_planned_litgpt_grouped_query_attention_reads_kv_unexpanded():
 
 def test_planned_litgpt_mlp_runs_swiglu_in_one_launch():
     """LitGPT's LLaMAMLP, planned for an sm_90 GPU: each layer's fc_1 and fc_2 run as one tk_swiglu_linear (which
-    also writes silu(h1) * h2), the backward's GEMMs stay tk_matmul, and the forward saves no float32 copy of the
-    MLP's products for the backward."""
+    also writes silu(h1) * h2), the forward saves no float32 copy of the MLP's products for the backward, and the
+    backward computes SwiGLU's gradient in proj's dX GEMM."""
     from litgpt import GPT, Config
 
     cfg = Config(n_layer=2, n_head=8, n_query_groups=2, n_embd=512, block_size=256, padded_vocab_size=512,
@@ -191,3 +191,9 @@ def test_planned_litgpt_mlp_runs_swiglu_in_one_launch():
         assert [tuple(t.shape) for t in b.output] == [(2, 256, 1024)] * 3
     saved = [p for p in fwd.bound_symbols[-1].flat_proxy_args if tuple(getattr(p, "shape", ())) == (2, 256, 1024)]
     assert saved and all(p.dtype == thunder.bfloat16 for p in saved)
+    # And each layer's backward: proj's dX GEMM with SwiGLU's gradient in one tk_matmul_swiglu_grad.
+    bwd = thunder.last_backward_traces(jm)[-1]
+    grads = [b for b in bwd.bound_symbols if b.sym.name == "tk_matmul_swiglu_grad"]
+    assert len(grads) == 2
+    for b in grads:
+        assert [tuple(t.shape) for t in b.output] == [(2, 256, 1024)] * 2

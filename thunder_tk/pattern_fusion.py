@@ -54,6 +54,7 @@ from collections import defaultdict
 
 import thunder
 import torch
+import torch.nn.functional as F
 from thunder.core import prims
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
@@ -538,6 +539,8 @@ def _gate_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int]
                 region.add(i)
                 made.update(q.name for q in bsyms[i].flat_proxy_outs)
                 grown = True
+    if not all(isinstance(bsyms[j].output, TensorProxy) for j in region):
+        return None
     inputs = list({p.name: p for j in sorted(region) for p in bsyms[j].flat_proxy_args if p.name not in made}.values())
     outputs = [p for j in sorted(region) for p in bsyms[j].flat_proxy_outs
                if any(u not in region for u in users[p.name])]
@@ -550,17 +553,49 @@ def _gate_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int]
     return view, dg, region, inputs, outputs
 
 
+def _probe_dtype(x):
+    if isinstance(x, torch.dtype):
+        return x
+    if isinstance(x, thunder.dtypes.dtype):
+        return thunder.dtypes.to_torch_dtype(x)
+    return None
+
+
+def _probe_op(name: str, args: list, kwargs: dict):
+    """One of _GATE_GRAD_OPS on probe values, by its name: the same op whether the trace holds it as a prim, an ltorch
+    symbol or the torch executor's (whose symbols cannot run outside a trace)."""
+    if name in ("to", "convert_element_type"):
+        dtype = next((d for d in map(_probe_dtype, (*args[1:], kwargs.get("dtype"))) if d is not None), None)
+        return args[0].to(dtype) if dtype is not None else args[0].clone()
+    unary = {"clone": torch.clone, "neg": torch.neg, "exp": torch.exp, "reciprocal": torch.reciprocal,
+             "sigmoid": torch.sigmoid, "silu": F.silu}
+    if name in unary:
+        return unary[name](args[0])
+    a, b = args[0], args[1]
+    if name in ("add", "sub"):
+        alpha = kwargs.get("alpha", args[2] if len(args) > 2 else None)
+        if alpha is not None and alpha != 1:
+            b = b * alpha
+        return a + b if name == "add" else a - b
+    if name == "mul":
+        return a * b
+    if kwargs.get("rounding_mode", args[2] if len(args) > 2 else None) is not None:
+        raise ValueError("a rounding division")
+    return a / b  # div, true_divide
+
+
 def _evaluate_region(bsyms: list[BoundSymbol], region: set[int], values: dict[str, torch.Tensor], outputs) -> list:
-    """The region's outputs for the given input values, by running its ops' own Python (as the trace would)."""
-    namespace: dict = {}
-    lines: list[str] = []
+    """The region's outputs for the given input values, each op run on them by _probe_op."""
+    env = dict(values)
+
+    def value(x):
+        return env[x.name] if isinstance(x, TensorProxy) else x
+
     for j in sorted(region):
-        for ctx in bsyms[j].gather_ctxs():
-            namespace.update(ctx)
-        lines += bsyms[j].python(indent=0)
-    namespace.update(values)
-    exec(compile("\n".join(lines), "<tk: SwiGLU backward probe>", "exec"), namespace)
-    return [namespace[p.name] for p in outputs]
+        b = bsyms[j]
+        result = _probe_op(b.sym.name, [value(x) for x in b.args], {k: value(v) for k, v in b.kwargs.items()})
+        env[b.output.name] = result
+    return [env[p.name] for p in outputs]
 
 
 def _gate_grad_roles(bsyms: list[BoundSymbol], region: set[int], dg: TensorProxy, inputs, outputs):

@@ -24,7 +24,7 @@
 // SwiGLU's backward variant (GATE_GRAD): dg = A B, the gradient of g = silu(h1) * h2, is never written; the store
 // warp turns each staged 64 x 128 block of it, with h1 and h2 loaded by TMA into shared memory while the block's
 // products ran, into dh1 = dg h2 silu'(h1) and dh2 = dg silu(h1), and stores those (the unfused step wrote dg and
-// read dg, h1 and h2 back). 128-wide tiles with four stages, so that h1's and h2's staging fits.
+// read dg, h1 and h2 back). 128-wide tiles with five stages, h1 and h2 staged a 64 x 64 panel at a time.
 #include "gemm.h"
 #include "../../kittens/kittens.cuh"
 
@@ -54,20 +54,25 @@ constexpr int CONSUMERS = 2, THREADS = (CONSUMERS + 1) * warpgroup::threads;
 constexpr int GROUP_ROWS = 8;  // default tile rows per L2 group of the persistent schedule
 constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
 static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, CONSUMER_REGISTERS));
+// SwiGLU's backward: its store warps' loop spilled at 40 registers, and its 128-wide tiles' consumers need fewer.
+constexpr int GATE_GRAD_PRODUCER_REGISTERS = 72, GATE_GRAD_CONSUMER_REGISTERS = 216;
+static_assert(warpgroup::register_split_fits(1, GATE_GRAD_PRODUCER_REGISTERS, CONSUMERS, GATE_GRAD_CONSUMER_REGISTERS));
 // Named barriers. 0 is __syncthreads; 1 + wg a consumer warpgroup's own; the ping-pong turns 3 and 4.
 namespace barrier_id {
 __host__ __device__ constexpr int warpgroup(int wg) { return 1 + wg; }
 __host__ __device__ constexpr int turn(int wg) { return 1 + CONSUMERS + wg; }
 }  // namespace barrier_id
 
-// SwiGLU's backward: h1 and h2 of a consumer warpgroup's 64 x 128 block of the tile, as swizzled 64 x 64 panels
-// (dh1 and dh2 are written over them and stored from there), and the barrier of their TMA loads.
+// SwiGLU's backward: a 64 x 64 panel of h1 and of h2 per consumer warpgroup, swizzled as dG's staging (dh1 and dh2
+// are written over them and stored from there), and the barrier of their TMA loads. One panel rather than the
+// warpgroup's whole 64 x 128 block leaves room for a fifth stage: 128-wide tiles take a third more operand bytes per
+// product than 256-wide ones, so the ring must run further ahead.
 template <typename T, bool On>
 struct gate_grad_staging {};
 template <typename T>
 struct gate_grad_staging<T, true> {
-    alignas(1024) T h1[CONSUMERS][2][64 * 64];
-    alignas(1024) T h2[CONSUMERS][2][64 * 64];
+    alignas(1024) T h1[CONSUMERS][64 * 64];
+    alignas(1024) T h2[CONSUMERS][64 * 64];
     sync::barrier h_full[CONSUMERS];
 };
 
@@ -75,7 +80,7 @@ template <typename T, major MA, major MB, int TileN, bool StoreWarps, fused F = 
 struct shared_state {
     static constexpr int BN = TileN;
     static constexpr bool STORE_WARPS = StoreWarps;
-    static constexpr int STAGES = F == fused::swiglu_grad ? 4 : stages_of(BN, STORE_WARPS);
+    static constexpr int STAGES = F == fused::swiglu_grad ? 5 : stages_of(BN, STORE_WARPS);
     wgmma::operand_tile<T, BM, MA> a[STAGES];
     wgmma::operand_tile<T, BN, MB> b[STAGES];
     // Output staging for the TMA-store epilogue, per consumer warpgroup, as swizzled 64 x 64 panels: its 64 x BN
@@ -411,15 +416,15 @@ __device__ __forceinline__ void gate_grad_pair(uint32_t dg, uint32_t& h1_to_dh1,
     memcpy(&h2_to_dh2, d2, 4);
 }
 
-// One warp: dh1 over H1's two staged 64 x 64 panels and dh2 over H2's, from dG's two (all staged with the same
-// swizzle, so the three sit at the same offsets); each lane takes every 32nd 16-byte chunk.
+// One warp: dh1 over H1's staged 64 x 64 panel and dh2 over H2's, from dG's panel (all staged with the same swizzle,
+// so the three sit at the same offsets); each lane takes every 32nd 16-byte chunk.
 template <typename T>
-__device__ __forceinline__ void gate_grad_staged_panels(const T* dg, T* h1, T* h2) {
+__device__ __forceinline__ void gate_grad_staged_panel(const T* dg, T* h1, T* h2) {
     const uint4* grad = reinterpret_cast<const uint4*>(dg);
     uint4* first = reinterpret_cast<uint4*>(h1);
     uint4* second = reinterpret_cast<uint4*>(h2);
 #pragma unroll 2
-    for (int i = threadIdx.x & 31; i < 2 * 64 * 64 * int(sizeof(T)) / 16; i += 32) {
+    for (int i = threadIdx.x & 31; i < 64 * 64 * int(sizeof(T)) / 16; i += 32) {
         const uint4 d = grad[i];
         uint4 a = first[i], b = second[i];
         gate_grad_pair<T>(d.x, a.x, b.x);
@@ -431,56 +436,65 @@ __device__ __forceinline__ void gate_grad_staged_panels(const T* dg, T* h1, T* h
     }
 }
 
-// A store warp (all its lanes) of a SwiGLU backward launch, for consumer warpgroup wg. Lane 0 loads h1 and h2 of the
-// warpgroup's rows of the block's next tile (the static schedule's, which the store warp walks as the consumers do)
-// as soon as the stores of the tile before have read their staging, so that they land while the tile's products
-// run. Once dG's block is staged and h1 and h2 have landed, the lanes write dh1 and dh2 over h1 and h2 and hand
-// dG's staging back (c_free counts 32 arrivals); lane 0 then stores dh1 and dh2.
+// A store warp (all its lanes) of a SwiGLU backward launch, for consumer warpgroup wg, a 64 x 64 panel at a time.
+// Lane 0 loads h1's and h2's panels of the warpgroup's rows by TMA (the static schedule's tiles, which the store warp
+// walks as the consumers do): a tile's first panel as soon as the stores of the tile before have read their staging,
+// so that it lands while the tile's products run, with the second brought into L2 at the same time; the second once
+// the first's stores have read theirs. The lanes write dh1 and dh2 over each panel of h1 and h2 once it has landed
+// and lane 0 stores them; dG's staging goes back to the consumers (c_free counts 32 arrivals) after the last panel.
 template <typename T, typename State, typename TileOf>
 __device__ __forceinline__ void store_staged_gate_grad(State& st, const kernel_params& p, const CUtensorMap& map_c,
                                                        const gated_maps& gm, int wg, int cluster, int clusters,
                                                        TileOf tile_of) {
+    static_assert(State::BN == 128, "two panels a tile");
     const bool leader = (threadIdx.x & 31) == 0;
     auto& gg = st.gate_grad;
-    // h1's and h2's 64 x 128 blocks of the block's i-th tile, if it has one.
-    auto load_inputs = [&](int i) {
+    // h1's and h2's 64 x 64 panels at (row, col), with the next panel's brought into L2 where it is the tile's second.
+    auto load_panel = [&](int row, int col, bool first) {
+        sync::arrive_expect_bytes(gg.h_full[wg], uint32_t(sizeof(gg.h1[wg]) + sizeof(gg.h2[wg])));
+        tma::load_2d(gg.h1[wg], &gm.h1, col, row, gg.h_full[wg]);
+        tma::load_2d(gg.h2[wg], &gm.h2, col, row, gg.h_full[wg]);
+        if (first && col + 64 < p.args.N) {
+            tma::prefetch_2d(&gm.h1, col + 64, row);
+            tma::prefetch_2d(&gm.h2, col + 64, row);
+        }
+    };
+    // The first panel of the block's i-th tile, if it has one.
+    auto load_first_panel = [&](int i) {
         const schedule::work w = p.split.item(cluster, clusters, i);
         if (w.tile < 0) return;
         const auto tile = tile_of(w.tile);
-        const int row0 = tile.m * BM + wg * 64, col0 = tile.n * State::BN;
-        sync::arrive_expect_bytes(gg.h_full[wg], uint32_t(sizeof(gg.h1[wg]) + sizeof(gg.h2[wg])));
-#pragma unroll
-        for (int panel = 0; panel < 2; ++panel) {
-            tma::load_2d(gg.h1[wg][panel], &gm.h1, col0 + panel * 64, row0, gg.h_full[wg]);
-            tma::load_2d(gg.h2[wg][panel], &gm.h2, col0 + panel * 64, row0, gg.h_full[wg]);
-        }
+        load_panel(tile.m * BM + wg * 64, tile.n * State::BN, true);
     };
-    if (leader) load_inputs(0);
+    if (leader) load_first_panel(0);
     sync::arrive(st.c_free[wg]);  // the staging starts out free
     for (uint32_t k = 0;; ++k) {
         sync::wait(st.c_staged[wg], k & 1);
         const int row0 = __shfl_sync(0xffffffffu, leader ? st.c_origin[wg][0] : 0, 0);
         const int col0 = __shfl_sync(0xffffffffu, leader ? st.c_origin[wg][1] : 0, 0);
         if (row0 < 0) break;
-        sync::wait(gg.h_full[wg], k & 1);
-        gate_grad_staged_panels<T>(st.c_stage[wg][0], gg.h1[wg][0], gg.h2[wg][0]);
-        tma::fence_shared_to_async();
-        __syncwarp();
-        sync::arrive(st.c_free[wg]);  // dG's staging is read: the consumers may stage their next block
-        if (leader) {
-#pragma unroll
-            for (int panel = 0; panel < 2; ++panel) {
+#pragma unroll 1
+        for (int panel = 0; panel < 2; ++panel) {
+            sync::wait(gg.h_full[wg], panel);  // two loads a tile: the first panel's completes an even phase
+            gate_grad_staged_panel<T>(st.c_stage[wg][panel], gg.h1[wg], gg.h2[wg]);
+            tma::fence_shared_to_async();
+            __syncwarp();
+            if (panel == 1) sync::arrive(st.c_free[wg]);  // dG's staging is read: the consumers may stage again
+            if (leader) {
                 const int gc = col0 + panel * 64;
                 if (gc < p.args.N && row0 < p.args.M) {
-                    tma::store_2d(&map_c, gg.h1[wg][panel], gc, row0);
-                    tma::store_2d(&gm.c2, gg.h2[wg][panel], gc, row0);
+                    tma::store_2d(&map_c, gg.h1[wg], gc, row0);
+                    tma::store_2d(&gm.c2, gg.h2[wg], gc, row0);
                 }
+                tma::store_commit();
+                tma::store_wait_read();
+                if (panel == 0)
+                    load_panel(row0, col0 + 64, false);
+                else
+                    load_first_panel(int(k) + 1);
             }
-            tma::store_commit();
-            tma::store_wait_read();
-            load_inputs(int(k) + 1);
+            __syncwarp();
         }
-        __syncwarp();
     }
     if (leader) tma::store_wait();  // the staging must outlive the stores' reads
 }
@@ -524,7 +538,7 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
             for (uint32_t r = 0; r < CLUSTER; ++r) sync::arrive_cluster(b, r);
         }
     };
-    warpgroup::increase_registers<CONSUMER_REGISTERS>();
+    warpgroup::increase_registers<F == fused::swiglu_grad ? GATE_GRAD_CONSUMER_REGISTERS : CONSUMER_REGISTERS>();
     const int slice = warpgroup::uniform_index() - 1;  // rows [64 slice, 64 slice + 64) of the tile
     constexpr int STAGES = State::STAGES;
     pipeline::cursor<STAGES> at;
@@ -715,7 +729,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     };
     if (warpgroup::index() == 0) {
         // ---------------- producer ----------------
-        warpgroup::decrease_registers<PRODUCER_REGISTERS>();
+        warpgroup::decrease_registers<GATE_GRAD ? GATE_GRAD_PRODUCER_REGISTERS : PRODUCER_REGISTERS>();
         if (threadIdx.x == 0) {
             tma::prefetch_map(&map_a);
             tma::prefetch_map(&map_b);
