@@ -407,3 +407,11 @@ def test_swiglu_backward_probe_tells_the_roles_apart():
             assert [p.name for p in roles] == [h1.name, h2.name, outs[0].name, outs[1].name]
     bsyms, dg, h1, h2, outs = region_of(lambda dg, h1, h2: (grads(dg, h1, h2)[1], grads(dg, h1, h2)[1]))
     assert pattern_fusion._gate_grad_roles(bsyms, set(range(len(bsyms))), dg, [h1, h2], outs) is None
+
+
+def test_swiglu_backward_left_apart_above_the_measured_width(standin_tk_build, monkeypatch):
+    """MLPs wider than SWIGLU_GRAD_MAX_N keep tk's dX GEMM and the fuser's kernel (their launch measured slower)."""
+    monkeypatch.setattr(pattern_fusion, "SWIGLU_GRAD_MAX_N", 64)  # the model's MLP is 128 wide
+    jm, out, expected, (dx, dx_ref), grads = run_swiglu(SwiGLU().to(bf16))
+    assert "tk_matmul_swiglu_grad" not in backward_ops(jm)
+    assert rel_err(dx, dx_ref) < 3e-2

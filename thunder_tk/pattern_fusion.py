@@ -44,8 +44,8 @@ which the fuser runs as one kernel reading dg, h1 and h2 back. Where dg is read 
 tk_matmul_swiglu_grad launch computes dh1 and dh2 from dg's tiles in shared memory instead. The region is found by its
 shape (elementwise ops from dg and two more tensors like it to two tensors like it) and confirmed by running its ops
 on a small CPU probe against the formula, which also tells h1 from h2 and dh1 from dh2: Thunder's decomposition of
-silu's gradient may change between versions without this rewrite matching something else. Off with the feature
-name `gemm_swiglu_grad`.
+silu's gradient may change between versions without this rewrite matching something else. Taken up to MLP widths of
+SWIGLU_GRAD_MAX_N (wider ones measured slower); off with the feature name `gemm_swiglu_grad`.
 """
 
 from __future__ import annotations
@@ -493,6 +493,11 @@ SWIGLU_GRAD = "gemm_swiglu_grad"
 """THUNDER_TK_DISABLE name that keeps SwiGLU's backward apart from the output projection's dX GEMM (the fuser then
 reads dg, h1 and h2 back to form dh1 and dh2)."""
 
+# The widest MLP (N, the product's output columns) the rewrite takes. Its launch runs 128-wide tiles, and against tk's
+# 256-wide dX GEMM plus the fuser's kernel it measured 1.07x at Llama-3.2-1B's 2048 -> 8192 and 0.976x at Llama-3-8B's
+# 4096 -> 14336, where 128-wide tiles alone cost 13% (H100, benchmarks/swiglu.py; benchmarks/NOTES.md).
+SWIGLU_GRAD_MAX_N = 8192
+
 # The elementwise ops (as the torch executor runs them) that Thunder's autodiff writes for silu(h1) * h2's backward,
 # including silu(h1) recomputed from the saved h1.
 _GATE_GRAD_OPS = frozenset({"to", "convert_element_type", "clone", "mul", "neg", "exp", "add", "sub", "div",
@@ -546,7 +551,7 @@ def _gate_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int]
                if any(u not in region for u in users[p.name])]
     like_dg = all(isinstance(p, TensorProxy) and tuple(p.shape) == tuple(dg.shape) and p.dtype == dg.dtype
                   for p in inputs + outputs)
-    if len(inputs) != 2 or len(outputs) != 2 or not like_dg or dg.shape[-1] % 8:
+    if len(inputs) != 2 or len(outputs) != 2 or not like_dg or dg.shape[-1] % 8 or dg.shape[-1] > SWIGLU_GRAD_MAX_N:
         return None
     if any(producer.get(p.name, -1) > k for p in inputs):  # the launch replaces the product at k
         return None
