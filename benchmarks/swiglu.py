@@ -42,17 +42,24 @@ def time_shape(M: int, K: int, N: int, gate, rounds: int) -> list[dict]:
            "cuBLAS two GEMMs + compiled gate": lambda: apart(F.linear),
            # The floor the one launch works against: its products alone, with no gate and no third output.
            "tk two GEMMs, no gate": lambda: (None, ops.linear(x, w1), ops.linear(x, w2))}
+    return timed_rows(f"{M}x{K}->{N}", fns, 4.0 * M * K * N, "tk two GEMMs + compiled gate",
+                      "cuBLAS two GEMMs + compiled gate", rounds)
+
+
+def timed_rows(shape: str, fns: dict, flop: float, apart: str, reference: str, rounds: int) -> list[dict]:
+    """The variants timed in turns: ms, TFLOP/s, speed against `apart` (tk's kernels without the fusion), and the
+    first output's error against `reference`'s (None for a variant that does not make it)."""
     outs = {name: fn() for name, fn in fns.items()}
-    ref = outs["cuBLAS two GEMMs + compiled gate"][0].double()
+    ref = outs[reference][0].double()
     times = interleaved_times(fns, rounds=rounds, warmup_ms=20, rep_ms=100)
-    base = times["tk two GEMMs + compiled gate"]
     rows = []
     for name in fns:
         ms = statistics.median(times[name])
-        rows.append({"shape": f"{M}x{K}->{N}", "variant": name, "ms": ms, "tflops": 4.0 * M * K * N / ms / 1e9,
-                     "vs_tk_apart": statistics.median(b / t for b, t in zip(base, times[name])),
-                     "g_rel_err_vs_cublas": (float((outs[name][0].double() - ref).norm() / ref.norm())
-                                             if outs[name][0] is not None else None)})
+        first = outs[name][0]
+        rows.append({"shape": shape, "variant": name, "ms": ms, "tflops": flop / ms / 1e9,
+                     "vs_tk_apart": statistics.median(b / t for b, t in zip(times[apart], times[name])),
+                     "g_rel_err_vs_cublas": (float((first.double() - ref).norm() / ref.norm())
+                                             if first is not None else None)})
     return rows
 
 
@@ -69,22 +76,11 @@ def time_backward(M: int, K: int, N: int, grad, rounds: int) -> list[dict]:
     fns = {"tk one launch": lambda: ops.matmul_swiglu_grad(dy, w3, h1, h2),
            "tk GEMM + compiled gradient": lambda: grad(ops.gemm(dy, w3), h1, h2),
            "cuBLAS GEMM + compiled gradient": lambda: grad(dy @ w3, h1, h2),
-           "tk GEMM, no gradient": lambda: (ops.gemm(dy, w3), None),
+           "tk GEMM, no gradient": lambda: (None, ops.gemm(dy, w3)),
            # the one launch's tile shape without its epilogue: what 128-wide tiles cost at this shape
-           "tk GEMM 128-wide tiles, no gradient": lambda: (ops.gemm(dy, w3, _tile_n=128), None)}
-    outs = {name: fn() for name, fn in fns.items()}
-    ref = outs["cuBLAS GEMM + compiled gradient"][0].double()
-    times = interleaved_times(fns, rounds=rounds, warmup_ms=20, rep_ms=100)
-    base = times["tk GEMM + compiled gradient"]
-    rows = []
-    for name in fns:
-        ms = statistics.median(times[name])
-        got = outs[name][1]
-        rows.append({"shape": f"bwd {M}x{K}->{N}", "variant": name, "ms": ms, "tflops": 2.0 * M * K * N / ms / 1e9,
-                     "vs_tk_apart": statistics.median(b / t for b, t in zip(base, times[name])),
-                     "g_rel_err_vs_cublas": (float((outs[name][0].double() - ref).norm() / ref.norm())
-                                             if got is not None else None)})
-    return rows
+           "tk GEMM 128-wide tiles, no gradient": lambda: (None, ops.gemm(dy, w3, _tile_n=128))}
+    return timed_rows(f"bwd {M}x{K}->{N}", fns, 2.0 * M * K * N, "tk GEMM + compiled gradient",
+                      "cuBLAS GEMM + compiled gradient", rounds)
 
 
 def main(argv=None) -> int:

@@ -198,15 +198,14 @@ void cross_entropy_backward(std::uintptr_t logits, std::uintptr_t target, std::u
                  "cross_entropy_backward");
 }
 
-void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t bias, int dtype, int64_t M, int64_t N,
-          int64_t K, int64_t a_stride_m, int64_t a_stride_k, int64_t b_stride_k, int64_t b_stride_n, int64_t c_stride_m,
-          std::uintptr_t stream, int group_rows, int cluster, std::uintptr_t tickets, int tile_n, int pingpong,
-          int epilogue, int stream_k, std::uintptr_t partials, std::uintptr_t flags, int skinny) {
+// What every GEMM launch takes: operands A and B, output C, and their shape and strides (gemm.h).
+tk::gemm::gemm_args gemm_operands(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, int dtype, int64_t M, int64_t N,
+                                  int64_t K, int64_t a_stride_m, int64_t a_stride_k, int64_t b_stride_k,
+                                  int64_t b_stride_n, int64_t c_stride_m) {
     tk::gemm::gemm_args g{};
     g.a = as_ptr<void>(a);
     g.b = as_ptr<void>(b);
     g.c = reinterpret_cast<void*>(c);
-    g.bias = as_ptr<void>(bias);
     g.dtype = dtype;
     g.M = M;
     g.N = N;
@@ -216,6 +215,23 @@ void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t b
     g.b_stride_k = b_stride_k;
     g.b_stride_n = b_stride_n;
     g.c_stride_m = c_stride_m;
+    return g;
+}
+
+// A GEMM launch `name` enqueued on `stream`, or the reason it cannot run as an error.
+void launch_checked(const tk::gemm::gemm_args& g, std::uintptr_t stream, const char* name) {
+    if (const char* why = tk::gemm::gemm_unsupported(g))
+        throw std::invalid_argument(std::string("thunder_tk ") + name + ": " + why);
+    check_launch(tk::gemm::launch_gemm(g, reinterpret_cast<cudaStream_t>(stream)), name);
+}
+
+void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t bias, int dtype, int64_t M, int64_t N,
+          int64_t K, int64_t a_stride_m, int64_t a_stride_k, int64_t b_stride_k, int64_t b_stride_n, int64_t c_stride_m,
+          std::uintptr_t stream, int group_rows, int cluster, std::uintptr_t tickets, int tile_n, int pingpong,
+          int epilogue, int stream_k, std::uintptr_t partials, std::uintptr_t flags, int skinny) {
+    tk::gemm::gemm_args g = gemm_operands(a, b, c, dtype, M, N, K, a_stride_m, a_stride_k, b_stride_k, b_stride_n,
+                                          c_stride_m);
+    g.bias = as_ptr<void>(bias);
     if (group_rows < 0 || group_rows > 64) throw std::invalid_argument("group_rows must be 0 (automatic) to 64");
     g.group_rows = group_rows;
     if (cluster < 0 || cluster > 2) throw std::invalid_argument("cluster must be 0 (automatic), 1 or 2");
@@ -228,35 +244,20 @@ void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t b
     g.partials = reinterpret_cast<float*>(partials);
     g.flags = reinterpret_cast<int*>(flags);
     g.skinny = skinny;
-    if (const char* why = tk::gemm::gemm_unsupported(g)) throw std::invalid_argument(std::string("thunder_tk gemm: ") + why);
-    check_launch(tk::gemm::launch_gemm(g, reinterpret_cast<cudaStream_t>(stream)), "gemm");
+    launch_checked(g, stream, "gemm");
 }
 
 // SwiGLU's two products of a LLaMA-style MLP in one launch: h1 = A W1^T, h2 = A W2^T, g = silu(h1) * h2.
 void gemm_swiglu(std::uintptr_t a, std::uintptr_t w1, std::uintptr_t w2, std::uintptr_t h1, std::uintptr_t h2,
                  std::uintptr_t g_out, int dtype, int64_t M, int64_t N, int64_t K, int64_t a_stride_m,
                  int64_t w_stride_n, int64_t out_stride_m, std::uintptr_t stream, std::uintptr_t tickets) {
-    tk::gemm::gemm_args g{};
-    g.a = as_ptr<void>(a);
-    g.b = as_ptr<void>(w1);
+    tk::gemm::gemm_args g = gemm_operands(a, w1, h1, dtype, M, N, K, a_stride_m, 1, 1, w_stride_n, out_stride_m);
     g.b2 = as_ptr<void>(w2);
-    g.c = reinterpret_cast<void*>(h1);
     g.c2 = reinterpret_cast<void*>(h2);
     g.c3 = reinterpret_cast<void*>(g_out);
-    g.dtype = dtype;
-    g.M = M;
-    g.N = N;
-    g.K = K;
-    g.a_stride_m = a_stride_m;
-    g.a_stride_k = 1;
-    g.b_stride_k = 1;
-    g.b_stride_n = w_stride_n;
-    g.c_stride_m = out_stride_m;
     g.tickets = reinterpret_cast<int*>(tickets);
     if (g.b == nullptr || g.b2 == nullptr) throw std::invalid_argument("thunder_tk gemm_swiglu: both weights are needed");
-    if (const char* why = tk::gemm::gemm_unsupported(g))
-        throw std::invalid_argument(std::string("thunder_tk gemm_swiglu: ") + why);
-    check_launch(tk::gemm::launch_gemm(g, reinterpret_cast<cudaStream_t>(stream)), "gemm_swiglu");
+    launch_checked(g, stream, "gemm_swiglu");
 }
 
 // SwiGLU's backward through its output projection in one launch: with dg = A B (the gradient of g = silu(h1) * h2,
@@ -264,26 +265,12 @@ void gemm_swiglu(std::uintptr_t a, std::uintptr_t w1, std::uintptr_t w2, std::ui
 void gemm_swiglu_grad(std::uintptr_t a, std::uintptr_t b, std::uintptr_t h1, std::uintptr_t h2, std::uintptr_t dh1,
                       std::uintptr_t dh2, int dtype, int64_t M, int64_t N, int64_t K, int64_t a_stride_m,
                       int64_t b_stride_k, int64_t b_stride_n, int64_t row_stride, std::uintptr_t stream) {
-    tk::gemm::gemm_args g{};
-    g.a = as_ptr<void>(a);
-    g.b = as_ptr<void>(b);
+    tk::gemm::gemm_args g = gemm_operands(a, b, dh1, dtype, M, N, K, a_stride_m, 1, b_stride_k, b_stride_n, row_stride);
     g.h1 = as_ptr<void>(h1);
     g.h2 = as_ptr<void>(h2);
-    g.c = reinterpret_cast<void*>(dh1);
     g.c2 = reinterpret_cast<void*>(dh2);
-    g.dtype = dtype;
-    g.M = M;
-    g.N = N;
-    g.K = K;
-    g.a_stride_m = a_stride_m;
-    g.a_stride_k = 1;
-    g.b_stride_k = b_stride_k;
-    g.b_stride_n = b_stride_n;
-    g.c_stride_m = row_stride;
     if (g.h1 == nullptr) throw std::invalid_argument("thunder_tk gemm_swiglu_grad: h1 is needed");
-    if (const char* why = tk::gemm::gemm_unsupported(g))
-        throw std::invalid_argument(std::string("thunder_tk gemm_swiglu_grad: ") + why);
-    check_launch(tk::gemm::launch_gemm(g, reinterpret_cast<cudaStream_t>(stream)), "gemm_swiglu_grad");
+    launch_checked(g, stream, "gemm_swiglu_grad");
 }
 
 void cross_entropy_forward_grad(std::uintptr_t logits, std::uintptr_t target, std::uintptr_t loss, std::uintptr_t lse,

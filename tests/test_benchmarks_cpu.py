@@ -139,6 +139,12 @@ def test_attention_tail_parts_parses_on_cpu():
     assert r.returncode == 0 and "--parts" in r.stdout and "--png" in r.stdout, r.stderr[-3000:]
 
 
+def test_swiglu_bench_parses_on_cpu():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "swiglu.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--backward-only" in r.stdout and "--png" in r.stdout, r.stderr[-3000:]
+
+
 def test_knob_inprocess_parses_knobs_and_sets_them_per_call(monkeypatch):
     import importlib.util
 

@@ -296,15 +296,21 @@ def test_swiglu_in_inference(standin_tk_build):
     assert rel_err(out, expected) < 2e-2
 
 
+def turned_off(how, feature, kernel, build, monkeypatch) -> dict:
+    """The compile options that turn `feature` off `how`: the tk_disable option, the environment variable (then no
+    options), or a build without its kernel."""
+    if how == "option":
+        return {"tk_disable": feature}
+    if how == "env":
+        monkeypatch.setenv("THUNDER_TK_DISABLE", feature)
+    else:
+        build.remove(kernel)
+    return {}
+
+
 @pytest.mark.parametrize("how", ["option", "env", "build"])
 def test_swiglu_turned_off_keeps_two_gemms(standin_tk_build, monkeypatch, how):
-    options = {}
-    if how == "option":
-        options["tk_disable"] = pattern_fusion.SWIGLU
-    elif how == "env":
-        monkeypatch.setenv("THUNDER_TK_DISABLE", pattern_fusion.SWIGLU)
-    else:
-        standin_tk_build.remove("gemm_swiglu")
+    options = turned_off(how, pattern_fusion.SWIGLU, "gemm_swiglu", standin_tk_build, monkeypatch)
     jm, out, expected, _, _ = run_swiglu(SwiGLU().to(bf16), **options)
     assert swiglu_ops(jm).count("tk_linear") == 3 and "tk_swiglu_linear" not in swiglu_ops(jm)
     assert rel_err(out, expected) < 2e-2
@@ -352,13 +358,7 @@ def test_swiglu_backward_in_the_projection_gemm(standin_tk_build, request, swap,
 
 @pytest.mark.parametrize("how", ["option", "env", "build"])
 def test_swiglu_backward_turned_off_keeps_the_elementwise_ops(standin_tk_build, monkeypatch, how):
-    options = {}
-    if how == "option":
-        options["tk_disable"] = pattern_fusion.SWIGLU_GRAD
-    elif how == "env":
-        monkeypatch.setenv("THUNDER_TK_DISABLE", pattern_fusion.SWIGLU_GRAD)
-    else:
-        standin_tk_build.remove("gemm_swiglu_grad")
+    options = turned_off(how, pattern_fusion.SWIGLU_GRAD, "gemm_swiglu_grad", standin_tk_build, monkeypatch)
     jm, out, expected, (dx, dx_ref), grads = run_swiglu(SwiGLU().to(bf16), **options)
     ops_run = backward_ops(jm)
     assert "tk_matmul_swiglu_grad" not in ops_run and "silu" in ops_run

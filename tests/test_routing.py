@@ -144,19 +144,25 @@ def test_declined_own_symbol_decomposes_into_the_fuser(standin_nvfuser):
     assert not row.claimed_by_tk and row.ran_by.endswith("(nvfuser)")
 
 
-def test_planned_litgpt_grouped_query_attention_reads_kv_unexpanded():
-    """LitGPT repeats each key/value head over its query heads before attention (repeat_interleave); planned for an
-    sm_90 GPU, tk's attention takes the key/value heads themselves, forward and backward, so the repeated copies are
-    neither made nor saved for the backward, and dk, dv come back per key/value head."""
+def planned_llama(n_layer: int):
+    """A small grouped-query LLaMA (8 query heads in 2 groups, width 512, MLP 1024, 256 tokens, batch 2) from LitGPT,
+    traced as planned for an sm_90 GPU."""
     from litgpt import GPT, Config
 
-    cfg = Config(n_layer=1, n_head=8, n_query_groups=2, n_embd=512, block_size=256, padded_vocab_size=512,
+    cfg = Config(n_layer=n_layer, n_head=8, n_query_groups=2, n_embd=512, block_size=256, padded_vocab_size=512,
                  vocab_size=512, bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
                  intermediate_size=1024, rotary_percentage=1.0, parallel_residual=False)
     with torch.device("meta"):
         model = GPT(cfg).to(torch.bfloat16)
     tokens = torch.zeros(2, 256, dtype=torch.int64, device="meta")
-    jm = trace_planned(model, [tokens])
+    return trace_planned(model, [tokens])
+
+
+def test_planned_litgpt_grouped_query_attention_reads_kv_unexpanded():
+    """LitGPT repeats each key/value head over its query heads before attention (repeat_interleave); planned for an
+    sm_90 GPU, tk's attention takes the key/value heads themselves, forward and backward, so the repeated copies are
+    neither made nor saved for the backward, and dk, dv come back per key/value head."""
+    jm = planned_llama(n_layer=1)
     fwd, bwd = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
     (f,) = [b for b in fwd.bound_symbols if b.sym.name == "tk_attention_forward"]
     (b,) = [b for b in bwd.bound_symbols if b.sym.name == "tk_attention_backward"]
@@ -175,15 +181,7 @@ def test_planned_litgpt_mlp_runs_swiglu_in_one_launch():
     """LitGPT's LLaMAMLP, planned for an sm_90 GPU: each layer's fc_1 and fc_2 run as one tk_swiglu_linear (which
     also writes silu(h1) * h2), the forward saves no float32 copy of the MLP's products for the backward, and the
     backward computes SwiGLU's gradient in proj's dX GEMM."""
-    from litgpt import GPT, Config
-
-    cfg = Config(n_layer=2, n_head=8, n_query_groups=2, n_embd=512, block_size=256, padded_vocab_size=512,
-                 vocab_size=512, bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
-                 intermediate_size=1024, rotary_percentage=1.0, parallel_residual=False)
-    with torch.device("meta"):
-        model = GPT(cfg).to(torch.bfloat16)
-    tokens = torch.zeros(2, 256, dtype=torch.int64, device="meta")
-    jm = trace_planned(model, [tokens])
+    jm = planned_llama(n_layer=2)
     fwd = thunder.last_traces(jm)[-1]
     fused = [b for b in fwd.bound_symbols if b.sym.name == "tk_swiglu_linear"]
     assert len(fused) == 2

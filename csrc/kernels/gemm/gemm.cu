@@ -348,22 +348,31 @@ __device__ __forceinline__ void gate_staged_panels(T* c, const T* c2) {
     }
 }
 
+// A SwiGLU store warp's receipt of consumer warpgroup wg's k-th staged block: every lane waits for it, lane 0 reads
+// its origin and passes it on (racecheck flagged the other lanes' reads of it, which only the warp's convergence
+// ordered before a single arrival). False once the warpgroup has no more tiles.
+template <typename State>
+__device__ __forceinline__ bool receive_staged(State& st, int wg, uint32_t k, int& row0, int& col0) {
+    const bool leader = (threadIdx.x & 31) == 0;
+    sync::wait(st.c_staged[wg], k & 1);
+    row0 = __shfl_sync(0xffffffffu, leader ? st.c_origin[wg][0] : 0, 0);
+    col0 = __shfl_sync(0xffffffffu, leader ? st.c_origin[wg][1] : 0, 0);
+    return row0 >= 0;
+}
+
 // A store warp (all its lanes) of a SwiGLU launch, for consumer warpgroup wg: each staged 64 x 256 block is C's 128
 // columns (panels 0-1) and C2's (2-3). Lane 0 stores C's panels, then C2's, as two groups; once the first group has
 // read its panels the lanes write C3 over them, which lane 0 stores too before the staging is handed back.
 // Every lane touches the staging, so every lane hands it back (c_free counts 32 arrivals here), after lane 0's
-// last stores have read it; and lane 0 alone reads the origin and passes it on (racecheck flagged the other lanes'
-// reads of it, which only the warp's convergence ordered before a single arrival).
+// last stores have read it.
 template <typename T, typename State>
 __device__ __forceinline__ void store_staged_gated(State& st, const kernel_params& p, const CUtensorMap& map_c,
                                                    const gated_maps& gm, int wg) {
     const bool leader = (threadIdx.x & 31) == 0;
     sync::arrive(st.c_free[wg]);  // the staging starts out free
     for (uint32_t k = 0;; ++k) {
-        sync::wait(st.c_staged[wg], k & 1);
-        const int row0 = __shfl_sync(0xffffffffu, leader ? st.c_origin[wg][0] : 0, 0);
-        const int col0 = __shfl_sync(0xffffffffu, leader ? st.c_origin[wg][1] : 0, 0);
-        if (row0 < 0) break;
+        int row0, col0;
+        if (!receive_staged(st, wg, k, row0, col0)) break;
         if (leader) {
 #pragma unroll
             for (int product = 0; product < 2; ++product) {
@@ -469,10 +478,8 @@ __device__ __forceinline__ void store_staged_gate_grad(State& st, const kernel_p
     if (leader) load_first_panel(0);
     sync::arrive(st.c_free[wg]);  // the staging starts out free
     for (uint32_t k = 0;; ++k) {
-        sync::wait(st.c_staged[wg], k & 1);
-        const int row0 = __shfl_sync(0xffffffffu, leader ? st.c_origin[wg][0] : 0, 0);
-        const int col0 = __shfl_sync(0xffffffffu, leader ? st.c_origin[wg][1] : 0, 0);
-        if (row0 < 0) break;
+        int row0, col0;
+        if (!receive_staged(st, wg, k, row0, col0)) break;
 #pragma unroll 1
         for (int panel = 0; panel < 2; ++panel) {
             sync::wait(gg.h_full[wg], panel);  // two loads a tile: the first panel's completes an even phase
