@@ -14,6 +14,12 @@ pytest.importorskip("litgpt")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
+    """benchmarks/<script> with these arguments in a fresh interpreter (no GPU needed for its arguments)."""
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
+                          timeout=120)
+
+
 def test_litgpt_step_fsdp_paths(tmp_path):
     out = tmp_path / "step.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -110,8 +116,7 @@ def test_pretrain_compare_tabulates_the_profiles():
 def test_attention_benchmark_imports_and_parses_on_cpu():
     import importlib.util
 
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--help"], capture_output=True,
-                       text=True, timeout=120)
+    r = run_bench("attention.py", "--help")
     assert r.returncode == 0 and "--no-backward" in r.stdout, r.stderr[-3000:]
     spec = importlib.util.spec_from_file_location("attention_bench", ROOT / "benchmarks" / "attention.py")
     bench = importlib.util.module_from_spec(spec)
@@ -128,20 +133,17 @@ def test_attention_benchmark_imports_and_parses_on_cpu():
 
 
 def test_profile_attention_parses_on_cpu():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_attention.py"), "--help"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_bench("profile_attention.py", "--help")
     assert r.returncode == 0 and "--kernels" in r.stdout and "cudnn" in r.stdout, r.stderr[-3000:]
 
 
 def test_attention_tail_parts_parses_on_cpu():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_tail_parts.py"), "--help"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_bench("attention_tail_parts.py", "--help")
     assert r.returncode == 0 and "--parts" in r.stdout and "--png" in r.stdout, r.stderr[-3000:]
 
 
 def test_swiglu_bench_parses_on_cpu():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "swiglu.py"), "--help"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_bench("swiglu.py", "--help")
     assert r.returncode == 0 and "--backward-only" in r.stdout and "--png" in r.stdout, r.stderr[-3000:]
 
 
@@ -160,17 +162,14 @@ def test_knob_inprocess_parses_knobs_and_sets_them_per_call(monkeypatch):
     run = bench.with_knob("THUNDER_TK_X", "12", lambda: seen.append(__import__("os").environ["THUNDER_TK_X"]))
     run()
     assert seen == ["12"]
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "knob_inprocess.py"), "--help"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_bench("knob_inprocess.py", "--help")
     assert r.returncode == 0 and "--knob" in r.stdout and "--bench" in r.stdout, r.stderr[-3000:]
 
 
 def test_attention_clocks_parses_on_cpu():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_clocks.py"), "--help"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_bench("attention_clocks.py", "--help")
     assert r.returncode == 0 and "--points" in r.stdout, r.stderr[-3000:]
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_clocks.py"), "--points", "8192:96:full"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_bench("attention_clocks.py", "--points", "8192:96:full")
     assert r.returncode == 2 and "a point is S:D:full|causal" in r.stderr, r.stderr[-3000:]
 
 
@@ -204,14 +203,12 @@ def test_litgpt_step_profile_kinds_and_table(capsys):
 
 
 def test_cross_entropy_benchmark_imports_and_parses_on_cpu():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cross_entropy.py"), "--help"], capture_output=True,
-                       text=True, timeout=120)
+    r = run_bench("cross_entropy.py", "--help")
     assert r.returncode == 0 and "--quick" in r.stdout, r.stderr[-3000:]
 
 
 def test_gemm_decode_layer_benchmark_parses_on_cpu():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemm_decode_layer.py"), "--help"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_bench("gemm_decode_layer.py", "--help")
     assert r.returncode == 0 and "--tokens" in r.stdout, r.stderr[-3000:]
 
 
@@ -345,11 +342,9 @@ def test_litgpt_step_clocks_per_round_flag_a_throttled_round():
 
 
 def test_gemm_clocks_parses_on_cpu():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemm_clocks.py"), "--help"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_bench("gemm_clocks.py", "--help")
     assert r.returncode == 0 and "--group-rows" in r.stdout
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemm_clocks.py"), "--problems", "8192:2048:fwd"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_bench("gemm_clocks.py", "--problems", "8192:2048:fwd")
     assert r.returncode != 0 and "M:K:N:fwd|dX|dW" in r.stderr
 
 

@@ -477,6 +477,15 @@ def _gemm_layout(t: torch.Tensor, k_dim: int) -> tuple[int, int] | None:
     return None
 
 
+def _b_in_place(b: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    """B (K, N) and its (stride along N, stride along K) as the GEMM kernels read it: in place where _gemm_layout
+    allows, else copied to fresh K-major (N, K) storage with leading stride K."""
+    layout = _gemm_layout(b, 0)
+    if layout is not None:
+        return b, layout
+    return b.t().clone(memory_format=torch.contiguous_format).t(), (b.shape[0], 1)
+
+
 def check_gemm_args(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"gemm expects 2-D operands; got {a.ndim}-D and {b.ndim}-D")
@@ -599,10 +608,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     if a_layout is None:  # copy to fresh (aligned) row-major storage: K-major, leading stride K
         a = a.clone(memory_format=torch.contiguous_format)
         a_layout = (K, 1)
-    b_layout = _gemm_layout(b, 0)
-    if b_layout is None:  # copy to fresh K-major (N, K) storage, leading stride K
-        b = b.t().clone(memory_format=torch.contiguous_format).t()
-        b_layout = (K, 1)
+    b, b_layout = _b_in_place(b)
     if bias is not None:
         bias = bias.contiguous()
     (a_sm, a_sk), (b_sn, b_sk) = a_layout, b_layout
@@ -695,18 +701,13 @@ def matmul_swiglu_grad(a: torch.Tensor, b: torch.Tensor, h1: torch.Tensor, h2: t
     if N % 8:
         raise ValueError(f"matmul_swiglu_grad: N ({N}) must be a multiple of 8")
     ext = _require_kernels(a.device)
-    dh1, dh2 = torch.empty_like(h1, memory_format=torch.contiguous_format), torch.empty_like(
-        h2, memory_format=torch.contiguous_format)
+    dh1, dh2 = (torch.empty_like(h, memory_format=torch.contiguous_format) for h in (h1, h2))
     if M == 0 or N == 0:
         return dh1, dh2
     if K == 0:  # dg = 0
         return dh1.zero_(), dh2.zero_()
     a = _k_major_rows(a)
-    b_layout = _gemm_layout(b, 0)
-    if b_layout is None:
-        b = b.t().clone(memory_format=torch.contiguous_format).t()
-        b_layout = (K, 1)
-    b_sn, b_sk = b_layout
+    b, (b_sn, b_sk) = _b_in_place(b)
     # One row stride for h1, h2 and the outputs (N: contiguous rows); the forward's products are already so.
     h1, h2 = (h.reshape(M, N) for h in (h1, h2))
     h1, h2 = (h if h.is_contiguous() and h.data_ptr() % 16 == 0 else h.contiguous() for h in (h1, h2))

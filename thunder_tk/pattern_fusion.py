@@ -498,10 +498,10 @@ reads dg, h1 and h2 back to form dh1 and dh2)."""
 # 4096 -> 14336, where 128-wide tiles alone cost 13% (H100, benchmarks/swiglu.py; benchmarks/NOTES.md).
 SWIGLU_GRAD_MAX_N = 8192
 
-# The elementwise ops (as the torch executor runs them) that Thunder's autodiff writes for silu(h1) * h2's backward,
-# including silu(h1) recomputed from the saved h1.
-_GATE_GRAD_OPS = frozenset({"to", "convert_element_type", "clone", "mul", "neg", "exp", "add", "sub", "div",
-                            "true_divide", "reciprocal", "silu", "sigmoid"})
+# The elementwise ops that Thunder's autodiff writes for silu(h1) * h2's backward, including silu(h1) recomputed from
+# the saved h1, by name: as prims and ltorch ops (the joint trace tk sees with a fuser) or as the torch executor's.
+_GATE_GRAD_OPS = _TO | _MUL | _SILU | frozenset({"clone", "neg", "exp", "add", "sub", "div", "true_divide",
+                                                 "reciprocal", "sigmoid"})
 # The probe's values: h1 spread over silu's bend, dg and h2 of unit scale. Its tolerance (relative, over the probe)
 # leaves room for the bf16 roundings between Thunder's ops (0.2-0.6% over the probe), far below what a wrong formula
 # or a swapped role gives (order 1).

@@ -928,30 +928,26 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
                        : tma::make_tensor_map_2d(&map_b, g.b, tma::element_type<T>(), 2, g.N, g.K, g.b_stride_k, 64, BK, sw);
     if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
     CUtensorMap map_c{};
+    // C's layout in 64 x 64 boxes: the output, and SwiGLU's other outputs and (backward) inputs, which share it.
+    auto panel_map = [&](CUtensorMap* map, const void* at) {
+        return tma::make_tensor_map_2d(map, at, tma::element_type<T>(), 2, g.N, g.M, g.c_stride_m, 64, 64, sw);
+    };
     // TMA stores write whole 16-byte chunks: with N * 2 bytes off a 16-byte multiple the last chunk of a row would
     // overwrite up to 14 bytes past column N (another tensor's data in a view), so such C takes the register path.
     const bool tma_store = reinterpret_cast<uintptr_t>(g.c) % 16 == 0 && g.N % 8 == 0 &&
                            (g.M == 1 || g.c_stride_m % 8 == 0);
-    if (tma_store &&
-        tma::make_tensor_map_2d(&map_c, g.c, tma::element_type<T>(), 2, g.N, g.M, g.c_stride_m, 64, 64, sw) != CUDA_SUCCESS)
-        return cudaErrorInvalidValue;
+    if (tma_store && panel_map(&map_c, g.c) != CUDA_SUCCESS) return cudaErrorInvalidValue;
     gated_maps gm{};
     if constexpr (GATED) {
         if (!tma_store ||
             tma::make_tensor_map_2d(&gm.b2, g.b2, tma::element_type<T>(), 2, g.K, g.N, g.b_stride_n, BK, b_box, sw) !=
                 CUDA_SUCCESS ||
-            tma::make_tensor_map_2d(&gm.c2, g.c2, tma::element_type<T>(), 2, g.N, g.M, g.c_stride_m, 64, 64, sw) !=
-                CUDA_SUCCESS ||
-            tma::make_tensor_map_2d(&gm.c3, g.c3, tma::element_type<T>(), 2, g.N, g.M, g.c_stride_m, 64, 64, sw) !=
-                CUDA_SUCCESS)
+            panel_map(&gm.c2, g.c2) != CUDA_SUCCESS || panel_map(&gm.c3, g.c3) != CUDA_SUCCESS)
             return cudaErrorInvalidValue;
     }
     if constexpr (F == fused::swiglu_grad) {
-        auto output_map = [&](CUtensorMap* map, const void* at) {
-            return tma::make_tensor_map_2d(map, at, tma::element_type<T>(), 2, g.N, g.M, g.c_stride_m, 64, 64, sw);
-        };
-        if (!tma_store || output_map(&gm.c2, g.c2) != CUDA_SUCCESS || output_map(&gm.h1, g.h1) != CUDA_SUCCESS ||
-            output_map(&gm.h2, g.h2) != CUDA_SUCCESS)
+        if (!tma_store || panel_map(&gm.c2, g.c2) != CUDA_SUCCESS || panel_map(&gm.h1, g.h1) != CUDA_SUCCESS ||
+            panel_map(&gm.h2, g.h2) != CUDA_SUCCESS)
             return cudaErrorInvalidValue;
     }
 
