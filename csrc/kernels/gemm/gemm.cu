@@ -458,11 +458,18 @@ __device__ __forceinline__ void store_staged_gate_grad(State& st, const kernel_p
     static_assert(State::BN == 128, "two panels a tile");
     const bool leader = (threadIdx.x & 31) == 0;
     auto& gg = st.gate_grad;
+    const bool hinted = p.args.evict_first != 0;
+    const uint64_t policy = tma::evict_first_policy();
     // h1's and h2's 64 x 64 panels at (row, col), with the next panel's brought into L2 where it is the tile's second.
     auto load_panel = [&](int row, int col, bool first) {
         sync::arrive_expect_bytes(gg.h_full[wg], uint32_t(sizeof(gg.h1[wg]) + sizeof(gg.h2[wg])));
-        tma::load_2d(gg.h1[wg], &gm.h1, col, row, gg.h_full[wg]);
-        tma::load_2d(gg.h2[wg], &gm.h2, col, row, gg.h_full[wg]);
+        if (hinted) {
+            tma::load_2d_hinted(gg.h1[wg], &gm.h1, col, row, gg.h_full[wg], policy);
+            tma::load_2d_hinted(gg.h2[wg], &gm.h2, col, row, gg.h_full[wg], policy);
+        } else {
+            tma::load_2d(gg.h1[wg], &gm.h1, col, row, gg.h_full[wg]);
+            tma::load_2d(gg.h2[wg], &gm.h2, col, row, gg.h_full[wg]);
+        }
         if (first && col + 64 < p.args.N) {
             tma::prefetch_2d(&gm.h1, col + 64, row);
             tma::prefetch_2d(&gm.h2, col + 64, row);
@@ -489,7 +496,10 @@ __device__ __forceinline__ void store_staged_gate_grad(State& st, const kernel_p
             if (panel == 1) sync::arrive(st.c_free[wg]);  // dG's staging is read: the consumers may stage again
             if (leader) {
                 const int gc = col0 + panel * 64;
-                if (gc < p.args.N && row0 < p.args.M) {
+                if (gc < p.args.N && row0 < p.args.M && hinted) {
+                    tma::store_2d_hinted(&map_c, gg.h1[wg], gc, row0, policy);
+                    tma::store_2d_hinted(&gm.c2, gg.h2[wg], gc, row0, policy);
+                } else if (gc < p.args.N && row0 < p.args.M) {
                     tma::store_2d(&map_c, gg.h1[wg], gc, row0);
                     tma::store_2d(&gm.c2, gg.h2[wg], gc, row0);
                 }

@@ -54,6 +54,9 @@ struct gemm_args {
     // stride. A K-major, no bias, 128-wide tiles with store warps on the static schedule only (gemm_unsupported).
     const void* h1;
     const void* h2;
+    // SwiGLU's backward: 1 reads h1, h2 and writes dh1, dh2 with the L2 evict_first policy (each byte is touched
+    // once, so L2 should keep A's and B's lines before them); 0 unhinted.
+    int evict_first;
 };
 
 constexpr int SKINNY_MAX_M = 64;
