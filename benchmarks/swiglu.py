@@ -26,11 +26,6 @@ def shape_arg(text: str) -> tuple[int, int, int]:
     return m, k, n
 
 
-def shape_pair(text: str) -> tuple[int, int]:
-    first, second = (int(v) for v in text.split(":"))
-    return first, second
-
-
 def time_shape(M: int, K: int, N: int, gate, rounds: int) -> list[dict]:
     from thunder_tk import ops
 
@@ -68,10 +63,9 @@ def timed_rows(shape: str, fns: dict, flop: float, apart: str, reference: str, r
     return rows
 
 
-def time_backward(M: int, K: int, N: int, grad, rounds: int, knobs: list[tuple[int, int]] = ()) -> list[dict]:
+def time_backward(M: int, K: int, N: int, grad, rounds: int) -> list[dict]:
     """SwiGLU's backward through the output projection (K = model width, N = MLP width): dg = dy @ W3 (W3 (K, N) as
-    the backward trace reads proj's weight) and dh1, dh2 from dg, h1 and h2. `knobs`: the one launch also with these
-    (L2 group rows, evict_first) settings, in the same turns."""
+    the backward trace reads proj's weight) and dh1, dh2 from dg, h1 and h2."""
     from thunder_tk import ops
 
     torch.manual_seed(0)
@@ -85,9 +79,6 @@ def time_backward(M: int, K: int, N: int, grad, rounds: int, knobs: list[tuple[i
            "tk GEMM, no gradient": lambda: (None, ops.gemm(dy, w3)),
            # the one launch's tile shape without its epilogue: what 128-wide tiles cost at this shape
            "tk GEMM 128-wide tiles, no gradient": lambda: (None, ops.gemm(dy, w3, _tile_n=128))}
-    for rows_, evict in knobs:
-        fns[f"tk one launch, group {rows_ or 'default'}, evict_first {evict}"] = \
-            lambda r=rows_, e=evict: ops.matmul_swiglu_grad(dy, w3, h1, h2, _group_rows=r, _evict_first=e)
     return timed_rows(f"bwd {M}x{K}->{N}", fns, 2.0 * M * K * N, "tk GEMM + compiled gradient",
                       "cuBLAS GEMM + compiled gradient", rounds)
 
@@ -100,8 +91,6 @@ def main(argv=None) -> int:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--forward-only", action="store_true", help="the products and the gate only")
     which.add_argument("--backward-only", action="store_true", help="the projection's dX and the gradient only")
-    p.add_argument("--grad-knobs", nargs="*", default=[], metavar="GROUP_ROWS:EVICT_FIRST",
-                   help="the backward's one launch also with these L2 group rows (0: default) and evict_first (0/1)")
     p.add_argument("--json", default="out/swiglu.json")
     p.add_argument("--png", help="bar chart of the variants' TFLOP/s per shape")
     a = p.parse_args(argv)
@@ -119,7 +108,7 @@ def main(argv=None) -> int:
         if not a.backward_only:
             rows += time_shape(M, K, N, gate, a.rounds)
         if not a.forward_only:
-            rows += time_backward(M, K, N, grad, a.rounds, [shape_pair(k) for k in a.grad_knobs])
+            rows += time_backward(M, K, N, grad, a.rounds)
         torch.cuda.empty_cache()
     print_table(rows, ["shape", "variant", "ms", "tflops", "vs_tk_apart", "g_rel_err_vs_cublas"])
     write_results(a.json, "swiglu", rows)

@@ -264,12 +264,8 @@ void gemm_swiglu(std::uintptr_t a, std::uintptr_t w1, std::uintptr_t w2, std::ui
 // never written), dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1).
 void gemm_swiglu_grad(std::uintptr_t a, std::uintptr_t b, std::uintptr_t h1, std::uintptr_t h2, std::uintptr_t dh1,
                       std::uintptr_t dh2, int dtype, int64_t M, int64_t N, int64_t K, int64_t a_stride_m,
-                      int64_t b_stride_k, int64_t b_stride_n, int64_t row_stride, std::uintptr_t stream,
-                      int group_rows, int evict_first) {
+                      int64_t b_stride_k, int64_t b_stride_n, int64_t row_stride, std::uintptr_t stream) {
     tk::gemm::gemm_args g = gemm_operands(a, b, dh1, dtype, M, N, K, a_stride_m, 1, b_stride_k, b_stride_n, row_stride);
-    if (group_rows < 0 || group_rows > 64) throw std::invalid_argument("group_rows must be 0 (automatic) to 64");
-    g.group_rows = group_rows;
-    g.evict_first = evict_first != 0;
     g.h1 = as_ptr<void>(h1);
     g.h2 = as_ptr<void>(h2);
     g.c2 = reinterpret_cast<void*>(dh2);
@@ -619,11 +615,10 @@ PYBIND11_MODULE(_C, m) {
     m.def("gemm_swiglu_grad", &gemm_swiglu_grad, py::arg("a"), py::arg("b"), py::arg("h1"), py::arg("h2"),
           py::arg("dh1"), py::arg("dh2"), py::arg("dtype"), py::arg("M"), py::arg("N"), py::arg("K"),
           py::arg("a_stride_m"), py::arg("b_stride_k"), py::arg("b_stride_n"), py::arg("row_stride"),
-          py::arg("stream"), py::arg("group_rows") = 0, py::arg("evict_first") = 0,
+          py::arg("stream"),
           "SwiGLU's backward through its output projection: with dg = A B (A (M, K) K-major, B (K, N) with one unit "
           "stride; dg never written), dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1), each rounded once to the "
-          "element type; h1, h2, dh1 and dh2 (M, N) with one row stride; enqueued on `stream`. `group_rows` as "
-          "gemm's; `evict_first`: 1 h1, h2, dh1 and dh2 copied with L2's evict_first policy.");
+          "element type; h1, h2, dh1 and dh2 (M, N) with one row stride; enqueued on `stream`.");
     m.def("gemm_stream_k_workspace",
           [] {
               const int64_t floats = tk::gemm::stream_k_workspace_floats();

@@ -76,6 +76,30 @@ __device__ __forceinline__ void store_swizzled(const a_operand<T, K>& a, int row
         at.store(0, slice * 2, panel, a.r[slice][0], a.r[slice][1], a.r[slice][2], a.r[slice][3]);
 }
 
+// Two 16-bit tiles u and v in the 128-byte swizzle (as TMA loads them; panels as store_swizzled's, row0 as there)
+// updated in place from a warpgroup's 64 x N accumulator fragment d: for each fragment pair (d[i], d[i + 1]),
+// fn(d[i], d[i + 1], u_pair, v_pair) replaces the packed 16-bit pairs of u and v at the same two positions
+// (ldmatrix and stmatrix with the same lanes, so a thread rewrites only what it read).
+template <int N, typename PanelU, typename PanelV, typename Fn>
+__device__ __forceinline__ void update_swizzled_pairs(const float (&d)[N / 2], int row0, PanelU panel_u,
+                                                      PanelV panel_v, Fn fn) {
+    const detail::stmatrix_lane at(row0);
+#pragma unroll
+    for (int group = 0; group < N / 8; group += 2) {
+        const uint32_t au = at.address(0, group, panel_u), av = at.address(0, group, panel_v);
+        uint32_t u[4], v[4];
+        load_matrices_x4(au, u[0], u[1], u[2], u[3]);
+        load_matrices_x4(av, v[0], v[1], v[2], v[3]);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int i = (group + k / 2) * 4 + (k & 1) * 2;
+            fn(d[i], d[i + 1], u[k], v[k]);
+        }
+        store_matrices_x4(au, u[0], u[1], u[2], u[3]);
+        store_matrices_x4(av, v[0], v[1], v[2], v[3]);
+    }
+}
+
 // The reverse: rows [row0, row0 + 64) of 16-bit panels in the 128-byte swizzle (as TMA loads them) as a warpgroup's
 // A fragment, K columns deep, with ldmatrix (the same lanes and matrix order as stmatrix above).
 template <typename T, int K, typename Panel>

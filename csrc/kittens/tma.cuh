@@ -118,29 +118,6 @@ __device__ __forceinline__ void prefetch_2d(const CUtensorMap* map, int32_t inne
                  : "memory");
 }
 
-// An L2 policy for data a kernel touches once (evict_first: its lines go before others'), for the hinted copies.
-__device__ __forceinline__ uint64_t evict_first_policy() {
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    return policy;
-}
-// load_2d and store_2d with an L2 policy from evict_first_policy().
-__device__ __forceinline__ void load_2d_hinted(void* dst, const CUtensorMap* map, int32_t inner, int32_t outer,
-                                               sync::barrier& bar, uint64_t policy) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
-        " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(sync::smem_addr(dst)),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer), "r"(sync::smem_addr(&bar)), "l"(policy)
-        : "memory");
-}
-__device__ __forceinline__ void store_2d_hinted(const CUtensorMap* map, const void* src, int32_t inner, int32_t outer,
-                                                uint64_t policy) {
-    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%1, %2}], [%3], %4;" ::"l"(
-                     reinterpret_cast<uint64_t>(map)),
-                 "r"(inner), "r"(outer), "r"(sync::smem_addr(src)), "l"(policy)
-                 : "memory");
-}
-
 __device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Wait until the committed stores, all but the newest `Pending` groups, have finished reading shared memory (it
 // may then be overwritten).

@@ -22,9 +22,9 @@
 // of the staging (one pass in shared memory, where the unfused step re-read both products from memory).
 //
 // SwiGLU's backward variant (GATE_GRAD): dg = A B, the gradient of g = silu(h1) * h2, is never written; the store
-// warp turns each staged 64 x 128 block of it, with h1 and h2 loaded by TMA into shared memory while the block's
-// products ran, into dh1 = dg h2 silu'(h1) and dh2 = dg silu(h1), and stores those (the unfused step wrote dg and
-// read dg, h1 and h2 back). 128-wide tiles with five stages, h1 and h2 staged a 64 x 64 panel at a time.
+// warp loads a tile's h1 and h2 by TMA into shared memory while its products run, the consumers write
+// dh1 = dg h2 silu'(h1) and dh2 = dg silu(h1) over them from their fp32 accumulators, and the store warp stores
+// those (the unfused step wrote dg and read dg, h1 and h2 back). 128-wide tiles with five stages.
 #include "gemm.h"
 #include "../../kittens/kittens.cuh"
 
@@ -54,25 +54,21 @@ constexpr int CONSUMERS = 2, THREADS = (CONSUMERS + 1) * warpgroup::threads;
 constexpr int GROUP_ROWS = 8;  // default tile rows per L2 group of the persistent schedule
 constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
 static_assert(warpgroup::register_split_fits(1, PRODUCER_REGISTERS, CONSUMERS, CONSUMER_REGISTERS));
-// SwiGLU's backward: its store warps' loop spilled at 40 registers, and its 128-wide tiles' consumers need fewer.
-constexpr int GATE_GRAD_PRODUCER_REGISTERS = 72, GATE_GRAD_CONSUMER_REGISTERS = 216;
-static_assert(warpgroup::register_split_fits(1, GATE_GRAD_PRODUCER_REGISTERS, CONSUMERS, GATE_GRAD_CONSUMER_REGISTERS));
 // Named barriers. 0 is __syncthreads; 1 + wg a consumer warpgroup's own; the ping-pong turns 3 and 4.
 namespace barrier_id {
 __host__ __device__ constexpr int warpgroup(int wg) { return 1 + wg; }
 __host__ __device__ constexpr int turn(int wg) { return 1 + CONSUMERS + wg; }
 }  // namespace barrier_id
 
-// SwiGLU's backward: a 64 x 64 panel of h1 and of h2 per consumer warpgroup, swizzled as dG's staging (dh1 and dh2
-// are written over them and stored from there), and the barrier of their TMA loads. One panel rather than the
-// warpgroup's whole 64 x 128 block leaves room for a fifth stage: 128-wide tiles take a third more operand bytes per
-// product than 256-wide ones, so the ring must run further ahead.
+// SwiGLU's backward: h2's 64 x 128 block per consumer warpgroup as two swizzled 64 x 64 panels (h1's lies in the
+// warpgroup's output staging; dh1 and dh2 are written over them and stored from there), and the barrier of their
+// TMA loads. With it, five stages fit: 128-wide tiles take a third more operand bytes per product than 256-wide ones,
+// so the ring must run further ahead than the plain kernel's four.
 template <typename T, bool On>
 struct gate_grad_staging {};
 template <typename T>
 struct gate_grad_staging<T, true> {
-    alignas(1024) T h1[CONSUMERS][64 * 64];
-    alignas(1024) T h2[CONSUMERS][64 * 64];
+    alignas(1024) T h2[CONSUMERS][2][64 * 64];
     sync::barrier h_full[CONSUMERS];
 };
 
@@ -405,115 +401,90 @@ __device__ __forceinline__ void store_staged_gated(State& st, const kernel_param
     if (leader) tma::store_wait();  // the staging must outlive the stores' reads
 }
 
-// dh1 = dg h2 silu'(h1) and dh2 = dg silu(h1) for a packed pair of each, in fp32 from the 16-bit inputs with one
-// rounding at the end (silu'(x) = s (1 + x (1 - s)), s the logistic function; fast exponential and reciprocal as in
-// gate_pair, with s -> 0 for x -> -inf).
+// dh1 = dg h2 silu'(h1) and dh2 = dg silu(h1) for two adjacent columns: dg from the fp32 accumulators, h1 and h2
+// packed 16-bit pairs, replaced by dh1's and dh2's; fp32 math with one rounding (silu'(x) = s (1 + x (1 - s)), s the
+// logistic function; fast exponential and reciprocal as in gate_pair, with s -> 0 for x -> -inf).
 template <typename T>
-__device__ __forceinline__ void gate_grad_pair(uint32_t dg, uint32_t& h1_to_dh1, uint32_t& h2_to_dh2) {
-    T g[2], x[2], y[2], d1[2], d2[2];
-    memcpy(g, &dg, 4);
+__device__ __forceinline__ void gate_grad_pair(float dg0, float dg1, uint32_t& h1_to_dh1, uint32_t& h2_to_dh2) {
+    const float grad[2] = {dg0, dg1};
+    T x[2], y[2], d1[2], d2[2];
     memcpy(x, &h1_to_dh1, 4);
     memcpy(y, &h2_to_dh2, 4);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        const float v = to_float(x[i]), grad = to_float(g[i]);
+        const float v = to_float(x[i]);
         const float s = __fdividef(1.0f, 1.0f + __expf(-v));
-        d2[i] = T(grad * v * s);
-        d1[i] = T(grad * to_float(y[i]) * (s + v * s * (1.0f - s)));
+        d2[i] = T(grad[i] * v * s);
+        d1[i] = T(grad[i] * to_float(y[i]) * (s + v * s * (1.0f - s)));
     }
     memcpy(&h1_to_dh1, d1, 4);
     memcpy(&h2_to_dh2, d2, 4);
 }
 
-// One warp: dh1 over H1's staged 64 x 64 panel and dh2 over H2's, from dG's panel (all staged with the same swizzle,
-// so the three sit at the same offsets); each lane takes every 32nd 16-byte chunk.
-template <typename T>
-__device__ __forceinline__ void gate_grad_staged_panel(const T* dg, T* h1, T* h2) {
-    const uint4* grad = reinterpret_cast<const uint4*>(dg);
-    uint4* first = reinterpret_cast<uint4*>(h1);
-    uint4* second = reinterpret_cast<uint4*>(h2);
-#pragma unroll 2
-    for (int i = threadIdx.x & 31; i < 64 * 64 * int(sizeof(T)) / 16; i += 32) {
-        const uint4 d = grad[i];
-        uint4 a = first[i], b = second[i];
-        gate_grad_pair<T>(d.x, a.x, b.x);
-        gate_grad_pair<T>(d.y, a.y, b.y);
-        gate_grad_pair<T>(d.z, a.z, b.z);
-        gate_grad_pair<T>(d.w, a.w, b.w);
-        first[i] = a;
-        second[i] = b;
+// A consumer warpgroup's 64 x 128 rows of a SwiGLU backward tile (dg in d; first row row0, column col0): once its
+// store warp has the previous tile's origin and this tile's h1 and h2 have landed in the staging (h1 where the plain
+// kernel stages C, h2 beside it), dh1 and dh2 are written over them in place, and the block goes to the store warp.
+// The elementwise work runs in all eight consumer warps from the unrounded fp32 dg; done by the one store warp per
+// consumer from a staged bf16 dg, it held the staging for most of a tile's products (benchmarks/NOTES.md).
+template <typename T, typename State>
+__device__ __forceinline__ void gate_grad_rows64(State& st, int wg, const float (&d)[64], int row0, int col0,
+                                                 uint32_t& handoffs) {
+    sync::wait(st.c_free[wg], handoffs & 1);
+    sync::wait(st.gate_grad.h_full[wg], handoffs & 1);
+    uint8_t* h1 = reinterpret_cast<uint8_t*>(st.c_stage[wg]);
+    uint8_t* h2 = reinterpret_cast<uint8_t*>(st.gate_grad.h2[wg]);
+    rt::update_swizzled_pairs<128>(
+        d, 0, [&](int col) { return h1 + (col / 64) * 64 * 128; }, [&](int col) { return h2 + (col / 64) * 64 * 128; },
+        [](float dg0, float dg1, uint32_t& u, uint32_t& v) { gate_grad_pair<T>(dg0, dg1, u, v); });
+    if (warpgroup::thread() == 0) {
+        st.c_origin[wg][0] = row0;
+        st.c_origin[wg][1] = col0;
     }
+    tma::fence_shared_to_async();
+    sync::arrive(st.c_staged[wg]);
+    ++handoffs;
 }
 
-// A store warp (all its lanes) of a SwiGLU backward launch, for consumer warpgroup wg, a 64 x 64 panel at a time.
-// Lane 0 loads h1's and h2's panels of the warpgroup's rows by TMA (the static schedule's tiles, which the store warp
-// walks as the consumers do): a tile's first panel as soon as the stores of the tile before have read their staging,
-// so that it lands while the tile's products run, with the second brought into L2 at the same time; the second once
-// the first's stores have read theirs. The lanes write dh1 and dh2 over each panel of h1 and h2 once it has landed
-// and lane 0 stores them; dG's staging goes back to the consumers (c_free counts 32 arrivals) after the last panel.
-template <typename T, typename State, typename TileOf>
-__device__ __forceinline__ void store_staged_gate_grad(State& st, const kernel_params& p, const CUtensorMap& map_c,
-                                                       const gated_maps& gm, int wg, int cluster, int clusters,
-                                                       TileOf tile_of) {
+// Lane 0 of a store warp of a SwiGLU backward launch, for consumer warpgroup wg: loads the h1 and h2 blocks of the
+// warpgroup's next tile (the static schedule's, which it walks as the consumers do) into the staging as soon as the
+// stores of the tile before have read it, so that they land while the tile's products run; stores dh1 and dh2 once
+// the consumers have written them there. c_free tells the consumers that the origin has been read.
+template <typename State, typename TileOf>
+__device__ __forceinline__ void store_gate_grad_tiles(State& st, const kernel_params& p, const CUtensorMap& map_c,
+                                                      const gated_maps& gm, int wg, int cluster, int clusters,
+                                                      TileOf tile_of) {
     static_assert(State::BN == 128, "two panels a tile");
-    const bool leader = (threadIdx.x & 31) == 0;
     auto& gg = st.gate_grad;
-    const bool hinted = p.args.evict_first != 0;
-    const uint64_t policy = tma::evict_first_policy();
-    // h1's and h2's 64 x 64 panels at (row, col), with the next panel's brought into L2 where it is the tile's second.
-    auto load_panel = [&](int row, int col, bool first) {
-        sync::arrive_expect_bytes(gg.h_full[wg], uint32_t(sizeof(gg.h1[wg]) + sizeof(gg.h2[wg])));
-        if (hinted) {
-            tma::load_2d_hinted(gg.h1[wg], &gm.h1, col, row, gg.h_full[wg], policy);
-            tma::load_2d_hinted(gg.h2[wg], &gm.h2, col, row, gg.h_full[wg], policy);
-        } else {
-            tma::load_2d(gg.h1[wg], &gm.h1, col, row, gg.h_full[wg]);
-            tma::load_2d(gg.h2[wg], &gm.h2, col, row, gg.h_full[wg]);
-        }
-        if (first && col + 64 < p.args.N) {
-            tma::prefetch_2d(&gm.h1, col + 64, row);
-            tma::prefetch_2d(&gm.h2, col + 64, row);
-        }
-    };
-    // The first panel of the block's i-th tile, if it has one.
-    auto load_first_panel = [&](int i) {
+    auto load_tile = [&](int i) {  // the block's i-th tile's h1 and h2, if it has one
         const schedule::work w = p.split.item(cluster, clusters, i);
         if (w.tile < 0) return;
         const auto tile = tile_of(w.tile);
-        load_panel(tile.m * BM + wg * 64, tile.n * State::BN, true);
-    };
-    if (leader) load_first_panel(0);
-    sync::arrive(st.c_free[wg]);  // the staging starts out free
-    for (uint32_t k = 0;; ++k) {
-        int row0, col0;
-        if (!receive_staged(st, wg, k, row0, col0)) break;
-#pragma unroll 1
+        const int row = tile.m * BM + wg * 64, col = tile.n * State::BN;
+        sync::arrive_expect_bytes(gg.h_full[wg], uint32_t(sizeof(st.c_stage[wg]) + sizeof(gg.h2[wg])));
         for (int panel = 0; panel < 2; ++panel) {
-            sync::wait(gg.h_full[wg], panel);  // two loads a tile: the first panel's completes an even phase
-            gate_grad_staged_panel<T>(st.c_stage[wg][panel], gg.h1[wg], gg.h2[wg]);
-            tma::fence_shared_to_async();
-            __syncwarp();
-            if (panel == 1) sync::arrive(st.c_free[wg]);  // dG's staging is read: the consumers may stage again
-            if (leader) {
-                const int gc = col0 + panel * 64;
-                if (gc < p.args.N && row0 < p.args.M && hinted) {
-                    tma::store_2d_hinted(&map_c, gg.h1[wg], gc, row0, policy);
-                    tma::store_2d_hinted(&gm.c2, gg.h2[wg], gc, row0, policy);
-                } else if (gc < p.args.N && row0 < p.args.M) {
-                    tma::store_2d(&map_c, gg.h1[wg], gc, row0);
-                    tma::store_2d(&gm.c2, gg.h2[wg], gc, row0);
-                }
-                tma::store_commit();
-                tma::store_wait_read();
-                if (panel == 0)
-                    load_panel(row0, col0 + 64, false);
-                else
-                    load_first_panel(int(k) + 1);
-            }
-            __syncwarp();
+            tma::load_2d(st.c_stage[wg][panel], &gm.h1, col + panel * 64, row, gg.h_full[wg]);
+            tma::load_2d(gg.h2[wg][panel], &gm.h2, col + panel * 64, row, gg.h_full[wg]);
         }
+    };
+    load_tile(0);
+    sync::arrive(st.c_free[wg]);  // no origin to read yet
+    for (uint32_t k = 0;; ++k) {
+        sync::wait(st.c_staged[wg], k & 1);
+        const int row0 = st.c_origin[wg][0], col0 = st.c_origin[wg][1];
+        sync::arrive(st.c_free[wg]);
+        if (row0 < 0) break;
+        for (int panel = 0; panel < 2; ++panel) {
+            const int gc = col0 + panel * 64;
+            if (gc < p.args.N && row0 < p.args.M) {
+                tma::store_2d(&map_c, st.c_stage[wg][panel], gc, row0);
+                tma::store_2d(&gm.c2, gg.h2[wg][panel], gc, row0);
+            }
+        }
+        tma::store_commit();
+        tma::store_wait_read();
+        load_tile(int(k) + 1);
     }
-    if (leader) tma::store_wait();  // the staging must outlive the stores' reads
+    tma::store_wait();  // the staging must outlive the stores' reads
 }
 
 // One tile's walk over the ring, keeping one wgmma group in flight: stage s is released once the group after it
@@ -555,7 +526,7 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
             for (uint32_t r = 0; r < CLUSTER; ++r) sync::arrive_cluster(b, r);
         }
     };
-    warpgroup::increase_registers<F == fused::swiglu_grad ? GATE_GRAD_CONSUMER_REGISTERS : CONSUMER_REGISTERS>();
+    warpgroup::increase_registers<CONSUMER_REGISTERS>();
     const int slice = warpgroup::uniform_index() - 1;  // rows [64 slice, 64 slice + 64) of the tile
     constexpr int STAGES = State::STAGES;
     pipeline::cursor<STAGES> at;
@@ -616,7 +587,9 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
         // A SwiGLU tile's 256 accumulator columns are 128 output columns of each product.
         constexpr bool GATED = F == fused::swiglu;
         const int64_t row0 = int64_t(tile.m) * BM + slice * 64, col0 = int64_t(tile.n) * (GATED ? BN / 2 : BN);
-        if constexpr (F != fused::none)
+        if constexpr (F == fused::swiglu_grad)
+            gate_grad_rows64<T>(st, slice, d, int(row0), int(col0), handoffs);
+        else if constexpr (F == fused::swiglu)
             stage_rows64<T, BN>(st, p, slice, d, int(row0), int(col0), handoffs);
         else if (State::STORE_WARPS && p.tma_store)
             stage_rows64<T, BN>(st, p, slice, d, int(row0), int(col0), handoffs);
@@ -725,7 +698,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         st.ring.init(1, PINGPONG ? 4 : CLUSTER * CONSUMERS * 4);
         for (int wg = 0; wg < CONSUMERS; ++wg) {
             sync::init(st.c_staged[wg], warpgroup::threads);
-            sync::init(st.c_free[wg], F != fused::none ? 32 : 1);  // SwiGLU: every lane of the store warp
+            sync::init(st.c_free[wg], F == fused::swiglu ? 32 : 1);  // SwiGLU: every lane of the store warp
             if constexpr (GATE_GRAD) sync::init(st.gate_grad.h_full[wg], 1);
         }
         sync::fence_init();
@@ -746,7 +719,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     };
     if (warpgroup::index() == 0) {
         // ---------------- producer ----------------
-        warpgroup::decrease_registers<GATE_GRAD ? GATE_GRAD_PRODUCER_REGISTERS : PRODUCER_REGISTERS>();
+        warpgroup::decrease_registers<PRODUCER_REGISTERS>();
         if (threadIdx.x == 0) {
             tma::prefetch_map(&map_a);
             tma::prefetch_map(&map_b);
@@ -833,9 +806,9 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
         } else if (GATED && (threadIdx.x / 32 == 1 || threadIdx.x / 32 == 2)) {
             if constexpr (GATED) store_staged_gated<T>(st, p, map_c, gm, int(threadIdx.x / 32) - 1);
-        } else if (GATE_GRAD && (threadIdx.x / 32 == 1 || threadIdx.x / 32 == 2)) {
+        } else if (GATE_GRAD && (threadIdx.x == 32 || threadIdx.x == 64)) {
             if constexpr (GATE_GRAD)
-                store_staged_gate_grad<T>(st, p, map_c, gm, int(threadIdx.x / 32) - 1, cluster, clusters, tile_of);
+                store_gate_grad_tiles(st, p, map_c, gm, int(threadIdx.x / 32) - 1, cluster, clusters, tile_of);
         } else if (STORE_WARPS && p.tma_store && (threadIdx.x == 32 || threadIdx.x == 64)) {
             store_staged_tiles(st, p, map_c, int(threadIdx.x / 32) - 1);
         }

@@ -50,13 +50,10 @@ struct gemm_args {
     void* c2;
     void* c3;
     // SwiGLU's backward (h1 non-null): with dG = A B (never written), C = dh1 = dG h2 silu'(h1) and C2 = dh2 =
-    // dG silu(h1), each rounded once from fp32; h1 and h2 are the forward's products, read by TMA with C's row
+    // dG silu(h1), each from dG's fp32 accumulators and rounded once; h1 and h2 are the forward's products, read by TMA with C's row
     // stride. A K-major, no bias, 128-wide tiles with store warps on the static schedule only (gemm_unsupported).
     const void* h1;
     const void* h2;
-    // SwiGLU's backward: 1 reads h1, h2 and writes dh1, dh2 with the L2 evict_first policy (each byte is touched
-    // once, so L2 should keep A's and B's lines before them); 0 unhinted.
-    int evict_first;
 };
 
 constexpr int SKINNY_MAX_M = 64;
