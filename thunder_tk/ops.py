@@ -687,8 +687,9 @@ def matmul_swiglu_grad(a: torch.Tensor, b: torch.Tensor, h1: torch.Tensor, h2: t
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh1, dh2): SwiGLU's backward through its output projection by one tk launch. With dg = a @ b, the gradient
     of g = silu(h1) * h2 (never written), dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1), each computed in fp32
-    from dg's fp32 accumulators (unrounded) and the 16-bit h1 and h2, and rounded once. a (M, K) (rows of the incoming gradient), b (K, N) (the output
-    projection's weight); h1, h2 (..., N) with M rows in all; results in h1's shape and dtype. N a multiple of 8."""
+    from dg's fp32 accumulators (unrounded) and the 16-bit h1 and h2, and rounded once. a (M, K) (rows of the
+    incoming gradient), b (K, N) (the output projection's weight); h1, h2 (..., N) with M rows in all; results in
+    h1's shape and dtype. N a multiple of 8."""
     check_gemm_args(a, b, None)
     M, K = a.shape
     N = b.shape[1]

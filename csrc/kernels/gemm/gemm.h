@@ -50,8 +50,9 @@ struct gemm_args {
     void* c2;
     void* c3;
     // SwiGLU's backward (h1 non-null): with dG = A B (never written), C = dh1 = dG h2 silu'(h1) and C2 = dh2 =
-    // dG silu(h1), each from dG's fp32 accumulators and rounded once; h1 and h2 are the forward's products, read by TMA with C's row
-    // stride. A K-major, no bias, 128-wide tiles with store warps on the static schedule only (gemm_unsupported).
+    // dG silu(h1), each from dG's fp32 accumulators and rounded once; h1 and h2 are the forward's products, read by
+    // TMA with C's row stride. A K-major, no bias, 128-wide tiles with store warps on the static schedule only
+    // (gemm_unsupported).
     const void* h1;
     const void* h2;
 };
