@@ -244,6 +244,19 @@ __device__ __forceinline__ void write_rows64(State& st, const kernel_params& p, 
     }
 }
 
+// A consumer warpgroup's staged block (first row row0, column col0) to its store warp: the origin, the staging's
+// writes made visible to TMA, and the warpgroup's arrival. `handoffs`: how many it has made (the barriers' phase).
+template <typename State>
+__device__ __forceinline__ void hand_over_staged(State& st, int wg, int row0, int col0, uint32_t& handoffs) {
+    if (warpgroup::thread() == 0) {
+        st.c_origin[wg][0] = row0;
+        st.c_origin[wg][1] = col0;
+    }
+    tma::fence_shared_to_async();
+    sync::arrive(st.c_staged[wg]);
+    ++handoffs;
+}
+
 // A consumer warpgroup's 64 x BN rows of a tile (first row row0, column col0), plus bias, rounded into its staging
 // for its store warp (store_staged_tiles); waits first for the store warp to be done with the previous tile's.
 // `handoffs`: how many this warpgroup has made (the barriers' phase).
@@ -266,13 +279,7 @@ __device__ __forceinline__ void stage_rows64(State& st, const kernel_params& p, 
             return plus_bias(laundered, col0 + wgmma::accumulator_position(i).col, n, x, y);
         });
     }
-    if (warpgroup::thread() == 0) {
-        st.c_origin[wg][0] = row0;
-        st.c_origin[wg][1] = col0;
-    }
-    tma::fence_shared_to_async();
-    sync::arrive(st.c_staged[wg]);
-    ++handoffs;
+    hand_over_staged(st, wg, row0, col0, handoffs);
 }
 
 // After a consumer warpgroup's last tile: tells its store warp that no more come.
@@ -436,13 +443,7 @@ __device__ __forceinline__ void gate_grad_rows64(State& st, int wg, const float 
     rt::update_swizzled_pairs<128>(
         d, 0, [&](int col) { return h1 + (col / 64) * 64 * 128; }, [&](int col) { return h2 + (col / 64) * 64 * 128; },
         [](float dg0, float dg1, uint32_t& u, uint32_t& v) { gate_grad_pair<T>(dg0, dg1, u, v); });
-    if (warpgroup::thread() == 0) {
-        st.c_origin[wg][0] = row0;
-        st.c_origin[wg][1] = col0;
-    }
-    tma::fence_shared_to_async();
-    sync::arrive(st.c_staged[wg]);
-    ++handoffs;
+    hand_over_staged(st, wg, row0, col0, handoffs);
 }
 
 // Lane 0 of a store warp of a SwiGLU backward launch, for consumer warpgroup wg: loads the h1 and h2 blocks of the
