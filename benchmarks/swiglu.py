@@ -2,8 +2,8 @@
 in turns: tk's one launch (ops.swiglu_linear), tk's two GEMMs and torch.compile's kernel for the gated product (what
 Thunder [tk] ran before pattern_fusion.fuse_swiglu), and cuBLAS's two GEMMs with the same compiled kernel; and tk's
 two GEMMs with no gate, the floor of the one launch. And the backward through the output projection: tk's one
-launch (ops.matmul_swiglu_grad: dg's tiles turned into dh1 and dh2 in shared memory), against tk's or cuBLAS's dX GEMM
-and a compiled kernel for the gradient, and tk's GEMM alone.
+launch (ops.matmul_swiglu_grad: dg's accumulators turned into dh1 and dh2 in its epilogue), against tk's or
+cuBLAS's dX GEMM and a compiled kernel for the gradient, and tk's GEMM alone.
 
     python3 benchmarks/swiglu.py --shapes 8192:2048:8192 8192:4096:14336 --json out/swiglu.json
 """

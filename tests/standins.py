@@ -226,12 +226,12 @@ def swiglu_linear_standin(x, w1, w2):
 
 
 def matmul_swiglu_grad_standin(a, b, h1, h2):
-    """ops.matmul_swiglu_grad's contract in float64 math: dg = a @ b rounded to the dtype (as the unfused GEMM writes
-    it), then dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1), each rounded once."""
+    """ops.matmul_swiglu_grad's contract in float64 math: dg = a @ b (unrounded, as the kernel keeps it in its
+    accumulators), then dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1), each rounded once."""
     assert a.ndim == 2 and b.ndim == 2 and a.shape[1] == b.shape[0] and h1.shape == h2.shape
     assert h1.shape[-1] == b.shape[1] and h1.numel() == a.shape[0] * b.shape[1] and b.shape[1] % 8 == 0
     assert a.dtype == b.dtype == h1.dtype == h2.dtype and a.dtype in (torch.bfloat16, torch.float16)
-    dg = (a.double() @ b.double()).to(a.dtype).double().reshape(h1.shape)
+    dg = (a.double() @ b.double()).reshape(h1.shape)
     x, y = h1.double(), h2.double()
     s = torch.sigmoid(x)
     return (dg * y * s * (1 + x * (1 - s))).to(a.dtype), (dg * x * s).to(a.dtype)

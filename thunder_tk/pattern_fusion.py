@@ -41,9 +41,9 @@ them). The fuser's kernel that read both products back to form the gated one goe
 `fuse_swiglu_grad`: in the backward, the output projection's dX GEMM makes dg (the gradient of silu(h1) * h2), and
 Thunder's autodiff then spells out dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1) in some twenty elementwise ops,
 which the fuser runs as one kernel reading dg, h1 and h2 back. Where dg is read by nothing else, one
-tk_matmul_swiglu_grad launch computes dh1 and dh2 from dg's tiles in shared memory instead. The region is found by its
-shape (elementwise ops from dg and two more tensors like it to two tensors like it) and confirmed by running its ops
-on a small CPU probe against the formula, which also tells h1 from h2 and dh1 from dh2: Thunder's decomposition of
+tk_matmul_swiglu_grad launch computes dh1 and dh2 from dg's accumulators in its epilogue instead. The region is found
+by its shape (elementwise ops from dg and two more tensors like it to two tensors like it) and confirmed by running its
+ops on a small CPU probe against the formula, which also tells h1 from h2 and dh1 from dh2: Thunder's decomposition of
 silu's gradient may change between versions without this rewrite matching something else. Taken up to MLP widths of
 SWIGLU_GRAD_MAX_N (wider ones measured slower); off with the feature name `gemm_swiglu_grad`.
 """
@@ -635,8 +635,8 @@ def _gate_grad_roles(bsyms: list[BoundSymbol], region: set[int], dg: TensorProxy
 def fuse_swiglu_grad(trace):
     """The trace with SwiGLU's backward folded into the output projection's dX GEMM: where a tk_matmul's output dg
     is read only by the elementwise ops that make dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1) (found by their
-    shape, confirmed by running them on a probe), one tk_matmul_swiglu_grad launch computes dh1 and dh2 from dg's tiles
-    in shared memory: dg is neither written nor read back. Off with the feature name SWIGLU_GRAD, and where the build
+    shape, confirmed by running them on a probe), one tk_matmul_swiglu_grad launch computes dh1 and dh2 from dg's
+    accumulators: dg is neither written nor read back. Off with the feature name SWIGLU_GRAD, and where the build
     has no gemm_swiglu_grad kernel."""
     from thunder_tk import _extension, claim_rules
     from thunder_tk.lowering import tk_matmul, tk_matmul_swiglu_grad

@@ -110,14 +110,6 @@ __device__ __forceinline__ void store_add_4d(const CUtensorMap* map, const void*
         : "memory");
 }
 
-// Brings a box of a tensor into L2 (no shared memory, no barrier): a later load_2d of it then reads L2.
-__device__ __forceinline__ void prefetch_2d(const CUtensorMap* map, int32_t inner, int32_t outer) {
-    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(
-                     reinterpret_cast<uint64_t>(map)),
-                 "r"(inner), "r"(outer)
-                 : "memory");
-}
-
 __device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Wait until the committed stores, all but the newest `Pending` groups, have finished reading shared memory (it
 // may then be overwritten).

@@ -193,8 +193,8 @@ def cross_entropy_forward_grad():
     print("cross-entropy forward+grad sanitize targets ran")
 
 
-SECTIONS = [attention_bwd_delta, gemm, gemm_skinny, gemm_swiglu, tile_library, attention_forward, attention_backward, cross_entropy,
-            cross_entropy_forward_grad]
+SECTIONS = [attention_bwd_delta, gemm, gemm_skinny, gemm_swiglu, tile_library, attention_forward, attention_backward,
+            cross_entropy, cross_entropy_forward_grad]
 
 if __name__ == "__main__":
     only = {x.strip() for x in os.environ.get("SANITIZE_ONLY", "").split(",") if x.strip()}

@@ -44,8 +44,8 @@ constexpr int BM = 128, BK = 64;
 // STORE_WARPS: the epilogue by store warps from a whole tile's staging (256-wide tiles only), which leaves room
 // for three stages.
 constexpr int stages_of(int tn, bool store_warps) { return tn == 256 ? (store_warps ? 3 : 4) : 6; }
-// What a launch computes besides C = A B (+ bias): SwiGLU's forward (two products and the gate) or its backward
-// (dh1 and dh2 from dg's tiles), both in the store warps' epilogue.
+// What a launch computes besides C = A B (+ bias): SwiGLU's forward (two products and the gate, in the store warps'
+// epilogue) or its backward (dh1 and dh2 from dg's accumulators, in the consumers' epilogue).
 enum class fused { none, swiglu, swiglu_grad };
 // With clusters of C = 2 blocks, the blocks share their B tile: block r loads rows [128 r, 128 r + 128) of it
 // and the copy engine writes them into both blocks' shared memory (halving L2 -> SM traffic for B).
@@ -590,9 +590,7 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
         const int64_t row0 = int64_t(tile.m) * BM + slice * 64, col0 = int64_t(tile.n) * (GATED ? BN / 2 : BN);
         if constexpr (F == fused::swiglu_grad)
             gate_grad_rows64<T>(st, slice, d, int(row0), int(col0), handoffs);
-        else if constexpr (F == fused::swiglu)
-            stage_rows64<T, BN>(st, p, slice, d, int(row0), int(col0), handoffs);
-        else if (State::STORE_WARPS && p.tma_store)
+        else if (GATED || (State::STORE_WARPS && p.tma_store))  // a SwiGLU launch always stores by TMA
             stage_rows64<T, BN>(st, p, slice, d, int(row0), int(col0), handoffs);
         else
             write_rows64<T, BN>(st, p, map_c, slice, d, row0, col0);
