@@ -74,6 +74,8 @@ def time_backward(M: int, K: int, N: int, grad, rounds: int) -> list[dict]:
     h1 = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 2
     h2 = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     fns = {"tk one launch": lambda: ops.matmul_swiglu_grad(dy, w3, h1, h2),
+           # the consumers sharing each tile (both wait for the epilogue) instead of taking whole tiles in turns
+           "tk one launch, shared tiles": lambda: ops.matmul_swiglu_grad(dy, w3, h1, h2, _pingpong=-1),
            "tk GEMM + compiled gradient": lambda: grad(ops.gemm(dy, w3), h1, h2),
            "cuBLAS GEMM + compiled gradient": lambda: grad(dy @ w3, h1, h2),
            "tk GEMM, no gradient": lambda: (None, ops.gemm(dy, w3)),

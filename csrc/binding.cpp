@@ -264,8 +264,10 @@ void gemm_swiglu(std::uintptr_t a, std::uintptr_t w1, std::uintptr_t w2, std::ui
 // never written), dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1).
 void gemm_swiglu_grad(std::uintptr_t a, std::uintptr_t b, std::uintptr_t h1, std::uintptr_t h2, std::uintptr_t dh1,
                       std::uintptr_t dh2, int dtype, int64_t M, int64_t N, int64_t K, int64_t a_stride_m,
-                      int64_t b_stride_k, int64_t b_stride_n, int64_t row_stride, std::uintptr_t stream) {
+                      int64_t b_stride_k, int64_t b_stride_n, int64_t row_stride, std::uintptr_t stream,
+                      int pingpong) {
     tk::gemm::gemm_args g = gemm_operands(a, b, dh1, dtype, M, N, K, a_stride_m, 1, b_stride_k, b_stride_n, row_stride);
+    g.pingpong = pingpong;
     g.h1 = as_ptr<void>(h1);
     g.h2 = as_ptr<void>(h2);
     g.c2 = reinterpret_cast<void*>(dh2);
@@ -615,10 +617,11 @@ PYBIND11_MODULE(_C, m) {
     m.def("gemm_swiglu_grad", &gemm_swiglu_grad, py::arg("a"), py::arg("b"), py::arg("h1"), py::arg("h2"),
           py::arg("dh1"), py::arg("dh2"), py::arg("dtype"), py::arg("M"), py::arg("N"), py::arg("K"),
           py::arg("a_stride_m"), py::arg("b_stride_k"), py::arg("b_stride_n"), py::arg("row_stride"),
-          py::arg("stream"),
+          py::arg("stream"), py::arg("pingpong") = 0,
           "SwiGLU's backward through its output projection: with dg = A B (A (M, K) K-major, B (K, N) with one unit "
           "stride; dg never written), dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1), each rounded once to the "
-          "element type; h1, h2, dh1 and dh2 (M, N) with one row stride; enqueued on `stream`.");
+          "element type; h1, h2, dh1 and dh2 (M, N) with one row stride; enqueued on `stream`. `pingpong`: 0 or 1 "
+          "the consumer warpgroups take whole 128 x 128 tiles in turns, -1 they share each tile.");
     m.def("gemm_stream_k_workspace",
           [] {
               const int64_t floats = tk::gemm::stream_k_workspace_floats();

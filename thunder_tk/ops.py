@@ -683,13 +683,15 @@ def swiglu_linear(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, _sched
     return g, h1, h2
 
 
-def matmul_swiglu_grad(a: torch.Tensor, b: torch.Tensor, h1: torch.Tensor, h2: torch.Tensor
+def matmul_swiglu_grad(a: torch.Tensor, b: torch.Tensor, h1: torch.Tensor, h2: torch.Tensor, *, _pingpong: int = 0
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh1, dh2): SwiGLU's backward through its output projection by one tk launch. With dg = a @ b, the gradient
     of g = silu(h1) * h2 (never written), dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1), each computed in fp32
     from dg's fp32 accumulators (unrounded) and the 16-bit h1 and h2, and rounded once. a (M, K) (rows of the
     incoming gradient), b (K, N) (the output projection's weight); h1, h2 (..., N) with M rows in all; results in
-    h1's shape and dtype. N a multiple of 8."""
+    h1's shape and dtype. N a multiple of 8. `_pingpong` (experiments): 0 or 1 the consumer warpgroups take whole
+    128 x 128 tiles in turns, so one's elementwise epilogue runs under the other's products; -1 they share each
+    tile."""
     check_gemm_args(a, b, None)
     M, K = a.shape
     N = b.shape[1]
@@ -715,7 +717,7 @@ def matmul_swiglu_grad(a: torch.Tensor, b: torch.Tensor, h1: torch.Tensor, h2: t
     with _on(a.device):
         ext.gemm_swiglu_grad(a.data_ptr(), b.data_ptr(), h1.data_ptr(), h2.data_ptr(), dh1.data_ptr(),
                              dh2.data_ptr(), _DTYPE_CODES[a.dtype], M, N, K, a.stride(0) if M > 1 else K, b_sk, b_sn,
-                             N, _stream_handle(a.device))
+                             N, _stream_handle(a.device), _pingpong)
     return dh1, dh2
 
 

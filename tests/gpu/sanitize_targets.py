@@ -81,9 +81,16 @@ def gemm_swiglu():
         w1, w2 = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         ops.swiglu_linear(x, w1, w2)
         ops.swiglu_linear(x, w1, w2, _schedule="dynamic")
-        # The backward's launch: dh1, dh2 from dg = x @ w (tiles of 128 columns, several a block at N = 2560).
+        # The backward's launch: dh1, dh2 from dg = x @ w (tiles of 128 columns, several a block at N = 2560), with
+        # the consumers taking whole tiles in turns (the default) and sharing each.
         h1, h2 = (torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        ops.matmul_swiglu_grad(x, torch.randn(K, N, device="cuda", dtype=torch.bfloat16), h1, h2)
+        w = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        ops.matmul_swiglu_grad(x, w, h1, h2)
+        ops.matmul_swiglu_grad(x, w, h1, h2, _pingpong=-1)
+    # Ping-pong with about four tiles a block, so that each warpgroup takes several turns at the one staging.
+    x = torch.randn(2048, 64, device="cuda", dtype=torch.bfloat16)
+    h1, h2 = (torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ops.matmul_swiglu_grad(x, torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16), h1, h2)
     torch.cuda.synchronize()
     print("gemm_swiglu sanitize targets ran")
 

@@ -110,9 +110,9 @@ def grad_reference(a, b, h1, h2):
     return dg * y * s * (1 + x * (1 - s)), dg * x * s
 
 
-def check_grad(a, b, h1, h2):
+def check_grad(a, b, h1, h2, pingpong=0):
     poison_allocator((h1.shape, h1.dtype))
-    dh1, dh2 = ops.matmul_swiglu_grad(a, b, h1, h2)
+    dh1, dh2 = ops.matmul_swiglu_grad(a, b, h1, h2, _pingpong=pingpong)
     ref1, ref2 = grad_reference(a, b, h1, h2)
     for name, got, ref in (("dh1", dh1, ref1), ("dh2", dh2, ref2)):
         assert got.shape == h1.shape and got.dtype == h1.dtype, name
@@ -131,15 +131,33 @@ def grad_operands(M, K, N, dtype, *, weight_k_major=False):
     return a, b, h1, h2
 
 
+# The consumer warpgroups taking whole tiles in turns through one staging (the default), or sharing each tile.
+TILES = {"pingpong": 0, "shared": -1}
+
+
+@pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("M,K,N", SHAPES)
-def test_grad_matches_float64(M, K, N, dtype):
-    check_grad(*grad_operands(M, K, N, dtype))
+def test_grad_matches_float64(M, K, N, dtype, tiles):
+    check_grad(*grad_operands(M, K, N, dtype), pingpong=TILES[tiles])
 
 
+@pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("M,K,N", [(17, 136, 200), (1000, 520, 1032)])
-def test_grad_weight_k_major(M, K, N):
-    check_grad(*grad_operands(M, K, N, torch.bfloat16, weight_k_major=True))
+def test_grad_weight_k_major(M, K, N, tiles):
+    check_grad(*grad_operands(M, K, N, torch.bfloat16, weight_k_major=True), pingpong=TILES[tiles])
+
+
+@pytest.mark.parametrize("M,K,N", [(130, 72, 264), (2048, 64, 4096), (4100, 2048, 1032)])
+def test_grad_tile_modes_agree(M, K, N):
+    """Whole tiles in turns and shared tiles issue the same products in the same order and the same epilogue math:
+    the same bits, with one tile a block, several (each warpgroup several turns at the staging), and a tail in M
+    and N."""
+    a, b, h1, h2 = grad_operands(M, K, N, torch.bfloat16)
+    whole = check_grad(a, b, h1, h2, pingpong=0)
+    shared = check_grad(a, b, h1, h2, pingpong=-1)
+    for x, y in zip(whole, shared):
+        assert torch.equal(x, y)
 
 
 def test_grad_three_d_strided_and_repeatable():

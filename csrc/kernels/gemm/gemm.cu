@@ -24,7 +24,9 @@
 // SwiGLU's backward variant (GATE_GRAD): dg = A B, the gradient of g = silu(h1) * h2, is never written; the store
 // warp loads a tile's h1 and h2 by TMA into shared memory while its products run, the consumers write
 // dh1 = dg h2 silu'(h1) and dh2 = dg silu(h1) over them from their fp32 accumulators, and the store warp stores
-// those (the unfused step wrote dg and read dg, h1 and h2 back). 128-wide tiles with five stages.
+// those (the unfused step wrote dg and read dg, h1 and h2 back). 128-wide tiles with five stages; by default the
+// consumers take whole tiles in turns (ping-pong), one staging of a tile's h1 and h2 serving both by turns, so that
+// one's epilogue runs under the other's products.
 #include "gemm.h"
 #include "../../kittens/kittens.cuh"
 
@@ -62,7 +64,8 @@ __host__ __device__ constexpr int turn(int wg) { return 1 + CONSUMERS + wg; }
 
 // SwiGLU's backward: h2's 64 x 128 block per consumer warpgroup as two swizzled 64 x 64 panels (h1's lies in the
 // warpgroup's output staging; dh1 and dh2 are written over them and stored from there), and the barrier of their
-// TMA loads. With it, five stages fit: 128-wide tiles take a third more operand bytes per product than 256-wide ones,
+// TMA loads. Ping-pong: the two warpgroups' blocks are the two 64-row halves of one whole tile, used by turns
+// (barriers of channel 0 only). With it, five stages fit: 128-wide tiles take a third more operand bytes per product than 256-wide ones,
 // so the ring must run further ahead than the plain kernel's four.
 template <typename T, bool On>
 struct gate_grad_staging {};
@@ -428,59 +431,76 @@ __device__ __forceinline__ void gate_grad_pair(float dg0, float dg1, uint32_t& h
     memcpy(&h2_to_dh2, d2, 4);
 }
 
-// A consumer warpgroup's 64 x 128 rows of a SwiGLU backward tile (dg in d; first row row0, column col0): once its
-// store warp has the previous tile's origin and this tile's h1 and h2 have landed in the staging (h1 where the plain
-// kernel stages C, h2 beside it), dh1 and dh2 are written over them in place, and the block goes to the store warp.
-// The elementwise work runs in all eight consumer warps from the unrounded fp32 dg; done by the one store warp per
-// consumer from a staged bf16 dg, it held the staging for most of a tile's products (benchmarks/NOTES.md).
+// dh1 and dh2 over the staged h1 and h2 of 64 rows of a SwiGLU backward tile (staging half `half`), from those rows'
+// dg in d: each 16-column slice of h1 and h2 read with ldmatrix and written back in place with stmatrix (each thread
+// rewrites only what it read). The elementwise work runs in the consumer warps from the unrounded fp32 dg; done by
+// one store warp per consumer from a staged bf16 dg, it held the staging for most of a tile's products
+// (benchmarks/NOTES.md).
+template <typename T, typename State>
+__device__ __forceinline__ void gate_grad_in_place(State& st, int half, const float (&d)[64]) {
+    uint8_t* h1 = reinterpret_cast<uint8_t*>(st.c_stage[half]);
+    uint8_t* h2 = reinterpret_cast<uint8_t*>(st.gate_grad.h2[half]);
+    rt::update_swizzled_pairs<128>(
+        d, 0, [&](int col) { return h1 + (col / 64) * 64 * 128; }, [&](int col) { return h2 + (col / 64) * 64 * 128; },
+        [](float dg0, float dg1, uint32_t& u, uint32_t& v) { gate_grad_pair<T>(dg0, dg1, u, v); });
+}
+
+// A consumer warpgroup's 64 x 128 rows of a SwiGLU backward tile it shares with the other (dg in d; first row row0,
+// column col0): once its store warp has the previous tile's origin and this tile's h1 and h2 have landed in the
+// warpgroup's staging (h1 where the plain kernel stages C, h2 beside it), dh1 and dh2 are written over them, and
+// the block goes to the store warp.
 template <typename T, typename State>
 __device__ __forceinline__ void gate_grad_rows64(State& st, int wg, const float (&d)[64], int row0, int col0,
                                                  uint32_t& handoffs) {
     sync::wait(st.c_free[wg], handoffs & 1);
     sync::wait(st.gate_grad.h_full[wg], handoffs & 1);
-    uint8_t* h1 = reinterpret_cast<uint8_t*>(st.c_stage[wg]);
-    uint8_t* h2 = reinterpret_cast<uint8_t*>(st.gate_grad.h2[wg]);
-    rt::update_swizzled_pairs<128>(
-        d, 0, [&](int col) { return h1 + (col / 64) * 64 * 128; }, [&](int col) { return h2 + (col / 64) * 64 * 128; },
-        [](float dg0, float dg1, uint32_t& u, uint32_t& v) { gate_grad_pair<T>(dg0, dg1, u, v); });
+    gate_grad_in_place<T>(st, wg, d);
     hand_over_staged(st, wg, row0, col0, handoffs);
 }
 
-// Lane 0 of a store warp of a SwiGLU backward launch, for consumer warpgroup wg: loads the h1 and h2 blocks of the
-// warpgroup's next tile (the static schedule's, which it walks as the consumers do) into the staging as soon as the
-// stores of the tile before have read it, so that they land while the tile's products run; stores dh1 and dh2 once
-// the consumers have written them there. c_free tells the consumers that the origin has been read.
-template <typename State, typename TileOf>
+// Lane 0 of a store warp of a SwiGLU backward launch. Shared tiles (WHOLE_TILE false): one store warp per consumer
+// warpgroup wg, for the warpgroup's 64 rows of each tile in its own staging. Ping-pong (WHOLE_TILE): the one store
+// warp for both warpgroups, whose 128 x 128 tiles pass through one staging of both halves in the block's order.
+// Loads the h1 and h2 rows of the next tile (the static schedule's, which it walks as the consumers do) into the
+// staging as soon as the stores of the tile before have read it, so that they land while the tile's products run;
+// stores dh1 and dh2 once the consumers have written them there. c_free tells the consumers that the origin has
+// been read.
+template <bool WHOLE_TILE, typename State, typename TileOf>
 __device__ __forceinline__ void store_gate_grad_tiles(State& st, const kernel_params& p, const CUtensorMap& map_c,
                                                       const gated_maps& gm, int wg, int cluster, int clusters,
                                                       TileOf tile_of) {
     static_assert(State::BN == 128, "two panels a tile");
+    constexpr int HALVES = WHOLE_TILE ? 2 : 1;  // 64-row halves of the tile in the staging
+    const int first_half = WHOLE_TILE ? 0 : wg, channel = WHOLE_TILE ? 0 : wg;
     auto& gg = st.gate_grad;
     auto load_tile = [&](int i) {  // the block's i-th tile's h1 and h2, if it has one
         const schedule::work w = p.split.item(cluster, clusters, i);
         if (w.tile < 0) return;
         const auto tile = tile_of(w.tile);
-        const int row = tile.m * BM + wg * 64, col = tile.n * State::BN;
-        sync::arrive_expect_bytes(gg.h_full[wg], uint32_t(sizeof(st.c_stage[wg]) + sizeof(gg.h2[wg])));
-        for (int panel = 0; panel < 2; ++panel) {
-            tma::load_2d(st.c_stage[wg][panel], &gm.h1, col + panel * 64, row, gg.h_full[wg]);
-            tma::load_2d(gg.h2[wg][panel], &gm.h2, col + panel * 64, row, gg.h_full[wg]);
-        }
+        const int row = tile.m * BM + first_half * 64, col = tile.n * State::BN;
+        sync::arrive_expect_bytes(gg.h_full[channel], uint32_t(HALVES * (sizeof(st.c_stage[0]) + sizeof(gg.h2[0]))));
+        for (int h = 0; h < HALVES; ++h)
+            for (int panel = 0; panel < 2; ++panel) {
+                tma::load_2d(st.c_stage[first_half + h][panel], &gm.h1, col + panel * 64, row + h * 64,
+                             gg.h_full[channel]);
+                tma::load_2d(gg.h2[first_half + h][panel], &gm.h2, col + panel * 64, row + h * 64, gg.h_full[channel]);
+            }
     };
     load_tile(0);
-    sync::arrive(st.c_free[wg]);  // no origin to read yet
+    sync::arrive(st.c_free[channel]);  // no origin to read yet
     for (uint32_t k = 0;; ++k) {
-        sync::wait(st.c_staged[wg], k & 1);
-        const int row0 = st.c_origin[wg][0], col0 = st.c_origin[wg][1];
-        sync::arrive(st.c_free[wg]);
+        sync::wait(st.c_staged[channel], k & 1);
+        const int row0 = st.c_origin[channel][0], col0 = st.c_origin[channel][1];
+        sync::arrive(st.c_free[channel]);
         if (row0 < 0) break;
-        for (int panel = 0; panel < 2; ++panel) {
-            const int gc = col0 + panel * 64;
-            if (gc < p.args.N && row0 < p.args.M) {
-                tma::store_2d(&map_c, st.c_stage[wg][panel], gc, row0);
-                tma::store_2d(&gm.c2, gg.h2[wg][panel], gc, row0);
+        for (int h = 0; h < HALVES; ++h)
+            for (int panel = 0; panel < 2; ++panel) {
+                const int gc = col0 + panel * 64, gr = row0 + h * 64;
+                if (gc < p.args.N && gr < p.args.M) {
+                    tma::store_2d(&map_c, st.c_stage[first_half + h][panel], gc, gr);
+                    tma::store_2d(&gm.c2, gg.h2[first_half + h][panel], gc, gr);
+                }
             }
-        }
         tma::store_commit();
         tma::store_wait_read();
         load_tile(int(k) + 1);
@@ -608,7 +628,10 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
 // landed: the warpgroups take turns, each handing the turn over (a named barrier) once it has seen its own last
 // stage land. Dynamic schedule: the producer ends the stream with two markers, a -1 whose warpgroup drains the
 // k_blocks stages of its slot (no bytes) and hands the turn over, and a -2 in the other's slot.
-template <typename T, major MA, major MB, typename State, typename TileOf>
+// SwiGLU's backward (static schedule): the tiles' h1 and h2 pass through one staging of the whole tile, in the
+// block's order, so a warpgroup's epilogue waits for the other's tile before to be stored and its own inputs loaded
+// (store_gate_grad_tiles<true>); the warpgroup whose turn comes after the block's last tile tells the store warp.
+template <typename T, major MA, major MB, fused F, typename State, typename TileOf>
 __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params& p, const CUtensorMap& map_c,
                                                  int tiles, int block, int blocks, TileOf tile_of) {
     static_assert(State::BN == 128, "ping-pong tiles are 128 x 128");
@@ -625,7 +648,11 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
     const bool dynamic = p.tickets != nullptr;
     for (int j = wg;; j += 2) {  // j: this tile's place in the block's stream
         int t = block + j * blocks;
-        if (!dynamic && t >= tiles) break;
+        if (!dynamic && t >= tiles) {
+            if constexpr (F == fused::swiglu_grad)
+                if (j == 0 || t - blocks < tiles) stage_end(st, 0, uint32_t(j));  // the block's tiles are done
+            break;
+        }
         if (j > 0) sync::named_sync(my_turn, 2 * warpgroup::threads);
         // Static: the other warpgroup's next tile, if any, follows this one.
         bool hand_over = !dynamic && t + blocks < tiles;
@@ -667,8 +694,17 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
         at.skip(p.k_blocks);  // the other warpgroup's tile
 
         const int64_t row0 = int64_t(tile.m) * BM, col0 = int64_t(tile.n) * 128;
-        write_rows64<T, 128>(st, p, map_c, wg, d[0], row0, col0);
-        write_rows64<T, 128>(st, p, map_c, wg, d[1], row0 + 64, col0);
+        if constexpr (F == fused::swiglu_grad) {
+            uint32_t turn = uint32_t(j);  // the staging's uses so far: the block's tiles before this one
+            sync::wait(st.c_free[0], turn & 1);
+            sync::wait(st.gate_grad.h_full[0], turn & 1);
+            gate_grad_in_place<T>(st, 0, d[0]);
+            gate_grad_in_place<T>(st, 1, d[1]);
+            hand_over_staged(st, 0, int(row0), int(col0), turn);
+        } else {
+            write_rows64<T, 128>(st, p, map_c, wg, d[0], row0, col0);
+            write_rows64<T, 128>(st, p, map_c, wg, d[1], row0 + 64, col0);
+        }
     }
     if (warpgroup::thread() == 0) tma::store_wait();  // staging must outlive the stores' reads
 }
@@ -681,7 +717,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                 const __grid_constant__ kernel_params p) {
     static_assert(!PINGPONG || (CLUSTER == 1 && BN == 128), "ping-pong: 128 x 128 tiles, no cluster");
     constexpr bool GATED = F == fused::swiglu, GATE_GRAD = F == fused::swiglu_grad;
-    static_assert(!STORE_WARPS || ((BN == 256 || GATE_GRAD) && !PINGPONG), "store warps: 256-wide shared tiles");
+    static_assert(!STORE_WARPS || GATE_GRAD || (BN == 256 && !PINGPONG), "store warps: 256-wide shared tiles");
+    static_assert(!PINGPONG || F != fused::swiglu, "SwiGLU's forward shares its tiles");
     static_assert(!GATED || (STORE_WARPS && CLUSTER == 1 && MA == major::k && MB == major::k),
                   "SwiGLU: store warps, no cluster, both operands K-major");
     static_assert(!GATE_GRAD || (STORE_WARPS && CLUSTER == 1 && BN == 128 && MA == major::k),
@@ -805,14 +842,15 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
         } else if (GATED && (threadIdx.x / 32 == 1 || threadIdx.x / 32 == 2)) {
             if constexpr (GATED) store_staged_gated<T>(st, p, map_c, gm, int(threadIdx.x / 32) - 1);
-        } else if (GATE_GRAD && (threadIdx.x == 32 || threadIdx.x == 64)) {
+        } else if (GATE_GRAD && (threadIdx.x == 32 || (!PINGPONG && threadIdx.x == 64))) {
             if constexpr (GATE_GRAD)
-                store_gate_grad_tiles(st, p, map_c, gm, int(threadIdx.x / 32) - 1, cluster, clusters, tile_of);
+                store_gate_grad_tiles<PINGPONG>(st, p, map_c, gm, int(threadIdx.x / 32) - 1, cluster, clusters,
+                                                tile_of);
         } else if (STORE_WARPS && p.tma_store && (threadIdx.x == 32 || threadIdx.x == 64)) {
             store_staged_tiles(st, p, map_c, int(threadIdx.x / 32) - 1);
         }
     } else if constexpr (PINGPONG) {
-        consume_pingpong<T, MA, MB>(st, p, map_c, pairs, cluster, clusters, tile_of);
+        consume_pingpong<T, MA, MB, F>(st, p, map_c, pairs, cluster, clusters, tile_of);
     } else {
         consume<T, MA, MB, CLUSTER, BN, F>(st, p, map_c, cluster, clusters, tile_of);
     }
@@ -1018,11 +1056,18 @@ cudaError_t dispatch_gated(const gemm_args& g, cudaStream_t stream) {
     return launch<T, major::k, major::k, 1, 256, false, true, fused::swiglu>(g, stream);
 }
 
-// SwiGLU's backward: 128-wide tiles with store warps, the static schedule; B either major.
+// SwiGLU's backward: 128-wide tiles with store warps, the static schedule; B either major. By default the consumers
+// take whole tiles in turns, so that one's epilogue runs under the other's products (pingpong -1: they share each
+// tile, and both wait for their epilogue with the tensor cores idle).
+template <typename T, bool PINGPONG>
+cudaError_t dispatch_gate_grad_tiles(const gemm_args& g, cudaStream_t stream) {
+    if (g.b_stride_k == 1) return launch<T, major::k, major::k, 1, 128, PINGPONG, true, fused::swiglu_grad>(g, stream);
+    return launch<T, major::k, major::mn, 1, 128, PINGPONG, true, fused::swiglu_grad>(g, stream);
+}
+
 template <typename T>
 cudaError_t dispatch_gate_grad(const gemm_args& g, cudaStream_t stream) {
-    if (g.b_stride_k == 1) return launch<T, major::k, major::k, 1, 128, false, true, fused::swiglu_grad>(g, stream);
-    return launch<T, major::k, major::mn, 1, 128, false, true, fused::swiglu_grad>(g, stream);
+    return g.pingpong == -1 ? dispatch_gate_grad_tiles<T, false>(g, stream) : dispatch_gate_grad_tiles<T, true>(g, stream);
 }
 
 const char* gate_grad_unsupported(const gemm_args& g) {
@@ -1033,10 +1078,9 @@ const char* gate_grad_unsupported(const gemm_args& g) {
         return "SwiGLU's backward: h1, h2 and the outputs must be 16-byte aligned";
     if (g.N % 8 || (g.M > 1 && g.c_stride_m % 8))
         return "SwiGLU's backward: rows must be multiples of 8 elements";
-    if (g.cluster == 2 || g.tile_n == 256 || g.pingpong == 1 || g.epilogue == 2 || g.stream_k == 1 || g.skinny == 1 ||
-        g.tickets != nullptr)
+    if (g.cluster == 2 || g.tile_n == 256 || g.epilogue == 2 || g.stream_k == 1 || g.skinny == 1 || g.tickets != nullptr)
         return "SwiGLU's backward runs 128-wide tiles with store warps on the static schedule only (no cluster, "
-               "ping-pong, stream-K, skinny kernel or dynamic schedule)";
+               "stream-K, skinny kernel or dynamic schedule)";
     return nullptr;
 }
 

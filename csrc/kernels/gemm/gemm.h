@@ -19,7 +19,8 @@ struct gemm_args {
     int cluster;     // blocks per cluster sharing B by multicast: 1 or 2 (0: the default)
     int tile_n;      // output tile width: 128 or 256 (0: 256 unless 128 fills the grid's last wave clearly better)
     // 1: the consumer warpgroups take 128 x 128 tiles in turns (ping-pong); -1: they share each tile; 0: automatic,
-    // which is sharing: ping-pong's smaller tiles measured 0.84-0.88x of it over the benchmark's shapes.
+    // which is sharing for the plain product (ping-pong's smaller tiles measured 0.84-0.88x of it over the
+    // benchmark's shapes) and ping-pong for SwiGLU's backward (its tiles are 128 wide either way).
     int pingpong;
     // 1: store warps write the output tiles, so the consumers go on at once (256-wide tiles, three stages); 2: the
     // consumers store their own rows (four stages); 0: automatic, store warps where a block takes many tiles.
@@ -52,7 +53,7 @@ struct gemm_args {
     // SwiGLU's backward (h1 non-null): with dG = A B (never written), C = dh1 = dG h2 silu'(h1) and C2 = dh2 =
     // dG silu(h1), each from dG's fp32 accumulators and rounded once; h1 and h2 are the forward's products, read by
     // TMA with C's row stride. A K-major, no bias, 128-wide tiles with store warps on the static schedule only
-    // (gemm_unsupported).
+    // (gemm_unsupported); the consumers take whole tiles in turns unless pingpong is -1.
     const void* h1;
     const void* h2;
 };
