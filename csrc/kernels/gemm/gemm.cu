@@ -846,7 +846,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             if constexpr (GATE_GRAD)
                 store_gate_grad_tiles<PINGPONG>(st, p, map_c, gm, int(threadIdx.x / 32) - 1, cluster, clusters,
                                                 tile_of);
-        } else if (STORE_WARPS && p.tma_store && (threadIdx.x == 32 || threadIdx.x == 64)) {
+        } else if (STORE_WARPS && !GATE_GRAD && p.tma_store && (threadIdx.x == 32 || threadIdx.x == 64)) {
             store_staged_tiles(st, p, map_c, int(threadIdx.x / 32) - 1);
         }
     } else if constexpr (PINGPONG) {
