@@ -65,8 +65,8 @@ __host__ __device__ constexpr int turn(int wg) { return 1 + CONSUMERS + wg; }
 // SwiGLU's backward: h2's 64 x 128 block per consumer warpgroup as two swizzled 64 x 64 panels (h1's lies in the
 // warpgroup's output staging; dh1 and dh2 are written over them and stored from there), and the barrier of their
 // TMA loads. Ping-pong: the two warpgroups' blocks are the two 64-row halves of one whole tile, used by turns
-// (barriers of channel 0 only). With it, five stages fit: 128-wide tiles take a third more operand bytes per product than 256-wide ones,
-// so the ring must run further ahead than the plain kernel's four.
+// (each warpgroup's tiles through its own barriers). With it, five stages fit: 128-wide tiles take a third more
+// operand bytes per product than 256-wide ones, so the ring must run further ahead than the plain kernel's four.
 template <typename T, bool On>
 struct gate_grad_staging {};
 template <typename T>
@@ -460,38 +460,44 @@ __device__ __forceinline__ void gate_grad_rows64(State& st, int wg, const float 
 
 // Lane 0 of a store warp of a SwiGLU backward launch. Shared tiles (WHOLE_TILE false): one store warp per consumer
 // warpgroup wg, for the warpgroup's 64 rows of each tile in its own staging. Ping-pong (WHOLE_TILE): the one store
-// warp for both warpgroups, whose 128 x 128 tiles pass through one staging of both halves in the block's order.
-// Loads the h1 and h2 rows of the next tile (the static schedule's, which it walks as the consumers do) into the
-// staging as soon as the stores of the tile before have read it, so that they land while the tile's products run;
-// stores dh1 and dh2 once the consumers have written them there. c_free tells the consumers that the origin has
-// been read.
+// warp for both warpgroups, whose 128 x 128 tiles pass through one staging of both halves in the block's order; the
+// block's i-th tile is warpgroup i % 2's, and its barriers are that warpgroup's (a parity wait tells two adjacent
+// phases apart, no more: on barriers shared by both warpgroups a warpgroup could find one three phases from where it
+// waited last, and the first run hung so). Loads the h1 and h2 rows of the next tile (the static schedule's, which
+// it walks as the consumers do) into the staging as soon as the stores of the tile before have read it, so that they
+// land while the tile's products run; stores dh1 and dh2 once the consumers have written them there. c_free tells
+// the consumers that the origin has been read.
 template <bool WHOLE_TILE, typename State, typename TileOf>
 __device__ __forceinline__ void store_gate_grad_tiles(State& st, const kernel_params& p, const CUtensorMap& map_c,
                                                       const gated_maps& gm, int wg, int cluster, int clusters,
                                                       TileOf tile_of) {
     static_assert(State::BN == 128, "two panels a tile");
     constexpr int HALVES = WHOLE_TILE ? 2 : 1;  // 64-row halves of the tile in the staging
-    const int first_half = WHOLE_TILE ? 0 : wg, channel = WHOLE_TILE ? 0 : wg;
+    const int first_half = WHOLE_TILE ? 0 : wg;
+    // The block's i-th tile's barriers (its consumer warpgroup's), and how many tiles that warpgroup had before it.
+    auto channel = [&](uint32_t i) { return WHOLE_TILE ? int(i & 1) : wg; };
+    auto uses = [&](uint32_t i) { return WHOLE_TILE ? i >> 1 : i; };
     auto& gg = st.gate_grad;
-    auto load_tile = [&](int i) {  // the block's i-th tile's h1 and h2, if it has one
-        const schedule::work w = p.split.item(cluster, clusters, i);
+    auto load_tile = [&](uint32_t i) {  // the block's i-th tile's h1 and h2, if it has one
+        const schedule::work w = p.split.item(cluster, clusters, int(i));
         if (w.tile < 0) return;
         const auto tile = tile_of(w.tile);
         const int row = tile.m * BM + first_half * 64, col = tile.n * State::BN;
-        sync::arrive_expect_bytes(gg.h_full[channel], uint32_t(HALVES * (sizeof(st.c_stage[0]) + sizeof(gg.h2[0]))));
+        sync::barrier& full = gg.h_full[channel(i)];
+        sync::arrive_expect_bytes(full, uint32_t(HALVES * (sizeof(st.c_stage[0]) + sizeof(gg.h2[0]))));
         for (int h = 0; h < HALVES; ++h)
             for (int panel = 0; panel < 2; ++panel) {
-                tma::load_2d(st.c_stage[first_half + h][panel], &gm.h1, col + panel * 64, row + h * 64,
-                             gg.h_full[channel]);
-                tma::load_2d(gg.h2[first_half + h][panel], &gm.h2, col + panel * 64, row + h * 64, gg.h_full[channel]);
+                tma::load_2d(st.c_stage[first_half + h][panel], &gm.h1, col + panel * 64, row + h * 64, full);
+                tma::load_2d(gg.h2[first_half + h][panel], &gm.h2, col + panel * 64, row + h * 64, full);
             }
     };
     load_tile(0);
-    sync::arrive(st.c_free[channel]);  // no origin to read yet
+    for (int c = 0; c < (WHOLE_TILE ? 2 : 1); ++c) sync::arrive(st.c_free[channel(c)]);  // no origin to read yet
     for (uint32_t k = 0;; ++k) {
-        sync::wait(st.c_staged[channel], k & 1);
-        const int row0 = st.c_origin[channel][0], col0 = st.c_origin[channel][1];
-        sync::arrive(st.c_free[channel]);
+        const int ch = channel(k);
+        sync::wait(st.c_staged[ch], uses(k) & 1);
+        const int row0 = st.c_origin[ch][0], col0 = st.c_origin[ch][1];
+        sync::arrive(st.c_free[ch]);
         if (row0 < 0) break;
         for (int h = 0; h < HALVES; ++h)
             for (int panel = 0; panel < 2; ++panel) {
@@ -503,7 +509,7 @@ __device__ __forceinline__ void store_gate_grad_tiles(State& st, const kernel_pa
             }
         tma::store_commit();
         tma::store_wait_read();
-        load_tile(int(k) + 1);
+        load_tile(k + 1);
     }
     tma::store_wait();  // the staging must outlive the stores' reads
 }
@@ -630,7 +636,8 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
 // k_blocks stages of its slot (no bytes) and hands the turn over, and a -2 in the other's slot.
 // SwiGLU's backward (static schedule): the tiles' h1 and h2 pass through one staging of the whole tile, in the
 // block's order, so a warpgroup's epilogue waits for the other's tile before to be stored and its own inputs loaded
-// (store_gate_grad_tiles<true>); the warpgroup whose turn comes after the block's last tile tells the store warp.
+// (store_gate_grad_tiles<true>; each warpgroup hands over through barriers of its own, as with shared tiles); the
+// warpgroup whose turn comes after the block's last tile tells the store warp.
 template <typename T, major MA, major MB, fused F, typename State, typename TileOf>
 __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params& p, const CUtensorMap& map_c,
                                                  int tiles, int block, int blocks, TileOf tile_of) {
@@ -650,7 +657,7 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
         int t = block + j * blocks;
         if (!dynamic && t >= tiles) {
             if constexpr (F == fused::swiglu_grad)
-                if (j == 0 || t - blocks < tiles) stage_end(st, 0, uint32_t(j));  // the block's tiles are done
+                if (j == 0 || t - blocks < tiles) stage_end(st, wg, uint32_t(j >> 1));  // the block's tiles are done
             break;
         }
         if (j > 0) sync::named_sync(my_turn, 2 * warpgroup::threads);
@@ -695,12 +702,12 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
 
         const int64_t row0 = int64_t(tile.m) * BM, col0 = int64_t(tile.n) * 128;
         if constexpr (F == fused::swiglu_grad) {
-            uint32_t turn = uint32_t(j);  // the staging's uses so far: the block's tiles before this one
-            sync::wait(st.c_free[0], turn & 1);
-            sync::wait(st.gate_grad.h_full[0], turn & 1);
+            uint32_t handoffs = uint32_t(j >> 1);  // this warpgroup's tiles before this one
+            sync::wait(st.c_free[wg], handoffs & 1);
+            sync::wait(st.gate_grad.h_full[wg], handoffs & 1);
             gate_grad_in_place<T>(st, 0, d[0]);
             gate_grad_in_place<T>(st, 1, d[1]);
-            hand_over_staged(st, 0, int(row0), int(col0), turn);
+            hand_over_staged(st, wg, int(row0), int(col0), handoffs);
         } else {
             write_rows64<T, 128>(st, p, map_c, wg, d[0], row0, col0);
             write_rows64<T, 128>(st, p, map_c, wg, d[1], row0 + 64, col0);
