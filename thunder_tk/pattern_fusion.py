@@ -496,8 +496,9 @@ reads dg, h1 and h2 back to form dh1 and dh2)."""
 # The widest MLP (N, the product's output columns) the rewrite takes. Its launch runs 128-wide tiles, and against tk's
 # 256-wide dX GEMM plus the fuser's kernel it measured 1.07x at Llama-3.2-1B's 2048 -> 8192 and 0.976x at Llama-3-8B's
 # 4096 -> 14336, where 128-wide tiles alone cost 13% (H100, 6781471); with the consumers' epilogue, on an H200 (whose
-# bandwidth makes the fuser's kernel cheaper), 0.993x and 0.994x (f45304c; benchmarks/swiglu.py, benchmarks/NOTES.md).
-SWIGLU_GRAD_MAX_N = 8192
+# bandwidth makes the fuser's kernel cheaper), 0.993x and 0.994x (f45304c); with the consumers taking whole tiles in
+# turns, 1.10x and 1.02x (H200, efcfa62; benchmarks/swiglu.py, benchmarks/NOTES.md). So up to Llama-3-8B's width.
+SWIGLU_GRAD_MAX_N = 14336
 
 # The elementwise ops that Thunder's autodiff writes for silu(h1) * h2's backward, including silu(h1) recomputed from
 # the saved h1, by name: as prims and ltorch ops (the joint trace tk sees with a fuser) or as the torch executor's.
