@@ -636,11 +636,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _k_major_rows(t: torch.Tensor) -> torch.Tensor:
     """t (rows, K) as the kernels read it K-major: unit stride along K, a row stride that is a multiple of 8 and a
-    16-byte aligned start; copied to fresh row-major storage where it is not."""
+    16-byte aligned start; copied to fresh row-major storage where it is not (a clone: t.contiguous() is t itself
+    where t is contiguous but starts off a 16-byte boundary)."""
     rows = t.shape[0]
     if t.data_ptr() % 16 == 0 and (t.shape[1] <= 1 or t.stride(1) == 1) and (rows <= 1 or t.stride(0) % 8 == 0):
         return t
-    return t.contiguous()
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def swiglu_linear(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, _schedule: str | None = None
@@ -713,7 +714,8 @@ def matmul_swiglu_grad(a: torch.Tensor, b: torch.Tensor, h1: torch.Tensor, h2: t
     b, (b_sn, b_sk) = _b_in_place(b)
     # One row stride for h1, h2 and the outputs (N: contiguous rows); the forward's products are already so.
     h1, h2 = (h.reshape(M, N) for h in (h1, h2))
-    h1, h2 = (h if h.is_contiguous() and h.data_ptr() % 16 == 0 else h.contiguous() for h in (h1, h2))
+    h1, h2 = (h if h.is_contiguous() and h.data_ptr() % 16 == 0 else h.clone(memory_format=torch.contiguous_format)
+              for h in (h1, h2))
     with _on(a.device):
         ext.gemm_swiglu_grad(a.data_ptr(), b.data_ptr(), h1.data_ptr(), h2.data_ptr(), dh1.data_ptr(),
                              dh2.data_ptr(), _DTYPE_CODES[a.dtype], M, N, K, a.stride(0) if M > 1 else K, b_sk, b_sn,

@@ -177,6 +177,27 @@ def test_grad_three_d_strided_and_repeatable():
         assert torch.equal(x, y)
 
 
+def off_boundary(t):
+    """A contiguous copy of t whose storage starts 2 bytes past a 16-byte boundary (t.contiguous() would be itself)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
+    out = flat.view(t.shape).copy_(t)
+    assert out.is_contiguous() and out.data_ptr() % 16 == 2
+    return out
+
+
+def test_unaligned_contiguous_inputs_are_copied():
+    """Contiguous operands that start off a 16-byte boundary (TMA cannot read them in place) are copied to aligned
+    storage by the wrappers: the same bits as the aligned operands, no error."""
+    x = torch.randn(130, 72, device="cuda", dtype=torch.bfloat16)
+    w1, w2 = (torch.randn(264, 72, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for y, z in zip(ops.swiglu_linear(x, w1, w2), ops.swiglu_linear(off_boundary(x), off_boundary(w1), off_boundary(w2))):
+        assert torch.equal(y, z)
+    a, b, h1, h2 = grad_operands(130, 72, 264, torch.bfloat16)
+    aligned = ops.matmul_swiglu_grad(a, b, h1, h2)
+    for y, z in zip(aligned, ops.matmul_swiglu_grad(off_boundary(a), b, off_boundary(h1), off_boundary(h2))):
+        assert torch.equal(y, z)
+
+
 def test_grad_large_values():
     """silu' at large magnitudes (exp overflowing for very negative h1) stays finite and correct."""
     a, b, h1, h2 = grad_operands(512, 256, 640, torch.bfloat16)
