@@ -13,6 +13,8 @@
 #     then, with PRETRAIN_THEN_KERNELS=1, the collectives kernel checks on all GPUs. WITH_TESTS=1 runs the
 #     one-GPU tests and sanitizers first in any mode. profile: after the build, run PROFILE (a shell command, from
 #     /tmp, with OUT and HERE (the checkout) exported), e.g. ncu over benchmarks/profile_attention.py.
+# GPU_TESTS (files), GPU_TESTS_TIMEOUT (the whole test step, default 600 s), THUNDER_TK_TEST_TIMEOUT (one GPU test,
+# default 240 s: past it the watchdog in tests/conftest.py ends the run and the summary names where it was stuck).
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-out/gpu}
@@ -56,6 +58,11 @@ fi
 if [ "$what" = all ] || [ "$what" = test ] || [ -n "${WITH_TESTS:-}" ]; then  # WITH_TESTS=1: also before dist
   step smoke timeout 120 bash -c "cd /tmp && python3 -c \"import torch; from thunder_tk import ops; a = torch.randn(256, 128, device='cuda', dtype=torch.bfloat16); print(float((ops.gemm(a, a.t()).float() - a.float() @ a.float().t()).abs().max()))\""
   step gpu_tests timeout ${GPU_TESTS_TIMEOUT:-600} bash -c "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $(for t in ${GPU_TESTS:-tests/gpu}; do printf "%s " "$here/$t"; done)-rs --junitxml=$OUT_ABS/gpu_tests.xml"
+  # A test past THUNDER_TK_TEST_TIMEOUT (tests/conftest.py's watchdog) ended the run: name where it was stuck.
+  if grep -q "^Timeout (" "$OUT/gpu_tests.log" 2>/dev/null; then
+    stuck=$(grep -m1 -oE 'tests/gpu/[^"]+", line [0-9]+ in [A-Za-z_0-9]+' "$OUT/gpu_tests.log")
+    summary+=("$(printf '%-22s %-6s %4ss  %s' watchdog STUCK 0 "${stuck:-see gpu_tests.log}" | cut -c1-120)")
+  fi
   # SANITIZE=0: the tests alone (the sanitizers already ran on these kernels); SANITIZE_ONLY=<sections>: part of them
   if [ "${SANITIZE:-1}" = 1 ]; then
     step memcheck timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_targets.py

@@ -31,6 +31,32 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def gpu_test_watchdog(request):
+    """A GPU test that runs past THUNDER_TK_TEST_TIMEOUT seconds (default 240; 0: no limit) ends the process with every
+    thread's traceback on stderr: a hung kernel then names its test at once instead of holding the GPU host until the
+    suite's own timeout (gpu_run.sh goes on to its next step)."""
+    import faulthandler
+    import os
+    import sys
+
+    limit = float(os.environ.get("THUNDER_TK_TEST_TIMEOUT", "240"))
+    if "gpu" not in request.keywords or limit <= 0:
+        yield
+        return
+    # The process's own stderr: pytest's capture has fd 2 in a file that nobody reads once the process is gone.
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    err_fd = getattr(getattr(getattr(capture, "_global_capturing", None), "err", None), "targetfd_save", None)
+    out = os.fdopen(os.dup(err_fd), "w") if err_fd is not None else sys.__stderr__
+    faulthandler.dump_traceback_later(limit, exit=True, file=out)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if out is not sys.__stderr__:
+            out.close()
+
+
+@pytest.fixture(autouse=True)
 def gemm_size_policy_off(request, monkeypatch):
     """The suite's GEMMs are small, and it checks their routing and results: tk claims every supported size unless a
     test asks for the size policy (marker `gemm_size_policy`)."""

@@ -1,0 +1,57 @@
+"""The GPU suite's watchdog (conftest.gpu_test_watchdog): a GPU test past THUNDER_TK_TEST_TIMEOUT ends the pytest process
+with the tracebacks of its threads, naming the test, instead of holding the GPU host until the suite's timeout."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def run_suite(tmp_path, body: str, timeout_s: str) -> tuple[subprocess.CompletedProcess, float]:
+    # The suite's fixture alone, without its GPU skip (the suite's conftest loaded under another module name).
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("suite_conftest", {str(TESTS / "conftest.py")!r})
+        suite = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(suite)
+        gpu_test_watchdog = suite.gpu_test_watchdog
+    """))
+    (tmp_path / "test_stuck.py").write_text(textwrap.dedent(body))
+    env = dict(os.environ, THUNDER_TK_TEST_TIMEOUT=timeout_s)
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
+                           str(tmp_path / "test_stuck.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    return done, time.monotonic() - t0
+
+
+STUCK = """
+    import time
+    import pytest
+
+    @pytest.mark.gpu
+    def test_stuck_kernel():
+        time.sleep(60)
+"""
+
+
+def test_a_stuck_gpu_test_ends_the_run_and_is_named(tmp_path):
+    done, took = run_suite(tmp_path, STUCK, "2")
+    assert done.returncode != 0
+    assert took < 45, took
+    assert "Timeout" in done.stderr and "test_stuck_kernel" in done.stderr, done.stderr[-2000:]
+
+
+def test_other_tests_and_a_zero_limit_are_left_alone(tmp_path):
+    quick = STUCK.replace("time.sleep(60)", "time.sleep(3)") + """
+    def test_cpu_not_watched():
+        time.sleep(3)
+"""
+    done, _ = run_suite(tmp_path, quick, "0")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    done, _ = run_suite(tmp_path, quick.replace("@pytest.mark.gpu", ""), "1")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
