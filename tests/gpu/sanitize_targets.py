@@ -4,6 +4,7 @@ SANITIZE_ONLY=<section>[,<section>...] runs only those sections (names: the func
 that touches one kernel family: `SANITIZE_ONLY=cross_entropy,cross_entropy_forward_grad`.
 """
 
+import faulthandler
 import os
 
 import torch
@@ -208,6 +209,12 @@ if __name__ == "__main__":
     unknown = only - {f.__name__ for f in SECTIONS}
     if unknown:
         raise SystemExit(f"SANITIZE_ONLY: no section {sorted(unknown)}; sections: {[f.__name__ for f in SECTIONS]}")
+    # A section past THUNDER_TK_SANITIZE_SECTION_TIMEOUT seconds (default 240; 0: none) ends the run with its
+    # traceback, naming the section, instead of holding the GPU host until the step's timeout.
+    limit = float(os.environ.get("THUNDER_TK_SANITIZE_SECTION_TIMEOUT", "240"))
     for section in SECTIONS:
         if not only or section.__name__ in only:
+            if limit > 0:
+                faulthandler.dump_traceback_later(limit, exit=True)
             section()
+            faulthandler.cancel_dump_traceback_later()
