@@ -23,6 +23,25 @@ def test_argument_errors():
         ops.check_attention_bwd_delta_args(o, None)
 
 
+def test_swiglu_argument_errors():
+    """SwiGLU's checks read metadata only and name the problem (the CUDA-only checks come last on CPU tensors)."""
+    x, w = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(24, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="w2 must be a 2-D"):
+        ops.check_swiglu_args(x, w, w[0])
+    with pytest.raises(ValueError, match="weights of one shape"):
+        ops.check_swiglu_args(x, w, w[:16])
+    with pytest.raises(ValueError, match="bfloat16 or float16 operands of one dtype"):
+        ops.check_swiglu_args(x.float(), w.float(), w.float())
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        ops.swiglu_linear(x, w, w)
+    a, b, h = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(16, 24, dtype=torch.bfloat16), \
+        torch.randn(2, 2, 24, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="gemm shapes do not match"):
+        ops.check_swiglu_grad_args(a, b[:8], h, h)
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        ops.matmul_swiglu_grad(a, b, h, h)
+
+
 def test_kernel_unavailable_is_a_clear_error(kernels_not_built):
     with pytest.raises(ops.KernelUnavailableError, match="kernels not built: no CUDA compiler"):
         ops._require_kernels(torch.device("cuda:0"))

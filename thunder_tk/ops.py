@@ -644,12 +644,9 @@ def _k_major_rows(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def swiglu_linear(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, _schedule: str | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(g, h1, h2) with h1 = x W1^T, h2 = x W2^T and g = silu(h1) * h2, by one tk launch: LLaMA's SwiGLU MLP up to
-    its output projection. x (..., K); w1, w2 (N, K); each result (..., N) in x's dtype, rounded as PyTorch rounds
-    the unfused ops (h1 and h2 from fp32 accumulators, silu(h1) before the product). K and N multiples of 8.
-    `_schedule` as gemm's (tests)."""
+def check_swiglu_args(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> None:
+    """What swiglu_linear accepts, from metadata alone: x (..., K) and two (N, K) weights of one shape, one 16-bit
+    dtype, one CUDA device, K and N multiples of 8 (any strides: the wrapper copies what TMA cannot read)."""
     for name, w in (("w1", w1), ("w2", w2)):
         if not isinstance(w, torch.Tensor) or w.ndim != 2:
             raise ValueError(f"swiglu_linear: {name} must be a 2-D (N, K) weight")
@@ -665,6 +662,16 @@ def swiglu_linear(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, _sched
     N, K = w1.shape
     if K % 8 or N % 8:
         raise ValueError(f"swiglu_linear: K ({K}) and N ({N}) must be multiples of 8")
+
+
+def swiglu_linear(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, _schedule: str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(g, h1, h2) with h1 = x W1^T, h2 = x W2^T and g = silu(h1) * h2, by one tk launch: LLaMA's SwiGLU MLP up to
+    its output projection. x (..., K); w1, w2 (N, K); each result (..., N) in x's dtype, rounded as PyTorch rounds
+    the unfused ops (h1 and h2 from fp32 accumulators, silu(h1) before the product). K and N multiples of 8.
+    `_schedule` as gemm's (tests)."""
+    check_swiglu_args(x, w1, w2)
+    N, K = w1.shape
     ext = _require_kernels(x.device)
     lead = x.shape[:-1]
     M = math.prod(lead)
@@ -684,6 +691,21 @@ def swiglu_linear(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, _sched
     return g, h1, h2
 
 
+def check_swiglu_grad_args(a: torch.Tensor, b: torch.Tensor, h1: torch.Tensor, h2: torch.Tensor) -> None:
+    """What matmul_swiglu_grad accepts, from metadata alone: a GEMM's a (M, K) and b (K, N) (check_gemm_args), h1
+    and h2 of a's dtype and device, one shape (..., N) with M rows in all, N a multiple of 8."""
+    check_gemm_args(a, b, None)
+    M, N = a.shape[0], b.shape[1]
+    for name, h in (("h1", h1), ("h2", h2)):
+        if not isinstance(h, torch.Tensor) or h.dtype != a.dtype or h.device != a.device:
+            raise ValueError(f"matmul_swiglu_grad: {name} must be a {a.dtype} tensor on {a.device}")
+    if h1.shape != h2.shape or h1.ndim < 1 or h1.shape[-1] != N or math.prod(h1.shape[:-1]) != M:
+        raise ValueError(f"matmul_swiglu_grad: h1 and h2 must be (..., {N}) with {M} rows; got {tuple(h1.shape)}, "
+                         f"{tuple(h2.shape)}")
+    if N % 8:
+        raise ValueError(f"matmul_swiglu_grad: N ({N}) must be a multiple of 8")
+
+
 def matmul_swiglu_grad(a: torch.Tensor, b: torch.Tensor, h1: torch.Tensor, h2: torch.Tensor, *, _pingpong: int = 0
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh1, dh2): SwiGLU's backward through its output projection by one tk launch. With dg = a @ b, the gradient
@@ -693,17 +715,9 @@ def matmul_swiglu_grad(a: torch.Tensor, b: torch.Tensor, h1: torch.Tensor, h2: t
     h1's shape and dtype. N a multiple of 8. `_pingpong` (experiments): 0 or 1 the consumer warpgroups take whole
     128 x 128 tiles in turns, so one's elementwise epilogue runs under the other's products; -1 they share each
     tile."""
-    check_gemm_args(a, b, None)
+    check_swiglu_grad_args(a, b, h1, h2)
     M, K = a.shape
     N = b.shape[1]
-    for name, h in (("h1", h1), ("h2", h2)):
-        if not isinstance(h, torch.Tensor) or h.dtype != a.dtype or h.device != a.device:
-            raise ValueError(f"matmul_swiglu_grad: {name} must be a {a.dtype} tensor on {a.device}")
-    if h1.shape != h2.shape or h1.ndim < 1 or h1.shape[-1] != N or math.prod(h1.shape[:-1]) != M:
-        raise ValueError(f"matmul_swiglu_grad: h1 and h2 must be (..., {N}) with {M} rows; got {tuple(h1.shape)}, "
-                         f"{tuple(h2.shape)}")
-    if N % 8:
-        raise ValueError(f"matmul_swiglu_grad: N ({N}) must be a multiple of 8")
     ext = _require_kernels(a.device)
     dh1, dh2 = (torch.empty_like(h, memory_format=torch.contiguous_format) for h in (h1, h2))
     if M == 0 or N == 0:

@@ -14,13 +14,17 @@ draws other cases.
 - Cross-entropy (ops.cross_entropy_forward / _backward / _forward_grad, ops.cross_entropy): 1 to 3000 rows, 1 to 70000
   classes, bf16/fp16/fp32, wide, misaligned, transposed and broadcast logits, ignored rows (default and custom
   ignore_index), targets outside the classes, grad_loss of any stride, every reduction.
+- SwiGLU (ops.swiglu_linear, ops.matmul_swiglu_grad): sizes with tails, several tiles a block, x, the weights, a, and
+  h1/h2 contiguous, row slices, misaligned or (h) 3-D; proj's weight N- or K-major; both schedules forward, both tile
+  modes backward.
 
 A few cases per family are meant to be rejected (K off a multiple of 8, head_dim 96, fp32 attention, int32
 targets, ...): ops.check_*_args must reject exactly those, and the ops must then raise a clear error too. A test per
 family checks that the generator's cases are mostly accepted, so a generator gone wrong cannot pass by testing only
 rejections. The tolerances are those of test_gemm.py, test_attention.py and test_cross_entropy.py.
 
-At the default seed every case passes (H100: about 15 s for the file). The tests at the end pin down the bugs the
+At the default seed every case passes (H100: about 15 s for the file; the SwiGLU family, added 2026-11-28 without a
+GPU, has yet to run). The tests at the end pin down the bugs the
 fuzzing found.
 """
 
@@ -41,6 +45,8 @@ from test_attention import GRAD_TOL, LSE_TOL, O_TOL
 from test_cross_entropy import GRAD_TOL as CE_GRAD_TOL
 from test_cross_entropy import ROW_TOL, reference_grad
 from test_gemm import TOL as GEMM_TOL
+from test_swiglu import TOL as SWIGLU_TOL
+from test_swiglu import grad_reference as swiglu_grad_reference
 from thunder_tk import ops
 
 pytestmark = pytest.mark.gpu
@@ -49,6 +55,7 @@ SEED = int(os.environ.get("THUNDER_TK_FUZZ_SEED", "20261201"))
 GEMM_CASES = 80
 ATTENTION_CASES = 80
 CROSS_ENTROPY_CASES = 80
+SWIGLU_CASES = 60
 HALF = (torch.bfloat16, torch.float16)
 
 
@@ -692,6 +699,132 @@ def test_cross_entropy_fuzz(index):
 
 def test_cross_entropy_generator_mostly_accepted():
     assert_mostly_accepted([cross_entropy_case(i) for i in range(CROSS_ENTROPY_CASES)], cross_entropy_check_of)
+
+
+# ------------------------------------------------------------------------------------------------
+# SwiGLU: ops.swiglu_linear (g, h1, h2 from x (..., K) and two (N, K) weights) and ops.matmul_swiglu_grad (dh1, dh2
+# from a (M, K), proj's weight b (K, N) and h1, h2 (..., N)), against float64 references
+
+
+@dataclass
+class SwigluCase:
+    index: int
+    seed: int
+    api: str  # "forward" or "backward"
+    M: int
+    N: int
+    K: int
+    lead: tuple  # x's (forward) or h1/h2's (backward) leading dims (their product is M)
+    dtype: torch.dtype
+    x_layout: str  # x (forward) or a (backward): "row", "row_slice", "misaligned"
+    w_layout: str  # forward: the weights as x; backward: b "n_major" (as the trace reads proj's) or "k_major"
+    h_layout: str  # backward: h1 and h2 "row", "row_slice" (columns of wider rows), "misaligned"
+    variant: int  # forward: 1 the dynamic schedule; backward: the tile mode (_pingpong 0 in turns, -1 shared)
+    invalid: str | None
+
+
+def swiglu_case(index: int) -> SwigluCase:
+    seed = case_seed(4, index)
+    rng = random.Random(seed)
+    api = rng.choice(("forward", "backward"))
+    M = edge_size(rng, 2500)
+    N = pick(rng, [(0.3, 8 * rng.randint(1, 16)), (0.7, 8 * max(1, round(edge_size(rng, 2100) / 8)))])
+    K = pick(rng, [(0.3, 8 * rng.randint(1, 16)), (0.3, 64 * rng.randint(1, 24) + rng.choice((-8, 8))),
+                   (0.4, 8 * rng.randint(1, 256))])
+    K = min(max(K, 8), 2048)
+    lead = rng.choice(((M,), (1, M), (2, M // 2) if M % 2 == 0 else (M,), (3, M // 3) if M % 3 == 0 else (M,)))
+    layouts = [(0.5, "row"), (0.3, "row_slice"), (0.2, "misaligned")]
+    x_layout = pick(rng, layouts)
+    w_layout = pick(rng, layouts) if api == "forward" else pick(rng, [(0.7, "n_major"), (0.3, "k_major")])
+    h_layout = pick(rng, layouts)
+    variant = rng.choice((0, 1)) if api == "forward" else rng.choice((0, -1))
+    invalid = meant_invalid(rng, index, ("k_not_multiple_of_8", "n_not_multiple_of_8", "float32", "shapes_differ"))
+    if invalid == "k_not_multiple_of_8":
+        K += rng.randint(1, 7)
+    if invalid == "n_not_multiple_of_8":
+        N += rng.randint(1, 7)
+    return SwigluCase(index, seed, api, M, N, K, lead, rng.choice(HALF), x_layout, w_layout, h_layout, variant,
+                      invalid)
+
+
+def swiglu_rows(make: Maker, rows: int, cols: int, layout: str) -> torch.Tensor:
+    """A (rows, cols) operand with unit column stride: contiguous, a slice of wider rows, or 2 bytes off."""
+    if layout == "row":
+        return make.randn(rows, cols)
+    if layout == "row_slice":
+        return make.randn(rows, cols + 24)[:, 8:8 + cols]
+    if layout == "misaligned":
+        return make.randn(1 + rows * cols)[1:].view(rows, cols)
+    raise AssertionError(layout)
+
+
+def swiglu_tensors(case: SwigluCase, empty: bool = False):
+    """Forward: (x, w1, w2); backward: (a, b, h1, h2), as the case describes them."""
+    make = Maker(case.seed, torch.float32 if case.invalid == "float32" else case.dtype, empty)
+    M, N, K = case.M, case.N, case.K
+    if case.api == "forward":
+        x = swiglu_rows(make, M, K, case.x_layout).view(*case.lead, K)  # splitting rows keeps any row stride
+        w1 = swiglu_rows(make, N, K, case.w_layout)
+        w2 = swiglu_rows(make, N + (8 if case.invalid == "shapes_differ" else 0), K, case.w_layout)
+        return x, w1, w2
+    a = swiglu_rows(make, M, K, case.x_layout)
+    b = make.randn(K, N, scale=K ** -0.5)
+    if case.w_layout == "k_major":
+        b = b.t().contiguous().t()
+    h1, h2 = (swiglu_rows(make, M, N, case.h_layout).view(*case.lead, N) for _ in range(2))
+    if case.invalid == "shapes_differ":
+        h2 = h2[..., : N - 8] if N > 8 else h2[:0]
+    return a, b, h1, h2
+
+
+def swiglu_check_of(case: SwigluCase):
+    tensors = swiglu_tensors(case, empty=True)
+    if case.api == "forward":
+        ops.check_swiglu_args(*tensors)
+    else:
+        ops.check_swiglu_grad_args(*tensors)
+
+
+@pytest.mark.parametrize("index", range(SWIGLU_CASES))
+def test_swiglu_fuzz(index):
+    case = swiglu_case(index)
+    tensors = swiglu_tensors(case)
+    check = (lambda: ops.check_swiglu_args(*tensors)) if case.api == "forward" else \
+        (lambda: ops.check_swiglu_grad_args(*tensors))  # noqa: E731
+    if case.api == "forward":
+        call = lambda: ops.swiglu_linear(*tensors, _schedule="dynamic" if case.variant else None)  # noqa: E731
+    else:
+        call = lambda: ops.matmul_swiglu_grad(*tensors, _pingpong=case.variant)  # noqa: E731
+    if case.invalid:
+        check_rejection(case, check, call)
+        return
+    check_acceptance(case, check)
+    tol = SWIGLU_TOL[case.dtype]
+    if case.api == "forward":
+        x, w1, w2 = tensors
+        poison_allocator(((*x.shape[:-1], case.N), case.dtype))
+        g, h1, h2 = call()
+        ref1, ref2 = (x.double() @ w.double().t() for w in (w1, w2))
+        gated = F.silu(h1.double()).to(case.dtype).double() * h2.double()
+        for name, got, ref, bound in (("h1", h1, ref1, tol), ("h2", h2, ref2, tol), ("g", g, gated, tol / 4)):
+            assert got.shape == (*x.shape[:-1], case.N) and got.dtype == case.dtype, f"{name}: {describe(case)}"
+            assert torch.isfinite(got).all(), f"{name}: unwritten (NaN) or non-finite outputs: {describe(case)}"
+            err = rel_err(got, ref)
+            assert err < bound, f"{name} relative error {err:.3g}: {describe(case)}"
+    else:
+        a, b, h1, h2 = tensors
+        poison_allocator((h1.shape, case.dtype))
+        dh1, dh2 = call()
+        ref1, ref2 = swiglu_grad_reference(a, b, h1, h2)
+        for name, got, ref in (("dh1", dh1, ref1), ("dh2", dh2, ref2)):
+            assert got.shape == h1.shape and got.dtype == case.dtype, f"{name}: {describe(case)}"
+            assert torch.isfinite(got).all(), f"{name}: unwritten (NaN) or non-finite outputs: {describe(case)}"
+            err = rel_err(got, ref)
+            assert err < tol, f"{name} relative error {err:.3g}: {describe(case)}"
+
+
+def test_swiglu_generator_mostly_accepted():
+    assert_mostly_accepted([swiglu_case(i) for i in range(SWIGLU_CASES)], swiglu_check_of)
 
 
 # ------------------------------------------------------------------------------------------------
