@@ -463,7 +463,7 @@ __device__ __forceinline__ void gate_grad_rows64(State& st, int wg, const float 
 // warp for both warpgroups, whose 128 x 128 tiles pass through one staging of both halves in the block's order; the
 // block's i-th tile is warpgroup i % 2's, and its barriers are that warpgroup's (a parity wait tells two adjacent
 // phases apart, no more: on barriers shared by both warpgroups a warpgroup could find one three phases from where it
-// waited last, and the first run hung so). Loads the h1 and h2 rows of the next tile (the static schedule's, which
+// waited last, and a run hung so). Loads the h1 and h2 rows of the next tile (the static schedule's, which
 // it walks as the consumers do) into the staging as soon as the stores of the tile before have read it, so that they
 // land while the tile's products run; stores dh1 and dh2 once the consumers have written them there. c_free tells
 // the consumers that the origin has been read.
