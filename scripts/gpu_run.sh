@@ -60,7 +60,8 @@ if [ "$what" = all ] || [ "$what" = test ] || [ -n "${WITH_TESTS:-}" ]; then  # 
   step gpu_tests timeout ${GPU_TESTS_TIMEOUT:-600} bash -c "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $(for t in ${GPU_TESTS:-tests/gpu}; do printf "%s " "$here/$t"; done)-rs --junitxml=$OUT_ABS/gpu_tests.xml"
   # A test past THUNDER_TK_TEST_TIMEOUT (tests/conftest.py's watchdog) ended the run: name where it was stuck.
   if grep -q "^Timeout (" "$OUT/gpu_tests.log" 2>/dev/null; then
-    stuck=$(grep -m1 -oE 'tests/gpu/[^"]+", line [0-9]+ in [A-Za-z_0-9]+' "$OUT/gpu_tests.log")
+    # The outermost frame under tests/gpu is the test function (the traceback lists the most recent call first).
+    stuck=$(grep -oE 'tests/gpu/[^"]+", line [0-9]+ in [A-Za-z_0-9]+' "$OUT/gpu_tests.log" | tail -n 1 | sed 's/",//')
     summary+=("$(printf '%-22s %-6s %4ss  %s' watchdog STUCK 0 "${stuck:-see gpu_tests.log}" | cut -c1-120)")
   fi
   # SANITIZE=0: the tests alone (the sanitizers already ran on these kernels); SANITIZE_ONLY=<sections>: part of them
