@@ -445,16 +445,16 @@ __device__ __forceinline__ void gate_grad_in_place(State& st, int half, const fl
         [](float dg0, float dg1, uint32_t& u, uint32_t& v) { gate_grad_pair<T>(dg0, dg1, u, v); });
 }
 
-// A consumer warpgroup's 64 x 128 rows of a SwiGLU backward tile it shares with the other (dg in d; first row row0,
-// column col0): once its store warp has the previous tile's origin and this tile's h1 and h2 have landed in the
-// warpgroup's staging (h1 where the plain kernel stages C, h2 beside it), dh1 and dh2 are written over them, and
-// the block goes to the store warp.
-template <typename T, typename State>
-__device__ __forceinline__ void gate_grad_rows64(State& st, int wg, const float (&d)[64], int row0, int col0,
-                                                 uint32_t& handoffs) {
+// A consumer warpgroup's SwiGLU backward block (first row row0, column col0; its 64 rows of a shared tile, or a whole
+// ping-pong tile): once its store warp has the previous block's origin and this block's h1 and h2 have landed in the
+// staging (h1 where the plain kernel stages C, h2 beside it), `rewrite` writes dh1 and dh2 over them
+// (gate_grad_in_place), and the block goes to the store warp. `handoffs`: the warpgroup's blocks so far.
+template <typename State, typename Rewrite>
+__device__ __forceinline__ void gate_grad_hand_over(State& st, int wg, int row0, int col0, uint32_t& handoffs,
+                                                    Rewrite rewrite) {
     sync::wait(st.c_free[wg], handoffs & 1);
     sync::wait(st.gate_grad.h_full[wg], handoffs & 1);
-    gate_grad_in_place<T>(st, wg, d);
+    rewrite();
     hand_over_staged(st, wg, row0, col0, handoffs);
 }
 
@@ -615,7 +615,8 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
         constexpr bool GATED = F == fused::swiglu;
         const int64_t row0 = int64_t(tile.m) * BM + slice * 64, col0 = int64_t(tile.n) * (GATED ? BN / 2 : BN);
         if constexpr (F == fused::swiglu_grad)
-            gate_grad_rows64<T>(st, slice, d, int(row0), int(col0), handoffs);
+            gate_grad_hand_over(st, slice, int(row0), int(col0), handoffs,
+                                [&] { gate_grad_in_place<T>(st, slice, d); });
         else if (GATED || (State::STORE_WARPS && p.tma_store))  // a SwiGLU launch always stores by TMA
             stage_rows64<T, BN>(st, p, slice, d, int(row0), int(col0), handoffs);
         else
@@ -703,11 +704,10 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
         const int64_t row0 = int64_t(tile.m) * BM, col0 = int64_t(tile.n) * 128;
         if constexpr (F == fused::swiglu_grad) {
             uint32_t handoffs = uint32_t(j >> 1);  // this warpgroup's tiles before this one
-            sync::wait(st.c_free[wg], handoffs & 1);
-            sync::wait(st.gate_grad.h_full[wg], handoffs & 1);
-            gate_grad_in_place<T>(st, 0, d[0]);
-            gate_grad_in_place<T>(st, 1, d[1]);
-            hand_over_staged(st, wg, int(row0), int(col0), handoffs);
+            gate_grad_hand_over(st, wg, int(row0), int(col0), handoffs, [&] {
+                gate_grad_in_place<T>(st, 0, d[0]);
+                gate_grad_in_place<T>(st, 1, d[1]);
+            });
         } else {
             write_rows64<T, 128>(st, p, map_c, wg, d[0], row0, col0);
             write_rows64<T, 128>(st, p, map_c, wg, d[1], row0 + 64, col0);
