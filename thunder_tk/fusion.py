@@ -7,6 +7,10 @@ tracing and inductor for each of ~32 copies of each region: minutes before the f
 region is keyed by its program with the proxy names replaced by their order of appearance, plus its inputs'
 metadata; regions with the same key call the same compiled function, which dynamo compiles once (its guards
 then hold for every copy, since the inputs have the same shapes, dtypes and devices).
+
+Inside each region, repeated expressions are merged before it is compiled, as nvFuser does inside its own regions
+(Thunder runs that elimination only in nvFuser's fusion pass): an RMSNorm backward otherwise returns the same bf16
+tensor twice, written to memory twice.
 """
 
 from __future__ import annotations
@@ -14,10 +18,16 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import replace
+from itertools import filterfalse
 
 from thunder.core.compile_data import get_compile_data
-from thunder.core.proxies import NumberProxy, Proxy, TensorProxy, unvariableify
+from thunder.core.proxies import NumberProxy, Proxy, TensorProxy, Variable, unvariableify, variableify
+from thunder.core.pytree import tree_map
 from thunder.core.symbol import BoundSymbol, Symbol
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
+from thunder.core.transform_common import cse_single_bsym, dce, replace_redundant_inputs
+from thunder.executors.passes import update_fusion_call_ctx
 from thunder.executors.torch_compile import TorchCompileExecutor, make_compiled
 from thunder.executors.utils import Region
 
@@ -56,6 +66,47 @@ def region_key(bsyms: Sequence[BoundSymbol], inputs: Sequence[Proxy], outputs: S
     return signature, program, returns, tuple(_metadata(p) for p in inputs)
 
 
+def _unique(values) -> tuple:
+    """The proxies in order, each once (an output merged into another would otherwise be returned twice)."""
+    return tuple({variableify(x) if isinstance(x, Proxy) else id(x): x for x in values}.values())
+
+
+def cse_within_regions(trace: TraceCtx, executor) -> TraceCtx:
+    """Merges repeated expressions inside each of `executor`'s fusion regions of a fused trace. A region's output
+    that repeats another value of the region is dropped, and the rest of the trace reads the value it repeats.
+    Nothing is merged across regions or outside them: a cheap value recomputed in two regions stays recomputed
+    rather than becoming a tensor in memory between them."""
+    merged: dict[Variable, Proxy] = {}  # a region output dropped -> the value of that region that replaces it
+
+    bsyms = []
+    for bsym in trace.bound_symbols:
+        ours = bsym.sym.is_fusion and bsym.sym.executor is executor
+        if not ours:
+            bsyms.append(bsym.from_bsym_swap_proxies(merged, skip_inputs=False, skip_output=True) if merged else bsym)
+            continue
+        # Rematerialization recomputes values inside several regions under one name, so a region sees the merges
+        # of earlier regions only through its inputs, and hands on only the merges of its own outputs.
+        local = {v: merged[v] for v in map(variableify, bsym.flat_proxy_args) if v in merged}
+        seen: dict = {}  # expressions are merged only within the region
+        inner = [cse_single_bsym(local, seen, sub) for sub in bsym.subsymbols]
+        inner = replace_redundant_inputs(local, tuple(filterfalse(lambda b: b is None, inner)))
+
+        def swap(x):
+            return local.get(variableify(x), x) if isinstance(x, Proxy) else x
+
+        outputs = {variableify(o) for o in bsym.flat_proxy_outs}
+        merged.update({k: v for k, v in local.items() if k in outputs})
+        bsyms.append(replace(bsym, args=_unique(tree_map(swap, tuple(bsym.args))), subsymbols=inner,
+                             output=_unique(tree_map(swap, tuple(bsym.output)))))
+    if not merged and all(len(a.subsymbols) == len(b.subsymbols) for a, b in zip(trace.bound_symbols, bsyms)):
+        return trace
+    new = from_trace(trace)
+    new.bound_symbols = bsyms
+    new = update_fusion_call_ctx(dce(new))  # compile each region from its merged program
+    new.set_provenance(TraceProvenance("Repeated expressions merged inside torch.compile regions"))
+    return new
+
+
 class SharingTorchCompileExecutor(TorchCompileExecutor):
     """TorchCompileExecutor whose identical regions (`region_key`) share one compiled function."""
 
@@ -71,7 +122,7 @@ class SharingTorchCompileExecutor(TorchCompileExecutor):
         self._prefix = re.sub(r"\W", "_", str(name)) + "_"
 
     def fusion_pass(self, trace):
-        fused = super().fusion_pass(trace)
+        fused = cse_within_regions(super().fusion_pass(trace), self)
         # Named in an executor list beside tk (`thunder_tk.executors()`), this is the last fusion pass: tk's FSDP
         # schedule goes after it. As the baseline's fuser (no tk in the list) it leaves the fused order alone.
         cd = get_compile_data()
