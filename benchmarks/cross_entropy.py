@@ -55,16 +55,22 @@ def main() -> None:
     p.add_argument("--png")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="the first problem only")
+    p.add_argument("--part-bytes", type=int, nargs="*", default=[0],
+                   help="also time the forward+grad kernel with rows split in parts of at most these many bytes "
+                        "(0: each row in one block); tk_fwd_grad is the default split")
     a = p.parse_args()
 
     bf16_loss = lambda x, t: F.cross_entropy(x, t)  # noqa: E731
-    def tk_fwd_grad(logits, target):  # the incoming gradient would scale the GEMMs that read grad
-        rows, _, grad = ops.cross_entropy_forward_grad(logits, target)
-        return rows.sum() / rows.shape[0], grad
+    def tk_fwd_grad(part_bytes=None):
+        def step(logits, target):  # the incoming gradient would scale the GEMMs that read grad
+            rows, _, grad = ops.cross_entropy_forward_grad(logits, target, _part_bytes=part_bytes)
+            return rows.sum() / rows.shape[0], grad
+        return step
 
     variants = {
         "tk": tk_step,
-        "tk_fwd_grad": tk_fwd_grad,
+        "tk_fwd_grad": tk_fwd_grad(),
+        **{f"tk_fwd_grad_part{b}": tk_fwd_grad(b) for b in a.part_bytes},
         "eager": torch_step(bf16_loss),
         "eager_fp32": torch_step(lambda x, t: F.cross_entropy(x.float(), t)),
         "compile": torch_step(torch.compile(bf16_loss)),
@@ -82,6 +88,11 @@ def main() -> None:
         loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
         grad_err = ((grad.double() - ref_x.grad).norm() / ref_x.grad.norm()).item()
         assert loss_err < 1e-5 and grad_err < 1e-2, (loss_err, grad_err)
+        for name in ("tk_fwd_grad", *(f"tk_fwd_grad_part{b}" for b in a.part_bytes)):  # unscaled: times 1/tokens
+            loss, grad = variants[name](logits, target)
+            fg_loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+            fg_grad_err = ((grad.double() / tokens - ref_x.grad).norm() / ref_x.grad.norm()).item()
+            assert fg_loss_err < 1e-5 and fg_grad_err < 1e-2, (name, fg_loss_err, fg_grad_err)
         del ref_x, ref_loss, loss, grad
         torch.cuda.empty_cache()
         ms = interleaved_ms({name: (lambda fn=fn: fn(logits, target)) for name, fn in variants.items()},
@@ -96,12 +107,16 @@ def main() -> None:
             row[f"vs_{name}"] = ms[name] / ms["tk"]
         rows.append(row)
         row["tk_fwd_grad_gbps"] = (2 * logits.numel() * logits.element_size()) / ms["tk_fwd_grad"] / 1e6
+        for b in a.part_bytes:
+            row[f"tk_fwd_grad_vs_part{b}"] = ms[f"tk_fwd_grad_part{b}"] / ms["tk_fwd_grad"]
+        parts = "  ".join(f"part {b}: {ms[f'tk_fwd_grad_part{b}']:.3f}" for b in a.part_bytes)
         print(f"{row['problem']:>13}: tk {ms['tk']:.3f} ms ({row['tk_gbps']:.0f} GB/s)  tk forward+grad "
-              f"{ms['tk_fwd_grad']:.3f} ({row['tk_fwd_grad_gbps']:.0f} GB/s)  eager {ms['eager']:.3f}  "
+              f"{ms['tk_fwd_grad']:.3f} ({row['tk_fwd_grad_gbps']:.0f} GB/s; {parts})  eager {ms['eager']:.3f}  "
               f"eager fp32 {ms['eager_fp32']:.3f}  torch.compile {ms['compile']:.3f}", flush=True)
         del logits, target
         torch.cuda.empty_cache()
-    print_table(rows, ["problem", "tk_ms", "tk_gbps", "tk_fwd_grad_ms", "tk_fwd_grad_gbps", "eager_ms", "eager_fp32_ms",
+    print_table(rows, ["problem", "tk_ms", "tk_gbps", "tk_fwd_grad_ms", "tk_fwd_grad_gbps",
+                       *[f"tk_fwd_grad_vs_part{b}" for b in a.part_bytes], "eager_ms", "eager_fp32_ms",
                        "compile_ms", "vs_eager", "vs_eager_fp32", "vs_compile"])
     for name in ("eager", "eager_fp32", "compile"):
         g = math.exp(sum(math.log(r[f"vs_{name}"]) for r in rows) / len(rows))

@@ -277,15 +277,16 @@ void gemm_swiglu_grad(std::uintptr_t a, std::uintptr_t b, std::uintptr_t h1, std
 
 void cross_entropy_forward_grad(std::uintptr_t logits, std::uintptr_t target, std::uintptr_t loss, std::uintptr_t lse,
                                 std::uintptr_t grad, int64_t grad_row_stride, int dtype, int64_t rows, int64_t classes,
-                                int64_t logits_row_stride, int64_t ignore_index, std::uintptr_t stream) {
+                                int64_t logits_row_stride, int64_t ignore_index, std::uintptr_t stream,
+                                int part_bytes) {
     auto args = cross_entropy_common(logits, target, dtype, rows, classes, logits_row_stride, ignore_index);
     args.loss = reinterpret_cast<float*>(loss);
     args.lse = reinterpret_cast<float*>(lse);
     args.grad = reinterpret_cast<void*>(grad);
     args.grad_row_stride = grad_row_stride;
-    if (const char* why = tk::loss::cross_entropy_forward_grad_unsupported(args))
+    if (const char* why = tk::loss::cross_entropy_forward_grad_unsupported(args, part_bytes))
         throw std::invalid_argument(std::string("thunder_tk cross_entropy_forward_grad: ") + why);
-    check_launch(tk::loss::launch_cross_entropy_forward_grad(args, reinterpret_cast<cudaStream_t>(stream)),
+    check_launch(tk::loss::launch_cross_entropy_forward_grad(args, reinterpret_cast<cudaStream_t>(stream), part_bytes),
                  "cross_entropy_forward_grad");
 }
 
@@ -583,10 +584,13 @@ PYBIND11_MODULE(_C, m) {
     m.def("cross_entropy_forward_grad", &cross_entropy_forward_grad, py::arg("logits"), py::arg("target"),
           py::arg("loss"), py::arg("lse"), py::arg("grad"), py::arg("grad_row_stride"), py::arg("dtype"),
           py::arg("rows"), py::arg("classes"), py::arg("logits_row_stride"), py::arg("ignore_index"), py::arg("stream"),
+          py::arg("part_bytes") = tk::loss::CROSS_ENTROPY_PART_BYTES,
           "cross_entropy_forward's loss and lse and grad = softmax - onehot(target) (unscaled; zero rows where "
-          "ignored) from one read of the logits, each row kept on chip; enqueued on `stream`.");
+          "ignored) from one read of the logits, each row kept on chip: split over a cluster's blocks in parts of "
+          "at most part_bytes, or (part_bytes=0) in one block; enqueued on `stream`.");
     m.def("cross_entropy_forward_grad_max_classes", &tk::loss::cross_entropy_forward_grad_max_classes,
-          py::arg("dtype"), "The widest row cross_entropy_forward_grad keeps on chip for logits of `dtype`.");
+          py::arg("dtype"), py::arg("part_bytes") = tk::loss::CROSS_ENTROPY_PART_BYTES,
+          "The widest row cross_entropy_forward_grad keeps on chip for logits of `dtype`.");
     m.def("gemm_resident_blocks",
           [](int cluster) {
               if (cluster != 1 && cluster != 2) throw std::invalid_argument("cluster must be 1 or 2");

@@ -822,7 +822,7 @@ def cross_entropy_backward(logits: torch.Tensor, target: torch.Tensor, lse: torc
     return grad
 
 
-def cross_entropy_forward_grad_unsupported(logits: torch.Tensor) -> str | None:
+def cross_entropy_forward_grad_unsupported(logits: torch.Tensor, *, _part_bytes: int | None = None) -> str | None:
     """Why `cross_entropy_forward_grad` would take two kernels for these logits (None: one)."""
     per_vector = 16 // logits.element_size()
     rows, classes = logits.shape
@@ -833,13 +833,18 @@ def cross_entropy_forward_grad_unsupported(logits: torch.Tensor) -> str | None:
     ext = _extension.extension()
     if ext is None:
         return "the tk kernels are not built"
-    if classes > ext.cross_entropy_forward_grad_max_classes(_DTYPE_CODES[logits.dtype]):
+    if classes > ext.cross_entropy_forward_grad_max_classes(_DTYPE_CODES[logits.dtype], *_part_bytes_arg(_part_bytes)):
         return "a row too long to keep on chip"
     return None
 
 
+def _part_bytes_arg(part_bytes: int | None) -> tuple:
+    return () if part_bytes is None else (int(part_bytes),)
+
+
 def cross_entropy_forward_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, *,
-                               overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                               overwrite: bool = False,
+                               _part_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss rows, lse, grad) with grad = softmax(logits) - onehot(target) unscaled (zero rows where target ==
     ignore_index), from one read of the logits: each row stays on chip between its two passes. The incoming
     gradient g scales the rows of what reads grad (g * (grad W), grad^T (g * X)). Logits it cannot keep on chip
@@ -847,13 +852,16 @@ def cross_entropy_forward_grad(logits: torch.Tensor, target: torch.Tensor, ignor
 
     overwrite=True writes grad over the logits and returns the logits tensor as grad, for callers that know nothing
     else reads the logits afterwards (saves a logits-sized buffer). The logits' rows must not overlap; logits the
-    kernel cannot read in place (e.g. a transposed view) get the gradient copied over them."""
+    kernel cannot read in place (e.g. a transposed view) get the gradient copied over them.
+
+    _part_bytes (benchmarks and tests): the largest part of a row one block of the cluster holds (the kernel's
+    default when None); 0 keeps each row in one block."""
     check_cross_entropy_args(logits, target)
     rows, classes = logits.shape
     if overwrite and rows > 1 and classes > 1 and logits.stride(1) == 1 and logits.stride(0) < classes:
         raise ValueError(f"cross_entropy_forward_grad(overwrite=True): the logits' rows overlap (row stride "
                          f"{logits.stride(0)} < {classes} classes)")
-    if rows == 0 or cross_entropy_forward_grad_unsupported(logits) is not None:
+    if rows == 0 or cross_entropy_forward_grad_unsupported(logits, _part_bytes=_part_bytes) is not None:
         loss, lse = cross_entropy_forward(logits, target, ignore_index)
         ones = torch.ones((), dtype=torch.float32, device=logits.device).expand(rows)
         grad = cross_entropy_backward(logits, target, lse, ones, ignore_index)
@@ -867,7 +875,7 @@ def cross_entropy_forward_grad(logits: torch.Tensor, target: torch.Tensor, ignor
         ext.cross_entropy_forward_grad(logits.data_ptr(), target.data_ptr(), loss.data_ptr(), lse.data_ptr(),
                                        grad.data_ptr(), row_stride if overwrite else classes,
                                        _DTYPE_CODES[logits.dtype], rows, classes, row_stride, int(ignore_index),
-                                       _stream_handle(logits.device))
+                                       _stream_handle(logits.device), *_part_bytes_arg(_part_bytes))
     return loss, lse, grad
 
 

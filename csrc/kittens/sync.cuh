@@ -102,6 +102,28 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// cluster_sync in two halves, for work between them: every block of a cluster arrives once it has started, and
+// waits before its first access to a peer's shared memory (a peer's memory is only there once the peer runs).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
+// Two floats into cluster block `rank`'s shared memory at the offset of `local` (this block's own copy of it);
+// visible to that block after a cluster_sync.
+__device__ __forceinline__ void store_cluster(const void* local, uint32_t rank, float a, float b) {
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+        "st.shared::cluster.v2.f32 [remote], {%2, %3};\n}" ::"r"(smem_addr(local)),
+        "r"(rank), "f"(a), "f"(b)
+        : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_size() {
+    uint32_t n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+}
+
 // Arrive on the barrier at the same shared-memory offset in cluster block `rank` (this block's own too), with
 // release semantics at block scope, which is what freeing a pipeline stage needs: the arriving thread read the
 // stage only through wgmma that it has already waited for. Release at cluster scope (.release.cluster) made

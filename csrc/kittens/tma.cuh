@@ -110,6 +110,20 @@ __device__ __forceinline__ void store_add_4d(const CUtensorMap* map, const void*
         : "memory");
 }
 
+// Plain byte ranges, no tensor map: `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory to
+// shared memory at `dst`, completing on `bar`; and back (a bulk group, as the tiled stores).
+__device__ __forceinline__ void load_bytes(void* dst, const void* src, uint32_t bytes, sync::barrier& bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     sync::smem_addr(dst)),
+                 "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(sync::smem_addr(&bar))
+                 : "memory");
+}
+__device__ __forceinline__ void store_bytes(void* dst, const void* src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(reinterpret_cast<uint64_t>(dst)),
+                 "r"(sync::smem_addr(src)), "r"(bytes)
+                 : "memory");
+}
+
 __device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Wait until the committed stores, all but the newest `Pending` groups, have finished reading shared memory (it
 // may then be overwritten).

@@ -188,15 +188,17 @@ def cross_entropy():
     print("cross-entropy sanitize targets ran")
 
 
-# Forward and gradient from one read: a row in registers only, one that spills into shared memory (128256 classes),
-# fp32, an ignored row.
+# Forward and gradient from one read: rows split over clusters of 1, 4 and 8 blocks (the default parts and 4 KB
+# parts), and in one block (a row in registers only, one that spills into shared memory); fp32, an ignored row.
 def cross_entropy_forward_grad():
     for rows, classes, dtype in [(3, 4096, torch.bfloat16), (2, 128256, torch.bfloat16), (2, 50000, torch.float32)]:
-        logits = torch.randn(rows, classes, device="cuda", dtype=dtype)
-        target = torch.randint(0, classes, (rows,), device="cuda")
-        target[-1] = -100
-        ops.cross_entropy_forward_grad(logits, target)
-        ops.cross_entropy_forward_grad(logits, target, overwrite=True)  # written over the logits it reads
+        for part_bytes in (None, 4096, 0):
+            logits = torch.randn(rows, classes, device="cuda", dtype=dtype)
+            target = torch.randint(0, classes, (rows,), device="cuda")
+            target[-1] = -100
+            ops.cross_entropy_forward_grad(logits, target, _part_bytes=part_bytes)
+            # written over the logits it reads
+            ops.cross_entropy_forward_grad(logits, target, overwrite=True, _part_bytes=part_bytes)
     torch.cuda.synchronize()
     print("cross-entropy forward+grad sanitize targets ran")
 

@@ -395,15 +395,21 @@ def test_thunder_lm_head_trains_with_the_loss_on_tk():
 FWD_GRAD_SHAPES = [(1, 8), (3, 1000), (257, 4104), (64, 32000), (33, 128256), (5, 150000), (2, 1001)]
 
 
+# Each row split over a cluster in parts of at most this many bytes (None: the kernel's default, 64 KB; 0: each row in
+# one block; 4096: up to 8 parts even at a few thousand classes, parts past 4 KB where 8 are not enough).
+PART_BYTES = [None, 0, 4096]
+
+
+@pytest.mark.parametrize("part_bytes", PART_BYTES, ids=lambda b: f"part{b}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("rows,classes", FWD_GRAD_SHAPES, ids=[f"{r}x{c}" for r, c in FWD_GRAD_SHAPES])
-def test_forward_grad_matches_fp64_reference(rows, classes, dtype):
+def test_forward_grad_matches_fp64_reference(rows, classes, dtype, part_bytes):
     logits, target = make(rows, classes, dtype)
     target[0] = classes - 1
     if rows > 2:
         target[1], target[2] = 0, -100
     poison_allocator(((rows, classes), dtype))
-    loss, lse, grad = ops.cross_entropy_forward_grad(logits, target)
+    loss, lse, grad = ops.cross_entropy_forward_grad(logits, target, _part_bytes=part_bytes)
     ref_loss, ref_lse = reference(logits, target)
     assert torch.isfinite(lse).all() and torch.isfinite(grad).all(), "unwritten output"
     assert row_err(lse, ref_lse, ref_lse) < ROW_TOL and row_err(loss, ref_loss, ref_lse) < ROW_TOL
@@ -411,6 +417,47 @@ def test_forward_grad_matches_fp64_reference(rows, classes, dtype):
     assert (grad[ignored] == 0).all() and (loss[ignored] == 0).all()
     ref_grad = reference_grad(logits, target, torch.ones(rows, device=DEVICE))
     assert rel_err(grad, ref_grad) < GRAD_TOL[dtype], rel_err(grad, ref_grad)
+
+
+@pytest.mark.parametrize("part_bytes", [None, 4096], ids=lambda b: f"part{b}")
+def test_forward_grad_split_rows_edge_values(part_bytes):
+    """Rows split over a cluster: a target in every part and at both ends of parts, a row of -inf, a NaN, +-inf
+    logits, a target outside [0, classes) and a custom ignore_index give what the one-block kernel gives."""
+    rows, classes = 12, 9000  # 4096-byte parts: 8 parts of 141 vectors (1128 classes), the last 138
+    logits, target = make(rows, classes, torch.bfloat16, seed=7)
+    per_part = 1128
+    target[:6] = torch.tensor([0, per_part - 1, per_part, 2 * per_part - 1, 2 * per_part, classes - 1])
+    logits[6] = -float("inf")
+    logits[7, 4321] = float("nan")
+    logits[8, 17] = float("inf")
+    logits[9, :100] = -float("inf")
+    target[10] = classes + 5
+    target[11] = 3  # the custom ignore_index below
+    outs = {b: ops.cross_entropy_forward_grad(logits, target, ignore_index=3, _part_bytes=b) for b in (0, part_bytes)}
+    (loss0, lse0, grad0), (loss, lse, grad) = outs[0], outs[part_bytes]
+    for a, b in ((loss, loss0), (lse, lse0)):
+        assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.isinf(a), torch.isinf(b)), (a, b)
+        finite = torch.isfinite(b)
+        assert torch.allclose(a[finite], b[finite], rtol=1e-5, atol=1e-5), (a, b)
+    assert torch.equal(torch.isnan(grad), torch.isnan(grad0))
+    finite = torch.isfinite(grad0)
+    assert (grad[finite].float() - grad0[finite].float()).abs().max() <= 2 ** -8
+    assert (grad[11] == 0).all() and loss[11] == 0
+    ok = torch.tensor([r not in (6, 7, 8, 10, 11) for r in range(rows)], device=DEVICE)
+    ref_loss, ref_lse = reference(logits[ok], target[ok])
+    assert row_err(loss[ok], ref_loss, ref_lse) < ROW_TOL
+
+
+def test_forward_grad_rows_past_one_block():
+    """Rows wider than one block holds (about 150k bf16 classes) stay on chip when split over a cluster."""
+    classes = 262144
+    logits, target = make(3, classes, torch.bfloat16, seed=9)
+    assert ops.cross_entropy_forward_grad_unsupported(logits, _part_bytes=0) is not None
+    assert ops.cross_entropy_forward_grad_unsupported(logits) is None
+    loss, lse, grad = ops.cross_entropy_forward_grad(logits, target)
+    ref_loss, ref_lse = reference(logits, target)
+    assert row_err(lse, ref_lse, ref_lse) < ROW_TOL and row_err(loss, ref_loss, ref_lse) < ROW_TOL
+    assert rel_err(grad, reference_grad(logits, target, torch.ones(3, device=DEVICE))) < GRAD_TOL[torch.bfloat16]
 
 
 def test_forward_grad_row_stride_and_fallbacks():
@@ -427,9 +474,10 @@ def test_forward_grad_row_stride_and_fallbacks():
     assert rel_err(grad, reference_grad(odd, t, torch.ones(6, device=DEVICE))) < GRAD_TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("part_bytes", [None, 0], ids=lambda b: f"part{b}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("rows,classes", [(1, 8), (33, 128256), (257, 4104), (2, 1001)], ids=str)
-def test_forward_grad_written_over_the_logits(rows, classes, dtype):
+def test_forward_grad_written_over_the_logits(rows, classes, dtype, part_bytes):
     """overwrite=True: grad is the logits tensor itself, holding softmax - onehot; the padding between strided rows
     and everything past the last row stay as they were."""
     pad = 24
@@ -440,7 +488,7 @@ def test_forward_grad_written_over_the_logits(rows, classes, dtype):
     original, store_before = logits.clone(), store.clone()
     ref_loss, ref_lse = reference(original, target)
     ref_grad = reference_grad(original, target, torch.ones(rows, device=DEVICE))
-    loss, lse, grad = ops.cross_entropy_forward_grad(logits, target, overwrite=True)
+    loss, lse, grad = ops.cross_entropy_forward_grad(logits, target, overwrite=True, _part_bytes=part_bytes)
     assert grad.data_ptr() == logits.data_ptr() and grad.stride() == logits.stride()
     assert row_err(loss, ref_loss, ref_lse) < ROW_TOL and row_err(lse, ref_lse, ref_lse) < ROW_TOL
     assert rel_err(grad, ref_grad) < GRAD_TOL[dtype], rel_err(grad, ref_grad)

@@ -269,6 +269,148 @@ __global__ void __launch_bounds__(FG_THREADS, 1) forward_grad_kernel(const __gri
     }
 }
 
+// Forward and gradient with each row split over the blocks of a cluster (launch_cross_entropy_forward_grad with
+// part_bytes > 0): each block copies its part of the row (at most part_bytes) into shared memory with one bulk copy,
+// folds it into a (max, sum of exp) pair, pushes the pair into every peer's shared memory, and after one cluster
+// barrier each block has the row's log-sum-exp. It then writes softmax - one-hot over its part in place and stores
+// the part with one bulk copy. Parts of at most 64 KB let three blocks share an SM, so one block's copies run while
+// another computes: the whole-row kernel above has one 1024-thread block per SM, whose loads stop while it reduces
+// and writes.
+constexpr int SPLIT_THREADS = 256, SPLIT_MAX_PARTS = 8;  // 8: the portable cluster size
+constexpr int SPLIT_SMEM_BYTES_MAX = 200 * 1024;
+
+template <typename T>
+__global__ void __launch_bounds__(SPLIT_THREADS) forward_grad_split_kernel(const __grid_constant__ cross_entropy_args a,
+                                                                          const int part_vectors) {
+    extern __shared__ __align__(128) uint4 part[];
+    __shared__ sync::barrier loaded;
+    __shared__ float2 pairs[SPLIT_MAX_PARTS];  // (max, sum) of every block of the cluster, pushed by each
+    __shared__ float warp_part[SPLIT_THREADS / 32];
+    constexpr int N = vec<T>::n;
+    const uint32_t parts = sync::cluster_size(), rank = sync::cluster_rank();
+    const int64_t r = blockIdx.x / parts;
+    const int64_t C = a.classes, first = int64_t(rank) * part_vectors * N;  // first class of this part
+    const int n = int(max(int64_t(0), min(int64_t(part_vectors), (C - first) / N)));  // vectors in this part
+    const T* x = row_of<T>(a, r) + first;
+    if (threadIdx.x == 0) {
+        sync::init(loaded, 1);
+        sync::fence_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && n > 0) {
+        sync::arrive_expect_bytes(loaded, uint32_t(n) * 16);
+        tma::load_bytes(part, x, uint32_t(n) * 16, loaded);
+    }
+    sync::cluster_arrive_relaxed();  // this block runs: peers may push into it once they have waited
+    const int64_t t = a.target[r];
+    const bool ignored = t == a.ignore_index, mine = t >= first && t < first + int64_t(n) * N;
+    if (n > 0) sync::wait(loaded, 0);
+
+    auto reduce = [&](float v, bool is_max) {  // over the block; every thread gets the result
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) {
+            const float w = __shfl_xor_sync(0xffffffffu, v, o);
+            v = is_max ? fmaxf(v, w) : v + w;
+        }
+        if (threadIdx.x % 32 == 0) warp_part[threadIdx.x / 32] = v;
+        __syncthreads();
+        v = warp_part[0];
+#pragma unroll
+        for (int w = 1; w < SPLIT_THREADS / 32; ++w) v = is_max ? fmaxf(v, warp_part[w]) : v + warp_part[w];
+        __syncthreads();  // warp_part is reused by the next reduction
+        return v;
+    };
+    float m = -INFINITY;
+    for (int i = threadIdx.x; i < n; i += SPLIT_THREADS) {
+        vec<T> v;
+        v.raw = part[i];
+#pragma unroll
+        for (int e = 0; e < N; ++e) m = fmaxf(m, v.at(e));  // fmaxf skips NaN: the sum below carries it
+    }
+    m = reduce(m, true);
+    float sum = 0.f;
+    if (m != -INFINITY) {  // a part of -inf (or none) adds nothing; -inf - -inf would be NaN
+        for (int i = threadIdx.x; i < n; i += SPLIT_THREADS) {
+            vec<T> v;
+            v.raw = part[i];
+#pragma unroll
+            for (int e = 0; e < N; ++e) sum += exp_of(v.at(e) - m);
+        }
+    }
+    sum = reduce(sum, false);
+    // The target's logit, read before the gradient overwrites the part.
+    const float x_t = mine ? to_float(reinterpret_cast<const T*>(part)[t - first]) : 0.f;
+    sync::cluster_wait();
+    if (threadIdx.x < parts) sync::store_cluster(&pairs[rank], threadIdx.x, m, sum);
+    sync::cluster_sync();  // every block's pair is in every block
+    normaliser total;
+    for (uint32_t p = 0; p < parts; ++p) total.merge(pairs[p].x, pairs[p].y);
+    const float lse = total.max + logf(total.sum);  // all -inf: -inf; a NaN anywhere: NaN
+    if (threadIdx.x == 0) {
+        if (rank == 0) a.lse[r] = lse;
+        // A target outside [0, classes): NaN (PyTorch asserts on the device; here the row's loss says it).
+        if (ignored && rank == 0) a.loss[r] = 0.f;
+        else if (!ignored && (t < 0 || t >= C) && rank == 0) a.loss[r] = NAN;
+        else if (!ignored && mine) a.loss[r] = lse - x_t;
+    }
+    for (int i = threadIdx.x; i < n; i += SPLIT_THREADS) {
+        vec<T> v, o;
+        v.raw = part[i];
+        if (ignored) {
+            o.raw = make_uint4(0, 0, 0, 0);
+        } else {
+#pragma unroll
+            for (int e = 0; e < N; ++e) {
+                const float p = exp_of(v.at(e) - lse);
+                o.set(e, first + int64_t(i) * N + e == t ? p - 1.f : p);
+            }
+        }
+        part[i] = o.raw;
+    }
+    tma::fence_shared_to_async();
+    __syncthreads();
+    if (threadIdx.x == 0 && n > 0) {
+        tma::store_bytes(static_cast<T*>(a.grad) + r * a.grad_row_stride + first, part, uint32_t(n) * 16);
+        tma::store_commit();
+        tma::store_wait_read();  // the part stays valid until the copy has read it
+    }
+}
+
+// Parts per row (a power of two up to SPLIT_MAX_PARTS) and 16-byte vectors per part: the fewest parts of at most
+// part_bytes each, or SPLIT_MAX_PARTS parts of whatever size (0 parts: the row does not fit).
+struct split_plan {
+    int parts, part_vectors;
+};
+split_plan plan_split(int64_t classes, int elements_per_vector, int part_bytes) {
+    const int64_t vectors = classes / elements_per_vector;
+    int parts = 1;
+    while (parts < SPLIT_MAX_PARTS && (vectors + parts - 1) / parts * 16 > part_bytes) parts *= 2;
+    const int64_t per_part = (vectors + parts - 1) / parts;
+    if (per_part * 16 > SPLIT_SMEM_BYTES_MAX) return {0, 0};
+    return {parts, int(per_part)};
+}
+
+template <typename T>
+cudaError_t launch_forward_grad_split(const cross_entropy_args& a, int part_bytes, cudaStream_t stream) {
+    const split_plan plan = plan_split(a.classes, vec<T>::n, part_bytes);
+    if (plan.parts == 0 || a.rows * plan.parts > 0x7fffffff) return cudaErrorInvalidValue;
+    if (cudaError_t e = opt_in_shared_memory<forward_grad_split_kernel<T>>(SPLIT_SMEM_BYTES_MAX); e != cudaSuccess)
+        return e;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(unsigned(a.rows * plan.parts));
+    config.blockDim = dim3(SPLIT_THREADS);
+    config.dynamicSmemBytes = size_t(plan.part_vectors) * 16;
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = unsigned(plan.parts);
+    attribute[0].val.clusterDim.y = 1;
+    attribute[0].val.clusterDim.z = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, forward_grad_split_kernel<T>, a, plan.part_vectors);
+}
+
 template <typename T>
 int forward_grad_smem_bytes(int64_t classes) {
     const int64_t rest = classes / vec<T>::n - int64_t(FG_REG_VECS) * FG_THREADS;
@@ -276,8 +418,9 @@ int forward_grad_smem_bytes(int64_t classes) {
 }
 
 template <typename T>
-cudaError_t launch_forward_grad(const cross_entropy_args& a, cudaStream_t stream) {
+cudaError_t launch_forward_grad(const cross_entropy_args& a, int part_bytes, cudaStream_t stream) {
     if (a.rows == 0) return cudaSuccess;
+    if (part_bytes > 0) return launch_forward_grad_split<T>(a, part_bytes, stream);
     const int smem = forward_grad_smem_bytes<T>(a.classes);
     if (cudaError_t e = opt_in_shared_memory<forward_grad_kernel<T>>(FG_SMEM_BYTES_MAX); e != cudaSuccess) return e;
     forward_grad_kernel<T><<<dim3(unsigned(a.rows)), FG_THREADS, smem, stream>>>(a);
@@ -333,7 +476,8 @@ cudaError_t launch_cross_entropy_backward(const cross_entropy_args& args, cudaSt
     return dispatch(args, true, stream);
 }
 
-const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& a) {
+const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& a, int part_bytes) {
+    if (part_bytes < 0) return "part_bytes must be >= 0 (0: each row in one block)";
     if (const char* why = cross_entropy_unsupported(a, false)) return why;
     if (a.rows > 0 && a.grad == nullptr) return "grad is required";
     const int64_t n = elements_per_vector(a.dtype);
@@ -341,24 +485,27 @@ const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& a) 
         return "rows of whole 16-byte vectors (classes and row strides a multiple of 16 bytes)";
     if (reinterpret_cast<uintptr_t>(a.logits) % 16 || reinterpret_cast<uintptr_t>(a.grad) % 16)
         return "logits and grad 16-byte aligned";
-    // In place: each block reads its whole row before it writes the row's gradient, so grad may be the logits
-    // themselves, row for row (rows that overlap would be read by one block while another writes them).
+    // In place: each block reads its whole row (or part of it) before it writes that gradient, so grad may be the
+    // logits themselves, row for row (rows that overlap would be read by one block while another writes them).
     if (a.grad == a.logits && a.rows > 1 && (a.grad_row_stride != a.logits_row_stride || a.logits_row_stride < a.classes))
         return "grad written over the logits needs the logits' row stride, with rows that do not overlap";
-    if (a.classes > cross_entropy_forward_grad_max_classes(a.dtype)) return "a row too long to keep on chip";
+    if (a.classes > cross_entropy_forward_grad_max_classes(a.dtype, part_bytes)) return "a row too long to keep on chip";
+    if (part_bytes > 0 && a.rows * plan_split(a.classes, int(n), part_bytes).parts > 0x7fffffff)
+        return "more than 2^31 - 1 blocks (rows times parts of a row)";
     return nullptr;
 }
 
-int64_t cross_entropy_forward_grad_max_classes(int dtype_code) {
+int64_t cross_entropy_forward_grad_max_classes(int dtype_code, int part_bytes) {
+    if (part_bytes > 0) return int64_t(SPLIT_MAX_PARTS) * (SPLIT_SMEM_BYTES_MAX / 16) * elements_per_vector(dtype_code);
     return (int64_t(FG_REG_VECS) * FG_THREADS + FG_SMEM_BYTES_MAX / 16) * elements_per_vector(dtype_code);
 }
 
-cudaError_t launch_cross_entropy_forward_grad(const cross_entropy_args& args, cudaStream_t stream) {
-    if (cross_entropy_forward_grad_unsupported(args) != nullptr) return cudaErrorInvalidValue;
+cudaError_t launch_cross_entropy_forward_grad(const cross_entropy_args& args, cudaStream_t stream, int part_bytes) {
+    if (cross_entropy_forward_grad_unsupported(args, part_bytes) != nullptr) return cudaErrorInvalidValue;
     switch (dtype(args.dtype)) {
-        case dtype::bf16: return launch_forward_grad<__nv_bfloat16>(args, stream);
-        case dtype::fp16: return launch_forward_grad<__half>(args, stream);
-        default: return launch_forward_grad<float>(args, stream);
+        case dtype::bf16: return launch_forward_grad<__nv_bfloat16>(args, part_bytes, stream);
+        case dtype::fp16: return launch_forward_grad<__half>(args, part_bytes, stream);
+        default: return launch_forward_grad<float>(args, part_bytes, stream);
     }
 }
 

@@ -35,12 +35,16 @@ cudaError_t launch_cross_entropy_forward(const cross_entropy_args& args, cudaStr
 cudaError_t launch_cross_entropy_backward(const cross_entropy_args& args, cudaStream_t stream);
 
 // Forward and gradient from one read of the logits: loss and lse as the forward, and grad = softmax - onehot(target)
-// (not scaled by an incoming gradient; zero rows where ignored). Rows of whole 16-byte vectors, 16-byte aligned, up to
-// about 150k bf16 classes (the row stays on chip); grad may be the logits themselves (written over them, same row
-// stride); null when it can run, else why not.
-const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& args);
+// (not scaled by an incoming gradient; zero rows where ignored). Rows of whole 16-byte vectors, 16-byte aligned; grad
+// may be the logits themselves (written over them, same row stride). Each row stays on chip: split over the blocks
+// of a cluster in parts of at most `part_bytes` (up to 8 parts of up to 200 KB), or with part_bytes = 0 in one
+// block (up to about 150k bf16 classes). Null when it can run, else why not.
+constexpr int CROSS_ENTROPY_PART_BYTES = 64 * 1024;
+const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& args,
+                                                   int part_bytes = CROSS_ENTROPY_PART_BYTES);
 // The widest row (classes) that launch_cross_entropy_forward_grad keeps on chip for logits of `dtype`.
-int64_t cross_entropy_forward_grad_max_classes(int dtype);
-cudaError_t launch_cross_entropy_forward_grad(const cross_entropy_args& args, cudaStream_t stream);
+int64_t cross_entropy_forward_grad_max_classes(int dtype, int part_bytes = CROSS_ENTROPY_PART_BYTES);
+cudaError_t launch_cross_entropy_forward_grad(const cross_entropy_args& args, cudaStream_t stream,
+                                              int part_bytes = CROSS_ENTROPY_PART_BYTES);
 
 }  // namespace tk::loss
