@@ -212,19 +212,22 @@ def test_lm_head_bias_keeps_an_explicit_scaling(standin_tk_build):
     assert_matches_reference(model, loss, x_grad, grads, x, targets)
 
 
-def test_scale_rows_in_chunks_matches_one_pass(monkeypatch):
-    """ops.scale_rows (the unfolded scaling) goes through fp32 a few rows at a time; the result is the same."""
+def test_scale_rows_computes_in_fp32():
+    """ops.scale_rows (the unfolded scaling) reads t in bf16 and g in fp32 and rounds once: the same as through an
+    fp32 copy of t, for any strides and a broadcast g."""
     from thunder_tk import ops
 
     g = torch.Generator().manual_seed(3)
     t = torch.randn(1000, 37, generator=g).to(bf16)
-    scale = torch.randn(2000, generator=g)[::2]  # a strided incoming gradient
+    scale = torch.randn(2000, generator=g)[::2] * 1e-3  # a strided incoming gradient
     expected = (t.float() * scale.unsqueeze(1)).to(bf16)
-    monkeypatch.setattr(ops, "SCALE_ROWS_CHUNK_BYTES", 4 * 37 * 7)  # 7 rows a chunk, a short last one
     assert torch.equal(ops.scale_rows(t, scale), expected)
     assert torch.equal(ops.scale_rows(t.t().contiguous().t(), scale), expected)
+    one = torch.tensor(1 / 3).expand(1000)  # mean reduction: one value for every row
+    assert torch.equal(ops.scale_rows(t, one), (t.float() * one[0]).to(bf16))
     with pytest.raises(ValueError, match="scale_rows takes"):
         ops.scale_rows(t, scale[:-1])
+    assert torch.equal(ops.scale_rows(t, scale.to(bf16)), (t.float() * scale.to(bf16).float().unsqueeze(1)).to(bf16))
 
 
 # ------------------------------------------------------------------------------------------------

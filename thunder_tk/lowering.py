@@ -222,9 +222,11 @@ tk_cross_entropy_backward = tk.register_operator(
 # D = softmax - onehot from its one read of the logits (tk_cross_entropy_forward_grad), D is saved instead of the
 # logits, and the backward only scales D's rows by the incoming gradient (tk_scale_rows), which
 # `pattern_fusion.fold_row_scaling` moves onto the rows of the GEMMs that read it (dX = g (D W), dW = D^T (g X)).
-# Narrower rows gain nothing from it (benchmarks/NOTES.md): they keep the forward + backward kernels.
+# From 32000 classes (Llama-2's and TinyLlama's vocabulary) the kernel, each row split over a cluster, beats the
+# forward + backward kernels (H200, 8192 x 32000: 0.340 against 0.465 ms; benchmarks/NOTES.md); narrower rows keep
+# those two, as rows of 32000 did while one block held each row (0.56 ms).
 FORWARD_GRAD_KERNEL = "cross_entropy_forward_grad"
-FORWARD_GRAD_MIN_CLASSES = 65536
+FORWARD_GRAD_MIN_CLASSES = 32000
 FORWARD_GRAD_OPTION = "tk_cross_entropy_forward_grad"
 """Compile option: False keeps the forward + backward kernels at any width (`thunder.jit(..., <option>=False)`)."""
 
