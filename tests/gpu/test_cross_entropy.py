@@ -448,6 +448,22 @@ def test_forward_grad_split_rows_edge_values(part_bytes):
     assert row_err(loss[ok], ref_loss, ref_lse) < ROW_TOL
 
 
+@pytest.mark.parametrize("part_bytes", [None, 4096], ids=lambda b: f"part{b}")
+@pytest.mark.parametrize("rows,classes", [(2000, 4104), (700, 128256)], ids=str)
+def test_forward_grad_many_rows_per_cluster(rows, classes, part_bytes):
+    """The persistent grid: every cluster takes many rows, so each block's ring of part buffers wraps several times
+    and the pairs' two slots alternate; the same result twice, bit for bit (a moving result is a race)."""
+    logits, target = make(rows, classes, torch.bfloat16, seed=11)
+    target[::7] = -100
+    poison_allocator(((rows, classes), torch.bfloat16))
+    loss, lse, grad = ops.cross_entropy_forward_grad(logits, target, _part_bytes=part_bytes)
+    ref_loss, ref_lse = reference(logits, target)
+    assert row_err(lse, ref_lse, ref_lse) < ROW_TOL and row_err(loss, ref_loss, ref_lse) < ROW_TOL
+    assert rel_err(grad, reference_grad(logits, target, torch.ones(rows, device=DEVICE))) < GRAD_TOL[torch.bfloat16]
+    again = ops.cross_entropy_forward_grad(logits, target, _part_bytes=part_bytes)
+    assert all(torch.equal(x, y) for x, y in zip((loss, lse, grad), again))
+
+
 def test_forward_grad_rows_past_one_block():
     """Rows wider than one block holds (about 150k bf16 classes) stay on chip when split over a cluster."""
     classes = 262144
