@@ -108,6 +108,16 @@ def test_narrow_rows_keep_the_backward_kernel(standin_tk_build, monkeypatch):
     assert_matches_reference(model, loss, x_grad, grads, x, targets)
 
 
+def test_rows_off_16_bytes_keep_the_backward_kernel(standin_tk_build):
+    """A vocabulary that is not a multiple of 8 (GPT-2's 50257): the kernel would not take the rows, and the op's
+    fallback (both kernels, then a scaling pass) would cost more than the backward kernel."""
+    model = LMHeadLoss(classes=CLASSES + 3).to(bf16)
+    jm, loss, x_grad, grads, x, targets = run(model, classes=CLASSES + 3)
+    assert not any(op.startswith("tk_cross_entropy_forward_grad") for op in ops_of(thunder.last_traces(jm)[-1]))
+    assert "tk_cross_entropy_backward" in ops_of(thunder.last_backward_traces(jm)[-1])
+    assert_matches_reference(model, loss, x_grad, grads, x, targets)
+
+
 @pytest.mark.parametrize("how", ["option", "env", "build"])
 def test_turned_off_keeps_the_backward_kernel(standin_tk_build, monkeypatch, how):
     options = {}

@@ -276,7 +276,10 @@ def _forward_grad_wanted(a) -> bool:
 
     disabled = claim_rules.disabled_names()
     option = get_compile_option(FORWARD_GRAD_OPTION, "the cross-entropy's gradient from its forward's read")
-    return (a.shape[1] >= FORWARD_GRAD_MIN_CLASSES and a.dtype in (thunder.bfloat16, thunder.float16)
+    # Rows of whole 16-byte vectors (the kernel's condition, where the logits are a GEMM's contiguous output): an
+    # odd vocabulary (GPT-2's 50257) would take the two kernels inside the op and then a scaling pass.
+    return (a.shape[1] >= FORWARD_GRAD_MIN_CLASSES and a.shape[1] % 8 == 0
+            and a.dtype in (thunder.bfloat16, thunder.float16)
             and option is not False and FORWARD_GRAD_KERNEL not in disabled
             and _extension.kernel_in_build(FORWARD_GRAD_KERNEL))
 

@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(SPLIT_THREADS, 1)
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; ++s) {
             sync::init(full[s], 1);
-            sync::init(done[s], SPLIT_CONSUMERS / 32);
+            sync::init(done[s], SPLIT_CONSUMERS);
         }
         sync::init(pairs_in[0], 1);
         sync::init(pairs_in[1], 1);
@@ -360,10 +360,12 @@ __global__ void __launch_bounds__(SPLIT_THREADS, 1)
     for (int64_t j = 0, r = row0; r < a.rows; ++j, r += clusters) {
         const int s = int(j % stages), slot = int(j & 1);
         uint4* part = buffers + s * part_vectors;
-        if (tid == 0) sync::arrive_expect_bytes(pairs_in[slot], 8 * parts);  // every block's pair for this row
+        if (tid == 0 && parts > 1) sync::arrive_expect_bytes(pairs_in[slot], 8 * parts);  // every block's pair
         const int64_t t = a.target[r];
         const bool ignored = t == a.ignore_index, mine = t >= first && t < first + int64_t(n) * N;
         sync::wait(full[s], uint32_t(j / stages) & 1);
+        // The target's logit, read before the reductions' barriers: no thread writes the gradient over it before.
+        const float x_t = mine ? to_float(reinterpret_cast<const T*>(part)[t - first]) : 0.f;
         float m = -INFINITY;
         for (int i = tid; i < n; i += SPLIT_CONSUMERS) {
             vec<T> v;
@@ -382,12 +384,14 @@ __global__ void __launch_bounds__(SPLIT_THREADS, 1)
             }
         }
         sum = reduce(sum, false);
-        // The target's logit, read before the gradient overwrites the part.
-        const float x_t = mine ? to_float(reinterpret_cast<const T*>(part)[t - first]) : 0.f;
-        if (tid < int(parts)) sync::store_cluster_async(&pairs[slot][rank], uint32_t(tid), m, sum, pairs_in[slot]);
-        sync::wait(pairs_in[slot], uint32_t(j >> 1) & 1);
         normaliser total;
-        for (uint32_t q = 0; q < parts; ++q) total.merge(pairs[slot][q].x, pairs[slot][q].y);
+        if (parts == 1) {  // the row is this block's (st.async needs a cluster of two or more)
+            total.merge(m, sum);
+        } else {
+            if (tid < int(parts)) sync::store_cluster_async(&pairs[slot][rank], uint32_t(tid), m, sum, pairs_in[slot]);
+            sync::wait(pairs_in[slot], uint32_t(j >> 1) & 1);
+            for (uint32_t q = 0; q < parts; ++q) total.merge(pairs[slot][q].x, pairs[slot][q].y);
+        }
         const float lse = total.max + logf(total.sum);  // all -inf: -inf; a NaN anywhere: NaN
         if (tid == 0) {
             if (rank == 0) a.lse[r] = lse;
@@ -410,9 +414,10 @@ __global__ void __launch_bounds__(SPLIT_THREADS, 1)
             }
             part[i] = o.raw;
         }
+        // Every consumer hands the buffer back itself (one arrival a warp after __syncwarp left compute-sanitizer's
+        // racecheck unable to order the other lanes' writes before the producer's next copy into the buffer).
         tma::fence_shared_to_async();  // the gradient, written by this thread, before the producer's bulk copy
-        __syncwarp();
-        if (tid % 32 == 0) sync::arrive(done[s]);
+        sync::arrive(done[s]);
     }
 }
 
