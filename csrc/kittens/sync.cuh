@@ -118,19 +118,6 @@ __device__ __forceinline__ void store_cluster(const void* local, uint32_t rank, 
         "r"(rank), "f"(a), "f"(b)
         : "memory");
 }
-// Two floats into cluster block `rank`'s shared memory at the offset of `local`, completing 8 bytes on that
-// block's barrier at the offset of `bar` (its waiters then see the floats): a value handed to a peer without a
-// cluster barrier.
-__device__ __forceinline__ void store_cluster_async(const void* local, uint32_t rank, float a, float b,
-                                                    const barrier& bar) {
-    asm volatile(
-        "{\n.reg .b32 remote, remote_bar;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-        "mapa.shared::cluster.u32 remote_bar, %4, %1;\n"
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [remote], {%2, %3}, [remote_bar];\n}" ::"r"(
-            smem_addr(local)),
-        "r"(rank), "f"(a), "f"(b), "r"(smem_addr(&bar))
-        : "memory");
-}
 __device__ __forceinline__ uint32_t cluster_size() {
     uint32_t n;
     asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));

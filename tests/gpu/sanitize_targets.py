@@ -189,9 +189,9 @@ def cross_entropy():
 
 
 # Forward and gradient from one read: rows split over clusters of 1, 4 and 8 blocks (the default parts and 4 KB
-# parts) in a persistent grid, and in one block (a row in registers only, one that spills into shared memory); fp32, an ignored row.
+# parts), and in one block (a row in registers only, one that spills into shared memory); fp32, an ignored row.
 def cross_entropy_forward_grad():
-    # 600 x 4104 in 4 KB parts: clusters of 4 with many rows each (the ring of buffers wraps)
+    # 600 x 4104 in 4 KB parts: 600 clusters of 4, several blocks an SM
     for rows, classes, dtype in [(3, 4096, torch.bfloat16), (2, 128256, torch.bfloat16), (2, 50000, torch.float32),
                                  (600, 4104, torch.bfloat16)]:
         for part_bytes in (None, 4096, 0):

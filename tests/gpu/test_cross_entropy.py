@@ -450,9 +450,9 @@ def test_forward_grad_split_rows_edge_values(part_bytes):
 
 @pytest.mark.parametrize("part_bytes", [None, 4096], ids=lambda b: f"part{b}")
 @pytest.mark.parametrize("rows,classes", [(2000, 4104), (700, 128256)], ids=str)
-def test_forward_grad_many_rows_per_cluster(rows, classes, part_bytes):
-    """The persistent grid: every cluster takes many rows, so each block's ring of part buffers wraps several times
-    and the pairs' two slots alternate; the same result twice, bit for bit (a moving result is a race)."""
+def test_forward_grad_many_rows(rows, classes, part_bytes):
+    """Many more clusters than fit at once (several blocks an SM, each pushing its pair into its peers), ignored rows
+    among them; the same result twice, bit for bit (a moving result is a race)."""
     logits, target = make(rows, classes, torch.bfloat16, seed=11)
     target[::7] = -100
     poison_allocator(((rows, classes), torch.bfloat16))

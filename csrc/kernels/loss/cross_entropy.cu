@@ -6,8 +6,6 @@
 #include "cross_entropy.h"
 #include "../../kittens/kittens.cuh"
 
-#include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <type_traits>
 
@@ -272,179 +270,136 @@ __global__ void __launch_bounds__(FG_THREADS, 1) forward_grad_kernel(const __gri
 }
 
 // Forward and gradient with each row split over the blocks of a cluster (launch_cross_entropy_forward_grad with
-// part_bytes > 0). The grid is persistent: each cluster takes every n-th row, and each of its blocks the same part of
-// those rows (at most part_bytes), through a ring of up to three part-sized buffers in shared memory. A producer warp
-// copies parts in with one bulk copy each, up to two rows ahead, and copies each finished part's gradient out; the
-// consumer warps fold a part into a (max, sum of exp) pair, hand it to every peer of the cluster (st.async on the
-// peer's barrier, no cluster-wide barrier), merge the pairs into the row's log-sum-exp and write softmax - one-hot
-// over the part in place. Loads, math and stores of different rows overlap in one block: the one-block kernel above
-// stops loading while it reduces and writes, and one block per part left an SM between rows.
-constexpr int SPLIT_CONSUMERS = 512, SPLIT_THREADS = SPLIT_CONSUMERS + 32, SPLIT_MAX_PARTS = 8;  // 8: portable
-constexpr int SPLIT_MAX_STAGES = 3;
-constexpr int SPLIT_SMEM_BYTES_MAX = 200 * 1024;  // the part buffers together
-constexpr int SPLIT_REDUCE_BARRIER = 1;           // named barrier of the consumer warps
+// part_bytes > 0): each block copies its part of the row (at most part_bytes) into shared memory with one bulk copy,
+// folds it into a (max, sum of exp) pair, pushes the pair into every peer's shared memory, and after one cluster
+// barrier each block has the row's log-sum-exp. It then writes softmax - one-hot over its part in place and stores
+// the part with one bulk copy. Parts of at most 64 KB let three blocks share an SM, so one block's copies run while
+// another computes: the whole-row kernel above has one 1024-thread block per SM, whose loads stop while it reduces
+// and writes.
+constexpr int SPLIT_THREADS = 256, SPLIT_MAX_PARTS = 8;  // 8: the portable cluster size
+constexpr int SPLIT_SMEM_BYTES_MAX = 200 * 1024;
 
 template <typename T>
-__global__ void __launch_bounds__(SPLIT_THREADS, 1)
-    forward_grad_split_kernel(const __grid_constant__ cross_entropy_args a, const int part_vectors, const int stages) {
-    extern __shared__ __align__(128) uint4 buffers[];  // `stages` buffers of part_vectors vectors
-    __shared__ sync::barrier full[SPLIT_MAX_STAGES], done[SPLIT_MAX_STAGES], pairs_in[2];
-    __shared__ float2 pairs[2][SPLIT_MAX_PARTS];  // (max, sum) of each block of the cluster, per row parity
-    __shared__ float warp_part[SPLIT_CONSUMERS / 32];
+__global__ void __launch_bounds__(SPLIT_THREADS) forward_grad_split_kernel(const __grid_constant__ cross_entropy_args a,
+                                                                          const int part_vectors) {
+    extern __shared__ __align__(128) uint4 part[];
+    __shared__ sync::barrier loaded;
+    __shared__ float2 pairs[SPLIT_MAX_PARTS];  // (max, sum) of every block of the cluster, pushed by each
+    __shared__ float warp_part[SPLIT_THREADS / 32];
     constexpr int N = vec<T>::n;
     const uint32_t parts = sync::cluster_size(), rank = sync::cluster_rank();
-    const int64_t clusters = gridDim.x / parts, C = a.classes;
-    const int64_t first = int64_t(rank) * part_vectors * N;                         // first class of this part
+    const int64_t r = blockIdx.x / parts;
+    const int64_t C = a.classes, first = int64_t(rank) * part_vectors * N;  // first class of this part
     const int n = int(max(int64_t(0), min(int64_t(part_vectors), (C - first) / N)));  // vectors in this part
-    const uint32_t bytes = uint32_t(n) * 16;
-    const int64_t row0 = blockIdx.x / parts;  // this cluster's first row; then every clusters-th
+    const T* x = row_of<T>(a, r) + first;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < stages; ++s) {
-            sync::init(full[s], 1);
-            sync::init(done[s], SPLIT_CONSUMERS);
-        }
-        sync::init(pairs_in[0], 1);
-        sync::init(pairs_in[1], 1);
+        sync::init(loaded, 1);
         sync::fence_init();
     }
-    sync::cluster_sync();  // barriers ready, and every peer running before anyone writes into it
-
-    if (threadIdx.x < 32) {  // the producer warp: lane 0 copies parts in and gradients out
-        if (threadIdx.x != 0) return;
-        auto load = [&](int64_t j) {
-            const int s = int(j % stages);
-            const int64_t r = row0 + j * clusters;
-            if (bytes == 0) {
-                sync::arrive(full[s]);
-                return;
-            }
-            sync::arrive_expect_bytes(full[s], bytes);
-            tma::load_bytes(buffers + s * part_vectors, row_of<T>(a, r) + first, bytes, full[s]);
-        };
-        auto store = [&](int64_t j) {  // row j's gradient, once the consumers have written it
-            const int s = int(j % stages);
-            sync::wait(done[s], uint32_t(j / stages) & 1);
-            if (bytes == 0) return;
-            T* g = static_cast<T*>(a.grad) + (row0 + j * clusters) * a.grad_row_stride + first;
-            tma::store_bytes(g, buffers + s * part_vectors, bytes);
-            tma::store_commit();
-        };
-        const int64_t rows = row0 < a.rows ? (a.rows - row0 + clusters - 1) / clusters : 0;
-        for (int64_t j = 0; j < rows; ++j) {
-            if (j >= stages) {  // the buffer's previous row: its gradient out before this row comes in
-                store(j - stages);
-                tma::store_wait_read();
-            }
-            load(j);
-        }
-        for (int64_t j = max(int64_t(0), rows - stages); j < rows; ++j) store(j);
-        tma::store_wait();
-        return;
+    __syncthreads();
+    if (threadIdx.x == 0 && n > 0) {
+        sync::arrive_expect_bytes(loaded, uint32_t(n) * 16);
+        tma::load_bytes(part, x, uint32_t(n) * 16, loaded);
     }
+    sync::cluster_arrive_relaxed();  // this block runs: peers may push into it once they have waited
+    const int64_t t = a.target[r];
+    const bool ignored = t == a.ignore_index, mine = t >= first && t < first + int64_t(n) * N;
+    if (n > 0) sync::wait(loaded, 0);
 
-    const int tid = threadIdx.x - 32;
-    auto reduce = [&](float v, bool is_max) {  // over the consumer warps; every consumer gets the result
+    auto reduce = [&](float v, bool is_max) {  // over the block; every thread gets the result
 #pragma unroll
         for (int o = 16; o > 0; o /= 2) {
             const float w = __shfl_xor_sync(0xffffffffu, v, o);
             v = is_max ? fmaxf(v, w) : v + w;
         }
-        if (tid % 32 == 0) warp_part[tid / 32] = v;
-        sync::named_sync(SPLIT_REDUCE_BARRIER, SPLIT_CONSUMERS);
+        if (threadIdx.x % 32 == 0) warp_part[threadIdx.x / 32] = v;
+        __syncthreads();
         v = warp_part[0];
 #pragma unroll
-        for (int w = 1; w < SPLIT_CONSUMERS / 32; ++w) v = is_max ? fmaxf(v, warp_part[w]) : v + warp_part[w];
-        sync::named_sync(SPLIT_REDUCE_BARRIER, SPLIT_CONSUMERS);  // warp_part is reused by the next reduction
+        for (int w = 1; w < SPLIT_THREADS / 32; ++w) v = is_max ? fmaxf(v, warp_part[w]) : v + warp_part[w];
+        __syncthreads();  // warp_part is reused by the next reduction
         return v;
     };
-    for (int64_t j = 0, r = row0; r < a.rows; ++j, r += clusters) {
-        const int s = int(j % stages), slot = int(j & 1);
-        uint4* part = buffers + s * part_vectors;
-        if (tid == 0 && parts > 1) sync::arrive_expect_bytes(pairs_in[slot], 8 * parts);  // every block's pair
-        const int64_t t = a.target[r];
-        const bool ignored = t == a.ignore_index, mine = t >= first && t < first + int64_t(n) * N;
-        sync::wait(full[s], uint32_t(j / stages) & 1);
-        // The target's logit, read before the reductions' barriers: no thread writes the gradient over it before.
-        const float x_t = mine ? to_float(reinterpret_cast<const T*>(part)[t - first]) : 0.f;
-        float m = -INFINITY;
-        for (int i = tid; i < n; i += SPLIT_CONSUMERS) {
+    float m = -INFINITY;
+    for (int i = threadIdx.x; i < n; i += SPLIT_THREADS) {
+        vec<T> v;
+        v.raw = part[i];
+#pragma unroll
+        for (int e = 0; e < N; ++e) m = fmaxf(m, v.at(e));  // fmaxf skips NaN: the sum below carries it
+    }
+    m = reduce(m, true);
+    float sum = 0.f;
+    if (m != -INFINITY) {  // a part of -inf (or none) adds nothing; -inf - -inf would be NaN
+        for (int i = threadIdx.x; i < n; i += SPLIT_THREADS) {
             vec<T> v;
             v.raw = part[i];
 #pragma unroll
-            for (int e = 0; e < N; ++e) m = fmaxf(m, v.at(e));  // fmaxf skips NaN: the sum below carries it
+            for (int e = 0; e < N; ++e) sum += exp_of(v.at(e) - m);
         }
-        m = reduce(m, true);
-        float sum = 0.f;
-        if (m != -INFINITY) {  // a part of -inf (or none) adds nothing; -inf - -inf would be NaN
-            for (int i = tid; i < n; i += SPLIT_CONSUMERS) {
-                vec<T> v;
-                v.raw = part[i];
-#pragma unroll
-                for (int e = 0; e < N; ++e) sum += exp_of(v.at(e) - m);
-            }
-        }
-        sum = reduce(sum, false);
-        normaliser total;
-        if (parts == 1) {  // the row is this block's (st.async needs a cluster of two or more)
-            total.merge(m, sum);
+    }
+    sum = reduce(sum, false);
+    // The target's logit, read before the gradient overwrites the part.
+    const float x_t = mine ? to_float(reinterpret_cast<const T*>(part)[t - first]) : 0.f;
+    sync::cluster_wait();
+    if (threadIdx.x < parts) sync::store_cluster(&pairs[rank], threadIdx.x, m, sum);
+    sync::cluster_sync();  // every block's pair is in every block
+    normaliser total;
+    for (uint32_t p = 0; p < parts; ++p) total.merge(pairs[p].x, pairs[p].y);
+    const float lse = total.max + logf(total.sum);  // all -inf: -inf; a NaN anywhere: NaN
+    if (threadIdx.x == 0) {
+        if (rank == 0) a.lse[r] = lse;
+        // A target outside [0, classes): NaN (PyTorch asserts on the device; here the row's loss says it).
+        if (ignored && rank == 0) a.loss[r] = 0.f;
+        else if (!ignored && (t < 0 || t >= C) && rank == 0) a.loss[r] = NAN;
+        else if (!ignored && mine) a.loss[r] = lse - x_t;
+    }
+    for (int i = threadIdx.x; i < n; i += SPLIT_THREADS) {
+        vec<T> v, o;
+        v.raw = part[i];
+        if (ignored) {
+            o.raw = make_uint4(0, 0, 0, 0);
         } else {
-            if (tid < int(parts)) sync::store_cluster_async(&pairs[slot][rank], uint32_t(tid), m, sum, pairs_in[slot]);
-            sync::wait(pairs_in[slot], uint32_t(j >> 1) & 1);
-            for (uint32_t q = 0; q < parts; ++q) total.merge(pairs[slot][q].x, pairs[slot][q].y);
-        }
-        const float lse = total.max + logf(total.sum);  // all -inf: -inf; a NaN anywhere: NaN
-        if (tid == 0) {
-            if (rank == 0) a.lse[r] = lse;
-            // A target outside [0, classes): NaN (PyTorch asserts on the device; here the row's loss says it).
-            if (ignored && rank == 0) a.loss[r] = 0.f;
-            else if (!ignored && (t < 0 || t >= C) && rank == 0) a.loss[r] = NAN;
-            else if (!ignored && mine) a.loss[r] = lse - x_t;
-        }
-        for (int i = tid; i < n; i += SPLIT_CONSUMERS) {
-            vec<T> v, o;
-            v.raw = part[i];
-            if (ignored) {
-                o.raw = make_uint4(0, 0, 0, 0);
-            } else {
 #pragma unroll
-                for (int e = 0; e < N; ++e) {
-                    const float p = exp_of(v.at(e) - lse);
-                    o.set(e, first + int64_t(i) * N + e == t ? p - 1.f : p);
-                }
+            for (int e = 0; e < N; ++e) {
+                const float p = exp_of(v.at(e) - lse);
+                o.set(e, first + int64_t(i) * N + e == t ? p - 1.f : p);
             }
-            part[i] = o.raw;
         }
-        // Every consumer hands the buffer back itself (one arrival a warp after __syncwarp left compute-sanitizer's
-        // racecheck unable to order the other lanes' writes before the producer's next copy into the buffer).
-        tma::fence_shared_to_async();  // the gradient, written by this thread, before the producer's bulk copy
-        sync::arrive(done[s]);
+        part[i] = o.raw;
+    }
+    tma::fence_shared_to_async();
+    __syncthreads();
+    if (threadIdx.x == 0 && n > 0) {
+        tma::store_bytes(static_cast<T*>(a.grad) + r * a.grad_row_stride + first, part, uint32_t(n) * 16);
+        tma::store_commit();
+        tma::store_wait_read();  // the part stays valid until the copy has read it
     }
 }
 
-// Parts per row (a power of two up to SPLIT_MAX_PARTS), 16-byte vectors per part and buffers in the ring: the fewest
-// parts of at most part_bytes each, or SPLIT_MAX_PARTS parts of whatever size (0 parts: the row does not fit).
+// Parts per row (a power of two up to SPLIT_MAX_PARTS) and 16-byte vectors per part: the fewest parts of at most
+// part_bytes each, or SPLIT_MAX_PARTS parts of whatever size (0 parts: the row does not fit).
 struct split_plan {
-    int parts, part_vectors, stages;
+    int parts, part_vectors;
 };
 split_plan plan_split(int64_t classes, int elements_per_vector, int part_bytes) {
     const int64_t vectors = classes / elements_per_vector;
     int parts = 1;
     while (parts < SPLIT_MAX_PARTS && (vectors + parts - 1) / parts * 16 > part_bytes) parts *= 2;
-    const int64_t per_part = std::max<int64_t>(1, (vectors + parts - 1) / parts);
-    if (per_part * 16 > SPLIT_SMEM_BYTES_MAX) return {0, 0, 0};
-    return {parts, int(per_part), int(std::min<int64_t>(SPLIT_MAX_STAGES, SPLIT_SMEM_BYTES_MAX / (per_part * 16)))};
+    const int64_t per_part = (vectors + parts - 1) / parts;
+    if (per_part * 16 > SPLIT_SMEM_BYTES_MAX) return {0, 0};
+    return {parts, int(per_part)};
 }
 
 template <typename T>
 cudaError_t launch_forward_grad_split(const cross_entropy_args& a, int part_bytes, cudaStream_t stream) {
     const split_plan plan = plan_split(a.classes, vec<T>::n, part_bytes);
-    if (plan.parts == 0) return cudaErrorInvalidValue;
-    auto kernel = forward_grad_split_kernel<T>;
+    if (plan.parts == 0 || a.rows * plan.parts > 0x7fffffff) return cudaErrorInvalidValue;
     if (cudaError_t e = opt_in_shared_memory<forward_grad_split_kernel<T>>(SPLIT_SMEM_BYTES_MAX); e != cudaSuccess)
         return e;
     cudaLaunchConfig_t config{};
+    config.gridDim = dim3(unsigned(a.rows * plan.parts));
     config.blockDim = dim3(SPLIT_THREADS);
-    config.dynamicSmemBytes = size_t(plan.part_vectors) * 16 * plan.stages;
+    config.dynamicSmemBytes = size_t(plan.part_vectors) * 16;
     config.stream = stream;
     cudaLaunchAttribute attribute[1];
     attribute[0].id = cudaLaunchAttributeClusterDimension;
@@ -453,24 +408,7 @@ cudaError_t launch_forward_grad_split(const cross_entropy_args& a, int part_byte
     attribute[0].val.clusterDim.z = 1;
     config.attrs = attribute;
     config.numAttrs = 1;
-    // As many clusters as fit at once (one block per SM), each then taking rows in turn; the count is cached per
-    // device and cluster size (the shared memory, at most SPLIT_SMEM_BYTES_MAX, never allows two blocks an SM).
-    static std::atomic<int> known[max_devices][4];  // parts 1, 2, 4, 8
-    const int device = current_device();
-    if (device < 0) return cudaErrorInvalidDevice;
-    std::atomic<int>& cached = known[device][__builtin_ctz(unsigned(plan.parts))];
-    int fit = cached.load(std::memory_order_acquire);
-    if (fit == 0) {
-        config.gridDim = dim3(unsigned(plan.parts));
-        config.dynamicSmemBytes = SPLIT_SMEM_BYTES_MAX;
-        if (cudaError_t e = cudaOccupancyMaxActiveClusters(&fit, kernel, &config); e != cudaSuccess) return e;
-        fit = std::max(fit, 1);
-        cached.store(fit, std::memory_order_release);
-        config.dynamicSmemBytes = size_t(plan.part_vectors) * 16 * plan.stages;
-    }
-    const int64_t clusters = std::min<int64_t>(a.rows, fit);
-    config.gridDim = dim3(unsigned(clusters * plan.parts));
-    return cudaLaunchKernelEx(&config, kernel, a, plan.part_vectors, plan.stages);
+    return cudaLaunchKernelEx(&config, forward_grad_split_kernel<T>, a, plan.part_vectors);
 }
 
 template <typename T>
@@ -552,6 +490,8 @@ const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& a, 
     if (a.grad == a.logits && a.rows > 1 && (a.grad_row_stride != a.logits_row_stride || a.logits_row_stride < a.classes))
         return "grad written over the logits needs the logits' row stride, with rows that do not overlap";
     if (a.classes > cross_entropy_forward_grad_max_classes(a.dtype, part_bytes)) return "a row too long to keep on chip";
+    if (part_bytes > 0 && a.rows * plan_split(a.classes, int(n), part_bytes).parts > 0x7fffffff)
+        return "more than 2^31 - 1 blocks (rows times parts of a row)";
     return nullptr;
 }
 
