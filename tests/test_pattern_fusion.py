@@ -98,6 +98,7 @@ def test_wide_rows_fold_the_scaling_into_the_gemms(standin_tk_build, reduction):
     assert_matches_reference(model, loss, x_grad, grads, x, targets)
     (row,) = [r for r in thunder_tk.explain(jm).rows if r.symbol == "ltorch.cross_entropy"]
     assert row.ran_by == "tk: tk_cross_entropy_forward_grad_over_logits"
+    assert row.detail == "loss and gradient from one read of the logits; the gradient written over them"
 
 
 def test_narrow_rows_keep_the_backward_kernel(standin_tk_build, monkeypatch):
@@ -106,6 +107,8 @@ def test_narrow_rows_keep_the_backward_kernel(standin_tk_build, monkeypatch):
     jm, loss, x_grad, grads, x, targets = run(model)
     assert "tk_cross_entropy_backward" in ops_of(thunder.last_backward_traces(jm)[-1])
     assert_matches_reference(model, loss, x_grad, grads, x, targets)
+    (row,) = [r for r in thunder_tk.explain(jm).rows if r.symbol == "ltorch.cross_entropy"]
+    assert row.detail == f"gradient by the backward kernel: {CLASSES} classes, fewer than 65536", row.detail
 
 
 def test_rows_off_16_bytes_keep_the_backward_kernel(standin_tk_build):
@@ -116,6 +119,10 @@ def test_rows_off_16_bytes_keep_the_backward_kernel(standin_tk_build):
     assert not any(op.startswith("tk_cross_entropy_forward_grad") for op in ops_of(thunder.last_traces(jm)[-1]))
     assert "tk_cross_entropy_backward" in ops_of(thunder.last_backward_traces(jm)[-1])
     assert_matches_reference(model, loss, x_grad, grads, x, targets)
+    (row,) = [r for r in thunder_tk.explain(jm).rows if r.symbol == "ltorch.cross_entropy"]
+    assert row.detail == (f"gradient by the backward kernel: {CLASSES + 3} classes, not a multiple of 8 "
+                          "(rows off 16-byte boundaries)"), row.detail
+    assert row.detail in str(thunder_tk.explain(jm))
 
 
 @pytest.mark.parametrize("how", ["option", "env", "build"])
@@ -132,6 +139,11 @@ def test_turned_off_keeps_the_backward_kernel(standin_tk_build, monkeypatch, how
     assert not any(op.startswith("tk_cross_entropy_forward_grad") for op in ops_of(thunder.last_traces(jm)[-1]))
     assert "tk_cross_entropy_backward" in ops_of(thunder.last_backward_traces(jm)[-1])
     assert_matches_reference(model, loss, x_grad, grads, x, targets)
+    (row,) = [r for r in thunder_tk.explain(jm).rows if r.symbol == "ltorch.cross_entropy"]
+    assert row.detail == "gradient by the backward kernel: " + {
+        "option": f"turned off ({lowering.FORWARD_GRAD_OPTION}=False)",
+        "env": f"turned off (THUNDER_TK_DISABLE={lowering.FORWARD_GRAD_KERNEL})",
+        "build": f"{lowering.FORWARD_GRAD_KERNEL} not in this build"}[how], row.detail
 
 
 def test_logits_with_a_second_use_keep_an_explicit_scaling(standin_tk_build):

@@ -104,14 +104,27 @@ def _producers(trace, label: str, into: dict[Site, list[tuple[str, str]]], ops: 
 _ATTENTION_OPS = frozenset({"tk_attention", "tk_attention_forward"})
 
 
-def _detail(op: BoundSymbol | None) -> str:
+def _detail(op: BoundSymbol | None, backward_by: str, cd) -> str:
     """What the trace's inputs column does not show: attention whose repeated K/V heads tk read unrepeated
-    (pattern_fusion.attend_grouped_kv)."""
-    if op is None or op.sym.name not in _ATTENTION_OPS:
+    (pattern_fusion.attend_grouped_kv); a training cross-entropy's gradient, from the forward's read of the logits
+    or from the backward kernel, and why the latter."""
+    if op is None:
         return ""
-    q, k = op.args[0], op.args[1]
-    if k.shape[1] < q.shape[1]:
-        return f"K/V read with their {k.shape[1]} heads for {q.shape[1]} query heads"
+    if op.sym.name in _ATTENTION_OPS:
+        q, k = op.args[0], op.args[1]
+        if k.shape[1] < q.shape[1]:
+            return f"K/V read with their {k.shape[1]} heads for {q.shape[1]} query heads"
+        return ""
+    if op.sym.name.startswith("tk_cross_entropy_forward_grad"):
+        over = op.sym.name.endswith("_over_logits")
+        return "loss and gradient from one read of the logits" + ("; the gradient written over them" if over else "")
+    if op.sym.name == "tk_cross_entropy_forward" and "tk_cross_entropy_backward" in backward_by:
+        from thunder_tk import _extension, claim_rules, lowering
+
+        why = lowering.forward_grad_declined(
+            op.args[0], option=cd.compile_options.get(lowering.FORWARD_GRAD_OPTION),
+            disabled=claim_rules.disabled_names(), built=_extension.kernel_in_build(lowering.FORWARD_GRAD_KERNEL))
+        return f"gradient by the backward kernel: {why}" if why else ""
     return ""
 
 
@@ -141,7 +154,7 @@ def build_report(cd, cs, *, planned: bool = False, note: str = "") -> Report:
         if d.claimed_by is not None and trace_label == "forward":
             backward_by = ", ".join(r for label, r in found if label == "backward" and r.startswith(f"{d.claimed_by}:"))
         rows.append(Row(trace_label, d.symbol, d.inputs, d.claimed_by == "tk", ran_by, backward_by, d.reason,
-                        _detail(ops.get(d.site)) if d.claimed_by == "tk" else ""))
+                        _detail(ops.get(d.site), backward_by, cd) if d.claimed_by == "tk" else ""))
     order = {"forward": 0, "backward": 1}
     rows.sort(key=lambda r: order.get(r.trace, 2))
     return Report(rows, planned=planned, note=note)

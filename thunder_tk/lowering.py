@@ -269,19 +269,36 @@ def _scale_rows_impl(t, g):
 tk_scale_rows = tk.register_operator("tk_scale_rows", meta=_scale_rows_meta, fn=_scale_rows_impl)
 
 
+def forward_grad_declined(a, *, option=None, disabled=frozenset(), built: bool = True) -> str | None:
+    """Why the cross-entropy of logits `a` (metadata) takes the backward kernel in training rather than the gradient
+    from its forward's read; None when it takes the forward's. `option`: the compile option's value, `disabled`:
+    THUNDER_TK_DISABLE's names, `built`: whether the kernel is in the build."""
+    classes = a.shape[1]
+    if classes < FORWARD_GRAD_MIN_CLASSES:
+        return f"{classes} classes, fewer than {FORWARD_GRAD_MIN_CLASSES}"
+    # Rows of whole 16-byte vectors (the kernel's condition, where the logits are a GEMM's contiguous output): an
+    # odd vocabulary (GPT-2's 50257) would take the two kernels inside the op and then a scaling pass.
+    if classes % 8:
+        return f"{classes} classes, not a multiple of 8 (rows off 16-byte boundaries)"
+    if a.dtype not in (thunder.bfloat16, thunder.float16):
+        return f"{a.dtype} logits (16-bit only)"
+    if option is False:
+        return f"turned off ({FORWARD_GRAD_OPTION}=False)"
+    if FORWARD_GRAD_KERNEL in disabled:
+        return f"turned off (THUNDER_TK_DISABLE={FORWARD_GRAD_KERNEL})"
+    if not built:
+        return f"{FORWARD_GRAD_KERNEL} not in this build"
+    return None
+
+
 def _forward_grad_wanted(a) -> bool:
     from thunder.core.compile_data import get_compile_option
 
     from thunder_tk import _extension, claim_rules
 
-    disabled = claim_rules.disabled_names()
     option = get_compile_option(FORWARD_GRAD_OPTION, "the cross-entropy's gradient from its forward's read")
-    # Rows of whole 16-byte vectors (the kernel's condition, where the logits are a GEMM's contiguous output): an
-    # odd vocabulary (GPT-2's 50257) would take the two kernels inside the op and then a scaling pass.
-    return (a.shape[1] >= FORWARD_GRAD_MIN_CLASSES and a.shape[1] % 8 == 0
-            and a.dtype in (thunder.bfloat16, thunder.float16)
-            and option is not False and FORWARD_GRAD_KERNEL not in disabled
-            and _extension.kernel_in_build(FORWARD_GRAD_KERNEL))
+    return forward_grad_declined(a, option=option, disabled=claim_rules.disabled_names(),
+                                 built=_extension.kernel_in_build(FORWARD_GRAD_KERNEL)) is None
 
 
 def _valid_rows(target, ignore_index: int):
