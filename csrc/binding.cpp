@@ -15,6 +15,7 @@
 #include "kernels/attention/bwd_delta.h"
 #include "kernels/attention/backward.h"
 #include "kernels/attention/dq_finalize.h"
+#include "kernels/attention/rope_grad.h"
 #include "kernels/attention/forward.h"
 #include "kernels/collectives/copy_engine.h"
 #include "kernels/collectives/p2p.h"
@@ -125,6 +126,31 @@ void attention_dq_finalize(std::uintptr_t accum, std::uintptr_t out, int dtype, 
         throw std::invalid_argument(reason);
     check_launch(tk::attention::launch_dq_finalize(in, dst, dtype, count, scale, reinterpret_cast<cudaStream_t>(stream)),
                  "attention_dq_finalize");
+}
+
+void attention_rope_grad(std::uintptr_t src, bool src_fp32, strides3 src_stride, std::uintptr_t dst, strides3 dst_stride,
+                         std::uintptr_t cos, std::uintptr_t sin, bool angle_fp32, int64_t angle_stride, int dtype,
+                         int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, int64_t rope_dims, float scale,
+                         std::uintptr_t stream) {
+    tk::attention::rope_grad_args args{};
+    args.src = as_ptr<void>(src);
+    args.src_fp32 = src_fp32;
+    copy_strides(args.src_stride, src_stride);
+    args.dst = reinterpret_cast<void*>(dst);
+    copy_strides(args.dst_stride, dst_stride);
+    args.cos = as_ptr<void>(cos);
+    args.sin = as_ptr<void>(sin);
+    args.angle_fp32 = angle_fp32;
+    args.angle_stride = angle_stride;
+    args.dtype = dtype;
+    args.batch = batch;
+    args.heads = heads;
+    args.seq = seq;
+    args.head_dim = head_dim;
+    args.rope_dims = rope_dims;
+    args.scale = scale;
+    if (const char* reason = tk::attention::rope_grad_unsupported(args)) throw std::invalid_argument(reason);
+    check_launch(tk::attention::launch_rope_grad(args, reinterpret_cast<cudaStream_t>(stream)), "attention_rope_grad");
 }
 
 void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t dout, std::uintptr_t lse,
@@ -513,7 +539,7 @@ void register_selftests(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "gemm", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "gemm", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -534,6 +560,13 @@ PYBIND11_MODULE(_C, m) {
           py::arg("count"), py::arg("scale"), py::arg("stream"),
           "out = scale * accum (fp32, contiguous) rounded to bf16/fp16, `count` elements (a multiple of 8); "
           "the attention backward's last step, enqueued on `stream`.");
+    m.def("attention_rope_grad", &attention_rope_grad, py::arg("src"), py::arg("src_fp32"), py::arg("src_stride"),
+          py::arg("dst"), py::arg("dst_stride"), py::arg("cos"), py::arg("sin"), py::arg("angle_fp32"),
+          py::arg("angle_stride"), py::arg("dtype"), py::arg("batch"), py::arg("heads"), py::arg("seq"),
+          py::arg("head_dim"), py::arg("rope_dims"), py::arg("scale"), py::arg("stream"),
+          "dst = the rotate-half rope's backward of scale * src over each head's first rope_dims columns (the rest "
+          "copied), (B, H, S, D) rows at the given strides; src fp32 contiguous (the dQ accumulator) or the element "
+          "type, possibly dst itself. Enqueued on `stream`.");
     m.def("attention_forward", &attention_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
           py::arg("lse"), py::arg("dtype"), py::arg("batch"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("q_len"),
           py::arg("kv_len"), py::arg("head_dim"), py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"),

@@ -117,6 +117,15 @@ def attention_backward_standin(q, k, v, o, lse, grad_o, *, is_causal=False, scal
     return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
 
 
+def attention_backward_qkv_standin(q, k, v, o, lse, grad_o, cos, sin, *, is_causal=False, scale=None):
+    """ops.attention_backward_qkv's contract: the standin's gradients, rotated back and concatenated (float64)."""
+    from thunder_tk import ops
+
+    assert ops.qkv_grad_unsupported(q, k, cos, sin) is None, ops.qkv_grad_unsupported(q, k, cos, sin)
+    dq, dk, dv = attention_backward_standin(q, k, v, o, lse, grad_o, is_causal=is_causal, scale=scale)
+    return ops.qkv_grad_reference(dq, dk, dv, cos, sin).to(q.dtype)
+
+
 # ------------------------------------------------------------------------------------------------
 # tk's cross-entropy kernels on CPU
 
@@ -161,7 +170,7 @@ class StandinBuild:
 
     Installs (through `monkeypatch`): the module, reporting this version's KERNELS_IN_SOURCE (`add` and
     `remove` change that), claim rules that take CPU tensors for a GPU, and the stand-ins above as
-    ops.attention_forward / ops.attention_backward, ops.cross_entropy_forward / _backward / _forward_grad, and ops.gemm
+    ops.attention_forward / ops.attention_backward / _backward_qkv, ops.cross_entropy_forward / _backward / _forward_grad, and ops.gemm
     (which ops.linear calls). Collectives are not stood in for.
     """
 
@@ -173,6 +182,7 @@ class StandinBuild:
         monkeypatch.setattr(claim_rules, "check_devices", _check_one_device)
         monkeypatch.setattr(ops, "attention_forward", attention_forward_standin)
         monkeypatch.setattr(ops, "attention_backward", attention_backward_standin, raising=False)
+        monkeypatch.setattr(ops, "attention_backward_qkv", attention_backward_qkv_standin, raising=False)
         monkeypatch.setattr(ops, "cross_entropy_forward", cross_entropy_forward_standin, raising=False)
         monkeypatch.setattr(ops, "cross_entropy_backward", cross_entropy_backward_standin, raising=False)
         monkeypatch.setattr(ops, "cross_entropy_forward_grad", cross_entropy_forward_grad_standin, raising=False)

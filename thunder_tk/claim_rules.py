@@ -24,8 +24,9 @@ from thunder_tk.functional import attention_bwd_delta_symbol
 
 # Kernels this version's csrc/ provides (a GPU test checks the build reports exactly these).
 KERNELS_IN_SOURCE = frozenset({"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward",
-                               "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "gemm",
-                               "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter"})
+                               "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward",
+                               "cross_entropy_forward_grad", "gemm", "gemm_swiglu", "gemm_swiglu_grad",
+                               "reduce_scatter"})
 
 DISABLE_ENV = "THUNDER_TK_DISABLE"
 """Comma-separated rule names or families tk must not claim (e.g. ``collective`` or ``ltorch.linear``)."""
@@ -35,13 +36,15 @@ Unlike the environment variable, the option refuses names it does not know (`kno
 # Features the two switches also turn off (not rules): the cross-entropy's gradient from its forward
 # (lowering.FORWARD_GRAD_KERNEL), D written over the logits (pattern_fusion.OVERWRITE_LOGITS) and attention on
 # grouped K/V instead of repeat_interleave's copies (pattern_fusion.GROUPED_KV), SwiGLU's two products and
-# silu(h1) * h2 in one launch (pattern_fusion.SWIGLU) and its backward in the output projection's dX GEMM
-# (pattern_fusion.SWIGLU_GRAD).
+# silu(h1) * h2 in one launch (pattern_fusion.SWIGLU), its backward in the output projection's dX GEMM
+# (pattern_fusion.SWIGLU_GRAD), and the attention backward writing the qkv projection's gradient with the rotary
+# embedding's backward (pattern_fusion.QKV_GRAD).
 # The GEMM size policy (GEMM_SIZE_POLICY below) is one too: turned off, tk claims every GEMM its kernel supports.
 GEMM_SIZE_POLICY = "gemm_size_policy"
 # So is the FSDP schedule (fsdp_schedule.COLLECTIVE_SCHEDULE): turned off, the fuser's order of collectives stays.
 DISABLE_FEATURES = frozenset({"cross_entropy_forward_grad", "cross_entropy_gradient_over_logits", GEMM_SIZE_POLICY,
-                              "attention_grouped_kv", "collective_schedule", "gemm_swiglu", "gemm_swiglu_grad"})
+                              "attention_grouped_kv", "collective_schedule", "gemm_swiglu", "gemm_swiglu_grad",
+                              "attention_qkv_grad"})
 
 
 def _env_names() -> set[str]:

@@ -265,12 +265,13 @@ class TKExecutor(FusionExecutor):
         return grad_transform
 
     def fusion_pass(self, trace):
-        from thunder_tk.pattern_fusion import (attend_grouped_kv, fold_row_scaling, fuse_swiglu, fuse_swiglu_grad,
-                                               write_gradient_over_logits)
+        from thunder_tk.pattern_fusion import (attend_grouped_kv, attention_backward_into_qkv, fold_row_scaling,
+                                               fuse_swiglu, fuse_swiglu_grad, write_gradient_over_logits)
 
         from thunder_tk.fsdp_schedule import overlap_collectives
 
-        trace = fuse_swiglu_grad(fuse_swiglu(attend_grouped_kv(write_gradient_over_logits(fold_row_scaling(trace)))))
+        trace = attend_grouped_kv(write_gradient_over_logits(fold_row_scaling(trace)))
+        trace = fuse_swiglu_grad(fuse_swiglu(attention_backward_into_qkv(trace)))
         fuser = self._fuser_in_use()
         if fuser is None:  # the list's own fuser runs after this pass (tk's fuser then schedules, see fusion.py)
             return trace

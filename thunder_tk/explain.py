@@ -106,15 +106,18 @@ _ATTENTION_OPS = frozenset({"tk_attention", "tk_attention_forward"})
 
 def _detail(op: BoundSymbol | None, backward_by: str, cd) -> str:
     """What the trace's inputs column does not show: attention whose repeated K/V heads tk read unrepeated
-    (pattern_fusion.attend_grouped_kv); a training cross-entropy's gradient, from the forward's read of the logits
+    (pattern_fusion.attend_grouped_kv) or whose backward writes the qkv projection's gradient
+    (pattern_fusion.attention_backward_into_qkv); a training cross-entropy's gradient, from the forward's read of the logits
     or from the backward kernel, and why the latter."""
     if op is None:
         return ""
     if op.sym.name in _ATTENTION_OPS:
         q, k = op.args[0], op.args[1]
-        if k.shape[1] < q.shape[1]:
-            return f"K/V read with their {k.shape[1]} heads for {q.shape[1]} query heads"
-        return ""
+        notes = [f"K/V read with their {k.shape[1]} heads for {q.shape[1]} query heads"] if k.shape[1] < q.shape[1] \
+            else []
+        if "tk_attention_backward_qkv" in backward_by:
+            notes.append("gradient written as the qkv projection's, the rotary embedding's backward included")
+        return "; ".join(notes)
     if op.sym.name.startswith("tk_cross_entropy_forward_grad"):
         over = op.sym.name.endswith("_over_logits")
         return "loss and gradient from one read of the logits" + ("; the gradient written over them" if over else "")

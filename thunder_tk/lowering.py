@@ -98,6 +98,21 @@ tk_attention_backward = tk.register_operator(
 )
 
 
+# The attention backward written straight into the gradient of the fused qkv projection that q, k and v were split
+# from, with the rotary embedding's backward in its last pass (pattern_fusion.attention_backward_into_qkv).
+def _attention_backward_qkv_meta(q, k, v, o, lse, grad_o, cos, sin, is_causal: bool, scale):
+    B, Hq, S, D = q.shape
+    return TensorProxy(like=q, shape=(B, S, (Hq + 2 * k.shape[1]) * D))
+
+
+def _attention_backward_qkv_impl(q, k, v, o, lse, grad_o, cos, sin, is_causal, scale):
+    return ops.attention_backward_qkv(q, k, v, o, lse, grad_o, cos, sin, is_causal=is_causal, scale=scale)
+
+
+tk_attention_backward_qkv = tk.register_operator(
+    "tk_attention_backward_qkv", meta=_attention_backward_qkv_meta, fn=_attention_backward_qkv_impl
+)
+
 def _sdpa_flags(is_causal, scale) -> tuple[bool, float | None]:
     return bool(pyval(is_causal)), None if scale is None else float(pyval(scale))
 

@@ -395,40 +395,63 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     query ranges by several blocks and merged (`backward_tail_split`; fp32 scratch of up to a wave of units). Not
     under CUDA-graph capture. _tail_split (tests): False walks every unit whole, (split_from, parts) forces a split.
     """
-    check_attention_args(q, k, v, is_causal, scale)
+    _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, _group_split, _tail_split)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
+    if q.numel() == 0 or k.numel() == 0:
+        return torch.zeros_like(q), *(torch.zeros((B, Hkv, Sk, D), dtype=q.dtype, device=q.device) for _ in "kv")
+    dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=q.device)
+    dv = torch.empty_like(dk)
+    ext, dq_accum, factor = _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, _group_split,
+                                           _tail_split)
+    dq = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
+    with _on(q.device):
+        ext.attention_dq_finalize(dq_accum.data_ptr(), dq.data_ptr(), _DTYPE_CODES[q.dtype], dq.numel(), factor,
+                                  _stream_handle(q.device))
+    return dq, dk, dv
+
+
+def _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, group_split, tail_split) -> None:
+    check_attention_args(q, k, v, is_causal, scale)
+    B, Hq, Sq, D = q.shape
+    Hkv = k.shape[1]
     for name, t in (("o", o), ("grad_o", grad_o)):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name} must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}")
     if not isinstance(lse, torch.Tensor) or lse.shape != (B, Hq, Sq) or lse.dtype != torch.float32 \
             or lse.device != q.device:
         raise ValueError(f"lse must be a float32 tensor of shape {(B, Hq, Sq)} on {q.device}")
-    if not isinstance(_group_split, int) or _group_split < 0 or _group_split and (Hq // Hkv) % _group_split:
+    if not isinstance(group_split, int) or group_split < 0 or group_split and (Hq // Hkv) % group_split:
         raise ValueError(f"_group_split must be 0 or a divisor of {Hq // Hkv} (query heads per key/value head), "
-                         f"not {_group_split!r}")
-    if not isinstance(_tail_split, bool) and not (isinstance(_tail_split, tuple) and len(_tail_split) == 2
-                                                  and all(isinstance(x, int) for x in _tail_split)):
-        raise ValueError(f"_tail_split must be True, False or (split_from, parts), not {_tail_split!r}")
+                         f"not {group_split!r}")
+    if not isinstance(tail_split, bool) and not (isinstance(tail_split, tuple) and len(tail_split) == 2
+                                                 and all(isinstance(x, int) for x in tail_split)):
+        raise ValueError(f"_tail_split must be True, False or (split_from, parts), not {tail_split!r}")
+
+
+def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_split, tail_split):
+    """The backward kernels on checked, non-empty arguments: dk and dv (B, Hkv, Sk, D, any 16-byte strides TMA can
+    store through) written, and (extension, the fp32 dQ accumulator, the factor that scales it into dq)."""
     ext = _require_kernels(q.device)
-    if q.numel() == 0 or k.numel() == 0:
-        return torch.zeros_like(q), *(torch.zeros((B, Hkv, Sk, D), dtype=q.dtype, device=q.device) for _ in "kv")
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
     sms = _extension.multiprocessor_count(q.device.index)
-    split = _group_split or backward_group_split(B, Hq, Hkv, Sq, Sk, D, bool(is_causal), sms)
+    split = group_split or backward_group_split(B, Hq, Hkv, Sq, Sk, D, bool(is_causal), sms)
     units = B * Hkv * split * -(-Sk // _bwd_keys(D))
-    if _tail_split is True:
+    if tail_split is True:
         # D = 256 walks every unit whole (its kernel has no merge of parts).
         split_from, parts = ((units, 0) if torch.cuda.is_current_stream_capturing() or D == 256 else
                              backward_tail_split(units, (Hq // Hkv // split) * -(-Sq // _BWD_QUERIES),
                                                  bool(is_causal), sms))
-    elif _tail_split is False:
+    elif tail_split is False:
         split_from, parts = units, 0
     else:
-        split_from, parts = _tail_split
+        split_from, parts = tail_split
     if 2 * (units - split_from) > _SPLIT_COUNT_SLOT and parts:
         raise ValueError(f"_tail_split: at most {_SPLIT_COUNT_SLOT // 2} split units, not {units - split_from}")
-    dk = torch.empty((B, Hkv * split, Sk, D), dtype=q.dtype, device=q.device)
-    dv = torch.empty_like(dk)
+    # Parts of each group go to buffers of their own and are summed into dk, dv after the kernel.
+    dk_parts, dv_parts = (dk, dv) if split == 1 else \
+        (torch.empty((B, Hkv * split, Sk, D), dtype=q.dtype, device=q.device) for _ in "kv")
     q, scale, sign = _kernel_scale(q, scale)
     q, k, v, grad_o = _tma_readable(q), _tma_readable(k), _tma_readable(v), _tma_readable(grad_o)
     lse = _rows_tma_readable(lse)
@@ -438,19 +461,110 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
                if parts else None)
     with _on(q.device):
         ext.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_o.data_ptr(), lse.data_ptr(),
-                               delta.data_ptr(), dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                               delta.data_ptr(), dq_accum.data_ptr(), dk_parts.data_ptr(), dv_parts.data_ptr(),
                                _DTYPE_CODES[q.dtype], B, Hq, Hkv, Sq, Sk, D, list(q.stride()[:3]),
                                list(k.stride()[:3]), list(v.stride()[:3]), list(grad_o.stride()[:3]),
-                               list(dk.stride()[:3]), list(dv.stride()[:3]), list(lse.stride()[:2]),
+                               list(dk_parts.stride()[:3]), list(dv_parts.stride()[:3]), list(lse.stride()[:2]),
                                list(delta.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device), split,
                                split_from, parts, scratch.data_ptr() if parts else 0,
                                _zeroed_slot(q.device, "attention_bwd_split", _SPLIT_COUNT_SLOT, 64) if parts else 0)
-        dq = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
-        ext.attention_dq_finalize(dq_accum.data_ptr(), dq.data_ptr(), _DTYPE_CODES[q.dtype], dq.numel(),
-                                  sign * scale, _stream_handle(q.device))
     if split > 1:  # the parts of each group, summed (torch accumulates 16-bit sums in fp32)
-        dk, dv = (t.view(B, Hkv, split, Sk, D).sum(2) for t in (dk, dv))
-    return dq, dk, dv
+        for out, part in ((dk, dk_parts), (dv, dv_parts)):
+            torch.sum(part.view(B, Hkv, split, Sk, D), 2, out=out) if out.is_contiguous() else \
+                out.copy_(part.view(B, Hkv, split, Sk, D).sum(2))
+    return ext, dq_accum, sign * scale
+
+
+# ------------------------------------------------------------------------------------------------
+# The attention backward straight into the gradient of a fused qkv projection, with the rotary embedding's backward
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotate-half rotary embedding of (B, H, S, D) x over its first n = cos.shape[1] columns, in x's dtype,
+    computed in float32: y = x cos + rotate_half(x) sin with rotate_half(x) = (-x[n/2:n], x[:n/2]), position s
+    using row s of the (>= S, n) cos and sin; columns from n on unchanged."""
+    S, n = x.shape[2], cos.shape[1]
+    c, s = cos[:S].float(), sin[:S].float()
+    xf = x.float()
+    x1, x2 = xf[..., : n // 2], xf[..., n // 2: n]
+    roped = xf[..., :n] * c + torch.cat((-x2, x1), -1) * s
+    return torch.cat((roped, xf[..., n:]), -1).to(x.dtype)
+
+
+def qkv_grad_reference(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> torch.Tensor:
+    """float64: the gradient of qkv (B, S, (Hq + 2 Hkv) D) for q, k, v split from it in that column order (heads of
+    D columns), q and k then roped by rope_reference: dq and dk rotated back, dv as it is."""
+    S, n = dq.shape[2], cos.shape[1]
+    c, s = cos[:S].double(), sin[:S].double()
+
+    def back(g):
+        g = g.double()
+        g1, g2 = g[..., : n // 2], g[..., n // 2: n]
+        c1, c2, s1, s2 = c[:, : n // 2], c[:, n // 2:], s[:, : n // 2], s[:, n // 2:]
+        return torch.cat((g1 * c1 + g2 * s2, g2 * c2 - g1 * s1, g[..., n:]), -1)
+
+    B = dq.shape[0]
+    return torch.cat([t.transpose(1, 2).reshape(B, S, -1) for t in (back(dq), back(dk), dv.double())], -1)
+
+
+def qkv_grad_unsupported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """Why attention_backward_qkv cannot take these (metadata only), or None."""
+    if q.shape[2] != k.shape[2]:
+        return f"the query and key lengths differ ({q.shape[2]} and {k.shape[2]}): q, k and v are not one projection's"
+    if cos.ndim != 2 or sin.shape != cos.shape:
+        return f"cos and sin must be 2-D and alike; got {tuple(cos.shape)} and {tuple(sin.shape)}"
+    n = cos.shape[1]
+    if n % 16 or n > q.shape[3]:
+        return f"the rotary embedding's width ({n}) must be a multiple of 16 up to the head dim ({q.shape[3]})"
+    if cos.shape[0] < q.shape[2]:
+        return f"cos and sin have {cos.shape[0]} positions for {q.shape[2]} tokens"
+    if cos.dtype != sin.dtype or cos.dtype not in (torch.float32, q.dtype):
+        return f"cos and sin must both be float32 or {q.dtype}; got {cos.dtype} and {sin.dtype}"
+    return None
+
+
+def attention_backward_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                           grad_o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, is_causal: bool = False,
+                           scale: float | None = None, _group_split: int = 0,
+                           _tail_split: bool | tuple[int, int] = True) -> torch.Tensor:
+    """The gradient of the fused projection output qkv (B, S, (Hq + 2 Hkv) D) from which q, k and v were split (in
+    that column order, D columns a head, each transposed to (B, H, S, D)) and q and k roped as rope_reference does.
+
+    What attention_backward computes, written where the projection's backward reads it: dk and dv go straight from
+    the backward kernel into their columns of the result, the dQ accumulator is scaled, rotated back and stored into
+    q's columns in one pass, and dk is rotated back in place. So no rope kernels and no concatenation follow the
+    attention backward. cos and sin: (>= S, n) float32 or q's dtype, n a multiple of 16 up to D (0: no rotation);
+    position s uses row s. Other arguments as attention_backward.
+    """
+    _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, _group_split, _tail_split)
+    if not all(isinstance(t, torch.Tensor) and t.device == q.device for t in (cos, sin)):
+        raise ValueError(f"cos and sin must be tensors on {q.device}")
+    if (reason := qkv_grad_unsupported(q, k, cos, sin)) is not None:
+        raise ValueError(reason)
+    B, Hq, S, D = q.shape
+    Hkv, n = k.shape[1], cos.shape[1]
+    qkv_grad = torch.empty((B, S, (Hq + 2 * Hkv) * D), dtype=q.dtype, device=q.device)
+    if qkv_grad.numel() == 0:
+        return qkv_grad
+    dq, dk, dv = (qkv_grad[..., a * D: b * D].unflatten(-1, (b - a, D)).transpose(1, 2)
+                  for a, b in ((0, Hq), (Hq, Hq + Hkv), (Hq + Hkv, Hq + 2 * Hkv)))
+    ext, dq_accum, factor = _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, _group_split,
+                                           _tail_split)
+    cos, sin = (t if t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 else t[:S].contiguous()
+                for t in (cos, sin))
+    if sin.stride(0) != cos.stride(0):
+        cos, sin = cos[:S].contiguous(), sin[:S].contiguous()
+    code, stream = _DTYPE_CODES[q.dtype], _stream_handle(q.device)
+    angles = dict(cos=cos.data_ptr(), sin=sin.data_ptr(), angle_fp32=cos.dtype == torch.float32,
+                  angle_stride=cos.stride(0), dtype=code, seq=S, head_dim=D, rope_dims=n, stream=stream)
+    with _on(q.device):
+        ext.attention_rope_grad(src=dq_accum.data_ptr(), src_fp32=True, src_stride=[0, 0, 0], dst=dq.data_ptr(),
+                                dst_stride=list(dq.stride()[:3]), batch=B, heads=Hq, scale=factor, **angles)
+        if n:
+            ext.attention_rope_grad(src=dk.data_ptr(), src_fp32=False, src_stride=list(dk.stride()[:3]),
+                                    dst=dk.data_ptr(), dst_stride=list(dk.stride()[:3]), batch=B, heads=Hkv,
+                                    scale=1.0, **angles)
+    return qkv_grad
 
 
 # ------------------------------------------------------------------------------------------------

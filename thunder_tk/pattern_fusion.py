@@ -677,3 +677,215 @@ def fuse_swiglu_grad(trace):
             for j in region:
                 bsyms[j] = None
     return _rewritten(out, bsyms, "tk: SwiGLU's backward in the output projection's dX GEMM")
+
+
+QKV_GRAD = "attention_qkv_grad"
+"""THUNDER_TK_DISABLE name that keeps the rotary embedding's backward and the concatenation of dq, dk and dv into the
+qkv projection's gradient with the fuser, after tk's attention backward."""
+
+# What the region from the attention backward's (dq, dk, dv) to the qkv projection's gradient may hold: layout ops,
+# dtype conversions, the rotation's elementwise ops, the zero padding of its slices and the (trivial) group sum.
+_QKV_LAYOUT_OPS = frozenset({"convert_element_type", "broadcast_in_dim", "slice_prim", "reshape", "transpose",
+                             "shallow_copy", "clone", "squeeze", "unsqueeze", "full"})
+_QKV_REGION_OPS = _QKV_LAYOUT_OPS | frozenset({"to", "neg", "mul", "add", "sub", "pad", "cat", "sum"})
+# The probe's tolerance (relative, over the whole gradient): Thunder rounds each product and sum of the rotation to
+# 16 bits (a few 1e-3 in all); a wrong angle, sign, column order or position is of order 1.
+_QKV_PROBE_TOLERANCE = 3e-2
+
+
+def _probe_layout_op(b: BoundSymbol, args: list, device):
+    """A layout op of _QKV_REGION_OPS on probe values, as the prim or the ltorch symbol of that name computes it;
+    the elementwise ones go to _probe_op. Raises on what it does not know."""
+    name, prim = b.sym.name, b.sym.is_prim
+    kw = b.kwargs
+    if name == "broadcast_in_dim":
+        a, shape, dims = args[0], tuple(args[1]), tuple(args[2])
+        view = [1] * len(shape)
+        for i, d in enumerate(dims):
+            view[d] = a.shape[i]
+        return a.reshape(view).expand(shape)
+    if name == "slice_prim":
+        a, start, end = args[0], args[1], args[2]
+        steps = args[3] if len(args) > 3 and args[3] is not None else [1] * len(start)
+        return a[tuple(slice(s, e, st) for s, e, st in zip(start, end, steps))]
+    if name == "reshape":
+        shape = args[1] if len(args) == 2 and not isinstance(args[1], int) else args[1:]
+        return args[0].reshape(tuple(shape))
+    if name == "transpose":
+        return args[0].permute(tuple(args[1])) if prim else args[0].transpose(args[1], args[2])
+    if name == "shallow_copy":
+        return args[0]
+    if name == "squeeze":
+        return args[0].squeeze(tuple(args[1]))
+    if name == "unsqueeze":
+        return args[0].unsqueeze(args[1])
+    if name == "full":
+        dtype = _probe_dtype(kw.get("dtype", args[3] if len(args) > 3 else None))
+        return torch.full(tuple(args[0]), args[1], dtype=dtype, device=device)
+    if name == "pad":
+        a, value, config = args[0], args[1], args[2]
+        if any(interior != 0 for _, _, interior in config):
+            raise ValueError("interior padding")
+        flat = [x for lo, hi, _ in reversed(config) for x in (lo, hi)]
+        return F.pad(a, flat, value=value)
+    if name == "cat":
+        tensors = args[0]
+        dim = args[1] if len(args) > 1 else kw.get("dim", 0)
+        return torch.cat(tensors, dim)
+    if name == "sum":
+        dims = args[1] if len(args) > 1 else kw.get("dim")
+        keepdim = bool(args[2] if len(args) > 2 else kw.get("keepdim", False))
+        if not prim and kw.get("dtype") is not None:
+            raise ValueError("a sum to another dtype")
+        return args[0].sum(tuple(dims) if not isinstance(dims, int) else dims, keepdim=keepdim)
+    return _probe_op(name, args, kw)
+
+
+def _qkv_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int], users: dict[str, list[int]]):
+    """For the tk_attention_backward at k: (the region's indices, its output X, the two tensors the region's angles
+    come from, the ops to evaluate it by) where dq, dk and dv are read only by ops of _QKV_REGION_OPS that make a
+    (B, S, (Hq + 2 Hkv) D) tensor X, and nothing outside reads the region but through X. Else None. What it computes
+    is checked by _qkv_grad_confirmed."""
+    b = bsyms[k]
+    q, kk = b.args[0], b.args[1]
+    grads = b.flat_proxy_outs
+    if len(grads) != 3 or q.ndim != 4 or q.shape[2] != kk.shape[2]:
+        return None
+    B, Hq, S, D = q.shape
+    width = (Hq + 2 * kk.shape[1]) * D
+    made, closure = {p.name for p in grads}, set()
+    for j in range(k + 1, len(bsyms)):  # what reads the gradients, and what reads that, through region ops
+        if bsyms[j].sym.name in _QKV_REGION_OPS and any(p.name in made for p in bsyms[j].flat_proxy_args):
+            closure.add(j)
+            made.update(p.name for p in bsyms[j].flat_proxy_outs)
+    x = next((bsyms[j].output for j in sorted(closure) if bsyms[j].sym.name == "cat"
+              and isinstance(bsyms[j].output, TensorProxy) and tuple(bsyms[j].output.shape) == (B, S, width)
+              and bsyms[j].output.dtype == q.dtype), None)
+    if x is None:
+        return None
+    region, todo = set(), [producer[x.name]]  # what X is computed from, inside the closure
+    while todo:
+        j = todo.pop()
+        if j in region:
+            continue
+        region.add(j)
+        todo.extend(producer[p.name] for p in bsyms[j].flat_proxy_args if producer.get(p.name) in closure)
+    if any(u not in region for g in grads for u in users[g.name]):
+        return None  # a gradient is read elsewhere too
+    if any(u not in region for j in region for p in bsyms[j].flat_proxy_outs if p is not x for u in users[p.name]):
+        return None
+    # The region's other inputs, back through such ops to the tensors they come from: the angles' tables (the zero
+    # tensors that pad the rotation's halves come from nothing).
+    evaluate, roots = set(region), {}
+    inner = {p.name for j in region for p in bsyms[j].flat_proxy_outs} | {g.name for g in grads}
+    todo = [p for j in region for p in bsyms[j].flat_proxy_args if p.name not in inner]
+    while todo:
+        p = todo.pop()
+        j = producer.get(p.name)
+        if j is not None and bsyms[j].sym.name in _QKV_REGION_OPS:
+            if j not in evaluate:
+                evaluate.add(j)
+                todo.extend(bsyms[j].flat_proxy_args)
+        elif isinstance(p, TensorProxy):
+            roots[p.name] = p
+    angles = list(roots.values())
+    if len(angles) != 2 or any(a.ndim != 2 or tuple(a.shape) != tuple(angles[0].shape) for a in angles):
+        return None
+    if any(producer.get(a.name, -1) > k for a in angles):
+        return None
+    return region, x, angles, evaluate
+
+
+def _qkv_grad_confirmed(bsyms: list[BoundSymbol], k: int, evaluate: set[int], x: TensorProxy, angles: list):
+    """(cos, sin) among the two angle tables such that the region, run on random gradients and tables, gives
+    ops.qkv_grad_reference (the rotate-half rope's backward over the tables' width, dq, dk, dv concatenated); None
+    if neither order does, or the region holds an op the probe cannot run."""
+    from thunder_tk import ops
+
+    q, kk = bsyms[k].args[0], bsyms[k].args[1]
+    if ops.qkv_grad_unsupported(_ShapeOf(q), _ShapeOf(kk), _ShapeOf(angles[0]), _ShapeOf(angles[1])) is not None:
+        return None
+    # On the gradients' device: a full-size probe is quick there, and CPU tensors are the tests' small ones.
+    device = thunder.devices.to_torch_device(q.device)
+    gen = torch.Generator(device).manual_seed(0)
+
+    def random(p, angle=False):  # gradients of unit scale, angles' cosines and sines in [-1, 1)
+        dtype, shape = thunder.dtypes.to_torch_dtype(p.dtype), tuple(p.shape)
+        if angle:
+            return (torch.rand(shape, generator=gen, device=device) * 2 - 1).to(dtype)
+        return torch.randn(shape, generator=gen, device=device).to(dtype)
+
+    grads = bsyms[k].flat_proxy_outs
+    values = {g.name: random(g) for g in grads}
+    tables = [random(a, angle=True) for a in angles]
+    want = ops.qkv_grad_reference(*(values[g.name] for g in grads), *tables)
+    for c, s in ((0, 1), (1, 0)):
+        env = dict(values)
+        env[angles[c].name], env[angles[s].name] = tables[c], tables[s]
+        try:
+            for j in sorted(evaluate):
+                b = bsyms[j]
+                args = [[env[y.name] if isinstance(y, TensorProxy) else y for y in a] if isinstance(a, (list, tuple))
+                        and any(isinstance(y, TensorProxy) for y in a) else env[a.name] if isinstance(a, TensorProxy)
+                        else a for a in b.args]
+                env[b.output.name] = _probe_layout_op(b, args, device)
+            got = env[x.name]
+        except Exception:  # an op the probe cannot run: leave the region to the fuser
+            return None
+        if tuple(got.shape) == tuple(want.shape) and bool(torch.isfinite(got).all()):
+            err = float((got.double() - want.to(got.device)).norm() / want.norm().to(got.device))
+            if err < _QKV_PROBE_TOLERANCE:
+                return angles[c], angles[s]
+    return None
+
+
+class _ShapeOf:
+    """A proxy's shape and torch dtype, for checks written against tensors."""
+
+    def __init__(self, p: TensorProxy):
+        self.shape = tuple(p.shape)
+        self.dtype = thunder.dtypes.to_torch_dtype(p.dtype)
+        self.ndim = len(self.shape)
+
+
+def attention_backward_into_qkv(trace):
+    """The trace with tk's attention backward writing the fused qkv projection's gradient itself: where dq, dk and
+    dv are read only by ops that rotate dq and dk back through a rotate-half rotary embedding and concatenate them
+    with dv into a (B, S, (Hq + 2 Hkv) D) tensor (found by shape, confirmed by running them on a probe), one
+    tk_attention_backward_qkv computes that tensor (ops.attention_backward_qkv): dk and dv are stored into its
+    columns by the backward kernel and the rotation runs in the pass that finalizes dq. Off with the feature name
+    QKV_GRAD, and where the build has no attention_rope_grad kernel."""
+    from thunder_tk import _extension, claim_rules
+    from thunder_tk.lowering import tk_attention_backward, tk_attention_backward_qkv
+
+    if QKV_GRAD in claim_rules.disabled_names() or not _extension.kernel_in_build("attention_rope_grad"):
+        return trace
+    bsyms = list(trace.bound_symbols)
+    if not any(b.sym.id == tk_attention_backward.id for b in bsyms):
+        return trace
+    producer, users = _producers_and_users(bsyms)
+    plans = []
+    for k, b in enumerate(bsyms):
+        if b.sym.id != tk_attention_backward.id:
+            continue
+        found = _qkv_grad_region(bsyms, k, producer, users)
+        if found is None:
+            continue
+        region, x, angles, evaluate = found
+        confirmed = _qkv_grad_confirmed(bsyms, k, evaluate, x, angles)
+        if confirmed is not None:
+            plans.append((k, region, x, confirmed))
+    if not plans:
+        return trace
+    from thunder_tk.executor import sites_of
+
+    out = from_trace(trace)
+    with tracectx(out):
+        for k, region, x, (cos, sin) in plans:
+            q, kk, v, o, lse, grad_o, is_causal, scale = bsyms[k].args
+            x.tags.update(sites_of(bsyms[k].flat_proxy_outs[0]))  # explain names this launch for the attention
+            bsyms[k] = tk_attention_backward_qkv.bind(q, kk, v, o, lse, grad_o, cos, sin, is_causal, scale,
+                                                      output=x)
+            for j in region:
+                bsyms[j] = None
+    return _rewritten(out, bsyms, "tk: the attention backward into the qkv projection's gradient, rope included")

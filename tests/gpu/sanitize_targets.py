@@ -163,6 +163,28 @@ def attention_backward():
     print("attention backward sanitize targets ran")
 
 
+# The attention backward into the qkv projection's gradient: causal GQA with tails and the whole head rotated, a
+# quarter-width rotation with fp32 angles, no rotation, D = 128 and 256, a group split in parts and a last-wave split
+# (dk, dv summed or merged into their strided columns, then rotated in place).
+def attention_qkv_grad():
+    for B, Hq, Hkv, S, D, causal, n, angle_dtype, kw in [
+            (2, 8, 2, 129, 64, True, 64, torch.bfloat16, {}),
+            (1, 4, 1, 70, 128, False, 32, torch.float32, {}),
+            (1, 4, 2, 200, 64, True, 0, torch.bfloat16, {}),
+            (1, 2, 1, 77, 256, True, 256, torch.bfloat16, {}),
+            (1, 8, 2, 300, 64, True, 64, torch.bfloat16, {"_group_split": 2}),
+            (1, 4, 2, 150, 64, False, 64, torch.bfloat16, {"_tail_split": (1, 2)})]:
+        W = (Hq + 2 * Hkv) * D
+        qkv = torch.randn(B, S, W, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (qkv[..., a * D: b * D].unflatten(-1, (b - a, D)).transpose(1, 2)
+                   for a, b in ((0, Hq), (Hq, Hq + Hkv), (Hq + Hkv, Hq + 2 * Hkv)))
+        o, lse = ops.attention_forward(q, k, v, is_causal=causal)
+        cos, sin = (torch.rand(S + 3, n, device="cuda").to(angle_dtype) for _ in "cs")
+        ops.attention_backward_qkv(q, k, v, o, lse, torch.randn_like(o), cos, sin, is_causal=causal, **kw)
+    torch.cuda.synchronize()
+    print("attention qkv gradient sanitize targets ran")
+
+
 # Cross-entropy forward and backward: bf16 rows 16-byte aligned with a vector tail (1009 classes), a row long enough
 # for the unrolled loop (20000 classes), fp32 and fp16 with odd rows, a misaligned bf16 view (element-wise path), an
 # ignored row and a target outside the classes, grad_loss per row and as an expanded scalar (stride 0).
@@ -206,7 +228,7 @@ def cross_entropy_forward_grad():
 
 
 SECTIONS = [attention_bwd_delta, gemm, gemm_skinny, gemm_swiglu, tile_library, attention_forward, attention_backward,
-            cross_entropy, cross_entropy_forward_grad]
+            attention_qkv_grad, cross_entropy, cross_entropy_forward_grad]
 
 if __name__ == "__main__":
     only = {x.strip() for x in os.environ.get("SANITIZE_ONLY", "").split(",") if x.strip()}

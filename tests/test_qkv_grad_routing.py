@@ -1,0 +1,166 @@
+"""The attention backward written as the fused qkv projection's gradient (pattern_fusion.attention_backward_into_qkv)
+on real Thunder traces of LitGPT models on CPU, with tk's kernels standing in (`standins.StandinBuild`) and an eager
+fuser in nvFuser's place (the GPU's case: the rewrite reads the prims the fuser would take).
+
+Where LitGPT rotates q and k with its rotate-half rope (the whole head or part of it) after splitting them from one
+projection, tk_attention_backward_qkv replaces the attention backward and every op between it and the projection's
+GEMMs; where the rotation is another one, the rope is too narrow for the kernel, or the feature is off, the attention
+backward and the fuser's ops stay. Gradients match float64 eager in every case; the probe's formula matches rope's
+transpose.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+
+import thunder
+import thunder_tk
+from thunder_tk import ops, pattern_fusion, tk
+
+litgpt = pytest.importorskip("litgpt")
+
+bf16 = torch.bfloat16
+
+
+def config(**kw):
+    base = dict(n_layer=1, n_embd=256, n_head=4, n_query_groups=2, head_size=64, intermediate_size=512,
+                padded_vocab_size=512, block_size=64)
+    base.update(kw)
+    return litgpt.Config.from_name("Llama-3.2-1B", **base)
+
+
+def rel_err(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def train_step(model, **compile_options):
+    """One forward and backward of the bf16 model under tk and of its float64 copy in eager; the jitted model."""
+    torch.manual_seed(0)
+    exact = copy.deepcopy(model).double()
+    idx = torch.randint(0, 512, (2, 32))
+    jm = thunder.jit(model, executors=[tk], **compile_options)
+    out = jm(idx)
+    seed = torch.randn(out.shape)
+    (out.float() * seed).sum().backward()
+    (exact(idx) * seed.double()).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), exact.parameters()):
+        assert rel_err(p.grad, q.grad) < 3e-2, name
+    return jm
+
+
+def backward_ops(jm):
+    return [b.sym.name for b in thunder.last_backward_traces(jm)[-1].bound_symbols]
+
+
+def attention_row(jm):
+    rows = [r for r in thunder_tk.explain(jm).rows if r.symbol == "ltorch.scaled_dot_product_attention"]
+    assert len(rows) == 1
+    return rows[0]
+
+
+def assert_folded(jm):
+    names = backward_ops(jm)
+    assert names.count("tk_attention_backward_qkv") == 1 and "tk_attention_backward" not in names, names
+    row = attention_row(jm)
+    assert row.backward_ran_by == "tk: tk_attention_backward_qkv", row
+    assert "qkv projection" in row.detail, row
+
+
+def assert_not_folded(jm):
+    names = backward_ops(jm)
+    assert "tk_attention_backward_qkv" not in names and names.count("tk_attention_backward") == 1, names
+    assert attention_row(jm).backward_ran_by == "tk: tk_attention_backward"
+
+
+@pytest.mark.parametrize("groups,rotary", [(2, 1.0), (4, 1.0), (1, 1.0), (2, 0.5), (4, 0.25)],
+                         ids=["gqa", "mha", "mqa", "half-rope", "quarter-rope"])
+def test_litgpt_rope_backward_folds_into_the_attention_backward(standin_tk_build, standin_nvfuser, groups, rotary):
+    torch.manual_seed(0)
+    jm = train_step(litgpt.GPT(config(n_query_groups=groups, rotary_percentage=rotary)).to(bf16))
+    assert_folded(jm)
+    # Nothing of the rotation, the group sum or the concatenation is left for the fuser in the backward.
+    fused = [b for b in thunder.last_backward_traces(jm)[-1].bound_symbols if b.subsymbols]
+    assert not any(s.sym.name in ("neg", "pad") for b in fused for s in b.subsymbols)
+
+
+def test_rope_narrower_than_the_kernel_keeps_the_fuser(standin_tk_build, standin_nvfuser):
+    """An 8-column rotation: the kernel rotates 16 columns at a time, so the rewrite is not taken."""
+    torch.manual_seed(0)
+    assert_not_folded(train_step(litgpt.GPT(config(rotary_percentage=0.125)).to(bf16)))
+
+
+@pytest.mark.parametrize("how", ["option", "env", "build"])
+def test_turned_off_keeps_the_fuser(standin_tk_build, standin_nvfuser, monkeypatch, how):
+    options = {}
+    if how == "option":
+        options = {"tk_disable": pattern_fusion.QKV_GRAD}
+    elif how == "env":
+        monkeypatch.setenv("THUNDER_TK_DISABLE", pattern_fusion.QKV_GRAD)
+    else:
+        standin_tk_build.remove("attention_rope_grad")
+    torch.manual_seed(0)
+    assert_not_folded(train_step(litgpt.GPT(config()).to(bf16), **options))
+
+
+class OtherRotation(torch.nn.Module):
+    """LitGPT's split of one qkv projection, then a rotation that is not the rotate-half rope: the same ops with the
+    sine's sign flipped (the inverse rotation), or LitGPT's interleaved rope. The probe must tell it apart."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.heads, self.groups, self.D = kind, 4, 2, 64
+        self.qkv = torch.nn.Linear(256, (4 + 2 * 2) * 64, bias=False)
+        self.proj = torch.nn.Linear(256, 256, bias=False)
+        pos = torch.arange(32, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(0, 64, 2) / 64)
+        self.register_buffer("cos", pos.cos().repeat(1, 2).to(bf16))
+        self.register_buffer("sin", pos.sin().repeat(1, 2).to(bf16))
+
+    def rotate(self, x):
+        if self.kind == "interleaved":
+            return litgpt.model.apply_rope_interleave(x, self.cos[None], self.sin[None])
+        x1, x2 = x[..., :32], x[..., 32:]
+        return (x * self.cos) - (torch.cat((-x2, x1), -1) * self.sin)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split((256, 128, 128), dim=-1)
+        q = q.view(B, T, 4, 64).transpose(1, 2)
+        k = k.view(B, T, 2, 64).transpose(1, 2)
+        v = v.view(B, T, 2, 64).transpose(1, 2)
+        q, k = self.rotate(q), self.rotate(k)
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, 256))
+
+
+@pytest.mark.parametrize("kind", ["inverse", "interleaved"])
+def test_other_rotations_are_not_taken_for_rope(standin_tk_build, standin_nvfuser, kind):
+    torch.manual_seed(0)
+    model = OtherRotation(kind).to(bf16)
+    exact = copy.deepcopy(model).double()
+    x = torch.randn(2, 32, 256)
+    jm = thunder.jit(model, executors=[tk])
+    xj = x.to(bf16).requires_grad_()
+    xe = x.double().requires_grad_()
+    out = jm(xj)
+    seed = torch.randn(out.shape)
+    (out.float() * seed).sum().backward()
+    (exact(xe) * seed.double()).sum().backward()
+    assert "tk_attention_backward_qkv" not in backward_ops(jm)
+    assert rel_err(xj.grad, xe.grad) < 3e-2
+    assert rel_err(model.qkv.weight.grad, exact.qkv.weight.grad) < 3e-2
+
+
+def test_the_probes_formula_is_ropes_transpose():
+    """<rope(x), g> = <x, rope^T(g)>: ops.qkv_grad_reference rotates back what ops.rope_reference rotates (a
+    partial rope, a table longer than the sequence), so the kernel, checked against it, computes rope's gradient."""
+    g = torch.Generator().manual_seed(11)
+    x, gr = (torch.randn(1, 2, 33, 64, dtype=torch.float64, generator=g) for _ in range(2))
+    pos = torch.arange(40, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(0, 48, 2) / 48)
+    cos, sin = pos.cos().repeat(1, 2), pos.sin().repeat(1, 2)
+    lhs = (ops.rope_reference(x, cos, sin) * gr).sum()
+    back = ops.qkv_grad_reference(gr, gr[:, :0], gr[:, :0], cos, sin)  # (B, S, 2 * 64): q's columns only
+    rhs = (x.transpose(1, 2).reshape(1, 33, -1) * back).sum()
+    assert math.isclose(lhs.item(), rhs.item(), rel_tol=1e-5)  # rope_reference computes in float32
