@@ -85,6 +85,30 @@ def test_litgpt_rope_backward_folds_into_the_attention_backward(standin_tk_build
     assert not any(s.sym.name in ("neg", "pad") for b in fused for s in b.subsymbols)
 
 
+def test_every_layer_folds_and_the_probe_tells_cos_from_sin(standin_tk_build, standin_nvfuser, monkeypatch):
+    """Two layers share the angle tables; each layer's region is handed to the probe with the tables in the opposite
+    order too, and the probe must still name the cosine (a wrong pick would give wrong gradients)."""
+    found = pattern_fusion._qkv_grad_region
+    calls = []
+
+    def reversed_tables(*args):
+        region = found(*args)
+        if region is not None:
+            calls.append(region[2])
+            region = (*region[:2], region[2][::-1], region[3]) if len(calls) % 2 else region
+        return region
+
+    monkeypatch.setattr(pattern_fusion, "_qkv_grad_region", reversed_tables)
+    torch.manual_seed(0)
+    jm = train_step(litgpt.GPT(config(n_layer=2)).to(bf16))
+    assert len(calls) == 2
+    names = backward_ops(jm)
+    assert names.count("tk_attention_backward_qkv") == 2 and "tk_attention_backward" not in names, names
+    for b in thunder.last_backward_traces(jm)[-1].bound_symbols:
+        if b.sym.name == "tk_attention_backward_qkv":
+            assert (b.args[6].name, b.args[7].name) == ("t_cos", "t_sin")
+
+
 def test_rope_narrower_than_the_kernel_keeps_the_fuser(standin_tk_build, standin_nvfuser):
     """An 8-column rotation: the kernel rotates 16 columns at a time, so the rewrite is not taken."""
     torch.manual_seed(0)

@@ -816,26 +816,26 @@ def _qkv_grad_confirmed(bsyms: list[BoundSymbol], k: int, evaluate: set[int], x:
         return torch.randn(shape, generator=gen, device=device).to(dtype)
 
     grads = bsyms[k].flat_proxy_outs
-    values = {g.name: random(g) for g in grads}
+    env = {g.name: random(g) for g in grads}
     tables = [random(a, angle=True) for a in angles]
-    want = ops.qkv_grad_reference(*(values[g.name] for g in grads), *tables)
-    for c, s in ((0, 1), (1, 0)):
-        env = dict(values)
-        env[angles[c].name], env[angles[s].name] = tables[c], tables[s]
-        try:
-            for j in sorted(evaluate):
-                b = bsyms[j]
-                args = [[env[y.name] if isinstance(y, TensorProxy) else y for y in a] if isinstance(a, (list, tuple))
-                        and any(isinstance(y, TensorProxy) for y in a) else env[a.name] if isinstance(a, TensorProxy)
-                        else a for a in b.args]
-                env[b.output.name] = _probe_layout_op(b, args, device)
-            got = env[x.name]
-        except Exception:  # an op the probe cannot run: leave the region to the fuser
-            return None
-        if tuple(got.shape) == tuple(want.shape) and bool(torch.isfinite(got).all()):
-            err = float((got.double() - want.to(got.device)).norm() / want.norm().to(got.device))
-            if err < _QKV_PROBE_TOLERANCE:
-                return angles[c], angles[s]
+    env.update({a.name: t for a, t in zip(angles, tables)})
+    try:
+        for j in sorted(evaluate):
+            b = bsyms[j]
+            args = [[env[y.name] if isinstance(y, TensorProxy) else y for y in a] if isinstance(a, (list, tuple))
+                    and any(isinstance(y, TensorProxy) for y in a) else env[a.name] if isinstance(a, TensorProxy)
+                    else a for a in b.args]
+            env[b.output.name] = _probe_layout_op(b, args, device)
+    except Exception:  # an op the probe cannot run: leave the region to the fuser
+        return None
+    got = env[x.name]
+    if not bool(torch.isfinite(got).all()):
+        return None
+    for c, s in ((0, 1), (1, 0)):  # which table is the cosine
+        want = ops.qkv_grad_reference(*(env[g.name] for g in grads), tables[c], tables[s])
+        if tuple(got.shape) == tuple(want.shape) and \
+                float((got.double() - want).norm() / want.norm()) < _QKV_PROBE_TOLERANCE:
+            return angles[c], angles[s]
     return None
 
 
