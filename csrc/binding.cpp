@@ -128,27 +128,28 @@ void attention_dq_finalize(std::uintptr_t accum, std::uintptr_t out, int dtype, 
                  "attention_dq_finalize");
 }
 
-void attention_rope_grad(std::uintptr_t src, bool src_fp32, strides3 src_stride, std::uintptr_t dst, strides3 dst_stride,
-                         std::uintptr_t cos, std::uintptr_t sin, bool angle_fp32, int64_t angle_stride, int dtype,
-                         int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, int64_t rope_dims, float scale,
-                         std::uintptr_t stream) {
+void attention_rope_grad(std::uintptr_t dq_accum, std::uintptr_t dq, strides3 dq_stride, int64_t q_heads, float scale,
+                         std::uintptr_t dk, strides3 dk_stride, int64_t kv_heads, std::uintptr_t cos,
+                         std::uintptr_t sin, bool angle_fp32, int64_t angle_stride, int dtype, int64_t batch,
+                         int64_t seq, int64_t head_dim, int64_t rope_dims, std::uintptr_t stream) {
     tk::attention::rope_grad_args args{};
-    args.src = as_ptr<void>(src);
-    args.src_fp32 = src_fp32;
-    copy_strides(args.src_stride, src_stride);
-    args.dst = reinterpret_cast<void*>(dst);
-    copy_strides(args.dst_stride, dst_stride);
+    args.dq_accum = as_ptr<float>(dq_accum);
+    args.dq = reinterpret_cast<void*>(dq);
+    copy_strides(args.dq_stride, dq_stride);
+    args.q_heads = q_heads;
+    args.scale = scale;
+    args.dk = reinterpret_cast<void*>(dk);
+    copy_strides(args.dk_stride, dk_stride);
+    args.kv_heads = kv_heads;
     args.cos = as_ptr<void>(cos);
     args.sin = as_ptr<void>(sin);
     args.angle_fp32 = angle_fp32;
     args.angle_stride = angle_stride;
     args.dtype = dtype;
     args.batch = batch;
-    args.heads = heads;
     args.seq = seq;
     args.head_dim = head_dim;
     args.rope_dims = rope_dims;
-    args.scale = scale;
     if (const char* reason = tk::attention::rope_grad_unsupported(args)) throw std::invalid_argument(reason);
     check_launch(tk::attention::launch_rope_grad(args, reinterpret_cast<cudaStream_t>(stream)), "attention_rope_grad");
 }
@@ -560,13 +561,13 @@ PYBIND11_MODULE(_C, m) {
           py::arg("count"), py::arg("scale"), py::arg("stream"),
           "out = scale * accum (fp32, contiguous) rounded to bf16/fp16, `count` elements (a multiple of 8); "
           "the attention backward's last step, enqueued on `stream`.");
-    m.def("attention_rope_grad", &attention_rope_grad, py::arg("src"), py::arg("src_fp32"), py::arg("src_stride"),
-          py::arg("dst"), py::arg("dst_stride"), py::arg("cos"), py::arg("sin"), py::arg("angle_fp32"),
-          py::arg("angle_stride"), py::arg("dtype"), py::arg("batch"), py::arg("heads"), py::arg("seq"),
-          py::arg("head_dim"), py::arg("rope_dims"), py::arg("scale"), py::arg("stream"),
-          "dst = the rotate-half rope's backward of scale * src over each head's first rope_dims columns (the rest "
-          "copied), (B, H, S, D) rows at the given strides; src fp32 contiguous (the dQ accumulator) or the element "
-          "type, possibly dst itself. Enqueued on `stream`.");
+    m.def("attention_rope_grad", &attention_rope_grad, py::arg("dq_accum"), py::arg("dq"), py::arg("dq_stride"),
+          py::arg("q_heads"), py::arg("scale"), py::arg("dk"), py::arg("dk_stride"), py::arg("kv_heads"),
+          py::arg("cos"), py::arg("sin"), py::arg("angle_fp32"), py::arg("angle_stride"), py::arg("dtype"),
+          py::arg("batch"), py::arg("seq"), py::arg("head_dim"), py::arg("rope_dims"), py::arg("stream"),
+          "The attention backward's last pass for roped q and k, in one launch: dq = scale * dq_accum (fp32, "
+          "contiguous) and dk (in place; 0: none) rotated back by the rotate-half rope over each head's first "
+          "rope_dims columns, rows (B, H, S) at the given strides. Enqueued on `stream`.");
     m.def("attention_forward", &attention_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
           py::arg("lse"), py::arg("dtype"), py::arg("batch"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("q_len"),
           py::arg("kv_len"), py::arg("head_dim"), py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"),

@@ -531,8 +531,8 @@ def attention_backward_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
     that column order, D columns a head, each transposed to (B, H, S, D)) and q and k roped as rope_reference does.
 
     What attention_backward computes, written where the projection's backward reads it: dk and dv go straight from
-    the backward kernel into their columns of the result, the dQ accumulator is scaled, rotated back and stored into
-    q's columns in one pass, and dk is rotated back in place. So no rope kernels and no concatenation follow the
+    the backward kernel into their columns of the result, then one pass scales the dQ accumulator, rotates it back
+    and stores it into q's columns, and rotates dk back in place. So no rope kernels and no concatenation follow the
     attention backward. cos and sin: (>= S, n) float32 or q's dtype, n a multiple of 16 up to D (0: no rotation);
     position s uses row s. Other arguments as attention_backward.
     """
@@ -554,16 +554,13 @@ def attention_backward_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
                 for t in (cos, sin))
     if sin.stride(0) != cos.stride(0):
         cos, sin = cos[:S].contiguous(), sin[:S].contiguous()
-    code, stream = _DTYPE_CODES[q.dtype], _stream_handle(q.device)
-    angles = dict(cos=cos.data_ptr(), sin=sin.data_ptr(), angle_fp32=cos.dtype == torch.float32,
-                  angle_stride=cos.stride(0), dtype=code, seq=S, head_dim=D, rope_dims=n, stream=stream)
     with _on(q.device):
-        ext.attention_rope_grad(src=dq_accum.data_ptr(), src_fp32=True, src_stride=[0, 0, 0], dst=dq.data_ptr(),
-                                dst_stride=list(dq.stride()[:3]), batch=B, heads=Hq, scale=factor, **angles)
-        if n:
-            ext.attention_rope_grad(src=dk.data_ptr(), src_fp32=False, src_stride=list(dk.stride()[:3]),
-                                    dst=dk.data_ptr(), dst_stride=list(dk.stride()[:3]), batch=B, heads=Hkv,
-                                    scale=1.0, **angles)
+        ext.attention_rope_grad(dq_accum=dq_accum.data_ptr(), dq=dq.data_ptr(), dq_stride=list(dq.stride()[:3]),
+                                q_heads=Hq, scale=factor, dk=dk.data_ptr() if n else 0,
+                                dk_stride=list(dk.stride()[:3]), kv_heads=Hkv, cos=cos.data_ptr(),
+                                sin=sin.data_ptr(), angle_fp32=cos.dtype == torch.float32, angle_stride=cos.stride(0),
+                                dtype=_DTYPE_CODES[q.dtype], batch=B, seq=S, head_dim=D, rope_dims=n,
+                                stream=_stream_handle(q.device))
     return qkv_grad
 
 
