@@ -158,6 +158,10 @@ if bench_wanted step_gemms; then  # each GEMM call of one Thunder [tk] LitGPT st
   step bench_step_gemms timeout ${STEP_GEMMS_TIMEOUT:-400} python3 benchmarks/step_gemms.py ${STEP_GEMMS_ARGS:-} --json "$OUT/step_gemms.json"
   cat "$OUT/bench_step_gemms.log"
 fi
+if bench_wanted qkv_grad; then  # not in the default set: the attention backward into dqkv with rope (QKV_GRAD_ARGS)
+  step bench_qkv_grad timeout 300 python3 benchmarks/attention_qkv_grad.py ${QKV_GRAD_ARGS:-} --json "$OUT/attention_qkv_grad.json" --png "$OUT/attention_qkv_grad.png"
+  cat "$OUT/bench_qkv_grad.log"
+fi
 if bench_wanted delta; then
   step bench_delta python3 benchmarks/attention_bwd_delta.py ${BENCH_ARGS:-} --json "$OUT/attention_bwd_delta.json" --png "$OUT/attention_bwd_delta.png"
   cat "$OUT/bench_delta.log"

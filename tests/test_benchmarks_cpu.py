@@ -366,3 +366,24 @@ print("ok")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_attention_qkv_grad_benchmark_parses_and_its_peer_is_the_reference():
+    """The benchmark's peer (the rope backward and concatenation it compiles) computes ops.qkv_grad_reference, on
+    CPU float64, for a partial rope and a table longer than the sequence."""
+    import importlib.util
+
+    import torch
+
+    from thunder_tk import ops
+
+    r = run_bench("attention_qkv_grad.py", "--help")
+    assert r.returncode == 0 and "--shapes" in r.stdout, r.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("qkv_grad_bench", ROOT / "benchmarks" / "attention_qkv_grad.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # no CUDA work at import time
+    g = torch.Generator().manual_seed(0)
+    dq, dk, dv = (torch.randn(2, h, 9, 64, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+    cos, sin = bench.tables(12, 32, torch.float64, "cpu")
+    got = bench.rope_back_and_cat(dq, dk, dv, cos, sin)
+    assert torch.allclose(got, ops.qkv_grad_reference(dq, dk, dv, cos, sin), rtol=1e-12, atol=1e-12)

@@ -1,0 +1,116 @@
+"""The attention backward into the fused qkv projection's gradient, LitGPT's rope backward included
+(ops.attention_backward_qkv, what `tk_attention_backward_qkv` runs in a training step), against the same gradient
+made the way the step made it before: tk's attention backward, then the rope backward and the concatenation of dq,
+dk and dv as one torch.compile'd function (the fuser's Triton kernels); and PyTorch's flash/cuDNN SDPA backward on
+LitGPT's repeated K/V heads (autograd sums them back) followed by the same compiled function (Thunder's default
+executors). Timed in turns (common.interleaved_ms), µs; ratios against the fold; JSON and an optional PNG.
+
+Shapes: the training steps' attention (batch x sequence 8192 tokens): Llama-3.2-1B (32 heads over 8 of 64, rope 64),
+TinyLlama (32 over 4), Llama-3-8B (32 over 8 of 128), Pythia-1.4B-like partial rope (16 heads of 128, rope 32).
+
+    python benchmarks/attention_qkv_grad.py --json out/attention_qkv_grad.json --png out/attention_qkv_grad.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import bar_chart, interleaved_ms, print_table, write_results  # noqa: E402
+
+from thunder_tk import ops  # noqa: E402
+
+# name: (B, S, Hq, Hkv, D, rope columns)
+SHAPES = {
+    "llama-3.2-1b": (4, 2048, 32, 8, 64, 64),
+    "tinyllama-1.1b": (4, 2048, 32, 4, 64, 64),
+    "llama-3-8b": (1, 8192, 32, 8, 128, 128),
+    "pythia-1.4b-like": (4, 2048, 16, 16, 128, 32),
+}
+
+
+def rope_back_and_cat(dq, dk, dv, cos, sin):
+    """The rotate-half rope's backward of dq and dk over their first n = cos.shape[1] columns (16-bit math, as the
+    traced model's ops round), and dq, dk, dv concatenated into (B, S, (Hq + 2 Hkv) D): the peer's elementwise part."""
+    S, n = dq.shape[2], cos.shape[1]
+    c, s = cos[:S], sin[:S]
+    c1, c2, s1, s2 = c[:, : n // 2], c[:, n // 2:], s[:, : n // 2], s[:, n // 2:]
+
+    def back(g):
+        g1, g2 = g[..., : n // 2], g[..., n // 2: n]
+        return torch.cat((g1 * c1 + g2 * s2, g2 * c2 - g1 * s1, g[..., n:]), -1)
+
+    B = dq.shape[0]
+    return torch.cat([t.transpose(1, 2).reshape(B, S, -1) for t in (back(dq), back(dk), dv)], -1)
+
+
+def tables(rows, n, dtype, device):
+    inv = 1.0 / 10000 ** (torch.arange(0, n, 2, device=device, dtype=torch.float64) / n)
+    angles = torch.outer(torch.arange(rows, device=device, dtype=torch.float64), inv).repeat(1, 2)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def measure(name: str, compiled, rounds: int) -> dict:
+    """One shape's row: the three ways timed in turns, after checking that they agree."""
+    B, S, Hq, Hkv, D, n = SHAPES[name]
+    dtype, dev = torch.bfloat16, "cuda"
+    qkv = torch.randn(B, S, (Hq + 2 * Hkv) * D, device=dev, dtype=dtype)
+    q, k, v = (qkv[..., x * D: y * D].unflatten(-1, (y - x, D)).transpose(1, 2)
+               for x, y in ((0, Hq), (Hq, Hq + Hkv), (Hq + Hkv, Hq + 2 * Hkv)))
+    cos, sin = tables(S, n, dtype, dev)
+    o, lse = ops.attention_forward(q, k, v, is_causal=True)
+    do = torch.randn_like(o)
+
+    def fold():
+        return ops.attention_backward_qkv(q, k, v, o, lse, do, cos, sin, is_causal=True)
+
+    def tk_then_compiled():
+        return compiled(*ops.attention_backward(q, k, v, o, lse, do, is_causal=True), cos, sin)
+
+    # The default executors' path: SDPA on the repeated K/V heads, autograd summing them back.
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qr, kr.repeat_interleave(Hq // Hkv, 1), vr.repeat_interleave(Hq // Hkv, 1),
+                                         is_causal=True)
+
+    def sdpa_then_compiled():
+        dq, dk, dv = torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True)
+        return compiled(dq, dk, dv, cos, sin)
+
+    want = tk_then_compiled().double()
+    for label, got in (("fold", fold()), ("sdpa", sdpa_then_compiled())):
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < 2e-2, f"{name}: {label} differs from tk + compiled rope by {err:.3g}"
+    t = interleaved_ms({"fold": fold, "tk+compile": tk_then_compiled, "sdpa+compile": sdpa_then_compiled},
+                       rounds=rounds)
+    return {"shape": name, "B": B, "S": S, "Hq": Hq, "Hkv": Hkv, "D": D, "rope": n,
+            "fold_us": t["fold"] * 1e3, "tk_compile_us": t["tk+compile"] * 1e3,
+            "sdpa_compile_us": t["sdpa+compile"] * 1e3,
+            "vs_tk_compile": t["tk+compile"] / t["fold"], "vs_sdpa_compile": t["sdpa+compile"] / t["fold"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default="out/attention_qkv_grad.json")
+    p.add_argument("--png")
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    p.add_argument("--rounds", type=int, default=5)
+    a = p.parse_args()
+
+    compiled = torch.compile(rope_back_and_cat)
+    rows = [measure(name, compiled, a.rounds) for name in a.shapes]
+    print_table(rows, ["shape", "fold_us", "tk_compile_us", "sdpa_compile_us", "vs_tk_compile", "vs_sdpa_compile"])
+    path = write_results(a.json, "attention_qkv_grad", rows)
+    print(f"wrote {path}")
+    if a.png:
+        bar_chart(a.png, "attention backward into dqkv with rope, causal, bf16 (us)", [r["shape"] for r in rows],
+                  {"tk fold": [r["fold_us"] for r in rows], "tk + torch.compile": [r["tk_compile_us"] for r in rows],
+                   "SDPA + torch.compile": [r["sdpa_compile_us"] for r in rows]}, "us")
+
+
+if __name__ == "__main__":
+    main()
