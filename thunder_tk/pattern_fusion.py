@@ -799,14 +799,17 @@ def _qkv_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int],
 def _qkv_grad_confirmed(bsyms: list[BoundSymbol], k: int, evaluate: set[int], x: TensorProxy, angles: list):
     """(cos, sin) among the two angle tables such that the region, run on random gradients and tables, gives
     ops.qkv_grad_reference (the rotate-half rope's backward over the tables' width, dq, dk, dv concatenated); None
-    if neither order does, or the region holds an op the probe cannot run."""
+    if neither order does, or the region holds an op the probe cannot run (or cannot allocate)."""
     from thunder_tk import ops
 
     q, kk = bsyms[k].args[0], bsyms[k].args[1]
     if ops.qkv_grad_unsupported(_ShapeOf(q), _ShapeOf(kk), _ShapeOf(angles[0]), _ShapeOf(angles[1])) is not None:
         return None
-    # On the gradients' device: a full-size probe is quick there, and CPU tensors are the tests' small ones.
+    # On the gradients' device: a full-size probe is quick there, and CPU tensors are the tests' small ones. A trace
+    # planned for a GPU that this process cannot use (`thunder-tk explain` without one) is probed on the CPU.
     device = thunder.devices.to_torch_device(q.device)
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        device = torch.device("cpu")
     gen = torch.Generator(device).manual_seed(0)
 
     def random(p, angle=False):  # gradients of unit scale, angles' cosines and sines in [-1, 1)
@@ -816,26 +819,38 @@ def _qkv_grad_confirmed(bsyms: list[BoundSymbol], k: int, evaluate: set[int], x:
         return torch.randn(shape, generator=gen, device=device).to(dtype)
 
     grads = bsyms[k].flat_proxy_outs
-    env = {g.name: random(g) for g in grads}
-    tables = [random(a, angle=True) for a in angles]
-    env.update({a.name: t for a, t in zip(angles, tables)})
+    order = sorted(evaluate)
+    last_use = {p.name: pos for pos, j in enumerate(order) for p in bsyms[j].flat_proxy_args}
+    keep = {p.name for p in (*grads, *angles, x)}
     try:
-        for j in sorted(evaluate):
+        env = {g.name: random(g) for g in grads}
+        tables = [random(a, angle=True) for a in angles]
+        env.update({a.name: t for a, t in zip(angles, tables)})
+        for pos, j in enumerate(order):
             b = bsyms[j]
             args = [[env[y.name] if isinstance(y, TensorProxy) else y for y in a] if isinstance(a, (list, tuple))
                     and any(isinstance(y, TensorProxy) for y in a) else env[a.name] if isinstance(a, TensorProxy)
                     else a for a in b.args]
             env[b.output.name] = _probe_layout_op(b, args, device)
-    except Exception:  # an op the probe cannot run: leave the region to the fuser
+            for p in b.flat_proxy_args:  # intermediates go once read for the last time: a full-size probe's memory
+                if last_use[p.name] == pos and p.name not in keep:
+                    env.pop(p.name, None)
+        # Checked at up to 64 positions of the first and last sequences (rows are independent): the float64
+        # reference stays small whatever the shapes.
+        B, S = env[x.name].shape[:2]
+        at = torch.linspace(0, S - 1, min(S, 64), device=device).round().long().unique()
+        seqs = torch.tensor(sorted({0, B - 1}), device=device)
+        got = env[x.name][seqs][:, at]
+        if not bool(torch.isfinite(got).all()):
+            return None
+        for c, s in ((0, 1), (1, 0)):  # which table is the cosine
+            want = ops.qkv_grad_reference(*(env[g.name][seqs][:, :, at] for g in grads), tables[c][at],
+                                          tables[s][at])
+            if tuple(got.shape) == tuple(want.shape) and \
+                    float((got.double() - want).norm() / want.norm()) < _QKV_PROBE_TOLERANCE:
+                return angles[c], angles[s]
+    except Exception:  # an op the probe cannot run, or no memory for it: leave the region to the fuser
         return None
-    got = env[x.name]
-    if not bool(torch.isfinite(got).all()):
-        return None
-    for c, s in ((0, 1), (1, 0)):  # which table is the cosine
-        want = ops.qkv_grad_reference(*(env[g.name] for g in grads), tables[c], tables[s])
-        if tuple(got.shape) == tuple(want.shape) and \
-                float((got.double() - want).norm() / want.norm()) < _QKV_PROBE_TOLERANCE:
-            return angles[c], angles[s]
     return None
 
 
