@@ -107,8 +107,8 @@ _ATTENTION_OPS = frozenset({"tk_attention", "tk_attention_forward"})
 def _detail(op: BoundSymbol | None, backward_by: str, cd) -> str:
     """What the trace's inputs column does not show: attention whose repeated K/V heads tk read unrepeated
     (pattern_fusion.attend_grouped_kv) or whose backward writes the qkv projection's gradient
-    (pattern_fusion.attention_backward_into_qkv); a training cross-entropy's gradient, from the forward's read of the logits
-    or from the backward kernel, and why the latter."""
+    (pattern_fusion.attention_backward_into_qkv); a training cross-entropy's gradient, from the forward's read of
+    the logits or from the backward kernel, and why the latter."""
     if op is None:
         return ""
     if op.sym.name in _ATTENTION_OPS:

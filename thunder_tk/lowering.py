@@ -113,6 +113,7 @@ tk_attention_backward_qkv = tk.register_operator(
     "tk_attention_backward_qkv", meta=_attention_backward_qkv_meta, fn=_attention_backward_qkv_impl
 )
 
+
 def _sdpa_flags(is_causal, scale) -> tuple[bool, float | None]:
     return bool(pyval(is_causal)), None if scale is None else float(pyval(scale))
 

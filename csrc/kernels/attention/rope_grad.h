@@ -3,10 +3,11 @@
 // projection's gradient (B, S, (Hq + 2 Hkv) D) with no rope kernels and no concatenation after the attention
 // backward. Host-visible declarations only.
 //
-// Rotate-half rope over a head's first `rope_dims` columns (half = rope_dims / 2) at sequence position s:
-//   y[c] = x[c] cos[s, c] - x[c + half] sin[s, c],   y[c + half] = x[c + half] cos[s, c + half] + x[c] sin[s, c + half]
+// Rotate-half rope over a head's first `rope_dims` columns (h = rope_dims / 2) at sequence position s, with
+// C = cos[s] and S = sin[s]:
+//   y[c] = x[c] C[c] - x[c + h] S[c],   y[c + h] = x[c + h] C[c + h] + x[c] S[c + h]
 // so the gradient is
-//   dx[c] = dy[c] cos[s, c] + dy[c + half] sin[s, c + half],   dx[c + half] = dy[c + half] cos[s, c + half] - dy[c] sin[s, c]
+//   dx[c] = dy[c] C[c] + dy[c + h] S[c + h],   dx[c + h] = dy[c + h] C[c + h] - dy[c] S[c]
 // and columns from rope_dims on pass through.
 #pragma once
 
