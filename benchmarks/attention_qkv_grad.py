@@ -35,18 +35,9 @@ SHAPES = {
 
 
 def rope_back_and_cat(dq, dk, dv, cos, sin):
-    """The rotate-half rope's backward of dq and dk over their first n = cos.shape[1] columns (16-bit math, as the
-    traced model's ops round), and dq, dk, dv concatenated into (B, S, (Hq + 2 Hkv) D): the peer's elementwise part."""
-    S, n = dq.shape[2], cos.shape[1]
-    c, s = cos[:S], sin[:S]
-    c1, c2, s1, s2 = c[:, : n // 2], c[:, n // 2:], s[:, : n // 2], s[:, n // 2:]
-
-    def back(g):
-        g1, g2 = g[..., : n // 2], g[..., n // 2: n]
-        return torch.cat((g1 * c1 + g2 * s2, g2 * c2 - g1 * s1, g[..., n:]), -1)
-
-    B = dq.shape[0]
-    return torch.cat([t.transpose(1, 2).reshape(B, S, -1) for t in (back(dq), back(dk), dv)], -1)
+    """The peer's elementwise part: the rope backward of dq and dk and the concatenation of dq, dk and dv, in their
+    16-bit dtype as the traced model's ops compute it (ops.qkv_grad_reference's formula)."""
+    return ops.qkv_grad_reference(dq, dk, dv, cos, sin, dtype=None)
 
 
 def tables(rows, n, dtype, device):
@@ -60,8 +51,7 @@ def measure(name: str, compiled, rounds: int) -> dict:
     B, S, Hq, Hkv, D, n = SHAPES[name]
     dtype, dev = torch.bfloat16, "cuda"
     qkv = torch.randn(B, S, (Hq + 2 * Hkv) * D, device=dev, dtype=dtype)
-    q, k, v = (qkv[..., x * D: y * D].unflatten(-1, (y - x, D)).transpose(1, 2)
-               for x, y in ((0, Hq), (Hq, Hq + Hkv), (Hq + Hkv, Hq + 2 * Hkv)))
+    q, k, v = ops.qkv_head_views(qkv, Hq, Hkv, D)
     cos, sin = tables(S, n, dtype, dev)
     o, lse = ops.attention_forward(q, k, v, is_causal=True)
     do = torch.randn_like(o)

@@ -188,3 +188,16 @@ def test_the_probes_formula_is_ropes_transpose():
     back = ops.qkv_grad_reference(gr, gr[:, :0], gr[:, :0], cos, sin)  # (B, S, 2 * 64): q's columns only
     rhs = (x.transpose(1, 2).reshape(1, 33, -1) * back).sum()
     assert math.isclose(lhs.item(), rhs.item(), rel_tol=1e-5)  # rope_reference computes in float32
+
+
+def test_qkv_head_views_split_the_columns_as_litgpt_does():
+    """ops.qkv_head_views: q, k, v as (B, H, S, D) views of the fused projection's columns, q's heads first; the
+    reference's gradient laid out the same way puts each gradient back in its own columns."""
+    qkv = torch.arange(2 * 3 * (4 + 2 * 2) * 16, dtype=torch.float64).reshape(2, 3, -1)
+    q, k, v = ops.qkv_head_views(qkv, 4, 2, 16)
+    assert [tuple(t.shape) for t in (q, k, v)] == [(2, 4, 3, 16), (2, 2, 3, 16), (2, 2, 3, 16)]
+    assert all(t.data_ptr() >= qkv.data_ptr() and t.stride(-1) == 1 for t in (q, k, v))  # views, no copies
+    assert torch.equal(q[1, 3, 2], qkv[1, 2, 48:64]) and torch.equal(v[0, 1, 0], qkv[0, 0, 112:128])
+    zeros = torch.zeros(1, 16)
+    back = ops.qkv_grad_reference(q, k, v, zeros[:, :0], zeros[:, :0], dtype=None)  # no rotation: the columns back
+    assert back.dtype == torch.float64 and torch.equal(back, qkv)

@@ -468,15 +468,22 @@ def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_spli
                                list(delta.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device), split,
                                split_from, parts, scratch.data_ptr() if parts else 0,
                                _zeroed_slot(q.device, "attention_bwd_split", _SPLIT_COUNT_SLOT, 64) if parts else 0)
-    if split > 1:  # the parts of each group, summed (torch accumulates 16-bit sums in fp32)
+    if split > 1:  # the parts of each group, summed (torch accumulates 16-bit sums in fp32; out= may be strided)
         for out, part in ((dk, dk_parts), (dv, dv_parts)):
-            torch.sum(part.view(B, Hkv, split, Sk, D), 2, out=out) if out.is_contiguous() else \
-                out.copy_(part.view(B, Hkv, split, Sk, D).sum(2))
+            torch.sum(part.view(B, Hkv, split, Sk, D), 2, out=out)
     return ext, dq_accum, sign * scale
 
 
 # ------------------------------------------------------------------------------------------------
 # The attention backward straight into the gradient of a fused qkv projection, with the rotary embedding's backward
+
+def qkv_head_views(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int):
+    """(q, k, v) as (B, H, S, D) views of a fused projection's (B, S, (q_heads + 2 kv_heads) head_dim) output (or
+    gradient), split in that column order as LitGPT splits it."""
+    bounds = ((0, q_heads), (q_heads, q_heads + kv_heads), (q_heads + kv_heads, q_heads + 2 * kv_heads))
+    return tuple(qkv[..., a * head_dim: b * head_dim].unflatten(-1, (b - a, head_dim)).transpose(1, 2)
+                 for a, b in bounds)
+
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The rotate-half rotary embedding of (B, H, S, D) x over its first n = cos.shape[1] columns, in x's dtype,
@@ -491,20 +498,22 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 def qkv_grad_reference(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor) -> torch.Tensor:
-    """float64: the gradient of qkv (B, S, (Hq + 2 Hkv) D) for q, k, v split from it in that column order (heads of
-    D columns), q and k then roped by rope_reference: dq and dk rotated back, dv as it is."""
+                       sin: torch.Tensor, *, dtype: torch.dtype | None = torch.float64) -> torch.Tensor:
+    """The gradient of qkv (B, S, (Hq + 2 Hkv) D) for q, k, v split from it in that column order (heads of D
+    columns), q and k then roped by rope_reference: dq and dk rotated back, dv as it is. Computed in `dtype` (None:
+    the inputs' own, as a model's traced ops compute it)."""
     S, n = dq.shape[2], cos.shape[1]
-    c, s = cos[:S].double(), sin[:S].double()
+    c, s = cos[:S].to(dtype or cos.dtype), sin[:S].to(dtype or sin.dtype)
 
     def back(g):
-        g = g.double()
+        g = g.to(dtype or g.dtype)
         g1, g2 = g[..., : n // 2], g[..., n // 2: n]
         c1, c2, s1, s2 = c[:, : n // 2], c[:, n // 2:], s[:, : n // 2], s[:, n // 2:]
         return torch.cat((g1 * c1 + g2 * s2, g2 * c2 - g1 * s1, g[..., n:]), -1)
 
     B = dq.shape[0]
-    return torch.cat([t.transpose(1, 2).reshape(B, S, -1) for t in (back(dq), back(dk), dv.double())], -1)
+    return torch.cat([t.transpose(1, 2).reshape(B, S, -1) for t in (back(dq), back(dk), dv.to(dtype or dv.dtype))],
+                     -1)
 
 
 def qkv_grad_unsupported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
@@ -546,13 +555,12 @@ def attention_backward_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
     qkv_grad = torch.empty((B, S, (Hq + 2 * Hkv) * D), dtype=q.dtype, device=q.device)
     if qkv_grad.numel() == 0:
         return qkv_grad
-    dq, dk, dv = (qkv_grad[..., a * D: b * D].unflatten(-1, (b - a, D)).transpose(1, 2)
-                  for a, b in ((0, Hq), (Hq, Hq + Hkv), (Hq + Hkv, Hq + 2 * Hkv)))
+    dq, dk, dv = qkv_head_views(qkv_grad, Hq, Hkv, D)
     ext, dq_accum, factor = _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, _group_split,
                                            _tail_split)
-    cos, sin = (t if t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 else t[:S].contiguous()
-                for t in (cos, sin))
-    if sin.stride(0) != cos.stride(0):
+    # The kernel reads both tables with one row stride, rows on 16 bytes; other tables are copied (S x n, small).
+    if cos.stride(0) != sin.stride(0) or not all(t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+                                                 for t in (cos, sin)):
         cos, sin = cos[:S].contiguous(), sin[:S].contiguous()
     with _on(q.device):
         ext.attention_rope_grad(dq_accum=dq_accum.data_ptr(), dq=dq.data_ptr(), dq_stride=list(dq.stride()[:3]),

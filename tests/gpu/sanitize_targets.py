@@ -176,8 +176,7 @@ def attention_qkv_grad():
             (1, 4, 2, 150, 64, False, 64, torch.bfloat16, {"_tail_split": (1, 2)})]:
         W = (Hq + 2 * Hkv) * D
         qkv = torch.randn(B, S, W, device="cuda", dtype=torch.bfloat16)
-        q, k, v = (qkv[..., a * D: b * D].unflatten(-1, (b - a, D)).transpose(1, 2)
-                   for a, b in ((0, Hq), (Hq, Hq + Hkv), (Hq + Hkv, Hq + 2 * Hkv)))
+        q, k, v = ops.qkv_head_views(qkv, Hq, Hkv, D)
         o, lse = ops.attention_forward(q, k, v, is_causal=causal)
         cos, sin = (torch.rand(S + 3, n, device="cuda").to(angle_dtype) for _ in "cs")
         ops.attention_backward_qkv(q, k, v, o, lse, torch.randn_like(o), cos, sin, is_causal=causal, **kw)

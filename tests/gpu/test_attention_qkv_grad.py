@@ -34,8 +34,7 @@ def make(B, Hq, Hkv, S, D, dtype, causal, seed=0):
     and a gradient of o."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     qkv = torch.randn(B, S, (Hq + 2 * Hkv) * D, device="cuda", dtype=dtype, generator=g)
-    q, k, v = (qkv[..., a * D: b * D].unflatten(-1, (b - a, D)).transpose(1, 2)
-               for a, b in ((0, Hq), (Hq, Hq + Hkv), (Hq + Hkv, Hq + 2 * Hkv)))
+    q, k, v = ops.qkv_head_views(qkv, Hq, Hkv, D)
     o, lse = ops.attention_forward(q, k, v, is_causal=causal)
     grad_o = torch.randn(o.shape, device="cuda", dtype=dtype, generator=g)
     return q, k, v, o, lse, grad_o
