@@ -685,17 +685,17 @@ qkv projection's gradient with the fuser, after tk's attention backward."""
 
 # What the region from the attention backward's (dq, dk, dv) to the qkv projection's gradient may hold: layout ops,
 # dtype conversions, the rotation's elementwise ops, the zero padding of its slices and the (trivial) group sum.
-_QKV_LAYOUT_OPS = frozenset({"convert_element_type", "broadcast_in_dim", "slice_prim", "reshape", "transpose",
-                             "shallow_copy", "clone", "squeeze", "unsqueeze", "full"})
-_QKV_REGION_OPS = _QKV_LAYOUT_OPS | frozenset({"to", "neg", "mul", "add", "sub", "pad", "cat", "sum"})
+_QKV_REGION_OPS = frozenset({"convert_element_type", "to", "broadcast_in_dim", "slice_prim", "reshape", "transpose",
+                             "shallow_copy", "clone", "squeeze", "unsqueeze", "full", "neg", "mul", "add", "sub",
+                             "pad", "cat", "sum"})
 # The probe's tolerance (relative, over the whole gradient): Thunder rounds each product and sum of the rotation to
 # 16 bits (a few 1e-3 in all); a wrong angle, sign, column order or position is of order 1.
 _QKV_PROBE_TOLERANCE = 3e-2
 
 
-def _probe_layout_op(b: BoundSymbol, args: list, device):
-    """A layout op of _QKV_REGION_OPS on probe values, as the prim or the ltorch symbol of that name computes it;
-    the elementwise ones go to _probe_op. Raises on what it does not know."""
+def _probe_region_op(b: BoundSymbol, args: list, device):
+    """An op of _QKV_REGION_OPS on probe values, as the prim or the ltorch symbol of that name computes it (the
+    elementwise ones by _probe_op). Raises on what it does not know."""
     name, prim = b.sym.name, b.sym.is_prim
     kw = b.kwargs
     if name == "broadcast_in_dim":
@@ -831,7 +831,7 @@ def _qkv_grad_confirmed(bsyms: list[BoundSymbol], k: int, evaluate: set[int], x:
             args = [[env[y.name] if isinstance(y, TensorProxy) else y for y in a] if isinstance(a, (list, tuple))
                     and any(isinstance(y, TensorProxy) for y in a) else env[a.name] if isinstance(a, TensorProxy)
                     else a for a in b.args]
-            env[b.output.name] = _probe_layout_op(b, args, device)
+            env[b.output.name] = _probe_region_op(b, args, device)
             for p in b.flat_proxy_args:  # intermediates go once read for the last time: a full-size probe's memory
                 if last_use[p.name] == pos and p.name not in keep:
                     env.pop(p.name, None)
