@@ -141,6 +141,8 @@ def main() -> None:
                    help="replay the step's GEMM sequence back to back on each library in turns, R rounds")
     p.add_argument("--replay-libraries", nargs="*", default=["cuBLAS", "tk", "tk_dynamic", "tk_cluster2"],
                    choices=list(REPLAY_LIBRARIES))
+    p.add_argument("--replay-by-role", action="store_true",
+                   help="also replay the forward, dX and dW calls each as a sequence of their own")
     p.add_argument("--json", default="out/step_gemms.json")
     a = p.parse_args()
     device = torch.device("cuda")
@@ -186,6 +188,17 @@ def main() -> None:
         print(f"\nThe step's {len(sequence)} GEMM calls replayed back to back in their order, {a.replay} rounds in "
               f"turns (median ms per sequence; mean SM clock, power and temperature while each ran):")
         print_table(replayed, ["library", "sequence_ms", "vs_cublas", "sm_mhz", "watts", "celsius"])
+        if a.replay_by_role:
+            for kind in ("fwd", "dX", "dW"):
+                part = [c for c in sequence if role(c[0], c[2], c[1], c[3]) == kind]
+                if not part:
+                    continue
+                by_role = replay(part, a.replay, a.replay_libraries)
+                print(f"\nThe step's {len(part)} {kind} calls alone, back to back:")
+                print_table(by_role, ["library", "sequence_ms", "vs_cublas", "sm_mhz", "watts", "celsius"])
+                for r in by_role:
+                    r["role"] = kind
+                replayed += by_role
         write_results(Path(a.json).with_name(Path(a.json).stem + "_replay.json"), "step_gemms_replay", replayed)
     if not rows:
         return
