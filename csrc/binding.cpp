@@ -302,6 +302,25 @@ void gemm_swiglu_grad(std::uintptr_t a, std::uintptr_t b, std::uintptr_t h1, std
     launch_checked(g, stream, "gemm_swiglu_grad");
 }
 
+// A fused qkv projection with LitGPT's rotary embedding of q's and k's heads in its epilogue: C = A W^T, then the
+// rotate-half rope (gemm.h) over columns [0, rope_cols), row r at position r % seq, from cos and sin (rows of
+// angle_stride elements in the element type).
+void gemm_rope(std::uintptr_t a, std::uintptr_t w, std::uintptr_t c, std::uintptr_t cos, std::uintptr_t sin, int dtype,
+               int64_t M, int64_t N, int64_t K, int64_t a_stride_m, int64_t w_stride_n, int64_t c_stride_m,
+               int64_t angle_stride, int64_t seq, int64_t rope_cols, int head_dim, int rope_dims,
+               std::uintptr_t stream) {
+    tk::gemm::gemm_args g = gemm_operands(a, w, c, dtype, M, N, K, a_stride_m, 1, 1, w_stride_n, c_stride_m);
+    g.rope_cos = as_ptr<void>(cos);
+    g.rope_sin = as_ptr<void>(sin);
+    g.rope_stride = angle_stride;
+    g.rope_seq = seq;
+    g.rope_cols = rope_cols;
+    g.rope_head_dim = head_dim;
+    g.rope_dims = rope_dims;
+    if (g.rope_cos == nullptr) throw std::invalid_argument("thunder_tk gemm_rope: cos is needed");
+    launch_checked(g, stream, "gemm_rope");
+}
+
 void cross_entropy_forward_grad(std::uintptr_t logits, std::uintptr_t target, std::uintptr_t loss, std::uintptr_t lse,
                                 std::uintptr_t grad, int64_t grad_row_stride, int dtype, int64_t rows, int64_t classes,
                                 int64_t logits_row_stride, int64_t ignore_index, std::uintptr_t stream,
@@ -540,7 +559,7 @@ void register_selftests(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "gemm", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "gemm", "gemm_rope", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -660,6 +679,14 @@ PYBIND11_MODULE(_C, m) {
           "stride; dg never written), dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1), each rounded once to the "
           "element type; h1, h2, dh1 and dh2 (M, N) with one row stride; enqueued on `stream`. `pingpong`: 0 or 1 "
           "the consumer warpgroups take whole 128 x 128 tiles in turns, -1 they share each tile.");
+    m.def("gemm_rope", &gemm_rope, py::arg("a"), py::arg("w"), py::arg("c"), py::arg("cos"), py::arg("sin"),
+          py::arg("dtype"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a_stride_m"), py::arg("w_stride_n"),
+          py::arg("c_stride_m"), py::arg("angle_stride"), py::arg("seq"), py::arg("rope_cols"), py::arg("head_dim"),
+          py::arg("rope_dims"), py::arg("stream"),
+          "C = A W^T (A (M, K) and W (N, K) K-major) with LitGPT's rotate-half rotary embedding applied to columns "
+          "[0, rope_cols) (heads of head_dim columns, the first rope_dims of each turned; row r at position r % seq) "
+          "from the fp32 accumulators, rounded once; cos and sin in the element type with rows of angle_stride "
+          "elements; enqueued on `stream`.");
     m.def("gemm_stream_k_workspace",
           [] {
               const int64_t floats = tk::gemm::stream_k_workspace_floats();

@@ -170,8 +170,8 @@ class StandinBuild:
 
     Installs (through `monkeypatch`): the module, reporting this version's KERNELS_IN_SOURCE (`add` and
     `remove` change that), claim rules that take CPU tensors for a GPU, and the stand-ins above as
-    ops.attention_forward / ops.attention_backward / _backward_qkv, ops.cross_entropy_forward / _backward / _forward_grad, and ops.gemm
-    (which ops.linear calls). Collectives are not stood in for.
+    ops.attention_forward / ops.attention_backward / _backward_qkv, ops.cross_entropy_forward / _backward /
+    _forward_grad, ops.gemm (which ops.linear calls), ops.swiglu_linear, ops.matmul_swiglu_grad and ops.linear_rope. Collectives are not stood in for.
     """
 
     def __init__(self, monkeypatch):
@@ -189,6 +189,7 @@ class StandinBuild:
         monkeypatch.setattr(ops, "gemm", gemm_standin)
         monkeypatch.setattr(ops, "swiglu_linear", swiglu_linear_standin)
         monkeypatch.setattr(ops, "matmul_swiglu_grad", matmul_swiglu_grad_standin, raising=False)
+        monkeypatch.setattr(ops, "linear_rope", linear_rope_standin, raising=False)
 
     def kernels(self):
         return sorted(self._kernels)
@@ -233,6 +234,19 @@ def swiglu_linear_standin(x, w1, w2):
     h1, h2 = ((x.double() @ w.double().t()).to(x.dtype) for w in (w1, w2))
     silu = F.silu(h1.double()).to(x.dtype)
     return (silu.double() * h2.double()).to(x.dtype), h1, h2
+
+
+def linear_rope_standin(x, weight, cos, sin, q_heads, kv_heads, head_dim):
+    """ops.linear_rope's contract in float64 math: q, k, v from the projection, q and k roped (rounded once), as
+    (B, H, S, D) views of one (B, S, N) tensor."""
+    from thunder_tk import ops
+
+    reason = ops.linear_rope_unsupported(x, weight, cos, sin, q_heads, kv_heads, head_dim)
+    assert reason is None, reason
+    heads = ops.linear_rope_reference(x, weight, cos, sin, q_heads, kv_heads, head_dim)
+    B, S = x.shape[:2]
+    qkv = torch.cat([t.transpose(1, 2).reshape(B, S, -1) for t in heads], -1).to(x.dtype)
+    return ops.qkv_head_views(qkv, q_heads, kv_heads, head_dim)
 
 
 def matmul_swiglu_grad_standin(a, b, h1, h2):

@@ -25,7 +25,7 @@ from thunder_tk.functional import attention_bwd_delta_symbol
 # Kernels this version's csrc/ provides (a GPU test checks the build reports exactly these).
 KERNELS_IN_SOURCE = frozenset({"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward",
                                "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward",
-                               "cross_entropy_forward_grad", "gemm", "gemm_swiglu", "gemm_swiglu_grad",
+                               "cross_entropy_forward_grad", "gemm", "gemm_rope", "gemm_swiglu", "gemm_swiglu_grad",
                                "reduce_scatter"})
 
 DISABLE_ENV = "THUNDER_TK_DISABLE"

@@ -118,6 +118,8 @@ def _detail(op: BoundSymbol | None, backward_by: str, cd) -> str:
         if "tk_attention_backward_qkv" in backward_by:
             notes.append("gradient written as the qkv projection's, the rotary embedding's backward included")
         return "; ".join(notes)
+    if op.sym.name == "tk_linear_rope":
+        return "q and k roped in the epilogue; the attention reads q, k and v from its output in place"
     if op.sym.name.startswith("tk_cross_entropy_forward_grad"):
         over = op.sym.name.endswith("_over_logits")
         return "loss and gradient from one read of the logits" + ("; the gradient written over them" if over else "")

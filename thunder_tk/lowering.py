@@ -192,6 +192,22 @@ def _matmul_swiglu_grad_impl(a, b, h1, h2):
 tk_matmul_swiglu_grad = tk.register_operator("tk_matmul_swiglu_grad", meta=_matmul_swiglu_grad_meta,
                                              fn=_matmul_swiglu_grad_impl, tags=_GEMM_TAGS)
 
+# q, k and v from the fused qkv projection with the rotary embedding in its epilogue, as views of its one output;
+# only pattern_fusion.rope_into_qkv_projection puts it in a trace (for a tk_linear whose output LitGPT splits into
+# heads and ropes before tk's attention).
+def _linear_rope_meta(x: TensorProxy, w: TensorProxy, cos: TensorProxy, sin: TensorProxy, q_heads: int,
+                      kv_heads: int, head_dim: int):
+    B, S = x.shape[0], x.shape[1]
+    return tuple(TensorProxy(like=x, shape=(B, h, S, head_dim)) for h in (q_heads, kv_heads, kv_heads))
+
+
+def _linear_rope_impl(x, w, cos, sin, q_heads, kv_heads, head_dim):
+    return ops.linear_rope(x, w, cos, sin, q_heads, kv_heads, head_dim)
+
+
+tk_linear_rope = tk.register_operator("tk_linear_rope", meta=_linear_rope_meta, fn=_linear_rope_impl,
+                                      tags=_GEMM_TAGS)
+
 # The claimed symbols take the operators' arguments, so the operators are the execution transforms.
 for _symbol_id in (ltorch.linear.id, prims.PrimIDs.LINEAR):
     tk.set_lowering(_symbol_id, execution_transform=tk_linear, grad_transform=None)

@@ -744,6 +744,82 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     return out
 
 
+# The fused qkv projection with the rotary embedding of q and k in its epilogue
+
+ROPE_HEAD_DIMS = (64, 128, 256)
+
+
+def linear_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int,
+                          kv_heads: int, head_dim: int):
+    """(q, k, v) as LitGPT makes them from x (B, S, K) and the fused projection's weight: qkv = x weight^T split
+    by qkv_head_views, q and k roped by rope_reference, all in float64 (a reference for linear_rope)."""
+    qkv = x.double() @ weight.double().t()
+    q, k, v = qkv_head_views(qkv, q_heads, kv_heads, head_dim)
+    return rope_reference(q, cos.double(), sin.double()), rope_reference(k, cos.double(), sin.double()), v
+
+
+def linear_rope_unsupported(x, weight, cos, sin, q_heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why linear_rope cannot take these (metadata only: tensors or proxies), or None."""
+    if x.ndim != 3 or weight.ndim != 2:
+        return f"x must be (B, S, K) and the weight (N, K); got {x.ndim}-D and {weight.ndim}-D"
+    if head_dim not in ROPE_HEAD_DIMS:
+        return f"the rotary epilogue takes heads of {', '.join(map(str, ROPE_HEAD_DIMS))} columns, not {head_dim}"
+    if weight.shape[0] != (q_heads + 2 * kv_heads) * head_dim or weight.shape[1] != x.shape[2]:
+        return (f"a ({(q_heads + 2 * kv_heads) * head_dim}, {x.shape[2]}) weight expected for {q_heads} + 2 x "
+                f"{kv_heads} heads of {head_dim}; got {tuple(weight.shape)}")
+    if cos.ndim != 2 or tuple(sin.shape) != tuple(cos.shape):
+        return f"cos and sin must be 2-D and alike; got {tuple(cos.shape)} and {tuple(sin.shape)}"
+    n = cos.shape[1]
+    if n < 16 or n > head_dim or n & (n - 1):
+        return f"the rotary epilogue turns a power of two of columns from 16 to the head dim ({head_dim}); got {n}"
+    if cos.shape[0] < x.shape[1]:
+        return f"cos and sin have {cos.shape[0]} positions for {x.shape[1]} tokens"
+    if not (cos.dtype == sin.dtype == x.dtype == weight.dtype) or x.dtype not in _GEMM_DTYPES:
+        return (f"x, the weight, cos and sin must share one 16-bit dtype; got {x.dtype}, {weight.dtype}, {cos.dtype} "
+                f"and {sin.dtype}")
+    if x.shape[2] % 8:
+        return f"K ({x.shape[2]}) must be a multiple of 8"
+    return None
+
+
+def linear_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int,
+                kv_heads: int, head_dim: int):
+    """q, k and v of an attention layer from its fused qkv projection in one GEMM: qkv = x weight^T (x (B, S, K),
+    weight ((q_heads + 2 kv_heads) head_dim, K), no bias) with LitGPT's rotate-half rotary embedding (rope_reference:
+    the first n = cos.shape[1] columns of each head, token s at row s of cos and sin) applied to q's and k's heads
+    in the epilogue, from the fp32 accumulators, rounded once. Returns (q, k, v) as (B, H, S, head_dim) views of
+    the one (B, S, N) output (qkv_head_views), which tk's attention reads in place. head_dim 64, 128 or 256; n a
+    power of two from 16 to head_dim; cos and sin (>= S, n) in x's dtype."""
+    for name, t in (("x", x), ("weight", weight), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"linear_rope: {name} must be a tensor")
+    if (reason := linear_rope_unsupported(x, weight, cos, sin, q_heads, kv_heads, head_dim)) is not None:
+        raise ValueError(f"linear_rope: {reason}")
+    if not all(t.device == x.device for t in (weight, cos, sin)):
+        raise ValueError(f"linear_rope: every tensor must be on {x.device}")
+    ext = _require_kernels(x.device)
+    B, S, K = x.shape
+    N = weight.shape[0]
+    qkv = torch.empty((B, S, N), dtype=x.dtype, device=x.device)
+    if qkv.numel() == 0:
+        return qkv_head_views(qkv, q_heads, kv_heads, head_dim)
+    if K == 0:
+        return qkv_head_views(qkv.zero_(), q_heads, kv_heads, head_dim)
+    a = _k_major_rows(x.reshape(B * S, K))
+    w = _k_major_rows(weight)
+    # One row stride for both tables, 4-byte aligned rows of whole pairs; other tables are copied (S x n, small).
+    n = cos.shape[1]
+    if cos.stride(0) != sin.stride(0) or cos.shape[0] == 1 or not all(
+            t.stride(1) == 1 and t.stride(0) >= n and t.stride(0) % 2 == 0 and t.data_ptr() % 4 == 0 for t in (cos, sin)):
+        cos, sin = cos[:S].contiguous(), sin[:S].contiguous()
+    with _on(x.device):
+        ext.gemm_rope(a.data_ptr(), w.data_ptr(), qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                      _DTYPE_CODES[x.dtype], B * S, N, K, a.stride(0) if B * S > 1 else K,
+                      w.stride(0) if N > 1 else K, N, cos.stride(0), S, (q_heads + kv_heads) * head_dim, head_dim, n,
+                      _stream_handle(x.device))
+    return qkv_head_views(qkv, q_heads, kv_heads, head_dim)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) @ weight (N, K)^T (+ bias): `torch.nn.functional.linear` on the tk GEMM."""
     if weight.ndim != 2:

@@ -741,6 +741,57 @@ def _probe_region_op(b: BoundSymbol, args: list, device):
     return _probe_op(name, args, kw)
 
 
+def _run_region(bsyms: list[BoundSymbol], evaluate: set[int], env: dict, keep: set[str], device) -> None:
+    """Runs the ops `evaluate` (indices into bsyms, in trace order) on the probe values in env, adding their results
+    (each output of a multi-output op such as split) to it. Intermediates not in `keep` go once read for the last
+    time: a full-size probe holds a few region-sized tensors, not all of them."""
+    order = sorted(evaluate)
+    last_use = {p.name: pos for pos, j in enumerate(order) for p in bsyms[j].flat_proxy_args}
+    for pos, j in enumerate(order):
+        b = bsyms[j]
+        args = [[env[y.name] if isinstance(y, TensorProxy) else y for y in a] if isinstance(a, (list, tuple))
+                and any(isinstance(y, TensorProxy) for y in a) else env[a.name] if isinstance(a, TensorProxy)
+                else a for a in b.args]
+        if b.sym.name == "split":
+            a, sizes = args[0], args[1]
+            dim = args[2] if len(args) > 2 else b.kwargs.get("dim", 0)
+            for p, part in zip(b.flat_proxy_outs, torch.split(a, sizes, dim), strict=True):
+                env[p.name] = part
+        else:
+            env[b.output.name] = _probe_region_op(b, args, device)
+        for p in b.flat_proxy_args:
+            if last_use[p.name] == pos and p.name not in keep:
+                env.pop(p.name, None)
+
+
+def _probe_device(p: TensorProxy):
+    """Where a probe of p's region runs: on p's device (a full-size probe is quick on the GPU, and CPU tensors are
+    the tests' small ones), or on the CPU for a trace planned for a GPU this process cannot use (`thunder-tk
+    explain` without one)."""
+    device = thunder.devices.to_torch_device(p.device)
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        device = torch.device("cpu")
+    return device
+
+
+def _angle_roots(bsyms: list[BoundSymbol], region: set[int], inner: set[str], ops: frozenset, producer):
+    """The region's inputs other than `inner`, followed back through `ops` to the tensors they come from: (those
+    tensors by name, the ops on the way, added to the region's). The angles' tables, where a rope reads them (the
+    zero tensors that pad the rotation's halves come from nothing)."""
+    evaluate, roots = set(region), {}
+    todo = [p for j in region for p in bsyms[j].flat_proxy_args if p.name not in inner]
+    while todo:
+        p = todo.pop()
+        j = producer.get(p.name)
+        if j is not None and bsyms[j].sym.name in ops:
+            if j not in evaluate:
+                evaluate.add(j)
+                todo.extend(bsyms[j].flat_proxy_args)
+        elif isinstance(p, TensorProxy):
+            roots[p.name] = p
+    return roots, evaluate
+
+
 def _qkv_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int], users: dict[str, list[int]]):
     """For the tk_attention_backward at k: (the region's indices, its output X, the two tensors the region's angles
     come from, the ops to evaluate it by) where dq, dk and dv are read only by ops of _QKV_REGION_OPS that make a
@@ -774,20 +825,8 @@ def _qkv_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int],
         return None  # a gradient is read elsewhere too
     if any(u not in region for j in region for p in bsyms[j].flat_proxy_outs if p is not x for u in users[p.name]):
         return None
-    # The region's other inputs, back through such ops to the tensors they come from: the angles' tables (the zero
-    # tensors that pad the rotation's halves come from nothing).
-    evaluate, roots = set(region), {}
     inner = {p.name for j in region for p in bsyms[j].flat_proxy_outs} | {g.name for g in grads}
-    todo = [p for j in region for p in bsyms[j].flat_proxy_args if p.name not in inner]
-    while todo:
-        p = todo.pop()
-        j = producer.get(p.name)
-        if j is not None and bsyms[j].sym.name in _QKV_REGION_OPS:
-            if j not in evaluate:
-                evaluate.add(j)
-                todo.extend(bsyms[j].flat_proxy_args)
-        elif isinstance(p, TensorProxy):
-            roots[p.name] = p
+    roots, evaluate = _angle_roots(bsyms, region, inner, _QKV_REGION_OPS, producer)
     angles = list(roots.values())
     if len(angles) != 2 or any(a.ndim != 2 or tuple(a.shape) != tuple(angles[0].shape) for a in angles):
         return None
@@ -805,11 +844,7 @@ def _qkv_grad_confirmed(bsyms: list[BoundSymbol], k: int, evaluate: set[int], x:
     q, kk = bsyms[k].args[0], bsyms[k].args[1]
     if ops.qkv_grad_unsupported(_ShapeOf(q), _ShapeOf(kk), _ShapeOf(angles[0]), _ShapeOf(angles[1])) is not None:
         return None
-    # On the gradients' device: a full-size probe is quick there, and CPU tensors are the tests' small ones. A trace
-    # planned for a GPU that this process cannot use (`thunder-tk explain` without one) is probed on the CPU.
-    device = thunder.devices.to_torch_device(q.device)
-    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
-        device = torch.device("cpu")
+    device = _probe_device(q)
     gen = torch.Generator(device).manual_seed(0)
 
     def random(p, angle=False):  # gradients of unit scale, angles' cosines and sines in [-1, 1)
@@ -819,22 +854,11 @@ def _qkv_grad_confirmed(bsyms: list[BoundSymbol], k: int, evaluate: set[int], x:
         return torch.randn(shape, generator=gen, device=device).to(dtype)
 
     grads = bsyms[k].flat_proxy_outs
-    order = sorted(evaluate)
-    last_use = {p.name: pos for pos, j in enumerate(order) for p in bsyms[j].flat_proxy_args}
-    keep = {p.name for p in (*grads, *angles, x)}
     try:
         env = {g.name: random(g) for g in grads}
         tables = [random(a, angle=True) for a in angles]
         env.update({a.name: t for a, t in zip(angles, tables)})
-        for pos, j in enumerate(order):
-            b = bsyms[j]
-            args = [[env[y.name] if isinstance(y, TensorProxy) else y for y in a] if isinstance(a, (list, tuple))
-                    and any(isinstance(y, TensorProxy) for y in a) else env[a.name] if isinstance(a, TensorProxy)
-                    else a for a in b.args]
-            env[b.output.name] = _probe_region_op(b, args, device)
-            for p in b.flat_proxy_args:  # intermediates go once read for the last time: a full-size probe's memory
-                if last_use[p.name] == pos and p.name not in keep:
-                    env.pop(p.name, None)
+        _run_region(bsyms, evaluate, env, {p.name for p in (*grads, *angles, x)}, device)
         # Checked at up to 64 positions of the first and last sequences (rows are independent): the float64
         # reference stays small whatever the shapes.
         B, S = env[x.name].shape[:2]
@@ -904,3 +928,151 @@ def attention_backward_into_qkv(trace):
             for j in region:
                 bsyms[j] = None
     return _rewritten(out, bsyms, "tk: the attention backward into the qkv projection's gradient, rope included")
+
+
+QKV_ROPE = "gemm_rope"
+"""THUNDER_TK_DISABLE name that keeps the split of the fused qkv projection into heads and the rotary embedding of q
+and k with the fuser (the projection's GEMM then writes its plain output)."""
+
+# What the region from the qkv projection's output to the attention's q, k and v may hold: _QKV_REGION_OPS's layout,
+# dtype and rotation ops, and the split into q's, k's and v's columns.
+_ROPE_REGION_OPS = _QKV_REGION_OPS | frozenset({"split"})
+
+
+def _rope_qkv_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int], users: dict[str, list[int]]):
+    """For the tk attention at k: (the projection's index, the region's indices, the ops to evaluate it by, the
+    projection's output X, the two tables the angles come from) where its q, k and v are made from X, the (B, S,
+    (Hq + 2 Hkv) D) output of a tk_linear without bias, only by ops of _ROPE_REGION_OPS, and nothing else reads X or
+    the region but through q, k and v. Else None. What the region computes is checked by _rope_qkv_confirmed."""
+    from thunder_tk.lowering import tk_linear
+
+    q, kk, v = bsyms[k].args[:3]
+    if any(not isinstance(t, TensorProxy) or t.ndim != 4 for t in (q, kk, v)):
+        return None
+    B, Hq, S, D = q.shape
+    if tuple(kk.shape) != (B, kk.shape[1], S, D) or tuple(v.shape) != tuple(kk.shape):
+        return None
+    width = (Hq + 2 * kk.shape[1]) * D
+    back, todo, frontier = set(), [q, kk, v], {}  # every region op q, k and v come from, and what they read
+    while todo:
+        p = todo.pop()
+        j = producer.get(p.name)
+        if j is not None and bsyms[j].sym.name in _ROPE_REGION_OPS:
+            if j not in back:
+                back.add(j)
+                todo.extend(bsyms[j].flat_proxy_args)
+        elif isinstance(p, TensorProxy):
+            frontier[p.name] = p
+    projections = [p for p in frontier.values() if producer.get(p.name) is not None
+                   and bsyms[producer[p.name]].sym.id == tk_linear.id and tuple(p.shape) == (B, S, width)
+                   and p.dtype == q.dtype]
+    if len(projections) != 1:
+        return None
+    x = projections[0]
+    at = producer[x.name]
+    if bsyms[at].args[2] is not None:
+        return None  # a bias: the epilogue adds none
+    region, made = set(), {x.name}  # the ops of `back` that compute on X's values
+    for j in sorted(back):
+        if any(p.name in made for p in bsyms[j].flat_proxy_args):
+            region.add(j)
+            made.update(p.name for p in bsyms[j].flat_proxy_outs)
+    outputs = {q.name, kk.name, v.name}
+    if not outputs <= made or any(u not in region for u in users[x.name]):
+        return None
+    if any(u not in region for j in region for p in bsyms[j].flat_proxy_outs if p.name not in outputs
+           for u in users[p.name]):
+        return None
+    roots, evaluate = _angle_roots(bsyms, region, made, _ROPE_REGION_OPS, producer)
+    angles = list(roots.values())
+    if len(angles) != 2 or any(a.ndim != 2 or tuple(a.shape) != tuple(angles[0].shape) for a in angles):
+        return None
+    if any(producer.get(a.name, -1) > at for a in angles):
+        return None  # the launch that replaces the projection reads them
+    return at, region, evaluate, x, angles
+
+
+def _rope_qkv_confirmed(bsyms: list[BoundSymbol], at: int, k: int, evaluate: set[int], x: TensorProxy,
+                        angles: list):
+    """(cos, sin) among the two angle tables such that the region, run on a random projection output and tables,
+    gives ops.linear_rope's q, k and v (qkv_head_views of X, q and k roped by rope_reference over the tables'
+    width); None if neither order does, the launch cannot take the shapes, or the probe cannot run the region."""
+    from thunder_tk import ops
+
+    q, kk, v = bsyms[k].args[:3]
+    Hq, Hkv, D = q.shape[1], kk.shape[1], q.shape[3]
+    inputs, weight = bsyms[at].args[:2]
+    if ops.linear_rope_unsupported(_ShapeOf(inputs), _ShapeOf(weight), _ShapeOf(angles[0]), _ShapeOf(angles[1]),
+                                   Hq, Hkv, D) is not None:
+        return None
+    device = _probe_device(x)
+    gen = torch.Generator(device).manual_seed(0)
+    dtype = thunder.dtypes.to_torch_dtype(x.dtype)
+    try:
+        env = {x.name: torch.randn(tuple(x.shape), generator=gen, device=device).to(dtype)}
+        tables = [(torch.rand(tuple(a.shape), generator=gen, device=device) * 2 - 1).to(dtype) for a in angles]
+        env.update({a.name: t for a, t in zip(angles, tables)})
+        _run_region(bsyms, evaluate, env, {p.name for p in (x, *angles, q, kk, v)}, device)
+        # Checked at up to 64 positions of the first and last sequences (positions are independent).
+        B, S = x.shape[0], x.shape[1]
+        pos = torch.linspace(0, S - 1, min(S, 64), device=device).round().long().unique()
+        seqs = torch.tensor(sorted({0, B - 1}), device=device)
+        got = [env[p.name][seqs][:, :, pos] for p in (q, kk, v)]
+        if not all(bool(torch.isfinite(g).all()) for g in got):
+            return None
+        heads = ops.qkv_head_views(env[x.name][seqs][:, pos].double(), Hq, Hkv, D)
+        for c, s in ((0, 1), (1, 0)):  # which table is the cosine
+            cos, sin = tables[c][pos].double(), tables[s][pos].double()
+            want = (ops.rope_reference(heads[0], cos, sin), ops.rope_reference(heads[1], cos, sin), heads[2])
+            if all(tuple(g.shape) == tuple(w.shape) and float((g.double() - w).norm() / w.norm().clamp_min(1e-30))
+                   < _QKV_PROBE_TOLERANCE for g, w in zip(got, want)):
+                return angles[c], angles[s]
+    except Exception:  # an op the probe cannot run, or no memory for it: leave the region to the fuser
+        return None
+    return None
+
+
+def rope_into_qkv_projection(trace):
+    """The trace with the fused qkv projection writing q, k and v for tk's attention itself: where LitGPT splits a
+    tk_linear's (B, S, (Hq + 2 Hkv) D) output into heads and ropes q and k (found by shape, confirmed by running
+    the region's ops on a probe), one tk_linear_rope launch computes the projection with the rotation in its
+    epilogue and returns q, k and v as views of its output (ops.linear_rope), which the attention reads in place:
+    the fuser's pass over the projection's output (the split, the rotation, the copy of v) goes. Off with the feature
+    name QKV_ROPE, and where the build has no gemm_rope kernel."""
+    from thunder_tk import _extension, claim_rules
+    from thunder_tk.lowering import tk_attention, tk_attention_forward, tk_linear_rope
+
+    if QKV_ROPE in claim_rules.disabled_names() or not _extension.kernel_in_build("gemm_rope"):
+        return trace
+    bsyms = list(trace.bound_symbols)
+    attentions = {tk_attention.id, tk_attention_forward.id}
+    if not any(b.sym.id in attentions for b in bsyms):
+        return trace
+    producer, users = _producers_and_users(bsyms)
+    plans, taken = [], set()
+    for k, b in enumerate(bsyms):
+        if b.sym.id not in attentions:
+            continue
+        found = _rope_qkv_region(bsyms, k, producer, users)
+        if found is None or found[0] in taken:
+            continue
+        at, region, evaluate, x, angles = found
+        confirmed = _rope_qkv_confirmed(bsyms, at, k, evaluate, x, angles)
+        if confirmed is not None:
+            taken.add(at)
+            plans.append((at, k, region, x, confirmed))
+    if not plans:
+        return trace
+    from thunder_tk.executor import sites_of
+
+    out = from_trace(trace)
+    with tracectx(out):
+        for at, k, region, x, (cos, sin) in plans:
+            q, kk, v = bsyms[k].args[:3]
+            inputs, weight = bsyms[at].args[:2]
+            q.tags.update(sites_of(x))  # explain names this launch for the projection
+            bsyms[at] = tk_linear_rope.bind(inputs, weight, cos, sin, q.shape[1], kk.shape[1], q.shape[3],
+                                            output=(q, kk, v))
+            for j in region:
+                bsyms[j] = None
+    return _rewritten(out, bsyms, "tk: the rotary embedding in the qkv projection's epilogue")

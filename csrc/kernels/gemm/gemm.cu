@@ -27,6 +27,12 @@
 // those (the unfused step wrote dg and read dg, h1 and h2 back). 128-wide tiles with five stages; by default the
 // consumers take whole tiles in turns (ping-pong), one staging of a tile's h1 and h2 serving both by turns, so that
 // one's epilogue runs under the other's products.
+//
+// Rotary variant (ROPE): a fused qkv projection's output with LitGPT's rotate-half rope applied to q's and k's heads
+// in the consumers' registers before the tile is stored: wgmma gives each thread columns c and c + h of its rows in
+// fragments j and j + h / 8, so a head's pairs never leave the thread. Attention then reads q, k and v as strided
+// views of the output; the fuser's pass that split, rotated and copied them (and its reads and writes of the whole
+// projection) goes.
 #include "gemm.h"
 #include "../../kittens/kittens.cuh"
 
@@ -47,8 +53,9 @@ constexpr int BM = 128, BK = 64;
 // for three stages.
 constexpr int stages_of(int tn, bool store_warps) { return tn == 256 ? (store_warps ? 3 : 4) : 6; }
 // What a launch computes besides C = A B (+ bias): SwiGLU's forward (two products and the gate, in the store warps'
-// epilogue) or its backward (dh1 and dh2 from dg's accumulators, in the consumers' epilogue).
-enum class fused { none, swiglu, swiglu_grad };
+// epilogue), its backward (dh1 and dh2 from dg's accumulators, in the consumers' epilogue), or the rotary
+// embedding of q's and k's heads (in the consumers' registers).
+enum class fused { none, swiglu, swiglu_grad, rope };
 // With clusters of C = 2 blocks, the blocks share their B tile: block r loads rows [128 r, 128 r + 128) of it
 // and the copy engine writes them into both blocks' shared memory (halving L2 -> SM traffic for B).
 // C = 1 is the plain persistent kernel.
@@ -186,6 +193,88 @@ __device__ __forceinline__ float2 plus_bias(const T* __restrict__ bias, int64_t 
         if (gc + 1 < n) y += to_float(bias[gc + 1]);
     }
     return make_float2(x, y);
+}
+
+// Value `second` (0 or 1) of a packed pair of 16-bit table values, as a float (bf16: its bits are a float's top
+// half).
+template <typename T>
+__device__ __forceinline__ float angle_of(uint32_t pair, int second) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return __uint_as_float(second ? pair & 0xffff0000u : pair << 16);
+    else
+        return __half2float(__ushort_as_half(static_cast<unsigned short>(second ? pair >> 16 : pair & 0xffffu)));
+}
+
+// The rotary embedding over a consumer warpgroup's 64 x BN block of accumulators (first row row0, column col0 a
+// multiple of BN, hence of D): heads of D columns, the first 2 h = 16 H8 of each turned. A thread holds columns
+// 8 j + 2 (lane % 4) + {0, 1} of rows lane / 4 and lane / 4 + 8 (of its warp's 16) in fragment j, so column c's
+// partner c + h is in fragment j + H8 of the same thread. Each head of the block uses the same table columns at
+// the same positions: a thread loads them once per first-half fragment (packed, as they are in memory: unpacked
+// up front they took the 256-wide tiles' consumers past their registers) and turns every head of q and k with them.
+template <typename T, int BN, int D, int H8>
+__device__ __forceinline__ void rope_block(const gemm_args& g, float (&d)[BN / 2], int row0, int col0) {
+    static_assert(BN % D == 0 && 16 * H8 <= D, "whole heads in the block, the turned columns within the head");
+    constexpr int HEADS = BN / D, HEAD_FRAGMENTS = D / 8, HALF = 8 * H8;
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+    const uint32_t top = uint32_t(row0 + warp * 16 + lane / 4), seq = uint32_t(g.rope_seq);
+    const unsigned int* cos = static_cast<const unsigned int*>(g.rope_cos);
+    const unsigned int* sin = static_cast<const unsigned int*>(g.rope_sin);
+    // The two rows' positions, in packed pairs (rows past M have positions too: their values are never stored);
+    // 32-bit offsets (rope_unsupported bounds the tables), which keeps the 256-wide tiles' consumers from spilling.
+    const uint32_t row_pairs = uint32_t(g.rope_stride / 2);
+    const uint32_t at[2] = {(top % seq) * row_pairs, ((top + 8) % seq) * row_pairs};
+#pragma unroll
+    for (int jj = 0; jj < H8; ++jj) {
+        const int a = (jj * 8 + 2 * (lane & 3)) / 2;  // the pair of angle columns of this thread's two values
+        uint32_t c1[2], s1[2], c2[2], s2[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            c1[r] = __ldg(cos + at[r] + a);
+            s1[r] = __ldg(sin + at[r] + a);
+            c2[r] = __ldg(cos + at[r] + a + HALF / 2);
+            s2[r] = __ldg(sin + at[r] + a + HALF / 2);
+        }
+#pragma unroll
+        for (int head = 0; head < HEADS; ++head) {
+            if (col0 + head * D >= g.rope_cols) break;  // v's heads: as they are
+            const int j = head * HEAD_FRAGMENTS + jj;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {  // (row, column) = (e / 2, e % 2) of the fragment
+                const int r = e >> 1, second = e & 1;
+                const float x1 = d[4 * j + e], x2 = d[4 * (j + H8) + e];
+                d[4 * j + e] = x1 * angle_of<T>(c1[r], second) - x2 * angle_of<T>(s1[r], second);
+                d[4 * (j + H8) + e] = x2 * angle_of<T>(c2[r], second) + x1 * angle_of<T>(s2[r], second);
+            }
+        }
+    }
+}
+
+// rope_block for the launch's head width and turned columns (gemm_unsupported admits only these).
+template <typename T, int BN>
+__device__ __forceinline__ void rope_rows64(const gemm_args& g, float (&d)[BN / 2], int row0, int col0) {
+    if (col0 >= g.rope_cols) return;  // a block of v's columns
+    const int h8 = g.rope_dims / 16;
+    switch (g.rope_head_dim) {
+        case 64:
+            if (h8 == 1) rope_block<T, BN, 64, 1>(g, d, row0, col0);
+            else if (h8 == 2) rope_block<T, BN, 64, 2>(g, d, row0, col0);
+            else rope_block<T, BN, 64, 4>(g, d, row0, col0);
+            break;
+        case 128:
+            if (h8 == 1) rope_block<T, BN, 128, 1>(g, d, row0, col0);
+            else if (h8 == 2) rope_block<T, BN, 128, 2>(g, d, row0, col0);
+            else if (h8 == 4) rope_block<T, BN, 128, 4>(g, d, row0, col0);
+            else rope_block<T, BN, 128, 8>(g, d, row0, col0);
+            break;
+        default:
+            if constexpr (BN == 256) {
+                if (h8 == 1) rope_block<T, BN, 256, 1>(g, d, row0, col0);
+                else if (h8 == 2) rope_block<T, BN, 256, 2>(g, d, row0, col0);
+                else if (h8 == 4) rope_block<T, BN, 256, 4>(g, d, row0, col0);
+                else if (h8 == 8) rope_block<T, BN, 256, 8>(g, d, row0, col0);
+                else rope_block<T, BN, 256, 16>(g, d, row0, col0);
+            }
+    }
 }
 
 // A consumer warpgroup's 64 x COLS block of output (accumulator fragment d; first row row0, first column col0),
@@ -614,6 +703,7 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
         // A SwiGLU tile's 256 accumulator columns are 128 output columns of each product.
         constexpr bool GATED = F == fused::swiglu;
         const int64_t row0 = int64_t(tile.m) * BM + slice * 64, col0 = int64_t(tile.n) * (GATED ? BN / 2 : BN);
+        if constexpr (F == fused::rope) rope_rows64<T, BN>(p.args, d, int(row0), int(col0));
         if constexpr (F == fused::swiglu_grad)
             gate_grad_hand_over(st, slice, int(row0), int(col0), handoffs,
                                 [&] { gate_grad_in_place<T>(st, slice, d); });
@@ -730,6 +820,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                   "SwiGLU: store warps, no cluster, both operands K-major");
     static_assert(!GATE_GRAD || (STORE_WARPS && CLUSTER == 1 && BN == 128 && MA == major::k),
                   "SwiGLU's backward: store warps, no cluster, 128-wide tiles, A K-major");
+    static_assert(F != fused::rope || (!PINGPONG && CLUSTER == 1 && MA == major::k && MB == major::k),
+                  "the rotary epilogue: shared tiles, no cluster, both operands K-major");
     using state_t = shared_state<T, MA, MB, BN, STORE_WARPS, F>;
     constexpr int STAGES = state_t::STAGES;
     extern __shared__ uint8_t raw_smem[];
@@ -1077,6 +1169,35 @@ cudaError_t dispatch_gate_grad(const gemm_args& g, cudaStream_t stream) {
     return g.pingpong == -1 ? dispatch_gate_grad_tiles<T, false>(g, stream) : dispatch_gate_grad_tiles<T, true>(g, stream);
 }
 
+// The rotary epilogue: the plain kernel's tile and epilogue choice, but 256-wide tiles for 256-wide heads.
+template <typename T>
+cudaError_t dispatch_rope(const gemm_args& g, cudaStream_t stream) {
+    if (g.rope_head_dim <= 128 && tile_n_of(g) == 128)
+        return launch<T, major::k, major::k, 1, 128, false, false, fused::rope>(g, stream);
+    if (store_warps_for(g)) return launch<T, major::k, major::k, 1, 256, false, true, fused::rope>(g, stream);
+    return launch<T, major::k, major::k, 1, 256, false, false, fused::rope>(g, stream);
+}
+
+const char* rope_unsupported(const gemm_args& g) {
+    if (g.bias != nullptr) return "the rotary epilogue takes no bias";
+    if (g.a_stride_k != 1 || g.b_stride_k != 1) return "the rotary epilogue needs A and B K-major";
+    const int D = g.rope_head_dim, n = g.rope_dims;
+    if (D != 64 && D != 128 && D != 256) return "the rotary epilogue takes heads of 64, 128 or 256 columns";
+    if (n < 16 || n > D || (n & (n - 1)) != 0)
+        return "the rotary epilogue turns a power of two of columns from 16 to the head width";
+    if (g.rope_cols <= 0 || g.rope_cols % D != 0 || g.rope_cols > g.N)
+        return "the rotated columns must be whole heads within the output";
+    if (g.rope_seq <= 0 || g.rope_stride > INT32_MAX || g.rope_seq * g.rope_stride > INT32_MAX)
+        return "cos and sin must have fewer than 2^31 elements in the rows used";
+    if (g.rope_sin == nullptr || reinterpret_cast<uintptr_t>(g.rope_cos) % 4 != 0 ||
+        reinterpret_cast<uintptr_t>(g.rope_sin) % 4 != 0 || g.rope_stride < n || g.rope_stride % 2 != 0)
+        return "cos and sin: 4-byte aligned rows of at least the turned columns, an even row stride";
+    if (g.cluster == 2 || g.pingpong == 1 || g.stream_k == 1 || g.skinny == 1 || (g.tile_n == 128 && D == 256))
+        return "the rotary epilogue runs the plain schedule's shared tiles (no cluster, ping-pong, stream-K or "
+               "skinny kernel), 256 wide for 256-wide heads";
+    return nullptr;
+}
+
 const char* gate_grad_unsupported(const gemm_args& g) {
     if (g.bias != nullptr || g.b2 != nullptr || g.c3 != nullptr) return "SwiGLU's backward takes one B and no bias";
     if (g.a_stride_k != 1) return "SwiGLU's backward needs A K-major";
@@ -1131,6 +1252,8 @@ const char* gemm_unsupported(const gemm_args& g) {
     const int64_t b_lead = g.b_stride_k == 1 ? g.b_stride_n : g.b_stride_k;
     if (a_lead % 8 || b_lead % 8) return "leading strides must be multiples of 8 elements";
     if (!aligned16(g.a) || !aligned16(g.b)) return "A and B must be 16-byte aligned";
+    if (g.rope_cos != nullptr && (g.h1 != nullptr || g.b2 != nullptr)) return "the rotary epilogue is a plain product's";
+    if (g.rope_cos != nullptr) return rope_unsupported(g);
     if (g.h1 != nullptr) return gate_grad_unsupported(g);
     if (g.b2 != nullptr) return gated_unsupported(g);
     if (g.c2 != nullptr || g.c3 != nullptr || g.h2 != nullptr) return "extra outputs or inputs without their launch";
@@ -1161,6 +1284,8 @@ cudaError_t launch_gemm(const gemm_args& g, cudaStream_t stream) {
                                            : dispatch_gate_grad<__half>(g, stream);
     if (g.b2 != nullptr)
         return g.dtype == int(dtype::bf16) ? dispatch_gated<__nv_bfloat16>(g, stream) : dispatch_gated<__half>(g, stream);
+    if (g.rope_cos != nullptr)
+        return g.dtype == int(dtype::bf16) ? dispatch_rope<__nv_bfloat16>(g, stream) : dispatch_rope<__half>(g, stream);
     // Few rows: the skinny kernel spreads the weight's columns and K over every SM (skinny.cu).
     if (g.skinny == 1 || (g.skinny == 0 && skinny_unsupported(g) == nullptr)) return launch_skinny(g, stream);
     if (g.dtype == int(dtype::bf16)) return dispatch_cluster<__nv_bfloat16>(g, stream);

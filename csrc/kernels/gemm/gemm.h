@@ -56,6 +56,17 @@ struct gemm_args {
     // (gemm_unsupported); the consumers take whole tiles in turns unless pingpong is -1.
     const void* h1;
     const void* h2;
+    // Rotary embedding in the epilogue (rope_cos non-null): LitGPT's rotate-half rope over a fused qkv projection's
+    // output, from the fp32 accumulators, rounded once. Output row r is position t = r % rope_seq; columns
+    // [0, rope_cols) are heads of rope_head_dim columns (q's, then k's), whose first rope_dims = 2h columns turn:
+    // y[c] = x[c] cos[t][c] - x[c + h] sin[t][c] and y[c + h] = x[c + h] cos[t][c + h] + x[c] sin[t][c + h] for
+    // c < h; the other columns are stored as they are. cos and sin: rows of rope_stride elements in the element
+    // type. A and B K-major, no bias; rope_head_dim 64, 128 or 256 and rope_dims a power of two from 16 to it
+    // (gemm_unsupported names the rest).
+    const void* rope_cos;
+    const void* rope_sin;
+    int64_t rope_stride, rope_seq, rope_cols;
+    int rope_head_dim, rope_dims;
 };
 
 constexpr int SKINNY_MAX_M = 64;
