@@ -1,5 +1,7 @@
-"""The attention backward written as the fused qkv projection's gradient (pattern_fusion.attention_backward_into_qkv)
-on real Thunder traces of LitGPT models on CPU, with tk's kernels standing in (`standins.StandinBuild`) and an eager
+"""LitGPT's rotary embedding folded into tk's kernels on both sides of the attention, on real Thunder traces of
+LitGPT models on CPU: the backward written as the fused qkv projection's gradient
+(pattern_fusion.attention_backward_into_qkv) and, in the forward, the rotation in the qkv projection's epilogue
+(pattern_fusion.rope_into_qkv_projection), with tk's kernels standing in (`standins.StandinBuild`) and an eager
 fuser in nvFuser's place (the GPU's case: the rewrite reads the prims the fuser would take).
 
 Where LitGPT rotates q and k with its rotate-half rope (the whole head or part of it) after splitting them from one
@@ -68,6 +70,23 @@ def assert_folded(jm):
     assert "qkv projection" in row.detail, row
 
 
+def forward_ops(jm):
+    return [b.sym.name for b in thunder.last_traces(jm)[-1].bound_symbols]
+
+
+def assert_rope_in_projection(jm, layers=1):
+    """Each layer's q, k and v come from one tk_linear_rope, straight into tk's attention, and explain says so."""
+    trace = thunder.last_traces(jm)[-1]
+    launches = [b for b in trace.bound_symbols if b.sym.name == "tk_linear_rope"]
+    assert len(launches) == layers, forward_ops(jm)
+    made = {p.name for b in launches for p in b.flat_proxy_outs}
+    for b in trace.bound_symbols:
+        if b.sym.name in ("tk_attention_forward", "tk_attention"):
+            assert {a.name for a in b.args[:3]} <= made, b
+    rows = [r for r in thunder_tk.explain(jm).rows if r.ran_by == "tk: tk_linear_rope"]
+    assert len(rows) == layers and all("roped in the epilogue" in r.detail for r in rows), rows
+
+
 def assert_not_folded(jm):
     names = backward_ops(jm)
     assert "tk_attention_backward_qkv" not in names and names.count("tk_attention_backward") == 1, names
@@ -80,6 +99,7 @@ def test_litgpt_rope_backward_folds_into_the_attention_backward(standin_tk_build
     torch.manual_seed(0)
     jm = train_step(litgpt.GPT(config(n_query_groups=groups, rotary_percentage=rotary)).to(bf16))
     assert_folded(jm)
+    assert_rope_in_projection(jm)
     # Nothing of the rotation, the group sum or the concatenation is left for the fuser in the backward.
     fused = [b for b in thunder.last_backward_traces(jm)[-1].bound_symbols if b.subsymbols]
     assert not any(s.sym.name in ("neg", "pad") for b in fused for s in b.subsymbols)
@@ -112,7 +132,39 @@ def test_every_layer_folds_and_the_probe_tells_cos_from_sin(standin_tk_build, st
 def test_rope_narrower_than_the_kernel_keeps_the_fuser(standin_tk_build, standin_nvfuser):
     """An 8-column rotation: the kernel rotates 16 columns at a time, so the rewrite is not taken."""
     torch.manual_seed(0)
-    assert_not_folded(train_step(litgpt.GPT(config(rotary_percentage=0.125)).to(bf16)))
+    jm = train_step(litgpt.GPT(config(rotary_percentage=0.125)).to(bf16))
+    assert_not_folded(jm)
+    assert "tk_linear_rope" not in forward_ops(jm)
+
+
+def test_rope_of_48_columns_folds_backward_only(standin_tk_build, standin_nvfuser):
+    """The backward's last pass turns any multiple of 16 columns; the forward's epilogue a power of two."""
+    torch.manual_seed(0)
+    jm = train_step(litgpt.GPT(config(rotary_percentage=0.75)).to(bf16))
+    assert_folded(jm)
+    assert "tk_linear_rope" not in forward_ops(jm)
+
+
+@pytest.mark.parametrize("how", ["option", "env", "build"])
+def test_forward_fold_turned_off_keeps_the_fuser(standin_tk_build, standin_nvfuser, monkeypatch, how):
+    options = {}
+    if how == "option":
+        options = {"tk_disable": pattern_fusion.QKV_ROPE}
+    elif how == "env":
+        monkeypatch.setenv("THUNDER_TK_DISABLE", pattern_fusion.QKV_ROPE)
+    else:
+        standin_tk_build.remove("gemm_rope")
+    torch.manual_seed(0)
+    jm = train_step(litgpt.GPT(config()).to(bf16), **options)
+    assert "tk_linear_rope" not in forward_ops(jm) and "tk_linear" in forward_ops(jm)
+    assert_folded(jm)
+
+
+def test_a_projection_with_bias_keeps_the_fuser(standin_tk_build, standin_nvfuser):
+    """The epilogue adds no bias (Qwen-style attn_bias): the projection stays a tk_linear, the rope the fuser's."""
+    torch.manual_seed(0)
+    jm = train_step(litgpt.GPT(config(attn_bias=True)).to(bf16))
+    assert "tk_linear_rope" not in forward_ops(jm)
 
 
 @pytest.mark.parametrize("how", ["option", "env", "build"])
@@ -172,7 +224,7 @@ def test_other_rotations_are_not_taken_for_rope(standin_tk_build, standin_nvfuse
     seed = torch.randn(out.shape)
     (out.float() * seed).sum().backward()
     (exact(xe) * seed.double()).sum().backward()
-    assert "tk_attention_backward_qkv" not in backward_ops(jm)
+    assert "tk_attention_backward_qkv" not in backward_ops(jm) and "tk_linear_rope" not in forward_ops(jm)
     assert rel_err(xj.grad, xe.grad) < 3e-2
     assert rel_err(model.qkv.weight.grad, exact.qkv.weight.grad) < 3e-2
 

@@ -783,13 +783,14 @@ def linear_rope_unsupported(x, weight, cos, sin, q_heads: int, kv_heads: int, he
 
 
 def linear_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int,
-                kv_heads: int, head_dim: int):
+                kv_heads: int, head_dim: int, *, _tile_n: int = 0, _epilogue: int = 0):
     """q, k and v of an attention layer from its fused qkv projection in one GEMM: qkv = x weight^T (x (B, S, K),
     weight ((q_heads + 2 kv_heads) head_dim, K), no bias) with LitGPT's rotate-half rotary embedding (rope_reference:
     the first n = cos.shape[1] columns of each head, token s at row s of cos and sin) applied to q's and k's heads
     in the epilogue, from the fp32 accumulators, rounded once. Returns (q, k, v) as (B, H, S, head_dim) views of
     the one (B, S, N) output (qkv_head_views), which tk's attention reads in place. head_dim 64, 128 or 256; n a
-    power of two from 16 to head_dim; cos and sin (>= S, n) in x's dtype."""
+    power of two from 16 to head_dim; cos and sin (>= S, n) in x's dtype. `_tile_n` and `_epilogue`: gemm's tuning
+    knobs, for tests."""
     for name, t in (("x", x), ("weight", weight), ("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"linear_rope: {name} must be a tensor")
@@ -816,7 +817,7 @@ def linear_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
         ext.gemm_rope(a.data_ptr(), w.data_ptr(), qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                       _DTYPE_CODES[x.dtype], B * S, N, K, a.stride(0) if B * S > 1 else K,
                       w.stride(0) if N > 1 else K, N, cos.stride(0), S, (q_heads + kv_heads) * head_dim, head_dim, n,
-                      _stream_handle(x.device))
+                      _stream_handle(x.device), _tile_n, _epilogue)
     return qkv_head_views(qkv, q_heads, kv_heads, head_dim)
 
 

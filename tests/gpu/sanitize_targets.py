@@ -184,6 +184,22 @@ def attention_qkv_grad():
     print("attention qkv gradient sanitize targets ran")
 
 
+# The qkv projection with the rope in its epilogue: each tile path (256 wide with the consumers' or the store warps'
+# epilogue, 128 wide), row tails, a partial rope, 128- and 256-wide heads, and a table slice of a wider one.
+def gemm_rope():
+    for B, S, K, Hq, Hkv, D, n, knobs in [(2, 129, 128, 8, 2, 64, 64, {}),
+                                         (1, 300, 256, 8, 2, 64, 64, {"_tile_n": 256, "_epilogue": 1}),
+                                         (1, 200, 128, 4, 2, 128, 128, {"_tile_n": 128}),
+                                         (1, 70, 64, 4, 2, 64, 16, {}),
+                                         (1, 50, 64, 2, 1, 256, 256, {})]:
+        x = torch.randn(B, S, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn((Hq + 2 * Hkv) * D, K, device="cuda", dtype=torch.bfloat16)
+        cos, sin = (torch.rand(S + 3, 2 * n, device="cuda").to(torch.bfloat16)[:, :n] for _ in "cs")
+        ops.linear_rope(x, w, cos, sin, Hq, Hkv, D, **knobs)
+    torch.cuda.synchronize()
+    print("gemm rope sanitize targets ran")
+
+
 # Cross-entropy forward and backward: bf16 rows 16-byte aligned with a vector tail (1009 classes), a row long enough
 # for the unrolled loop (20000 classes), fp32 and fp16 with odd rows, a misaligned bf16 view (element-wise path), an
 # ignored row and a target outside the classes, grad_loss per row and as an expanded scalar (stride 0).
@@ -227,7 +243,7 @@ def cross_entropy_forward_grad():
 
 
 SECTIONS = [attention_bwd_delta, gemm, gemm_skinny, gemm_swiglu, tile_library, attention_forward, attention_backward,
-            attention_qkv_grad, cross_entropy, cross_entropy_forward_grad]
+            attention_qkv_grad, gemm_rope, cross_entropy, cross_entropy_forward_grad]
 
 if __name__ == "__main__":
     only = {x.strip() for x in os.environ.get("SANITIZE_ONLY", "").split(",") if x.strip()}

@@ -1,0 +1,189 @@
+"""The fused qkv projection with LitGPT's rotary embedding in the GEMM's epilogue (ops.linear_rope): q, k and v as
+views of one output, q's and k's heads roped from the fp32 accumulators. Against float64 (the projection, split and
+roped by ops.rope_reference), at lengths with tails, 1 and long, D 64/128/256, grouped, multi-query and plain heads,
+rotations over the whole head and part of it, tables longer than the sequence and column slices of wider ones,
+bf16 and fp16, each tile path of the kernel (256 wide with the consumers' or the store warps' epilogue, 128 wide);
+every output element written (poisoned memory), repeatable bit for bit, attention reading the views as it reads
+copies, a LitGPT model trained through the fold, and argument errors named."""
+
+import pytest
+import torch
+
+from poisoning import poison_allocator
+from thunder_tk import ops
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not hasattr(ops, "linear_rope"), reason="no ops.linear_rope")]
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
+
+
+def rel_err(got, ref):
+    return ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def rope_tables(rows, n, dtype, base=10000.0):
+    """LitGPT's cos and sin caches: (rows, n), the n / 2 frequencies repeated."""
+    inv = 1.0 / base ** (torch.arange(0, n, 2, device="cuda", dtype=torch.float64) / n)
+    angles = torch.outer(torch.arange(rows, device="cuda", dtype=torch.float64), inv).repeat(1, 2)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def make(B, S, K, Hq, Hkv, D, n, dtype, extra_rows=0, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(B, S, K, device="cuda", dtype=dtype, generator=g)
+    w = (torch.randn((Hq + 2 * Hkv) * D, K, device="cuda", dtype=dtype, generator=g) / K ** 0.5).to(dtype)
+    cos, sin = rope_tables(S + extra_rows, n, dtype)
+    return x, w, cos, sin
+
+
+def run(x, w, cos, sin, Hq, Hkv, D, **knobs):
+    B, S = x.shape[:2]
+    poison_allocator(((B, S, (Hq + 2 * Hkv) * D), x.dtype))
+    q, k, v = ops.linear_rope(x, w, cos, sin, Hq, Hkv, D, **knobs)
+    assert q.shape == (B, Hq, S, D) and k.shape == v.shape == (B, Hkv, S, D)
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    for t in (q, k, v):
+        assert torch.isfinite(t).all(), "unwritten (NaN) elements"
+    return q, k, v
+
+
+def check(x, w, cos, sin, Hq, Hkv, D, **knobs):
+    got = run(x, w, cos, sin, Hq, Hkv, D, **knobs)
+    want = ops.linear_rope_reference(x, w, cos, sin, Hq, Hkv, D)
+    for name, a, b in zip("qkv", got, want):
+        err = rel_err(a, b)
+        assert err < TOL[x.dtype], (name, err)
+    return got
+
+
+CASES = [  # B, S, K, Hq, Hkv, D, rope width, extra table rows
+    (1, 1, 64, 4, 2, 64, 64, 0),
+    (2, 17, 128, 4, 2, 64, 64, 5),
+    (2, 300, 256, 8, 2, 64, 64, 0),
+    (1, 129, 512, 4, 4, 64, 64, 7),       # plain heads
+    (3, 70, 256, 8, 1, 64, 64, 0),        # one K/V head
+    (2, 257, 256, 8, 2, 128, 128, 3),
+    (1, 513, 1024, 32, 8, 64, 64, 0),     # Llama-3.2-1B's heads
+    (2, 100, 256, 2, 1, 256, 256, 0),
+    (2, 100, 256, 4, 2, 64, 32, 0),       # half the head turned
+    (2, 100, 256, 4, 2, 64, 16, 0),       # a quarter
+    (2, 100, 256, 4, 2, 128, 32, 0),
+    (1, 64, 256, 2, 1, 256, 64, 0),
+    (1, 1000, 2048, 16, 4, 64, 64, 48),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}S{c[1]}K{c[2]}h{c[3]}-{c[4]}D{c[5]}n{c[6]}" for c in CASES])
+def test_matches_float64(case, dtype):
+    B, S, K, Hq, Hkv, D, n, extra = case
+    x, w, cos, sin = make(B, S, K, Hq, Hkv, D, n, dtype, extra)
+    check(x, w, cos, sin, Hq, Hkv, D)
+
+
+@pytest.mark.parametrize("tile_n,epilogue", [(256, 2), (256, 1), (128, 0)],
+                         ids=["256-consumers", "256-store-warps", "128"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_every_tile_path(tile_n, epilogue, D):
+    """Many tiles and rows that are not whole tiles, through each epilogue the launch can take."""
+    x, w, cos, sin = make(3, 700, 512, 4096 // D // 2, 4096 // D // 8, D, D, torch.bfloat16)
+    Hq, Hkv = 4096 // D // 2, 4096 // D // 8
+    check(x, w, cos, sin, Hq, Hkv, D, _tile_n=tile_n, _epilogue=epilogue)
+
+
+def test_sliced_and_strided_tables_and_a_strided_input():
+    x, w, cos, sin = make(2, 96, 256, 4, 2, 64, 32, torch.bfloat16)
+    wide_cos, wide_sin = rope_tables(200, 64, torch.bfloat16)
+    # Column slices of a wider table (row stride 64 for 32 columns), and tables with different strides (copied).
+    check(x, w, wide_cos[:, :32], wide_sin[:, :32], 4, 2, 64)
+    check(x, w, cos, wide_sin[:96, :32], 4, 2, 64)
+    # x a strided view: copied to rows the kernel reads.
+    xs = torch.randn(2, 96, 512, device="cuda", dtype=torch.bfloat16)[..., ::2]
+    check(xs, w, cos, sin, 4, 2, 64)
+
+
+def test_repeatable_and_like_the_unfused_rope():
+    x, w, cos, sin = make(2, 333, 512, 8, 2, 64, 64, torch.bfloat16)
+    first = [t.clone() for t in run(x, w, cos, sin, 8, 2, 64)]
+    again = run(x, w, cos, sin, 8, 2, 64)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    # The unfused path rounds the projection, then each product and the sum (LitGPT in bf16): within its error.
+    q, k, v = ops.qkv_head_views(ops.linear(x, w), 8, 2, 64)
+    unfused = (ops.rope_reference(q, cos, sin), ops.rope_reference(k, cos, sin), v)
+    for a, b in zip(first, unfused):
+        assert rel_err(a, b.double()) < 1e-2
+    assert torch.equal(first[2], v)  # v is the plain product, bit for bit
+
+
+def test_attention_reads_the_views_as_it_reads_copies():
+    x, w, cos, sin = make(2, 300, 256, 8, 2, 64, 64, torch.bfloat16)
+    q, k, v = ops.linear_rope(x, w, cos, sin, 8, 2, 64)
+    o, lse = ops.attention_forward(q, k, v, is_causal=True)
+    o2, lse2 = ops.attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=True)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+def test_empty_and_k_zero():
+    x, w, cos, sin = make(0, 5, 64, 4, 2, 64, 64, torch.bfloat16)
+    assert all(t.numel() == 0 for t in ops.linear_rope(x, w, cos, sin, 4, 2, 64))
+    x = torch.empty(1, 5, 0, device="cuda", dtype=torch.bfloat16)
+    w = torch.empty(512, 0, device="cuda", dtype=torch.bfloat16)
+    assert all(bool((t == 0).all()) for t in ops.linear_rope(x, w, cos, sin, 4, 2, 64))
+
+
+def test_errors_name_the_problem():
+    x, w, cos, sin = make(1, 16, 64, 4, 2, 64, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="heads of 64, 128, 256"):
+        ops.linear_rope(x, torch.zeros(8 * 96, 64, device="cuda", dtype=torch.bfloat16), cos, sin, 4, 2, 96)
+    c48, s48 = rope_tables(16, 48, torch.bfloat16)
+    with pytest.raises(ValueError, match="power of two"):
+        ops.linear_rope(x, w, c48, s48, 4, 2, 64)
+    with pytest.raises(ValueError, match="positions"):
+        ops.linear_rope(x, w, cos[:8], sin[:8], 4, 2, 64)
+    with pytest.raises(ValueError, match="dtype"):
+        ops.linear_rope(x, w, cos.float(), sin.float(), 4, 2, 64)
+    with pytest.raises(ValueError, match="weight expected"):
+        ops.linear_rope(x, w[:-64], cos, sin, 4, 2, 64)
+    with pytest.raises(ValueError, match="256-wide heads"):
+        x2, w2, c2, s2 = make(1, 16, 64, 2, 1, 256, 256, torch.bfloat16)
+        ops.linear_rope(x2, w2, c2, s2, 2, 1, 256, _tile_n=128)
+    with pytest.raises(TypeError):
+        ops.linear_rope(x, w, None, sin, 4, 2, 64)
+
+
+def test_litgpt_model_trains_through_the_fold(monkeypatch):
+    """A LitGPT model with the qkv projection on tk (the GEMM size policy off, so that small projections are tk's):
+    its forward runs tk_linear_rope into tk's attention, and output and gradients are as good as eager's."""
+    litgpt = pytest.importorskip("litgpt")
+    import thunder
+
+    import thunder_tk
+    from thunder_tk import claim_rules, tk
+
+    monkeypatch.setattr(claim_rules, "gemm_size_policy_default", False)
+    cfg = litgpt.Config(name="tk-rope", block_size=512, n_layer=2, n_head=8, n_query_groups=2, n_embd=512,
+                        head_size=64, padded_vocab_size=1024, vocab_size=1024, bias=False, norm_class_name="RMSNorm",
+                        mlp_class_name="LLaMAMLP", intermediate_size=1024, rotary_percentage=1.0,
+                        parallel_residual=False)
+    torch.manual_seed(0)
+    exact = litgpt.GPT(cfg).cuda().double()
+    model = litgpt.GPT(cfg).cuda().bfloat16()
+    model.load_state_dict({k: v.bfloat16() for k, v in exact.state_dict().items()})
+    eager = litgpt.GPT(cfg).cuda().bfloat16()
+    eager.load_state_dict(model.state_dict())
+    idx = torch.randint(0, cfg.vocab_size, (2, 300), device="cuda")
+    jitted = thunder.jit(model, executors=[tk])
+    logits = jitted(idx)
+    seed = torch.randn_like(logits)
+    logits.backward(seed)
+    eager_logits = eager(idx)
+    eager_logits.backward(seed)
+    exact_logits = exact(idx)
+    exact_logits.backward(seed.double())
+    assert rel_err(logits, exact_logits.double()) < 2 * rel_err(eager_logits, exact_logits.double()) + 1e-3
+    for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
+        assert rel_err(p.grad, r.grad.double()) < 2 * rel_err(q.grad, r.grad.double()) + 1e-3, name
+    names = [b.sym.name for b in thunder.last_traces(jitted)[-1].bound_symbols]
+    assert names.count("tk_linear_rope") == cfg.n_layer, names
+    rows = [r for r in thunder_tk.explain(jitted).rows if r.ran_by == "tk: tk_linear_rope"]
+    assert len(rows) == cfg.n_layer and all("roped in the epilogue" in r.detail for r in rows)
