@@ -7,8 +7,8 @@ fuser in nvFuser's place (the GPU's case: the rewrite reads the prims the fuser 
 Where LitGPT rotates q and k with its rotate-half rope (the whole head or part of it) after splitting them from one
 projection, tk_attention_backward_qkv replaces the attention backward and every op between it and the projection's
 GEMMs; where the rotation is another one, the rope is too narrow for the kernel, or the feature is off, the attention
-backward and the fuser's ops stay. Gradients match float64 eager in every case; the probe's formula matches rope's
-transpose.
+backward and the fuser's ops stay, and `explain` says why in the attention's row. Gradients match float64 eager in
+every case; the probe's formula matches rope's transpose.
 """
 
 import copy
@@ -62,12 +62,16 @@ def attention_row(jm):
     return rows[0]
 
 
+FOLDED = "gradient written as the qkv projection's, the rotary embedding's backward included"
+NOT_FOLDED = "gradient not written as the qkv projection's: "
+
+
 def assert_folded(jm):
     names = backward_ops(jm)
     assert names.count("tk_attention_backward_qkv") == 1 and "tk_attention_backward" not in names, names
     row = attention_row(jm)
     assert row.backward_ran_by == "tk: tk_attention_backward_qkv", row
-    assert "qkv projection" in row.detail, row
+    assert row.detail.endswith(FOLDED) and NOT_FOLDED not in row.detail, row
 
 
 def forward_ops(jm):
@@ -87,10 +91,15 @@ def assert_rope_in_projection(jm, layers=1):
     assert len(rows) == layers and all("roped in the epilogue" in r.detail for r in rows), rows
 
 
-def assert_not_folded(jm):
+def assert_not_folded(jm, why: str):
+    """Not folded, and `explain` says why: `why` is the reason's start (the probe's error follows some)."""
     names = backward_ops(jm)
     assert "tk_attention_backward_qkv" not in names and names.count("tk_attention_backward") == 1, names
-    assert attention_row(jm).backward_ran_by == "tk: tk_attention_backward"
+    row = attention_row(jm)
+    assert row.backward_ran_by == "tk: tk_attention_backward"
+    notes = [n for n in row.detail.split("; ") if n.startswith(NOT_FOLDED)]
+    assert len(notes) == 1 and notes[0][len(NOT_FOLDED):].startswith(why), row.detail
+    assert FOLDED not in row.detail and row.detail in str(thunder_tk.explain(jm))
 
 
 @pytest.mark.parametrize("groups,rotary", [(2, 1.0), (4, 1.0), (1, 1.0), (2, 0.5), (4, 0.25)],
@@ -113,7 +122,7 @@ def test_every_layer_folds_and_the_probe_tells_cos_from_sin(standin_tk_build, st
 
     def reversed_tables(*args):
         region = found(*args)
-        if region is not None:
+        if not isinstance(region, str):  # a string: why there is none
             calls.append(region[2])
             region = (*region[:2], region[2][::-1], region[3]) if len(calls) % 2 else region
         return region
@@ -133,8 +142,17 @@ def test_rope_narrower_than_the_kernel_keeps_the_fuser(standin_tk_build, standin
     """An 8-column rotation: the kernel rotates 16 columns at a time, so the rewrite is not taken."""
     torch.manual_seed(0)
     jm = train_step(litgpt.GPT(config(rotary_percentage=0.125)).to(bf16))
-    assert_not_folded(jm)
+    assert_not_folded(jm, "the rotary embedding's width (8) must be a multiple of 16 up to the head dim (64)")
     assert "tk_linear_rope" not in forward_ops(jm)
+
+
+def test_normalized_q_and_k_keep_the_fuser(standin_tk_build, standin_nvfuser):
+    """q and k normalized before the rope (LitGPT's norm_qk): the normalization's backward lies between the rope's
+    and the concatenation and reads values of the region besides the gradients."""
+    torch.manual_seed(0)
+    jm = train_step(litgpt.GPT(config(norm_qk=True)).to(bf16))
+    assert_not_folded(jm, "the rope region's ")
+    assert "is read outside it, by a" in attention_row(jm).detail
 
 
 def test_rope_of_48_columns_folds_backward_only(standin_tk_build, standin_nvfuser):
@@ -177,12 +195,26 @@ def test_turned_off_keeps_the_fuser(standin_tk_build, standin_nvfuser, monkeypat
     else:
         standin_tk_build.remove("attention_rope_grad")
     torch.manual_seed(0)
-    assert_not_folded(train_step(litgpt.GPT(config()).to(bf16), **options))
+    assert_not_folded(train_step(litgpt.GPT(config()).to(bf16), **options), {
+        "option": "turned off (tk_disable=attention_qkv_grad)",
+        "env": "turned off (THUNDER_TK_DISABLE=attention_qkv_grad)",
+        "build": "attention_rope_grad not in this build"}[how])
+
+
+def test_inference_says_nothing_of_the_qkv_gradient(standin_tk_build, standin_nvfuser):
+    """No attention backward, no reason."""
+    torch.manual_seed(0)
+    jm = thunder.jit(litgpt.GPT(config()).to(bf16), executors=[tk])
+    with torch.no_grad():
+        jm(torch.randint(0, 512, (2, 32)))
+    row = attention_row(jm)
+    assert row.ran_by == "tk: tk_attention" and "qkv projection" not in row.detail, row
 
 
 class OtherRotation(torch.nn.Module):
     """LitGPT's split of one qkv projection, then a rotation that is not the rotate-half rope: the same ops with the
-    sine's sign flipped (the inverse rotation), or LitGPT's interleaved rope. The probe must tell it apart."""
+    sine's sign flipped (the inverse rotation), or LitGPT's interleaved rope. The probe must tell it apart. Or the
+    rope, then q divided by 2 (an op outside the rope region reads dq)."""
 
     def __init__(self, kind):
         super().__init__()
@@ -197,7 +229,9 @@ class OtherRotation(torch.nn.Module):
         if self.kind == "interleaved":
             return litgpt.model.apply_rope_interleave(x, self.cos[None], self.sin[None])
         x1, x2 = x[..., :32], x[..., 32:]
-        return (x * self.cos) - (torch.cat((-x2, x1), -1) * self.sin)
+        rotated = torch.cat((-x2, x1), -1) * self.sin
+        # "scaled": LitGPT's rope itself (what differs is the division after it); else its inverse
+        return (x * self.cos) + rotated if self.kind == "scaled" else (x * self.cos) - rotated
 
     def forward(self, x):
         B, T, _ = x.shape
@@ -206,13 +240,19 @@ class OtherRotation(torch.nn.Module):
         k = k.view(B, T, 2, 64).transpose(1, 2)
         v = v.view(B, T, 2, 64).transpose(1, 2)
         q, k = self.rotate(q), self.rotate(k)
+        if self.kind == "scaled":
+            q = q / 2
         k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, 256))
 
 
-@pytest.mark.parametrize("kind", ["inverse", "interleaved"])
-def test_other_rotations_are_not_taken_for_rope(standin_tk_build, standin_nvfuser, kind):
+PROBE_DIFFERS = "the rope region's result on the probe differs from the rotate-half rope's backward (relative error "
+
+
+@pytest.mark.parametrize("kind,why", [("inverse", PROBE_DIFFERS), ("interleaved", PROBE_DIFFERS),
+                                      ("scaled", "dq is read outside the rope region")])
+def test_other_rotations_are_not_taken_for_rope(standin_tk_build, standin_nvfuser, kind, why):
     torch.manual_seed(0)
     model = OtherRotation(kind).to(bf16)
     exact = copy.deepcopy(model).double()
@@ -224,7 +264,8 @@ def test_other_rotations_are_not_taken_for_rope(standin_tk_build, standin_nvfuse
     seed = torch.randn(out.shape)
     (out.float() * seed).sum().backward()
     (exact(xe) * seed.double()).sum().backward()
-    assert "tk_attention_backward_qkv" not in backward_ops(jm) and "tk_linear_rope" not in forward_ops(jm)
+    assert_not_folded(jm, why)
+    assert "tk_linear_rope" not in forward_ops(jm)
     assert rel_err(xj.grad, xe.grad) < 3e-2
     assert rel_err(model.qkv.weight.grad, exact.qkv.weight.grad) < 3e-2
 

@@ -95,6 +95,14 @@ def disabled_by(rule: "ClaimRule") -> str | None:
     return None
 
 
+def feature_disabled_by(name: str) -> str | None:
+    """Which switch lists the feature `name` (DISABLE_FEATURES): DISABLE_ENV or DISABLE_OPTION, or None."""
+    for source, names in ((DISABLE_ENV, _env_names()), (DISABLE_OPTION, _option_names())):
+        if name in names:
+            return source
+    return None
+
+
 @dataclass(frozen=True)
 class Verdict:
     accepted: bool

@@ -14,6 +14,7 @@ import thunder
 from thunder.core.symbol import BoundSymbol
 
 from thunder_tk.executor import Site, decisions_of, latest_decisions_of, sites_of
+from thunder_tk.pattern_fusion import QKV_GRAD, Declined
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,10 @@ def _walk(bsyms):
         yield from _walk(b.subsymbols)
 
 
-def _producers(trace, label: str, into: dict[Site, list[tuple[str, str]]], ops: dict[Site, BoundSymbol]) -> None:
-    """Map each site whose result this trace computes to [(trace label, what computes it), ...], and to the first
-    bsym that computes it."""
+def _producers(trace, label: str, into: dict[Site, list[tuple[str, str]]], ops: dict[Site, BoundSymbol],
+               declined: dict[Site, dict[str, str]]) -> None:
+    """Map each site whose result this trace computes to [(trace label, what computes it), ...], to the first
+    bsym that computes it, and to the rewrites of pattern_fusion left undone on its results ({feature: why})."""
     for bsym in trace.bound_symbols:
         runner = _runner(bsym)
         inner = _walk(bsym.subsymbols) if bsym.sym.is_fusion else ()
@@ -99,16 +101,20 @@ def _producers(trace, label: str, into: dict[Site, list[tuple[str, str]]], ops: 
                     ops.setdefault(site, b)
                     if (label, runner) not in into.setdefault(site, []):
                         into[site].append((label, runner))
+                    for t in p.tags:
+                        if isinstance(t, Declined):
+                            declined.setdefault(site, {})[t.feature] = t.why
 
 
 _ATTENTION_OPS = frozenset({"tk_attention", "tk_attention_forward"})
 
 
-def _detail(op: BoundSymbol | None, backward_by: str, cd) -> str:
+def _detail(op: BoundSymbol | None, backward_by: str, cd, declined: dict[str, str]) -> str:
     """What the trace's inputs column does not show: attention whose repeated K/V heads tk read unrepeated
     (pattern_fusion.attend_grouped_kv) or whose backward writes the qkv projection's gradient
-    (pattern_fusion.attention_backward_into_qkv); a training cross-entropy's gradient, from the forward's read of
-    the logits or from the backward kernel, and why the latter."""
+    (pattern_fusion.attention_backward_into_qkv), and why not where tk's backward does not; a training
+    cross-entropy's gradient, from the forward's read of the logits or from the backward kernel, and why the latter.
+    `declined`: the site's rewrites left undone, {feature: why}."""
     if op is None:
         return ""
     if op.sym.name in _ATTENTION_OPS:
@@ -117,6 +123,8 @@ def _detail(op: BoundSymbol | None, backward_by: str, cd) -> str:
             else []
         if "tk_attention_backward_qkv" in backward_by:
             notes.append("gradient written as the qkv projection's, the rotary embedding's backward included")
+        elif QKV_GRAD in declined:
+            notes.append(f"gradient not written as the qkv projection's: {declined[QKV_GRAD]}")
         return "; ".join(notes)
     if op.sym.name == "tk_linear_rope":
         return "q and k roped in the epilogue; the attention reads q, k and v from its output in place"
@@ -140,9 +148,10 @@ def build_report(cd, cs, *, planned: bool = False, note: str = "") -> Report:
     backward = cs.last_backward_traces[-1] if cs.last_backward_traces else None
     producers: dict[Site, list[tuple[str, str]]] = {}
     ops: dict[Site, BoundSymbol] = {}
-    _producers(forward, "forward", producers, ops)
+    declined: dict[Site, dict[str, str]] = {}
+    _producers(forward, "forward", producers, ops, declined)
     if backward is not None:
-        _producers(backward, "backward", producers, ops)
+        _producers(backward, "backward", producers, ops, declined)
 
     rows = []
     latest = {id(d) for d in latest_decisions_of(cd)}
@@ -159,7 +168,8 @@ def build_report(cd, cs, *, planned: bool = False, note: str = "") -> Report:
         if d.claimed_by is not None and trace_label == "forward":
             backward_by = ", ".join(r for label, r in found if label == "backward" and r.startswith(f"{d.claimed_by}:"))
         rows.append(Row(trace_label, d.symbol, d.inputs, d.claimed_by == "tk", ran_by, backward_by, d.reason,
-                        _detail(ops.get(d.site), backward_by, cd) if d.claimed_by == "tk" else ""))
+                        _detail(ops.get(d.site), backward_by, cd, declined.get(d.site, {}))
+                        if d.claimed_by == "tk" else ""))
     order = {"forward": 0, "backward": 1}
     rows.sort(key=lambda r: order.get(r.trace, 2))
     return Report(rows, planned=planned, note=note)

@@ -50,7 +50,9 @@ SWIGLU_GRAD_MAX_N (wider ones measured slower); off with the feature name `gemm_
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 import thunder
 import torch
@@ -682,6 +684,27 @@ def fuse_swiglu_grad(trace):
 QKV_GRAD = "attention_qkv_grad"
 """THUNDER_TK_DISABLE name that keeps the rotary embedding's backward and the concatenation of dq, dk and dv into the
 qkv projection's gradient with the fuser, after tk's attention backward."""
+QKV_GRAD_KERNEL = "attention_rope_grad"
+
+
+@dataclass(frozen=True)
+class Declined:
+    """A tag on the first result of a tk op that a rewrite here left as it was: the rewrite's feature name and why,
+    for `explain` (Thunder carries proxy tags over to renamed proxies, as it does tk's decision sites)."""
+
+    feature: str
+    why: str
+
+
+def _tag_declined(p: TensorProxy, feature: str, why: str) -> None:
+    # A pass run again over the same proxies replaces its earlier reason.
+    p.tags.difference_update([t for t in p.tags if isinstance(t, Declined) and t.feature == feature])
+    p.tags.add(Declined(feature, why))
+
+
+def _listed(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
 
 # What the region from the attention backward's (dq, dk, dv) to the qkv projection's gradient may hold: layout ops,
 # dtype conversions, the rotation's elementwise ops, the zero padding of its slices and the (trivial) group sum.
@@ -741,6 +764,14 @@ def _probe_region_op(b: BoundSymbol, args: list, device):
     return _probe_op(name, args, kw)
 
 
+class _ProbeOpError(Exception):
+    """An op of a probed region failed on the probe's values (the cause chained)."""
+
+    def __init__(self, op: str):
+        super().__init__(op)
+        self.op = op
+
+
 def _run_region(bsyms: list[BoundSymbol], evaluate: set[int], env: dict, keep: set[str], device) -> None:
     """Runs the ops `evaluate` (indices into bsyms, in trace order) on the probe values in env, adding their results
     (each output of a multi-output op such as split) to it. Intermediates not in `keep` go once read for the last
@@ -752,13 +783,16 @@ def _run_region(bsyms: list[BoundSymbol], evaluate: set[int], env: dict, keep: s
         args = [[env[y.name] if isinstance(y, TensorProxy) else y for y in a] if isinstance(a, (list, tuple))
                 and any(isinstance(y, TensorProxy) for y in a) else env[a.name] if isinstance(a, TensorProxy)
                 else a for a in b.args]
-        if b.sym.name == "split":
-            a, sizes = args[0], args[1]
-            dim = args[2] if len(args) > 2 else b.kwargs.get("dim", 0)
-            for p, part in zip(b.flat_proxy_outs, torch.split(a, sizes, dim), strict=True):
-                env[p.name] = part
-        else:
-            env[b.output.name] = _probe_region_op(b, args, device)
+        try:
+            if b.sym.name == "split":
+                a, sizes = args[0], args[1]
+                dim = args[2] if len(args) > 2 else b.kwargs.get("dim", 0)
+                for p, part in zip(b.flat_proxy_outs, torch.split(a, sizes, dim), strict=True):
+                    env[p.name] = part
+            else:
+                env[b.output.name] = _probe_region_op(b, args, device)
+        except Exception as e:
+            raise _ProbeOpError(b.sym.name) from e
         for p in b.flat_proxy_args:
             if last_use[p.name] == pos and p.name not in keep:
                 env.pop(p.name, None)
@@ -795,13 +829,17 @@ def _angle_roots(bsyms: list[BoundSymbol], region: set[int], inner: set[str], op
 def _qkv_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int], users: dict[str, list[int]]):
     """For the tk_attention_backward at k: (the region's indices, its output X, the two tensors the region's angles
     come from, the ops to evaluate it by) where dq, dk and dv are read only by ops of _QKV_REGION_OPS that make a
-    (B, S, (Hq + 2 Hkv) D) tensor X, and nothing outside reads the region but through X. Else None. What it computes
-    is checked by _qkv_grad_confirmed."""
+    (B, S, (Hq + 2 Hkv) D) tensor X, nothing outside reads the region but through X, and the kernel takes the
+    angles' shape. Else why not (for `explain`). What the region computes is checked by _qkv_grad_confirmed."""
+    from thunder_tk import ops
+
     b = bsyms[k]
     q, kk = b.args[0], b.args[1]
     grads = b.flat_proxy_outs
-    if len(grads) != 3 or q.ndim != 4 or q.shape[2] != kk.shape[2]:
-        return None
+    if len(grads) != 3 or q.ndim != 4:
+        return "not the gradients of (B, H, S, D) q, k and v"
+    if q.shape[2] != kk.shape[2]:
+        return f"the query and key lengths differ ({q.shape[2]} and {kk.shape[2]}): not one projection's q, k and v"
     B, Hq, S, D = q.shape
     width = (Hq + 2 * kk.shape[1]) * D
     made, closure = {p.name for p in grads}, set()
@@ -813,7 +851,9 @@ def _qkv_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int],
               and isinstance(bsyms[j].output, TensorProxy) and tuple(bsyms[j].output.shape) == (B, S, width)
               and bsyms[j].output.dtype == q.dtype), None)
     if x is None:
-        return None
+        if not any(bsyms[j].sym.name == "cat" for j in closure):
+            return ""  # nothing like a fused projection's gradient (separate q, k and v, say): no reason to give
+        return f"no concatenation into a (B, S, (Hq + 2 Hkv) D) = ({B}, {S}, {width}) gradient"
     region, todo = set(), [producer[x.name]]  # what X is computed from, inside the closure
     while todo:
         j = todo.pop()
@@ -821,29 +861,38 @@ def _qkv_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int],
             continue
         region.add(j)
         todo.extend(producer[p.name] for p in bsyms[j].flat_proxy_args if producer.get(p.name) in closure)
-    if any(u not in region for g in grads for u in users[g.name]):
-        return None  # a gradient is read elsewhere too
-    if any(u not in region for j in region for p in bsyms[j].flat_proxy_outs if p is not x for u in users[p.name]):
-        return None
+    read_outside = [n for n, g in zip(("dq", "dk", "dv"), grads) if any(u not in region for u in users[g.name])]
+    if read_outside:
+        return f"{_listed(read_outside)} {'is' if len(read_outside) == 1 else 'are'} read outside the rope region"
+    for j in sorted(region):
+        reader = next((u for p in bsyms[j].flat_proxy_outs if p is not x for u in users[p.name] if u not in region),
+                      None)
+        if reader is not None:
+            return f"the rope region's {bsyms[j].sym.name} is read outside it, by a {bsyms[reader].sym.name}"
     inner = {p.name for j in region for p in bsyms[j].flat_proxy_outs} | {g.name for g in grads}
     roots, evaluate = _angle_roots(bsyms, region, inner, _QKV_REGION_OPS, producer)
     angles = list(roots.values())
-    if len(angles) != 2 or any(a.ndim != 2 or tuple(a.shape) != tuple(angles[0].shape) for a in angles):
-        return None
+    if len(angles) != 2:
+        return f"the rope region reads {len(angles)} tensors besides the gradients, not two angle tables"
+    if any(a.ndim != 2 or tuple(a.shape) != tuple(angles[0].shape) for a in angles):
+        return (f"the rope region's other inputs, {list(angles[0].shape)} and {list(angles[1].shape)}, are not two "
+                "2-D angle tables alike")
     if any(producer.get(a.name, -1) > k for a in angles):
-        return None
+        return "an angle table is computed after the attention backward"
+    why = ops.qkv_grad_unsupported(_ShapeOf(q), _ShapeOf(kk), _ShapeOf(angles[0]), _ShapeOf(angles[1]))
+    if why is not None:
+        return why
     return region, x, angles, evaluate
 
 
 def _qkv_grad_confirmed(bsyms: list[BoundSymbol], k: int, evaluate: set[int], x: TensorProxy, angles: list):
     """(cos, sin) among the two angle tables such that the region, run on random gradients and tables, gives
-    ops.qkv_grad_reference (the rotate-half rope's backward over the tables' width, dq, dk, dv concatenated); None
-    if neither order does, or the region holds an op the probe cannot run (or cannot allocate)."""
+    ops.qkv_grad_reference (the rotate-half rope's backward over the tables' width, dq, dk, dv concatenated); else
+    why not (for `explain`): neither order does, or the region holds an op the probe cannot run (or cannot
+    allocate)."""
     from thunder_tk import ops
 
-    q, kk = bsyms[k].args[0], bsyms[k].args[1]
-    if ops.qkv_grad_unsupported(_ShapeOf(q), _ShapeOf(kk), _ShapeOf(angles[0]), _ShapeOf(angles[1])) is not None:
-        return None
+    q = bsyms[k].args[0]
     device = _probe_device(q)
     gen = torch.Generator(device).manual_seed(0)
 
@@ -854,6 +903,7 @@ def _qkv_grad_confirmed(bsyms: list[BoundSymbol], k: int, evaluate: set[int], x:
         return torch.randn(shape, generator=gen, device=device).to(dtype)
 
     grads = bsyms[k].flat_proxy_outs
+    error = math.inf  # the smaller error of the two orders
     try:
         env = {g.name: random(g) for g in grads}
         tables = [random(a, angle=True) for a in angles]
@@ -866,16 +916,21 @@ def _qkv_grad_confirmed(bsyms: list[BoundSymbol], k: int, evaluate: set[int], x:
         seqs = torch.tensor(sorted({0, B - 1}), device=device)
         got = env[x.name][seqs][:, at]
         if not bool(torch.isfinite(got).all()):
-            return None
+            return "the rope region's result on the probe is not finite"
         for c, s in ((0, 1), (1, 0)):  # which table is the cosine
             want = ops.qkv_grad_reference(*(env[g.name][seqs][:, :, at] for g in grads), tables[c][at],
                                           tables[s][at])
-            if tuple(got.shape) == tuple(want.shape) and \
-                    float((got.double() - want).norm() / want.norm()) < _QKV_PROBE_TOLERANCE:
+            if tuple(got.shape) != tuple(want.shape):
+                continue
+            error = min(error, float((got.double() - want).norm() / want.norm()))
+            if error < _QKV_PROBE_TOLERANCE:
                 return angles[c], angles[s]
-    except Exception:  # an op the probe cannot run, or no memory for it: leave the region to the fuser
-        return None
-    return None
+    except Exception as e:  # an op the probe cannot run, or no memory for it: leave the region to the fuser
+        where = f" in its {e.op}" if isinstance(e, _ProbeOpError) else ""
+        cause = e.__cause__ if isinstance(e, _ProbeOpError) else e
+        return f"the probe cannot run the rope region ({type(cause).__name__}{where})"
+    return ("the rope region's result on the probe differs from the rotate-half rope's backward"
+            + (f" (relative error {error:.2g})" if error < math.inf else ""))
 
 
 class _ShapeOf:
@@ -893,27 +948,34 @@ def attention_backward_into_qkv(trace):
     with dv into a (B, S, (Hq + 2 Hkv) D) tensor (found by shape, confirmed by running them on a probe), one
     tk_attention_backward_qkv computes that tensor (ops.attention_backward_qkv): dk and dv are stored into its
     columns by the backward kernel and the rotation runs in the pass that finalizes dq. Off with the feature name
-    QKV_GRAD, and where the build has no attention_rope_grad kernel."""
+    QKV_GRAD, and where the build has no attention_rope_grad kernel. A tk_attention_backward left as it is says why
+    in a Declined tag on its dq, which `explain` shows."""
     from thunder_tk import _extension, claim_rules
     from thunder_tk.lowering import tk_attention_backward, tk_attention_backward_qkv
 
-    if QKV_GRAD in claim_rules.disabled_names() or not _extension.kernel_in_build("attention_rope_grad"):
-        return trace
     bsyms = list(trace.bound_symbols)
-    if not any(b.sym.id == tk_attention_backward.id for b in bsyms):
+    backwards = [k for k, b in enumerate(bsyms) if b.sym.id == tk_attention_backward.id]
+    if not backwards:
         return trace
-    producer, users = _producers_and_users(bsyms)
+    # The switches first: turned off, neither the search nor the probe runs (the way around a failure of either).
+    off = None
+    if (switch := claim_rules.feature_disabled_by(QKV_GRAD)) is not None:
+        off = f"turned off ({switch}={QKV_GRAD})"
+    elif not _extension.kernel_in_build(QKV_GRAD_KERNEL):
+        off = f"{QKV_GRAD_KERNEL} not in this build"
+    producer, users = _producers_and_users(bsyms) if off is None else ({}, {})
     plans = []
-    for k, b in enumerate(bsyms):
-        if b.sym.id != tk_attention_backward.id:
-            continue
-        found = _qkv_grad_region(bsyms, k, producer, users)
-        if found is None:
-            continue
-        region, x, angles, evaluate = found
-        confirmed = _qkv_grad_confirmed(bsyms, k, evaluate, x, angles)
-        if confirmed is not None:
-            plans.append((k, region, x, confirmed))
+    for k in backwards:
+        found = off if off is not None else _qkv_grad_region(bsyms, k, producer, users)
+        if not isinstance(found, str):
+            region, x, angles, evaluate = found
+            confirmed = _qkv_grad_confirmed(bsyms, k, evaluate, x, angles)
+            if not isinstance(confirmed, str):
+                plans.append((k, region, x, confirmed))
+                continue
+            found = confirmed
+        if found:
+            _tag_declined(bsyms[k].flat_proxy_outs[0], QKV_GRAD, found)
     if not plans:
         return trace
     from thunder_tk.executor import sites_of
