@@ -641,11 +641,10 @@ PYBIND11_MODULE(_C, m) {
           py::arg("rows"), py::arg("classes"), py::arg("logits_row_stride"), py::arg("ignore_index"), py::arg("stream"),
           py::arg("part_bytes") = tk::loss::CROSS_ENTROPY_PART_BYTES,
           "cross_entropy_forward's loss and lse and grad = softmax - onehot(target) (unscaled; zero rows where "
-          "ignored) from one read of the logits, each row kept on chip: split over a cluster's blocks in parts of "
-          "at most part_bytes, or (part_bytes=0) in one block; enqueued on `stream`.");
+          "ignored) from one read of the logits, each row kept on chip: split over a cluster's blocks in the fewest "
+          "parts of at most part_bytes (> 0; capped at 200 KB); enqueued on `stream`.");
     m.def("cross_entropy_forward_grad_max_classes", &tk::loss::cross_entropy_forward_grad_max_classes,
-          py::arg("dtype"), py::arg("part_bytes") = tk::loss::CROSS_ENTROPY_PART_BYTES,
-          "The widest row cross_entropy_forward_grad keeps on chip for logits of `dtype`.");
+          py::arg("dtype"), "The widest row cross_entropy_forward_grad keeps on chip for logits of `dtype`.");
     m.def("gemm_resident_blocks",
           [](int cluster) {
               if (cluster != 1 && cluster != 2) throw std::invalid_argument("cluster must be 1 or 2");

@@ -205,6 +205,8 @@ def test_litgpt_step_profile_kinds_and_table(capsys):
 def test_cross_entropy_benchmark_imports_and_parses_on_cpu():
     r = run_bench("cross_entropy.py", "--help")
     assert r.returncode == 0 and "--quick" in r.stdout, r.stderr[-3000:]
+    r = run_bench("cross_entropy.py", "--part-bytes", "0", "32768")  # 0 named the removed one-block kernel
+    assert r.returncode == 2 and "sizes must be > 0" in r.stderr, r.stderr[-3000:]
 
 
 def test_gemm_decode_layer_benchmark_parses_on_cpu():

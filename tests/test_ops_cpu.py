@@ -42,6 +42,14 @@ def test_swiglu_argument_errors():
         ops.matmul_swiglu_grad(a, b, h, h)
 
 
+@pytest.mark.parametrize("part_bytes", [0, -1])
+def test_cross_entropy_forward_grad_rejects_parts_of_no_bytes(part_bytes):
+    """A part size of 0 bytes or less is an error before anything runs, not a quiet fall back to the two kernels."""
+    logits, target = torch.randn(4, 32000, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="_part_bytes must be > 0"):
+        ops.cross_entropy_forward_grad(logits, target, _part_bytes=part_bytes)
+
+
 def test_kernel_unavailable_is_a_clear_error(kernels_not_built):
     with pytest.raises(ops.KernelUnavailableError, match="kernels not built: no CUDA compiler"):
         ops._require_kernels(torch.device("cuda:0"))

@@ -1018,8 +1018,8 @@ def cross_entropy_backward(logits: torch.Tensor, target: torch.Tensor, lse: torc
     return grad
 
 
-def cross_entropy_forward_grad_unsupported(logits: torch.Tensor, *, _part_bytes: int | None = None) -> str | None:
-    """Why `cross_entropy_forward_grad` would take two kernels for these logits (None: one)."""
+def cross_entropy_forward_grad_unsupported(logits: torch.Tensor) -> str | None:
+    """Why `cross_entropy_forward_grad` would take two kernels for these logits (None: one), at any part size."""
     per_vector = 16 // logits.element_size()
     rows, classes = logits.shape
     if classes % per_vector or (rows > 1 and logits.stride(0) % per_vector) or logits.data_ptr() % 16:
@@ -1029,13 +1029,9 @@ def cross_entropy_forward_grad_unsupported(logits: torch.Tensor, *, _part_bytes:
     ext = _extension.extension()
     if ext is None:
         return "the tk kernels are not built"
-    if classes > ext.cross_entropy_forward_grad_max_classes(_DTYPE_CODES[logits.dtype], *_part_bytes_arg(_part_bytes)):
+    if classes > ext.cross_entropy_forward_grad_max_classes(_DTYPE_CODES[logits.dtype]):
         return "a row too long to keep on chip"
     return None
-
-
-def _part_bytes_arg(part_bytes: int | None) -> tuple:
-    return () if part_bytes is None else (int(part_bytes),)
 
 
 def cross_entropy_forward_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, *,
@@ -1050,14 +1046,18 @@ def cross_entropy_forward_grad(logits: torch.Tensor, target: torch.Tensor, ignor
     else reads the logits afterwards (saves a logits-sized buffer). The logits' rows must not overlap; logits the
     kernel cannot read in place (e.g. a transposed view) get the gradient copied over them.
 
-    _part_bytes (benchmarks and tests): the largest part of a row one block of the cluster holds (the kernel's
-    default when None); 0 keeps each row in one block."""
+    _part_bytes (benchmarks and tests): the most bytes of a row one block of the cluster holds, > 0 (past 200 KB,
+    200 KB); each row takes the fewest parts (up to 8) within it, one block where the row fits one part. None: the
+    kernel's default, 64 KB."""
+    if _part_bytes is not None and _part_bytes <= 0:  # checked here too: the fallback below would not say it
+        raise ValueError(f"cross_entropy_forward_grad: _part_bytes must be > 0 (None: the kernel's default), "
+                         f"got {_part_bytes}")
     check_cross_entropy_args(logits, target)
     rows, classes = logits.shape
     if overwrite and rows > 1 and classes > 1 and logits.stride(1) == 1 and logits.stride(0) < classes:
         raise ValueError(f"cross_entropy_forward_grad(overwrite=True): the logits' rows overlap (row stride "
                          f"{logits.stride(0)} < {classes} classes)")
-    if rows == 0 or cross_entropy_forward_grad_unsupported(logits, _part_bytes=_part_bytes) is not None:
+    if rows == 0 or cross_entropy_forward_grad_unsupported(logits) is not None:
         loss, lse = cross_entropy_forward(logits, target, ignore_index)
         ones = torch.ones((), dtype=torch.float32, device=logits.device).expand(rows)
         grad = cross_entropy_backward(logits, target, lse, ones, ignore_index)
@@ -1067,11 +1067,12 @@ def cross_entropy_forward_grad(logits: torch.Tensor, target: torch.Tensor, ignor
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     grad = logits if overwrite else torch.empty((rows, classes), dtype=logits.dtype, device=logits.device)
+    part_bytes = () if _part_bytes is None else (int(_part_bytes),)  # left out: the binding's default
     with _on(logits.device):
         ext.cross_entropy_forward_grad(logits.data_ptr(), target.data_ptr(), loss.data_ptr(), lse.data_ptr(),
                                        grad.data_ptr(), row_stride if overwrite else classes,
                                        _DTYPE_CODES[logits.dtype], rows, classes, row_stride, int(ignore_index),
-                                       _stream_handle(logits.device), *_part_bytes_arg(_part_bytes))
+                                       _stream_handle(logits.device), *part_bytes)
     return loss, lse, grad
 
 

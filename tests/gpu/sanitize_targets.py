@@ -225,13 +225,14 @@ def cross_entropy():
     print("cross-entropy sanitize targets ran")
 
 
-# Forward and gradient from one read: rows split over clusters of 1, 4 and 8 blocks (the default parts and 4 KB
-# parts), and in one block (a row in registers only, one that spills into shared memory); fp32, an ignored row.
+# Forward and gradient from one read: rows split over clusters of 1, 2, 4 and 8 blocks (the default parts, 4 KB
+# parts and the largest, 200 KB: 50000 fp32 classes in one block's 200000 bytes, 128256 bf16 in 2 parts); fp32, an
+# ignored row.
 def cross_entropy_forward_grad():
     # 600 x 4104 in 4 KB parts: 600 clusters of 4, several blocks an SM
     for rows, classes, dtype in [(3, 4096, torch.bfloat16), (2, 128256, torch.bfloat16), (2, 50000, torch.float32),
                                  (600, 4104, torch.bfloat16)]:
-        for part_bytes in (None, 4096, 0):
+        for part_bytes in (None, 4096, 200 * 1024):
             logits = torch.randn(rows, classes, device="cuda", dtype=dtype)
             target = torch.randint(0, classes, (rows,), device="cuda")
             target[-1] = -100

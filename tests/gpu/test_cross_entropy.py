@@ -392,12 +392,14 @@ def test_thunder_lm_head_trains_with_the_loss_on_tk():
 # ------------------------------------------------------------------------------------------------
 # Forward and unscaled gradient from one read (ops.cross_entropy_forward_grad)
 
-FWD_GRAD_SHAPES = [(1, 8), (3, 1000), (257, 4104), (64, 32000), (33, 128256), (5, 150000), (2, 1001)]
+# 5 x 100000: rows of 200000 bytes in 16 bits, one part of nearly the largest size at 200 KB parts.
+FWD_GRAD_SHAPES = [(1, 8), (3, 1000), (257, 4104), (64, 32000), (33, 128256), (5, 100000), (5, 150000), (2, 1001)]
 
 
-# Each row split over a cluster in parts of at most this many bytes (None: the kernel's default, 64 KB; 0: each row in
-# one block; 4096: up to 8 parts even at a few thousand classes, parts past 4 KB where 8 are not enough).
-PART_BYTES = [None, 0, 4096]
+# Each row split over a cluster in parts of at most this many bytes (None: the kernel's default, 64 KB; 4096: up to 8
+# parts even at a few thousand classes, parts past 4 KB where 8 are not enough; 200 KB, the largest part a block
+# holds: the fewest parts, a whole row in one block up to 102400 bf16 classes).
+PART_BYTES = [None, 4096, 200 * 1024]
 
 
 @pytest.mark.parametrize("part_bytes", PART_BYTES, ids=lambda b: f"part{b}")
@@ -419,10 +421,10 @@ def test_forward_grad_matches_fp64_reference(rows, classes, dtype, part_bytes):
     assert rel_err(grad, ref_grad) < GRAD_TOL[dtype], rel_err(grad, ref_grad)
 
 
-@pytest.mark.parametrize("part_bytes", [None, 4096], ids=lambda b: f"part{b}")
-def test_forward_grad_split_rows_edge_values(part_bytes):
-    """Rows split over a cluster: a target in every part and at both ends of parts, a row of -inf, a NaN, +-inf
-    logits, a target outside [0, classes) and a custom ignore_index give what the one-block kernel gives."""
+def test_forward_grad_split_rows_edge_values():
+    """Rows split over a cluster of 8: a target in every part and at both ends of parts, a row of -inf, a NaN, +-inf
+    logits, a target outside [0, classes) and a custom ignore_index give what one block a row gives (the default
+    parts at 9000 classes: one)."""
     rows, classes = 12, 9000  # 4096-byte parts: 8 parts of 141 vectors (1128 classes), the last 138
     logits, target = make(rows, classes, torch.bfloat16, seed=7)
     per_part = 1128
@@ -433,8 +435,9 @@ def test_forward_grad_split_rows_edge_values(part_bytes):
     logits[9, :100] = -float("inf")
     target[10] = classes + 5
     target[11] = 3  # the custom ignore_index below
-    outs = {b: ops.cross_entropy_forward_grad(logits, target, ignore_index=3, _part_bytes=b) for b in (0, part_bytes)}
-    (loss0, lse0, grad0), (loss, lse, grad) = outs[0], outs[part_bytes]
+    loss0, lse0, grad0 = ops.cross_entropy_forward_grad(logits, target, ignore_index=3)
+    loss, lse, grad = ops.cross_entropy_forward_grad(logits, target, ignore_index=3, _part_bytes=4096)
+    assert lse0[6] == -float("inf") and lse0[7].isnan() and loss0[10].isnan() and lse0[10].isfinite()
     for a, b in ((loss, loss0), (lse, lse0)):
         assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.isinf(a), torch.isinf(b)), (a, b)
         finite = torch.isfinite(b)
@@ -465,15 +468,27 @@ def test_forward_grad_many_rows(rows, classes, part_bytes):
 
 
 def test_forward_grad_rows_past_one_block():
-    """Rows wider than one block holds (about 150k bf16 classes) stay on chip when split over a cluster."""
+    """Rows wider than one block holds (200 KB: 102400 bf16 classes) stay on chip split over a cluster, at the
+    default parts and at parts asked past 200 KB (capped: 4 parts of 128 KB); rows past 8 parts of 200 KB do not.
+    A part size of 0 bytes is an error at ops and at the binding."""
     classes = 262144
     logits, target = make(3, classes, torch.bfloat16, seed=9)
-    assert ops.cross_entropy_forward_grad_unsupported(logits, _part_bytes=0) is not None
     assert ops.cross_entropy_forward_grad_unsupported(logits) is None
-    loss, lse, grad = ops.cross_entropy_forward_grad(logits, target)
+    widest = torch.empty(1, 819200 + 8, device=DEVICE, dtype=torch.bfloat16)
+    assert ops.cross_entropy_forward_grad_unsupported(widest[:, :819200]) is None
+    assert ops.cross_entropy_forward_grad_unsupported(widest) == "a row too long to keep on chip"
     ref_loss, ref_lse = reference(logits, target)
-    assert row_err(lse, ref_lse, ref_lse) < ROW_TOL and row_err(loss, ref_loss, ref_lse) < ROW_TOL
-    assert rel_err(grad, reference_grad(logits, target, torch.ones(3, device=DEVICE))) < GRAD_TOL[torch.bfloat16]
+    ref_grad = reference_grad(logits, target, torch.ones(3, device=DEVICE))
+    for part_bytes in (None, 1 << 20):
+        loss, lse, grad = ops.cross_entropy_forward_grad(logits, target, _part_bytes=part_bytes)
+        assert row_err(lse, ref_lse, ref_lse) < ROW_TOL and row_err(loss, ref_loss, ref_lse) < ROW_TOL
+        assert rel_err(grad, ref_grad) < GRAD_TOL[torch.bfloat16], part_bytes
+    with pytest.raises(ValueError, match="_part_bytes must be > 0"):
+        ops.cross_entropy_forward_grad(logits, target, _part_bytes=0)
+    with pytest.raises(ValueError, match=r"part_bytes \(.*\) must be > 0"):
+        thunder_tk._extension.extension().cross_entropy_forward_grad(
+            logits.data_ptr(), target.data_ptr(), loss.data_ptr(), lse.data_ptr(), grad.data_ptr(), classes,
+            ops._DTYPE_CODES[torch.bfloat16], 3, classes, classes, -100, 0, 0)
 
 
 def test_forward_grad_row_stride_and_fallbacks():
@@ -490,7 +505,8 @@ def test_forward_grad_row_stride_and_fallbacks():
     assert rel_err(grad, reference_grad(odd, t, torch.ones(6, device=DEVICE))) < GRAD_TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("part_bytes", [None, 0], ids=lambda b: f"part{b}")
+# 4096-byte parts: rows of several parts written in place (33 x 128256 and 257 x 4104)
+@pytest.mark.parametrize("part_bytes", [None, 4096], ids=lambda b: f"part{b}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("rows,classes", [(1, 8), (33, 128256), (257, 4104), (2, 1001)], ids=str)
 def test_forward_grad_written_over_the_logits(rows, classes, dtype, part_bytes):

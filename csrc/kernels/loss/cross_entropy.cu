@@ -6,6 +6,7 @@
 #include "cross_entropy.h"
 #include "../../kittens/kittens.cuh"
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -42,6 +43,21 @@ struct normaliser {
             max = x;
         } else if (x != -INFINITY) {  // -inf adds nothing (and -inf - -inf would be NaN); NaN carries on
             sum += exp_of(x - max);
+        }
+    }
+    // A 16-byte vector: one rescale per vector, its maximum folded in first.
+    template <typename T>
+    __device__ __forceinline__ void add(const vec<T>& v) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int e = 0; e < vec<T>::n; ++e) m = fmaxf(m, v.at(e));
+        if (m > max) {
+            sum = max == -INFINITY ? 0.f : sum * exp_of(max - m);
+            max = m;
+        }
+        if (max != -INFINITY) {  // exp(-inf - finite) = 0; a NaN element makes the sum NaN
+#pragma unroll
+            for (int e = 0; e < vec<T>::n; ++e) sum += exp_of(v.at(e) - max);
         }
     }
     __device__ __forceinline__ void merge(float other_max, float other_sum) {
@@ -91,53 +107,6 @@ __device__ __forceinline__ void walk_row(const T* x, int64_t C, int64_t head, in
     for (int64_t c = head + vectors * vec<T>::n + threadIdx.x; c < C; c += THREADS) element(to_float(x[c]), c);
 }
 
-// One 16-byte vector into a running normaliser: one rescale per vector, its maximum folded in first.
-template <typename T>
-__device__ __forceinline__ void fold_vector(normaliser& nm, const vec<T>& v) {
-    constexpr int N = vec<T>::n;
-    float m = -INFINITY;
-#pragma unroll
-    for (int e = 0; e < N; ++e) m = fmaxf(m, v.at(e));
-    if (m > nm.max) {
-        nm.sum = nm.max == -INFINITY ? 0.f : nm.sum * exp_of(nm.max - m);
-        nm.max = m;
-    }
-    if (nm.max != -INFINITY) {  // exp(-inf - finite) = 0; a NaN element makes the sum NaN
-#pragma unroll
-        for (int e = 0; e < N; ++e) nm.sum += exp_of(v.at(e) - nm.max);
-    }
-}
-
-// The block's normalisers merged (warps by shuffles, then the warps' results through shared memory) into row r's
-// log-sum-exp and loss, which thread 0 writes and returns (other threads get an unspecified value). `t`: the row's
-// target class.
-template <int Threads, typename T>
-__device__ __forceinline__ float finish_row(normaliser nm, const cross_entropy_args& a, const T* x, int64_t r,
-                                           int64_t t) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-        const float om = __shfl_xor_sync(0xffffffffu, nm.max, offset);
-        const float os = __shfl_xor_sync(0xffffffffu, nm.sum, offset);
-        nm.merge(om, os);
-    }
-    __shared__ float warp_max[Threads / 32], warp_sum[Threads / 32];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) {
-        warp_max[warp] = nm.max;
-        warp_sum[warp] = nm.sum;
-    }
-    __syncthreads();
-    if (threadIdx.x != 0) return 0.f;
-    normaliser total;
-    for (int w = 0; w < Threads / 32; ++w) total.merge(warp_max[w], warp_sum[w]);
-    // A row of -inf gives lse -inf; a NaN anywhere gives NaN (fmaxf skips NaN, so the sum carries it).
-    const float lse = total.max + logf(total.sum);
-    a.lse[r] = lse;
-    // A target outside [0, classes): NaN (PyTorch asserts on the device; here the row's loss says it).
-    a.loss[r] = t == a.ignore_index ? 0.f : (t < 0 || t >= a.classes) ? NAN : lse - to_float(x[t]);
-    return lse;
-}
-
 template <typename T>
 __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant__ cross_entropy_args a) {
     const int64_t r = blockIdx.x;
@@ -148,9 +117,31 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant_
     const int64_t head = head_of<T>(x, C), vectors = (C - head) / N;
     walk_row<T>(
         x, C, head, vectors,
-        [&](const vec<T>& v, int64_t) { fold_vector<T>(nm, v); },
+        [&](const vec<T>& v, int64_t) { nm.add(v); },
         [&](float value, int64_t) { nm.add(value); });
-    finish_row<THREADS>(nm, a, x, r, a.target[r]);
+    const int64_t t = a.target[r];  // issued before the merge, whose waits hide its latency
+    // The threads' normalisers merged: the warps' by shuffles, then the warps' results through shared memory.
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const float om = __shfl_xor_sync(0xffffffffu, nm.max, offset);
+        const float os = __shfl_xor_sync(0xffffffffu, nm.sum, offset);
+        nm.merge(om, os);
+    }
+    __shared__ float warp_max[THREADS / 32], warp_sum[THREADS / 32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+        warp_max[warp] = nm.max;
+        warp_sum[warp] = nm.sum;
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    normaliser total;
+    for (int w = 0; w < THREADS / 32; ++w) total.merge(warp_max[w], warp_sum[w]);
+    // A row of -inf gives lse -inf; a NaN anywhere gives NaN (fmaxf skips NaN, so the sum carries it).
+    const float lse = total.max + logf(total.sum);
+    a.lse[r] = lse;
+    // A target outside [0, classes): NaN (PyTorch asserts on the device; here the row's loss says it).
+    a.loss[r] = t == a.ignore_index ? 0.f : (t < 0 || t >= C) ? NAN : lse - to_float(x[t]);
 }
 
 template <typename T>
@@ -191,91 +182,14 @@ __global__ void __launch_bounds__(THREADS, 4) backward_kernel(const __grid_const
         [&](float value, int64_t c) { g[c] = T(grad_of(value, c)); });
 }
 
-// Forward and gradient from one read of the logits (launch_cross_entropy_forward_grad): one block of 1024 threads per
-// row keeps the whole row on chip, its first FG_REG_VECS vectors per thread in registers and the rest in shared
-// memory, so the pass that writes softmax - one-hot reads no memory. The gradient is not scaled by the incoming one:
-// that scales the rows of the GEMMs that read it (dX = g (D W), dW = D^T (g X)).
-constexpr int FG_THREADS = 1024, FG_REG_VECS = 4;
-constexpr int FG_SMEM_BYTES_MAX = 200 * 1024;
-
-template <typename T>
-__global__ void __launch_bounds__(FG_THREADS, 1) forward_grad_kernel(const __grid_constant__ cross_entropy_args a) {
-    extern __shared__ uint4 row_rest[];  // the row's vectors past the registers' share
-    const int64_t r = blockIdx.x;
-    const T* x = row_of<T>(a, r);
-    constexpr int N = vec<T>::n;
-    const int vectors = int(a.classes / N);  // 16-byte aligned rows of whole vectors (checked)
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
-    vec<T> held[FG_REG_VECS];
-    normaliser nm;
-#pragma unroll
-    for (int j = 0; j < FG_REG_VECS; ++j) {
-        const int i = threadIdx.x + j * FG_THREADS;
-        if (i < vectors) held[j].raw = __ldcs(xv + i);
-    }
-#pragma unroll
-    for (int j = 0; j < FG_REG_VECS; ++j)
-        if (threadIdx.x + j * FG_THREADS < vectors) fold_vector<T>(nm, held[j]);
-    // The rest through shared memory, UNROLL loads in flight per thread (one at a time left the SM's loads too few
-    // to cover the memory latency).
-    int i = FG_REG_VECS * FG_THREADS + threadIdx.x;
-    for (; i + (UNROLL - 1) * FG_THREADS < vectors; i += UNROLL * FG_THREADS) {
-        vec<T> v[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) v[u].raw = __ldcs(xv + i + u * FG_THREADS);
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            row_rest[i + u * FG_THREADS - FG_REG_VECS * FG_THREADS] = v[u].raw;
-            fold_vector<T>(nm, v[u]);
-        }
-    }
-    for (; i < vectors; i += FG_THREADS) {
-        vec<T> v;
-        v.raw = __ldcs(xv + i);
-        row_rest[i - FG_REG_VECS * FG_THREADS] = v.raw;
-        fold_vector<T>(nm, v);
-    }
-
-    __shared__ float row_lse;
-    const int64_t t = a.target[r];
-    const float lse_0 = finish_row<FG_THREADS>(nm, a, x, r, t);
-    if (threadIdx.x == 0) row_lse = lse_0;
-    __syncthreads();  // every read of the row (x[t] too) is done: grad may overwrite it from here
-    const float lse = row_lse;
-    uint4* gv = reinterpret_cast<uint4*>(static_cast<T*>(a.grad) + r * a.grad_row_stride);
-    const bool ignored = t == a.ignore_index;
-    auto write = [&](const vec<T>& v, int i) {
-        vec<T> o;
-        if (ignored) {
-            o.raw = make_uint4(0, 0, 0, 0);
-        } else {
-#pragma unroll
-            for (int e = 0; e < N; ++e) {
-                const float p = exp_of(v.at(e) - lse);
-                o.set(e, int64_t(i) * N + e == t ? p - 1.f : p);
-            }
-        }
-        __stcs(gv + i, o.raw);
-    };
-#pragma unroll
-    for (int j = 0; j < FG_REG_VECS; ++j) {
-        const int i = threadIdx.x + j * FG_THREADS;
-        if (i < vectors) write(held[j], i);
-    }
-    for (int i = FG_REG_VECS * FG_THREADS + threadIdx.x; i < vectors; i += FG_THREADS) {
-        vec<T> v;
-        v.raw = row_rest[i - FG_REG_VECS * FG_THREADS];
-        write(v, i);
-    }
-}
-
-// Forward and gradient with each row split over the blocks of a cluster (launch_cross_entropy_forward_grad with
-// part_bytes > 0): each block copies its part of the row (at most part_bytes) into shared memory with one bulk copy,
-// folds it into a (max, sum of exp) pair, pushes the pair into every peer's shared memory, and after one cluster
-// barrier each block has the row's log-sum-exp. It then writes softmax - one-hot over its part in place and stores
-// the part with one bulk copy. Parts of at most 64 KB let three blocks share an SM, so one block's copies run while
-// another computes: the whole-row kernel above has one 1024-thread block per SM, whose loads stop while it reduces
-// and writes.
+// Forward and gradient from one read of the logits (launch_cross_entropy_forward_grad), each row split over the
+// blocks of a cluster (one block where the row fits one part): each block copies its part of the row (at most
+// part_bytes) into shared memory with one bulk copy, folds it into a (max, sum of exp) pair, pushes the pair into every
+// peer's shared memory, and after one cluster barrier each block has the row's log-sum-exp. It then writes softmax -
+// one-hot over its part in place and stores the part with one bulk copy. The gradient is not scaled by the incoming
+// one: that scales the rows of the GEMMs that read it (dX = g (D W), dW = D^T (g X)). Parts of at most 64 KB let three
+// blocks share an SM, so one block's copies run while another computes (a whole row in one 1024-thread block per SM
+// left the SM's loads idle while it reduced and wrote: benchmarks/NOTES.md, session 38).
 constexpr int SPLIT_THREADS = 256, SPLIT_MAX_PARTS = 8;  // 8: the portable cluster size
 constexpr int SPLIT_SMEM_BYTES_MAX = 200 * 1024;
 
@@ -377,23 +291,25 @@ __global__ void __launch_bounds__(SPLIT_THREADS) forward_grad_split_kernel(const
 }
 
 // Parts per row (a power of two up to SPLIT_MAX_PARTS) and 16-byte vectors per part: the fewest parts of at most
-// part_bytes each, or SPLIT_MAX_PARTS parts of whatever size (0 parts: the row does not fit).
+// min(part_bytes, SPLIT_SMEM_BYTES_MAX) bytes each, or SPLIT_MAX_PARTS parts of whatever size (0 parts: the row does
+// not fit). The cap keeps every row up to cross_entropy_forward_grad_max_classes launchable whatever part_bytes asks.
 struct split_plan {
     int parts, part_vectors;
 };
 split_plan plan_split(int64_t classes, int elements_per_vector, int part_bytes) {
-    const int64_t vectors = classes / elements_per_vector;
+    const int64_t vectors = classes / elements_per_vector, largest_part = std::min(part_bytes, SPLIT_SMEM_BYTES_MAX);
     int parts = 1;
-    while (parts < SPLIT_MAX_PARTS && (vectors + parts - 1) / parts * 16 > part_bytes) parts *= 2;
+    while (parts < SPLIT_MAX_PARTS && (vectors + parts - 1) / parts * 16 > largest_part) parts *= 2;
     const int64_t per_part = (vectors + parts - 1) / parts;
     if (per_part * 16 > SPLIT_SMEM_BYTES_MAX) return {0, 0};
     return {parts, int(per_part)};
 }
 
+// Checked by cross_entropy_forward_grad_unsupported: the row fits (plan.parts > 0), at most 2^31 - 1 blocks.
 template <typename T>
-cudaError_t launch_forward_grad_split(const cross_entropy_args& a, int part_bytes, cudaStream_t stream) {
+cudaError_t launch_forward_grad(const cross_entropy_args& a, int part_bytes, cudaStream_t stream) {
+    if (a.rows == 0) return cudaSuccess;
     const split_plan plan = plan_split(a.classes, vec<T>::n, part_bytes);
-    if (plan.parts == 0 || a.rows * plan.parts > 0x7fffffff) return cudaErrorInvalidValue;
     if (cudaError_t e = opt_in_shared_memory<forward_grad_split_kernel<T>>(SPLIT_SMEM_BYTES_MAX); e != cudaSuccess)
         return e;
     cudaLaunchConfig_t config{};
@@ -409,22 +325,6 @@ cudaError_t launch_forward_grad_split(const cross_entropy_args& a, int part_byte
     config.attrs = attribute;
     config.numAttrs = 1;
     return cudaLaunchKernelEx(&config, forward_grad_split_kernel<T>, a, plan.part_vectors);
-}
-
-template <typename T>
-int forward_grad_smem_bytes(int64_t classes) {
-    const int64_t rest = classes / vec<T>::n - int64_t(FG_REG_VECS) * FG_THREADS;
-    return rest > 0 ? int(rest * 16) : 0;
-}
-
-template <typename T>
-cudaError_t launch_forward_grad(const cross_entropy_args& a, int part_bytes, cudaStream_t stream) {
-    if (a.rows == 0) return cudaSuccess;
-    if (part_bytes > 0) return launch_forward_grad_split<T>(a, part_bytes, stream);
-    const int smem = forward_grad_smem_bytes<T>(a.classes);
-    if (cudaError_t e = opt_in_shared_memory<forward_grad_kernel<T>>(FG_SMEM_BYTES_MAX); e != cudaSuccess) return e;
-    forward_grad_kernel<T><<<dim3(unsigned(a.rows)), FG_THREADS, smem, stream>>>(a);
-    return cudaGetLastError();
 }
 
 template <typename T>
@@ -477,7 +377,7 @@ cudaError_t launch_cross_entropy_backward(const cross_entropy_args& args, cudaSt
 }
 
 const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& a, int part_bytes) {
-    if (part_bytes < 0) return "part_bytes must be >= 0 (0: each row in one block)";
+    if (part_bytes <= 0) return "part_bytes (the most bytes of a row one block of the cluster holds) must be > 0";
     if (const char* why = cross_entropy_unsupported(a, false)) return why;
     if (a.rows > 0 && a.grad == nullptr) return "grad is required";
     const int64_t n = elements_per_vector(a.dtype);
@@ -489,15 +389,14 @@ const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& a, 
     // logits themselves, row for row (rows that overlap would be read by one block while another writes them).
     if (a.grad == a.logits && a.rows > 1 && (a.grad_row_stride != a.logits_row_stride || a.logits_row_stride < a.classes))
         return "grad written over the logits needs the logits' row stride, with rows that do not overlap";
-    if (a.classes > cross_entropy_forward_grad_max_classes(a.dtype, part_bytes)) return "a row too long to keep on chip";
-    if (part_bytes > 0 && a.rows * plan_split(a.classes, int(n), part_bytes).parts > 0x7fffffff)
+    if (a.classes > cross_entropy_forward_grad_max_classes(a.dtype)) return "a row too long to keep on chip";
+    if (a.rows * plan_split(a.classes, int(n), part_bytes).parts > 0x7fffffff)
         return "more than 2^31 - 1 blocks (rows times parts of a row)";
     return nullptr;
 }
 
-int64_t cross_entropy_forward_grad_max_classes(int dtype_code, int part_bytes) {
-    if (part_bytes > 0) return int64_t(SPLIT_MAX_PARTS) * (SPLIT_SMEM_BYTES_MAX / 16) * elements_per_vector(dtype_code);
-    return (int64_t(FG_REG_VECS) * FG_THREADS + FG_SMEM_BYTES_MAX / 16) * elements_per_vector(dtype_code);
+int64_t cross_entropy_forward_grad_max_classes(int dtype_code) {
+    return int64_t(SPLIT_MAX_PARTS) * (SPLIT_SMEM_BYTES_MAX / 16) * elements_per_vector(dtype_code);
 }
 
 cudaError_t launch_cross_entropy_forward_grad(const cross_entropy_args& args, cudaStream_t stream, int part_bytes) {

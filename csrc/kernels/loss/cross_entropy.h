@@ -36,14 +36,15 @@ cudaError_t launch_cross_entropy_backward(const cross_entropy_args& args, cudaSt
 
 // Forward and gradient from one read of the logits: loss and lse as the forward, and grad = softmax - onehot(target)
 // (not scaled by an incoming gradient; zero rows where ignored). Rows of whole 16-byte vectors, 16-byte aligned; grad
-// may be the logits themselves (written over them, same row stride). Each row stays on chip: split over the blocks
-// of a cluster in parts of at most `part_bytes` (up to 8 parts of up to 200 KB), or with part_bytes = 0 in one
-// block (up to about 150k bf16 classes). Null when it can run, else why not.
+// may be the logits themselves (written over them, same row stride). Each row stays on chip, split over the blocks
+// of a cluster in the fewest parts (up to 8) of at most `part_bytes` (> 0; parts never exceed 200 KB): one block a
+// row where the row fits one part. Null when it can run, else why not.
 constexpr int CROSS_ENTROPY_PART_BYTES = 64 * 1024;
 const char* cross_entropy_forward_grad_unsupported(const cross_entropy_args& args,
                                                    int part_bytes = CROSS_ENTROPY_PART_BYTES);
-// The widest row (classes) that launch_cross_entropy_forward_grad keeps on chip for logits of `dtype`.
-int64_t cross_entropy_forward_grad_max_classes(int dtype, int part_bytes = CROSS_ENTROPY_PART_BYTES);
+// The widest row (classes) that launch_cross_entropy_forward_grad keeps on chip for logits of `dtype`, whatever
+// part_bytes: 8 parts of 200 KB (819200 bf16 classes).
+int64_t cross_entropy_forward_grad_max_classes(int dtype);
 cudaError_t launch_cross_entropy_forward_grad(const cross_entropy_args& args, cudaStream_t stream,
                                               int part_bytes = CROSS_ENTROPY_PART_BYTES);
 
