@@ -19,6 +19,7 @@
 #include "kernels/attention/forward.h"
 #include "kernels/collectives/copy_engine.h"
 #include "kernels/collectives/p2p.h"
+#include "kernels/embedding/backward.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/loss/cross_entropy.h"
 #include "kernels/selftest/kittens_selftest.h"
@@ -302,6 +303,26 @@ void gemm_swiglu_grad(std::uintptr_t a, std::uintptr_t b, std::uintptr_t h1, std
     launch_checked(g, stream, "gemm_swiglu_grad");
 }
 
+// The embedding's dense weight gradient from the stably sorted token ids and their positions (embedding/backward.h).
+void embedding_backward(std::uintptr_t grad, int64_t grad_stride, std::uintptr_t sorted, std::uintptr_t order,
+                        std::uintptr_t out, int64_t tokens, int64_t rows, int64_t dim, int64_t padding_idx, int dtype,
+                        std::uintptr_t stream) {
+    tk::embedding::backward_args args{};
+    args.grad = as_ptr<void>(grad);
+    args.grad_stride = grad_stride;
+    args.sorted = as_ptr<int64_t>(sorted);
+    args.order = as_ptr<int64_t>(order);
+    args.out = reinterpret_cast<void*>(out);
+    args.tokens = tokens;
+    args.rows = rows;
+    args.dim = dim;
+    args.padding_idx = padding_idx;
+    args.dtype = dtype;
+    if (const char* why = tk::embedding::backward_unsupported(args))
+        throw std::invalid_argument(std::string("thunder_tk embedding_backward: ") + why);
+    check_launch(tk::embedding::launch_backward(args, reinterpret_cast<cudaStream_t>(stream)), "embedding_backward");
+}
+
 // A fused qkv projection with LitGPT's rotary embedding of q's and k's heads in its epilogue: C = A W^T, then the
 // rotate-half rope (gemm.h) over columns [0, rope_cols), row r at position r % seq, from cos and sin (rows of
 // angle_stride elements in the element type).
@@ -561,7 +582,7 @@ void register_selftests(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "gemm", "gemm_rope", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_rope", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -680,6 +701,13 @@ PYBIND11_MODULE(_C, m) {
           "stride; dg never written), dh1 = dg * h2 * silu'(h1) and dh2 = dg * silu(h1), each rounded once to the "
           "element type; h1, h2, dh1 and dh2 (M, N) with one row stride; enqueued on `stream`. `pingpong`: 0 or 1 "
           "the consumer warpgroups take whole 128 x 128 tiles in turns, -1 they share each tile.");
+    m.def("embedding_backward", &embedding_backward, py::arg("grad"), py::arg("grad_stride"), py::arg("sorted"),
+          py::arg("order"), py::arg("out"), py::arg("tokens"), py::arg("rows"), py::arg("dim"), py::arg("padding_idx"),
+          py::arg("dtype"), py::arg("stream"),
+          "The embedding's weight gradient (rows, dim): each row the fp32 sum, in position order, of the gradient "
+          "rows (tokens, dim; row stride grad_stride) of the tokens that name it, from their ids sorted stably "
+          "(int64) and the sort's permutation (int64); the padding_idx row (negative: none) and rows no token names "
+          "zero; enqueued on `stream`.");
     m.def("gemm_rope", &gemm_rope, py::arg("a"), py::arg("w"), py::arg("c"), py::arg("cos"), py::arg("sin"),
           py::arg("dtype"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a_stride_m"), py::arg("w_stride_n"),
           py::arg("c_stride_m"), py::arg("angle_stride"), py::arg("seq"), py::arg("rope_cols"), py::arg("head_dim"),

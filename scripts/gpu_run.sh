@@ -162,6 +162,16 @@ if bench_wanted qkv_grad; then  # not in the default set: the attention backward
   step bench_qkv_grad timeout 300 python3 benchmarks/attention_qkv_grad.py ${QKV_GRAD_ARGS:-} --json "$OUT/attention_qkv_grad.json" --png "$OUT/attention_qkv_grad.png"
   cat "$OUT/bench_qkv_grad.log"
 fi
+if bench_wanted rope; then  # not in the default set: the qkv projection, rope in its epilogue (LINEAR_ROPE_ARGS)
+  step bench_rope timeout 300 python3 benchmarks/linear_rope.py ${LINEAR_ROPE_ARGS:-} --json "$OUT/linear_rope.json" \
+    --png "$OUT/linear_rope.png"
+  cat "$OUT/bench_rope.log"
+fi
+if bench_wanted embedding; then  # not in the default set: the embedding's weight gradient (EMBEDDING_ARGS)
+  step bench_embedding timeout 300 python3 benchmarks/embedding_backward.py ${EMBEDDING_ARGS:-} \
+    --json "$OUT/embedding_backward.json" --png "$OUT/embedding_backward.png"
+  cat "$OUT/bench_embedding.log"
+fi
 if bench_wanted delta; then
   step bench_delta python3 benchmarks/attention_bwd_delta.py ${BENCH_ARGS:-} --json "$OUT/attention_bwd_delta.json" --png "$OUT/attention_bwd_delta.png"
   cat "$OUT/bench_delta.log"

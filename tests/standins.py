@@ -171,7 +171,8 @@ class StandinBuild:
     Installs (through `monkeypatch`): the module, reporting this version's KERNELS_IN_SOURCE (`add` and
     `remove` change that), claim rules that take CPU tensors for a GPU, and the stand-ins above as
     ops.attention_forward / ops.attention_backward / _backward_qkv, ops.cross_entropy_forward / _backward /
-    _forward_grad, ops.gemm (which ops.linear calls), ops.swiglu_linear, ops.matmul_swiglu_grad and ops.linear_rope. Collectives are not stood in for.
+    _forward_grad, ops.gemm (which ops.linear calls), ops.swiglu_linear, ops.matmul_swiglu_grad, ops.linear_rope and
+    ops.embedding_backward. Collectives are not stood in for.
     """
 
     def __init__(self, monkeypatch):
@@ -190,6 +191,7 @@ class StandinBuild:
         monkeypatch.setattr(ops, "swiglu_linear", swiglu_linear_standin)
         monkeypatch.setattr(ops, "matmul_swiglu_grad", matmul_swiglu_grad_standin, raising=False)
         monkeypatch.setattr(ops, "linear_rope", linear_rope_standin, raising=False)
+        monkeypatch.setattr(ops, "embedding_backward", embedding_backward_standin, raising=False)
 
     def kernels(self):
         return sorted(self._kernels)
@@ -234,6 +236,14 @@ def swiglu_linear_standin(x, w1, w2):
     h1, h2 = ((x.double() @ w.double().t()).to(x.dtype) for w in (w1, w2))
     silu = F.silu(h1.double()).to(x.dtype)
     return (silu.double() * h2.double()).to(x.dtype), h1, h2
+
+
+def embedding_backward_standin(grad, indices, num_weights, padding_idx=-1):
+    """ops.embedding_backward's contract: the float64 sums rounded once to grad's dtype."""
+    from thunder_tk import ops
+
+    assert ops.embedding_backward_unsupported(grad, indices, num_weights, padding_idx) is None
+    return ops.embedding_backward_reference(grad, indices, num_weights, padding_idx).to(grad.dtype)
 
 
 def linear_rope_standin(x, weight, cos, sin, q_heads, kv_heads, head_dim):

@@ -389,3 +389,60 @@ def test_attention_qkv_grad_benchmark_parses_and_its_peer_is_the_reference():
     cos, sin = bench.tables(12, 32, torch.float64, "cpu")
     got = bench.rope_back_and_cat(dq, dk, dv, cos, sin)
     assert torch.allclose(got, ops.qkv_grad_reference(dq, dk, dv, cos, sin), rtol=1e-12, atol=1e-12)
+
+
+def test_linear_rope_benchmark_parses_and_its_peer_is_the_reference():
+    """The benchmark's peer (a linear, then the split, the 16-bit rope and the copy of v it compiles) gives
+    ops.linear_rope_reference's q, k and v on CPU in bfloat16, for a partial rope and a table longer than the
+    sequence; and its tables are LitGPT's (the n/2 angles repeated)."""
+    import importlib.util
+
+    import torch
+    import torch.nn.functional as F
+
+    from thunder_tk import ops
+
+    r = run_bench("linear_rope.py", "--help")
+    assert r.returncode == 0 and "--shapes" in r.stdout and "--png" in r.stdout, r.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("linear_rope_bench", ROOT / "benchmarks" / "linear_rope.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # no CUDA work at import time
+    Hq, Hkv, D, n = 4, 2, 64, 32
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, 48, generator=g).bfloat16()
+    w = (torch.randn((Hq + 2 * Hkv) * D, 48, generator=g) / 48 ** 0.5).bfloat16()
+    cos, sin = bench.tables(12, n, torch.bfloat16, "cpu")
+    assert torch.equal(cos[:, : n // 2], cos[:, n // 2:]) and torch.equal(sin[:, : n // 2], sin[:, n // 2:])
+    got = bench.split_and_rope(F.linear(x, w), cos, sin, Hq, Hkv, D)
+    want = ops.linear_rope_reference(x, w, cos, sin, Hq, Hkv, D)
+    for part, gt, wt in zip("qkv", got, want):
+        assert gt.dtype == torch.bfloat16 and gt.shape == wt.shape and gt.is_contiguous(), part
+        assert ((gt.double() - wt).norm() / wt.norm()).item() < 1e-2, part
+    # Beyond the rope's columns the heads pass through: the same bits as the projection's output.
+    assert torch.equal(got[0][..., n:], ops.qkv_head_views(F.linear(x, w), Hq, Hkv, D)[0][..., n:])
+
+
+def test_embedding_backward_benchmark_parses_and_its_peer_is_the_reference():
+    """The benchmark's peer op (aten.embedding_dense_backward, which its compiled peer also calls) is
+    ops.embedding_backward_reference on CPU: repeated ids summed, rows no id names zero."""
+    import importlib.util
+
+    import torch
+
+    from thunder_tk import ops
+
+    r = run_bench("embedding_backward.py", "--help")
+    assert r.returncode == 0 and "--shapes" in r.stdout and "--png" in r.stdout, r.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("embedding_backward_bench",
+                                                  ROOT / "benchmarks" / "embedding_backward.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # no CUDA work at import time
+    g = torch.Generator().manual_seed(0)
+    V = 50
+    indices = torch.randint(0, V // 2, (3, 40), generator=g)  # repeats, and rows past V/2 left zero
+    grad = torch.randn(3, 40, 24, generator=g)
+    want = ops.embedding_backward_reference(grad, indices, V)
+    got = bench.dense_backward(grad, indices, V)
+    assert got.shape == (V, 24) and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+    got = bench.dense_backward(grad.bfloat16(), indices, V)
+    assert got.dtype == torch.bfloat16 and ((got.double() - want).norm() / want.norm()).item() < 1e-2

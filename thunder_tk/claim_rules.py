@@ -25,8 +25,8 @@ from thunder_tk.functional import attention_bwd_delta_symbol
 # Kernels this version's csrc/ provides (a GPU test checks the build reports exactly these).
 KERNELS_IN_SOURCE = frozenset({"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward",
                                "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward",
-                               "cross_entropy_forward_grad", "gemm", "gemm_rope", "gemm_swiglu", "gemm_swiglu_grad",
-                               "reduce_scatter"})
+                               "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_rope", "gemm_swiglu",
+                               "gemm_swiglu_grad", "reduce_scatter"})
 
 DISABLE_ENV = "THUNDER_TK_DISABLE"
 """Comma-separated rule names or families tk must not claim (e.g. ``collective`` or ``ltorch.linear``)."""
@@ -429,6 +429,13 @@ def check_attention_bwd_delta(o, grad_o) -> Verdict:
     return ACCEPT
 
 
+def check_embedding_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq, sparse) -> Verdict:
+    """What ops.embedding_backward computes of the embedding's gradient: dense, unscaled."""
+    reason = ops.embedding_backward_unsupported(grad, indices, int(pyval(num_weights)), int(pyval(padding_idx)),
+                                                bool(pyval(scale_grad_by_freq)), bool(pyval(sparse)))
+    return decline(reason) if reason else ACCEPT
+
+
 # ------------------------------------------------------------------------------------------------
 # The table
 
@@ -446,6 +453,8 @@ RULES: tuple[ClaimRule, ...] = (
               check_reduce_scatter),
     ClaimRule(attention_bwd_delta_symbol.id, "thunder_tk.attention_bwd_delta", "attention_bwd_delta",
               "attention_bwd_delta", check_attention_bwd_delta),
+    ClaimRule(ltorch.embedding_backward.id, "ltorch.embedding_backward", "embedding", "embedding_backward",
+              check_embedding_backward),
 )
 
 RULES_BY_ID: dict[Hashable, ClaimRule] = {r.symbol_id: r for r in RULES}

@@ -398,3 +398,26 @@ tk_reduce_scatter = tk.register_operator(
 )
 tk.set_lowering(dist_prims.PrimIDs.ALL_GATHER, execution_transform=tk_all_gather, grad_transform=None)
 tk.set_lowering(dist_prims.PrimIDs.REDUCE_SCATTER, execution_transform=tk_reduce_scatter, grad_transform=None)
+
+
+# ------------------------------------------------------------------------------------------------
+# The embedding's weight gradient (Thunder's gradient of the lookup emits ltorch.embedding_backward).
+
+
+def _embedding_backward_meta(grad, indices, num_weights, padding_idx):
+    return TensorProxy(like=grad, shape=(int(num_weights), grad.shape[-1]))
+
+
+def _embedding_backward_impl(grad, indices, num_weights, padding_idx):
+    return ops.embedding_backward(grad, indices, num_weights, padding_idx)
+
+
+tk_embedding_backward = tk.register_operator("tk_embedding_backward", meta=_embedding_backward_meta,
+                                             fn=_embedding_backward_impl)
+
+
+def _embedding_backward_lowering(grad, indices, num_weights, padding_idx, scale_grad_by_freq, sparse):
+    return tk_embedding_backward(grad, indices, int(pyval(num_weights)), int(pyval(padding_idx)))
+
+
+tk.set_lowering(ltorch.embedding_backward.id, execution_transform=_embedding_backward_lowering, grad_transform=None)

@@ -744,6 +744,79 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     return out
 
 
+# The embedding's weight gradient
+
+EMBEDDING_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def embedding_backward_reference(grad: torch.Tensor, indices: torch.Tensor, num_weights: int,
+                                 padding_idx: int = -1) -> torch.Tensor:
+    """The (num_weights, D) weight gradient of an embedding lookup in float64: row v the sum of grad's rows whose
+    index is v; the padding_idx row (negative: none) zero."""
+    D = grad.shape[-1]
+    out = torch.zeros(num_weights, D, dtype=torch.float64, device=grad.device)
+    ids = indices.reshape(-1).long()
+    keep = (ids >= 0) & (ids < num_weights) & (ids != padding_idx)
+    out.index_add_(0, ids[keep], grad.reshape(-1, D).double()[keep])
+    return out
+
+
+def embedding_backward_unsupported(grad, indices, num_weights: int, padding_idx: int = -1,
+                                   scale_grad_by_freq: bool = False, sparse: bool = False) -> str | None:
+    """Why embedding_backward cannot take these (metadata only: tensors or proxies), or None."""
+    if scale_grad_by_freq:
+        return "scale_grad_by_freq is not supported"
+    if sparse:
+        return "sparse gradients are not supported"
+    if grad.ndim != indices.ndim + 1 or tuple(grad.shape[:-1]) != tuple(indices.shape):
+        return f"grad {tuple(grad.shape)} is not one row per index of {tuple(indices.shape)}"
+    dtype = _torch_dtype(grad.dtype)
+    if dtype not in EMBEDDING_DTYPES:
+        return f"grad dtype {dtype} not in {{bfloat16, float16, float32}}"
+    if _torch_dtype(indices.dtype) not in (torch.int64, torch.int32):
+        return f"indices must be int64 or int32, not {_torch_dtype(indices.dtype)}"
+    if num_weights < 0:
+        return f"num_weights must not be negative ({num_weights})"
+    return None
+
+
+def _torch_dtype(d):
+    import thunder
+
+    return thunder.dtypes.to_torch_dtype(d) if isinstance(d, thunder.dtypes.dtype) else d
+
+
+def embedding_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int = -1
+                       ) -> torch.Tensor:
+    """The dense (num_weights, D) weight gradient of `weight[indices]` for the incoming gradient grad (indices.shape
+    + (D,)): row v the sum, in fp32 and in token order (deterministic), of the rows of grad whose index is v,
+    rounded once; the padding_idx row (negative: none) and rows no index names are zero; indices outside
+    [0, num_weights) add nothing. One sort of the ids (no host synchronisation), then one pass that writes the
+    whole gradient."""
+    if not isinstance(grad, torch.Tensor) or not isinstance(indices, torch.Tensor):
+        raise TypeError("embedding_backward expects tensors (grad, indices)")
+    if (reason := embedding_backward_unsupported(grad, indices, num_weights, padding_idx)) is not None:
+        raise ValueError(f"embedding_backward: {reason}")
+    if indices.device != grad.device:
+        raise ValueError(f"embedding_backward: indices on {indices.device}, grad on {grad.device}")
+    ext = _require_kernels(grad.device)
+    D = grad.shape[-1]
+    out = torch.empty(num_weights, D, dtype=grad.dtype, device=grad.device)
+    rows = grad.reshape(-1, D)
+    if D > 1 and rows.stride(1) != 1:
+        rows = rows.contiguous()
+    ids = indices.reshape(-1).long()
+    if out.numel() == 0:
+        return out
+    sorted_ids, order = torch.sort(ids, stable=True)
+    with _on(grad.device):
+        ext.embedding_backward(rows.data_ptr(), rows.stride(0) if rows.shape[0] > 1 else D, sorted_ids.data_ptr(),
+                               order.data_ptr(), out.data_ptr(), ids.numel(), num_weights, D,
+                               padding_idx if padding_idx >= 0 else -1, _DTYPE_CODES[grad.dtype],
+                               _stream_handle(grad.device))
+    return out
+
+
 # The fused qkv projection with the rotary embedding of q and k in its epilogue
 
 ROPE_HEAD_DIMS = (64, 128, 256)
@@ -811,7 +884,8 @@ def linear_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
     # One row stride for both tables, 4-byte aligned rows of whole pairs; other tables are copied (S x n, small).
     n = cos.shape[1]
     if cos.stride(0) != sin.stride(0) or cos.shape[0] == 1 or not all(
-            t.stride(1) == 1 and t.stride(0) >= n and t.stride(0) % 2 == 0 and t.data_ptr() % 4 == 0 for t in (cos, sin)):
+            t.stride(1) == 1 and t.stride(0) >= n and t.stride(0) % 2 == 0 and t.data_ptr() % 4 == 0
+            for t in (cos, sin)):
         cos, sin = cos[:S].contiguous(), sin[:S].contiguous()
     with _on(x.device):
         ext.gemm_rope(a.data_ptr(), w.data_ptr(), qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),

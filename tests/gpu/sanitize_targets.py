@@ -200,6 +200,18 @@ def gemm_rope():
     print("gemm rope sanitize targets ran")
 
 
+# The embedding's weight gradient: vectors and scalars, repeated ids, a padding row, ids outside the table, strided
+# incoming rows.
+def embedding_backward():
+    for tokens, rows, D, span, dtype, pad in [(300, 1000, 256, 1000, torch.bfloat16, -1),
+                                              (500, 50, 64, 5, torch.float32, 3), (77, 120, 100, 130, torch.float16, 0)]:
+        ids = torch.randint(-2, span, (tokens,), device="cuda")
+        grad = torch.randn(tokens, 2 * D, device="cuda").to(dtype)[:, :D]
+        ops.embedding_backward(grad, ids, rows, pad)
+    torch.cuda.synchronize()
+    print("embedding backward sanitize targets ran")
+
+
 # Cross-entropy forward and backward: bf16 rows 16-byte aligned with a vector tail (1009 classes), a row long enough
 # for the unrolled loop (20000 classes), fp32 and fp16 with odd rows, a misaligned bf16 view (element-wise path), an
 # ignored row and a target outside the classes, grad_loss per row and as an expanded scalar (stride 0).
@@ -244,7 +256,7 @@ def cross_entropy_forward_grad():
 
 
 SECTIONS = [attention_bwd_delta, gemm, gemm_skinny, gemm_swiglu, tile_library, attention_forward, attention_backward,
-            attention_qkv_grad, gemm_rope, cross_entropy, cross_entropy_forward_grad]
+            attention_qkv_grad, gemm_rope, embedding_backward, cross_entropy, cross_entropy_forward_grad]
 
 if __name__ == "__main__":
     only = {x.strip() for x in os.environ.get("SANITIZE_ONLY", "").split(",") if x.strip()}
