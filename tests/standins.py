@@ -205,6 +205,18 @@ class StandinBuild:
         return self
 
 
+def turned_off(how, feature, kernel, build, monkeypatch) -> dict:
+    """The compile options that turn `feature` off `how`: the tk_disable option, the environment variable (then no
+    options), or a build without its kernel."""
+    if how == "option":
+        return {"tk_disable": feature}
+    if how == "env":
+        monkeypatch.setenv("THUNDER_TK_DISABLE", feature)
+    else:
+        build.remove(kernel)
+    return {}
+
+
 def _check_one_device(tensors):
     from thunder_tk.claim_rules import ACCEPT, decline
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import thunder
 
 import thunder_tk
+from standins import turned_off
 from thunder_tk import lowering, pattern_fusion, tk
 
 bf16 = torch.bfloat16
@@ -319,18 +320,6 @@ def test_swiglu_in_inference(standin_tk_build):
     jm, out, expected, _, _ = run_swiglu(SwiGLU().to(bf16), grad=False)
     assert swiglu_ops(jm) == ["tk_swiglu_linear", "tk_linear"]
     assert rel_err(out, expected) < 2e-2
-
-
-def turned_off(how, feature, kernel, build, monkeypatch) -> dict:
-    """The compile options that turn `feature` off `how`: the tk_disable option, the environment variable (then no
-    options), or a build without its kernel."""
-    if how == "option":
-        return {"tk_disable": feature}
-    if how == "env":
-        monkeypatch.setenv("THUNDER_TK_DISABLE", feature)
-    else:
-        build.remove(kernel)
-    return {}
 
 
 @pytest.mark.parametrize("how", ["option", "env", "build"])

@@ -19,6 +19,7 @@ import torch
 
 import thunder
 import thunder_tk
+from standins import turned_off
 from thunder_tk import ops, pattern_fusion, tk
 
 litgpt = pytest.importorskip("litgpt")
@@ -165,13 +166,7 @@ def test_rope_of_48_columns_folds_backward_only(standin_tk_build, standin_nvfuse
 
 @pytest.mark.parametrize("how", ["option", "env", "build"])
 def test_forward_fold_turned_off_keeps_the_fuser(standin_tk_build, standin_nvfuser, monkeypatch, how):
-    options = {}
-    if how == "option":
-        options = {"tk_disable": pattern_fusion.QKV_ROPE}
-    elif how == "env":
-        monkeypatch.setenv("THUNDER_TK_DISABLE", pattern_fusion.QKV_ROPE)
-    else:
-        standin_tk_build.remove("gemm_rope")
+    options = turned_off(how, pattern_fusion.QKV_ROPE, "gemm_rope", standin_tk_build, monkeypatch)
     torch.manual_seed(0)
     jm = train_step(litgpt.GPT(config()).to(bf16), **options)
     assert "tk_linear_rope" not in forward_ops(jm) and "tk_linear" in forward_ops(jm)
@@ -187,13 +182,7 @@ def test_a_projection_with_bias_keeps_the_fuser(standin_tk_build, standin_nvfuse
 
 @pytest.mark.parametrize("how", ["option", "env", "build"])
 def test_turned_off_keeps_the_fuser(standin_tk_build, standin_nvfuser, monkeypatch, how):
-    options = {}
-    if how == "option":
-        options = {"tk_disable": pattern_fusion.QKV_GRAD}
-    elif how == "env":
-        monkeypatch.setenv("THUNDER_TK_DISABLE", pattern_fusion.QKV_GRAD)
-    else:
-        standin_tk_build.remove("attention_rope_grad")
+    options = turned_off(how, pattern_fusion.QKV_GRAD, "attention_rope_grad", standin_tk_build, monkeypatch)
     torch.manual_seed(0)
     assert_not_folded(train_step(litgpt.GPT(config()).to(bf16), **options), {
         "option": "turned off (tk_disable=attention_qkv_grad)",

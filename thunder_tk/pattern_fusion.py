@@ -808,22 +808,30 @@ def _probe_device(p: TensorProxy):
     return device
 
 
-def _angle_roots(bsyms: list[BoundSymbol], region: set[int], inner: set[str], ops: frozenset, producer):
-    """The region's inputs other than `inner`, followed back through `ops` to the tensors they come from: (those
-    tensors by name, the ops on the way, added to the region's). The angles' tables, where a rope reads them (the
-    zero tensors that pad the rotation's halves come from nothing)."""
-    evaluate, roots = set(region), {}
-    todo = [p for j in region for p in bsyms[j].flat_proxy_args if p.name not in inner]
+def _walk_back(bsyms: list[BoundSymbol], start, ops: frozenset, producer: dict[str, int], visited: set[int]):
+    """Follows the tensors `start` back through the bsyms of `ops` that make them, adding those bsyms' indices to
+    `visited` (a bsym already there is not walked through again); returns the tensors reached that no such op
+    makes, by name."""
+    reached, todo = {}, list(start)
     while todo:
         p = todo.pop()
         j = producer.get(p.name)
         if j is not None and bsyms[j].sym.name in ops:
-            if j not in evaluate:
-                evaluate.add(j)
+            if j not in visited:
+                visited.add(j)
                 todo.extend(bsyms[j].flat_proxy_args)
         elif isinstance(p, TensorProxy):
-            roots[p.name] = p
-    return roots, evaluate
+            reached[p.name] = p
+    return reached
+
+
+def _angle_roots(bsyms: list[BoundSymbol], region: set[int], inner: set[str], ops: frozenset, producer):
+    """The region's inputs other than `inner`, followed back through `ops` to the tensors they come from: (those
+    tensors by name, the ops on the way, added to the region's). The angles' tables, where a rope reads them (the
+    zero tensors that pad the rotation's halves come from nothing)."""
+    evaluate = set(region)
+    start = [p for j in region for p in bsyms[j].flat_proxy_args if p.name not in inner]
+    return _walk_back(bsyms, start, ops, producer, evaluate), evaluate
 
 
 def _qkv_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int], users: dict[str, list[int]]):
@@ -1015,16 +1023,8 @@ def _rope_qkv_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int],
     if tuple(kk.shape) != (B, kk.shape[1], S, D) or tuple(v.shape) != tuple(kk.shape):
         return None
     width = (Hq + 2 * kk.shape[1]) * D
-    back, todo, frontier = set(), [q, kk, v], {}  # every region op q, k and v come from, and what they read
-    while todo:
-        p = todo.pop()
-        j = producer.get(p.name)
-        if j is not None and bsyms[j].sym.name in _ROPE_REGION_OPS:
-            if j not in back:
-                back.add(j)
-                todo.extend(bsyms[j].flat_proxy_args)
-        elif isinstance(p, TensorProxy):
-            frontier[p.name] = p
+    back = set()  # every region op q, k and v come from; the frontier: what they read besides
+    frontier = _walk_back(bsyms, [q, kk, v], _ROPE_REGION_OPS, producer, back)
     projections = [p for p in frontier.values() if producer.get(p.name) is not None
                    and bsyms[producer[p.name]].sym.id == tk_linear.id and tuple(p.shape) == (B, S, width)
                    and p.dtype == q.dtype]

@@ -7,6 +7,7 @@ import torch
 import thunder
 
 import thunder_tk
+from litgpt_training import step_as_accurately_as_eager
 from thunder_tk import ops, tk
 
 pytestmark = pytest.mark.gpu
@@ -18,32 +19,8 @@ def rel_err(got, ref):
 
 def test_litgpt_gpt_trains_with_tk_attention_as_accurately_as_eager():
     litgpt = pytest.importorskip("litgpt")
-    # Grouped-query heads (LitGPT expands them before attention), head size 64, a sequence of 300 (a tail in every
-    # tile size), two layers: every attention of forward and backward must run on tk.
-    cfg = litgpt.Config(name="tk-test", block_size=512, n_layer=2, n_head=8, n_query_groups=2, n_embd=512,
-                        head_size=64, padded_vocab_size=1024, vocab_size=1024, bias=False, norm_class_name="RMSNorm",
-                        mlp_class_name="LLaMAMLP", intermediate_size=1024, rotary_percentage=1.0,
-                        parallel_residual=False)
-    torch.manual_seed(0)
-    exact = litgpt.GPT(cfg).cuda().double()
-    model = litgpt.GPT(cfg).cuda().bfloat16()
-    model.load_state_dict({k: v.bfloat16() for k, v in exact.state_dict().items()})
-    eager = litgpt.GPT(cfg).cuda().bfloat16()
-    eager.load_state_dict(model.state_dict())
-    idx = torch.randint(0, cfg.vocab_size, (2, 300), device="cuda")
-
-    jitted = thunder.jit(model, executors=[tk])
-    logits = jitted(idx)
-    seed = torch.randn_like(logits)
-    logits.backward(seed)
-    eager(idx).backward(seed)
-    exact_logits = exact(idx)
-    exact_logits.backward(seed.double())
-
-    # tk's error against float64 is at most twice eager bf16's, for the output and every parameter's gradient.
-    assert rel_err(logits, exact_logits) < 2 * rel_err(eager(idx), exact_logits) + 1e-3
-    for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
-        assert rel_err(p.grad, r.grad) < 2 * rel_err(q.grad, r.grad) + 1e-3, name
+    # Every attention of forward and backward must run on tk, as accurately as eager (litgpt_training).
+    jitted, cfg = step_as_accurately_as_eager(litgpt)
 
     rows = [r for r in thunder_tk.explain(jitted).rows if r.symbol == "ltorch.scaled_dot_product_attention"]
     assert len(rows) == cfg.n_layer

@@ -158,31 +158,11 @@ def test_litgpt_model_trains_through_the_fold(monkeypatch):
     import thunder
 
     import thunder_tk
-    from thunder_tk import claim_rules, tk
+    from litgpt_training import step_as_accurately_as_eager
+    from thunder_tk import claim_rules
 
     monkeypatch.setattr(claim_rules, "gemm_size_policy_default", False)
-    cfg = litgpt.Config(name="tk-rope", block_size=512, n_layer=2, n_head=8, n_query_groups=2, n_embd=512,
-                        head_size=64, padded_vocab_size=1024, vocab_size=1024, bias=False, norm_class_name="RMSNorm",
-                        mlp_class_name="LLaMAMLP", intermediate_size=1024, rotary_percentage=1.0,
-                        parallel_residual=False)
-    torch.manual_seed(0)
-    exact = litgpt.GPT(cfg).cuda().double()
-    model = litgpt.GPT(cfg).cuda().bfloat16()
-    model.load_state_dict({k: v.bfloat16() for k, v in exact.state_dict().items()})
-    eager = litgpt.GPT(cfg).cuda().bfloat16()
-    eager.load_state_dict(model.state_dict())
-    idx = torch.randint(0, cfg.vocab_size, (2, 300), device="cuda")
-    jitted = thunder.jit(model, executors=[tk])
-    logits = jitted(idx)
-    seed = torch.randn_like(logits)
-    logits.backward(seed)
-    eager_logits = eager(idx)
-    eager_logits.backward(seed)
-    exact_logits = exact(idx)
-    exact_logits.backward(seed.double())
-    assert rel_err(logits, exact_logits.double()) < 2 * rel_err(eager_logits, exact_logits.double()) + 1e-3
-    for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
-        assert rel_err(p.grad, r.grad.double()) < 2 * rel_err(q.grad, r.grad.double()) + 1e-3, name
+    jitted, cfg = step_as_accurately_as_eager(litgpt)
     names = [b.sym.name for b in thunder.last_traces(jitted)[-1].bound_symbols]
     assert names.count("tk_linear_rope") == cfg.n_layer, names
     rows = [r for r in thunder_tk.explain(jitted).rows if r.ran_by == "tk: tk_linear_rope"]
