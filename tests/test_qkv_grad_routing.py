@@ -92,6 +92,16 @@ def assert_rope_in_projection(jm, layers=1):
     assert len(rows) == layers and all("roped in the epilogue" in r.detail for r in rows), rows
 
 
+def assert_rope_not_in_projection(jm, why: str):
+    """No tk_linear_rope, and `explain`'s row of the qkv projection says why: `why` is the reason's start."""
+    assert "tk_linear_rope" not in forward_ops(jm)
+    notes = [r.detail for r in thunder_tk.explain(jm).rows if r.detail.startswith(ROPE_NOT_IN_PROJECTION)]
+    assert len(notes) == 1 and notes[0][len(ROPE_NOT_IN_PROJECTION):].startswith(why), notes
+
+
+ROPE_NOT_IN_PROJECTION = "q and k not roped in the epilogue: "
+
+
 def assert_not_folded(jm, why: str):
     """Not folded, and `explain` says why: `why` is the reason's start (the probe's error follows some)."""
     names = backward_ops(jm)
@@ -144,7 +154,8 @@ def test_rope_narrower_than_the_kernel_keeps_the_fuser(standin_tk_build, standin
     torch.manual_seed(0)
     jm = train_step(litgpt.GPT(config(rotary_percentage=0.125)).to(bf16))
     assert_not_folded(jm, "the rotary embedding's width (8) must be a multiple of 16 up to the head dim (64)")
-    assert "tk_linear_rope" not in forward_ops(jm)
+    assert_rope_not_in_projection(jm, "the rotary epilogue turns a power of two of columns from 16 to the head dim "
+                                      "(64); got 8")
 
 
 def test_normalized_q_and_k_keep_the_fuser(standin_tk_build, standin_nvfuser):
@@ -161,7 +172,8 @@ def test_rope_of_48_columns_folds_backward_only(standin_tk_build, standin_nvfuse
     torch.manual_seed(0)
     jm = train_step(litgpt.GPT(config(rotary_percentage=0.75)).to(bf16))
     assert_folded(jm)
-    assert "tk_linear_rope" not in forward_ops(jm)
+    assert_rope_not_in_projection(jm, "the rotary epilogue turns a power of two of columns from 16 to the head dim "
+                                      "(64); got 48")
 
 
 @pytest.mark.parametrize("how", ["option", "env", "build"])
@@ -169,7 +181,10 @@ def test_forward_fold_turned_off_keeps_the_fuser(standin_tk_build, standin_nvfus
     options = turned_off(how, pattern_fusion.QKV_ROPE, "gemm_rope", standin_tk_build, monkeypatch)
     torch.manual_seed(0)
     jm = train_step(litgpt.GPT(config()).to(bf16), **options)
-    assert "tk_linear_rope" not in forward_ops(jm) and "tk_linear" in forward_ops(jm)
+    assert "tk_linear" in forward_ops(jm)
+    assert_rope_not_in_projection(jm, {"option": "turned off (tk_disable=gemm_rope)",
+                                       "env": "turned off (THUNDER_TK_DISABLE=gemm_rope)",
+                                       "build": "gemm_rope not in this build"}[how])
     assert_folded(jm)
 
 
@@ -177,7 +192,7 @@ def test_a_projection_with_bias_keeps_the_fuser(standin_tk_build, standin_nvfuse
     """The epilogue adds no bias (Qwen-style attn_bias): the projection stays a tk_linear, the rope the fuser's."""
     torch.manual_seed(0)
     jm = train_step(litgpt.GPT(config(attn_bias=True)).to(bf16))
-    assert "tk_linear_rope" not in forward_ops(jm)
+    assert_rope_not_in_projection(jm, "the projection has a bias (the epilogue adds none)")
 
 
 @pytest.mark.parametrize("how", ["option", "env", "build"])
@@ -239,9 +254,11 @@ class OtherRotation(torch.nn.Module):
 PROBE_DIFFERS = "the rope region's result on the probe differs from the rotate-half rope's backward (relative error "
 
 
-@pytest.mark.parametrize("kind,why", [("inverse", PROBE_DIFFERS), ("interleaved", PROBE_DIFFERS),
-                                      ("scaled", "dq is read outside the rope region")])
-def test_other_rotations_are_not_taken_for_rope(standin_tk_build, standin_nvfuser, kind, why):
+@pytest.mark.parametrize("kind,why,forward_why", [
+    ("inverse", PROBE_DIFFERS, "the rope region's result on the probe differs from the rotate-half rope"),
+    ("interleaved", PROBE_DIFFERS, "the rope region's result on the probe differs from the rotate-half rope"),
+    ("scaled", "dq is read outside the rope region", "q, k and v are not all made from the projection")])
+def test_other_rotations_are_not_taken_for_rope(standin_tk_build, standin_nvfuser, kind, why, forward_why):
     torch.manual_seed(0)
     model = OtherRotation(kind).to(bf16)
     exact = copy.deepcopy(model).double()
@@ -254,7 +271,7 @@ def test_other_rotations_are_not_taken_for_rope(standin_tk_build, standin_nvfuse
     (out.float() * seed).sum().backward()
     (exact(xe) * seed.double()).sum().backward()
     assert_not_folded(jm, why)
-    assert "tk_linear_rope" not in forward_ops(jm)
+    assert_rope_not_in_projection(jm, forward_why)
     assert rel_err(xj.grad, xe.grad) < 3e-2
     assert rel_err(model.qkv.weight.grad, exact.qkv.weight.grad) < 3e-2
 

@@ -14,7 +14,7 @@ import thunder
 from thunder.core.symbol import BoundSymbol
 
 from thunder_tk.executor import Site, decisions_of, latest_decisions_of, sites_of
-from thunder_tk.pattern_fusion import QKV_GRAD, Declined
+from thunder_tk.pattern_fusion import QKV_GRAD, QKV_ROPE, Declined
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,8 @@ def _detail(op: BoundSymbol | None, backward_by: str, cd, declined: dict[str, st
         return "; ".join(notes)
     if op.sym.name == "tk_linear_rope":
         return "q and k roped in the epilogue; the attention reads q, k and v from its output in place"
+    if op.sym.name == "tk_linear" and QKV_ROPE in declined:
+        return f"q and k not roped in the epilogue: {declined[QKV_ROPE]}"
     if op.sym.name.startswith("tk_cross_entropy_forward_grad"):
         over = op.sym.name.endswith("_over_logits")
         return "loss and gradient from one read of the logits" + ("; the gradient written over them" if over else "")

@@ -1010,10 +1010,11 @@ _ROPE_REGION_OPS = _QKV_REGION_OPS | frozenset({"split"})
 
 
 def _rope_qkv_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int], users: dict[str, list[int]]):
-    """For the tk attention at k: (the projection's index, the region's indices, the ops to evaluate it by, the
-    projection's output X, the two tables the angles come from) where its q, k and v are made from X, the (B, S,
-    (Hq + 2 Hkv) D) output of a tk_linear without bias, only by ops of _ROPE_REGION_OPS, and nothing else reads X or
-    the region but through q, k and v. Else None. What the region computes is checked by _rope_qkv_confirmed."""
+    """For the tk attention at k whose q, k and v come, through ops of _ROPE_REGION_OPS, from the (B, S, (Hq + 2 Hkv) D)
+    output X of one tk_linear: (X, plan), the plan (the projection's index, the region's indices, the ops to evaluate
+    it by, the two tables the angles come from) where the projection has no bias and nothing else reads X or the
+    region but through q, k and v, else why not (for `explain`). None where there is no such projection. What the
+    region computes is checked by _rope_qkv_confirmed."""
     from thunder_tk.lowering import tk_linear
 
     q, kk, v = bsyms[k].args[:3]
@@ -1033,41 +1034,52 @@ def _rope_qkv_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int],
     x = projections[0]
     at = producer[x.name]
     if bsyms[at].args[2] is not None:
-        return None  # a bias: the epilogue adds none
+        return x, "the projection has a bias (the epilogue adds none)"
     region, made = set(), {x.name}  # the ops of `back` that compute on X's values
     for j in sorted(back):
         if any(p.name in made for p in bsyms[j].flat_proxy_args):
             region.add(j)
             made.update(p.name for p in bsyms[j].flat_proxy_outs)
     outputs = {q.name, kk.name, v.name}
-    if not outputs <= made or any(u not in region for u in users[x.name]):
-        return None
-    if any(u not in region for j in region for p in bsyms[j].flat_proxy_outs if p.name not in outputs
-           for u in users[p.name]):
-        return None
+    if not outputs <= made:
+        return x, "q, k and v are not all made from the projection"
+    reader = next((u for u in users[x.name] if u not in region), None)
+    if reader is not None:
+        return x, f"the projection's output is read outside the rope region, by a {bsyms[reader].sym.name}"
+    for j in sorted(region):
+        reader = next((u for p in bsyms[j].flat_proxy_outs if p.name not in outputs for u in users[p.name]
+                       if u not in region), None)
+        if reader is not None:
+            return x, f"the rope region's {bsyms[j].sym.name} is read outside it, by a {bsyms[reader].sym.name}"
     roots, evaluate = _angle_roots(bsyms, region, made, _ROPE_REGION_OPS, producer)
     angles = list(roots.values())
-    if len(angles) != 2 or any(a.ndim != 2 or tuple(a.shape) != tuple(angles[0].shape) for a in angles):
-        return None
+    if len(angles) != 2:
+        return x, f"the rope region reads {len(angles)} tensors besides the projection's output, not two angle tables"
+    if any(a.ndim != 2 or tuple(a.shape) != tuple(angles[0].shape) for a in angles):
+        return x, (f"the rope region's other inputs, {list(angles[0].shape)} and {list(angles[1].shape)}, are not "
+                   "two 2-D angle tables alike")
     if any(producer.get(a.name, -1) > at for a in angles):
-        return None  # the launch that replaces the projection reads them
-    return at, region, evaluate, x, angles
+        return x, "an angle table is computed after the projection"  # the launch replacing it reads them
+    return x, (at, region, evaluate, angles)
 
 
 def _rope_qkv_confirmed(bsyms: list[BoundSymbol], at: int, k: int, evaluate: set[int], x: TensorProxy,
                         angles: list):
     """(cos, sin) among the two angle tables such that the region, run on a random projection output and tables,
     gives ops.linear_rope's q, k and v (qkv_head_views of X, q and k roped by rope_reference over the tables'
-    width); None if neither order does, the launch cannot take the shapes, or the probe cannot run the region."""
+    width); else why not (for `explain`): the launch cannot take the shapes, the probe cannot run the region, or
+    neither order gives the rope."""
     from thunder_tk import ops
 
     q, kk, v = bsyms[k].args[:3]
     Hq, Hkv, D = q.shape[1], kk.shape[1], q.shape[3]
     inputs, weight = bsyms[at].args[:2]
-    if ops.linear_rope_unsupported(_ShapeOf(inputs), _ShapeOf(weight), _ShapeOf(angles[0]), _ShapeOf(angles[1]),
-                                   Hq, Hkv, D) is not None:
-        return None
+    why = ops.linear_rope_unsupported(_ShapeOf(inputs), _ShapeOf(weight), _ShapeOf(angles[0]), _ShapeOf(angles[1]),
+                                      Hq, Hkv, D)
+    if why is not None:
+        return why
     device = _probe_device(x)
+    error = math.inf  # the smallest error over the two orders
     gen = torch.Generator(device).manual_seed(0)
     dtype = thunder.dtypes.to_torch_dtype(x.dtype)
     try:
@@ -1081,17 +1093,23 @@ def _rope_qkv_confirmed(bsyms: list[BoundSymbol], at: int, k: int, evaluate: set
         seqs = torch.tensor(sorted({0, B - 1}), device=device)
         got = [env[p.name][seqs][:, :, pos] for p in (q, kk, v)]
         if not all(bool(torch.isfinite(g).all()) for g in got):
-            return None
+            return "the rope region's result on the probe is not finite"
         heads = ops.qkv_head_views(env[x.name][seqs][:, pos].double(), Hq, Hkv, D)
         for c, s in ((0, 1), (1, 0)):  # which table is the cosine
             cos, sin = tables[c][pos].double(), tables[s][pos].double()
             want = (ops.rope_reference(heads[0], cos, sin), ops.rope_reference(heads[1], cos, sin), heads[2])
-            if all(tuple(g.shape) == tuple(w.shape) and float((g.double() - w).norm() / w.norm().clamp_min(1e-30))
-                   < _QKV_PROBE_TOLERANCE for g, w in zip(got, want)):
+            if any(tuple(g.shape) != tuple(w.shape) for g, w in zip(got, want)):
+                continue
+            error = min(error, max(float((g.double() - w).norm() / w.norm().clamp_min(1e-30))
+                                   for g, w in zip(got, want)))
+            if error < _QKV_PROBE_TOLERANCE:
                 return angles[c], angles[s]
-    except Exception:  # an op the probe cannot run, or no memory for it: leave the region to the fuser
-        return None
-    return None
+    except Exception as e:  # an op the probe cannot run, or no memory for it: leave the region to the fuser
+        where = f" in its {e.op}" if isinstance(e, _ProbeOpError) else ""
+        cause = e.__cause__ if isinstance(e, _ProbeOpError) else e
+        return f"the probe cannot run the rope region ({type(cause).__name__}{where})"
+    return ("the rope region's result on the probe differs from the rotate-half rope"
+            + (f" (relative error {error:.2g})" if error < math.inf else ""))
 
 
 def rope_into_qkv_projection(trace):
@@ -1100,29 +1118,39 @@ def rope_into_qkv_projection(trace):
     the region's ops on a probe), one tk_linear_rope launch computes the projection with the rotation in its
     epilogue and returns q, k and v as views of its output (ops.linear_rope), which the attention reads in place:
     the fuser's pass over the projection's output (the split, the rotation, the copy of v) goes. Off with the feature
-    name QKV_ROPE, and where the build has no gemm_rope kernel."""
+    name QKV_ROPE, and where the build has no gemm_rope kernel. A projection left as it is says why in a Declined
+    tag on its output, which `explain` shows."""
     from thunder_tk import _extension, claim_rules
     from thunder_tk.lowering import tk_attention, tk_attention_forward, tk_linear_rope
 
-    if QKV_ROPE in claim_rules.disabled_names() or not _extension.kernel_in_build("gemm_rope"):
-        return trace
     bsyms = list(trace.bound_symbols)
     attentions = {tk_attention.id, tk_attention_forward.id}
     if not any(b.sym.id in attentions for b in bsyms):
         return trace
+    off = None
+    if (switch := claim_rules.feature_disabled_by(QKV_ROPE)) is not None:
+        off = f"turned off ({switch}={QKV_ROPE})"
+    elif not _extension.kernel_in_build(QKV_ROPE):
+        off = f"{QKV_ROPE} not in this build"
     producer, users = _producers_and_users(bsyms)
     plans, taken = [], set()
     for k, b in enumerate(bsyms):
         if b.sym.id not in attentions:
             continue
         found = _rope_qkv_region(bsyms, k, producer, users)
-        if found is None or found[0] in taken:
+        if found is None:
             continue
-        at, region, evaluate, x, angles = found
-        confirmed = _rope_qkv_confirmed(bsyms, at, k, evaluate, x, angles)
-        if confirmed is not None:
-            taken.add(at)
-            plans.append((at, k, region, x, confirmed))
+        x, plan = found
+        if off is None and not isinstance(plan, str) and plan[0] not in taken:
+            at, region, evaluate, angles = plan
+            confirmed = _rope_qkv_confirmed(bsyms, at, k, evaluate, x, angles)
+            if not isinstance(confirmed, str):
+                taken.add(at)
+                plans.append((at, k, region, x, confirmed))
+                continue
+            plan = confirmed
+        if off is not None or isinstance(plan, str):
+            _tag_declined(x, QKV_ROPE, off or plan)
     if not plans:
         return trace
     from thunder_tk.executor import sites_of
