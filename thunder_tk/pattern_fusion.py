@@ -834,6 +834,54 @@ def _angle_roots(bsyms: list[BoundSymbol], region: set[int], inner: set[str], op
     return _walk_back(bsyms, start, ops, producer, evaluate), evaluate
 
 
+def _read_outside(bsyms: list[BoundSymbol], region: set[int], users: dict[str, list[int]], results: set[str]):
+    """Why the region cannot go (one of its values, other than `results`, read by an op outside it), or None."""
+    for j in sorted(region):
+        reader = next((u for p in bsyms[j].flat_proxy_outs if p.name not in results for u in users[p.name]
+                       if u not in region), None)
+        if reader is not None:
+            return f"the rope region's {bsyms[j].sym.name} is read outside it, by a {bsyms[reader].sym.name}"
+    return None
+
+
+def _angle_tables_problem(angles: list, besides: str, producer: dict[str, int], before: int, what: str):
+    """Why the region's other inputs (`angles`, those read besides `besides`) are not two 2-D angle tables alike,
+    made before bsym `before` (`what`), or None."""
+    if len(angles) != 2:
+        return f"the rope region reads {len(angles)} tensors besides {besides}, not two angle tables"
+    if any(a.ndim != 2 or tuple(a.shape) != tuple(angles[0].shape) for a in angles):
+        return (f"the rope region's other inputs, {list(angles[0].shape)} and {list(angles[1].shape)}, are not two "
+                "2-D angle tables alike")
+    if any(producer.get(a.name, -1) > before for a in angles):
+        return f"an angle table is computed after {what}"
+    return None
+
+
+def _switched_off(feature: str, kernel: str) -> str | None:
+    """Why a rewrite is off here (for `explain`): the switch that names `feature`, or a build without `kernel`."""
+    from thunder_tk import _extension, claim_rules
+
+    if (switch := claim_rules.feature_disabled_by(feature)) is not None:
+        return f"turned off ({switch}={feature})"
+    if not _extension.kernel_in_build(kernel):
+        return f"{kernel} not in this build"
+    return None
+
+
+def _probe_error(e: Exception) -> str:
+    """Why a probe could not run a rope region: the exception's type, and the op that raised it."""
+    where = f" in its {e.op}" if isinstance(e, _ProbeOpError) else ""
+    cause = e.__cause__ if isinstance(e, _ProbeOpError) else e
+    return f"the probe cannot run the rope region ({type(cause).__name__}{where})"
+
+
+def _probe_differs(error: float, rope: str) -> str:
+    """Why a probe did not confirm a rope region: its smallest relative error against `rope` (inf: no result of
+    the reference's shape)."""
+    return (f"the rope region's result on the probe differs from {rope}"
+            + (f" (relative error {error:.2g})" if error < math.inf else ""))
+
+
 def _qkv_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int], users: dict[str, list[int]]):
     """For the tk_attention_backward at k: (the region's indices, its output X, the two tensors the region's angles
     come from, the ops to evaluate it by) where dq, dk and dv are read only by ops of _QKV_REGION_OPS that make a
@@ -872,21 +920,13 @@ def _qkv_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int],
     read_outside = [n for n, g in zip(("dq", "dk", "dv"), grads) if any(u not in region for u in users[g.name])]
     if read_outside:
         return f"{_listed(read_outside)} {'is' if len(read_outside) == 1 else 'are'} read outside the rope region"
-    for j in sorted(region):
-        reader = next((u for p in bsyms[j].flat_proxy_outs if p is not x for u in users[p.name] if u not in region),
-                      None)
-        if reader is not None:
-            return f"the rope region's {bsyms[j].sym.name} is read outside it, by a {bsyms[reader].sym.name}"
+    if (why := _read_outside(bsyms, region, users, {x.name})) is not None:
+        return why
     inner = {p.name for j in region for p in bsyms[j].flat_proxy_outs} | {g.name for g in grads}
     roots, evaluate = _angle_roots(bsyms, region, inner, _QKV_REGION_OPS, producer)
     angles = list(roots.values())
-    if len(angles) != 2:
-        return f"the rope region reads {len(angles)} tensors besides the gradients, not two angle tables"
-    if any(a.ndim != 2 or tuple(a.shape) != tuple(angles[0].shape) for a in angles):
-        return (f"the rope region's other inputs, {list(angles[0].shape)} and {list(angles[1].shape)}, are not two "
-                "2-D angle tables alike")
-    if any(producer.get(a.name, -1) > k for a in angles):
-        return "an angle table is computed after the attention backward"
+    if (why := _angle_tables_problem(angles, "the gradients", producer, k, "the attention backward")) is not None:
+        return why
     why = ops.qkv_grad_unsupported(_ShapeOf(q), _ShapeOf(kk), _ShapeOf(angles[0]), _ShapeOf(angles[1]))
     if why is not None:
         return why
@@ -934,11 +974,8 @@ def _qkv_grad_confirmed(bsyms: list[BoundSymbol], k: int, evaluate: set[int], x:
             if error < _QKV_PROBE_TOLERANCE:
                 return angles[c], angles[s]
     except Exception as e:  # an op the probe cannot run, or no memory for it: leave the region to the fuser
-        where = f" in its {e.op}" if isinstance(e, _ProbeOpError) else ""
-        cause = e.__cause__ if isinstance(e, _ProbeOpError) else e
-        return f"the probe cannot run the rope region ({type(cause).__name__}{where})"
-    return ("the rope region's result on the probe differs from the rotate-half rope's backward"
-            + (f" (relative error {error:.2g})" if error < math.inf else ""))
+        return _probe_error(e)
+    return _probe_differs(error, "the rotate-half rope's backward")
 
 
 class _ShapeOf:
@@ -958,7 +995,6 @@ def attention_backward_into_qkv(trace):
     columns by the backward kernel and the rotation runs in the pass that finalizes dq. Off with the feature name
     QKV_GRAD, and where the build has no attention_rope_grad kernel. A tk_attention_backward left as it is says why
     in a Declined tag on its dq, which `explain` shows."""
-    from thunder_tk import _extension, claim_rules
     from thunder_tk.lowering import tk_attention_backward, tk_attention_backward_qkv
 
     bsyms = list(trace.bound_symbols)
@@ -966,11 +1002,7 @@ def attention_backward_into_qkv(trace):
     if not backwards:
         return trace
     # The switches first: turned off, neither the search nor the probe runs (the way around a failure of either).
-    off = None
-    if (switch := claim_rules.feature_disabled_by(QKV_GRAD)) is not None:
-        off = f"turned off ({switch}={QKV_GRAD})"
-    elif not _extension.kernel_in_build(QKV_GRAD_KERNEL):
-        off = f"{QKV_GRAD_KERNEL} not in this build"
+    off = _switched_off(QKV_GRAD, QKV_GRAD_KERNEL)
     producer, users = _producers_and_users(bsyms) if off is None else ({}, {})
     plans = []
     for k in backwards:
@@ -1046,20 +1078,13 @@ def _rope_qkv_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int],
     reader = next((u for u in users[x.name] if u not in region), None)
     if reader is not None:
         return x, f"the projection's output is read outside the rope region, by a {bsyms[reader].sym.name}"
-    for j in sorted(region):
-        reader = next((u for p in bsyms[j].flat_proxy_outs if p.name not in outputs for u in users[p.name]
-                       if u not in region), None)
-        if reader is not None:
-            return x, f"the rope region's {bsyms[j].sym.name} is read outside it, by a {bsyms[reader].sym.name}"
+    if (why := _read_outside(bsyms, region, users, outputs)) is not None:
+        return x, why
     roots, evaluate = _angle_roots(bsyms, region, made, _ROPE_REGION_OPS, producer)
     angles = list(roots.values())
-    if len(angles) != 2:
-        return x, f"the rope region reads {len(angles)} tensors besides the projection's output, not two angle tables"
-    if any(a.ndim != 2 or tuple(a.shape) != tuple(angles[0].shape) for a in angles):
-        return x, (f"the rope region's other inputs, {list(angles[0].shape)} and {list(angles[1].shape)}, are not "
-                   "two 2-D angle tables alike")
-    if any(producer.get(a.name, -1) > at for a in angles):
-        return x, "an angle table is computed after the projection"  # the launch replacing it reads them
+    # Made before the projection: the launch that replaces it reads them.
+    if (why := _angle_tables_problem(angles, "the projection's output", producer, at, "the projection")) is not None:
+        return x, why
     return x, (at, region, evaluate, angles)
 
 
@@ -1105,11 +1130,8 @@ def _rope_qkv_confirmed(bsyms: list[BoundSymbol], at: int, k: int, evaluate: set
             if error < _QKV_PROBE_TOLERANCE:
                 return angles[c], angles[s]
     except Exception as e:  # an op the probe cannot run, or no memory for it: leave the region to the fuser
-        where = f" in its {e.op}" if isinstance(e, _ProbeOpError) else ""
-        cause = e.__cause__ if isinstance(e, _ProbeOpError) else e
-        return f"the probe cannot run the rope region ({type(cause).__name__}{where})"
-    return ("the rope region's result on the probe differs from the rotate-half rope"
-            + (f" (relative error {error:.2g})" if error < math.inf else ""))
+        return _probe_error(e)
+    return _probe_differs(error, "the rotate-half rope")
 
 
 def rope_into_qkv_projection(trace):
@@ -1120,18 +1142,13 @@ def rope_into_qkv_projection(trace):
     the fuser's pass over the projection's output (the split, the rotation, the copy of v) goes. Off with the feature
     name QKV_ROPE, and where the build has no gemm_rope kernel. A projection left as it is says why in a Declined
     tag on its output, which `explain` shows."""
-    from thunder_tk import _extension, claim_rules
     from thunder_tk.lowering import tk_attention, tk_attention_forward, tk_linear_rope
 
     bsyms = list(trace.bound_symbols)
     attentions = {tk_attention.id, tk_attention_forward.id}
     if not any(b.sym.id in attentions for b in bsyms):
         return trace
-    off = None
-    if (switch := claim_rules.feature_disabled_by(QKV_ROPE)) is not None:
-        off = f"turned off ({switch}={QKV_ROPE})"
-    elif not _extension.kernel_in_build(QKV_ROPE):
-        off = f"{QKV_ROPE} not in this build"
+    off = _switched_off(QKV_ROPE, QKV_ROPE)
     producer, users = _producers_and_users(bsyms)
     plans, taken = [], set()
     for k, b in enumerate(bsyms):
