@@ -40,19 +40,13 @@ def rope_back_and_cat(dq, dk, dv, cos, sin):
     return ops.qkv_grad_reference(dq, dk, dv, cos, sin, dtype=None)
 
 
-def tables(rows, n, dtype, device):
-    inv = 1.0 / 10000 ** (torch.arange(0, n, 2, device=device, dtype=torch.float64) / n)
-    angles = torch.outer(torch.arange(rows, device=device, dtype=torch.float64), inv).repeat(1, 2)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
 def measure(name: str, compiled, rounds: int) -> dict:
     """One shape's row: the three ways timed in turns, after checking that they agree."""
     B, S, Hq, Hkv, D, n = SHAPES[name]
     dtype, dev = torch.bfloat16, "cuda"
     qkv = torch.randn(B, S, (Hq + 2 * Hkv) * D, device=dev, dtype=dtype)
     q, k, v = ops.qkv_head_views(qkv, Hq, Hkv, D)
-    cos, sin = tables(S, n, dtype, dev)
+    cos, sin = ops.rope_tables(S, n, dtype, dev)
     o, lse = ops.attention_forward(q, k, v, is_causal=True)
     do = torch.randn_like(o)
 

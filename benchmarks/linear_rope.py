@@ -51,13 +51,6 @@ def split_and_rope(qkv, cos, sin, q_heads: int, kv_heads: int, head_dim: int):
     return rope(q), rope(k), v.contiguous()
 
 
-def tables(rows, n, dtype, device):
-    """LitGPT's rope tables (rows, n): the n/2 frequencies' angles repeated once, cos and sin in `dtype`."""
-    inv = 1.0 / 10000 ** (torch.arange(0, n, 2, device=device, dtype=torch.float64) / n)
-    angles = torch.outer(torch.arange(rows, device=device, dtype=torch.float64), inv).repeat(1, 2)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
 def measure(name: str, compiled, rounds: int) -> dict:
     """One shape's row: the three ways timed in turns, after checking that they agree."""
     B, S, K, Hq, Hkv, D, n = SHAPES[name]
@@ -65,7 +58,7 @@ def measure(name: str, compiled, rounds: int) -> dict:
     N = (Hq + 2 * Hkv) * D
     x = torch.randn(B, S, K, device=dev, dtype=dtype)
     w = (torch.randn(N, K, device=dev) * K ** -0.5).to(dtype)  # unit-variance outputs
-    cos, sin = tables(S, n, dtype, dev)
+    cos, sin = ops.rope_tables(S, n, dtype, dev)
 
     def fold():
         return ops.linear_rope(x, w, cos, sin, Hq, Hkv, D)

@@ -386,7 +386,7 @@ def test_attention_qkv_grad_benchmark_parses_and_its_peer_is_the_reference():
     spec.loader.exec_module(bench)  # no CUDA work at import time
     g = torch.Generator().manual_seed(0)
     dq, dk, dv = (torch.randn(2, h, 9, 64, dtype=torch.float64, generator=g) for h in (4, 2, 2))
-    cos, sin = bench.tables(12, 32, torch.float64, "cpu")
+    cos, sin = ops.rope_tables(12, 32, torch.float64, "cpu")
     got = bench.rope_back_and_cat(dq, dk, dv, cos, sin)
     assert torch.allclose(got, ops.qkv_grad_reference(dq, dk, dv, cos, sin), rtol=1e-12, atol=1e-12)
 
@@ -394,7 +394,7 @@ def test_attention_qkv_grad_benchmark_parses_and_its_peer_is_the_reference():
 def test_linear_rope_benchmark_parses_and_its_peer_is_the_reference():
     """The benchmark's peer (a linear, then the split, the 16-bit rope and the copy of v it compiles) gives
     ops.linear_rope_reference's q, k and v on CPU in bfloat16, for a partial rope and a table longer than the
-    sequence; and its tables are LitGPT's (the n/2 angles repeated)."""
+    sequence; and ops.rope_tables are LitGPT's (the n/2 angles repeated)."""
     import importlib.util
 
     import torch
@@ -411,7 +411,7 @@ def test_linear_rope_benchmark_parses_and_its_peer_is_the_reference():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 9, 48, generator=g).bfloat16()
     w = (torch.randn((Hq + 2 * Hkv) * D, 48, generator=g) / 48 ** 0.5).bfloat16()
-    cos, sin = bench.tables(12, n, torch.bfloat16, "cpu")
+    cos, sin = ops.rope_tables(12, n, torch.bfloat16, "cpu")
     assert torch.equal(cos[:, : n // 2], cos[:, n // 2:]) and torch.equal(sin[:, : n // 2], sin[:, n // 2:])
     got = bench.split_and_rope(F.linear(x, w), cos, sin, Hq, Hkv, D)
     want = ops.linear_rope_reference(x, w, cos, sin, Hq, Hkv, D)

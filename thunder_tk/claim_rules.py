@@ -103,6 +103,15 @@ def feature_disabled_by(name: str) -> str | None:
     return None
 
 
+class TensorMetadata:
+    """A proxy's shape and torch dtype, for the ops module's checks written against tensors (ops.*_unsupported)."""
+
+    def __init__(self, p: TensorProxy):
+        self.shape = tuple(p.shape)
+        self.dtype = thunder.dtypes.to_torch_dtype(p.dtype)
+        self.ndim = len(self.shape)
+
+
 @dataclass(frozen=True)
 class Verdict:
     accepted: bool
@@ -431,8 +440,9 @@ def check_attention_bwd_delta(o, grad_o) -> Verdict:
 
 def check_embedding_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq, sparse) -> Verdict:
     """What ops.embedding_backward computes of the embedding's gradient: dense, unscaled."""
-    reason = ops.embedding_backward_unsupported(grad, indices, int(pyval(num_weights)), int(pyval(padding_idx)),
-                                                bool(pyval(scale_grad_by_freq)), bool(pyval(sparse)))
+    reason = ops.embedding_backward_unsupported(TensorMetadata(grad), TensorMetadata(indices), int(pyval(num_weights)),
+                                                int(pyval(padding_idx)), bool(pyval(scale_grad_by_freq)),
+                                                bool(pyval(sparse)))
     return decline(reason) if reason else ACCEPT
 
 

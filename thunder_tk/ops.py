@@ -485,6 +485,14 @@ def qkv_head_views(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int
                  for a, b in bounds)
 
 
+def rope_tables(rows: int, n: int, dtype: torch.dtype, device, base: float = 10000.0):
+    """LitGPT's cos and sin caches for a rotation over n columns: (rows, n), the n / 2 frequencies' angles repeated,
+    computed in float64 and rounded to `dtype` (tests' and benchmarks' tables)."""
+    inv = 1.0 / base ** (torch.arange(0, n, 2, device=device, dtype=torch.float64) / max(n, 1))
+    angles = torch.outer(torch.arange(rows, device=device, dtype=torch.float64), inv).repeat(1, 2)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The rotate-half rotary embedding of (B, H, S, D) x over its first n = cos.shape[1] columns, in x's dtype,
     computed in float32: y = x cos + rotate_half(x) sin with rotate_half(x) = (-x[n/2:n], x[:n/2]), position s
@@ -763,27 +771,20 @@ def embedding_backward_reference(grad: torch.Tensor, indices: torch.Tensor, num_
 
 def embedding_backward_unsupported(grad, indices, num_weights: int, padding_idx: int = -1,
                                    scale_grad_by_freq: bool = False, sparse: bool = False) -> str | None:
-    """Why embedding_backward cannot take these (metadata only: tensors or proxies), or None."""
+    """Why embedding_backward cannot take these (metadata only: tensors, or claim_rules.TensorMetadata), or None."""
     if scale_grad_by_freq:
         return "scale_grad_by_freq is not supported"
     if sparse:
         return "sparse gradients are not supported"
     if grad.ndim != indices.ndim + 1 or tuple(grad.shape[:-1]) != tuple(indices.shape):
         return f"grad {tuple(grad.shape)} is not one row per index of {tuple(indices.shape)}"
-    dtype = _torch_dtype(grad.dtype)
-    if dtype not in EMBEDDING_DTYPES:
-        return f"grad dtype {dtype} not in {{bfloat16, float16, float32}}"
-    if _torch_dtype(indices.dtype) not in (torch.int64, torch.int32):
-        return f"indices must be int64 or int32, not {_torch_dtype(indices.dtype)}"
+    if grad.dtype not in EMBEDDING_DTYPES:
+        return f"grad dtype {grad.dtype} not in {{bfloat16, float16, float32}}"
+    if indices.dtype not in (torch.int64, torch.int32):
+        return f"indices must be int64 or int32, not {indices.dtype}"
     if num_weights < 0:
         return f"num_weights must not be negative ({num_weights})"
     return None
-
-
-def _torch_dtype(d):
-    import thunder
-
-    return thunder.dtypes.to_torch_dtype(d) if isinstance(d, thunder.dtypes.dtype) else d
 
 
 def embedding_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int = -1
@@ -802,12 +803,12 @@ def embedding_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: i
     ext = _require_kernels(grad.device)
     D = grad.shape[-1]
     out = torch.empty(num_weights, D, dtype=grad.dtype, device=grad.device)
+    if out.numel() == 0:
+        return out
     rows = grad.reshape(-1, D)
     if D > 1 and rows.stride(1) != 1:
         rows = rows.contiguous()
     ids = indices.reshape(-1).long()
-    if out.numel() == 0:
-        return out
     sorted_ids, order = torch.sort(ids, stable=True)
     with _on(grad.device):
         ext.embedding_backward(rows.data_ptr(), rows.stride(0) if rows.shape[0] > 1 else D, sorted_ids.data_ptr(),
@@ -832,7 +833,7 @@ def linear_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tens
 
 
 def linear_rope_unsupported(x, weight, cos, sin, q_heads: int, kv_heads: int, head_dim: int) -> str | None:
-    """Why linear_rope cannot take these (metadata only: tensors or proxies), or None."""
+    """Why linear_rope cannot take these (metadata only: tensors, or claim_rules.TensorMetadata), or None."""
     if x.ndim != 3 or weight.ndim != 2:
         return f"x must be (B, S, K) and the weight (N, K); got {x.ndim}-D and {weight.ndim}-D"
     if head_dim not in ROPE_HEAD_DIMS:

@@ -63,6 +63,8 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import from_trace, tracectx
 from thunder.core.transform_common import dce
 
+from thunder_tk.claim_rules import TensorMetadata
+
 # View ops as the torch executor runs them (their result is the same data in another shape).
 _RESHAPES = frozenset({"reshape", "torch_prims_reshape_impl", "view"})
 _TRANSPOSES = frozenset({"permute", "transpose", "torch_prims_transpose_impl"})
@@ -857,6 +859,36 @@ def _angle_tables_problem(angles: list, besides: str, producer: dict[str, int], 
     return None
 
 
+def _random_values(p: TensorProxy, gen: torch.Generator, device, *, angle: bool = False) -> torch.Tensor:
+    """A probe's value for p, in p's dtype: of unit scale, or an angle table's cosines and sines in [-1, 1)."""
+    shape = tuple(p.shape)
+    values = (torch.rand(shape, generator=gen, device=device) * 2 - 1 if angle
+              else torch.randn(shape, generator=gen, device=device))
+    return values.to(thunder.dtypes.to_torch_dtype(p.dtype))
+
+
+def _probe_sample(B: int, S: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a probe's result is checked: the first and last sequences and up to 64 of their positions (positions
+    are independent), so that the float64 reference stays small whatever the shapes."""
+    positions = torch.linspace(0, S - 1, min(S, 64), device=device).round().long().unique()
+    return torch.tensor(sorted({0, B - 1}), device=device), positions
+
+
+def _cosine_first(angles: list, got: tuple, want_of) -> tuple | float:
+    """(cos, sin) among the two angle tables such that the region's results on the probe, `got`, match
+    want_of(c, s) (the reference with table c as the cosine, s as the sine) within _QKV_PROBE_TOLERANCE, every one;
+    else the smallest relative error found (inf: no reference of got's shapes)."""
+    error = math.inf
+    for c, s in ((0, 1), (1, 0)):
+        want = want_of(c, s)
+        if any(tuple(g.shape) != tuple(w.shape) for g, w in zip(got, want)):
+            continue
+        error = min(error, max(float((g.double() - w).norm() / w.norm().clamp_min(1e-30)) for g, w in zip(got, want)))
+        if error < _QKV_PROBE_TOLERANCE:
+            return angles[c], angles[s]
+    return error
+
+
 def _switched_off(feature: str, kernel: str) -> str | None:
     """Why a rewrite is off here (for `explain`): the switch that names `feature`, or a build without `kernel`."""
     from thunder_tk import _extension, claim_rules
@@ -927,7 +959,7 @@ def _qkv_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int],
     angles = list(roots.values())
     if (why := _angle_tables_problem(angles, "the gradients", producer, k, "the attention backward")) is not None:
         return why
-    why = ops.qkv_grad_unsupported(_ShapeOf(q), _ShapeOf(kk), _ShapeOf(angles[0]), _ShapeOf(angles[1]))
+    why = ops.qkv_grad_unsupported(*map(TensorMetadata, (q, kk, *angles)))
     if why is not None:
         return why
     return region, x, angles, evaluate
@@ -943,48 +975,21 @@ def _qkv_grad_confirmed(bsyms: list[BoundSymbol], k: int, evaluate: set[int], x:
     q = bsyms[k].args[0]
     device = _probe_device(q)
     gen = torch.Generator(device).manual_seed(0)
-
-    def random(p, angle=False):  # gradients of unit scale, angles' cosines and sines in [-1, 1)
-        dtype, shape = thunder.dtypes.to_torch_dtype(p.dtype), tuple(p.shape)
-        if angle:
-            return (torch.rand(shape, generator=gen, device=device) * 2 - 1).to(dtype)
-        return torch.randn(shape, generator=gen, device=device).to(dtype)
-
     grads = bsyms[k].flat_proxy_outs
-    error = math.inf  # the smaller error of the two orders
     try:
-        env = {g.name: random(g) for g in grads}
-        tables = [random(a, angle=True) for a in angles]
+        env = {g.name: _random_values(g, gen, device) for g in grads}
+        tables = [_random_values(a, gen, device, angle=True) for a in angles]
         env.update({a.name: t for a, t in zip(angles, tables)})
         _run_region(bsyms, evaluate, env, {p.name for p in (*grads, *angles, x)}, device)
-        # Checked at up to 64 positions of the first and last sequences (rows are independent): the float64
-        # reference stays small whatever the shapes.
-        B, S = env[x.name].shape[:2]
-        at = torch.linspace(0, S - 1, min(S, 64), device=device).round().long().unique()
-        seqs = torch.tensor(sorted({0, B - 1}), device=device)
+        seqs, at = _probe_sample(x.shape[0], x.shape[1], device)
         got = env[x.name][seqs][:, at]
         if not bool(torch.isfinite(got).all()):
             return "the rope region's result on the probe is not finite"
-        for c, s in ((0, 1), (1, 0)):  # which table is the cosine
-            want = ops.qkv_grad_reference(*(env[g.name][seqs][:, :, at] for g in grads), tables[c][at],
-                                          tables[s][at])
-            if tuple(got.shape) != tuple(want.shape):
-                continue
-            error = min(error, float((got.double() - want).norm() / want.norm()))
-            if error < _QKV_PROBE_TOLERANCE:
-                return angles[c], angles[s]
+        found = _cosine_first(angles, (got,), lambda c, s: (ops.qkv_grad_reference(
+            *(env[g.name][seqs][:, :, at] for g in grads), tables[c][at], tables[s][at]),))
     except Exception as e:  # an op the probe cannot run, or no memory for it: leave the region to the fuser
         return _probe_error(e)
-    return _probe_differs(error, "the rotate-half rope's backward")
-
-
-class _ShapeOf:
-    """A proxy's shape and torch dtype, for checks written against tensors."""
-
-    def __init__(self, p: TensorProxy):
-        self.shape = tuple(p.shape)
-        self.dtype = thunder.dtypes.to_torch_dtype(p.dtype)
-        self.ndim = len(self.shape)
+    return found if isinstance(found, tuple) else _probe_differs(found, "the rotate-half rope's backward")
 
 
 def attention_backward_into_qkv(trace):
@@ -1099,39 +1104,26 @@ def _rope_qkv_confirmed(bsyms: list[BoundSymbol], at: int, k: int, evaluate: set
     q, kk, v = bsyms[k].args[:3]
     Hq, Hkv, D = q.shape[1], kk.shape[1], q.shape[3]
     inputs, weight = bsyms[at].args[:2]
-    why = ops.linear_rope_unsupported(_ShapeOf(inputs), _ShapeOf(weight), _ShapeOf(angles[0]), _ShapeOf(angles[1]),
-                                      Hq, Hkv, D)
+    why = ops.linear_rope_unsupported(*map(TensorMetadata, (inputs, weight, *angles)), Hq, Hkv, D)
     if why is not None:
         return why
     device = _probe_device(x)
-    error = math.inf  # the smallest error over the two orders
     gen = torch.Generator(device).manual_seed(0)
-    dtype = thunder.dtypes.to_torch_dtype(x.dtype)
     try:
-        env = {x.name: torch.randn(tuple(x.shape), generator=gen, device=device).to(dtype)}
-        tables = [(torch.rand(tuple(a.shape), generator=gen, device=device) * 2 - 1).to(dtype) for a in angles]
+        env = {x.name: _random_values(x, gen, device)}
+        tables = [_random_values(a, gen, device, angle=True) for a in angles]
         env.update({a.name: t for a, t in zip(angles, tables)})
         _run_region(bsyms, evaluate, env, {p.name for p in (x, *angles, q, kk, v)}, device)
-        # Checked at up to 64 positions of the first and last sequences (positions are independent).
-        B, S = x.shape[0], x.shape[1]
-        pos = torch.linspace(0, S - 1, min(S, 64), device=device).round().long().unique()
-        seqs = torch.tensor(sorted({0, B - 1}), device=device)
+        seqs, pos = _probe_sample(x.shape[0], x.shape[1], device)
         got = [env[p.name][seqs][:, :, pos] for p in (q, kk, v)]
         if not all(bool(torch.isfinite(g).all()) for g in got):
             return "the rope region's result on the probe is not finite"
         heads = ops.qkv_head_views(env[x.name][seqs][:, pos].double(), Hq, Hkv, D)
-        for c, s in ((0, 1), (1, 0)):  # which table is the cosine
-            cos, sin = tables[c][pos].double(), tables[s][pos].double()
-            want = (ops.rope_reference(heads[0], cos, sin), ops.rope_reference(heads[1], cos, sin), heads[2])
-            if any(tuple(g.shape) != tuple(w.shape) for g, w in zip(got, want)):
-                continue
-            error = min(error, max(float((g.double() - w).norm() / w.norm().clamp_min(1e-30))
-                                   for g, w in zip(got, want)))
-            if error < _QKV_PROBE_TOLERANCE:
-                return angles[c], angles[s]
+        found = _cosine_first(angles, tuple(got), lambda c, s: (
+            *(ops.rope_reference(h, tables[c][pos].double(), tables[s][pos].double()) for h in heads[:2]), heads[2]))
     except Exception as e:  # an op the probe cannot run, or no memory for it: leave the region to the fuser
         return _probe_error(e)
-    return _probe_differs(error, "the rotate-half rope")
+    return found if isinstance(found, tuple) else _probe_differs(found, "the rotate-half rope")
 
 
 def rope_into_qkv_projection(trace):

@@ -22,11 +22,8 @@ def rel_err(got, ref):
     return ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def rope_tables(rows, n, dtype, base=10000.0):
-    """LitGPT's cos and sin caches: (rows, n), the n / 2 frequencies repeated."""
-    inv = 1.0 / base ** (torch.arange(0, n, 2, device="cuda", dtype=torch.float64) / max(n, 1))
-    angles = torch.outer(torch.arange(rows, device="cuda", dtype=torch.float64), inv).repeat(1, 2)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+def rope_tables(rows, n, dtype):
+    return ops.rope_tables(rows, n, dtype, "cuda")
 
 
 def make(B, Hq, Hkv, S, D, dtype, causal, seed=0):
