@@ -256,7 +256,9 @@ void launch_checked(const tk::gemm::gemm_args& g, std::uintptr_t stream, const c
 void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t bias, int dtype, int64_t M, int64_t N,
           int64_t K, int64_t a_stride_m, int64_t a_stride_k, int64_t b_stride_k, int64_t b_stride_n, int64_t c_stride_m,
           std::uintptr_t stream, int group_rows, int cluster, std::uintptr_t tickets, int tile_n, int pingpong,
-          int epilogue, int stream_k, std::uintptr_t partials, std::uintptr_t flags, int skinny) {
+          int epilogue, int stream_k, std::uintptr_t partials, std::uintptr_t flags, int skinny, std::uintptr_t sum_a,
+          std::uintptr_t sum_b, int64_t sum_K, int64_t sum_a_stride_m, int64_t sum_a_stride_k, int64_t sum_b_stride_k,
+          int64_t sum_b_stride_n) {
     tk::gemm::gemm_args g = gemm_operands(a, b, c, dtype, M, N, K, a_stride_m, a_stride_k, b_stride_k, b_stride_n,
                                           c_stride_m);
     g.bias = as_ptr<void>(bias);
@@ -272,7 +274,14 @@ void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t b
     g.partials = reinterpret_cast<float*>(partials);
     g.flags = reinterpret_cast<int*>(flags);
     g.skinny = skinny;
-    launch_checked(g, stream, "gemm");
+    g.sum_a = as_ptr<void>(sum_a);
+    g.sum_b = as_ptr<void>(sum_b);
+    g.sum_K = sum_K;
+    g.sum_a_stride_m = sum_a_stride_m;
+    g.sum_a_stride_k = sum_a_stride_k;
+    g.sum_b_stride_k = sum_b_stride_k;
+    g.sum_b_stride_n = sum_b_stride_n;
+    launch_checked(g, stream, g.sum_a != nullptr ? "gemm_sum" : "gemm");
 }
 
 // SwiGLU's two products of a LLaMA-style MLP in one launch: h1 = A W1^T, h2 = A W2^T, g = silu(h1) * h2.
@@ -582,7 +591,7 @@ void register_selftests(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_rope", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_rope", "gemm_sum", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -678,6 +687,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("b_stride_n"), py::arg("c_stride_m"), py::arg("stream"), py::arg("group_rows") = 0, py::arg("cluster") = 0,
           py::arg("tickets") = 0, py::arg("tile_n") = 0, py::arg("pingpong") = 0, py::arg("epilogue") = 0,
           py::arg("stream_k") = 0, py::arg("partials") = 0, py::arg("flags") = 0, py::arg("skinny") = 0,
+          py::arg("sum_a") = 0, py::arg("sum_b") = 0, py::arg("sum_K") = 0, py::arg("sum_a_stride_m") = 0,
+          py::arg("sum_a_stride_k") = 0, py::arg("sum_b_stride_k") = 0, py::arg("sum_b_stride_n") = 0,
           "C = A B (+ bias), bf16/fp16 with fp32 accumulation, enqueued on `stream`; `tickets`: a zeroed int32 "
           "counter for the dynamic tile schedule (0: static); `tile_n`: output tile width 128 or 256 (0: chosen by "
           "how well each fills the persistent grid's last wave); `pingpong`: 1 the two consumer warpgroups take "
@@ -686,7 +697,8 @@ PYBIND11_MODULE(_C, m) {
           "`partials` (fp32) and `flags` (zeroed int32) of gemm_stream_k_workspace()'s sizes, not shared with a "
           "launch that may run at the same time; 0 or -1 whole tiles only; `skinny`: 1 the kernel for few rows (at "
           "most 64, A K-major), which splits K over `partials` and `flags` where given, -1 never, 0 where it "
-          "applies.");
+          "applies. With `sum_a` and `sum_b`: C = A B + A2 B2 (A2 (M, sum_K), B2 (sum_K, N) with their own strides "
+          "and A's and B's majors), both products in one fp32 accumulator, rounded once (kernel gemm_sum).");
     m.def("gemm_swiglu", &gemm_swiglu, py::arg("a"), py::arg("w1"), py::arg("w2"), py::arg("h1"), py::arg("h2"),
           py::arg("g"), py::arg("dtype"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a_stride_m"),
           py::arg("w_stride_n"), py::arg("out_stride_m"), py::arg("stream"), py::arg("tickets") = 0,

@@ -167,6 +167,11 @@ if bench_wanted rope; then  # not in the default set: the qkv projection, rope i
     --png "$OUT/linear_rope.png"
   cat "$OUT/bench_rope.log"
 fi
+if bench_wanted sum; then  # not in the default set: two products summed in one launch (GEMM_SUM_ARGS)
+  step bench_gemm_sum timeout 300 python3 benchmarks/gemm_sum.py ${GEMM_SUM_ARGS:-} \
+    --json "$OUT/gemm_sum.json" --png "$OUT/gemm_sum.png"
+  cat "$OUT/bench_gemm_sum.log"
+fi
 if bench_wanted embedding; then  # not in the default set: the embedding's weight gradient (EMBEDDING_ARGS)
   step bench_embedding timeout 300 python3 benchmarks/embedding_backward.py ${EMBEDDING_ARGS:-} \
     --json "$OUT/embedding_backward.json" --png "$OUT/embedding_backward.png"

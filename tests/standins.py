@@ -171,8 +171,8 @@ class StandinBuild:
     Installs (through `monkeypatch`): the module, reporting this version's KERNELS_IN_SOURCE (`add` and
     `remove` change that), claim rules that take CPU tensors for a GPU, and the stand-ins above as
     ops.attention_forward / ops.attention_backward / _backward_qkv, ops.cross_entropy_forward / _backward /
-    _forward_grad, ops.gemm (which ops.linear calls), ops.swiglu_linear, ops.matmul_swiglu_grad, ops.linear_rope and
-    ops.embedding_backward. Collectives are not stood in for.
+    _forward_grad, ops.gemm (which ops.linear calls), ops.gemm_sum, ops.swiglu_linear, ops.matmul_swiglu_grad,
+    ops.linear_rope and ops.embedding_backward. Collectives are not stood in for.
     """
 
     def __init__(self, monkeypatch):
@@ -188,6 +188,7 @@ class StandinBuild:
         monkeypatch.setattr(ops, "cross_entropy_backward", cross_entropy_backward_standin, raising=False)
         monkeypatch.setattr(ops, "cross_entropy_forward_grad", cross_entropy_forward_grad_standin, raising=False)
         monkeypatch.setattr(ops, "gemm", gemm_standin)
+        monkeypatch.setattr(ops, "gemm_sum", gemm_sum_standin)
         monkeypatch.setattr(ops, "swiglu_linear", swiglu_linear_standin)
         monkeypatch.setattr(ops, "matmul_swiglu_grad", matmul_swiglu_grad_standin, raising=False)
         monkeypatch.setattr(ops, "linear_rope", linear_rope_standin, raising=False)
@@ -235,6 +236,16 @@ def gemm_standin(a, b, bias=None, **knobs):
     assert a.ndim == b.ndim == 2 and a.shape[1] == b.shape[0] and a.shape[1] % 8 == 0, (a.shape, b.shape)
     assert a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16), (a.dtype, b.dtype)
     out = a.double() @ b.double()
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(a.dtype)
+
+
+def gemm_sum_standin(a, b, a2, b2, bias=None, **knobs):
+    """ops.gemm_sum's contract in float64 math: a @ b + a2 @ b2 (+ bias), rounded once to the operands' dtype."""
+    assert a.shape[0] == a2.shape[0] and b.shape[1] == b2.shape[1] and a2.shape[1] == b2.shape[0], (a.shape, a2.shape)
+    assert a2.shape[1] % 8 == 0 and a2.dtype == b2.dtype == a.dtype, (a2.shape, a2.dtype)
+    out = a.double() @ b.double() + a2.double() @ b2.double()
     if bias is not None:
         out = out + bias.double()
     return out.to(a.dtype)

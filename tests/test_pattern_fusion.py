@@ -362,7 +362,8 @@ def test_swiglu_backward_in_the_projection_gemm(standin_tk_build, request, swap,
     ops_run = backward_ops(jm)
     assert ops_run.count("tk_matmul_swiglu_grad") == 1, ops_run
     assert not {"silu", "exp", "neg", "sigmoid"} & set(ops_run), ops_run
-    assert ops_run.count("tk_matmul") == 5  # proj's dW, fc_1's and fc_2's dX and dW
+    assert ops_run.count("tk_matmul") == 3  # proj's dW, fc_1's and fc_2's dW
+    assert ops_run.count("tk_matmul_sum") == 1  # fc_1's and fc_2's dX, summed (sum_products)
     ran_by = sorted(r.ran_by for r in thunder_tk.explain(jm).rows if r.trace == "backward")
     assert "tk: tk_matmul_swiglu_grad" in ran_by and not any("decomposed" in r for r in ran_by), ran_by
     assert rel_err(dx, dx_ref) < 3e-2
@@ -376,7 +377,7 @@ def test_swiglu_backward_turned_off_keeps_the_elementwise_ops(standin_tk_build, 
     jm, out, expected, (dx, dx_ref), grads = run_swiglu(SwiGLU().to(bf16), **options)
     ops_run = backward_ops(jm)
     assert "tk_matmul_swiglu_grad" not in ops_run and "silu" in ops_run
-    assert ops_run.count("tk_matmul") == 6
+    assert ops_run.count("tk_matmul") == 4 and ops_run.count("tk_matmul_sum") == 1
     assert rel_err(dx, dx_ref) < 3e-2
     assert swiglu_ops(jm) == ["tk_swiglu_linear", "tk_linear"]  # the forward's fusion is its own switch
 
@@ -428,4 +429,71 @@ def test_swiglu_backward_left_apart_above_the_measured_width(standin_tk_build, m
     monkeypatch.setattr(pattern_fusion, "SWIGLU_GRAD_MAX_N", 64)  # the model's MLP is 128 wide
     jm, out, expected, (dx, dx_ref), grads = run_swiglu(SwiGLU().to(bf16))
     assert "tk_matmul_swiglu_grad" not in backward_ops(jm)
+    assert rel_err(dx, dx_ref) < 3e-2
+
+
+# ------------------------------------------------------------------------------------------------
+# Two products that meet in an add, in one tk_matmul_sum launch (sum_products): LLaMA's MLP input gradient.
+
+
+def run_sum(fn, *, shapes=((24, 32), (32, 40), (24, 16), (16, 40)), **compile_options):
+    g = torch.Generator().manual_seed(5)
+    args = [torch.randn(s, generator=g).to(bf16) for s in shapes]
+    jm = thunder.jit(fn, executors=[tk], **compile_options)
+    return jm, jm(*args), [a.double() for a in args]
+
+
+def forward_tk_ops(jm):
+    return [b.sym.name for b in thunder.last_traces(jm)[-1].bound_symbols if b.sym.name.startswith("tk_")]
+
+
+@pytest.mark.parametrize("fuser", [False, True], ids=["no-fuser", "fuser"])
+def test_products_that_meet_in_an_add_run_as_one_launch(standin_tk_build, request, fuser):
+    """a @ b + c @ d is one tk_matmul_sum (the add gone too), its result float64's rounded once; explain names the
+    launch for both products."""
+    if fuser:
+        request.getfixturevalue("standin_nvfuser")
+    jm, out, (a, b, c, d) = run_sum(lambda a, b, c, d: a @ b + c @ d)
+    assert forward_tk_ops(jm) == ["tk_matmul_sum"]
+    assert not any(b.sym.name == "add" for b in thunder.last_traces(jm)[-1].bound_symbols)
+    assert torch.equal(out, (a @ b + c @ d).to(bf16))
+    rows = [r for r in thunder_tk.explain(jm).rows if r.symbol == "ltorch.matmul"]
+    assert [r.ran_by for r in rows] == ["tk: tk_matmul_sum"] * 2, rows
+
+
+@pytest.mark.parametrize("fn", [
+    pytest.param(lambda a, b, c, d: torch.add(a @ b, c @ d, alpha=2), id="alpha"),
+    pytest.param(lambda a, b, c, d: a @ b - c @ d, id="difference"),
+    pytest.param(lambda a, b, c, d: (lambda p: (p + c @ d, p))(a @ b), id="product-read-elsewhere"),
+    pytest.param(lambda a, b, c, d: (a @ b).float() + c @ d, id="promoted"),
+    pytest.param(lambda a, b, c, d: a @ b + (c @ d)[:1], id="broadcast"),
+])
+def test_sums_the_launch_cannot_stand_for_stay_apart(standin_tk_build, fn):
+    """Scaled, subtracted, promoted or broadcast operands, or a product also read elsewhere: two launches and the
+    add, with results as eager's."""
+    jm, out, args = run_sum(fn)
+    assert "tk_matmul_sum" not in forward_tk_ops(jm)
+    want = fn(*args)
+    for got, ref in zip(out if isinstance(out, tuple) else (out,), want if isinstance(want, tuple) else (want,)):
+        assert rel_err(got, ref) < 1e-2
+
+
+@pytest.mark.parametrize("how", ["option", "env", "build"])
+def test_sum_turned_off_keeps_two_launches(standin_tk_build, monkeypatch, how):
+    options = turned_off(how, pattern_fusion.GEMM_SUM, "gemm_sum", standin_tk_build, monkeypatch)
+    jm, out, (a, b, c, d) = run_sum(lambda a, b, c, d: a @ b + c @ d, **options)
+    assert forward_tk_ops(jm) == ["tk_matmul", "tk_matmul"]
+    assert rel_err(out, a @ b + c @ d) < 1e-2
+
+
+@pytest.mark.parametrize("fuser", [False, True], ids=["no-fuser", "fuser"])
+def test_mlp_input_gradient_is_one_launch(standin_tk_build, request, fuser):
+    """LLaMA's MLP: fc_1's and fc_2's dX (through their reshapes to the input's shape) come from one
+    tk_matmul_sum, explain says so on both linears' rows, and x's gradient matches float64 eager."""
+    if fuser:
+        request.getfixturevalue("standin_nvfuser")
+    jm, out, expected, (dx, dx_ref), grads = run_swiglu(SwiGLU().to(bf16))
+    assert backward_ops(jm).count("tk_matmul_sum") == 1
+    summed = [r for r in thunder_tk.explain(jm).rows if r.trace == "backward" and r.ran_by == "tk: tk_matmul_sum"]
+    assert len(summed) == 2, thunder_tk.explain(jm)
     assert rel_err(dx, dx_ref) < 3e-2

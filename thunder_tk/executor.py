@@ -267,13 +267,13 @@ class TKExecutor(FusionExecutor):
     def fusion_pass(self, trace):
         from thunder_tk.pattern_fusion import (attend_grouped_kv, attention_backward_into_qkv, fold_row_scaling,
                                                fuse_swiglu, fuse_swiglu_grad, rope_into_qkv_projection,
-                                               write_gradient_over_logits)
+                                               sum_products, write_gradient_over_logits)
 
         from thunder_tk.fsdp_schedule import overlap_collectives
 
         trace = attend_grouped_kv(write_gradient_over_logits(fold_row_scaling(trace)))
         trace = rope_into_qkv_projection(attention_backward_into_qkv(trace))
-        trace = fuse_swiglu_grad(fuse_swiglu(trace))
+        trace = sum_products(fuse_swiglu_grad(fuse_swiglu(trace)))
         fuser = self._fuser_in_use()
         if fuser is None:  # the list's own fuser runs after this pass (tk's fuser then schedules, see fusion.py)
             return trace

@@ -164,6 +164,20 @@ tk_linear = tk.register_operator("tk_linear", meta=_linear_meta, fn=_linear_impl
 tk_matmul = tk.register_operator("tk_matmul", meta=_matmul_meta, fn=_matmul_impl, tags=_GEMM_TAGS)
 
 
+# Two products of one shape summed in one launch (a @ b + a2 @ b2, one fp32 accumulator); only
+# pattern_fusion.sum_products puts it in a trace (for two tk_matmul whose results meet only in an add).
+def _matmul_sum_meta(a: TensorProxy, b: TensorProxy, a2: TensorProxy, b2: TensorProxy) -> TensorProxy:
+    return _matmul_meta(a, b)
+
+
+def _matmul_sum_impl(a, b, a2, b2):
+    return ops.gemm_sum(a, b, a2, b2)
+
+
+tk_matmul_sum = tk.register_operator("tk_matmul_sum", meta=_matmul_sum_meta,
+                                     fn=_matmul_sum_impl, tags=_GEMM_TAGS)
+
+
 # SwiGLU's two products and silu(h1) * h2 in one launch; only pattern_fusion.fuse_swiglu puts it in a trace (for two
 # tk_linear of one input whose outputs meet in silu(h1) * h2), so it has no lowering of its own.
 def _swiglu_linear_meta(x: TensorProxy, w1: TensorProxy, w2: TensorProxy):

@@ -608,9 +608,7 @@ def _b_in_place(b: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
     """B (K, N) and its (stride along N, stride along K) as the GEMM kernels read it: in place where _gemm_layout
     allows, else copied to fresh K-major (N, K) storage with leading stride K."""
     layout = _gemm_layout(b, 0)
-    if layout is not None:
-        return b, layout
-    return b.t().clone(memory_format=torch.contiguous_format).t(), (b.shape[0], 1)
+    return (b, layout) if layout is not None else _k_major(b, None, 0)
 
 
 def check_gemm_args(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -707,7 +705,8 @@ SKINNY_MAX_M = 64  # rows up to which the GEMM takes its kernel for few rows (cs
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
          out: torch.Tensor | None = None, _group_rows: int = 0, _cluster: int = 0,
          _schedule: str | None = None, _tile_n: int = 0, _pingpong: int = 0, _epilogue: int = 0,
-         _stream_k: int = 0, _skinny: int = 0) -> torch.Tensor:
+         _stream_k: int = 0, _skinny: int = 0, _second: tuple[torch.Tensor, torch.Tensor] | None = None
+         ) -> torch.Tensor:
     """a (M, K) @ b (K, N) (+ bias (N,)) by the tk kernel, bf16/fp16 with fp32 accumulation.
 
     Operands are read in place when one of their strides is 1 (either major) and the other a multiple of 8;
@@ -718,8 +717,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     `_stream_k`: 1 the persistent grid's last wave cut into k-block ranges (static schedule only), 0 or -1 whole
     tiles only: no automatic rule measured faster; `_skinny`: the kernel for at most SKINNY_MAX_M rows with `a`
     K-major, which spreads the product over every SM by splitting K: 0 where it applies, 1 forced, -1 never).
+    `_second`: (a2, b2), a product added in the same launch (gemm_sum).
     """
     check_gemm_args(a, b, bias)
+    if _second is not None:
+        check_gemm_sum_args(a, b, *_second)
     ext = _require_kernels(a.device)
     M, K = a.shape
     N = b.shape[1]
@@ -729,13 +731,35 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
         raise ValueError(f"out must be a {a.dtype} ({M}, {N}) tensor on {a.device} with unit column stride")
     if M == 0 or N == 0:
         return out
+    knobs = dict(_group_rows=_group_rows, _cluster=_cluster, _schedule=_schedule, _tile_n=_tile_n,
+                 _pingpong=_pingpong, _epilogue=_epilogue, _stream_k=_stream_k, _skinny=_skinny)
+    if _second is not None and _second[0].shape[1] == 0:  # nothing to add
+        return gemm(a, b, bias, out=out, **knobs)
     if K == 0:
+        if _second is not None:
+            return gemm(*_second, bias, out=out, **knobs)
         return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros((), dtype=a.dtype, device=a.device))
-    a_layout = _gemm_layout(a, 1)
+    a_layout, b_layout = _gemm_layout(a, 1), _gemm_layout(b, 0)
+    sum_args = {}
+    if _second is not None:
+        a2, b2 = _second
+        a2_layout, b2_layout = _gemm_layout(a2, 1), _gemm_layout(b2, 0)
+        # One kernel reads both products with the same majors: where they differ, or either must be copied, both
+        # are read K-major (copied where they are not so already).
+        if a_layout is None or a2_layout is None or (a_layout[1] == 1) != (a2_layout[1] == 1):
+            a, a_layout = _k_major(a, a_layout, 1)
+            a2, a2_layout = _k_major(a2, a2_layout, 1)
+        if b_layout is None or b2_layout is None or (b_layout[1] == 1) != (b2_layout[1] == 1):
+            b, b_layout = _k_major(b, b_layout, 0)
+            b2, b2_layout = _k_major(b2, b2_layout, 0)
+        sum_args = dict(sum_a=a2.data_ptr(), sum_b=b2.data_ptr(), sum_K=a2.shape[1], sum_a_stride_m=a2_layout[0],
+                        sum_a_stride_k=a2_layout[1], sum_b_stride_k=b2_layout[1], sum_b_stride_n=b2_layout[0])
+        if _skinny == 0:  # the skinny kernel takes one product
+            _skinny = -1
     if a_layout is None:  # copy to fresh (aligned) row-major storage: K-major, leading stride K
-        a = a.clone(memory_format=torch.contiguous_format)
-        a_layout = (K, 1)
-    b, b_layout = _b_in_place(b)
+        a, a_layout = _k_major(a, a_layout, 1)
+    if b_layout is None:
+        b, b_layout = _k_major(b, b_layout, 0)
     if bias is not None:
         bias = bias.contiguous()
     (a_sm, a_sk), (b_sn, b_sk) = a_layout, b_layout
@@ -748,8 +772,41 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
         ext.gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr(),
                  _DTYPE_CODES[a.dtype], M, N, K, a_sm, a_sk, b_sk, b_sn, out.stride(0) if M > 1 else N,
                  _stream_handle(a.device), _group_rows, _cluster, tickets, _tile_n, _pingpong, _epilogue,
-                 _stream_k, partials, flags, _skinny)
+                 _stream_k, partials, flags, _skinny, **sum_args)
     return out
+
+
+def _k_major(t: torch.Tensor, layout: tuple[int, int] | None, k_dim: int) -> tuple[torch.Tensor, tuple[int, int]]:
+    """t (A (M, K) with k_dim 1, or B (K, N) with k_dim 0) and its (stride along the other dim, stride along K),
+    K-major: as it is where _gemm_layout found it so, else copied to fresh storage with leading stride K."""
+    if layout is not None and layout[1] == 1:
+        return t, layout
+    if k_dim == 1:
+        return t.clone(memory_format=torch.contiguous_format), (t.shape[1], 1)
+    return t.t().clone(memory_format=torch.contiguous_format).t(), (t.shape[0], 1)
+
+
+def check_gemm_sum_args(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor) -> None:
+    """What gemm_sum accepts besides gemm's a and b (metadata only): a2 (M, K2) and b2 (K2, N) as gemm's operands,
+    with a's rows, b's columns, dtype and device."""
+    if not isinstance(a2, torch.Tensor) or not isinstance(b2, torch.Tensor):
+        raise TypeError("gemm_sum: a2 and b2 must be tensors")
+    check_gemm_args(a2, b2, None)
+    if a2.shape[0] != a.shape[0] or b2.shape[1] != b.shape[1]:
+        raise ValueError(f"gemm_sum: the products must have one shape; got ({a.shape[0]}, {b.shape[1]}) and "
+                         f"({a2.shape[0]}, {b2.shape[1]})")
+    if a2.dtype != a.dtype or a2.device != a.device:
+        raise ValueError(f"gemm_sum: a2 and b2 must be {a.dtype} tensors on {a.device}; got {a2.dtype} on {a2.device}")
+
+
+def gemm_sum(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor, bias: torch.Tensor | None = None,
+             *, out: torch.Tensor | None = None, **knobs) -> torch.Tensor:
+    """a (M, K) @ b (K, N) + a2 (M, K2) @ b2 (K2, N) (+ bias (N,)) by one tk launch: both products' k-blocks go
+    through the same fp32 accumulators, rounded once, so neither product is written or read back on its own (e.g.
+    the input gradient of LLaMA's MLP, dh1 W1 + dh2 W2). Operands as gemm's (read in place where TMA can; where the
+    two products' layouts differ, both are read K-major, copied as needed). `out` and the underscored knobs as
+    gemm's (the skinny kernel takes one product only)."""
+    return gemm(a, b, bias, out=out, _second=(a2, b2), **knobs)
 
 
 # The embedding's weight gradient

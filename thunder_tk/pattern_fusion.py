@@ -683,6 +683,93 @@ def fuse_swiglu_grad(trace):
     return _rewritten(out, bsyms, "tk: SwiGLU's backward in the output projection's dX GEMM")
 
 
+GEMM_SUM = "gemm_sum"
+"""THUNDER_TK_DISABLE name that keeps two tk_matmul whose results meet only in an add as two launches and the add
+(the fuser's)."""
+
+
+def _product_behind(p, j: int, bsyms: list[BoundSymbol], producer: dict[str, int], users: dict[str, list[int]]):
+    """(tk_matmul index, reshape index or None) where tensor p, read by bsym j, is a tk_matmul's result or its one
+    reshape, and nothing but j reads either; else None."""
+    from thunder_tk.lowering import tk_matmul
+
+    if not isinstance(p, TensorProxy) or users.get(p.name) != [j] or p.name not in producer:
+        return None
+    at = producer[p.name]
+    if bsyms[at].sym.id == tk_matmul.id:
+        return at, None
+    b = bsyms[at]
+    if b.sym.name not in _RESHAPES or b.sym.name == "view" or not isinstance(b.args[0], TensorProxy):
+        return None
+    inner = b.args[0]
+    k = producer.get(inner.name)
+    if k is None or bsyms[k].sym.id != tk_matmul.id or users.get(inner.name) != [at]:
+        return None
+    return k, at
+
+
+def _sum_plan(bsyms: list[BoundSymbol], j: int, producer: dict[str, int], users: dict[str, list[int]]):
+    """For bsym j: ((matmul, reshape or None) of each operand) where j is add(x, y) (alpha 1, no promotion or
+    broadcast) of two tk_matmul results of one shape, each read only there (through one reshape each, or none)."""
+    b = bsyms[j]
+    if b.sym.name != "add" or len(b.args) < 2 or not isinstance(b.output, TensorProxy):
+        return None
+    x, y = b.args[:2]
+    alpha = b.kwargs.get("alpha", b.args[2] if len(b.args) > 2 else None)
+    if alpha not in (None, 1) or not isinstance(x, TensorProxy) or not isinstance(y, TensorProxy) or x.name == y.name:
+        return None
+    out = b.output
+    if not (tuple(x.shape) == tuple(y.shape) == tuple(out.shape) and x.dtype == y.dtype == out.dtype):
+        return None
+    sides = [_product_behind(p, j, bsyms, producer, users) for p in (x, y)]
+    if None in sides or (sides[0][1] is None) != (sides[1][1] is None):
+        return None
+    m1, m2 = (bsyms[k].output for k, _ in sides)
+    if tuple(m1.shape) != tuple(m2.shape) or m1.dtype != m2.dtype or m1.dtype not in (thunder.bfloat16, thunder.float16):
+        return None
+    return sides
+
+
+def sum_products(trace):
+    """The trace with each add of two tk_matmul results (of one shape, read nowhere else, each through one reshape
+    or none) as one tk_matmul_sum launch: both products accumulate in the same fp32 tile and are rounded once, so
+    neither is written or read back on its own (LLaMA's MLP input gradient, dh1 W1 + dh2 W2, whose sum the fuser
+    read back from two GEMM outputs). Off with the feature name GEMM_SUM, and where the build has no gemm_sum
+    kernel."""
+    from thunder_tk import _extension, claim_rules
+    from thunder_tk.lowering import tk_matmul, tk_matmul_sum
+
+    if GEMM_SUM in claim_rules.disabled_names() or not _extension.kernel_in_build("gemm_sum"):
+        return trace
+    bsyms = list(trace.bound_symbols)
+    if sum(b.sym.id == tk_matmul.id for b in bsyms) < 2:
+        return trace
+    producer, users = _producers_and_users(bsyms)
+    plans = [(j, plan) for j in range(len(bsyms)) if (plan := _sum_plan(bsyms, j, producer, users)) is not None]
+    if not plans:
+        return trace
+    from thunder.core.proxies import variableify
+
+    from thunder_tk.executor import sites_of
+
+    out = from_trace(trace)
+    with tracectx(out):
+        for j, ((k1, r1), (k2, r2)) in plans:
+            early, late = sorted(((k1, r1), (k2, r2)))
+            (a, b), (a2, b2) = bsyms[early[0]].args[:2], bsyms[late[0]].args[:2]
+            total = bsyms[j].output if r1 is None else bsyms[late[0]].output
+            # Both products' decisions (sites) go with the sum, so that `explain` names the launch for each.
+            total.tags.update(sites_of(bsyms[early[0]].output) + sites_of(bsyms[late[0]].output))
+            bsyms[late[0]] = tk_matmul_sum.bind(a, b, a2, b2, output=total)
+            bsyms[early[0]] = None
+            if r1 is None:
+                bsyms[j] = None
+            else:  # the sum's reshape makes the add's result
+                bsyms[j] = bsyms[late[1]].from_bsym_swap_proxies({variableify(bsyms[late[1]].output): bsyms[j].output})
+                bsyms[early[1]] = bsyms[late[1]] = None
+    return _rewritten(out, bsyms, "tk: two products met in an add summed in one GEMM launch")
+
+
 QKV_GRAD = "attention_qkv_grad"
 """THUNDER_TK_DISABLE name that keeps the rotary embedding's backward and the concatenation of dq, dk and dv into the
 qkv projection's gradient with the fuser, after tk's attention backward."""

@@ -200,6 +200,25 @@ def gemm_rope():
     print("gemm rope sanitize targets ran")
 
 
+# Two products summed in one launch: ragged k-blocks on both sides, every operand major, each tile path and schedule,
+# a cluster, stream-K and a bias.
+def gemm_sum():
+    bf16 = torch.bfloat16
+    for M, N, K, K2 in [(129, 264, 72, 136), (1100, 4104, 64, 520)]:
+        for a_rows in (True, False):
+            for b_rows in (True, False):
+                a, a2 = (torch.randn(M, k, device="cuda", dtype=bf16) if a_rows else
+                         torch.randn(k, M, device="cuda", dtype=bf16).t() for k in (K, K2))
+                b, b2 = (torch.randn(k, N, device="cuda", dtype=bf16) if b_rows else
+                         torch.randn(N, k, device="cuda", dtype=bf16).t() for k in (K, K2))
+                bias = torch.randn(N, device="cuda", dtype=bf16)
+                for knobs in ({}, {"_schedule": "dynamic"}, {"_tile_n": 128}, {"_pingpong": 1}, {"_epilogue": 1},
+                              {"_cluster": 2}, {"_stream_k": 1}):
+                    ops.gemm_sum(a, b, a2, b2, bias if not knobs else None, **knobs)
+    torch.cuda.synchronize()
+    print("gemm sum sanitize targets ran")
+
+
 # The embedding's weight gradient: vectors and scalars, repeated ids, a padding row, ids outside the table, strided
 # incoming rows.
 def embedding_backward():
@@ -256,7 +275,7 @@ def cross_entropy_forward_grad():
 
 
 SECTIONS = [attention_bwd_delta, gemm, gemm_skinny, gemm_swiglu, tile_library, attention_forward, attention_backward,
-            attention_qkv_grad, gemm_rope, embedding_backward, cross_entropy, cross_entropy_forward_grad]
+            attention_qkv_grad, gemm_rope, gemm_sum, embedding_backward, cross_entropy, cross_entropy_forward_grad]
 
 if __name__ == "__main__":
     only = {x.strip() for x in os.environ.get("SANITIZE_ONLY", "").split(",") if x.strip()}

@@ -28,6 +28,10 @@
 // consumers take whole tiles in turns (ping-pong), one staging of a tile's h1 and h2 serving both by turns, so that
 // one's epilogue runs under the other's products.
 //
+// A summed second product (gemm_args.sum_a): C = A B + A2 B2, the producer streaming A2's and B2's k-blocks after
+// A's and B's into the same accumulators, so a layer's two input gradients that meet in a sum (LLaMA's MLP: dX of
+// both up-projections) come out of one launch, added in fp32 and rounded once, the first never written.
+//
 // Rotary variant (ROPE): a fused qkv projection's output with LitGPT's rotate-half rope applied to q's and k's heads
 // in the consumers' registers before the tile is stored: wgmma gives each thread columns c and c + h of its rows in
 // fragments j and j + h / 8, so a head's pairs never leave the thread. Attention then reads q, k and v as strided
@@ -110,15 +114,16 @@ struct kernel_params {
     gemm_args args;
     schedule::grouped_order order;
     schedule::split_tail split;  // static schedule: whole tiles round robin, then the stream-K tail (if any)
-    int k_blocks;
+    int k_blocks;        // k-blocks of a tile, of both products where a second is summed
+    int first_k_blocks;  // those of the first product (A, B); the rest are the second's (A2, B2)
     bool tma_store;  // C rows 16-byte aligned: stage the epilogue in shared memory and store with TMA
     int* tickets;    // dynamic schedule counter, or null (static: p.split)
 };
 
-// The SwiGLU launches' other operand, outputs and inputs (unused, zeroed, elsewhere): forward B2, C2 and C3;
-// backward C2 (dh2), H1 and H2.
-struct gated_maps {
-    CUtensorMap b2, c2, c3, h1, h2;
+// The maps beyond A, B and C (unused, zeroed, elsewhere): SwiGLU's forward B2, C2 and C3; its backward C2 (dh2), H1
+// and H2; a summed second product's A2 and B2 (B2 with that product's own box).
+struct extra_maps {
+    CUtensorMap a2, b2, c2, c3, h1, h2;
 };
 
 // Stream-K workspace: per block slot, per consumer warpgroup, its fp32 accumulators in fragment order (each
@@ -462,7 +467,7 @@ __device__ __forceinline__ bool receive_staged(State& st, int wg, uint32_t k, in
 // last stores have read it.
 template <typename T, typename State>
 __device__ __forceinline__ void store_staged_gated(State& st, const kernel_params& p, const CUtensorMap& map_c,
-                                                   const gated_maps& gm, int wg) {
+                                                   const extra_maps& gm, int wg) {
     const bool leader = (threadIdx.x & 31) == 0;
     sync::arrive(st.c_free[wg]);  // the staging starts out free
     for (uint32_t k = 0;; ++k) {
@@ -558,7 +563,7 @@ __device__ __forceinline__ void gate_grad_hand_over(State& st, int wg, int row0,
 // the consumers that the origin has been read.
 template <bool WHOLE_TILE, typename State, typename TileOf>
 __device__ __forceinline__ void store_gate_grad_tiles(State& st, const kernel_params& p, const CUtensorMap& map_c,
-                                                      const gated_maps& gm, int wg, int cluster, int clusters,
+                                                      const extra_maps& gm, int wg, int cluster, int clusters,
                                                       TileOf tile_of) {
     static_assert(State::BN == 128, "two panels a tile");
     constexpr int HALVES = WHOLE_TILE ? 2 : 1;  // 64-row halves of the tile in the staging
@@ -810,7 +815,7 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
 template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, fused F>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                const __grid_constant__ CUtensorMap map_c, const __grid_constant__ gated_maps gm,
+                const __grid_constant__ CUtensorMap map_c, const __grid_constant__ extra_maps gm,
                 const __grid_constant__ kernel_params p) {
     static_assert(!PINGPONG || (CLUSTER == 1 && BN == 128), "ping-pong: 128 x 128 tiles, no cluster");
     constexpr bool GATED = F == fused::swiglu, GATE_GRAD = F == fused::swiglu_grad;
@@ -858,7 +863,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (threadIdx.x == 0) {
             tma::prefetch_map(&map_a);
             tma::prefetch_map(&map_b);
-            if constexpr (GATED) tma::prefetch_map(&gm.b2);
+            if (GATED || p.first_k_blocks < p.k_blocks) tma::prefetch_map(&gm.b2);
+            if (p.first_k_blocks < p.k_blocks) tma::prefetch_map(&gm.a2);
             if constexpr (GATE_GRAD) {
                 tma::prefetch_map(&gm.h1);
                 tma::prefetch_map(&gm.h2);
@@ -876,17 +882,21 @@ __global__ void __launch_bounds__(THREADS, 1)
                 const auto tile = tile_of(t);
                 const int m0 = tile.m * BM, n0 = tile.n * (GATED ? BN / 2 : BN);
                 for (int kb = k_begin; kb < k_end; ++kb) {
-                    const int k0 = kb * BK;
+                    // A summed second product's k-blocks follow the first's, from its own maps.
+                    const bool second = kb >= p.first_k_blocks;
+                    const CUtensorMap* ma = second ? &gm.a2 : &map_a;
+                    const CUtensorMap* mb = second ? &gm.b2 : &map_b;
+                    const int k0 = (second ? kb - p.first_k_blocks : kb) * BK;
                     st.ring.wait_empty(at);
                     const int s = at.stage;
                     sync::barrier& full = st.ring.full[s];
                     if (kb == k_begin && p.tickets != nullptr) st.tile_at[s] = t;
                     sync::arrive_expect_bytes(full, state_t::stage_bytes);
                     if constexpr (MA == major::k) {
-                        tma::load_2d(st.a[s].data, &map_a, k0, m0, full);
+                        tma::load_2d(st.a[s].data, ma, k0, m0, full);
                     } else {
                         for (int panel = 0; panel < BM / 64; ++panel)
-                            tma::load_2d(st.a[s].data + panel * 64 * BK, &map_a, m0 + panel * 64, k0, full);
+                            tma::load_2d(st.a[s].data + panel * 64 * BK, ma, m0 + panel * 64, k0, full);
                     }
                     constexpr uint16_t everyone = (1u << CLUSTER) - 1;
                     constexpr int b_rows = BN / CLUSTER;  // this block's share of the B tile
@@ -894,17 +904,17 @@ __global__ void __launch_bounds__(THREADS, 1)
                         tma::load_2d(st.b[s].data, &map_b, k0, n0, full);
                         tma::load_2d(st.b[s].data + (BN / 2) * BK, &gm.b2, k0, n0, full);
                     } else if constexpr (CLUSTER == 1 && MB == major::k) {
-                        tma::load_2d(st.b[s].data, &map_b, k0, n0, full);
+                        tma::load_2d(st.b[s].data, mb, k0, n0, full);
                     } else if constexpr (CLUSTER == 1) {
                         for (int panel = 0; panel < BN / 64; ++panel)
-                            tma::load_2d(st.b[s].data + panel * 64 * BK, &map_b, n0 + panel * 64, k0, full);
+                            tma::load_2d(st.b[s].data + panel * 64 * BK, mb, n0 + panel * 64, k0, full);
                     } else if constexpr (MB == major::k) {
-                        tma::load_2d_multicast(st.b[s].data + rank * b_rows * BK, &map_b, k0, n0 + rank * b_rows,
+                        tma::load_2d_multicast(st.b[s].data + rank * b_rows * BK, mb, k0, n0 + rank * b_rows,
                                                full, everyone);
                     } else {
                         for (int panel = 0; panel < b_rows / 64; ++panel) {
                             const int row = rank * b_rows + panel * 64;
-                            tma::load_2d_multicast(st.b[s].data + row * BK, &map_b, n0 + row, k0, full,
+                            tma::load_2d_multicast(st.b[s].data + row * BK, mb, n0 + row, k0, full,
                                                    everyone);
                         }
                     }
@@ -1037,15 +1047,20 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     // SwiGLU: each product's B tile is half the block's (128 columns of B, 128 of B2), and an output tile 128 wide.
     constexpr int b_box = GATED ? BN / 2 : BN / CLUSTER, out_tile_n = GATED ? BN / 2 : BN;
 
-    CUtensorMap map_a, map_b;
     const auto sw = tma::swizzle::b128;
-    CUresult r = MA == major::k
-                     ? tma::make_tensor_map_2d(&map_a, g.a, tma::element_type<T>(), 2, g.K, g.M, g.a_stride_m, BK, BM, sw)
-                     : tma::make_tensor_map_2d(&map_a, g.a, tma::element_type<T>(), 2, g.M, g.K, g.a_stride_k, 64, BK, sw);
-    if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
-    r = MB == major::k ? tma::make_tensor_map_2d(&map_b, g.b, tma::element_type<T>(), 2, g.K, g.N, g.b_stride_n, BK, b_box, sw)
-                       : tma::make_tensor_map_2d(&map_b, g.b, tma::element_type<T>(), 2, g.N, g.K, g.b_stride_k, 64, BK, sw);
-    if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
+    // A's and B's maps over K columns of A and K rows of B, for either product.
+    auto operand_maps = [&](CUtensorMap* ma, CUtensorMap* mb, const void* a, const void* b, int64_t K, int64_t a_stride_m,
+                            int64_t a_stride_k, int64_t b_stride_k, int64_t b_stride_n) {
+        CUresult r = MA == major::k
+                         ? tma::make_tensor_map_2d(ma, a, tma::element_type<T>(), 2, K, g.M, a_stride_m, BK, BM, sw)
+                         : tma::make_tensor_map_2d(ma, a, tma::element_type<T>(), 2, g.M, K, a_stride_k, 64, BK, sw);
+        if (r != CUDA_SUCCESS) return r;
+        return MB == major::k ? tma::make_tensor_map_2d(mb, b, tma::element_type<T>(), 2, K, g.N, b_stride_n, BK, b_box, sw)
+                              : tma::make_tensor_map_2d(mb, b, tma::element_type<T>(), 2, g.N, K, b_stride_k, 64, BK, sw);
+    };
+    CUtensorMap map_a, map_b;
+    if (operand_maps(&map_a, &map_b, g.a, g.b, g.K, g.a_stride_m, g.a_stride_k, g.b_stride_k, g.b_stride_n) != CUDA_SUCCESS)
+        return cudaErrorInvalidValue;
     CUtensorMap map_c{};
     // C's layout in 64 x 64 boxes: the output, and SwiGLU's other outputs and (backward) inputs, which share it.
     auto panel_map = [&](CUtensorMap* map, const void* at) {
@@ -1056,7 +1071,7 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     const bool tma_store = reinterpret_cast<uintptr_t>(g.c) % 16 == 0 && g.N % 8 == 0 &&
                            (g.M == 1 || g.c_stride_m % 8 == 0);
     if (tma_store && panel_map(&map_c, g.c) != CUDA_SUCCESS) return cudaErrorInvalidValue;
-    gated_maps gm{};
+    extra_maps gm{};
     if constexpr (GATED) {
         if (!tma_store ||
             tma::make_tensor_map_2d(&gm.b2, g.b2, tma::element_type<T>(), 2, g.K, g.N, g.b_stride_n, BK, b_box, sw) !=
@@ -1069,6 +1084,10 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
             panel_map(&gm.h2, g.h2) != CUDA_SUCCESS)
             return cudaErrorInvalidValue;
     }
+    const bool summed = F == fused::none && g.sum_a != nullptr;
+    if (summed && operand_maps(&gm.a2, &gm.b2, g.sum_a, g.sum_b, g.sum_K, g.sum_a_stride_m, g.sum_a_stride_k,
+                               g.sum_b_stride_k, g.sum_b_stride_n) != CUDA_SUCCESS)
+        return cudaErrorInvalidValue;
 
     kernel_params p;
     p.tma_store = tma_store;
@@ -1077,7 +1096,8 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     const int tiles_m = int((g.M + BM - 1) / BM);
     p.order = {(tiles_m + CLUSTER - 1) / CLUSTER, int((g.N + out_tile_n - 1) / out_tile_n),
                g.group_rows > 0 ? std::max(1, g.group_rows / CLUSTER) : GROUP_ROWS / CLUSTER};
-    p.k_blocks = int((g.K + BK - 1) / BK);
+    p.first_k_blocks = int((g.K + BK - 1) / BK);  // a ragged last k-block reads zeros past K (TMA's fill)
+    p.k_blocks = p.first_k_blocks + (summed ? int((g.sum_K + BK - 1) / BK) : 0);
     p.tickets = CLUSTER == 1 ? g.tickets : nullptr;
 
     int clusters = std::max(1, std::min(p.order.count(), resident / CLUSTER));
@@ -1224,6 +1244,24 @@ const char* gated_unsupported(const gemm_args& g) {
     return nullptr;
 }
 
+// A summed second product: its operands laid out like the first's (the kernel's majors are the first's).
+const char* sum_unsupported(const gemm_args& g) {
+    if (g.sum_b == nullptr) return "a summed second product needs its B2";
+    if (g.rope_cos != nullptr || g.h1 != nullptr || g.b2 != nullptr) return "a summed second product is a plain product's";
+    if (g.sum_K <= 0 || g.sum_K % 8) return "the second product's K must be a positive multiple of 8";
+    if (g.sum_K > INT32_MAX / 2 || g.K + g.sum_K > INT32_MAX / 2) return "the two products' K exceed 2^30";
+    if ((g.sum_a_stride_k == 1) != (g.a_stride_k == 1) || (g.sum_b_stride_k == 1) != (g.b_stride_k == 1))
+        return "the second product's A2 and B2 need A's and B's majors (the unit stride on the same side)";
+    if ((g.sum_a_stride_k != 1 && g.sum_a_stride_m != 1) || (g.sum_b_stride_k != 1 && g.sum_b_stride_n != 1))
+        return "A2 and B2 need a unit stride";
+    const int64_t a_lead = g.sum_a_stride_k == 1 ? g.sum_a_stride_m : g.sum_a_stride_k;
+    const int64_t b_lead = g.sum_b_stride_k == 1 ? g.sum_b_stride_n : g.sum_b_stride_k;
+    if (a_lead % 8 || b_lead % 8) return "A2's and B2's leading strides must be multiples of 8 elements";
+    if (!aligned16(g.sum_a) || !aligned16(g.sum_b)) return "A2 and B2 must be 16-byte aligned";
+    if (g.skinny == 1) return "the skinny GEMM takes one product";
+    return nullptr;
+}
+
 }  // namespace
 
 const char* gemm_unsupported(const gemm_args& g) {
@@ -1252,11 +1290,14 @@ const char* gemm_unsupported(const gemm_args& g) {
     const int64_t b_lead = g.b_stride_k == 1 ? g.b_stride_n : g.b_stride_k;
     if (a_lead % 8 || b_lead % 8) return "leading strides must be multiples of 8 elements";
     if (!aligned16(g.a) || !aligned16(g.b)) return "A and B must be 16-byte aligned";
+    if (g.sum_a != nullptr)
+        if (const char* why = sum_unsupported(g)) return why;
     if (g.rope_cos != nullptr && (g.h1 != nullptr || g.b2 != nullptr)) return "the rotary epilogue is a plain product's";
     if (g.rope_cos != nullptr) return rope_unsupported(g);
     if (g.h1 != nullptr) return gate_grad_unsupported(g);
     if (g.b2 != nullptr) return gated_unsupported(g);
-    if (g.c2 != nullptr || g.c3 != nullptr || g.h2 != nullptr) return "extra outputs or inputs without their launch";
+    if (g.c2 != nullptr || g.c3 != nullptr || g.h2 != nullptr || g.sum_b != nullptr)
+        return "extra outputs or inputs without their launch";
     return nullptr;
 }
 

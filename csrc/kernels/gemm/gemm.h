@@ -1,4 +1,4 @@
-// C[M, N] = A[M, K] * B[K, N] (+ bias[N]) in bf16 or fp16 with fp32 accumulation.
+// C[M, N] = A[M, K] * B[K, N] (+ A2[M, K2] * B2[K2, N]) (+ bias[N]) in bf16 or fp16 with fp32 accumulation.
 // Host-visible declarations only (no device code).
 #pragma once
 
@@ -67,6 +67,13 @@ struct gemm_args {
     const void* rope_sin;
     int64_t rope_stride, rope_seq, rope_cols;
     int rope_head_dim, rope_dims;
+    // A second product summed into C (sum_a non-null): C = A B + A2 B2 (+ bias), both products' k-blocks (K's, then
+    // sum_K's) accumulated in one fp32 tile and rounded once, so their sum is neither written nor read back in 16
+    // bits. A2 (M, sum_K) and B2 (sum_K, N) with strides of their own and A's and B's majors (the unit stride on the
+    // same side). The plain product's launches only: no fused epilogue, no skinny kernel (gemm_unsupported).
+    const void* sum_a;
+    const void* sum_b;
+    int64_t sum_K, sum_a_stride_m, sum_a_stride_k, sum_b_stride_k, sum_b_stride_n;
 };
 
 constexpr int SKINNY_MAX_M = 64;
