@@ -1296,7 +1296,7 @@ const char* gemm_unsupported(const gemm_args& g) {
     if (g.rope_cos != nullptr) return rope_unsupported(g);
     if (g.h1 != nullptr) return gate_grad_unsupported(g);
     if (g.b2 != nullptr) return gated_unsupported(g);
-    if (g.c2 != nullptr || g.c3 != nullptr || g.h2 != nullptr || g.sum_b != nullptr)
+    if (g.c2 != nullptr || g.c3 != nullptr || g.h2 != nullptr || (g.sum_b != nullptr && g.sum_a == nullptr))
         return "extra outputs or inputs without their launch";
     return nullptr;
 }
