@@ -459,6 +459,7 @@ def test_products_that_meet_in_an_add_run_as_one_launch(standin_tk_build, reques
     assert torch.equal(out, (a @ b + c @ d).to(bf16))
     rows = [r for r in thunder_tk.explain(jm).rows if r.symbol == "ltorch.matmul"]
     assert [r.ran_by for r in rows] == ["tk: tk_matmul_sum"] * 2, rows
+    assert all(r.detail.startswith("summed with the other product of an add in one launch") for r in rows), rows
 
 
 @pytest.mark.parametrize("fn", [

@@ -113,7 +113,8 @@ def _detail(op: BoundSymbol | None, backward_by: str, cd, declined: dict[str, st
     """What the trace's inputs column does not show: attention whose repeated K/V heads tk read unrepeated
     (pattern_fusion.attend_grouped_kv) or whose backward writes the qkv projection's gradient
     (pattern_fusion.attention_backward_into_qkv), and why not where tk's backward does not; a training
-    cross-entropy's gradient, from the forward's read of the logits or from the backward kernel, and why the latter.
+    cross-entropy's gradient, from the forward's read of the logits or from the backward kernel, and why the latter;
+    a product summed with another in one launch.
     `declined`: the site's rewrites left undone, {feature: why}."""
     if op is None:
         return ""
@@ -130,6 +131,8 @@ def _detail(op: BoundSymbol | None, backward_by: str, cd, declined: dict[str, st
         return "q and k roped in the epilogue; the attention reads q, k and v from its output in place"
     if op.sym.name == "tk_linear" and QKV_ROPE in declined:
         return f"q and k not roped in the epilogue: {declined[QKV_ROPE]}"
+    if op.sym.name == "tk_matmul_sum":
+        return "summed with the other product of an add in one launch"
     if op.sym.name.startswith("tk_cross_entropy_forward_grad"):
         over = op.sym.name.endswith("_over_logits")
         return "loss and gradient from one read of the logits" + ("; the gradient written over them" if over else "")
