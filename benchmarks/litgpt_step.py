@@ -54,8 +54,9 @@ def _fsdp2(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def variants(fsdp: bool, device: torch.device):
-    """name -> wrap(LossModule) returning the module to call; the optimizer takes its parameters afterwards."""
+def variants(fsdp: bool, device: torch.device, without: tuple[str, ...] = ()):
+    """name -> wrap(LossModule) returning the module to call; the optimizer takes its parameters afterwards.
+    `without`: names of "thunder [tk] without ..." variants (WITHOUT) to add after the fixed ones."""
     import thunder
 
     import thunder_tk
@@ -96,7 +97,20 @@ def variants(fsdp: bool, device: torch.device):
         # both apart: tk's step before either SwiGLU fusion
         "thunder [tk] SwiGLU both apart": thunder_variant([thunder_tk.tk], tk_disable=["gemm_swiglu",
                                                                                       "gemm_swiglu_grad"]),
+        # tk with any rules, families or features off (tk_disable), named on the command line: an A/B in one run
+        **{name: thunder_variant([thunder_tk.tk], tk_disable=list(switched_off(name))) for name in without},
     }
+
+
+# "thunder [tk] without <name>, <name>": tk with those tk_disable names off; on the command line
+# tk_without=<name>+<name> (no spaces or brackets, for gpu_run.sh's LITGPT_ARGS).
+WITHOUT = "thunder [tk] without "
+_WITHOUT_ALIAS = "tk_without="
+
+
+def switched_off(name: str) -> tuple[str, ...]:
+    """The tk_disable names of a WITHOUT variant's name."""
+    return tuple(n.strip() for n in name[len(WITHOUT):].split(","))
 
 
 def with_environment(wrap, **env):
@@ -129,11 +143,20 @@ def variant_names(given: list[str] | None) -> list[str] | None:
     that silently measures nothing."""
     if not given:
         return None
-    names = [_ALIASES.get(g.lower().replace("-", "_"), g) for g in given]
-    unknown = [g for g, n in zip(given, names) if n not in VARIANT_NAMES]
+    from thunder_tk.claim_rules import known_disable_names
+
+    def resolved(g: str) -> str:
+        if g.lower().startswith(_WITHOUT_ALIAS):
+            return WITHOUT + ", ".join(g[len(_WITHOUT_ALIAS):].split("+"))
+        return _ALIASES.get(g.lower().replace("-", "_"), g)
+
+    names = [resolved(g) for g in given]
+    unknown = [g for g, n in zip(given, names)
+               if n not in VARIANT_NAMES and not (n.startswith(WITHOUT) and set(switched_off(n)) <= known_disable_names())]
     if unknown:
-        raise SystemExit(f"--only: unknown variant(s) {unknown}; choose from {list(VARIANT_NAMES)} or "
-                         f"{sorted(_ALIASES)}")
+        raise SystemExit(f"--only: unknown variant(s) {unknown}; choose from {list(VARIANT_NAMES)}, "
+                         f"{sorted(_ALIASES)} or {_WITHOUT_ALIAS}<name>[+<name>...] with tk_disable names "
+                         f"{sorted(known_disable_names())}")
     return names
 
 
@@ -431,7 +454,8 @@ def main():
     p.add_argument("--rounds", type=int, default=1,
                    help="time every variant this many times in turns (variants stay built), median per variant")
     p.add_argument("--only", nargs="*", help=f"variants to run: {', '.join(VARIANT_NAMES)} (or without spaces: "
-                                             f"eager, compile, default, tk)")
+                                             f"eager, compile, default, tk), and tk with tk_disable names off: "
+                                             f"{_WITHOUT_ALIAS}<name>[+<name>...], e.g. {_WITHOUT_ALIAS}gemm_sum")
     p.add_argument("--fsdp", action="store_true", help="shard over the torchrun processes (one GPU each)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the code paths")
     p.add_argument("--json", default="out/litgpt_step.json")
@@ -456,8 +480,8 @@ def main():
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     main_rank = _world() == 1 or torch.distributed.get_rank() == 0
     rows, built = [], []
-    chosen = variants(a.fsdp, device)
-    assert tuple(chosen) == VARIANT_NAMES, "VARIANT_NAMES must list variants()"
+    chosen = variants(a.fsdp, device, tuple(n for n in a.only or () if n.startswith(WITHOUT)))
+    assert tuple(chosen)[:len(VARIANT_NAMES)] == VARIANT_NAMES, "VARIANT_NAMES must list variants()"
     # nvidia-smi's SM clock, power and temperature beside every timing round (nothing without nvidia-smi)
     with ClockSampler(period_ms=100) as clocks:
         for name, wrap in chosen.items():

@@ -280,6 +280,17 @@ def test_litgpt_step_only_takes_aliases_and_rejects_unknown_names():
         "thunder [tk]", "thunder default", "torch.compile", "eager", "thunder [tk]"]
     with pytest.raises(SystemExit, match="unknown variant"):
         bench.variant_names(["thunder_defualt"])
+    # tk with tk_disable names off, for an A/B in one run
+    assert bench.variant_names(["tk_without=gemm_sum", "TK_WITHOUT=gemm_rope+attention"]) == [
+        "thunder [tk] without gemm_sum", "thunder [tk] without gemm_rope, attention"]
+    assert bench.switched_off("thunder [tk] without gemm_rope, attention") == ("gemm_rope", "attention")
+    with pytest.raises(SystemExit, match="unknown variant"):
+        bench.variant_names(["tk_without=gemm_summ"])
+    import torch
+
+    built = bench.variants(False, torch.device("cpu"), ("thunder [tk] without gemm_sum",))
+    assert tuple(built)[:len(bench.VARIANT_NAMES)] == bench.VARIANT_NAMES
+    assert list(built)[-1] == "thunder [tk] without gemm_sum"
 
 
 def test_litgpt_step_variant_environment_is_set_only_during_its_steps(monkeypatch):
