@@ -13,7 +13,6 @@ TinyLlama (32 over 4), Llama-3-8B (32 over 8 of 128), Pythia-1.4B-like partial r
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bar_chart, interleaved_ms, print_table, write_results  # noqa: E402
+from common import interleaved_ms, report, shape_arguments  # noqa: E402
 
 from thunder_tk import ops  # noqa: E402
 
@@ -78,22 +77,13 @@ def measure(name: str, compiled, rounds: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--json", default="out/attention_qkv_grad.json")
-    p.add_argument("--png")
-    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
-    p.add_argument("--rounds", type=int, default=5)
-    a = p.parse_args()
-
+    a = shape_arguments("attention_qkv_grad", SHAPES)
     compiled = torch.compile(rope_back_and_cat)
     rows = [measure(name, compiled, a.rounds) for name in a.shapes]
-    print_table(rows, ["shape", "fold_us", "tk_compile_us", "sdpa_compile_us", "vs_tk_compile", "vs_sdpa_compile"])
-    path = write_results(a.json, "attention_qkv_grad", rows)
-    print(f"wrote {path}")
-    if a.png:
-        bar_chart(a.png, "attention backward into dqkv with rope, causal, bf16 (us)", [r["shape"] for r in rows],
-                  {"tk fold": [r["fold_us"] for r in rows], "tk + torch.compile": [r["tk_compile_us"] for r in rows],
-                   "SDPA + torch.compile": [r["sdpa_compile_us"] for r in rows]}, "us")
+    report(a, "attention_qkv_grad", rows, ["shape", "fold_us", "tk_compile_us", "sdpa_compile_us", "vs_tk_compile",
+                                           "vs_sdpa_compile"],
+           "attention backward into dqkv with rope, causal, bf16 (us)",
+           {"tk fold": "fold_us", "tk + torch.compile": "tk_compile_us", "SDPA + torch.compile": "sdpa_compile_us"})
 
 
 if __name__ == "__main__":

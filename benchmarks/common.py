@@ -173,6 +173,30 @@ def write_results(path: str | Path, name: str, rows: list[dict]) -> Path:
     return path
 
 
+def shape_arguments(name: str, shapes: dict, rounds: int = 5, argv=None):
+    """The command line of a benchmark over named shapes: --json (default out/<name>.json), --png, --shapes (a
+    subset of `shapes`' names, all by default) and --rounds."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default=f"out/{name}.json")
+    p.add_argument("--png")
+    p.add_argument("--shapes", nargs="+", choices=sorted(shapes), default=list(shapes))
+    p.add_argument("--rounds", type=int, default=rounds)
+    return p.parse_args(argv)
+
+
+def report(args, name: str, rows: list[dict], columns: list[str], title: str, series: dict[str, str],
+           unit: str = "us") -> None:
+    """A per-shape benchmark's ending: the table, the JSON (args.json) and, with args.png, a bar chart of `series`
+    (legend -> the rows' key) over the rows' shapes."""
+    print_table(rows, columns)
+    print(f"wrote {write_results(args.json, name, rows)}")
+    if args.png:
+        bar_chart(args.png, title, [r["shape"] for r in rows], {label: [r[key] for r in rows]
+                                                                for label, key in series.items()}, unit)
+
+
 def print_table(rows: list[dict], columns: list[str]) -> None:
     cells = [[f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in columns] for r in rows]
     widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(columns)]

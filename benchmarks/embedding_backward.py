@@ -13,14 +13,13 @@ Llama-3.2-1B (128256 x 2048), TinyLlama (32000 x 2048), Llama-3-8B (128256 x 409
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bar_chart, interleaved_ms, print_table, write_results  # noqa: E402
+from common import interleaved_ms, report, shape_arguments  # noqa: E402
 
 from thunder_tk import ops  # noqa: E402
 
@@ -62,25 +61,15 @@ def measure(name: str, compiled, rounds: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--json", default="out/embedding_backward.json")
-    p.add_argument("--png")
-    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
-    p.add_argument("--rounds", type=int, default=5)
-    a = p.parse_args()
-
+    a = shape_arguments("embedding_backward", SHAPES)
     # Static shapes, one specialisation per shape, as Thunder compiles each fusion region of a fixed-shape trace
     # (without it Dynamo turns the second shape's sizes, the vocabulary's too, symbolic).
     compiled = torch.compile(dense_backward, dynamic=False)
     rows = [measure(name, compiled, a.rounds) for name in a.shapes]
-    print_table(rows, ["shape", "tk_us", "eager_us", "compile_us", "vs_eager", "vs_compile", "out_gb",
-                       "tk_gb_per_s"])
-    path = write_results(a.json, "embedding_backward", rows)
-    print(f"wrote {path}")
-    if a.png:
-        bar_chart(a.png, "embedding weight gradient, bf16 (us)", [r["shape"] for r in rows],
-                  {"tk": [r["tk_us"] for r in rows], "PyTorch eager": [r["eager_us"] for r in rows],
-                   "torch.compile": [r["compile_us"] for r in rows]}, "us")
+    report(a, "embedding_backward", rows, ["shape", "tk_us", "eager_us", "compile_us", "vs_eager", "vs_compile",
+                                           "out_gb", "tk_gb_per_s"],
+           "embedding weight gradient, bf16 (us)", {"tk": "tk_us", "PyTorch eager": "eager_us",
+                                                    "torch.compile": "compile_us"})
 
 
 if __name__ == "__main__":

@@ -12,14 +12,13 @@ Llama-3.2-1B (D 2048, hidden 8192), TinyLlama (2048, 5632), Llama-3-8B (4096, 14
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bar_chart, interleaved_ms, print_table, write_results  # noqa: E402
+from common import interleaved_ms, report, shape_arguments  # noqa: E402
 
 from thunder_tk import ops  # noqa: E402
 
@@ -61,19 +60,10 @@ def measure(name: str, rounds: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--json", default="out/gemm_sum.json")
-    p.add_argument("--png")
-    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
-    p.add_argument("--rounds", type=int, default=5)
-    a = p.parse_args()
+    a = shape_arguments("gemm_sum", SHAPES)
     rows = [measure(name, a.rounds) for name in a.shapes]
-    print_table(rows, ["shape", *WAYS, *[f"{w} / tk sum" for w in WAYS[1:]], "tk sum TFLOP/s"])
-    path = write_results(a.json, "gemm_sum", rows)
-    print(f"wrote {path}")
-    if a.png:
-        bar_chart(a.png, "A B + A2 B2, bf16 (us)", [r["shape"] for r in rows],
-                  {way: [r[way] for r in rows] for way in WAYS}, "us")
+    report(a, "gemm_sum", rows, ["shape", *WAYS, *[f"{w} / tk sum" for w in WAYS[1:]], "tk sum TFLOP/s"],
+           "A B + A2 B2, bf16 (us)", {way: way for way in WAYS})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Shapes: the training steps' projections (batch x sequence 8192 tokens): Llama-3.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bar_chart, interleaved_ms, print_table, write_results  # noqa: E402
+from common import interleaved_ms, report, shape_arguments  # noqa: E402
 
 from thunder_tk import ops  # noqa: E402
 
@@ -84,25 +83,15 @@ def measure(name: str, compiled, rounds: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--json", default="out/linear_rope.json")
-    p.add_argument("--png")
-    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
-    p.add_argument("--rounds", type=int, default=5)
-    a = p.parse_args()
-
+    a = shape_arguments("linear_rope", SHAPES)
     # Static shapes, one specialisation per shape, as Thunder compiles each fusion region of a fixed-shape trace
     # (without it Dynamo turns the second shape's sizes symbolic).
     compiled = torch.compile(split_and_rope, dynamic=False)
     rows = [measure(name, compiled, a.rounds) for name in a.shapes]
-    print_table(rows, ["shape", "fold_us", "tk_compile_us", "cublas_compile_us", "vs_tk_compile",
-                       "vs_cublas_compile"])
-    path = write_results(a.json, "linear_rope", rows)
-    print(f"wrote {path}")
-    if a.png:
-        bar_chart(a.png, "qkv projection with rope of q and k, bf16 (us)", [r["shape"] for r in rows],
-                  {"tk fold": [r["fold_us"] for r in rows], "tk + torch.compile": [r["tk_compile_us"] for r in rows],
-                   "cuBLAS + torch.compile": [r["cublas_compile_us"] for r in rows]}, "us")
+    report(a, "linear_rope", rows, ["shape", "fold_us", "tk_compile_us", "cublas_compile_us", "vs_tk_compile",
+                                    "vs_cublas_compile"],
+           "qkv projection with rope of q and k, bf16 (us)", {"tk fold": "fold_us", "tk + torch.compile": "tk_compile_us",
+                                                              "cuBLAS + torch.compile": "cublas_compile_us"})
 
 
 if __name__ == "__main__":

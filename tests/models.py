@@ -21,3 +21,20 @@ class Block(torch.nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
         return x + self.out(F.gelu(self.fc(x)))
+
+
+class LlamaMLP(torch.nn.Module):
+    """LitGPT's LLaMAMLP, proj(silu(fc_1(x)) * fc_2(x)); `bias` on fc_2 only, `proj_bias` on proj, `swap` writes the
+    product the other way round, `act` another gate (GLU's sigmoid, GEGLU's gelu)."""
+
+    def __init__(self, n=64, hidden=128, bias=False, swap=False, act=F.silu, proj_bias=False):
+        super().__init__()
+        self.act = act
+        self.fc_1 = torch.nn.Linear(n, hidden, bias=False)
+        self.fc_2 = torch.nn.Linear(n, hidden, bias=bias)
+        self.proj = torch.nn.Linear(hidden, n, bias=proj_bias)
+        self.swap = swap
+
+    def forward(self, x):
+        a, b = self.act(self.fc_1(x)), self.fc_2(x)
+        return self.proj(b * a if self.swap else a * b)

@@ -457,3 +457,30 @@ def test_embedding_backward_benchmark_parses_and_its_peer_is_the_reference():
     assert got.shape == (V, 24) and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
     got = bench.dense_backward(grad.bfloat16(), indices, V)
     assert got.dtype == torch.bfloat16 and ((got.double() - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_per_shape_benchmarks_share_their_command_line_and_report(tmp_path, capsys):
+    """common.shape_arguments and common.report, which the per-shape kernel benchmarks (gemm_sum, linear_rope,
+    embedding_backward, attention_qkv_grad) use: defaults, a shape subset, an unknown shape refused, the table, the
+    JSON and, where matplotlib is installed, the chart."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import common
+
+    shapes = {"small": 1, "large": 2}
+    a = common.shape_arguments("demo", shapes, rounds=3, argv=[])
+    assert (a.json, a.png, a.shapes, a.rounds) == ("out/demo.json", None, ["small", "large"], 3)
+    a = common.shape_arguments("demo", shapes, argv=["--shapes", "large", "--json", str(tmp_path / "d.json")])
+    assert a.shapes == ["large"] and a.rounds == 5
+    with pytest.raises(SystemExit):
+        common.shape_arguments("demo", shapes, argv=["--shapes", "medium"])
+    rows = [{"shape": "large", "tk_us": 10.0, "peer_us": 12.5}]
+    common.report(a, "demo", rows, ["shape", "tk_us", "peer_us"], "demo (us)", {"tk": "tk_us", "peer": "peer_us"})
+    assert json.loads((tmp_path / "d.json").read_text())["rows"] == rows
+    assert "peer_us" in capsys.readouterr().out
+    try:
+        import matplotlib  # noqa: F401  (the charts' optional dependency)
+    except ImportError:
+        return
+    a.png = str(tmp_path / "d.png")
+    common.report(a, "demo", rows, ["shape", "tk_us"], "demo (us)", {"tk": "tk_us", "peer": "peer_us"})
+    assert (tmp_path / "d.png").stat().st_size > 0

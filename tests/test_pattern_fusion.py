@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import thunder
 
 import thunder_tk
+from models import LlamaMLP as SwiGLU
 from standins import turned_off
 from thunder_tk import lowering, pattern_fusion, tk
 
@@ -255,23 +256,6 @@ def test_scale_rows_computes_in_fp32():
 
 # ------------------------------------------------------------------------------------------------
 # SwiGLU: LLaMA's MLP, silu(fc_1(x)) * fc_2(x), its two products in one tk_swiglu_linear launch.
-
-
-class SwiGLU(torch.nn.Module):
-    """LitGPT's LLaMAMLP: proj(silu(fc_1(x)) * fc_2(x)); `bias` on fc_2 only, `swap` writes the product the other way
-    round, `act` another gate (GLU's sigmoid, GEGLU's gelu)."""
-
-    def __init__(self, n=64, hidden=128, bias=False, swap=False, act=F.silu):
-        super().__init__()
-        self.act = act
-        self.fc_1 = torch.nn.Linear(n, hidden, bias=False)
-        self.fc_2 = torch.nn.Linear(n, hidden, bias=bias)
-        self.proj = torch.nn.Linear(hidden, n, bias=False)
-        self.swap = swap
-
-    def forward(self, x):
-        a, b = self.act(self.fc_1(x)), self.fc_2(x)
-        return self.proj(b * a if self.swap else a * b)
 
 
 def swiglu_ops(jm):

@@ -6,6 +6,7 @@ import torch
 import thunder
 
 import thunder_tk
+from models import LlamaMLP
 from thunder_tk import ops
 
 pytestmark = pytest.mark.gpu
@@ -347,27 +348,16 @@ def test_repeatable_and_graph_capturable():
     assert rel_err(out, reference(a, b)) < 1e-2
 
 
-class LlamaMLP(torch.nn.Module):
-    def __init__(self, d=512, hidden=1376):
-        super().__init__()
-        self.fc_1 = torch.nn.Linear(d, hidden, bias=False)
-        self.fc_2 = torch.nn.Linear(d, hidden, bias=False)
-        self.proj = torch.nn.Linear(hidden, d, bias=True)
-
-    def forward(self, x):
-        return self.proj(torch.nn.functional.silu(self.fc_1(x)) * self.fc_2(x))
-
-
 def test_mlp_training_step_runs_every_gemm_on_tk():
     torch.manual_seed(0)
-    model = LlamaMLP().cuda().bfloat16()
+    model = LlamaMLP(512, 1376, proj_bias=True).cuda().bfloat16()
     x = torch.randn(4, 250, 512, device="cuda", dtype=torch.bfloat16)
     jm = thunder.jit(model, executors=[thunder_tk.tk])
     out = jm(x)
     seed = torch.randn_like(out)
     out.backward(seed)
 
-    ref_model = LlamaMLP().cuda()
+    ref_model = LlamaMLP(512, 1376, proj_bias=True).cuda()
     ref_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     ref = ref_model(x.float())
     ref.backward(seed.float())

@@ -10,6 +10,7 @@ import torch
 import thunder
 
 import thunder_tk
+from models import LlamaMLP
 from thunder_tk import ops
 
 pytestmark = pytest.mark.gpu
@@ -123,19 +124,6 @@ def test_errors_name_the_problem():
         ops.gemm_sum(a, b, a, b, _skinny=1)
 
 
-class MLP(torch.nn.Module):
-    """LitGPT's LLaMAMLP."""
-
-    def __init__(self, n=512, hidden=1376):
-        super().__init__()
-        self.fc_1 = torch.nn.Linear(n, hidden, bias=False)
-        self.fc_2 = torch.nn.Linear(n, hidden, bias=False)
-        self.proj = torch.nn.Linear(hidden, n, bias=False)
-
-    def forward(self, x):
-        return self.proj(torch.nn.functional.silu(self.fc_1(x)) * self.fc_2(x))
-
-
 def test_mlp_input_gradient_in_one_launch(monkeypatch):
     """Through Thunder with tk: the MLP's input gradient comes from one tk_matmul_sum, and every gradient matches
     float64 eager as closely as the unsummed route's."""
@@ -143,7 +131,7 @@ def test_mlp_input_gradient_in_one_launch(monkeypatch):
 
     monkeypatch.setattr(claim_rules, "gemm_size_policy_default", False)
     torch.manual_seed(0)
-    model = MLP().cuda().to(torch.bfloat16)
+    model = LlamaMLP(512, 1376).cuda().to(torch.bfloat16)
     exact = copy.deepcopy(model).double()
     x = torch.randn(3, 301, 512, device="cuda", dtype=torch.bfloat16)
     cot = torch.randn(3, 301, 512, device="cuda", dtype=torch.bfloat16)
