@@ -1,0 +1,55 @@
+"""The compiled GEMM's own argument checks (gemm_unsupported), on a machine with the kernels built and no GPU (CI):
+a summed second product is refused with the reason where its layout or knobs cannot run, and a valid one passes
+every check and fails only at the launch, for want of a device. No address is ever read: the checks look at
+metadata, and a launch without a device stops before touching memory.
+"""
+
+import pytest
+import torch
+
+from thunder_tk import _extension
+
+BF16 = 0  # ops._DTYPE_CODES[torch.bfloat16]
+A, B, C, A2, B2 = 1 << 12, 2 << 12, 3 << 12, 4 << 12, 5 << 12  # 16-byte aligned addresses, never read
+
+
+@pytest.fixture
+def ext():
+    module = _extension.extension()
+    if module is None:
+        pytest.skip(f"kernels not built: {_extension.unavailable_reason()}")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU would run the launch on these made-up addresses")
+    return module
+
+
+def gemm(ext, **changes):
+    """Llama-3.2-1B's MLP input gradient as ext.gemm's arguments (A, A2 K-major; B, B2 N-major), with changes."""
+    args = dict(a=A, b=B, c=C, bias=0, dtype=BF16, M=8192, N=2048, K=8192, a_stride_m=8192, a_stride_k=1,
+                b_stride_k=2048, b_stride_n=1, c_stride_m=2048, stream=0, sum_a=A2, sum_b=B2, sum_K=8192,
+                sum_a_stride_m=8192, sum_a_stride_k=1, sum_b_stride_k=2048, sum_b_stride_n=1)
+    args.update(changes)
+    return ext.gemm(**args)
+
+
+def test_a_valid_sum_passes_the_checks(ext):
+    with pytest.raises(RuntimeError, match="launching gemm_sum failed"):
+        gemm(ext)
+    with pytest.raises(RuntimeError, match="launching gemm_sum failed"):  # ragged k-blocks, B2 K-major like B
+        gemm(ext, K=72, sum_K=136, b_stride_k=1, b_stride_n=72, sum_b_stride_k=1, sum_b_stride_n=136)
+
+
+@pytest.mark.parametrize("changes,reason", [
+    (dict(sum_b_stride_k=1, sum_b_stride_n=8192), "need A's and B's majors"),
+    (dict(sum_a_stride_k=8192, sum_a_stride_m=1), "need A's and B's majors"),
+    (dict(sum_K=12), "positive multiple of 8"),
+    (dict(sum_K=0), "positive multiple of 8"),
+    (dict(sum_a_stride_m=8196), "leading strides must be multiples of 8"),
+    (dict(sum_a=A2 + 2), "A2 and B2 must be 16-byte aligned"),
+    (dict(sum_b=0), "needs its B2"),
+    (dict(sum_a=0), "extra outputs or inputs without their launch"),
+    (dict(skinny=1, M=16), "skinny GEMM takes one product"),
+])
+def test_a_sum_that_cannot_run_is_refused_with_the_reason(ext, changes, reason):
+    with pytest.raises(ValueError, match=reason):
+        gemm(ext, **changes)
