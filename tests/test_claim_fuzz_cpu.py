@@ -594,6 +594,42 @@ def test_layouts_reach_the_kernels_readable():
     assert misaligned, "the generator no longer reaches contiguous attention inputs off a 16-byte boundary"
 
 
+def test_summed_products_reach_the_kernel_with_one_major():
+    """ops.gemm_sum's operands (`_sum_operands`): whatever the strides of A and A2 (or B and B2), both reach the
+    kernel readable, with the same major (the kernel's majors are the first product's), with their values, and an
+    in-place layout that describes the tensor's real strides; where both can be read in place with one major, neither
+    is copied."""
+    failures, both_in_place, copied = [], 0, 0
+    for i in range(300):
+        rng = random.Random(SEED + 60_000 + i)
+        dtype = rng.choice(HALF)
+        M, K, K2 = rng.choice((1, 2, 8, 77, 128)), 8 * rng.randint(1, 20), 8 * rng.randint(1, 20)
+        for k_dim, shapes in ((1, ((M, K), (M, K2))), (0, ((K, M), (K2, M)))):
+            views = [random_view(rng, shape, dtype) for shape in shapes]
+            t, t2 = (v[0] for v in views)
+            case = (f"case {i}: {'A' if k_dim else 'B'} " + ", ".join(f"{tuple(v.shape)} stride {v.stride()} ({kind})"
+                                                                     for v, kind in views) + f", {dtype}")
+            got = ops._sum_operands(t, t2, k_dim)
+            other = 1 - k_dim
+            for before, after, layout in ((t, got[0], got[1]), (t2, got[2], got[3])):
+                truthful = (after.stride(k_dim) == layout[1] or after.shape[k_dim] == 1) and \
+                    (after.stride(other) == layout[0] or after.shape[other] == 1)
+                if not _gemm_layout_readable(layout, after) or not truthful:
+                    failures.append(f"{case}: reaches the kernel with layout {layout}, strides {after.stride()}")
+                if not torch.equal(after.view(torch.int16), before.view(torch.int16)):
+                    failures.append(f"{case}: values changed")
+            if (got[1][1] == 1) != (got[3][1] == 1):
+                failures.append(f"{case}: majors differ, {got[1]} and {got[3]}")
+            layouts = ops._gemm_layout(t, k_dim), ops._gemm_layout(t2, k_dim)
+            if None not in layouts and (layouts[0][1] == 1) == (layouts[1][1] == 1):
+                both_in_place += 1
+                if got[0] is not t or got[2] is not t2:
+                    failures.append(f"{case}: copied though both are readable in place with one major")
+            copied += got[0] is not t or got[2] is not t2
+    assert not failures, "\n".join(failures[:15])
+    assert both_in_place and copied, "the generator no longer reaches both outcomes"
+
+
 def _attention_operand_readable(t: torch.Tensor) -> bool:
     """csrc/kernels/attention/forward.cu forward_unsupported, layout part: a 16-byte aligned base, and strides
     (layout.cuh strides_ok) positive multiples of 8 elements where the size is over 1; TMA also needs a unit last

@@ -607,8 +607,7 @@ def _gemm_layout(t: torch.Tensor, k_dim: int) -> tuple[int, int] | None:
 def _b_in_place(b: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
     """B (K, N) and its (stride along N, stride along K) as the GEMM kernels read it: in place where _gemm_layout
     allows, else copied to fresh K-major (N, K) storage with leading stride K."""
-    layout = _gemm_layout(b, 0)
-    return (b, layout) if layout is not None else _k_major(b, None, 0)
+    return _as_read(b, _gemm_layout(b, 0), 0)
 
 
 def check_gemm_args(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -739,27 +738,17 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
         if _second is not None:
             return gemm(*_second, bias, out=out, **knobs)
         return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros((), dtype=a.dtype, device=a.device))
-    a_layout, b_layout = _gemm_layout(a, 1), _gemm_layout(b, 0)
     sum_args = {}
-    if _second is not None:
+    if _second is None:
+        (a, a_layout), (b, b_layout) = _as_read(a, _gemm_layout(a, 1), 1), _as_read(b, _gemm_layout(b, 0), 0)
+    else:
         a2, b2 = _second
-        a2_layout, b2_layout = _gemm_layout(a2, 1), _gemm_layout(b2, 0)
-        # One kernel reads both products with the same majors: where they differ, or either must be copied, both
-        # are read K-major (copied where they are not so already).
-        if a_layout is None or a2_layout is None or (a_layout[1] == 1) != (a2_layout[1] == 1):
-            a, a_layout = _k_major(a, a_layout, 1)
-            a2, a2_layout = _k_major(a2, a2_layout, 1)
-        if b_layout is None or b2_layout is None or (b_layout[1] == 1) != (b2_layout[1] == 1):
-            b, b_layout = _k_major(b, b_layout, 0)
-            b2, b2_layout = _k_major(b2, b2_layout, 0)
+        a, a_layout, a2, a2_layout = _sum_operands(a, a2, 1)
+        b, b_layout, b2, b2_layout = _sum_operands(b, b2, 0)
         sum_args = dict(sum_a=a2.data_ptr(), sum_b=b2.data_ptr(), sum_K=a2.shape[1], sum_a_stride_m=a2_layout[0],
                         sum_a_stride_k=a2_layout[1], sum_b_stride_k=b2_layout[1], sum_b_stride_n=b2_layout[0])
         if _skinny == 0:  # the skinny kernel takes one product
             _skinny = -1
-    if a_layout is None:  # copy to fresh (aligned) row-major storage: K-major, leading stride K
-        a, a_layout = _k_major(a, a_layout, 1)
-    if b_layout is None:
-        b, b_layout = _k_major(b, b_layout, 0)
     if bias is not None:
         bias = bias.contiguous()
     (a_sm, a_sk), (b_sn, b_sk) = a_layout, b_layout
@@ -776,14 +765,26 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     return out
 
 
-def _k_major(t: torch.Tensor, layout: tuple[int, int] | None, k_dim: int) -> tuple[torch.Tensor, tuple[int, int]]:
-    """t (A (M, K) with k_dim 1, or B (K, N) with k_dim 0) and its (stride along the other dim, stride along K),
-    K-major: as it is where _gemm_layout found it so, else copied to fresh storage with leading stride K."""
-    if layout is not None and layout[1] == 1:
+def _as_read(t: torch.Tensor, layout: tuple[int, int] | None, k_dim: int) -> tuple[torch.Tensor, tuple[int, int]]:
+    """t (A (M, K) with k_dim 1, or B (K, N) with k_dim 0) and its (stride along the other dim, stride along K) as
+    the kernel reads it: in place where _gemm_layout gave `layout`, else copied to fresh storage, K-major with
+    leading stride K."""
+    if layout is not None:
         return t, layout
     if k_dim == 1:
         return t.clone(memory_format=torch.contiguous_format), (t.shape[1], 1)
     return t.t().clone(memory_format=torch.contiguous_format).t(), (t.shape[0], 1)
+
+
+def _sum_operands(t: torch.Tensor, t2: torch.Tensor, k_dim: int):
+    """(t, layout, t2, layout2): the two products' A operands (k_dim 1) or B operands (k_dim 0) as one kernel reads
+    both, with the same major: each in place where _gemm_layout allows and the majors agree, else both K-major
+    (copied where they are not so already)."""
+    layout, layout2 = _gemm_layout(t, k_dim), _gemm_layout(t2, k_dim)
+    if layout is None or layout2 is None or (layout[1] == 1) != (layout2[1] == 1):
+        k_major = lambda x, lay: (x, lay) if lay is not None and lay[1] == 1 else _as_read(x, None, k_dim)  # noqa: E731
+        (t, layout), (t2, layout2) = k_major(t, layout), k_major(t2, layout2)
+    return t, layout, t2, layout2
 
 
 def check_gemm_sum_args(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor) -> None:
