@@ -96,3 +96,68 @@ def test_backward_splits_a_group_only_where_its_blocks_are_too_few(B, Hq, Hkv, S
 ])
 def test_backward_splits_the_last_wave_where_it_shortens_it(units, steps, causal, plan):
     assert ops.backward_tail_split(units, steps, causal, sms=132) == plan
+
+
+class RecordingGemm:
+    """A compiled module whose gemm records what ops hands the kernel, for CPU tensors (nothing is launched)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def gemm(self, a, b, c, bias, dtype, M, N, K, a_sm, a_sk, b_sk, b_sn, c_sm, stream, *knobs, **summed):
+        self.calls.append(dict(M=M, N=N, K=K, a=(a_sm, a_sk), b=(b_sn, b_sk), a_ptr=a, b_ptr=b, skinny=knobs[-1],
+                               **summed))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """ops.gemm and ops.gemm_sum on CPU tensors, their launches recorded: the device parts stood in for."""
+    from contextlib import nullcontext
+
+    ext = RecordingGemm()
+    monkeypatch.setattr(ops, "check_gemm_args", lambda a, b, bias: None)  # its device check wants CUDA
+    monkeypatch.setattr(ops, "_require_kernels", lambda device: ext)
+    monkeypatch.setattr(ops, "_on", lambda device: nullcontext())
+    monkeypatch.setattr(ops, "_stream_handle", lambda device: 0)
+    monkeypatch.setattr(ops, "_gemm_tickets", lambda device, schedule: 0)
+    return ext
+
+
+def test_gemm_and_gemm_sum_hand_the_kernel_their_operands_as_read(recorded):
+    """In place where TMA can read an operand; a second product's operands with the first's majors (both read
+    K-major, copied as needed, where they differ); the skinny kernel never for a sum; an empty product left out."""
+    bf16 = torch.bfloat16
+    M, N, K, K2 = 128, 64, 96, 40
+    a, a2 = torch.randn(M, K).to(bf16), torch.randn(M, K2).to(bf16)  # K-major
+    b_n, b2_n = torch.randn(K, N).to(bf16), torch.randn(K2, N).to(bf16)  # N-major (MN-major)
+    b_k, b2_k = torch.randn(N, K).to(bf16).t(), torch.randn(N, K2).to(bf16).t()  # K-major
+
+    ops.gemm(a, b_n)
+    call = recorded.calls.pop()
+    assert (call["a"], call["b"], call["a_ptr"], call["b_ptr"]) == ((K, 1), (1, N), a.data_ptr(), b_n.data_ptr())
+    assert "sum_a" not in call
+    off = torch.randn(1 + M * K).to(bf16)[1:].view(M, K)  # 2 bytes off 16: copied, row-major
+    ops.gemm(off, b_n)
+    call = recorded.calls.pop()
+    assert call["a"] == (K, 1) and call["a_ptr"] % 16 == 0
+
+    ops.gemm_sum(a, b_n, a2, b2_n)  # one layout for both: nothing copied
+    call = recorded.calls.pop()
+    assert (call["a"], call["b"], call["sum_K"]) == ((K, 1), (1, N), K2)
+    assert (call["sum_a"], call["sum_b"]) == (a2.data_ptr(), b2_n.data_ptr())
+    assert (call["sum_a_stride_m"], call["sum_a_stride_k"], call["sum_b_stride_k"], call["sum_b_stride_n"]) == \
+        (K2, 1, N, 1)
+    assert call["skinny"] == -1
+
+    ops.gemm_sum(a, b_n, a2, b2_k)  # B majors differ: both B read K-major, b_n copied, b2_k in place
+    call = recorded.calls.pop()
+    assert call["b"] == (K, 1) and call["b_ptr"] != b_n.data_ptr()
+    assert (call["sum_b"], call["sum_b_stride_k"], call["sum_b_stride_n"]) == (b2_k.data_ptr(), 1, K2)
+    assert call["a_ptr"] == a.data_ptr() and call["sum_a"] == a2.data_ptr()
+
+    ops.gemm_sum(a, b_k, a2[:, :0], b2_k[:0])  # nothing to add: a plain launch
+    call = recorded.calls.pop()
+    assert "sum_a" not in call and call["b"] == (K, 1)
+    ops.gemm_sum(a[:, :0], b_k[:0], a2, b2_k)  # the first product empty: the second alone
+    call = recorded.calls.pop()
+    assert "sum_a" not in call and (call["K"], call["a_ptr"], call["b_ptr"]) == (K2, a2.data_ptr(), b2_k.data_ptr())
