@@ -446,6 +446,14 @@ def test_products_that_meet_in_an_add_run_as_one_launch(standin_tk_build, reques
     assert all(r.detail.startswith("summed with the other product of an add in one launch") for r in rows), rows
 
 
+def test_products_reshaped_before_the_add_run_as_one_launch(standin_tk_build):
+    """Each product through one reshape or view to the add's shape (as Thunder writes a linear's input gradient):
+    one launch, the add a reshape of its result."""
+    jm, out, (a, b, c, d) = run_sum(lambda a, b, c, d: (a @ b).reshape(6, 4, 40) + (c @ d).view(6, 4, 40))
+    assert forward_tk_ops(jm) == ["tk_matmul_sum"]
+    assert torch.equal(out, (a @ b + c @ d).to(bf16).reshape(6, 4, 40))
+
+
 @pytest.mark.parametrize("fn", [
     pytest.param(lambda a, b, c, d: torch.add(a @ b, c @ d, alpha=2), id="alpha"),
     pytest.param(lambda a, b, c, d: a @ b - c @ d, id="difference"),

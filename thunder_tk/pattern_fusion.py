@@ -699,7 +699,7 @@ def _product_behind(p, j: int, bsyms: list[BoundSymbol], producer: dict[str, int
     if bsyms[at].sym.id == tk_matmul.id:
         return at, None
     b = bsyms[at]
-    if b.sym.name not in _RESHAPES or b.sym.name == "view" or not isinstance(b.args[0], TensorProxy):
+    if b.sym.name not in _RESHAPES or not isinstance(b.args[0], TensorProxy):
         return None
     inner = b.args[0]
     k = producer.get(inner.name)
