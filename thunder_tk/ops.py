@@ -604,12 +604,6 @@ def _gemm_layout(t: torch.Tensor, k_dim: int) -> tuple[int, int] | None:
     return None
 
 
-def _b_in_place(b: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
-    """B (K, N) and its (stride along N, stride along K) as the GEMM kernels read it: in place where _gemm_layout
-    allows, else copied to fresh K-major (N, K) storage with leading stride K."""
-    return _as_read(b, _gemm_layout(b, 0), 0)
-
-
 def check_gemm_args(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"gemm expects 2-D operands; got {a.ndim}-D and {b.ndim}-D")
@@ -730,17 +724,15 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
         raise ValueError(f"out must be a {a.dtype} ({M}, {N}) tensor on {a.device} with unit column stride")
     if M == 0 or N == 0:
         return out
-    knobs = dict(_group_rows=_group_rows, _cluster=_cluster, _schedule=_schedule, _tile_n=_tile_n,
-                 _pingpong=_pingpong, _epilogue=_epilogue, _stream_k=_stream_k, _skinny=_skinny)
-    if _second is not None and _second[0].shape[1] == 0:  # nothing to add
-        return gemm(a, b, bias, out=out, **knobs)
+    if _second is not None and (K == 0 or _second[0].shape[1] == 0):  # one product is empty: the other alone
+        knobs = dict(_group_rows=_group_rows, _cluster=_cluster, _schedule=_schedule, _tile_n=_tile_n,
+                     _pingpong=_pingpong, _epilogue=_epilogue, _stream_k=_stream_k, _skinny=_skinny)
+        return gemm(*(_second if K == 0 else (a, b)), bias, out=out, **knobs)
     if K == 0:
-        if _second is not None:
-            return gemm(*_second, bias, out=out, **knobs)
         return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros((), dtype=a.dtype, device=a.device))
     sum_args = {}
     if _second is None:
-        (a, a_layout), (b, b_layout) = _as_read(a, _gemm_layout(a, 1), 1), _as_read(b, _gemm_layout(b, 0), 0)
+        (a, a_layout), (b, b_layout) = _as_read(a, 1), _as_read(b, 0)
     else:
         a2, b2 = _second
         a, a_layout, a2, a2_layout = _sum_operands(a, a2, 1)
@@ -765,25 +757,23 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     return out
 
 
-def _as_read(t: torch.Tensor, layout: tuple[int, int] | None, k_dim: int) -> tuple[torch.Tensor, tuple[int, int]]:
+def _as_read(t: torch.Tensor, k_dim: int, k_major: bool = False) -> tuple[torch.Tensor, tuple[int, int]]:
     """t (A (M, K) with k_dim 1, or B (K, N) with k_dim 0) and its (stride along the other dim, stride along K) as
-    the kernel reads it: in place where _gemm_layout gave `layout`, else copied to fresh storage, K-major with
-    leading stride K."""
-    if layout is not None:
+    the GEMM kernels read it: in place where _gemm_layout allows (`k_major`: only K-major), else copied to fresh
+    K-major storage with leading stride K."""
+    layout = _gemm_layout(t, k_dim)
+    if layout is not None and (layout[1] == 1 or not k_major):
         return t, layout
-    if k_dim == 1:
-        return t.clone(memory_format=torch.contiguous_format), (t.shape[1], 1)
-    return t.t().clone(memory_format=torch.contiguous_format).t(), (t.shape[0], 1)
+    return (_k_major_rows(t) if k_dim == 1 else _k_major_rows(t.t()).t()), (t.shape[k_dim], 1)
 
 
 def _sum_operands(t: torch.Tensor, t2: torch.Tensor, k_dim: int):
     """(t, layout, t2, layout2): the two products' A operands (k_dim 1) or B operands (k_dim 0) as one kernel reads
     both, with the same major: each in place where _gemm_layout allows and the majors agree, else both K-major
     (copied where they are not so already)."""
-    layout, layout2 = _gemm_layout(t, k_dim), _gemm_layout(t2, k_dim)
-    if layout is None or layout2 is None or (layout[1] == 1) != (layout2[1] == 1):
-        k_major = lambda x, lay: (x, lay) if lay is not None and lay[1] == 1 else _as_read(x, None, k_dim)  # noqa: E731
-        (t, layout), (t2, layout2) = k_major(t, layout), k_major(t2, layout2)
+    (t, layout), (t2, layout2) = _as_read(t, k_dim), _as_read(t2, k_dim)
+    if (layout[1] == 1) != (layout2[1] == 1):
+        (t, layout), (t2, layout2) = _as_read(t, k_dim, k_major=True), _as_read(t2, k_dim, k_major=True)
     return t, layout, t2, layout2
 
 
@@ -1054,7 +1044,7 @@ def matmul_swiglu_grad(a: torch.Tensor, b: torch.Tensor, h1: torch.Tensor, h2: t
     if K == 0:  # dg = 0
         return dh1.zero_(), dh2.zero_()
     a = _k_major_rows(a)
-    b, (b_sn, b_sk) = _b_in_place(b)
+    b, (b_sn, b_sk) = _as_read(b, 0)
     # One row stride for h1, h2 and the outputs (N: contiguous rows); the forward's products are already so.
     h1, h2 = (h.reshape(M, N) for h in (h1, h2))
     h1, h2 = (h if h.is_contiguous() and h.data_ptr() % 16 == 0 else h.clone(memory_format=torch.contiguous_format)
