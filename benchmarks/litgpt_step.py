@@ -32,7 +32,7 @@ from common import ClockSampler, bar_chart, print_table, profiled_kernels, write
 
 from thunder_tk.pretrain import LossModule, max_over_ranks, tracing_without_cyclic_gc  # noqa: E402
 # Where a step's GPU time goes: kernels by what they compute (shared with `thunder-tk pretrain`'s profile).
-from thunder_tk.step_profile import TK_KERNEL, kernel_kind  # noqa: E402
+from thunder_tk.step_profile import TK_KERNEL, gpu_activities, idle_gaps, kernel_kind  # noqa: E402
 
 
 def build(model_name: str, n_layer: int | None, seq: int, device: torch.device):
@@ -181,7 +181,11 @@ def profile_step(step, device: torch.device, top: int) -> dict:
         kind = kernel_kind(name)
         kinds[kind] = kinds.get(kind, 0.0) + ms
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"wall_ms": wall * 1e3, "kernel_ms": sum(ms for ms, _ in kernels.values()),
+    try:  # a diagnostic within a diagnostic: the kernel table above stands without it
+        gaps = idle_gaps(gpu_activities(prof))
+    except Exception as e:  # noqa: BLE001
+        gaps = {"error": f"{type(e).__name__}: {e}"}
+    return {"wall_ms": wall * 1e3, "kernel_ms": sum(ms for ms, _ in kernels.values()), "gaps": gaps,
             "tk_ms": sum(ms for name, (ms, _) in kernels.items() if TK_KERNEL.search(name)),
             "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top": [{"kernel": k[:140], "ms": ms, "calls": n, "kind": kernel_kind(k),
@@ -297,6 +301,12 @@ def print_profiles(rows: list[dict]) -> None:
                   **{k: r["profile"]["kinds_ms"].get(k, 0.0) for k in kinds}} for r in profiled],
                 ["variant", "wall", "kernels", "of which tk", *kinds])
     for r in profiled:
+        gaps = r["profile"].get("gaps") or {}
+        if "buckets" in gaps:
+            print(f"\n{r['variant']}: compute stream idle {gaps['idle_ms']:.2f} ms between its kernels: "
+                  + ", ".join(f"{label} {b['count']}x {b['ms']:.2f} ms" for label, b in gaps["buckets"].items()))
+            for g in gaps["longest"]:
+                print(f"  {g['us']:8.1f} us after {g['after'][:60]}  before {g['before'][:60]}")
         print(f"\n{r['variant']}: top kernels")
         for k in r["profile"]["top"]:
             owner = "tk " if k.get("tk") else ""

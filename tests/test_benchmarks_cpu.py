@@ -194,10 +194,13 @@ def test_litgpt_step_profile_kinds_and_table(capsys):
                                     "fused (triton)", "copy/fill", "other"]
     assert bench.TK_KERNEL.search("void tk::gemm::gemm_kernel") and not bench.TK_KERNEL.search("nvjet_tk")
     profile = {"wall_ms": 40.0, "kernel_ms": 38.5, "tk_ms": 20.0, "kinds_ms": {"gemm": 20.0, "other": 18.5},
-               "top": [{"kernel": "nvjet_x", "ms": 20.0, "calls": 30, "kind": "gemm", "tk": False}]}
+               "top": [{"kernel": "nvjet_x", "ms": 20.0, "calls": 30, "kind": "gemm", "tk": False}],
+               "gaps": bench.idle_gaps([{"name": "nvjet_x", "stream": 7, "start": 0, "end": 10_000},
+                                        {"name": "triton_y", "stream": 7, "start": 160_000, "end": 170_000}])}
     bench.print_profiles([{"variant": "thunder default", "profile": profile}, {"variant": "eager"}])
     out = capsys.readouterr().out
     assert "GPU time per step" in out and "thunder default: top kernels" in out and "nvjet_x" in out
+    assert "compute stream idle 0.15 ms" in out and "150.0 us after nvjet_x" in out
     assert "of which tk" in out
     assert "eager" not in out  # not profiled, not listed
 

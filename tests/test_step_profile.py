@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from thunder_tk.litgpt_models import ConfigError
-from thunder_tk.step_profile import StepProfiler, kernel_kind, length, overlap, parse_steps, summarize, union
+from thunder_tk.step_profile import (StepProfiler, idle_gaps, kernel_kind, length, overlap, parse_steps, summarize,
+                                     union)
 
 MS = 1_000_000  # ns
 
@@ -54,6 +55,25 @@ def test_summary_splits_the_main_streams_idle_time():
     assert other["busy_ms"] == pytest.approx(2.5)
     assert s["top"][0]["kernel"].startswith("void tk::attention") and s["top"][0]["calls"] == 0.5
     assert summarize([], steps=1, wall_s=0.01) == {"steps": 1, "wall_ms": 10.0, "gpu_activities": 0}
+
+
+def test_idle_gaps_by_length_with_their_neighbours():
+    us = 1000  # ns
+    kernels = [{"name": "a", "stream": 1, "start": 0, "end": 10 * us},
+               {"name": "b", "stream": 1, "start": 11 * us, "end": 30 * us},  # 1 us after a
+               {"name": "c", "stream": 1, "start": 12 * us, "end": 20 * us},  # inside b: no gap
+               {"name": "d", "stream": 1, "start": 33 * us, "end": 40 * us},  # 3 us after b (c ended earlier)
+               {"name": "e", "stream": 1, "start": 290 * us, "end": 300 * us},  # 250 us: the host
+               {"name": "x", "stream": 2, "start": 40 * us, "end": 290 * us}]  # another stream: not counted
+    gaps = idle_gaps(kernels, stream=1, top=2)
+    assert gaps["buckets"]["< 2 us"] == {"count": 1, "ms": pytest.approx(0.001)}
+    assert gaps["buckets"]["2-5 us"] == {"count": 1, "ms": pytest.approx(0.003)}
+    assert gaps["buckets"][">= 100 us"] == {"count": 1, "ms": pytest.approx(0.25)}
+    assert gaps["buckets"]["5-20 us"]["count"] == gaps["buckets"]["20-100 us"]["count"] == 0
+    assert gaps["idle_ms"] == pytest.approx(0.254)
+    assert gaps["longest"] == [{"us": 250.0, "after": "d", "before": "e"}, {"us": 3.0, "after": "b", "before": "d"}]
+    assert idle_gaps(kernels)["stream"] == 2  # the busiest stream where none is named
+    assert idle_gaps([])["idle_ms"] == 0
 
 
 def test_kernel_kinds():

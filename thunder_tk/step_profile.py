@@ -6,7 +6,7 @@ write out_dir/profile[.rank<r>].json on every rank:
   kernel end) and, per stream, kernels, busy time (their union) and time by kernel kind;
 - the main stream (the one with the most kernel time: the compute stream) idle inside the window, split into the
   time another stream was busy (the compute waiting on a collective, say) and the time every stream was idle (the
-  GPU waiting on the host);
+  GPU waiting on the host), and its gaps by length with the longest ones' neighbours (`idle_gaps`);
 - the largest kernels.
 
 Rank 0 also writes the profiler's Chrome trace (profile_trace.json.gz, for chrome://tracing or Perfetto).
@@ -129,6 +129,7 @@ def summarize(kernels: list[dict], steps: int, wall_s: float, top: int = 25) -> 
                      "kinds_ms": {kind: ns * per for kind, ns in sorted(s["kinds"].items(), key=lambda kv: -kv[1])}}
                     for sid, s in sorted(streams.items(), key=lambda kv: -kv[1]["kernel_ns"])],
     })
+    out["main_gaps"] = idle_gaps(kernels, main)
     by_name: dict[tuple[str, int], list[int]] = {}
     for k in kernels:
         entry = by_name.setdefault((k["name"], k["stream"]), [0, 0])
@@ -138,6 +139,39 @@ def summarize(kernels: list[dict], steps: int, wall_s: float, top: int = 25) -> 
     out["top"] = [{"kernel": name[:160], "stream": sid, "kind": kernel_kind(name), "ms": ns * per,
                    "calls": n / steps} for (name, sid), (ns, n) in ranked]
     return out
+
+
+# Idle stretches of a stream by length (µs): launch gaps between queued kernels are a few µs; longer ones are the
+# GPU waiting on the host (or another stream).
+GAP_BUCKETS_US = (2, 5, 20, 100)
+
+
+def idle_gaps(kernels: list[dict], stream: int | None = None, top: int = 8) -> dict:
+    """Where one stream (the one with the most kernel time where None) sat idle between its first and last
+    activity: the gaps' count and total by length (GAP_BUCKETS_US) and the `top` longest, each with the activities
+    on either side. `kernels` as for `summarize` (name, stream, start and end in ns)."""
+    if stream is None and kernels:
+        busy: dict[int, int] = {}
+        for k in kernels:
+            busy[k["stream"]] = busy.get(k["stream"], 0) + k["end"] - k["start"]
+        stream = max(busy, key=busy.get)
+    mine = sorted((k for k in kernels if k["stream"] == stream), key=lambda k: k["start"])
+    labels = [f"< {GAP_BUCKETS_US[0]} us", *(f"{a}-{b} us" for a, b in zip(GAP_BUCKETS_US, GAP_BUCKETS_US[1:])),
+              f">= {GAP_BUCKETS_US[-1]} us"]
+    buckets = {label: {"count": 0, "ms": 0.0} for label in labels}
+    gaps, end, before = [], None, None
+    for k in mine:
+        if end is not None and k["start"] > end:
+            ns = k["start"] - end
+            label = labels[sum(ns >= b * 1000 for b in GAP_BUCKETS_US)]
+            buckets[label]["count"] += 1
+            buckets[label]["ms"] += ns / 1e6
+            gaps.append((ns, before, k["name"]))
+        if end is None or k["end"] > end:
+            end, before = k["end"], k["name"]
+    gaps.sort(key=lambda g: -g[0])
+    return {"stream": stream, "idle_ms": sum(b["ms"] for b in buckets.values()), "buckets": buckets,
+            "longest": [{"us": ns / 1e3, "after": a[:100], "before": b[:100]} for ns, a, b in gaps[:top]]}
 
 
 def gpu_activities(prof) -> list[dict]:
