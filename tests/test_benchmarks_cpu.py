@@ -487,3 +487,15 @@ def test_per_shape_benchmarks_share_their_command_line_and_report(tmp_path, caps
     a.png = str(tmp_path / "d.png")
     common.report(a, "demo", rows, ["shape", "tk_us"], "demo (us)", {"tk": "tk_us", "peer": "peer_us"})
     assert (tmp_path / "d.png").stat().st_size > 0
+
+
+def test_launch_gaps_parses_and_needs_a_gpu():
+    r = run_bench("launch_gaps.py", "--help")
+    assert r.returncode == 0 and "--chain" in r.stdout, r.stderr[-3000:]
+    r = run_bench("launch_gaps.py", "--chain", "0")
+    assert r.returncode == 2 and "must be >= 1" in r.stderr, r.stderr[-3000:]
+    import torch
+
+    if not torch.cuda.is_available():
+        r = run_bench("launch_gaps.py")
+        assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr[-3000:]
