@@ -22,6 +22,7 @@
 #include "kernels/embedding/backward.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/loss/cross_entropy.h"
+#include "kernels/norm/rms_norm.h"
 #include "kernels/selftest/kittens_selftest.h"
 
 namespace py = pybind11;
@@ -332,6 +333,65 @@ void embedding_backward(std::uintptr_t grad, int64_t grad_stride, std::uintptr_t
     check_launch(tk::embedding::launch_backward(args, reinterpret_cast<cudaStream_t>(stream)), "embedding_backward");
 }
 
+// RMSNorm over rows of n elements (norm/rms_norm.h), optionally after adding a residual; rstd saved in fp32.
+void rms_norm_forward(std::uintptr_t x, int64_t x_stride, std::uintptr_t residual, int64_t residual_stride,
+                      std::uintptr_t sum, int64_t sum_stride, std::uintptr_t weight, std::uintptr_t y, int64_t y_stride,
+                      std::uintptr_t rstd, int64_t rstd_stride, int64_t rows, int64_t n, double eps, int dtype,
+                      int weight_dtype, std::uintptr_t stream) {
+    tk::norm::forward_args args{};
+    args.x = as_ptr<void>(x);
+    args.x_stride = x_stride;
+    args.residual = as_ptr<void>(residual);
+    args.residual_stride = residual_stride;
+    args.sum = reinterpret_cast<void*>(sum);
+    args.sum_stride = sum_stride;
+    args.weight = as_ptr<void>(weight);
+    args.y = reinterpret_cast<void*>(y);
+    args.y_stride = y_stride;
+    args.rstd = reinterpret_cast<float*>(rstd);
+    args.rstd_stride = rstd_stride;
+    args.rows = rows;
+    args.n = n;
+    args.eps = float(eps);
+    args.dtype = dtype;
+    args.weight_dtype = weight_dtype;
+    if (const char* why = tk::norm::forward_unsupported(args))
+        throw std::invalid_argument(std::string("thunder_tk rms_norm_forward: ") + why);
+    check_launch(tk::norm::launch_forward(args, reinterpret_cast<cudaStream_t>(stream)), "rms_norm_forward");
+}
+
+void rms_norm_backward(std::uintptr_t grad, int64_t grad_stride, std::uintptr_t input, int64_t input_stride,
+                       std::uintptr_t rstd, int64_t rstd_stride, std::uintptr_t weight, std::uintptr_t residual_grad,
+                       int64_t residual_grad_stride, std::uintptr_t dx, int64_t dx_stride, std::uintptr_t dw,
+                       std::uintptr_t partial, int64_t partial_rows, int64_t rows, int64_t n, int dtype,
+                       int weight_dtype, std::uintptr_t stream) {
+    tk::norm::backward_args args{};
+    args.grad = as_ptr<void>(grad);
+    args.grad_stride = grad_stride;
+    args.input = as_ptr<void>(input);
+    args.input_stride = input_stride;
+    args.rstd = as_ptr<float>(rstd);
+    args.rstd_stride = rstd_stride;
+    args.weight = as_ptr<void>(weight);
+    args.residual_grad = as_ptr<void>(residual_grad);
+    args.residual_grad_stride = residual_grad_stride;
+    args.dx = reinterpret_cast<void*>(dx);
+    args.dx_stride = dx_stride;
+    args.dw = reinterpret_cast<void*>(dw);
+    args.partial = reinterpret_cast<float*>(partial);
+    args.rows = rows;
+    args.n = n;
+    args.dtype = dtype;
+    args.weight_dtype = weight_dtype;
+    if (const char* why = tk::norm::backward_unsupported(args))
+        throw std::invalid_argument(std::string("thunder_tk rms_norm_backward: ") + why);
+    // The scratch is sized by the caller from rms_norm_backward_partial_rows: a smaller one would be overrun.
+    if (partial_rows < tk::norm::backward_partial_rows(rows, n, dtype))
+        throw std::invalid_argument("thunder_tk rms_norm_backward: the scratch has fewer rows than "
+                                    "rms_norm_backward_partial_rows asks for");
+    check_launch(tk::norm::launch_backward(args, reinterpret_cast<cudaStream_t>(stream)), "rms_norm_backward");
+}
+
 // A fused qkv projection with LitGPT's rotary embedding of q's and k's heads in its epilogue: C = A W^T, then the
 // rotate-half rope (gemm.h) over columns [0, rope_cols), row r at position r % seq, from cos and sin (rows of
 // angle_stride elements in the element type).
@@ -591,7 +651,7 @@ void register_selftests(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_rope", "gemm_sum", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_rope", "gemm_sum", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter", "rms_norm"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -720,6 +780,24 @@ PYBIND11_MODULE(_C, m) {
           "rows (tokens, dim; row stride grad_stride) of the tokens that name it, from their ids sorted stably "
           "(int64) and the sort's permutation (int64); the padding_idx row (negative: none) and rows no token names "
           "zero; enqueued on `stream`.");
+    m.def("rms_norm_forward", &rms_norm_forward, py::arg("x"), py::arg("x_stride"), py::arg("residual"),
+          py::arg("residual_stride"), py::arg("sum"), py::arg("sum_stride"), py::arg("weight"), py::arg("y"),
+          py::arg("y_stride"), py::arg("rstd"), py::arg("rstd_stride"), py::arg("rows"), py::arg("n"), py::arg("eps"),
+          py::arg("dtype"), py::arg("weight_dtype"), py::arg("stream"),
+          "RMSNorm of (rows, n) rows: s = x (+ residual, rounded; written to sum), rstd = 1 / sqrt(mean(s^2) + eps) "
+          "(fp32, rstd_stride apart), y = s * rstd * weight; fp32 arithmetic, each output rounded once; residual 0: "
+          "none; enqueued on `stream`.");
+    m.def("rms_norm_backward", &rms_norm_backward, py::arg("grad"), py::arg("grad_stride"), py::arg("input"),
+          py::arg("input_stride"), py::arg("rstd"), py::arg("rstd_stride"), py::arg("weight"),
+          py::arg("residual_grad"), py::arg("residual_grad_stride"), py::arg("dx"), py::arg("dx_stride"),
+          py::arg("dw"), py::arg("partial"), py::arg("partial_rows"), py::arg("rows"), py::arg("n"),
+          py::arg("dtype"), py::arg("weight_dtype"), py::arg("stream"),
+          "RMSNorm's backward: dx = rstd g - rstd^3 s mean(g s) (+ residual_grad; 0: none), g = grad * weight, and "
+          "dw = the sum over rows of grad * s * rstd in the weight's dtype, from block partial sums in fp32 scratch "
+          "(partial_rows x n, rms_norm_backward_partial_rows) added in a fixed order; enqueued on `stream`.");
+    m.def("rms_norm_backward_partial_rows", &tk::norm::backward_partial_rows, py::arg("rows"), py::arg("n"),
+          py::arg("dtype"),
+          "Rows of fp32 scratch rms_norm_backward needs on the current device (0 where the shape is unsupported).");
     m.def("gemm_rope", &gemm_rope, py::arg("a"), py::arg("w"), py::arg("c"), py::arg("cos"), py::arg("sin"),
           py::arg("dtype"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a_stride_m"), py::arg("w_stride_n"),
           py::arg("c_stride_m"), py::arg("angle_stride"), py::arg("seq"), py::arg("rope_cols"), py::arg("head_dim"),

@@ -866,6 +866,135 @@ def embedding_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: i
     return out
 
 
+# RMSNorm (LLaMA's, as LitGPT computes it: in fp32, the weight applied after the scaling, rounded once)
+
+RMS_NORM_DTYPES = (torch.bfloat16, torch.float16)
+RMS_NORM_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+RMS_NORM_MAX_SIZE = 16384  # a row's elements, held in one group's registers
+
+
+def rms_norm_unsupported(x, weight, residual=None) -> str | None:
+    """Why rms_norm / rms_norm_backward cannot take these (metadata only: tensors or claim_rules.TensorMetadata;
+    for the backward, x is the norm's input), or None."""
+    if x.ndim < 1:
+        return "the input must have at least one dimension"
+    n = x.shape[-1]
+    if x.dtype not in RMS_NORM_DTYPES:
+        return f"input dtype {x.dtype} not in {{bfloat16, float16}}"
+    if weight is None:
+        return "RMSNorm without a weight is not supported"
+    if weight.ndim != 1 or weight.shape[0] != n:
+        return f"the weight {tuple(weight.shape)} is not one value per element of the last dimension ({n})"
+    if weight.dtype not in RMS_NORM_WEIGHT_DTYPES:
+        return f"weight dtype {weight.dtype} not in {{bfloat16, float16, float32}}"
+    if n == 0 or n % 8 != 0:
+        return f"the normalized size {n} is not a positive multiple of 8"
+    if n > RMS_NORM_MAX_SIZE:
+        return f"the normalized size {n} is above {RMS_NORM_MAX_SIZE}"
+    if residual is not None and (tuple(residual.shape) != tuple(x.shape) or residual.dtype != x.dtype):
+        return f"the residual {tuple(residual.shape)} {residual.dtype} is not shaped like the input"
+    return None
+
+
+def _norm_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t as (rows, n) rows the kernels read in place: unit column stride, rows a multiple of 8 elements apart
+    (at least n) and 16-byte aligned; a contiguous copy otherwise."""
+    rows = t.reshape(-1, n)
+    if rows.shape[0] > 1 and (rows.stride(0) % 8 != 0 or rows.stride(0) < n):
+        rows = rows.contiguous()
+    if rows.stride(1) != 1 or rows.data_ptr() % 16 != 0:
+        rows = rows.contiguous()
+    return rows
+
+
+def _check_norm_call(name: str, x, weight, residual, *others) -> None:
+    if (reason := rms_norm_unsupported(x, weight, residual)) is not None:
+        raise ValueError(f"{name}: {reason}")
+    for t in (weight, residual, *others):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name}: tensors on {t.device} and {x.device}")
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """(y, rstd, s) in float64 but for s, the input (x + residual rounded to x's dtype, or x): rstd (..., 1)."""
+    s = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    s64 = s.double()
+    rstd = torch.rsqrt(s64.square().mean(-1, keepdim=True) + eps)
+    return s64 * rstd * weight.double(), rstd, s
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """LitGPT's RMSNorm of x (..., n): (y, rstd), or with `residual` (y, rstd, s) where s = x + residual (rounded
+    to x's dtype) is the normalized input. rstd = 1 / sqrt(mean(s^2) + eps) in float32, shaped (..., 1);
+    y = s * rstd * weight in x's dtype. One pass over the rows, fp32 arithmetic."""
+    _check_norm_call("rms_norm", x, weight, residual)
+    ext = _require_kernels(x.device)
+    n = x.shape[-1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    rows = x.numel() // n
+    if rows:
+        xr = _norm_rows(x, n)
+        rr = _norm_rows(residual, n) if residual is not None else None
+        yr, sr = y.view(-1, n), (s.view(-1, n) if s is not None else None)
+        w = weight if weight.stride(0) == 1 or n == 1 else weight.contiguous()
+        with _on(x.device):
+            ext.rms_norm_forward(xr.data_ptr(), xr.stride(0), rr.data_ptr() if rr is not None else 0,
+                                 rr.stride(0) if rr is not None else 0, sr.data_ptr() if sr is not None else 0,
+                                 sr.stride(0) if sr is not None else 0, w.data_ptr(), yr.data_ptr(), yr.stride(0),
+                                 rstd.data_ptr(), 1, rows, n, float(eps), _DTYPE_CODES[x.dtype],
+                                 _DTYPE_CODES[weight.dtype], _stream_handle(x.device))
+    return (y, rstd) if residual is None else (y, rstd, s)
+
+
+def rms_norm_backward_reference(grad: torch.Tensor, s: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                                residual_grad: torch.Tensor | None = None):
+    """(dx, dw) in float64 of y = s * rstd * weight with rstd = 1 / sqrt(mean(s^2) + eps) a function of s, for the
+    incoming gradient `grad`; residual_grad (the gradient reaching s by another path) added to dx."""
+    n = s.shape[-1]
+    s64, g64, r = s.double(), grad.double(), rstd.double().reshape(*s.shape[:-1], 1)
+    gw = g64 * weight.double()
+    dx = r * gw - r.pow(3) * s64 * (gw * s64).sum(-1, keepdim=True) / n
+    if residual_grad is not None:
+        dx = dx + residual_grad.double()
+    dw = (g64 * s64 * r).reshape(-1, n).sum(0)
+    return dx, dw
+
+
+def rms_norm_backward(grad: torch.Tensor, s: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                      residual_grad: torch.Tensor | None = None):
+    """RMSNorm's (dx, dw) for y = s * rstd * weight (s the norm's input, rstd the forward's, one per row in
+    float32): dx in s's dtype, residual_grad (another path's gradient of s) added before the one rounding; dw in
+    the weight's dtype, summed in fp32 in a fixed order (repeated runs give the same bits)."""
+    _check_norm_call("rms_norm_backward", s, weight, residual_grad, grad, rstd)
+    n = s.shape[-1]
+    if tuple(grad.shape) != tuple(s.shape) or grad.dtype != s.dtype:
+        raise ValueError(f"rms_norm_backward: grad {tuple(grad.shape)} {grad.dtype} is not shaped like the input "
+                         f"{tuple(s.shape)} {s.dtype}")
+    rows = s.numel() // n
+    if rstd.dtype != torch.float32 or rstd.numel() != rows:
+        raise ValueError(f"rms_norm_backward: rstd must be float32 with one value per row ({rows}), got "
+                         f"{tuple(rstd.shape)} {rstd.dtype}")
+    ext = _require_kernels(s.device)
+    dx = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+    dw = torch.empty(n, dtype=weight.dtype, device=s.device)
+    gr, sr = (_norm_rows(grad, n), _norm_rows(s, n)) if rows else (dx.view(-1, n), dx.view(-1, n))
+    rr = _norm_rows(residual_grad, n) if residual_grad is not None and rows else None
+    rs = rstd.reshape(-1)
+    w = weight if weight.stride(0) == 1 else weight.contiguous()
+    dt = _DTYPE_CODES[s.dtype]
+    with _on(s.device):
+        parts = ext.rms_norm_backward_partial_rows(rows, n, dt)
+        partial = torch.empty(max(parts, 1), n, dtype=torch.float32, device=s.device)
+        ext.rms_norm_backward(gr.data_ptr(), gr.stride(0), sr.data_ptr(), sr.stride(0), rs.data_ptr(),
+                              rs.stride(0) if rows > 1 else 1, w.data_ptr(), rr.data_ptr() if rr is not None else 0,
+                              rr.stride(0) if rr is not None else 0, dx.view(-1, n).data_ptr(), n, dw.data_ptr(),
+                              partial.data_ptr(), partial.shape[0], rows, n, dt, _DTYPE_CODES[weight.dtype],
+                              _stream_handle(s.device))
+    return dx, dw
+
+
 # The fused qkv projection with the rotary embedding of q and k in its epilogue
 
 ROPE_HEAD_DIMS = (64, 128, 256)
