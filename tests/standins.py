@@ -172,7 +172,8 @@ class StandinBuild:
     `remove` change that), claim rules that take CPU tensors for a GPU, and the stand-ins above as
     ops.attention_forward / ops.attention_backward / _backward_qkv, ops.cross_entropy_forward / _backward /
     _forward_grad, ops.gemm (which ops.linear calls), ops.gemm_sum, ops.swiglu_linear, ops.matmul_swiglu_grad,
-    ops.linear_rope and ops.embedding_backward. Collectives are not stood in for.
+    ops.linear_rope, ops.embedding_backward, ops.rms_norm and ops.rms_norm_backward. Collectives are not stood in
+    for.
     """
 
     def __init__(self, monkeypatch):
@@ -193,6 +194,8 @@ class StandinBuild:
         monkeypatch.setattr(ops, "matmul_swiglu_grad", matmul_swiglu_grad_standin, raising=False)
         monkeypatch.setattr(ops, "linear_rope", linear_rope_standin, raising=False)
         monkeypatch.setattr(ops, "embedding_backward", embedding_backward_standin, raising=False)
+        monkeypatch.setattr(ops, "rms_norm", rms_norm_standin, raising=False)
+        monkeypatch.setattr(ops, "rms_norm_backward", rms_norm_backward_standin, raising=False)
 
     def kernels(self):
         return sorted(self._kernels)
@@ -301,3 +304,22 @@ def cross_entropy_forward_grad_standin(logits, target, ignore_index=-100, *, ove
     ones = torch.ones(logits.shape[0], dtype=torch.float32)
     grad = cross_entropy_backward_standin(logits, target, lse, ones, ignore_index)
     return loss, lse, logits.copy_(grad) if overwrite else grad
+
+
+def rms_norm_standin(x, weight, eps, residual=None):
+    """ops.rms_norm's contract in float64 math: (y, rstd) or (y, rstd, s), y rounded once, rstd in float32."""
+    from thunder_tk import ops
+
+    assert ops.rms_norm_unsupported(x, weight, residual) is None
+    y, rstd, s = ops.rms_norm_reference(x, weight, eps, residual)
+    out = (y.to(x.dtype), rstd.float())
+    return out if residual is None else (*out, s)
+
+
+def rms_norm_backward_standin(grad, s, rstd, weight, residual_grad=None):
+    """ops.rms_norm_backward's contract in float64 math: dx in s's dtype, dw in the weight's, each rounded once."""
+    from thunder_tk import ops
+
+    assert ops.rms_norm_unsupported(s, weight, residual_grad) is None and rstd.dtype == torch.float32
+    dx, dw = ops.rms_norm_backward_reference(grad, s, rstd, weight, residual_grad)
+    return dx.to(s.dtype), dw.to(weight.dtype)

@@ -499,3 +499,43 @@ def test_launch_gaps_parses_and_needs_a_gpu():
     if not torch.cuda.is_available():
         r = run_bench("launch_gaps.py")
         assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr[-3000:]
+
+
+def test_rms_norm_benchmark_parses_and_its_peers_are_the_references():
+    """The benchmark's peers, eager on CPU: the forward (residual add and LitGPT's norm), the closed-form backward
+    from the saved s and rstd, and autograd through the forward give ops.rms_norm_reference's and
+    ops.rms_norm_backward_reference's outputs (fp32 to its rounding, bf16 to the dtype's); without a GPU the
+    benchmark exits with a message."""
+    import importlib.util
+
+    import torch
+
+    from thunder_tk import ops
+
+    r = run_bench("rms_norm.py", "--help")
+    assert r.returncode == 0 and "--shapes" in r.stdout and "--png" in r.stdout, r.stderr[-3000:]
+    if not torch.cuda.is_available():
+        r = run_bench("rms_norm.py", "--shapes", "llama-3.2-1b")
+        assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr, r.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("rms_norm_bench", ROOT / "benchmarks" / "rms_norm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # no CUDA work at import time
+
+    def rel(got, want):
+        return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        x, res, dy, dres = (torch.randn(2, 5, 64, generator=g).to(dtype) for _ in range(4))
+        w = (1 + 0.5 * torch.randn(64, generator=g)).to(dtype)
+        y, rstd, s = bench.add_rms_norm(x, res, w, 1e-5)
+        want_y, want_rstd, want_s = ops.rms_norm_reference(x, w, 1e-5, res)
+        assert torch.equal(s, want_s) and y.dtype == dtype and rstd.dtype == torch.float32
+        assert rstd.shape == (2, 5, 1) and rel(rstd, want_rstd) < 1e-6 and rel(y, want_y) < tol
+        want_dx, want_dw = ops.rms_norm_backward_reference(dy, s, rstd, w, dres)
+        dx, dw = bench.rms_norm_backward_math(dy, s, rstd, w, dres)
+        assert dx.dtype == dtype and dw.dtype == dtype and dw.shape == (64,)
+        assert rel(dx, want_dx) < tol and rel(dw, want_dw) < tol
+        dx, dw = bench.training_step(bench.add_rms_norm, x.clone().requires_grad_(), res,
+                                     w.clone().requires_grad_(), dy, dres, 1e-5)
+        assert rel(dx, want_dx) < tol and rel(dw, want_dw) < tol

@@ -38,14 +38,14 @@ Unlike the environment variable, the option refuses names it does not know (`kno
 # grouped K/V instead of repeat_interleave's copies (pattern_fusion.GROUPED_KV), SwiGLU's two products and
 # silu(h1) * h2 in one launch (pattern_fusion.SWIGLU), its backward in the output projection's dX GEMM
 # (pattern_fusion.SWIGLU_GRAD), and the attention backward writing the qkv projection's gradient with the rotary
-# embedding's backward (pattern_fusion.QKV_GRAD), and two products that meet in an add in one launch
-# (pattern_fusion.GEMM_SUM).
+# embedding's backward (pattern_fusion.QKV_GRAD), two products that meet in an add in one launch
+# (pattern_fusion.GEMM_SUM), and RMSNorm's forward and backward on tk's kernels (rms_norm_fusion.RMS_NORM).
 # The GEMM size policy (GEMM_SIZE_POLICY below) is one too: turned off, tk claims every GEMM its kernel supports.
 GEMM_SIZE_POLICY = "gemm_size_policy"
 # So is the FSDP schedule (fsdp_schedule.COLLECTIVE_SCHEDULE): turned off, the fuser's order of collectives stays.
 DISABLE_FEATURES = frozenset({"cross_entropy_forward_grad", "cross_entropy_gradient_over_logits", GEMM_SIZE_POLICY,
                               "attention_grouped_kv", "collective_schedule", "gemm_swiglu", "gemm_swiglu_grad",
-                              "attention_qkv_grad", "gemm_rope", "gemm_sum"})
+                              "attention_qkv_grad", "gemm_rope", "gemm_sum", "rms_norm"})
 
 
 def _env_names() -> set[str]:

@@ -270,10 +270,12 @@ class TKExecutor(FusionExecutor):
                                                sum_products, write_gradient_over_logits)
 
         from thunder_tk.fsdp_schedule import overlap_collectives
+        from thunder_tk.rms_norm_fusion import fold_rms_norm
 
         trace = attend_grouped_kv(write_gradient_over_logits(fold_row_scaling(trace)))
         trace = rope_into_qkv_projection(attention_backward_into_qkv(trace))
         trace = sum_products(fuse_swiglu_grad(fuse_swiglu(trace)))
+        trace = fold_rms_norm(trace)  # after sum_products: the norm's incoming gradient is then the summed launch's
         fuser = self._fuser_in_use()
         if fuser is None:  # the list's own fuser runs after this pass (tk's fuser then schedules, see fusion.py)
             return trace

@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass
 import thunder
 from thunder.core.symbol import BoundSymbol
 
-from thunder_tk.executor import Site, decisions_of, latest_decisions_of, sites_of
+from thunder_tk.executor import Site, decisions_of, describe_inputs, latest_decisions_of, sites_of
 from thunder_tk.pattern_fusion import QKV_GRAD, QKV_ROPE, Declined
+from thunder_tk.rms_norm_fusion import RMS_NORM
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,39 @@ def _detail(op: BoundSymbol | None, backward_by: str, cd, declined: dict[str, st
     return ""
 
 
+_NORM = "RMSNorm (recognised in the trace)"
+_NORM_FORWARD_OPS = frozenset({"tk_rms_norm", "tk_add_rms_norm"})
+
+
+def _norm_rows(forward, backward) -> list[Row]:
+    """RMSNorm has no symbol of its own (LitGPT spells it out): a row for each norm rms_norm_fusion put on tk's
+    kernels, and for each it found but left to the fuser, with why (a Declined tag on the norm's rstd)."""
+    backward_ops = {}
+    if backward is not None:
+        backward_ops = {b.args[2].name: b for b in backward.bound_symbols if b.sym.name == "tk_rms_norm_backward"}
+    rows = []
+    for label, trace in (("forward", forward), ("backward", backward)):
+        if trace is None:
+            continue
+        for bsym in trace.bound_symbols:
+            if bsym.sym.name in _NORM_FORWARD_OPS:
+                x, rstd = bsym.args[0], bsym.output[1]
+                inputs = describe_inputs(bsym.args[:-1], {})
+                grad = backward_ops.get(rstd.name)
+                detail = "the residual stream's add in the same pass" if bsym.sym.name == "tk_add_rms_norm" else ""
+                if grad is not None and grad.args[4] is not None:
+                    detail += ("; " if detail else "") + "the residual's gradient added in the backward's pass"
+                rows.append(Row(label, _NORM, inputs, True, _runner(bsym),
+                                _runner(grad) if grad is not None else "", "", detail))
+                continue
+            for b in (bsym, *(_walk(bsym.subsymbols) if bsym.sym.is_fusion else ())):
+                why = next((t.why for p in b.flat_proxy_outs for t in p.tags
+                            if isinstance(t, Declined) and t.feature == RMS_NORM), None)
+                if why is not None and b.sym.name == "rsqrt":
+                    rows.append(Row(label, _NORM, describe_inputs(b.args, {}), False, _runner(bsym), "", why))
+    return rows
+
+
 def build_report(cd, cs, *, planned: bool = False, note: str = "") -> Report:
     if not cs.last_traces:
         raise ValueError("explain needs traces: call the jitted function once first")
@@ -175,6 +209,7 @@ def build_report(cd, cs, *, planned: bool = False, note: str = "") -> Report:
         rows.append(Row(trace_label, d.symbol, d.inputs, d.claimed_by == "tk", ran_by, backward_by, d.reason,
                         _detail(ops.get(d.site), backward_by, cd, declined.get(d.site, {}))
                         if d.claimed_by == "tk" else ""))
+    rows += _norm_rows(forward, backward)
     order = {"forward": 0, "backward": 1}
     rows.sort(key=lambda r: order.get(r.trace, 2))
     return Report(rows, planned=planned, note=note)

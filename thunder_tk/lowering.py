@@ -435,3 +435,47 @@ def _embedding_backward_lowering(grad, indices, num_weights, padding_idx, scale_
 
 
 tk.set_lowering(ltorch.embedding_backward.id, execution_transform=_embedding_backward_lowering, grad_transform=None)
+
+
+# ------------------------------------------------------------------------------------------------
+# RMSNorm, forward and backward. Only rms_norm_fusion.fold_rms_norm puts these in a trace: LitGPT's RMSNorm is
+# spelled out in elementwise ops and sums there (no symbol to claim), which that pass recognises and confirms.
+# Not recomputed in the backward: s and rstd are what the backward reads.
+_NORM_TAGS = (OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,)
+
+
+def _rstd_like(x: TensorProxy) -> TensorProxy:
+    return TensorProxy(like=x, shape=(*x.shape[:-1], 1), dtype=thunder.float32)
+
+
+def _rms_norm_meta(x: TensorProxy, weight: TensorProxy, eps: float):
+    return TensorProxy(like=x), _rstd_like(x)
+
+
+def _rms_norm_impl(x, weight, eps):
+    return ops.rms_norm(x, weight, eps)
+
+
+def _add_rms_norm_meta(x: TensorProxy, residual: TensorProxy, weight: TensorProxy, eps: float):
+    return TensorProxy(like=x), _rstd_like(x), TensorProxy(like=x)
+
+
+def _add_rms_norm_impl(x, residual, weight, eps):
+    return ops.rms_norm(x, weight, eps, residual=residual)
+
+
+def _rms_norm_backward_meta(grad, s, rstd, weight, residual_grad):
+    return TensorProxy(like=s), TensorProxy(like=weight)
+
+
+def _rms_norm_backward_impl(grad, s, rstd, weight, residual_grad):
+    return ops.rms_norm_backward(grad, s, rstd, weight, residual_grad)
+
+
+tk_rms_norm = tk.register_operator("tk_rms_norm", meta=_rms_norm_meta, fn=_rms_norm_impl, tags=_NORM_TAGS)
+# (y, rstd, s): the residual add (x + residual, rounded) in the same pass, s being the norm's input.
+tk_add_rms_norm = tk.register_operator("tk_add_rms_norm", meta=_add_rms_norm_meta, fn=_add_rms_norm_impl,
+                                       tags=_NORM_TAGS)
+# (dx, dw): residual_grad (None or the gradient reaching s by the residual path) added to dx before rounding.
+tk_rms_norm_backward = tk.register_operator("tk_rms_norm_backward", meta=_rms_norm_backward_meta,
+                                            fn=_rms_norm_backward_impl)

@@ -900,10 +900,9 @@ def _norm_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """t as (rows, n) rows the kernels read in place: unit column stride, rows a multiple of 8 elements apart
     (at least n) and 16-byte aligned; a contiguous copy otherwise."""
     rows = t.reshape(-1, n)
-    if rows.shape[0] > 1 and (rows.stride(0) % 8 != 0 or rows.stride(0) < n):
-        rows = rows.contiguous()
-    if rows.stride(1) != 1 or rows.data_ptr() % 16 != 0:
-        rows = rows.contiguous()
+    if ((rows.shape[0] > 1 and (rows.stride(0) % 8 != 0 or rows.stride(0) < n)) or rows.stride(1) != 1
+            or rows.data_ptr() % 16 != 0):
+        rows = rows.clone(memory_format=torch.contiguous_format)  # a fresh allocation: aligned even when t was
     return rows
 
 
@@ -938,7 +937,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         xr = _norm_rows(x, n)
         rr = _norm_rows(residual, n) if residual is not None else None
         yr, sr = y.view(-1, n), (s.view(-1, n) if s is not None else None)
-        w = weight if weight.stride(0) == 1 or n == 1 else weight.contiguous()
+        w = weight.contiguous()
         with _on(x.device):
             ext.rms_norm_forward(xr.data_ptr(), xr.stride(0), rr.data_ptr() if rr is not None else 0,
                                  rr.stride(0) if rr is not None else 0, sr.data_ptr() if sr is not None else 0,
@@ -982,7 +981,7 @@ def rms_norm_backward(grad: torch.Tensor, s: torch.Tensor, rstd: torch.Tensor, w
     gr, sr = (_norm_rows(grad, n), _norm_rows(s, n)) if rows else (dx.view(-1, n), dx.view(-1, n))
     rr = _norm_rows(residual_grad, n) if residual_grad is not None and rows else None
     rs = rstd.reshape(-1)
-    w = weight if weight.stride(0) == 1 else weight.contiguous()
+    w = weight.contiguous()
     dt = _DTYPE_CODES[s.dtype]
     with _on(s.device):
         parts = ext.rms_norm_backward_partial_rows(rows, n, dt)

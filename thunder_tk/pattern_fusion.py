@@ -579,10 +579,12 @@ def _probe_op(name: str, args: list, kwargs: dict):
         dtype = next((d for d in map(_probe_dtype, (*args[1:], kwargs.get("dtype"))) if d is not None), None)
         return args[0].to(dtype) if dtype is not None else args[0].clone()
     unary = {"clone": torch.clone, "neg": torch.neg, "exp": torch.exp, "reciprocal": torch.reciprocal,
-             "sigmoid": torch.sigmoid, "silu": F.silu}
+             "sigmoid": torch.sigmoid, "silu": F.silu, "rsqrt": torch.rsqrt}
     if name in unary:
         return unary[name](args[0])
     a, b = args[0], args[1]
+    if name == "pow":
+        return a ** b
     if name in ("add", "sub"):
         alpha = kwargs.get("alpha", args[2] if len(args) > 2 else None)
         if alpha is not None and alpha != 1:

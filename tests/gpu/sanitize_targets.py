@@ -231,6 +231,36 @@ def embedding_backward():
     print("embedding backward sanitize targets ran")
 
 
+# RMSNorm forward and backward, without and with the residual (its add, and its gradient added to dx): each vector
+# width (V = 1, four groups a block: n 8, 200, 2048; V = 2: 2056; V = 4: 5120, 8192; V = 8: 8200, 16384), a row and a
+# few (groups of a block left idle), and enough rows that groups of the persistent grid take several (8192 x 64 and
+# 1000-row cases: the next-row prefetch, the alternating reduction slots, the weight gradient's per-block partial sums
+# and the groups' hand-over to group 0); weights bf16, fp16 and fp32; wide and copied strided rows; no rows.
+def rms_norm():
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    for rows, n, dtype, wdtype in [(3, 8, bf16, bf16), (17, 200, fp16, fp32), (8192, 64, bf16, bf16),
+                                   (1000, 2048, bf16, fp32), (1, 2056, bf16, fp16), (1000, 2056, fp16, bf16),
+                                   (1000, 5120, bf16, bf16), (5, 8192, fp16, fp16), (3, 8200, bf16, fp32),
+                                   (1000, 16384, bf16, bf16)]:
+        x, r, dy, dres = (torch.randn(rows, n, device="cuda").to(dtype) for _ in range(4))
+        w = (1 + 0.5 * torch.randn(n, device="cuda")).to(wdtype)
+        y, rstd = ops.rms_norm(x, w, 1e-5)
+        ops.rms_norm_backward(dy, x, rstd, w)
+        y, rstd, s = ops.rms_norm(x, w, 1e-5, residual=r)
+        ops.rms_norm_backward(dy, s, rstd, w, residual_grad=dres)
+    # Rows read in place from wider rows (stride n + 64), and rows off whole vectors (stride n + 4, copied).
+    for pad in (64, 4):
+        x, r, dy, dres = (torch.randn(300, 1000 + pad, device="cuda").to(torch.bfloat16)[:, :1000] for _ in range(4))
+        w = torch.randn(1000, device="cuda").to(torch.bfloat16)
+        y, rstd, s = ops.rms_norm(x, w, 1e-5, residual=r)
+        ops.rms_norm_backward(dy, s, rstd, w, residual_grad=dres)
+    empty = torch.empty(0, 2048, device="cuda", dtype=torch.bfloat16)
+    y, rstd = ops.rms_norm(empty, torch.ones(2048, device="cuda"), 1e-5)
+    ops.rms_norm_backward(empty, empty, rstd, torch.ones(2048, device="cuda"))
+    torch.cuda.synchronize()
+    print("rms_norm sanitize targets ran")
+
+
 # Cross-entropy forward and backward: bf16 rows 16-byte aligned with a vector tail (1009 classes), a row long enough
 # for the unrolled loop (20000 classes), fp32 and fp16 with odd rows, a misaligned bf16 view (element-wise path), an
 # ignored row and a target outside the classes, grad_loss per row and as an expanded scalar (stride 0).
@@ -275,7 +305,8 @@ def cross_entropy_forward_grad():
 
 
 SECTIONS = [attention_bwd_delta, gemm, gemm_skinny, gemm_swiglu, tile_library, attention_forward, attention_backward,
-            attention_qkv_grad, gemm_rope, gemm_sum, embedding_backward, cross_entropy, cross_entropy_forward_grad]
+            attention_qkv_grad, gemm_rope, gemm_sum, embedding_backward, rms_norm, cross_entropy,
+            cross_entropy_forward_grad]
 
 if __name__ == "__main__":
     only = {x.strip() for x in os.environ.get("SANITIZE_ONLY", "").split(",") if x.strip()}
