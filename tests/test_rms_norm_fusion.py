@@ -159,3 +159,17 @@ def test_a_norm_whose_values_are_read_elsewhere_is_left_alone(build):
     assert "tk_rms_norm" not in str(thunder.last_traces(jn)[-1])
     (row,) = [row for row in thunder_tk.explain(jn).rows if row.symbol == NORM_ROW]
     assert not row.claimed_by_tk and "read by something else" in row.reason
+
+
+def test_one_probe_per_kind_of_norm(build, monkeypatch):
+    """A model's norms come in three kinds (the first without the residual add, the middle ones, the last without
+    the residual's gradient): each kind is probed once, however many layers."""
+    from thunder_tk import rms_norm_fusion
+
+    probes = []
+    confirmed = rms_norm_fusion._confirmed
+    monkeypatch.setattr(rms_norm_fusion, "_confirmed", lambda *a: probes.append(1) or confirmed(*a))
+    m, cfg = _model(n_layer=3)
+    jm, _ = _train_once(m, torch.randint(0, 512, (2, 16)), torch.randn(2, 16, 512))
+    assert _count(thunder.last_backward_traces(jm)[-1], "tk_rms_norm_backward") == 2 * cfg.n_layer + 1
+    assert len(probes) == 3

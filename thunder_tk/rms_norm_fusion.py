@@ -327,8 +327,24 @@ def _has_backward(fwd: _Forward, users) -> bool:
     return any(u not in fwd.ops for name in fwd.internal for u in users.get(name, []))
 
 
-def _plan(bsyms, fwd: _Forward, producer, users, taken: set[int]):
-    """(the norm's backward or None for a forward-only trace, None) where it folds, else (None, why)."""
+def _probe_key(bsyms, fwd: _Forward, bwd: _Backward | None):
+    """The matched ops up to a renaming of their values, with their roots' metadata (fusion.region_key): a model's
+    norms of one kind share it, so that one probe confirms them all (a probe of a large model's norm on a CPU, as
+    `thunder-tk explain` plans it, takes seconds)."""
+    from thunder_tk.fusion import region_key
+
+    ops = sorted(fwd.ops | (bwd.ops if bwd is not None else set()))
+    roots = [*(fwd.residual or (fwd.s,)), fwd.weight]
+    results = [fwd.y, fwd.rstd, fwd.s]
+    if bwd is not None:
+        roots += [bwd.grad, *((bwd.residual_grad,) if bwd.residual_grad is not None else ())]
+        results += [bwd.dx, bwd.dw, *bwd.aliases]
+    return region_key([bsyms[j] for j in ops], roots, results), fwd.eps
+
+
+def _plan(bsyms, fwd: _Forward, producer, users, taken: set[int], probed: dict):
+    """(the norm's backward or None for a forward-only trace, None) where it folds, else (None, why). `probed`:
+    the probes' verdicts by _probe_key."""
     if why := _unusable(fwd):
         return None, why
     bwd = None
@@ -350,7 +366,10 @@ def _plan(bsyms, fwd: _Forward, producer, users, taken: set[int]):
         results = [bwd.dx, bwd.dw, *bwd.aliases]
         if at <= max(fwd.ops) or any(u <= at for p in results for u in users.get(p.name, []) if u not in bwd.ops):
             return None, "a gradient is read before the backward's inputs are all made"
-    if not _confirmed(bsyms, fwd, bwd):
+    key = _probe_key(bsyms, fwd, bwd)
+    if key not in probed:
+        probed[key] = _confirmed(bsyms, fwd, bwd)
+    if not probed[key]:
         return None, "the probe's results differ from RMSNorm's (float64 reference)"
     return bwd, None
 
@@ -366,14 +385,14 @@ def fold_rms_norm(trace):
     if not any(b.sym.name == "rsqrt" for b in bsyms):
         return trace
     producer, users = _producers_and_users(bsyms)
-    plans, taken = [], set()
+    plans, taken, probed = [], set(), {}
     for k, b in enumerate(bsyms):
         if b.sym.name != "rsqrt" or not isinstance(b.output, TensorProxy):
             continue
         fwd = _match_forward(bsyms, k, producer, users)
         if fwd is None or fwd.ops & taken:
             continue
-        bwd, why = _plan(bsyms, fwd, producer, users, taken)
+        bwd, why = _plan(bsyms, fwd, producer, users, taken, probed)
         if why is not None:
             _tag_declined(fwd.rstd, RMS_NORM, why)
             continue
