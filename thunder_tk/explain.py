@@ -163,7 +163,7 @@ def _norm_rows(forward, backward) -> list[Row]:
             continue
         for bsym in trace.bound_symbols:
             if bsym.sym.name in _NORM_FORWARD_OPS:
-                x, rstd = bsym.args[0], bsym.output[1]
+                rstd = bsym.output[1]
                 inputs = describe_inputs(bsym.args[:-1], {})
                 grad = backward_ops.get(rstd.name)
                 detail = "the residual stream's add in the same pass" if bsym.sym.name == "tk_add_rms_norm" else ""

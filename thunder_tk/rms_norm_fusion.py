@@ -84,9 +84,9 @@ def _through_copies(p, bsyms, producer, ops: set[int]):
     return p
 
 
-def _only_user(p, names: frozenset, bsyms, users, *, but=()) -> int | None:
-    """The one bsym of `names` reading p (ignoring the indices `but`), else None."""
-    readers = [u for u in users.get(p.name, []) if u not in but and bsyms[u].sym.name in names]
+def _only_user(p, names: frozenset, bsyms, users) -> int | None:
+    """The one bsym of `names` reading p, else None."""
+    readers = [u for u in users.get(p.name, []) if bsyms[u].sym.name in names]
     return readers[0] if len(readers) == 1 else None
 
 
