@@ -3,33 +3,21 @@ that run are issued in the order of need, waits sit just before their readers, t
 the backward, and losses and gradients are those of the fuser's order. Thunder's default executors keep their own
 order (the baseline is not changed)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from workers import run_two_ranks
 
 pytest.importorskip("litgpt")
 
 WORKER = Path(__file__).with_name("fsdp_schedule_worker.py")
 
 
-def _run(tmp_path: Path, variant: str) -> dict:
-    out = tmp_path / f"{variant}.json"
-    # --standalone: a rendezvous on a free local port
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
-           variant, str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(out.read_text())
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp_schedule")
-    return {v: _run(tmp, v) for v in ("tk", "tk-fused-order", "default")}
+    return {v: run_two_ranks(WORKER, v, tmp) for v in ("tk", "tk-fused-order", "default")}
 
 
 def test_gathers_in_the_order_of_need_and_waits_before_their_readers(runs):
