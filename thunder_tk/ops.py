@@ -897,13 +897,10 @@ def rms_norm_unsupported(x, weight, residual=None) -> str | None:
 
 
 def _norm_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """t as (rows, n) rows the kernels read in place: unit column stride, rows a multiple of 8 elements apart
-    (at least n) and 16-byte aligned; a contiguous copy otherwise."""
-    rows = t.reshape(-1, n)
-    if ((rows.shape[0] > 1 and (rows.stride(0) % 8 != 0 or rows.stride(0) < n)) or rows.stride(1) != 1
-            or rows.data_ptr() % 16 != 0):
-        rows = rows.clone(memory_format=torch.contiguous_format)  # a fresh allocation: aligned even when t was
-    return rows
+    """t as (rows, n) rows the norm kernels read in place: as the GEMMs read a K-major operand (_k_major_rows), and
+    rows that do not overlap (a row stride of at least n); a contiguous copy otherwise."""
+    rows = _k_major_rows(t.reshape(-1, n))
+    return rows if rows.shape[0] <= 1 or rows.stride(0) >= n else rows.clone(memory_format=torch.contiguous_format)
 
 
 def _check_norm_call(name: str, x, weight, residual, *others) -> None:
