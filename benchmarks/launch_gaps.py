@@ -4,14 +4,16 @@ captured in a CUDA graph (no host in the way) and replayed; per launch = replay 
 A kernel whose work is a few µs shows, in such a chain, its launch and ramp-up cost: grid launch, shared-memory
 carve-out, barrier set-up, descriptor fetch and the first loads' latency. tk's kernels against cuBLAS's and an
 elementwise ATen kernel at the same sizes, alone and alternating with the elementwise kernel (a step interleaves
-GEMMs and fused elementwise kernels).
+GEMMs and fused elementwise kernels). tk's chains run twice: launched programmatically dependent on the kernel
+before (tk's default: set-up under the previous kernel's tail) and in plain stream order (--launch-order).
 
-    python benchmarks/launch_gaps.py [--chain 200] [--rounds 5] [--json out/launch_gaps.json]
+    python benchmarks/launch_gaps.py [--chain 200] [--rounds 5] [--launch-order both] [--json out/launch_gaps.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -64,11 +66,19 @@ def chains(device: torch.device) -> dict:
     def attention():
         ops.attention_forward(q, k, v, is_causal=True)
 
+    norm_w = torch.ones(n, device=device, dtype=bf16)
+
+    def tk_then_norm():
+        ops.gemm(out, w, out=a)
+        ops.rms_norm(a, norm_w, 1e-5)
+
     # (launches per call, function)
     found = {"ATen add (elementwise)": (1, add), "cuBLAS mm": (2, cublas), "tk gemm": (2, tk_gemm()),
              "tk gemm 256-wide": (2, tk_gemm(_tile_n=256)), "tk gemm store warps": (2, tk_gemm(_epilogue=1)),
              "tk gemm dynamic": (2, tk_gemm(_schedule="dynamic")),
              "tk gemm + add": (4, tk_then_add), "cuBLAS mm + add": (4, cublas_then_add)}
+    if hasattr(ops, "rms_norm"):
+        found["tk gemm + tk rms_norm"] = (2, tk_then_norm)
     if hasattr(ops, "attention_forward"):
         found["tk attention forward"] = (1, attention)
     return found
@@ -78,6 +88,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chain", type=int, default=200, help="launches captured per graph")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--launch-order", choices=["both", "dependent", "plain"], default="both",
+                   help="tk's launches programmatically dependent, in plain stream order, or each chain both ways")
     p.add_argument("--json", default="out/launch_gaps.json")
     args = p.parse_args(argv)
     if args.chain < 1 or args.rounds < 1:
@@ -85,22 +97,31 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("launch_gaps: needs a CUDA GPU", file=sys.stderr)
         return 2
+    from thunder_tk import ops
+
     device = torch.device("cuda")
+    orders = {"both": ("dependent", "plain"), "dependent": ("dependent",), "plain": ("plain",)}[args.launch_order]
     rows = []
     for name, (launches, fn) in chains(device).items():
-        try:
-            calls = max(1, args.chain // launches)
-            graph, _ = capture(lambda: [fn() for _ in range(calls)])
-            times = [median_ms(graph.replay, warmup_ms=5, rep_ms=30) for _ in range(args.rounds)]
-            us = sorted(times)[len(times) // 2] * 1e3 / (calls * launches)
-            rows.append({"chain": name, "launches": calls * launches, "us_per_launch": us})
-        except Exception as e:  # noqa: BLE001  (one chain failing must not cost the others)
-            rows.append({"chain": name, "launches": 0, "us_per_launch": float("nan"),
-                         "error": f"{type(e).__name__}: {e}"[:200]})
+        for order in orders if name.startswith("tk") else ("-",):
+            try:
+                calls = max(1, args.chain // launches)
+                # the launch attribute is recorded into the graph's kernel nodes at capture
+                with ops.dependent_launches(order != "plain") if order != "-" else contextlib.nullcontext():
+                    graph, _ = capture(lambda: [fn() for _ in range(calls)])
+                times = [median_ms(graph.replay, warmup_ms=5, rep_ms=30) for _ in range(args.rounds)]
+                us = sorted(times)[len(times) // 2] * 1e3 / (calls * launches)
+                rows.append({"chain": name, "launch": order, "launches": calls * launches, "us_per_launch": us})
+            except Exception as e:  # noqa: BLE001  (one chain failing must not cost the others)
+                rows.append({"chain": name, "launch": order, "launches": 0, "us_per_launch": float("nan"),
+                             "error": f"{type(e).__name__}: {e}"[:200]})
     add_us = next((r["us_per_launch"] for r in rows if r["chain"].startswith("ATen add")), float("nan"))
+    plain = {r["chain"]: r["us_per_launch"] for r in rows if r["launch"] == "plain"}
     for r in rows:
         r["vs_add"] = r["us_per_launch"] / add_us
-    print_table(rows, ["chain", "launches", "us_per_launch", "vs_add"])
+        dependent = r["launch"] == "dependent" and r["chain"] in plain
+        r["vs_plain"] = r["us_per_launch"] / plain[r["chain"]] if dependent else float("nan")
+    print_table(rows, ["chain", "launch", "launches", "us_per_launch", "vs_add", "vs_plain"])
     for r in rows:
         if "error" in r:
             print(f"  {r['chain']}: {r['error']}")

@@ -18,6 +18,7 @@ GPU's tokens, and peak memory is the largest rank's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -86,6 +87,9 @@ def variants(fsdp: bool, device: torch.device, without: tuple[str, ...] = ()):
         # tk's GEMMs taking tiles from a counter (blocks that start late take fewer) instead of a fixed share
         "thunder [tk] dynamic GEMMs": with_environment(thunder_variant([thunder_tk.tk]),
                                                        THUNDER_TK_GEMM_SCHEDULE="dynamic"),
+        # tk with its kernels launched in plain stream order, not programmatically dependent on the kernel before
+        "thunder [tk] plain launch order": around_steps(thunder_variant([thunder_tk.tk]),
+                                                        lambda: thunder_tk.ops.dependent_launches(False)),
         # tk with LitGPT's repeated K/V heads made, saved and read as traced (no pattern_fusion.attend_grouped_kv)
         "thunder [tk] K/V repeated": thunder_variant([thunder_tk.tk], tk_disable="attention_grouped_kv"),
         # tk with SwiGLU's two products and silu(h1) * h2 apart (no pattern_fusion.fuse_swiglu): two GEMMs, and the
@@ -119,6 +123,12 @@ def with_environment(wrap, **env):
     return wrap
 
 
+def around_steps(wrap, context):
+    """A variant whose steps each run inside `context()` (a context manager: a process-wide tk setting)."""
+    wrap.around_step = context
+    return wrap
+
+
 # Every variant of variants(), in order, with its spellings without spaces or brackets, which survive shell word
 # splitting (gpu_run.sh's LITGPT_ARGS).
 _VARIANT_ALIASES = {
@@ -129,6 +139,7 @@ _VARIANT_ALIASES = {
     "thunder [tk] loss kernels": ("tk_loss_kernels",),
     "thunder [tk] cuBLAS GEMMs": ("tk_cublas_gemms",),
     "thunder [tk] dynamic GEMMs": ("tk_dynamic_gemms",),
+    "thunder [tk] plain launch order": ("tk_plain_launch_order", "tk_no_pdl"),
     "thunder [tk] K/V repeated": ("tk_kv_repeated",),
     "thunder [tk] SwiGLU apart": ("tk_swiglu_apart",),
     "thunder [tk] SwiGLU backward apart": ("tk_swiglu_bwd_apart",),
@@ -329,15 +340,17 @@ class Built:
         y = torch.randint(cfg.padded_vocab_size, (args.batch, args.seq), generator=gen).to(device)
 
         environment = getattr(wrap, "environment", {})
+        around = getattr(wrap, "around_step", contextlib.nullcontext)
 
         def step():
             saved = {k: os.environ.get(k) for k in environment}
             os.environ.update(environment)
             try:
-                loss = net(x, y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                with around():
+                    loss = net(x, y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
             finally:
                 for k, v in saved.items():
                     if v is None:

@@ -24,6 +24,7 @@
 #include "kernels/loss/cross_entropy.h"
 #include "kernels/norm/rms_norm.h"
 #include "kernels/selftest/kittens_selftest.h"
+#include "kittens/launch.h"
 
 namespace py = pybind11;
 
@@ -658,6 +659,10 @@ PYBIND11_MODULE(_C, m) {
         cudaRuntimeGetVersion(&v);
         return v;
     });
+    m.def("set_dependent_launch", &tk::set_dependent_launch, py::arg("enabled"),
+          "Launch tk's kernels programmatically dependent on the kernel before them (set-up overlapped with its "
+          "tail) or in plain stream order.");
+    m.def("dependent_launch", &tk::dependent_launch, "Whether tk's kernels launch programmatically dependent.");
     m.attr("target_arch") = "sm_90a";
     m.attr("dtype_codes") =
         py::dict(py::arg("bfloat16") = int(code_bf16), py::arg("float16") = int(code_fp16), py::arg("float32") = int(code_fp32));

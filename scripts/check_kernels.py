@@ -8,7 +8,10 @@ Fails (exit 1) when ptxas
 - serialises wgmma ("Potential Performance Loss: wgmma.mma_async instructions are serialized", C7512, C7514,
   C7520, ...) or injects a wait for wgmma results (C7517), printed with or without -v: every product of that
   kernel then waits for the one before it (or one place waits for all of them), which no test notices;
-- spills more than a source's budget (SPILL_BUDGET, bytes of spill loads per kernel; 0 unless listed).
+- spills more than a source's budget (SPILL_BUDGET, bytes of spill loads per kernel; 0 unless listed);
+- has a kernel that never waits for the grid before it (`griddepcontrol.wait`, `pdl::wait_prior_grid`), outside
+  the sources launched in plain stream order (PLAIN_ORDER): tk launches its kernels programmatically dependent
+  (csrc/kittens/launch.h), and such a kernel would read its inputs before the kernel that writes them is done.
 Needs nvcc only (no GPU, no libcuda): the same flags as csrc/CMakeLists.txt. CI runs it after the build.
 """
 
@@ -34,12 +37,27 @@ SPILL_BUDGET = {
     "kernels/attention/bwd_delta.cu": 28,
 }
 
+# Sources whose kernels are launched in plain stream order (no programmatic dependence), with the reason.
+PLAIN_ORDER = {
+    "kernels/collectives/": "the collectives' kernels wait on peers' flags and copy engines, in stream order",
+    "kernels/selftest/": "the tile library's unit kernels, launched one at a time by the tests",
+}
+
 # Sources whose wgmma serialisation is known, with the reason; the check reports it without failing.
 KNOWN_SERIALISED: dict[str, str] = {}
 
 ENTRY = re.compile(r"Compiling entry function '(\S+)'")
 SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 REGS = re.compile(r"Used (\d+) registers")
+PTX_ENTRY = re.compile(r"^\s*(?:\.(?:visible|weak)\s+)?\.entry\s+([^\s(]+)\s*\(", re.M)
+
+
+def entries_without_wait(ptx: str) -> list[str]:
+    """The .entry functions of a PTX file whose bodies have no griddepcontrol.wait."""
+    starts = [(m.start(), m.group(1)) for m in PTX_ENTRY.finditer(ptx)]
+    bodies = [(name, ptx[at:(starts[i + 1][0] if i + 1 < len(starts) else len(ptx))])
+              for i, (at, name) in enumerate(starts)]
+    return [name for name, body in bodies if "griddepcontrol.wait" not in body]
 
 
 def find_nvcc() -> str | None:
@@ -61,12 +79,20 @@ def check(nvcc: str, source: Path) -> tuple[list[str], list[str]]:
     """(report lines, problems) for one source."""
     rel = source.relative_to(CSRC).as_posix()
     with tempfile.TemporaryDirectory() as tmp:
-        r = subprocess.run([nvcc, *FLAGS, "-c", str(source), "-o", str(Path(tmp) / "k.o")],
+        # -keep leaves the PTX of this one compile beside the object, for the dependent-launch check
+        r = subprocess.run([nvcc, *FLAGS, "-keep", "-keep-dir", tmp, "-c", str(source), "-o", str(Path(tmp) / "k.o")],
                            capture_output=True, text=True)
+        ptx = "".join(f.read_text() for f in Path(tmp).glob("*.ptx"))
     out = r.stdout + r.stderr
     if r.returncode != 0:
         return [f"{rel}: compile failed"], [f"{rel} does not compile:\n{out[-3000:]}"]
     lines, problems = [], []
+    if not any(rel.startswith(prefix) for prefix in PLAIN_ORDER):
+        if not ptx:
+            problems.append(f"{rel}: no PTX kept, so no check that its kernels wait for the grid before them")
+        for name in entries_without_wait(ptx):
+            problems.append(f"{rel}: {short(name)} never waits for the grid before it (pdl::wait_prior_grid), "
+                            "but tk launches it programmatically dependent")
     entry = None
     budget = SPILL_BUDGET.get(rel, 0)
     for line in out.splitlines():

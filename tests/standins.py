@@ -200,6 +200,15 @@ class StandinBuild:
     def kernels(self):
         return sorted(self._kernels)
 
+    # the launch-order switch (csrc/kittens/launch.h), kept as the compiled module keeps it
+    _dependent = True
+
+    def dependent_launch(self) -> bool:
+        return self._dependent
+
+    def set_dependent_launch(self, enabled: bool) -> None:
+        self._dependent = bool(enabled)
+
     def add(self, name: str) -> "StandinBuild":
         self._kernels.add(name)
         return self

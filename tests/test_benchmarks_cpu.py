@@ -327,6 +327,42 @@ def test_litgpt_step_variant_environment_is_set_only_during_its_steps(monkeypatc
     assert bench.variant_names(["tk_dynamic_gemms"]) == ["thunder [tk] dynamic GEMMs"]
 
 
+def test_litgpt_step_plain_launch_order_variant_runs_its_steps_inside_the_setting():
+    import argparse
+    import contextlib
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("litgpt_step_bench_around", ROOT / "benchmarks" / "litgpt_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    inside, seen = [], []
+
+    @contextlib.contextmanager
+    def setting():
+        inside.append(True)
+        yield
+        inside.pop()
+
+    class Spy(torch.nn.Module):  # notes whether its forward ran inside the setting
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, y):
+            seen.append(bool(inside))
+            return self.inner(x, y)
+
+    wrap = bench.around_steps(lambda m: Spy(m), setting)
+    args = argparse.Namespace(model="pythia-14m", n_layer=1, seq=16, batch=1, warmup=1)
+    bench.Built("spy", wrap, args, torch.device("cpu")).time_steps(1)
+    assert seen == [True, True] and not inside  # the warm-up step and the timed one
+    assert bench.variant_names(["tk_plain_launch_order", "tk_no_pdl"]) == ["thunder [tk] plain launch order"] * 2
+    built = bench.variants(False, torch.device("cpu"), ())
+    assert callable(built["thunder [tk] plain launch order"].around_step)
+
+
 def test_litgpt_step_clocks_per_round_flag_a_throttled_round():
     import importlib.util
 

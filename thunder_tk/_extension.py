@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -45,7 +46,23 @@ def _load() -> tuple[object | None, str]:
         from thunder_tk import _C  # type: ignore[attr-defined]
     except ImportError as e:  # built, but the module will not load here
         return None, f"kernels not built: the compiled module failed to load ({e})"
+    if hasattr(_C, "set_dependent_launch"):
+        _C.set_dependent_launch(dependent_launch_from_environment())
     return _C, ""
+
+
+DEPENDENT_LAUNCH_ENV = "THUNDER_TK_DEPENDENT_LAUNCH"
+"""0 (or off, false, no): tk's kernels launch in plain stream order instead of programmatically dependent on the
+kernel before them. Read when the kernels load; `thunder_tk.ops.set_dependent_launch` changes it later."""
+
+
+def dependent_launch_from_environment() -> bool:
+    value = os.environ.get(DEPENDENT_LAUNCH_ENV, "").strip().lower()
+    if value in ("", "1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"{DEPENDENT_LAUNCH_ENV}={value!r}: expected 1/on/true/yes or 0/off/false/no")
 
 
 def extension():

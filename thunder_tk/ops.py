@@ -51,6 +51,37 @@ def _on(device: torch.device):
     return contextlib.nullcontext() if index == torch._C._cuda_getDevice() else torch.cuda.device(index)
 
 
+def dependent_launch() -> bool:
+    """Whether tk's kernels launch programmatically dependent on the kernel before them in the stream: scheduled
+    while it finishes, set up on the SMs it has left, and waiting for it before their first memory access (the
+    default; THUNDER_TK_DEPENDENT_LAUNCH=0 turns it off). False where no kernels are built."""
+    ext = _extension.extension()
+    return bool(ext is not None and ext.dependent_launch())
+
+
+def set_dependent_launch(enabled: bool) -> bool:
+    """Turns programmatic dependent launch on or off for every later tk launch in this process; returns the
+    previous setting. Results are the same either way; only the gaps between kernels change."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_dependent_launch: expected a bool, got {type(enabled).__name__}")
+    ext = _extension.extension()
+    if ext is None:
+        raise KernelUnavailableError(_extension.unavailable_reason())
+    previous = bool(ext.dependent_launch())
+    ext.set_dependent_launch(enabled)
+    return previous
+
+
+@contextlib.contextmanager
+def dependent_launches(enabled: bool):
+    """set_dependent_launch(enabled) for the block, the previous setting restored after it."""
+    previous = set_dependent_launch(enabled)
+    try:
+        yield
+    finally:
+        set_dependent_launch(previous)
+
+
 # ------------------------------------------------------------------------------------------------
 # Attention backward pre-pass: delta = rowsum(dO * O)
 

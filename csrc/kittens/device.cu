@@ -1,4 +1,5 @@
 #include "common.cuh"
+#include "launch.h"
 
 namespace tk {
 
@@ -21,5 +22,12 @@ int multiprocessor_count() {
     }
     return cached[device];
 }
+
+namespace {
+std::atomic<bool> dependent_launch_on{true};
+}
+
+void set_dependent_launch(bool enabled) { dependent_launch_on.store(enabled, std::memory_order_relaxed); }
+bool dependent_launch() { return dependent_launch_on.load(std::memory_order_relaxed); }
 
 }  // namespace tk

@@ -1,6 +1,7 @@
 // Single include for kernels: the thunder_tk tile library.
 #pragma once
 #include "common.cuh"
+#include "launch.cuh"
 #include "pipeline.cuh"
 #include "register_tile.cuh"
 #include "schedule.cuh"

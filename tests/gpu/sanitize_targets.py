@@ -304,9 +304,33 @@ def cross_entropy_forward_grad():
     print("cross-entropy forward+grad sanitize targets ran")
 
 
+# Different kernels back to back with no synchronisation, each reading the last one's output, launched
+# programmatically dependent (as every section's launches are, by default) and then in plain stream order.
+def dependent_launch():
+    bf16 = torch.bfloat16
+    x = torch.randn(512, 256, device="cuda", dtype=bf16)
+    w = torch.randn(256, 256, device="cuda", dtype=bf16) / 16
+    norm_w = torch.ones(256, device="cuda", dtype=bf16)
+    target = torch.randint(0, 256, (512,), device="cuda")
+    for dependent in (True, False):
+        with ops.dependent_launches(dependent):
+            h = x
+            for _ in range(4):
+                h = ops.gemm(h, w)
+                h, rstd = ops.rms_norm(h, norm_w, 1e-5)
+                q = h.view(1, 512, 2, 128).transpose(1, 2)
+                o, lse = ops.attention_forward(q, q, q, is_causal=True)
+                h = o.transpose(1, 2).reshape(512, 256)
+                dq, dk, dv = ops.attention_backward(q, q, q, o, lse, o, is_causal=True)
+                h = ops.gemm(dq.transpose(1, 2).reshape(512, 256), w)
+                ops.cross_entropy_forward_grad(h, target)
+    torch.cuda.synchronize()
+    print("dependent_launch sanitize targets ran")
+
+
 SECTIONS = [attention_bwd_delta, gemm, gemm_skinny, gemm_swiglu, tile_library, attention_forward, attention_backward,
             attention_qkv_grad, gemm_rope, gemm_sum, embedding_backward, rms_norm, cross_entropy,
-            cross_entropy_forward_grad]
+            cross_entropy_forward_grad, dependent_launch]
 
 if __name__ == "__main__":
     only = {x.strip() for x in os.environ.get("SANITIZE_ONLY", "").split(",") if x.strip()}

@@ -768,6 +768,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         sync::fence_init();
     }
     __syncthreads();
+    pdl::start();  // set up under the previous kernel's tail; from here on global memory
     // Each role works out its block's work after setmaxnreg: carried across it, the values spill at the producers' 24.
     if (warpgroup::index() == 0) {
         // setmaxnreg moves registers within the block's launch allocation (168 x 384): 24 x 128 + 240 x 256 is all
@@ -846,9 +847,8 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
     p.parts = a.split_parts;
     const int64_t units = int64_t(p.kv_tiles) * a.batch * out_heads;
     const int64_t blocks = a.split_parts ? a.split_from + (units - a.split_from) * a.split_parts : units;
-    backward_kernel<T, D><<<unsigned(blocks), THREADS, smem_bytes_of<T, D>, stream>>>(
-        maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], maps[7], maps[8], p);
-    return cudaGetLastError();
+    return launch_kernel(backward_kernel<T, D>, dim3(unsigned(blocks)), dim3(THREADS), smem_bytes_of<T, D>, stream, 1,
+                         maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], maps[7], maps[8], p);
 }
 
 }  // namespace

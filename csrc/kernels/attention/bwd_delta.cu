@@ -50,6 +50,7 @@ __device__ __forceinline__ int64_t delta_offset(const bwd_delta_args& a, int64_t
 // each lane reads VEC elements per access.
 template <typename T, int VEC, int LANES, bool FLAT, int kRows>
 __global__ void __launch_bounds__(kThreads) bwd_delta_kernel(const bwd_delta_args args) {
+    pdl::start();
     using group = lanes<LANES>;
     constexpr int groups_per_block = kThreads / LANES;
     constexpr int rows_per_step = groups_per_block * kRows;
@@ -127,8 +128,7 @@ cudaError_t launch_with(const bwd_delta_args& args, cudaStream_t stream) {
     const int64_t wanted = (rows + rows_per_step - 1) / rows_per_step;
     const int64_t cap = args.resident_grid ? int64_t(multiprocessor_count()) * per_sm : int64_t(INT32_MAX);
     const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min(wanted, cap)));
-    kernel<<<grid, kThreads, 0, stream>>>(args);
-    return cudaGetLastError();
+    return launch_kernel(kernel, dim3(grid), dim3(kThreads), 0, stream, 1, args);
 }
 
 template <typename T, int VEC, int LANES, bool FLAT>

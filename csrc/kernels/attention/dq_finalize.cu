@@ -14,6 +14,7 @@ template <typename T>
 __global__ void __launch_bounds__(THREADS) dq_finalize_kernel(const float4* __restrict__ accum,
                                                               uint4* __restrict__ out, int64_t octets,
                                                               float scale) {
+    pdl::start();
     for (int64_t i = int64_t(blockIdx.x) * THREADS + threadIdx.x; i < octets; i += int64_t(gridDim.x) * THREADS) {
         const float4 a = accum[2 * i], b = accum[2 * i + 1];
         out[i] = make_uint4(rt::pack2<T>(a.x * scale, a.y * scale), rt::pack2<T>(a.z * scale, a.w * scale),
@@ -40,11 +41,8 @@ cudaError_t launch_dq_finalize(const float* accum, void* out, int dtype, int64_t
                                              int64_t(multiprocessor_count()) * BLOCKS_PER_SM);
     const auto* in = reinterpret_cast<const float4*>(accum);
     auto* dst = reinterpret_cast<uint4*>(out);
-    if (dtype == int(dtype::bf16))
-        dq_finalize_kernel<__nv_bfloat16><<<unsigned(blocks), THREADS, 0, stream>>>(in, dst, octets, scale);
-    else
-        dq_finalize_kernel<__half><<<unsigned(blocks), THREADS, 0, stream>>>(in, dst, octets, scale);
-    return cudaGetLastError();
+    auto kernel = dtype == int(dtype::bf16) ? dq_finalize_kernel<__nv_bfloat16> : dq_finalize_kernel<__half>;
+    return launch_kernel(kernel, dim3(unsigned(blocks)), dim3(THREADS), 0, stream, 1, in, dst, octets, scale);
 }
 
 }  // namespace tk::attention

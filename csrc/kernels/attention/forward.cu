@@ -616,6 +616,7 @@ __global__ void __launch_bounds__(config<D, C>::THREADS, 1)
         sync::fence_init();
     }
     __syncthreads();
+    pdl::start();  // set up under the previous kernel's tail; from here on global memory
     if (warpgroup::index() == 0) {
         warpgroup::decrease_registers<PRODUCER_REGISTERS>();
         if (threadIdx.x == 0) produce<T, D, C>(st, p, map_q, map_k, map_v);
@@ -709,9 +710,8 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
                         : int(a.batch * a.q_heads);
     const int64_t blocks = split.blocks;
     if (blocks <= 0) return cudaErrorInvalidValue;
-    forward_kernel<T, D, C><<<unsigned(blocks), config<D, C>::THREADS, smem_bytes_of<T, D, C>, stream>>>(map_q, map_k, map_v,
-                                                                                                 map_o, p);
-    return cudaGetLastError();
+    return launch_kernel(forward_kernel<T, D, C>, dim3(unsigned(blocks)), dim3(config<D, C>::THREADS),
+                         smem_bytes_of<T, D, C>, stream, 1, map_q, map_k, map_v, map_o, p);
 }
 
 }  // namespace

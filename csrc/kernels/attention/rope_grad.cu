@@ -72,6 +72,7 @@ template <typename T, typename Angle, typename Index>
 __global__ void __launch_bounds__(THREADS) rope_grad_kernel(const rope_grad_args a) {
     const Angle* __restrict__ cosines = static_cast<const Angle*>(a.cos);
     const Angle* __restrict__ sines = static_cast<const Angle*>(a.sin);
+    pdl::start();
     const int pairs = int(a.rope_dims / 16), half = int(a.rope_dims / 2), rope_dims = int(a.rope_dims);
     const Index per_row = Index(pairs + (a.head_dim - a.rope_dims) / 8), seq = Index(a.seq);
     const Index dq_units = Index(a.batch * a.q_heads * a.seq) * per_row;
@@ -99,11 +100,9 @@ __global__ void __launch_bounds__(THREADS) rope_grad_kernel(const rope_grad_args
 
 template <typename T, typename Angle>
 cudaError_t launch_typed(const rope_grad_args& a, int64_t units, unsigned blocks, cudaStream_t stream) {
-    if (units < int64_t(INT_MAX) - int64_t(blocks) * THREADS)
-        rope_grad_kernel<T, Angle, uint32_t><<<blocks, THREADS, 0, stream>>>(a);
-    else
-        rope_grad_kernel<T, Angle, int64_t><<<blocks, THREADS, 0, stream>>>(a);
-    return cudaGetLastError();
+    auto kernel = units < int64_t(INT_MAX) - int64_t(blocks) * THREADS ? rope_grad_kernel<T, Angle, uint32_t>
+                                                                        : rope_grad_kernel<T, Angle, int64_t>;
+    return launch_kernel(kernel, dim3(blocks), dim3(THREADS), 0, stream, 1, a);
 }
 
 template <typename T>

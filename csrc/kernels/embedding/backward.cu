@@ -32,6 +32,7 @@ __global__ void __launch_bounds__(THREADS) backward_kernel(const backward_args a
     const T* __restrict__ grad = static_cast<const T*>(a.grad);
     T* __restrict__ out = static_cast<T*>(a.out);
     const int lane = threadIdx.x & 31;
+    pdl::start();
     for (int64_t v = int64_t(blockIdx.x) * WARPS + threadIdx.x / 32; v < a.rows; v += int64_t(gridDim.x) * WARPS) {
         // Every lane searches (the same addresses: one request a warp); the run is [first, last).
         int64_t first = lower_bound(a.sorted, a.tokens, v), last = first;
@@ -61,8 +62,7 @@ cudaError_t launch_typed(const backward_args& a, cudaStream_t stream) {
     const bool vector = a.dim % V == 0 && a.grad_stride % V == 0 && is_aligned(a.grad, 16) && is_aligned(a.out, 16);
     auto kernel = vector ? backward_kernel<T, V> : backward_kernel<T, 1>;
     const unsigned grid = unsigned(std::min<int64_t>((a.rows + WARPS - 1) / WARPS, int64_t(1) << 20));
-    kernel<<<grid, THREADS, 0, stream>>>(a);
-    return cudaGetLastError();
+    return launch_kernel(kernel, dim3(grid), dim3(THREADS), 0, stream, 1, a);
 }
 
 }  // namespace

@@ -406,7 +406,6 @@ __device__ __forceinline__ void store_staged_tiles(State& st, const kernel_param
         tma::store_wait_read();
         sync::arrive(st.c_free[wg]);
     }
-    tma::store_wait();  // the staging must outlive the stores' reads
 }
 
 // silu(c) * c2 for a packed pair of each, rounded as PyTorch rounds the two ops in 16 bits (silu's result first).
@@ -502,7 +501,7 @@ __device__ __forceinline__ void store_staged_gated(State& st, const kernel_param
         __syncwarp();
         sync::arrive(st.c_free[wg]);
     }
-    if (leader) tma::store_wait();  // the staging must outlive the stores' reads
+    if (leader) tma::store_wait_read();  // staging outlives the reads; the grid's end flushes
 }
 
 // dh1 = dg h2 silu'(h1) and dh2 = dg silu(h1) for two adjacent columns: dg from the fp32 accumulators, h1 and h2
@@ -605,7 +604,6 @@ __device__ __forceinline__ void store_gate_grad_tiles(State& st, const kernel_pa
         tma::store_wait_read();
         load_tile(k + 1);
     }
-    tma::store_wait();  // the staging must outlive the stores' reads
 }
 
 // One tile's walk over the ring, keeping one wgmma group in flight: stage s is released once the group after it
@@ -720,7 +718,7 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
     if (State::STORE_WARPS && p.tma_store)
         stage_end(st, slice, handoffs);
     else if (warpgroup::thread() == 0)
-        tma::store_wait();  // staging must outlive the stores' reads
+        tma::store_wait_read();  // staging outlives the reads; the grid's end flushes
 }
 
 // Ping-pong consumers: the ring's tiles (k_blocks stages each, in the producer's order) alternate between the two
@@ -808,7 +806,7 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
             write_rows64<T, 128>(st, p, map_c, wg, d[1], row0 + 64, col0);
         }
     }
-    if (warpgroup::thread() == 0) tma::store_wait();  // staging must outlive the stores' reads
+    if (warpgroup::thread() == 0) tma::store_wait_read();  // staging outlives the reads; the grid's end flushes
 }
 
 // PINGPONG: the consumers take 128 x 128 tiles in turns (BN = 128, no cluster); otherwise they share each tile.
@@ -842,11 +840,21 @@ __global__ void __launch_bounds__(THREADS, 1)
             if constexpr (GATE_GRAD) sync::init(st.gate_grad.h_full[wg], 1);
         }
         sync::fence_init();
+        tma::prefetch_map(&map_a);
+        tma::prefetch_map(&map_b);
+        if (GATED || p.first_k_blocks < p.k_blocks) tma::prefetch_map(&gm.b2);
+        if (p.first_k_blocks < p.k_blocks) tma::prefetch_map(&gm.a2);
+        if constexpr (GATE_GRAD) {
+            tma::prefetch_map(&gm.h1);
+            tma::prefetch_map(&gm.h2);
+        }
     }
     if constexpr (CLUSTER == 1)
         __syncthreads();
     else
         sync::cluster_sync();
+    // Set up under the previous kernel's tail (dependent launch); from here on global memory.
+    pdl::start();
 
     // Work comes in pairs of vertically adjacent tiles, one pair per cluster; this block takes row `rank`.
     const uint32_t rank = CLUSTER == 1 ? 0 : sync::cluster_rank();
@@ -861,14 +869,6 @@ __global__ void __launch_bounds__(THREADS, 1)
         // ---------------- producer ----------------
         warpgroup::decrease_registers<PRODUCER_REGISTERS>();
         if (threadIdx.x == 0) {
-            tma::prefetch_map(&map_a);
-            tma::prefetch_map(&map_b);
-            if (GATED || p.first_k_blocks < p.k_blocks) tma::prefetch_map(&gm.b2);
-            if (p.first_k_blocks < p.k_blocks) tma::prefetch_map(&gm.a2);
-            if constexpr (GATE_GRAD) {
-                tma::prefetch_map(&gm.h1);
-                tma::prefetch_map(&gm.h2);
-            }
             pipeline::cursor<STAGES> at;
             // Dynamic: every block takes tickets until one is past the end, so a launch hands out exactly
             // pairs + grid tickets, and the holder of the last one resets the counter for the next launch.
@@ -979,21 +979,6 @@ static_assert(smem_bytes_of<__nv_bfloat16, major::k, major::k, 256, true> <= 227
               smem_bytes_of<__nv_bfloat16, major::k, major::mn, 128, true, fused::swiglu_grad> <= 227 * 1024,
               "shared memory per block");
 
-template <int CLUSTER>
-cudaLaunchConfig_t launch_config(cudaLaunchAttribute* attribute, int smem_bytes, cudaStream_t stream) {
-    cudaLaunchConfig_t config{};
-    attribute[0].id = cudaLaunchAttributeClusterDimension;
-    attribute[0].val.clusterDim.x = CLUSTER;
-    attribute[0].val.clusterDim.y = 1;
-    attribute[0].val.clusterDim.z = 1;
-    config.attrs = attribute;
-    config.numAttrs = 1;
-    config.blockDim = dim3(THREADS);
-    config.dynamicSmemBytes = smem_bytes;
-    config.stream = stream;
-    return config;
-}
-
 // Per device, once: the kernel's shared-memory opt-in (an attribute of the kernel in each device's context) and
 // the persistent grid: one block per SM, or for clusters as many as the occupancy query says fit at once.
 template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, fused F = fused::none>
@@ -1010,7 +995,13 @@ cudaError_t prepare(int* grid_blocks) {
         known = multiprocessor_count();
         if constexpr (CLUSTER > 1) {
             cudaLaunchAttribute attribute[1];
-            cudaLaunchConfig_t config = launch_config<CLUSTER>(attribute, smem_bytes, nullptr);
+            attribute[0].id = cudaLaunchAttributeClusterDimension;
+            attribute[0].val.clusterDim = {unsigned(CLUSTER), 1, 1};
+            cudaLaunchConfig_t config{};
+            config.attrs = attribute;
+            config.numAttrs = 1;
+            config.blockDim = dim3(THREADS);
+            config.dynamicSmemBytes = smem_bytes;
             config.gridDim = dim3(CLUSTER * multiprocessor_count());
             int fit = 0;
             e = cudaOccupancyMaxActiveClusters(&fit, kernel, &config);
@@ -1106,14 +1097,8 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
         p.split = schedule::plan_split_tail(p.order.count(), p.k_blocks, resident, SPLIT_MAX_PIECES, SPLIT_MIN_K_BLOCKS);
         clusters = p.split.dp_tiles > 0 ? resident : p.split.sk_blocks;
     }
-    if constexpr (CLUSTER == 1) {
-        kernel<<<clusters, THREADS, smem_bytes, stream>>>(map_a, map_b, map_c, gm, p);
-        return cudaGetLastError();
-    }
-    cudaLaunchAttribute attribute[1];
-    cudaLaunchConfig_t config = launch_config<CLUSTER>(attribute, smem_bytes, stream);
-    config.gridDim = dim3(CLUSTER * clusters);
-    return cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, gm, p);
+    return launch_kernel(kernel, dim3(CLUSTER * clusters), dim3(THREADS), smem_bytes, stream, CLUSTER, map_a, map_b,
+                         map_c, gm, p);
 }
 
 template <typename T, int C, int BN, bool PINGPONG = false, bool STORE_WARPS = false>

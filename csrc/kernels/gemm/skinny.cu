@@ -52,14 +52,15 @@ __global__ void __launch_bounds__(SK_THREADS)
     if (threadIdx.x == 0) {
         st.ring.init(1, 4);  // lane 0 of each consumer warp frees a stage
         sync::fence_init();
+        tma::prefetch_map(&map_w);
+        tma::prefetch_map(&map_x);
     }
     __syncthreads();
+    pdl::start();  // set up under the previous kernel's tail; from here on global memory
 
     if (threadIdx.x >= warpgroup::threads) {
         // ---------------- producer: lane 0 of the last warp ----------------
         if (threadIdx.x == warpgroup::threads) {
-            tma::prefetch_map(&map_w);
-            tma::prefetch_map(&map_x);
             pipeline::cursor<SK_STAGES> at;
             for (int kb = kb0; kb < kb1; ++kb) {
                 const int k0 = kb * SK_BK;
@@ -185,8 +186,8 @@ cudaError_t launch_skinny_tokens(const gemm_args& g, cudaStream_t stream) {
     const int slots = resident_blocks<skinny_kernel<T, MB, NT>>(SK_THREADS, smem);
     if (slots <= 0) return cudaErrorInvalidDevice;
     p.splits = skinny_splits(g, NT, slots);
-    kernel<<<dim3(unsigned(tiles), unsigned(p.splits)), SK_THREADS, smem, stream>>>(map_w, map_x, p);
-    return cudaGetLastError();
+    return launch_kernel(kernel, dim3(unsigned(tiles), unsigned(p.splits)), dim3(SK_THREADS), smem, stream, 1, map_w,
+                         map_x, p);
 }
 
 template <typename T, major MB>

@@ -109,6 +109,7 @@ __device__ __forceinline__ void walk_row(const T* x, int64_t C, int64_t head, in
 
 template <typename T>
 __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant__ cross_entropy_args a) {
+    pdl::start();
     const int64_t r = blockIdx.x;
     const T* x = row_of<T>(a, r);
     const int64_t C = a.classes;
@@ -146,6 +147,7 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant_
 
 template <typename T>
 __global__ void __launch_bounds__(THREADS, 4) backward_kernel(const __grid_constant__ cross_entropy_args a) {
+    pdl::start();
     const int64_t r = blockIdx.x;
     const T* x = row_of<T>(a, r);
     T* g = static_cast<T*>(a.grad) + r * a.grad_row_stride;
@@ -211,6 +213,7 @@ __global__ void __launch_bounds__(SPLIT_THREADS) forward_grad_split_kernel(const
         sync::fence_init();
     }
     __syncthreads();
+    pdl::start();  // set up under the previous kernel's tail; from here on global memory
     if (threadIdx.x == 0 && n > 0) {
         sync::arrive_expect_bytes(loaded, uint32_t(n) * 16);
         tma::load_bytes(part, x, uint32_t(n) * 16, loaded);
@@ -312,30 +315,15 @@ cudaError_t launch_forward_grad(const cross_entropy_args& a, int part_bytes, cud
     const split_plan plan = plan_split(a.classes, vec<T>::n, part_bytes);
     if (cudaError_t e = opt_in_shared_memory<forward_grad_split_kernel<T>>(SPLIT_SMEM_BYTES_MAX); e != cudaSuccess)
         return e;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(unsigned(a.rows * plan.parts));
-    config.blockDim = dim3(SPLIT_THREADS);
-    config.dynamicSmemBytes = size_t(plan.part_vectors) * 16;
-    config.stream = stream;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeClusterDimension;
-    attribute[0].val.clusterDim.x = unsigned(plan.parts);
-    attribute[0].val.clusterDim.y = 1;
-    attribute[0].val.clusterDim.z = 1;
-    config.attrs = attribute;
-    config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, forward_grad_split_kernel<T>, a, plan.part_vectors);
+    return launch_kernel(forward_grad_split_kernel<T>, dim3(unsigned(a.rows * plan.parts)), dim3(SPLIT_THREADS),
+                         size_t(plan.part_vectors) * 16, stream, unsigned(plan.parts), a, plan.part_vectors);
 }
 
 template <typename T>
 cudaError_t launch(const cross_entropy_args& a, bool backward, cudaStream_t stream) {
     if (a.rows == 0) return cudaSuccess;
     const dim3 grid(unsigned(a.rows));
-    if (backward)
-        backward_kernel<T><<<grid, THREADS, 0, stream>>>(a);
-    else
-        forward_kernel<T><<<grid, THREADS, 0, stream>>>(a);
-    return cudaGetLastError();
+    return launch_kernel(backward ? backward_kernel<T> : forward_kernel<T>, grid, dim3(THREADS), 0, stream, 1, a);
 }
 
 cudaError_t dispatch(const cross_entropy_args& a, bool backward, cudaStream_t stream) {

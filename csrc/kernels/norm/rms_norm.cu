@@ -96,6 +96,7 @@ __global__ void __launch_bounds__(GROUP_THREADS* GROUPS) forward_kernel(const fo
     const int64_t step = int64_t(gridDim.x) * GROUPS, n = a.n;
     const T* x = static_cast<const T*>(a.x);
     const T* res = static_cast<const T*>(a.residual);
+    pdl::start();
     stage_weight(w, a.weight, a.weight_dtype, n);
     int64_t r = int64_t(blockIdx.x) * GROUPS + group;
     row_slice<T, V> xv, rv;
@@ -152,6 +153,7 @@ __global__ void __launch_bounds__(GROUP_THREADS* GROUPS) backward_kernel(const b
     const T* dy = static_cast<const T*>(a.grad);
     const T* in = static_cast<const T*>(a.input);
     const T* dres = static_cast<const T*>(a.residual_grad);
+    pdl::start();
     stage_weight(w, a.weight, a.weight_dtype, n);
     float dw[V][ELEMS] = {};
     int64_t r = int64_t(blockIdx.x) * GROUPS + group;
@@ -243,6 +245,7 @@ __global__ void __launch_bounds__(REDUCE_THREADS) reduce_kernel(const float* __r
     const int lane = threadIdx.x & 31, w = threadIdx.x / 32;
     const int64_t col = int64_t(blockIdx.x) * REDUCE_COLUMNS + lane * 4;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    pdl::start();
     if (col < n) {
 #pragma unroll 4
         for (int64_t p = w; p < parts; p += REDUCE_THREADS / 32) {
@@ -293,8 +296,8 @@ cudaError_t launch_forward_typed(const forward_args& a, cudaStream_t stream) {
     constexpr int G = groups_for(V);
     const int grid = grid_for<forward_kernel<T, V, G>>(a.rows, G, a.n);
     if (grid == 0) return cudaErrorInvalidDevice;
-    forward_kernel<T, V, G><<<grid, GROUP_THREADS * G, size_t(a.n) * sizeof(float), stream>>>(a);
-    return cudaGetLastError();
+    return launch_kernel(forward_kernel<T, V, G>, dim3(grid), dim3(GROUP_THREADS * G), size_t(a.n) * sizeof(float),
+                         stream, 1, a);
 }
 
 template <typename T, int V>
@@ -302,11 +305,13 @@ cudaError_t launch_backward_typed(const backward_args& a, cudaStream_t stream) {
     constexpr int G = groups_for(V);
     const int grid = grid_for<backward_kernel<T, V, G>>(a.rows, G, a.n);
     if (grid == 0) return cudaErrorInvalidDevice;
-    backward_kernel<T, V, G><<<grid, GROUP_THREADS * G, size_t(a.n) * sizeof(float), stream>>>(a);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    if (cudaError_t e = launch_kernel(backward_kernel<T, V, G>, dim3(grid), dim3(GROUP_THREADS * G),
+                                      size_t(a.n) * sizeof(float), stream, 1, a);
+        e != cudaSuccess)
+        return e;
     const unsigned blocks = unsigned((a.n + REDUCE_COLUMNS - 1) / REDUCE_COLUMNS);
-    reduce_kernel<<<blocks, REDUCE_THREADS, 0, stream>>>(a.partial, grid, a.n, a.dw, a.weight_dtype);
-    return cudaGetLastError();
+    return launch_kernel(reduce_kernel, dim3(blocks), dim3(REDUCE_THREADS), 0, stream, 1, a.partial, int64_t(grid), a.n,
+                         a.dw, a.weight_dtype);
 }
 
 template <typename Args, cudaError_t (*Typed1)(const Args&, cudaStream_t), cudaError_t (*Typed2)(const Args&, cudaStream_t),
