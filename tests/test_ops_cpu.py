@@ -161,3 +161,45 @@ def test_gemm_and_gemm_sum_hand_the_kernel_their_operands_as_read(recorded):
     ops.gemm_sum(a[:, :0], b_k[:0], a2, b2_k)  # the first product empty: the second alone
     call = recorded.calls.pop()
     assert "sum_a" not in call and (call["K"], call["a_ptr"], call["b_ptr"]) == (K2, a2.data_ptr(), b2_k.data_ptr())
+
+
+class RecordingNorm:
+    """A compiled module whose RMSNorm launches record the variant ops hands them, for CPU tensors."""
+
+    def __init__(self):
+        self.variants = []
+
+    def rms_norm_forward(self, *args, variant):
+        self.variants.append(("forward", variant))
+
+    def rms_norm_backward(self, *args, variant):
+        self.variants.append(("backward", variant))
+
+    def rms_norm_backward_partial_rows(self, rows, n, dtype):
+        return 1
+
+
+def test_rms_norm_variants_reach_the_kernel_and_unknown_ones_are_named(monkeypatch):
+    from contextlib import nullcontext
+
+    ext = RecordingNorm()
+    monkeypatch.setattr(ops, "_require_kernels", lambda device: ext)
+    monkeypatch.setattr(ops, "_on", lambda device: nullcontext())
+    monkeypatch.setattr(ops, "_stream_handle", lambda device: 0)
+    x, r = torch.randn(3, 64).to(torch.bfloat16), torch.randn(3, 64).to(torch.bfloat16)
+    w, rstd = torch.ones(64, dtype=torch.bfloat16), torch.ones(3, 1)
+    for v in ops.RMS_NORM_FORWARD_VARIANTS:
+        ops.rms_norm(x, w, 1e-5, r, _variant=v)
+    ops.rms_norm(x, w, 1e-5)
+    for v in ops.RMS_NORM_BACKWARD_VARIANTS:
+        ops.rms_norm_backward(x, x, rstd, w, r, _variant=v)
+    ops.rms_norm_backward(x, x, rstd, w)
+    assert ext.variants == [("forward", 0), ("forward", 1), ("forward", 2), ("forward", 0), ("backward", 0),
+                            ("backward", 1), ("backward", 0)]
+    for bad in (3, -1, True, 1.0, "1"):
+        with pytest.raises(ValueError, match=r"rms_norm: _variant must be one of \(0, 1, 2\)"):
+            ops.rms_norm(x, w, 1e-5, _variant=bad)
+    for bad in (2, -1, True):
+        with pytest.raises(ValueError, match=r"rms_norm_backward: _variant must be one of \(0, 1\)"):
+            ops.rms_norm_backward(x, x, rstd, w, _variant=bad)
+    assert len(ext.variants) == 7  # nothing launched for a refused variant
