@@ -907,27 +907,6 @@ RMS_NORM_MAX_SIZE = 16384  # a row's elements, held in one group's registers
 # in flight a thread group (up to 4096). Backward 1: the residual gradient's next row loaded ahead (up to 8192).
 RMS_NORM_FORWARD_VARIANTS = (0, 1, 2)
 RMS_NORM_BACKWARD_VARIANTS = (0, 1)
-# "<forward>,<backward>": the variants calls without _variant take (default 0,0), read at each call (a step's A/B).
-RMS_NORM_VARIANT_ENV = "THUNDER_TK_RMS_NORM_VARIANT"
-
-
-def _norm_variant(name: str, variant, backward: bool) -> int:
-    """The kernel variant of a call: `variant` checked, or where it is None the environment's (else 0)."""
-    allowed = RMS_NORM_BACKWARD_VARIANTS if backward else RMS_NORM_FORWARD_VARIANTS
-    if variant is None:
-        value = os.environ.get(RMS_NORM_VARIANT_ENV, "")
-        if not value.strip():
-            return 0
-        parts = [p.strip() for p in value.split(",")]
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"{RMS_NORM_VARIANT_ENV}={value!r}: expected '<forward>,<backward>', e.g. '1,0'")
-        variant = int(parts[1] if backward else parts[0])
-        if variant not in allowed:
-            raise ValueError(f"{RMS_NORM_VARIANT_ENV}={value!r}: the {'backward' if backward else 'forward'} "
-                             f"variant must be one of {allowed}")
-        return variant
-    _check_norm_variant(name, variant, allowed)
-    return variant
 
 
 def rms_norm_unsupported(x, weight, residual=None) -> str | None:
@@ -982,13 +961,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
-             _variant: int | None = None):
+             _variant: int = 0):
     """LitGPT's RMSNorm of x (..., n): (y, rstd), or with `residual` (y, rstd, s) where s = x + residual (rounded
     to x's dtype) is the normalized input. rstd = 1 / sqrt(mean(s^2) + eps) in float32, shaped (..., 1);
     y = s * rstd * weight in x's dtype. One pass over the rows, fp32 arithmetic. `_variant` (benchmarks and tests):
-    the kernel's, one of RMS_NORM_FORWARD_VARIANTS, the same bits (None: RMS_NORM_VARIANT_ENV's, else 0)."""
+    the kernel's, one of RMS_NORM_FORWARD_VARIANTS, the same bits."""
     _check_norm_call("rms_norm", x, weight, residual)
-    _variant = _norm_variant("rms_norm", _variant, backward=False)
+    _check_norm_variant("rms_norm", _variant, RMS_NORM_FORWARD_VARIANTS)
     ext = _require_kernels(x.device)
     n = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -1024,14 +1003,13 @@ def rms_norm_backward_reference(grad: torch.Tensor, s: torch.Tensor, rstd: torch
 
 
 def rms_norm_backward(grad: torch.Tensor, s: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
-                      residual_grad: torch.Tensor | None = None, *, _variant: int | None = None):
+                      residual_grad: torch.Tensor | None = None, *, _variant: int = 0):
     """RMSNorm's (dx, dw) for y = s * rstd * weight (s the norm's input, rstd the forward's, one per row in
     float32): dx in s's dtype, residual_grad (another path's gradient of s) added before the one rounding; dw in
     the weight's dtype, summed in fp32 in a fixed order (repeated runs give the same bits). `_variant` (benchmarks
-    and tests): the kernel's, one of RMS_NORM_BACKWARD_VARIANTS, the same bits (None: RMS_NORM_VARIANT_ENV's, else
-    0)."""
+    and tests): the kernel's, one of RMS_NORM_BACKWARD_VARIANTS, the same bits."""
     _check_norm_call("rms_norm_backward", s, weight, residual_grad, grad, rstd)
-    _variant = _norm_variant("rms_norm_backward", _variant, backward=True)
+    _check_norm_variant("rms_norm_backward", _variant, RMS_NORM_BACKWARD_VARIANTS)
     n = s.shape[-1]
     if tuple(grad.shape) != tuple(s.shape) or grad.dtype != s.dtype:
         raise ValueError(f"rms_norm_backward: grad {tuple(grad.shape)} {grad.dtype} is not shaped like the input "
