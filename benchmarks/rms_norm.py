@@ -27,15 +27,7 @@ are timed by direct calls, host work included. Times are medians (do_bench where
 Shapes (8192 tokens, batch x sequence): Llama-3.2-1B (n 2048), Llama-3-8B (4096), and a 16384-wide one (the widest
 row the kernels take).
 
---variants 0 1 2 also times tk's fwd and bwd kernels' variants (ops' _variant: ops.RMS_NORM_FORWARD_VARIANTS,
-RMS_NORM_BACKWARD_VARIANTS; a variant only one direction has is timed there alone) in the same turns, as rows
-"fwd tk v1", "bwd tk v1", ...: each checked bit for bit against variant 0 first, with its ratios "tk / tk v1"
-(variant 0's time over the variant's: above 1, the variant faster) and "compile / tk v1", and its rate. "tk" stays
-variant 0, and fwd+bwd runs variant 0 only. A variant that does not apply to a shape's width runs variant 0's code:
-its row then shows the timing noise.
-
     python benchmarks/rms_norm.py --json out/rms_norm.json --png out/rms_norm.png
-    python benchmarks/rms_norm.py --variants 0 1 2 --shapes llama-3.2-1b llama-3-8b
 """
 
 from __future__ import annotations
@@ -59,12 +51,6 @@ SHAPES = {
 EPS = 1e-5
 PARTS = ["fwd", "bwd", "fwd+bwd"]
 WAYS = ["tk", "compile", "eager"]
-VARIANTS = {"fwd": ops.RMS_NORM_FORWARD_VARIANTS, "bwd": ops.RMS_NORM_BACKWARD_VARIANTS}
-
-
-def variant_parts(variants) -> list[tuple[str, int]]:
-    """(part, variant) for each variant past 0 asked for, in the parts that have it."""
-    return [(part, v) for part in VARIANTS for v in sorted(set(variants)) if v != 0 and v in VARIANTS[part]]
 
 
 def add_rms_norm(x, residual, weight, eps: float):
@@ -98,9 +84,8 @@ def rel_err(got, want) -> float:
     return ((got.double() - want).norm() / want.norm()).item()
 
 
-def measure(name: str, compiled_forward, compiled_backward, rounds: int, variants=()) -> dict:
-    """One shape's row: every way checked against the float64 references (tk's variants bit for bit against
-    variant 0), then all timed in turns."""
+def measure(name: str, compiled_forward, compiled_backward, rounds: int) -> dict:
+    """One shape's row: every way checked against the float64 references, then all timed in turns."""
     rows, n = SHAPES[name]
     dtype, dev = torch.bfloat16, "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -124,10 +109,6 @@ def measure(name: str, compiled_forward, compiled_backward, rounds: int, variant
         "fwd+bwd compile": lambda: training_step(compiled_forward, xg, r, wg, dy, dres, EPS),
         "fwd+bwd eager": lambda: training_step(add_rms_norm, xg, r, wg, dy, dres, EPS),
     }
-    extra = variant_parts(variants)
-    for part, v in extra:
-        fns[f"{part} tk v{v}"] = ((lambda v=v: ops.rms_norm(x, w, EPS, residual=r, _variant=v)) if part == "fwd" else
-                                  (lambda v=v: ops.rms_norm_backward(dy, s, rstd, w, residual_grad=dres, _variant=v)))
 
     want_y, _, want_s = ops.rms_norm_reference(x, w, EPS, r)
     for way in WAYS:
@@ -145,9 +126,6 @@ def measure(name: str, compiled_forward, compiled_backward, rounds: int, variant
                 err = rel_err(got, want)
                 assert err < 1e-2, f"{name}: {part} {way}: {what} differs from the float64 reference by {err:.3g}"
     del want_dx, want_dw
-    for part, v in extra:
-        for i, (got, want) in enumerate(zip(fns[f"{part} tk v{v}"](), fns[f"{part} tk"]())):
-            assert torch.equal(got, want), f"{name}: {part} tk v{v}: output {i} differs from variant 0's"
 
     timed, direct = {}, []
     for key, fn in fns.items():
@@ -169,39 +147,22 @@ def measure(name: str, compiled_forward, compiled_backward, rounds: int, variant
         for way in WAYS[1:]:
             row[f"{part} {way} / tk"] = t[f"{part} {way}"] / t[f"{part} tk"]
         row[f"{part} tk GB/s"] = moved[part] / (t[f"{part} tk"] * 1e-3)
-    for part, v in extra:
-        way = f"{part} tk v{v}"
-        row[f"{way} us"] = t[way] * 1e3
-        row[f"{part} tk / tk v{v}"] = t[f"{part} tk"] / t[way]
-        row[f"{part} compile / tk v{v}"] = t[f"{part} compile"] / t[way]
-        row[f"{way} GB/s"] = moved[part] / (t[way] * 1e-3)
     return row
 
 
-def add_variants_argument(p) -> None:
-    known = sorted(set().union(*VARIANTS.values()))
-    p.add_argument("--variants", type=int, nargs="+", choices=known, default=[0], metavar="V",
-                   help=f"tk kernel variants to time beside variant 0 (of {known}; fwd {list(VARIANTS['fwd'])}, "
-                        f"bwd {list(VARIANTS['bwd'])})")
-
-
 def main() -> None:
-    a = shape_arguments("rms_norm", SHAPES, extra=add_variants_argument)
+    a = shape_arguments("rms_norm", SHAPES)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/rms_norm.py needs a CUDA GPU")
     # Static shapes, one specialisation per shape, as Thunder compiles each fusion region of a fixed-shape trace.
     compiled_forward = torch.compile(add_rms_norm, dynamic=False)
     compiled_backward = torch.compile(rms_norm_backward_math, dynamic=False)
-    rows = [measure(name, compiled_forward, compiled_backward, a.rounds, a.variants) for name in a.shapes]
-    extra = variant_parts(a.variants)
+    rows = [measure(name, compiled_forward, compiled_backward, a.rounds) for name in a.shapes]
     columns = ["shape", "timed by direct calls", *[f"{p} {w} us" for p in PARTS for w in WAYS], *[f"{p} {w} / tk" for p in PARTS
                                                                           for w in WAYS[1:]],
-               *[f"{p} tk GB/s" for p in PARTS],
-               *[c for p, v in extra for c in (f"{p} tk v{v} us", f"{p} tk / tk v{v}", f"{p} compile / tk v{v}",
-                                               f"{p} tk v{v} GB/s")]]
+               *[f"{p} tk GB/s" for p in PARTS]]
     report(a, "rms_norm", rows, columns, "RMSNorm with the residual, bf16 (us)",
-           {**{f"{p} {w}": f"{p} {w} us" for p in PARTS for w in WAYS},
-            **{f"{p} tk v{v}": f"{p} tk v{v} us" for p, v in extra}})
+           {f"{p} {w}": f"{p} {w} us" for p in PARTS for w in WAYS})
 
 
 if __name__ == "__main__":

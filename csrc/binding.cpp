@@ -338,7 +338,7 @@ void embedding_backward(std::uintptr_t grad, int64_t grad_stride, std::uintptr_t
 void rms_norm_forward(std::uintptr_t x, int64_t x_stride, std::uintptr_t residual, int64_t residual_stride,
                       std::uintptr_t sum, int64_t sum_stride, std::uintptr_t weight, std::uintptr_t y, int64_t y_stride,
                       std::uintptr_t rstd, int64_t rstd_stride, int64_t rows, int64_t n, double eps, int dtype,
-                      int weight_dtype, std::uintptr_t stream, int variant) {
+                      int weight_dtype, std::uintptr_t stream) {
     tk::norm::forward_args args{};
     args.x = as_ptr<void>(x);
     args.x_stride = x_stride;
@@ -356,7 +356,6 @@ void rms_norm_forward(std::uintptr_t x, int64_t x_stride, std::uintptr_t residua
     args.eps = float(eps);
     args.dtype = dtype;
     args.weight_dtype = weight_dtype;
-    args.variant = variant;
     if (const char* why = tk::norm::forward_unsupported(args))
         throw std::invalid_argument(std::string("thunder_tk rms_norm_forward: ") + why);
     check_launch(tk::norm::launch_forward(args, reinterpret_cast<cudaStream_t>(stream)), "rms_norm_forward");
@@ -366,7 +365,7 @@ void rms_norm_backward(std::uintptr_t grad, int64_t grad_stride, std::uintptr_t 
                        std::uintptr_t rstd, int64_t rstd_stride, std::uintptr_t weight, std::uintptr_t residual_grad,
                        int64_t residual_grad_stride, std::uintptr_t dx, int64_t dx_stride, std::uintptr_t dw,
                        std::uintptr_t partial, int64_t partial_rows, int64_t rows, int64_t n, int dtype,
-                       int weight_dtype, std::uintptr_t stream, int variant) {
+                       int weight_dtype, std::uintptr_t stream) {
     tk::norm::backward_args args{};
     args.grad = as_ptr<void>(grad);
     args.grad_stride = grad_stride;
@@ -385,7 +384,6 @@ void rms_norm_backward(std::uintptr_t grad, int64_t grad_stride, std::uintptr_t 
     args.n = n;
     args.dtype = dtype;
     args.weight_dtype = weight_dtype;
-    args.variant = variant;
     if (const char* why = tk::norm::backward_unsupported(args))
         throw std::invalid_argument(std::string("thunder_tk rms_norm_backward: ") + why);
     // The scratch is sized by the caller from rms_norm_backward_partial_rows: a smaller one would be overrun.
@@ -790,21 +788,18 @@ PYBIND11_MODULE(_C, m) {
     m.def("rms_norm_forward", &rms_norm_forward, py::arg("x"), py::arg("x_stride"), py::arg("residual"),
           py::arg("residual_stride"), py::arg("sum"), py::arg("sum_stride"), py::arg("weight"), py::arg("y"),
           py::arg("y_stride"), py::arg("rstd"), py::arg("rstd_stride"), py::arg("rows"), py::arg("n"), py::arg("eps"),
-          py::arg("dtype"), py::arg("weight_dtype"), py::arg("stream"), py::arg("variant") = 0,
+          py::arg("dtype"), py::arg("weight_dtype"), py::arg("stream"),
           "RMSNorm of (rows, n) rows: s = x (+ residual, rounded; written to sum), rstd = 1 / sqrt(mean(s^2) + eps) "
           "(fp32, rstd_stride apart), y = s * rstd * weight; fp32 arithmetic, each output rounded once; residual 0: "
-          "none; enqueued on `stream`; `variant`: the kernel's (norm/rms_norm.h; 0 the default, 1 and 2 for timing, "
-          "the same bits).");
+          "none; enqueued on `stream`.");
     m.def("rms_norm_backward", &rms_norm_backward, py::arg("grad"), py::arg("grad_stride"), py::arg("input"),
           py::arg("input_stride"), py::arg("rstd"), py::arg("rstd_stride"), py::arg("weight"),
           py::arg("residual_grad"), py::arg("residual_grad_stride"), py::arg("dx"), py::arg("dx_stride"),
           py::arg("dw"), py::arg("partial"), py::arg("partial_rows"), py::arg("rows"), py::arg("n"),
-          py::arg("dtype"), py::arg("weight_dtype"), py::arg("stream"), py::arg("variant") = 0,
+          py::arg("dtype"), py::arg("weight_dtype"), py::arg("stream"),
           "RMSNorm's backward: dx = rstd g - rstd^3 s mean(g s) (+ residual_grad; 0: none), g = grad * weight, and "
           "dw = the sum over rows of grad * s * rstd in the weight's dtype, from block partial sums in fp32 scratch "
-          "(partial_rows x n, rms_norm_backward_partial_rows, the same for every variant) added in a fixed order; "
-          "enqueued on `stream`; `variant`: the kernel's (norm/rms_norm.h; 0 the default, 1 for timing, the same "
-          "bits).");
+          "(partial_rows x n, rms_norm_backward_partial_rows) added in a fixed order; enqueued on `stream`.");
     m.def("rms_norm_backward_partial_rows", &tk::norm::backward_partial_rows, py::arg("rows"), py::arg("n"),
           py::arg("dtype"),
           "Rows of fp32 scratch rms_norm_backward needs on the current device (0 where the shape is unsupported).");

@@ -902,11 +902,6 @@ def embedding_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: i
 RMS_NORM_DTYPES = (torch.bfloat16, torch.float16)
 RMS_NORM_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 RMS_NORM_MAX_SIZE = 16384  # a row's elements, held in one group's registers
-# The kernels' variants (csrc/kernels/norm/rms_norm.h), for timing against the default 0; each gives 0's bits, and
-# one that does not apply to a row width runs 0's code. Forward 1: two blocks an SM (rows up to 2048); 2: two rows
-# in flight a thread group (up to 4096). Backward 1: the residual gradient's next row loaded ahead (up to 8192).
-RMS_NORM_FORWARD_VARIANTS = (0, 1, 2)
-RMS_NORM_BACKWARD_VARIANTS = (0, 1)
 
 
 def rms_norm_unsupported(x, weight, residual=None) -> str | None:
@@ -947,11 +942,6 @@ def _check_norm_call(name: str, x, weight, residual, *others) -> None:
             raise ValueError(f"{name}: tensors on {t.device} and {x.device}")
 
 
-def _check_norm_variant(name: str, variant, allowed: tuple[int, ...]) -> None:
-    if isinstance(variant, bool) or not isinstance(variant, int) or variant not in allowed:
-        raise ValueError(f"{name}: _variant must be one of {allowed}, not {variant!r}")
-
-
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """(y, rstd, s) in float64 but for s, the input (x + residual rounded to x's dtype, or x): rstd (..., 1)."""
     s = x if residual is None else (x.float() + residual.float()).to(x.dtype)
@@ -960,14 +950,11 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
     return s64 * rstd * weight.double(), rstd, s
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
-             _variant: int = 0):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """LitGPT's RMSNorm of x (..., n): (y, rstd), or with `residual` (y, rstd, s) where s = x + residual (rounded
     to x's dtype) is the normalized input. rstd = 1 / sqrt(mean(s^2) + eps) in float32, shaped (..., 1);
-    y = s * rstd * weight in x's dtype. One pass over the rows, fp32 arithmetic. `_variant` (benchmarks and tests):
-    the kernel's, one of RMS_NORM_FORWARD_VARIANTS, the same bits."""
+    y = s * rstd * weight in x's dtype. One pass over the rows, fp32 arithmetic."""
     _check_norm_call("rms_norm", x, weight, residual)
-    _check_norm_variant("rms_norm", _variant, RMS_NORM_FORWARD_VARIANTS)
     ext = _require_kernels(x.device)
     n = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -984,7 +971,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                                  rr.stride(0) if rr is not None else 0, sr.data_ptr() if sr is not None else 0,
                                  sr.stride(0) if sr is not None else 0, w.data_ptr(), yr.data_ptr(), yr.stride(0),
                                  rstd.data_ptr(), 1, rows, n, float(eps), _DTYPE_CODES[x.dtype],
-                                 _DTYPE_CODES[weight.dtype], _stream_handle(x.device), variant=_variant)
+                                 _DTYPE_CODES[weight.dtype], _stream_handle(x.device))
     return (y, rstd) if residual is None else (y, rstd, s)
 
 
@@ -1003,13 +990,11 @@ def rms_norm_backward_reference(grad: torch.Tensor, s: torch.Tensor, rstd: torch
 
 
 def rms_norm_backward(grad: torch.Tensor, s: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
-                      residual_grad: torch.Tensor | None = None, *, _variant: int = 0):
+                      residual_grad: torch.Tensor | None = None):
     """RMSNorm's (dx, dw) for y = s * rstd * weight (s the norm's input, rstd the forward's, one per row in
     float32): dx in s's dtype, residual_grad (another path's gradient of s) added before the one rounding; dw in
-    the weight's dtype, summed in fp32 in a fixed order (repeated runs give the same bits). `_variant` (benchmarks
-    and tests): the kernel's, one of RMS_NORM_BACKWARD_VARIANTS, the same bits."""
+    the weight's dtype, summed in fp32 in a fixed order (repeated runs give the same bits)."""
     _check_norm_call("rms_norm_backward", s, weight, residual_grad, grad, rstd)
-    _check_norm_variant("rms_norm_backward", _variant, RMS_NORM_BACKWARD_VARIANTS)
     n = s.shape[-1]
     if tuple(grad.shape) != tuple(s.shape) or grad.dtype != s.dtype:
         raise ValueError(f"rms_norm_backward: grad {tuple(grad.shape)} {grad.dtype} is not shaped like the input "
@@ -1033,7 +1018,7 @@ def rms_norm_backward(grad: torch.Tensor, s: torch.Tensor, rstd: torch.Tensor, w
                               rs.stride(0) if rows > 1 else 1, w.data_ptr(), rr.data_ptr() if rr is not None else 0,
                               rr.stride(0) if rr is not None else 0, dx.view(-1, n).data_ptr(), n, dw.data_ptr(),
                               partial.data_ptr(), partial.shape[0], rows, n, dt, _DTYPE_CODES[weight.dtype],
-                              _stream_handle(s.device), variant=_variant)
+                              _stream_handle(s.device))
     return dx, dw
 
 

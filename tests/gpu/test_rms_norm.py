@@ -6,8 +6,7 @@ prefetch and the alternating reduction slots run), bf16 and fp16 activations wit
 inputs, views read in place (wide rows) and views copied (row strides off whole vectors, rows off 16 bytes, a
 transposed batch), weight and rstd views; no rows; every output written (the caching allocator is filled with NaN
 first), repeats bit for bit (the weight gradient's block partial sums are added in a fixed order), LitGPT's RMSNorm
-arithmetic in torch fp32 (forward to within an ulp, backward by torch.autograd), the kernels' timing variants
-(ops' _variant) giving the default's bits, and argument errors named."""
+arithmetic in torch fp32 (forward to within an ulp, backward by torch.autograd), and argument errors named."""
 
 import pytest
 import torch
@@ -60,12 +59,12 @@ def make_weight(n, dtype, gen):
     return (1 + 0.5 * torch.randn(n, device=DEVICE, generator=gen)).to(dtype)
 
 
-def forward(x, weight, residual=None, eps=EPS, variant=0):
+def forward(x, weight, residual=None, eps=EPS):
     """ops.rms_norm into poisoned memory, checked against rms_norm_reference: (y, rstd, s), s = x without residual."""
     lead, n = tuple(x.shape[:-1]), x.shape[-1]
     specs = [((*lead, n), x.dtype), ((*lead, 1), torch.float32)]
     poison_allocator(*specs)
-    out = ops.rms_norm(x, weight, eps, residual, _variant=variant)
+    out = ops.rms_norm(x, weight, eps, residual)
     assert len(out) == (2 if residual is None else 3)
     y, rstd, s = out if residual is not None else (*out, x)
     assert y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous()
@@ -82,12 +81,12 @@ def forward(x, weight, residual=None, eps=EPS, variant=0):
     return y, rstd, s
 
 
-def backward(grad, s, rstd, weight, residual_grad=None, variant=0):
+def backward(grad, s, rstd, weight, residual_grad=None):
     """ops.rms_norm_backward into poisoned memory (the weight gradient's partial sums too), checked against
     rms_norm_backward_reference (from the same fp32 rstd): (dx, dw)."""
     n = s.shape[-1]
     poison_allocator((tuple(s.shape), s.dtype), ((n,), weight.dtype))
-    dx, dw = ops.rms_norm_backward(grad, s, rstd, weight, residual_grad, _variant=variant)
+    dx, dw = ops.rms_norm_backward(grad, s, rstd, weight, residual_grad)
     assert dx.shape == s.shape and dx.dtype == s.dtype and dx.is_contiguous()
     assert dw.shape == (n,) and dw.dtype == weight.dtype
     assert torch.isfinite(dx).all() and torch.isfinite(dw).all(), "unwritten (NaN) outputs"
@@ -261,36 +260,6 @@ def test_repeatable_bit_for_bit():
             assert all(torch.equal(a, b) for a, b in zip(ops.rms_norm_backward(dy, x, rstd, w), plain)), (rows, n)
 
 
-# The variants (ops.RMS_NORM_FORWARD_VARIANTS, RMS_NORM_BACKWARD_VARIANTS) over every vector width: n 8, 200 and
-# 2048 (V = 1: forward 1 and 2, backward 1), 2056 and 4096 (V = 2: forward 2, backward 1), 8192 (V = 4: backward 1),
-# 16384 (V = 8: each runs variant 0's code); one row, a few (fewer than the grid's groups, and a pair's second row
-# missing), and 8192 (groups of the persistent grid take several rows, pairs and the next pair ahead).
-VARIANT_SHAPES = [(rows, n) for n in (8, 200, 2048, 2056, 4096, 8192, 16384) for rows in (1, 17, 8192)]
-
-
-@pytest.mark.parametrize("dtype,wdtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)],
-                         ids=["bf16", "fp16_w_fp32"])
-@pytest.mark.parametrize("rows,n", VARIANT_SHAPES, ids=[f"{rows}x{n}" for rows, n in VARIANT_SHAPES])
-def test_variants_give_the_default_bits(rows, n, dtype, wdtype):
-    """Every variant, with and without the residual (forward) and its gradient (backward), into poisoned memory:
-    each checked against the float64 references, and bit for bit variant 0's outputs (dw too: the backward's
-    variants run on variant 0's grid, its partial sums over the same rows in the same order)."""
-    x, r, dy, dres, w = operands(rows, n, dtype, wdtype, seed=rows * 7919 + n)
-    plain, added = forward(x, w), forward(x, w, r)
-    for v in ops.RMS_NORM_FORWARD_VARIANTS[1:]:
-        for residual, want in ((None, plain), (r, added)):
-            got = forward(x, w, residual, variant=v)
-            for name, a, b in zip(("y", "rstd", "s"), got, want):
-                assert torch.equal(a, b), f"forward variant {v}, residual {residual is not None}: {name} differs"
-    s, rstd = added[2], added[1]
-    grads, grads_added = backward(dy, x, plain[1], w), backward(dy, s, rstd, w, dres)
-    for v in ops.RMS_NORM_BACKWARD_VARIANTS[1:]:
-        for got, want, with_res in ((backward(dy, x, plain[1], w, variant=v), grads, False),
-                                    (backward(dy, s, rstd, w, dres, variant=v), grads_added, True)):
-            for name, a, b in zip(("dx", "dw"), got, want):
-                assert torch.equal(a, b), f"backward variant {v}, residual_grad {with_res}: {name} differs"
-
-
 def litgpt_rms_norm(x, weight, eps):
     """LitGPT's RMSNorm.forward (litgpt/model.py, no unit offset): fp32 inside, rounded to the input's dtype."""
     dtype = x.dtype
@@ -356,14 +325,6 @@ def test_errors_name_the_problem():
         ops.rms_norm(x, w, EPS, x.half())
     with pytest.raises(ValueError, match="tensors on"):
         ops.rms_norm(x, w.cpu(), EPS)
-    with pytest.raises(ValueError, match=r"_variant must be one of \(0, 1, 2\)"):
-        ops.rms_norm(x, w, EPS, _variant=3)
-    # The binding refuses a variant the kernels do not have, whoever calls it.
-    ext, dt = ops._require_kernels(x.device), ops._DTYPE_CODES[torch.bfloat16]
-    y, rstd = torch.empty_like(x), torch.empty(4, device=DEVICE)
-    with pytest.raises(ValueError, match="the forward's variant must be 0, 1 or 2"):
-        ext.rms_norm_forward(x.data_ptr(), 64, 0, 0, 0, 0, w.data_ptr(), y.data_ptr(), 64, rstd.data_ptr(), 1, 4, 64,
-                             EPS, dt, dt, ops._stream_handle(x.device), variant=3)
 
     y, rstd = ops.rms_norm(x, w, EPS)
     with pytest.raises(ValueError, match="grad .* is not shaped like the input"):
@@ -384,5 +345,3 @@ def test_errors_name_the_problem():
         ops.rms_norm_backward(x[:, :12], x[:, :12], rstd, w[:12])
     with pytest.raises(ValueError, match="tensors on"):
         ops.rms_norm_backward(x, x, rstd.cpu(), w)
-    with pytest.raises(ValueError, match=r"_variant must be one of \(0, 1\)"):
-        ops.rms_norm_backward(x, x, rstd, w, _variant=2)

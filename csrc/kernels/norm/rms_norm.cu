@@ -88,10 +88,8 @@ __device__ __forceinline__ float group_sum(float v, float (&slots)[2 * GROUPS][G
 // Rows wide enough to fill a thread's registers (8 vectors) skip the next row's loads ahead.
 template <int V> constexpr bool prefetch_rows = V <= 4;
 
-// MIN_BLOCKS 2 (variant 1, V = 1): two 1024-thread blocks an SM, so 32 registers a thread. 0 asks nothing (variant
-// 0's code: even a 1 moves ptxas's register choices).
-template <typename T, int V, int GROUPS, int MIN_BLOCKS = 0>
-__global__ void __launch_bounds__(GROUP_THREADS* GROUPS, MIN_BLOCKS) forward_kernel(const forward_args a) {
+template <typename T, int V, int GROUPS>
+__global__ void __launch_bounds__(GROUP_THREADS* GROUPS) forward_kernel(const forward_args a) {
     __shared__ float slots[2 * GROUPS][GROUP_WARPS];
     extern __shared__ __align__(16) float w[];  // n floats
     const int group = threadIdx.x / GROUP_THREADS, tid = threadIdx.x % GROUP_THREADS;
@@ -142,109 +140,11 @@ __global__ void __launch_bounds__(GROUP_THREADS* GROUPS, MIN_BLOCKS) forward_ker
     }
 }
 
-// The sums of `v` (two rows') over the group's 256 threads with one barrier, each in group_sum's order (the same
-// bits); slots alternate by row-pair parity as group_sum's by row parity.
-template <int GROUPS>
-__device__ __forceinline__ float2 group_sum2(float2 v, float2 (&slots)[2 * GROUPS][GROUP_WARPS], int group,
-                                             int parity) {
-    v.x = warp::sum(v.x);
-    v.y = warp::sum(v.y);
-    float2* slot = slots[2 * group + parity];
-    if ((threadIdx.x & 31) == 0) slot[(threadIdx.x / 32) % GROUP_WARPS] = v;
-    if constexpr (GROUPS == 1) __syncthreads();
-    else sync::named_sync(1 + group, GROUP_THREADS);
-    float2 total = make_float2(0.f, 0.f);
-#pragma unroll
-    for (int k = 0; k < GROUP_WARPS; ++k) total.x += slot[k].x, total.y += slot[k].y;
-    return total;
-}
-
-// x's (and the residual's) slices of row r, zeros past the last row (a pair's missing second row).
-template <typename T, int V>
-__device__ __forceinline__ void load_input(row_slice<T, V>& xv, row_slice<T, V>& rv, const forward_args& a,
-                                           int64_t r, int tid) {
-    if (r >= a.rows) {
-#pragma unroll
-        for (int j = 0; j < V; ++j)
-            *reinterpret_cast<uint4*>(&xv.v[j]) = *reinterpret_cast<uint4*>(&rv.v[j]) = make_uint4(0, 0, 0, 0);
-        return;
-    }
-    load_row<T, V>(xv, static_cast<const T*>(a.x) + r * a.x_stride, tid, a.n);
-    if (a.residual) load_row<T, V>(rv, static_cast<const T*>(a.residual) + r * a.residual_stride, tid, a.n);
-}
-
-// Variant 2 (V <= 2): forward_kernel with a group's rows taken two at a time, r and r + step: both rows' loads (and
-// the next pair's, under this pair's reduction) in flight together, twice forward_kernel's bytes a thread, and one
-// barrier a pair. Each row's arithmetic is forward_kernel's, so the bits are the same.
-template <typename T, int V, int GROUPS>
-__global__ void __launch_bounds__(GROUP_THREADS* GROUPS) forward_pair_kernel(const forward_args a) {
-    static_assert(prefetch_rows<V>, "the pairs are loaded ahead");
-    __shared__ float2 slots[2 * GROUPS][GROUP_WARPS];
-    extern __shared__ __align__(16) float w[];  // n floats
-    const int group = threadIdx.x / GROUP_THREADS, tid = threadIdx.x % GROUP_THREADS;
-    const int64_t step = int64_t(gridDim.x) * GROUPS, n = a.n;
-    const bool res = a.residual != nullptr;
-    pdl::start();
-    int64_t r = int64_t(blockIdx.x) * GROUPS + group;
-    row_slice<T, V> xv[2], rv[2];
-    // The first pair's loads go out before the weight's: the two latencies overlap.
-    load_input<T, V>(xv[0], rv[0], a, r, tid);
-    load_input<T, V>(xv[1], rv[1], a, r + step, tid);
-    stage_weight(w, a.weight, a.weight_dtype, n);
-    for (int parity = 0; r < a.rows; r += 2 * step, parity ^= 1) {
-        const int64_t rows[2] = {r, r + step};
-        row_slice<T, V> sv[2];
-        float sumsq[2] = {0.f, 0.f};
-#pragma unroll
-        for (int p = 0; p < 2; ++p)
-#pragma unroll
-            for (int j = 0; j < V; ++j)
-#pragma unroll
-                for (int e = 0; e < ELEMS; ++e) {
-                    sv[p].v[j].v[e] =
-                        res ? T(to_float(xv[p].v[j].v[e]) + to_float(rv[p].v[j].v[e])) : xv[p].v[j].v[e];
-                    const float v = to_float(sv[p].v[j].v[e]);
-                    sumsq[p] += v * v;
-                }
-        if (r + 2 * step < a.rows) {  // the next pair, under this pair's reduction
-            load_input<T, V>(xv[0], rv[0], a, r + 2 * step, tid);
-            load_input<T, V>(xv[1], rv[1], a, r + 3 * step, tid);
-        }
-        const bool second = rows[1] < a.rows;
-        if (res) {
-            store_row<T, V>(static_cast<T*>(a.sum) + rows[0] * a.sum_stride, sv[0], tid, n);
-            if (second) store_row<T, V>(static_cast<T*>(a.sum) + rows[1] * a.sum_stride, sv[1], tid, n);
-        }
-        const float2 total = group_sum2<GROUPS>(make_float2(sumsq[0], sumsq[1]), slots, group, parity);
-        const float rs[2] = {rsqrtf(total.x / float(n) + a.eps), rsqrtf(total.y / float(n) + a.eps)};
-        if (tid == 0) {
-            a.rstd[rows[0] * a.rstd_stride] = rs[0];
-            if (second) a.rstd[rows[1] * a.rstd_stride] = rs[1];
-        }
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const int64_t col = int64_t(tid + GROUP_THREADS * j) * ELEMS;
-            if (col >= n) continue;
-            float wv[ELEMS];
-            weight_vector(wv, w, col);
-#pragma unroll
-            for (int p = 0; p < 2; ++p)
-#pragma unroll
-                for (int e = 0; e < ELEMS; ++e) sv[p].v[j].v[e] = T(to_float(sv[p].v[j].v[e]) * rs[p] * wv[e]);
-        }
-        store_row<T, V>(static_cast<T*>(a.y) + rows[0] * a.y_stride, sv[0], tid, n);
-        if (second) store_row<T, V>(static_cast<T*>(a.y) + rows[1] * a.y_stride, sv[1], tid, n);
-    }
-}
-
 // Static shared memory for the groups' partial sums handed to group 0 at the end: (GROUPS - 1) rows of 2048 V.
 template <int V, int GROUPS> constexpr int combine_floats = GROUPS > 1 ? (GROUPS - 1) * GROUP_THREADS * ELEMS * V : 1;
 
-// AHEAD (variant 1, V <= 4): the residual gradient's next row is loaded with the other next-row loads instead of at
-// the top of its own row, where its latency is waited out every row; the first row's loads go out before the weight.
-template <typename T, int V, int GROUPS, bool AHEAD = false>
+template <typename T, int V, int GROUPS>
 __global__ void __launch_bounds__(GROUP_THREADS* GROUPS) backward_kernel(const backward_args a) {
-    static_assert(!AHEAD || prefetch_rows<V>, "only rows loaded ahead take the residual gradient ahead");
     __shared__ float slots[2 * GROUPS][GROUP_WARPS];
     __shared__ __align__(16) float combine[combine_floats<V, GROUPS>];
     extern __shared__ __align__(16) float w[];  // n floats
@@ -254,16 +154,14 @@ __global__ void __launch_bounds__(GROUP_THREADS* GROUPS) backward_kernel(const b
     const T* in = static_cast<const T*>(a.input);
     const T* dres = static_cast<const T*>(a.residual_grad);
     pdl::start();
-    if constexpr (!AHEAD) stage_weight(w, a.weight, a.weight_dtype, n);
+    stage_weight(w, a.weight, a.weight_dtype, n);
     float dw[V][ELEMS] = {};
     int64_t r = int64_t(blockIdx.x) * GROUPS + group;
-    row_slice<T, V> gv, sv, gn, sn, rn;
+    row_slice<T, V> gv, sv, gn, sn;
     if (prefetch_rows<V> && r < a.rows) {
         load_row<T, V>(gn, dy + r * a.grad_stride, tid, n);
         load_row<T, V>(sn, in + r * a.input_stride, tid, n);
-        if (AHEAD && dres) load_row<T, V>(rn, dres + r * a.residual_grad_stride, tid, n);
     }
-    if constexpr (AHEAD) stage_weight(w, a.weight, a.weight_dtype, n);
     for (int parity = 0; r < a.rows; r += step, parity ^= 1) {
         if (prefetch_rows<V>) {
             gv = gn, sv = sn;
@@ -273,15 +171,10 @@ __global__ void __launch_bounds__(GROUP_THREADS* GROUPS) backward_kernel(const b
         }
         const float rs = a.rstd[r * a.rstd_stride];
         row_slice<T, V> rv;
-        if constexpr (AHEAD) {
-            if (dres) rv = rn;
-        } else if (dres) {
-            load_row<T, V>(rv, dres + r * a.residual_grad_stride, tid, n);
-        }
+        if (dres) load_row<T, V>(rv, dres + r * a.residual_grad_stride, tid, n);
         if (const int64_t next = r + step; prefetch_rows<V> && next < a.rows) {  // under this row's reduction
             load_row<T, V>(gn, dy + next * a.grad_stride, tid, n);
             load_row<T, V>(sn, in + next * a.input_stride, tid, n);
-            if (AHEAD && dres) load_row<T, V>(rn, dres + next * a.residual_grad_stride, tid, n);
         }
         float gs = 0.f;
 #pragma unroll
@@ -398,46 +291,27 @@ int backward_grid(int64_t rows, int64_t n) {
     }
 }
 
-template <auto Kernel>
-cudaError_t launch_forward_on(const forward_args& a, int groups, cudaStream_t stream) {
-    const int grid = grid_for<Kernel>(a.rows, groups, a.n);
-    if (grid == 0) return cudaErrorInvalidDevice;
-    return launch_kernel(Kernel, dim3(grid), dim3(GROUP_THREADS * groups), size_t(a.n) * sizeof(float), stream, 1, a);
-}
-
 template <typename T, int V>
 cudaError_t launch_forward_typed(const forward_args& a, cudaStream_t stream) {
     constexpr int G = groups_for(V);
-    if constexpr (V == 1)
-        if (a.variant == 1) return launch_forward_on<forward_kernel<T, V, G, 2>>(a, G, stream);
-    if constexpr (V <= 2)
-        if (a.variant == 2) return launch_forward_on<forward_pair_kernel<T, V, G>>(a, G, stream);
-    return launch_forward_on<forward_kernel<T, V, G>>(a, G, stream);
+    const int grid = grid_for<forward_kernel<T, V, G>>(a.rows, G, a.n);
+    if (grid == 0) return cudaErrorInvalidDevice;
+    return launch_kernel(forward_kernel<T, V, G>, dim3(grid), dim3(GROUP_THREADS * G), size_t(a.n) * sizeof(float),
+                         stream, 1, a);
 }
 
-// Every variant runs on variant 0's grid (backward_partial_rows), so the weight gradient's partial sums cover the
-// same rows in the same order: the same bits. (A variant with fewer blocks an SM would still be right, only slower.)
-template <typename T, int V, bool AHEAD>
-cudaError_t launch_backward_on(const backward_args& a, cudaStream_t stream) {
+template <typename T, int V>
+cudaError_t launch_backward_typed(const backward_args& a, cudaStream_t stream) {
     constexpr int G = groups_for(V);
-    constexpr auto kernel = backward_kernel<T, V, G, AHEAD>;
-    const int grid = grid_for<backward_kernel_for<T, V>()>(a.rows, G, a.n);
-    if (grid == 0 || opt_in_shared_memory<kernel>(int(ROW_MAX * sizeof(float))) != cudaSuccess)
-        return cudaErrorInvalidDevice;
-    if (cudaError_t e = launch_kernel(kernel, dim3(grid), dim3(GROUP_THREADS * G), size_t(a.n) * sizeof(float),
-                                      stream, 1, a);
+    const int grid = grid_for<backward_kernel<T, V, G>>(a.rows, G, a.n);
+    if (grid == 0) return cudaErrorInvalidDevice;
+    if (cudaError_t e = launch_kernel(backward_kernel<T, V, G>, dim3(grid), dim3(GROUP_THREADS * G),
+                                      size_t(a.n) * sizeof(float), stream, 1, a);
         e != cudaSuccess)
         return e;
     const unsigned blocks = unsigned((a.n + REDUCE_COLUMNS - 1) / REDUCE_COLUMNS);
     return launch_kernel(reduce_kernel, dim3(blocks), dim3(REDUCE_THREADS), 0, stream, 1, a.partial, int64_t(grid), a.n,
                          a.dw, a.weight_dtype);
-}
-
-template <typename T, int V>
-cudaError_t launch_backward_typed(const backward_args& a, cudaStream_t stream) {
-    if constexpr (prefetch_rows<V>)
-        if (a.variant == 1) return launch_backward_on<T, V, true>(a, stream);
-    return launch_backward_on<T, V, false>(a, stream);
 }
 
 template <typename Args, cudaError_t (*Typed1)(const Args&, cudaStream_t), cudaError_t (*Typed2)(const Args&, cudaStream_t),
@@ -474,11 +348,8 @@ const char* shape_problem(int64_t rows, int64_t n, int dt, int wdt) {
 
 }  // namespace
 
-static_assert(forward_variants == 3 && backward_variants == 2, "the messages below name the variants");
-
 const char* forward_unsupported(const forward_args& a) {
     if (const char* why = shape_problem(a.rows, a.n, a.dtype, a.weight_dtype)) return why;
-    if (a.variant < 0 || a.variant >= forward_variants) return "the forward's variant must be 0, 1 or 2";
     if (a.weight == nullptr) return "the weight is missing";
     if (a.rows == 0) return nullptr;
     if (a.rstd == nullptr) return "rstd is missing";
@@ -493,7 +364,6 @@ const char* forward_unsupported(const forward_args& a) {
 
 const char* backward_unsupported(const backward_args& a) {
     if (const char* why = shape_problem(a.rows, a.n, a.dtype, a.weight_dtype)) return why;
-    if (a.variant < 0 || a.variant >= backward_variants) return "the backward's variant must be 0 or 1";
     if (a.weight == nullptr || a.dw == nullptr) return "the weight and its gradient are needed";
     if (a.partial == nullptr || !is_aligned(a.partial, 16)) return "the fp32 scratch must be given, 16-byte aligned";
     if (a.rows == 0) return nullptr;

@@ -28,7 +28,6 @@ struct forward_args {
     float eps;
     int dtype;               // tk::dtype of x, residual, sum and y
     int weight_dtype;        // tk::dtype of weight
-    int variant;             // forward_variants: 0 the default; the others for timing against it, same bits
 };
 
 struct backward_args {
@@ -48,17 +47,7 @@ struct backward_args {
     int64_t rows, n;
     int dtype;               // tk::dtype of grad, input, residual_grad and dx
     int weight_dtype;        // tk::dtype of weight and dw
-    int variant;             // backward_variants: 0 the default; the others for timing against it, same bits
 };
-
-// The kernels' variants, chosen per call: each gives variant 0's bits (dw too: the same grid and order of sums).
-// A variant that does not apply to a row width (16-byte vectors a thread, V = 1 up to n 2048, 2, 4, 8) runs 0's code.
-//   forward 1: V = 1 only: two blocks an SM (32 registers a thread), twice the rows in flight an SM.
-//   forward 2: V <= 2: a group loads two rows (and the next two under their reduction) and reduces both with one
-//              barrier; the first rows' loads go out before the weight is staged.
-//   backward 1: V <= 4: the residual gradient's next row loaded ahead with the other next-row loads; the first
-//              row's loads go out before the weight is staged.
-constexpr int forward_variants = 3, backward_variants = 2;
 
 // Why the arguments cannot run (dtype, alignment, sizes), or nullptr.
 const char* forward_unsupported(const forward_args& args);
