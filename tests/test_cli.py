@@ -85,6 +85,15 @@ def test_info(capsys, monkeypatch):
     monkeypatch.setenv("THUNDER_TK_COLLECTIVE_BLOCKS", "none")
     assert main(["info"]) == 0
     assert "invalid: THUNDER_TK_COLLECTIVE_BLOCKS='none' is not an integer" in capsys.readouterr().out
+    monkeypatch.delenv("THUNDER_TK_DEPENDENT_LAUNCH", raising=False)
+    assert main(["info"]) == 0
+    assert "launch order (THUNDER_TK_DEPENDENT_LAUNCH): programmatically dependent" in capsys.readouterr().out
+    monkeypatch.setenv("THUNDER_TK_DEPENDENT_LAUNCH", "0")
+    assert main(["info"]) == 0
+    assert "launch order (THUNDER_TK_DEPENDENT_LAUNCH): plain stream order" in capsys.readouterr().out
+    monkeypatch.setenv("THUNDER_TK_DEPENDENT_LAUNCH", "sometimes")
+    assert main(["info"]) == 0
+    assert "invalid: THUNDER_TK_DEPENDENT_LAUNCH='sometimes'" in capsys.readouterr().out
 
 
 def test_a_source_checkout_without_kernels_says_so(tmp_path):

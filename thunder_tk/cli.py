@@ -76,15 +76,28 @@ def _cmd_info(args) -> int:
 
     info = _extension.build_info()
     print(f"thunder_tk {thunder_tk.__version__}, lightning-thunder {thunder.__version__}")
-    kernels = sorted(_extension.compiled_kernels())
-    if kernels:
-        print(f"kernels: {', '.join(kernels)} ({info.get('arch')}, nvcc {info.get('nvcc')})")
-    else:
-        print(_extension.unavailable_reason())
+    try:
+        kernels = sorted(_extension.compiled_kernels())
+        print(f"kernels: {', '.join(kernels)} ({info.get('arch')}, nvcc {info.get('nvcc')})" if kernels
+              else _extension.unavailable_reason())
+    except ValueError as e:  # a THUNDER_TK_* setting the module checks as it loads
+        print(f"kernels: not loaded: {e}")
     fuser = thunder_tk.tk.default_fuser()
     print(f"executors=[tk] amounts to: {[ex.name for ex in thunder_tk.executors()]} (fuser: {fuser.name})")
     print(f"collectives (THUNDER_TK_COLLECTIVE_*): {_collective_settings()}")
+    print(f"launch order ({_extension.DEPENDENT_LAUNCH_ENV}): {_launch_order()}")
     return 0
+
+
+def _launch_order() -> str:
+    from thunder_tk import _extension
+
+    try:
+        dependent = _extension.dependent_launch_from_environment()
+    except ValueError as e:
+        return f"invalid: {e}"
+    return ("programmatically dependent (a kernel set up under the one before it)" if dependent
+            else "plain stream order")
 
 
 def _collective_settings() -> str:
