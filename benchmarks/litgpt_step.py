@@ -117,16 +117,29 @@ def switched_off(name: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in name[len(WITHOUT):].split(","))
 
 
-def with_environment(wrap, **env):
-    """A variant whose steps run with these environment variables set (read by tk at each call)."""
-    wrap.environment = env
-    return wrap
-
-
 def around_steps(wrap, context):
     """A variant whose steps each run inside `context()` (a context manager: a process-wide tk setting)."""
     wrap.around_step = context
     return wrap
+
+
+def with_environment(wrap, **env):
+    """A variant whose steps run with these environment variables set (read by tk at each call)."""
+
+    @contextlib.contextmanager
+    def environment():
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    return around_steps(wrap, environment)
 
 
 # Every variant of variants(), in order, with its spellings without spaces or brackets, which survive shell word
@@ -339,24 +352,14 @@ class Built:
         x = torch.randint(cfg.padded_vocab_size, (args.batch, args.seq), generator=gen).to(device)
         y = torch.randint(cfg.padded_vocab_size, (args.batch, args.seq), generator=gen).to(device)
 
-        environment = getattr(wrap, "environment", {})
         around = getattr(wrap, "around_step", contextlib.nullcontext)
 
         def step():
-            saved = {k: os.environ.get(k) for k in environment}
-            os.environ.update(environment)
-            try:
-                with around():
-                    loss = net(x, y)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+            with around():
+                loss = net(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             return loss
 
         self.step = step

@@ -46,8 +46,7 @@ def _load() -> tuple[object | None, str]:
         from thunder_tk import _C  # type: ignore[attr-defined]
     except ImportError as e:  # built, but the module will not load here
         return None, f"kernels not built: the compiled module failed to load ({e})"
-    if hasattr(_C, "set_dependent_launch"):
-        _C.set_dependent_launch(dependent_launch_from_environment())
+    _C.set_dependent_launch(dependent_launch_from_environment())
     return _C, ""
 
 
