@@ -56,11 +56,7 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
     config.stream = stream;
     config.attrs = attribute;
     config.numAttrs = count;
-    const cudaError_t status = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-    // A failed launch is reported by the return value; cleared here, it is not also found by the next launch's
-    // cudaGetLastError (torch checks every kernel it launches so, and would blame its own kernel).
-    if (status != cudaSuccess) (void)cudaGetLastError();
-    return status;
+    return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace tk
