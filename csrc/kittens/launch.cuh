@@ -29,34 +29,47 @@ __device__ __forceinline__ void start() {
 
 }  // namespace pdl
 
+// A launch's configuration with its attributes: blocks in clusters of `cluster` (1: no cluster attribute), and
+// programmatically dependent on the previous launch in the stream where `dependent`. One builder for launches and
+// occupancy queries alike; not copyable, since the configuration points at the attributes beside it.
+struct launch_config {
+    cudaLaunchAttribute attribute[2];
+    cudaLaunchConfig_t config{};
+
+    launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, unsigned cluster, bool dependent) {
+        unsigned count = 0;
+        if (cluster > 1) {
+            attribute[count].id = cudaLaunchAttributeClusterDimension;
+            attribute[count].val.clusterDim.x = cluster;
+            attribute[count].val.clusterDim.y = 1;
+            attribute[count].val.clusterDim.z = 1;
+            ++count;
+        }
+        if (dependent) {
+            attribute[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            attribute[count].val.programmaticStreamSerializationAllowed = 1;
+            ++count;
+        }
+        config.gridDim = grid;
+        config.blockDim = block;
+        config.dynamicSmemBytes = smem;
+        config.stream = stream;
+        config.attrs = attribute;
+        config.numAttrs = count;
+    }
+    launch_config(const launch_config&) = delete;
+    launch_config& operator=(const launch_config&) = delete;
+};
+
 // Enqueues `kernel` on `stream` with `smem` bytes of dynamic shared memory, in clusters of `cluster` blocks (1: no
 // cluster attribute), programmatically dependent on the previous launch where dependent_launch() is on. The kernel
-// must call pdl::wait_prior_grid() before it touches global memory. Returns the launch status.
+// must call pdl::wait_prior_grid() before it touches global memory. Returns the launch status (the binding's
+// check_launch clears a failure from the runtime's last error as it raises).
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                           unsigned cluster, Args&&... args) {
-    cudaLaunchAttribute attribute[2];
-    unsigned count = 0;
-    if (cluster > 1) {
-        attribute[count].id = cudaLaunchAttributeClusterDimension;
-        attribute[count].val.clusterDim.x = cluster;
-        attribute[count].val.clusterDim.y = 1;
-        attribute[count].val.clusterDim.z = 1;
-        ++count;
-    }
-    if (dependent_launch()) {
-        attribute[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attribute[count].val.programmaticStreamSerializationAllowed = 1;
-        ++count;
-    }
-    cudaLaunchConfig_t config{};
-    config.gridDim = grid;
-    config.blockDim = block;
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    config.attrs = attribute;
-    config.numAttrs = count;
-    return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+    const launch_config launch(grid, block, smem, stream, cluster, dependent_launch());
+    return cudaLaunchKernelEx(&launch.config, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace tk

@@ -195,3 +195,27 @@ def test_chain_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert_bit_equal((got,), (want,), "graph replay")
+
+
+@pytest.mark.parametrize("dependent", [True, False])
+def test_a_failed_launch_raises_once_and_leaves_no_error_behind(dependent):
+    """A tk launch that fails raises its error and leaves the module's runtime without it: the launches that read
+    cudaGetLastError() after `<<<>>>` (collectives, the tile library's selftests) would otherwise report it as
+    theirs. The selftest's launch asks for 2048 threads a block."""
+    from thunder_tk import _extension
+
+    selftest = _extension.extension().selftest
+    ops.set_dependent_launch(dependent)
+    stream = torch.cuda.current_stream().cuda_stream
+    with pytest.raises(RuntimeError, match="selftest.failed_launch failed: cudaErrorInvalidConfiguration"):
+        selftest.failed_launch(stream)
+    x = torch.randn(64, 64, device=DEVICE)
+    out = torch.full((64, 64), float("nan"), dtype=BF16, device=DEVICE)
+    selftest.store_matrices(x.data_ptr(), out.data_ptr(), 64, 0, stream)  # checks cudaGetLastError() after <<<>>>
+    gen = generator(17)
+    a, b = randn(100, 72, gen=gen), randn(72, 40, gen=gen)
+    got = ops.gemm(a, b)
+    torch.cuda.synchronize()
+    assert torch.equal(out, x.to(BF16)), "the selftest after the failed launch"
+    want = a.double() @ b.double()
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-2, "a GEMM after the failed launch"

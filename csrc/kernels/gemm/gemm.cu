@@ -994,17 +994,11 @@ cudaError_t prepare(int* grid_blocks) {
         if (e != cudaSuccess) return e;
         known = multiprocessor_count();
         if constexpr (CLUSTER > 1) {
-            cudaLaunchAttribute attribute[1];
-            attribute[0].id = cudaLaunchAttributeClusterDimension;
-            attribute[0].val.clusterDim = {unsigned(CLUSTER), 1, 1};
-            cudaLaunchConfig_t config{};
-            config.attrs = attribute;
-            config.numAttrs = 1;
-            config.blockDim = dim3(THREADS);
-            config.dynamicSmemBytes = smem_bytes;
-            config.gridDim = dim3(CLUSTER * multiprocessor_count());
+            const launch_config query(dim3(CLUSTER * multiprocessor_count()), dim3(THREADS), smem_bytes, nullptr,
+                                      CLUSTER, false);
             int fit = 0;
-            e = cudaOccupancyMaxActiveClusters(&fit, kernel, &config);
+            e = cudaOccupancyMaxActiveClusters(&fit, kernel, &query.config);
+            if (e != cudaSuccess) (void)cudaGetLastError();  // answered by the fallback below, not left for a later check
             known = CLUSTER * (e == cudaSuccess && fit > 0 ? fit : multiprocessor_count() / CLUSTER);
         }
         blocks[device].store(known, std::memory_order_release);

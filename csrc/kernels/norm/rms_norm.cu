@@ -69,6 +69,20 @@ __device__ __forceinline__ void weight_vector(float (&out)[ELEMS], const float* 
     out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
 }
 
+// f(j, e, weight) for every element e of the thread's vectors j of a row that lie before n, with the weight there.
+template <int V, typename F>
+__device__ __forceinline__ void for_each_weighted(const float* w, int tid, int64_t n, F&& f) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const int64_t col = int64_t(tid + GROUP_THREADS * j) * ELEMS;
+        if (col >= n) continue;
+        float wv[ELEMS];
+        weight_vector(wv, w, col);
+#pragma unroll
+        for (int e = 0; e < ELEMS; ++e) f(j, e, wv[e]);
+    }
+}
+
 // The sum of `v` over the group's 256 threads, in a fixed order. `slots` alternate by row parity: a thread
 // writes the slot of row i + 2 only after every thread of its group passed row i + 1's barrier, so after they
 // read row i's.
@@ -127,15 +141,9 @@ __global__ void __launch_bounds__(GROUP_THREADS* GROUPS) forward_kernel(const fo
         if (res) store_row<T, V>(static_cast<T*>(a.sum) + r * a.sum_stride, sv, tid, n);
         const float rs = rsqrtf(group_sum<GROUPS>(sumsq, slots, group, parity) / float(n) + a.eps);
         if (tid == 0) a.rstd[r * a.rstd_stride] = rs;
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const int64_t col = int64_t(tid + GROUP_THREADS * j) * ELEMS;
-            if (col >= n) continue;
-            float wv[ELEMS];
-            weight_vector(wv, w, col);
-#pragma unroll
-            for (int e = 0; e < ELEMS; ++e) sv.v[j].v[e] = T(to_float(sv.v[j].v[e]) * rs * wv[e]);
-        }
+        for_each_weighted<V>(w, tid, n, [&](int j, int e, float we) {
+            sv.v[j].v[e] = T(to_float(sv.v[j].v[e]) * rs * we);
+        });
         store_row<T, V>(static_cast<T*>(a.y) + r * a.y_stride, sv, tid, n);
     }
 }
@@ -177,33 +185,17 @@ __global__ void __launch_bounds__(GROUP_THREADS* GROUPS) backward_kernel(const b
             load_row<T, V>(sn, in + next * a.input_stride, tid, n);
         }
         float gs = 0.f;
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const int64_t col = int64_t(tid + GROUP_THREADS * j) * ELEMS;
-            if (col >= n) continue;
-            float wv[ELEMS];
-            weight_vector(wv, w, col);
-#pragma unroll
-            for (int e = 0; e < ELEMS; ++e) {
-                const float d = to_float(gv.v[j].v[e]), s = to_float(sv.v[j].v[e]);
-                gs += d * wv[e] * s;
-                dw[j][e] += s * rs * d;
-            }
-        }
+        for_each_weighted<V>(w, tid, n, [&gs, &dw, &gv, &sv, rs](int j, int e, float we) {
+            const float d = to_float(gv.v[j].v[e]), s = to_float(sv.v[j].v[e]);
+            gs += d * we * s;
+            dw[j][e] += s * rs * d;
+        });
         // d/ds of s * rstd * w against dy: rstd g - rstd^3 s mean(g s), g = dy w.
         const float c = -rs * rs * rs * group_sum<GROUPS>(gs, slots, group, parity) / float(n);
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const int64_t col = int64_t(tid + GROUP_THREADS * j) * ELEMS;
-            if (col >= n) continue;
-            float wv[ELEMS];
-            weight_vector(wv, w, col);
-#pragma unroll
-            for (int e = 0; e < ELEMS; ++e) {
-                const float d = to_float(gv.v[j].v[e]), s = to_float(sv.v[j].v[e]);
-                gv.v[j].v[e] = T(rs * (d * wv[e]) + c * s + (dres ? to_float(rv.v[j].v[e]) : 0.f));
-            }
-        }
+        for_each_weighted<V>(w, tid, n, [&gv, &sv, &rv, rs, c, dres](int j, int e, float we) {
+            const float d = to_float(gv.v[j].v[e]), s = to_float(sv.v[j].v[e]);
+            gv.v[j].v[e] = T(rs * (d * we) + c * s + (dres ? to_float(rv.v[j].v[e]) : 0.f));
+        });
         store_row<T, V>(static_cast<T*>(a.dx) + r * a.dx_stride, gv, tid, n);
     }
     // The block's weight-gradient sums: groups 1.. hand theirs to group 0, which adds them in group order.

@@ -33,4 +33,8 @@ cudaError_t store_matrices(const float* in, void* out, int cols, int dtype, cuda
 // the fragment layout; cols 64 or 128.
 cudaError_t load_matrices(const void* in, void* out, int cols, int dtype, cudaStream_t stream);
 
+// A launch that fails: a kernel enqueued by tk::launch_kernel with 2048 threads a block (the limit is 1024), so that
+// the tests can check what a failed tk launch leaves behind. Returns the launch's error; nothing runs.
+cudaError_t failed_launch(cudaStream_t stream);
+
 }  // namespace tk::selftest
