@@ -47,6 +47,16 @@ void check_launch(cudaError_t status, const char* kernel) {
 
 template <typename T> const T* as_ptr(std::uintptr_t p) { return reinterpret_cast<const T*>(p); }
 
+cudaStream_t as_stream(std::uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+// How every entry point ends: the kernel's reason for declining its arguments, if any, raised with the kernel's
+// name; else `launch()` (the enqueue, returning its status), whose failure is raised likewise.
+template <typename Launch>
+void launch_if_supported(const char* why_not, const char* kernel, Launch&& launch) {
+    if (why_not != nullptr) throw std::invalid_argument(std::string("thunder_tk ") + kernel + ": " + why_not);
+    check_launch(launch(), kernel);
+}
+
 // Strides as the kernels' argument structs hold them.
 template <std::size_t N>
 void copy_strides(int64_t (&dst)[N], const std::array<int64_t, N>& src) {
@@ -74,8 +84,8 @@ void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t
     copy_strides(args.grad_o_stride, grad_o_stride);
     copy_strides(args.delta_stride, delta_stride);
     args.zero_rows = reinterpret_cast<float*>(zero_rows);
-    if (const char* reason = tk::attention::bwd_delta_unsupported(args)) throw std::invalid_argument(reason);
-    check_launch(tk::attention::launch_bwd_delta(args, reinterpret_cast<cudaStream_t>(stream)), "attention_bwd_delta");
+    launch_if_supported(tk::attention::bwd_delta_unsupported(args), "attention_bwd_delta",
+                        [&] { return tk::attention::launch_bwd_delta(args, as_stream(stream)); });
 }
 
 // The fields forward_args and backward_args share, set in one place so that a new shared field cannot be set
@@ -121,18 +131,18 @@ void attention_forward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std
     args.split_scratch_floats = split_scratch_floats;
     args.split_counts = reinterpret_cast<int*>(split_counts);
     args.split_counts_len = split_counts_len;
-    if (const char* reason = tk::attention::forward_unsupported(args)) throw std::invalid_argument(reason);
-    check_launch(tk::attention::launch_forward(args, reinterpret_cast<cudaStream_t>(stream)), "attention_forward");
+    launch_if_supported(tk::attention::forward_unsupported(args), "attention_forward",
+                        [&] { return tk::attention::launch_forward(args, as_stream(stream)); });
 }
 
 void attention_dq_finalize(std::uintptr_t accum, std::uintptr_t out, int dtype, int64_t count, float scale,
                            std::uintptr_t stream) {
     const float* in = as_ptr<float>(accum);
     void* dst = reinterpret_cast<void*>(out);
-    if (const char* reason = tk::attention::dq_finalize_unsupported(in, dst, dtype, count))
-        throw std::invalid_argument(reason);
-    check_launch(tk::attention::launch_dq_finalize(in, dst, dtype, count, scale, reinterpret_cast<cudaStream_t>(stream)),
-                 "attention_dq_finalize");
+    launch_if_supported(tk::attention::dq_finalize_unsupported(in, dst, dtype, count), "attention_dq_finalize",
+                        [&] {
+                            return tk::attention::launch_dq_finalize(in, dst, dtype, count, scale, as_stream(stream));
+                        });
 }
 
 void attention_rope_grad(std::uintptr_t dq_accum, std::uintptr_t dq, strides3 dq_stride, int64_t q_heads, float scale,
@@ -157,8 +167,8 @@ void attention_rope_grad(std::uintptr_t dq_accum, std::uintptr_t dq, strides3 dq
     args.seq = seq;
     args.head_dim = head_dim;
     args.rope_dims = rope_dims;
-    if (const char* reason = tk::attention::rope_grad_unsupported(args)) throw std::invalid_argument(reason);
-    check_launch(tk::attention::launch_rope_grad(args, reinterpret_cast<cudaStream_t>(stream)), "attention_rope_grad");
+    launch_if_supported(tk::attention::rope_grad_unsupported(args), "attention_rope_grad",
+                        [&] { return tk::attention::launch_rope_grad(args, as_stream(stream)); });
 }
 
 void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t dout, std::uintptr_t lse,
@@ -187,8 +197,8 @@ void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, st
     args.split_parts = split_parts;
     args.split_scratch = reinterpret_cast<float*>(split_scratch);
     args.split_counts = reinterpret_cast<int*>(split_counts);
-    if (const char* reason = tk::attention::backward_unsupported(args)) throw std::invalid_argument(reason);
-    check_launch(tk::attention::launch_backward(args, reinterpret_cast<cudaStream_t>(stream)), "attention_backward");
+    launch_if_supported(tk::attention::backward_unsupported(args), "attention_backward",
+                        [&] { return tk::attention::launch_backward(args, as_stream(stream)); });
 }
 
 tk::loss::cross_entropy_args cross_entropy_common(std::uintptr_t logits, std::uintptr_t target, int dtype, int64_t rows,
@@ -210,10 +220,8 @@ void cross_entropy_forward(std::uintptr_t logits, std::uintptr_t target, std::ui
     auto args = cross_entropy_common(logits, target, dtype, rows, classes, logits_row_stride, ignore_index);
     args.loss = reinterpret_cast<float*>(loss);
     args.lse = reinterpret_cast<float*>(lse);
-    if (const char* why = tk::loss::cross_entropy_unsupported(args, false))
-        throw std::invalid_argument(std::string("thunder_tk cross_entropy: ") + why);
-    check_launch(tk::loss::launch_cross_entropy_forward(args, reinterpret_cast<cudaStream_t>(stream)),
-                 "cross_entropy_forward");
+    launch_if_supported(tk::loss::cross_entropy_unsupported(args, false), "cross_entropy_forward",
+                        [&] { return tk::loss::launch_cross_entropy_forward(args, as_stream(stream)); });
 }
 
 void cross_entropy_backward(std::uintptr_t logits, std::uintptr_t target, std::uintptr_t lse, std::uintptr_t grad_loss,
@@ -226,10 +234,8 @@ void cross_entropy_backward(std::uintptr_t logits, std::uintptr_t target, std::u
     args.grad_loss_stride = grad_loss_stride;
     args.grad = reinterpret_cast<void*>(grad);
     args.grad_row_stride = grad_row_stride;
-    if (const char* why = tk::loss::cross_entropy_unsupported(args, true))
-        throw std::invalid_argument(std::string("thunder_tk cross_entropy: ") + why);
-    check_launch(tk::loss::launch_cross_entropy_backward(args, reinterpret_cast<cudaStream_t>(stream)),
-                 "cross_entropy_backward");
+    launch_if_supported(tk::loss::cross_entropy_unsupported(args, true), "cross_entropy_backward",
+                        [&] { return tk::loss::launch_cross_entropy_backward(args, as_stream(stream)); });
 }
 
 // What every GEMM launch takes: operands A and B, output C, and their shape and strides (gemm.h).
@@ -254,9 +260,8 @@ tk::gemm::gemm_args gemm_operands(std::uintptr_t a, std::uintptr_t b, std::uintp
 
 // A GEMM launch `name` enqueued on `stream`, or the reason it cannot run as an error.
 void launch_checked(const tk::gemm::gemm_args& g, std::uintptr_t stream, const char* name) {
-    if (const char* why = tk::gemm::gemm_unsupported(g))
-        throw std::invalid_argument(std::string("thunder_tk ") + name + ": " + why);
-    check_launch(tk::gemm::launch_gemm(g, reinterpret_cast<cudaStream_t>(stream)), name);
+    launch_if_supported(tk::gemm::gemm_unsupported(g), name,
+                        [&] { return tk::gemm::launch_gemm(g, as_stream(stream)); });
 }
 
 void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t bias, int dtype, int64_t M, int64_t N,
@@ -333,9 +338,8 @@ void embedding_backward(std::uintptr_t grad, int64_t grad_stride, std::uintptr_t
     args.dim = dim;
     args.padding_idx = padding_idx;
     args.dtype = dtype;
-    if (const char* why = tk::embedding::backward_unsupported(args))
-        throw std::invalid_argument(std::string("thunder_tk embedding_backward: ") + why);
-    check_launch(tk::embedding::launch_backward(args, reinterpret_cast<cudaStream_t>(stream)), "embedding_backward");
+    launch_if_supported(tk::embedding::backward_unsupported(args), "embedding_backward",
+                        [&] { return tk::embedding::launch_backward(args, as_stream(stream)); });
 }
 
 // RMSNorm over rows of n elements (norm/rms_norm.h), optionally after adding a residual; rstd saved in fp32.
@@ -360,9 +364,8 @@ void rms_norm_forward(std::uintptr_t x, int64_t x_stride, std::uintptr_t residua
     args.eps = float(eps);
     args.dtype = dtype;
     args.weight_dtype = weight_dtype;
-    if (const char* why = tk::norm::forward_unsupported(args))
-        throw std::invalid_argument(std::string("thunder_tk rms_norm_forward: ") + why);
-    check_launch(tk::norm::launch_forward(args, reinterpret_cast<cudaStream_t>(stream)), "rms_norm_forward");
+    launch_if_supported(tk::norm::forward_unsupported(args), "rms_norm_forward",
+                        [&] { return tk::norm::launch_forward(args, as_stream(stream)); });
 }
 
 void rms_norm_backward(std::uintptr_t grad, int64_t grad_stride, std::uintptr_t input, int64_t input_stride,
@@ -388,13 +391,12 @@ void rms_norm_backward(std::uintptr_t grad, int64_t grad_stride, std::uintptr_t 
     args.n = n;
     args.dtype = dtype;
     args.weight_dtype = weight_dtype;
-    if (const char* why = tk::norm::backward_unsupported(args))
-        throw std::invalid_argument(std::string("thunder_tk rms_norm_backward: ") + why);
     // The scratch is sized by the caller from rms_norm_backward_partial_rows: a smaller one would be overrun.
-    if (partial_rows < tk::norm::backward_partial_rows(rows, n, dtype))
-        throw std::invalid_argument("thunder_tk rms_norm_backward: the scratch has fewer rows than "
-                                    "rms_norm_backward_partial_rows asks for");
-    check_launch(tk::norm::launch_backward(args, reinterpret_cast<cudaStream_t>(stream)), "rms_norm_backward");
+    const char* why_not = tk::norm::backward_unsupported(args);
+    if (why_not == nullptr && partial_rows < tk::norm::backward_partial_rows(rows, n, dtype))
+        why_not = "the scratch has fewer rows than rms_norm_backward_partial_rows asks for";
+    launch_if_supported(why_not, "rms_norm_backward",
+                        [&] { return tk::norm::launch_backward(args, as_stream(stream)); });
 }
 
 // A fused qkv projection with LitGPT's rotary embedding of q's and k's heads in its epilogue: C = A W^T, then the
@@ -427,10 +429,9 @@ void cross_entropy_forward_grad(std::uintptr_t logits, std::uintptr_t target, st
     args.lse = reinterpret_cast<float*>(lse);
     args.grad = reinterpret_cast<void*>(grad);
     args.grad_row_stride = grad_row_stride;
-    if (const char* why = tk::loss::cross_entropy_forward_grad_unsupported(args, part_bytes))
-        throw std::invalid_argument(std::string("thunder_tk cross_entropy_forward_grad: ") + why);
-    check_launch(tk::loss::launch_cross_entropy_forward_grad(args, reinterpret_cast<cudaStream_t>(stream), part_bytes),
-                 "cross_entropy_forward_grad");
+    launch_if_supported(
+        tk::loss::cross_entropy_forward_grad_unsupported(args, part_bytes), "cross_entropy_forward_grad",
+        [&] { return tk::loss::launch_cross_entropy_forward_grad(args, as_stream(stream), part_bytes); });
 }
 
 // One rank's end of a peer-memory channel: the layout and peer mappings are fixed when it is made, so a launch
@@ -529,7 +530,7 @@ class P2PChannel {
     // instead: later, never earlier).
     void wait(int handle, std::uintptr_t stream) const {
         if (handle < 0 || handle >= ring) throw std::invalid_argument("P2PChannel.wait: bad handle");
-        check_launch(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), done_[handle], 0), "wait");
+        check_launch(cudaStreamWaitEvent(as_stream(stream), done_[handle], 0), "wait");
     }
 
   private:
@@ -599,7 +600,7 @@ void register_selftests(py::module_& m) {
             if (cols != 64 && cols != 128 && cols != 256) throw std::invalid_argument("cols must be 64, 128 or 256");
             check_launch(tk::selftest::row_softmax(as_ptr<float>(in), reinterpret_cast<float*>(out),
                                                    reinterpret_cast<float*>(row_max), reinterpret_cast<float*>(row_sum),
-                                                   cols, reinterpret_cast<cudaStream_t>(stream)),
+                                                   cols, as_stream(stream)),
                          "selftest.row_softmax");
         },
         py::arg("inp"), py::arg("out"), py::arg("row_max"), py::arg("row_sum"), py::arg("cols"), py::arg("stream"));
@@ -610,7 +611,7 @@ void register_selftests(py::module_& m) {
             if (n != 64 && n != 128 && n != 256) throw std::invalid_argument("n must be 64, 128 or 256");
             require_16bit(dtype);
             check_launch(tk::selftest::mma_registers_a(as_ptr<float>(a), as_ptr<void>(b), reinterpret_cast<float*>(out),
-                                                       n, b_mn_major, dtype, reinterpret_cast<cudaStream_t>(stream)),
+                                                       n, b_mn_major, dtype, as_stream(stream)),
                          "selftest.mma_registers_a");
         },
         py::arg("a"), py::arg("b"), py::arg("out"), py::arg("n"), py::arg("b_mn_major"), py::arg("dtype"),
@@ -621,7 +622,7 @@ void register_selftests(py::module_& m) {
             if (cols != 64 && cols != 128 && cols != 256) throw std::invalid_argument("cols must be 64, 128 or 256");
             require_16bit(dtype);
             check_launch(tk::selftest::store_matrices(as_ptr<float>(in), reinterpret_cast<void*>(out), cols, dtype,
-                                                      reinterpret_cast<cudaStream_t>(stream)),
+                                                      as_stream(stream)),
                          "selftest.store_matrices");
         },
         py::arg("inp"), py::arg("out"), py::arg("cols"), py::arg("dtype"), py::arg("stream"));
@@ -631,7 +632,7 @@ void register_selftests(py::module_& m) {
             if (cols != 64 && cols != 128) throw std::invalid_argument("cols must be 64 or 128");
             require_16bit(dtype);
             check_launch(tk::selftest::load_matrices(as_ptr<void>(in), reinterpret_cast<void*>(out), cols, dtype,
-                                                     reinterpret_cast<cudaStream_t>(stream)),
+                                                     as_stream(stream)),
                          "selftest.load_matrices");
         },
         py::arg("inp"), py::arg("out"), py::arg("cols"), py::arg("dtype"), py::arg("stream"));
@@ -646,7 +647,7 @@ void register_selftests(py::module_& m) {
             if ((cols * (dtype == code_fp32 ? 4 : 2)) % 16)
                 throw std::invalid_argument("cols must span a multiple of 16 bytes (TMA stores clip at 16-byte chunks)");
             check_launch(tk::selftest::reduce_add(reinterpret_cast<void*>(dst), as_ptr<void>(src), dtype, rows, cols,
-                                                  stride, row0, col0, reinterpret_cast<cudaStream_t>(stream)),
+                                                  stride, row0, col0, as_stream(stream)),
                          "selftest.reduce_add");
         },
         py::arg("dst"), py::arg("src"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("stride"),
@@ -654,7 +655,7 @@ void register_selftests(py::module_& m) {
     s.def(
         "failed_launch",
         [](std::uintptr_t stream) {
-            check_launch(tk::selftest::failed_launch(reinterpret_cast<cudaStream_t>(stream)), "selftest.failed_launch");
+            check_launch(tk::selftest::failed_launch(as_stream(stream)), "selftest.failed_launch");
         },
         py::arg("stream"),
         "Launches a kernel through tk::launch_kernel with a block too large to run: raises the launch's error.");
