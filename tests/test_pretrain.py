@@ -2,6 +2,7 @@
 
 import gc
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -90,6 +91,7 @@ def test_model_config_fields_replace_those_of_model_name(tmp_path):
         ({"compiler": {"disable": ["gemms"]}}, "compiler.disable: unknown name 'gemms'"),
         ({"compiler": {"disable": "gemm"}}, "compiler.disable: expected a list"),
         ({"bogus": 1}, "bogus: unknown key"),
+        ({"precision": "16-mixed"}, "precision: expected one of bf16-true, bf16-mixed, 32-true"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):
@@ -151,6 +153,23 @@ def test_resume_continues_bit_identically(tmp_path):
     sb = torch.load(split / "checkpoints" / "step-00000004" / "rank0.pt", weights_only=False)
     for k in sa["model"]:
         assert torch.equal(sa["model"][k], sb["model"][k]), k
+
+
+@pytest.mark.parametrize("precision, weights, linear_inputs",
+                         [(None, torch.float32, "f32"), ("32-true", torch.float32, "f32"),
+                          ("bf16-true", torch.bfloat16, "bf16"), ("bf16-mixed", torch.float32, "bf16")])
+def test_precision_sets_the_weights_and_what_the_linears_compute_in(tmp_path, precision, weights, linear_inputs):
+    """LitGPT's precisions: the checkpoint holds weights of the parameter dtype, and the traced linears take inputs of
+    the compute dtype (bf16-mixed: fp32 weights cast by Thunder's autocast). Null is 32-true on a CPU."""
+    summary = pretrain(load_config(None, {**MICRO, "out_dir": str(tmp_path), "precision": precision,
+                                          "train": {**MICRO["train"], "max_steps": 2, "save_interval": 2}}))
+    assert summary["precision"] == (precision or "32-true")
+    state = torch.load(tmp_path / "checkpoints" / "step-00000002" / "rank0.pt", weights_only=False)
+    assert {v.dtype for v in state["model"].values() if v.is_floating_point()} == {weights}
+    assert all(math.isfinite(loss) for loss in _losses(tmp_path).values())
+    rows = json.loads((tmp_path / "explain.json").read_text())["rows"]
+    linears = [r for r in rows if r["symbol"] == "prims.linear"]
+    assert linears and all(r["inputs"].startswith(linear_inputs) for r in linears), [r["inputs"] for r in linears]
 
 
 def test_checkpoints_are_written_atomically_at_intervals(tmp_path):

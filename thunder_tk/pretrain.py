@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from thunder_tk.litgpt_models import ConfigError, _litgpt, config_of
-from thunder_tk.pretrain_config import PretrainConfig, world_size_of
+from thunder_tk.pretrain_config import PretrainConfig, precision_of, world_size_of
 from thunder_tk.step_profile import StepProfiler
 
 # Dense bf16 tensor-core peaks by device name, for MFU. Unknown devices report no MFU.
@@ -520,11 +520,17 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     torch.manual_seed(config.seed)
     cfg, seq = model_config_of(config)
     GPT, _ = _litgpt()
-    dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+    precision, param_dtype, autocast_dtype = precision_of(config.precision, dist.device.type)
     with torch.device(dist.device):
         model = GPT(cfg)
         model.max_seq_length = seq
-    model = model.to(dtype)
+    model = model.to(getattr(torch, param_dtype))
+
+    def computing():
+        """Where the model runs: under autocast for a mixed precision (Thunder traces the casts it implies)."""
+        if autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(dist.device.type, dtype=getattr(torch, autocast_dtype))
     params_2d = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and "wte" not in n)
     if config.data.kind == "synthetic":
         data = SyntheticTokens(cfg.padded_vocab_size, seq, config.seed)
@@ -599,7 +605,8 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
                 # Validation samples come from a range training never reaches.
                 first = (1 << 40) + (i * dist.world + dist.rank) * t.micro_batch_size
                 x, y = batch(data, list(range(first, first + t.micro_batch_size)), dist.device)
-                losses.append(net(x, y).float())
+                with computing():
+                    losses.append(net(x, y).float())
         value = dist.all_reduce_sum(torch.stack(losses).mean()) / dist.world
         return float(value)
 
@@ -635,7 +642,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
                     first = samples + (micro * dist.world + dist.rank) * t.micro_batch_size
                     with phase("batch"):
                         x, y = batch(data, list(range(first, first + t.micro_batch_size)), dist.device)
-                    with phase("forward"):
+                    with phase("forward"), computing():
                         loss = net(x, y) / accum
                     with phase("backward"):
                         loss.backward()
@@ -724,6 +731,8 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
         "tokens_per_s_per_device_median_step": t.global_batch_size * seq / pace / dist.world if pace else None,
         "device": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu",
         "world_size": dist.world, "seq_len": seq, "global_batch_size": t.global_batch_size,
+        # The precision run (the config's, or what null picked for the device): weights and autocast dtypes.
+        "precision": precision, "parameter_dtype": param_dtype, "autocast_dtype": autocast_dtype,
         "executors": list(config.compiler.executors) if config.compiler.jit else ["eager"],
         # Largest per-rank peak of torch's allocator during training (setup excluded).
         "peak_memory_gib": peak_gib,

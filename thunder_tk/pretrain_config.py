@@ -81,8 +81,10 @@ class PretrainConfig:
     devices: int | str = 1
     num_nodes: int = 1
     seed: int = 42
-    # LitGPT keys with no effect here, accepted so its configs load.
+    # LitGPT's choices: bf16-true (bf16 weights and compute), bf16-mixed (fp32 weights, bf16 autocast), 32-true;
+    # null: bf16-true on a GPU, 32-true on a CPU (precision_of).
     precision: str | None = None
+    # LitGPT keys with no effect here, accepted so its configs load.
     initial_checkpoint_dir: str | None = None
     resume: bool | str = False
     tokenizer_dir: str | None = None
@@ -223,6 +225,17 @@ def load_config(path: str | Path | None, overrides: dict | None = None) -> Pretr
     return config
 
 
+# LitGPT pretrain's precisions: name -> (parameter dtype, autocast dtype or None).
+PRECISIONS = {"bf16-true": ("bfloat16", None), "bf16-mixed": ("float32", "bfloat16"), "32-true": ("float32", None)}
+
+
+def precision_of(precision: str | None, device_type: str) -> tuple[str, str, str | None]:
+    """(name, parameter dtype, autocast dtype or None) for a config's `precision` on a device type; null picks
+    bf16-true on a GPU and 32-true on a CPU."""
+    name = precision or ("bf16-true" if device_type == "cuda" else "32-true")
+    return (name, *PRECISIONS[name])
+
+
 def world_size_of(config: PretrainConfig) -> int:
     devices = config.devices
     if isinstance(devices, str):
@@ -262,6 +275,9 @@ def validate(config: PretrainConfig) -> None:
             raise ConfigError("data.paths: text data needs at least one local file")
         if not config.data.tokenizer_dir:
             raise ConfigError("data.tokenizer_dir: text data needs a local tokenizer directory")
+    if config.precision is not None and config.precision not in PRECISIONS:
+        raise ConfigError(f"precision: expected one of {', '.join(PRECISIONS)} (or null: bf16-true on a GPU, 32-true "
+                          f"on a CPU), got {config.precision!r}")
     if not config.optimizer.class_path.startswith("torch.optim."):
         raise ConfigError(f"optimizer.class_path: only torch.optim optimizers, got {config.optimizer.class_path!r}")
     if not config.compiler.executors and config.compiler.jit:

@@ -11,9 +11,12 @@ from thunder_tk.pretrain import pretrain  # noqa: E402
 from thunder_tk.pretrain_config import load_config  # noqa: E402
 
 
-def test_llama_3_2_1b_two_layers(tmp_path):
+@pytest.mark.parametrize("precision", [None, "bf16-mixed"])
+def test_llama_3_2_1b_two_layers(tmp_path, precision):
+    """Null precision trains bf16 weights; bf16-mixed keeps fp32 weights and Thunder's autocast hands tk bf16
+    products: tk claims every bf16 GEMM and the attention either way."""
     config = load_config(None, {
-        "model_name": "Llama-3.2-1B", "model_config": None, "out_dir": str(tmp_path),
+        "model_name": "Llama-3.2-1B", "model_config": None, "out_dir": str(tmp_path), "precision": precision,
         "train": {"global_batch_size": 4, "micro_batch_size": 2, "max_seq_length": 512, "max_steps": 4,
                   "lr_warmup_steps": 1, "log_interval": 1, "save_interval": 2},
     })
@@ -26,8 +29,13 @@ def test_llama_3_2_1b_two_layers(tmp_path):
     config.model_config = cfg
     summary = pretrain(config)
     assert summary["steps"] == 4 and summary["device"] != "cpu"
+    assert (summary["precision"], summary["parameter_dtype"]) == (
+        ("bf16-true", "bfloat16") if precision is None else ("bf16-mixed", "float32"))
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert all(r["mfu"] is not None and 0 < r["mfu"] < 1 for r in rows)
     report = json.loads((tmp_path / "explain.json").read_text())
     gemms = [r for r in report["rows"] if r["symbol"] in ("prims.linear", "ltorch.matmul") and "2-D" not in r["reason"]]
-    assert gemms and all(r["claimed_by_tk"] for r in gemms if r["inputs"].startswith("bf16"))
+    assert any(r["inputs"].startswith("bf16") for r in gemms)
+    assert all(r["claimed_by_tk"] for r in gemms if r["inputs"].startswith("bf16"))
+    attention = [r for r in report["rows"] if r["symbol"] == "ltorch.scaled_dot_product_attention"]
+    assert any(r["claimed_by_tk"] for r in attention), [r["reason"] for r in attention]
