@@ -25,6 +25,22 @@ def test_explain_yaml_plans_without_a_gpu(tmp_path, capsys):
     assert loss["inputs"].startswith("bf16[1024, ") and loss["claimed_by_tk"], loss
 
 
+def test_explain_plans_a_yaml_at_its_precision(tmp_path, capsys):
+    """A pretrain YAML's precision is what `explain` plans (bf16-mixed: fp32 weights, Thunder's autocast hands the
+    linears and the attention bf16 inputs, and the norms stay fp32); --dtype overrides it; an unknown one is named."""
+    config = tmp_path / "mixed.yaml"
+    config.write_text((CONFIGS / "tiny.yaml").read_text() + "precision: bf16-mixed\n")
+    out = tmp_path / "plan.json"
+    assert main(["explain", str(config), "--inference", "--json", str(out)]) == 0
+    assert "batch 4 x 256 tokens, bf16-mixed, inference" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["inputs"].startswith("bf16") for r in rows if r["symbol"] == "prims.linear")
+    assert any(r["claimed_by_tk"] for r in rows if r["symbol"] == "ltorch.scaled_dot_product_attention")
+    config.write_text((CONFIGS / "tiny.yaml").read_text() + "precision: 16-mixed\n")
+    assert main(["explain", str(config)]) == 2
+    assert "precision '16-mixed' is not one of bf16-true, bf16-mixed, 32-true; pass --dtype" in capsys.readouterr().err
+
+
 def test_explain_default_model_and_inference(capsys):
     assert main(["explain", "--seq", "128", "--inference"]) == 0
     text = capsys.readouterr().out

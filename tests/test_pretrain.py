@@ -17,7 +17,7 @@ from thunder_tk.data import SyntheticTokens
 from thunder_tk.litgpt_models import ConfigError
 from thunder_tk.pretrain import (GcClock, OsCounters, StallTracer, bind_cpus, exclusive_cpus, learning_rate,
                                  parse_cpulist, pretrain)
-from thunder_tk.pretrain_config import load_config, parse_overrides
+from thunder_tk.pretrain_config import load_config, parse_overrides, precision_of
 
 CONFIGS = Path(__file__).resolve().parents[1] / "litgpt_configs"
 TINY = CONFIGS / "tiny.yaml"
@@ -155,15 +155,21 @@ def test_resume_continues_bit_identically(tmp_path):
         assert torch.equal(sa["model"][k], sb["model"][k]), k
 
 
+def test_precision_names_map_to_weights_and_autocast():
+    assert precision_of(None, "cuda") == ("bf16-true", "bfloat16", None)
+    assert precision_of(None, "cpu") == ("32-true", "float32", None)
+    assert precision_of("bf16-mixed", "cuda") == ("bf16-mixed", "float32", "bfloat16")
+    assert precision_of("32-true", "cuda") == ("32-true", "float32", None)
+
+
 @pytest.mark.parametrize("precision, weights, linear_inputs",
-                         [(None, torch.float32, "f32"), ("32-true", torch.float32, "f32"),
-                          ("bf16-true", torch.bfloat16, "bf16"), ("bf16-mixed", torch.float32, "bf16")])
+                         [("bf16-true", torch.bfloat16, "bf16"), ("bf16-mixed", torch.float32, "bf16")])
 def test_precision_sets_the_weights_and_what_the_linears_compute_in(tmp_path, precision, weights, linear_inputs):
     """LitGPT's precisions: the checkpoint holds weights of the parameter dtype, and the traced linears take inputs of
-    the compute dtype (bf16-mixed: fp32 weights cast by Thunder's autocast). Null is 32-true on a CPU."""
+    the compute dtype (bf16-mixed: fp32 weights cast by Thunder's autocast)."""
     summary = pretrain(load_config(None, {**MICRO, "out_dir": str(tmp_path), "precision": precision,
                                           "train": {**MICRO["train"], "max_steps": 2, "save_interval": 2}}))
-    assert summary["precision"] == (precision or "32-true")
+    assert summary["precision"] == precision
     state = torch.load(tmp_path / "checkpoints" / "step-00000002" / "rank0.pt", weights_only=False)
     assert {v.dtype for v in state["model"].values() if v.is_floating_point()} == {weights}
     assert all(math.isfinite(loss) for loss in _losses(tmp_path).values())

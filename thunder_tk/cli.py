@@ -15,6 +15,10 @@ import warnings
 
 DEFAULT_MODEL = "Llama-3.2-1B"
 DEFAULT_N_LAYER = 2
+# explain --dtype: (weights' dtype, autocast dtype or None); and LitGPT's precision names as those choices.
+PLANNED_DTYPES = {"bf16": ("bfloat16", None), "fp16": ("float16", None), "fp32": ("float32", None),
+                  "bf16-mixed": ("float32", "bfloat16")}
+EXPLAIN_PRECISIONS = {"bf16-true": "bf16", "bf16-mixed": "bf16-mixed", "32-true": "fp32"}
 
 
 class CLIError(Exception):
@@ -27,27 +31,33 @@ def _cmd_explain(args) -> int:
     from thunder_tk.litgpt_models import ConfigError, build_meta_model, load_spec
     from thunder_tk.planning import plan
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     model = args.model or DEFAULT_MODEL
     n_layer = args.n_layer if args.n_layer is not None else (DEFAULT_N_LAYER if args.model is None else None)
     try:
         spec = load_spec(model, n_layer=n_layer, micro_batch_size=args.batch, seq_len=args.seq)
     except ConfigError as e:
         raise CLIError(str(e)) from None
-    meta_model = build_meta_model(spec, dtype)
+    # --dtype, else the YAML's precision as `thunder-tk pretrain` would run it on a GPU, else bf16
+    precision = args.dtype or EXPLAIN_PRECISIONS.get(spec.precision or "bf16-true")
+    if precision is None:
+        raise CLIError(f"{spec.source}: precision {spec.precision!r} is not one of "
+                       f"{', '.join(EXPLAIN_PRECISIONS)}; pass --dtype")
+    weights, autocast = (getattr(torch, name) if name else None for name in PLANNED_DTYPES[precision])
+    meta_model = build_meta_model(spec, weights)
     if args.inference:
         meta_model.requires_grad_(False)
     tokens = torch.empty(spec.micro_batch_size, spec.seq_len, dtype=torch.int64, device="meta")
     if args.inference:
-        report = plan(meta_model, [tokens], device=args.device)
+        report = plan(meta_model, [tokens], device=args.device, autocast=autocast)
     else:  # training: the model with its loss, as `thunder-tk pretrain` jits it
         from thunder_tk.pretrain import LossModule
 
-        report = plan(LossModule(meta_model), [tokens, torch.empty_like(tokens)], device=args.device)
+        report = plan(LossModule(meta_model), [tokens, torch.empty_like(tokens)], device=args.device,
+                      autocast=autocast)
     cfg = spec.config
     print(f"{spec.source}: {cfg.name or 'model'}, {cfg.n_layer} layers, hidden {cfg.n_embd}, {cfg.n_head} heads "
           f"(head_dim {cfg.head_size}, {cfg.n_query_groups} kv groups), batch {spec.micro_batch_size} x "
-          f"{spec.seq_len} tokens, {args.dtype}, {'inference' if args.inference else 'training'}")
+          f"{spec.seq_len} tokens, {precision}, {'inference' if args.inference else 'training'}")
     print(report)
     if args.json:
         with open(args.json, "w") as f:
@@ -125,7 +135,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--n-layer", type=int, help="override the number of layers")
     e.add_argument("--batch", type=int, help="micro-batch size (default: train.micro_batch_size or 1)")
     e.add_argument("--seq", type=int, help="sequence length (default: train.max_seq_length or min(block_size, 2048))")
-    e.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    e.add_argument("--dtype", choices=tuple(PLANNED_DTYPES),
+                   help="weights and compute (bf16-mixed: fp32 weights under bf16 autocast; default: the YAML's "
+                        "precision, else bf16)")
     e.add_argument("--inference", action="store_true", help="plan the forward pass only")
     e.add_argument("--device", default="cuda:0")
     e.add_argument("--json", help="also write the report as JSON to this path")

@@ -28,6 +28,7 @@ class ModelSpec:
     micro_batch_size: int
     seq_len: int
     source: str
+    precision: str | None = None  # a pretrain YAML's `precision` (LitGPT's: bf16-true, bf16-mixed, 32-true)
 
 
 def load_spec(name_or_yaml: str, *, n_layer: int | None = None, micro_batch_size: int | None = None,
@@ -36,6 +37,7 @@ def load_spec(name_or_yaml: str, *, n_layer: int | None = None, micro_batch_size
     GPT, Config = _litgpt()
     path = Path(name_or_yaml)
     train: dict = {}
+    precision = None
     if path.suffix in (".yaml", ".yml"):
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
@@ -43,6 +45,7 @@ def load_spec(name_or_yaml: str, *, n_layer: int | None = None, micro_batch_size
         if not isinstance(doc, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
         train = doc.get("train") or {}
+        precision = doc.get("precision")
         model_config = doc.get("model_config")
         model_name = doc.get("model_name")
         if model_config is None and not model_name:
@@ -58,7 +61,7 @@ def load_spec(name_or_yaml: str, *, n_layer: int | None = None, micro_batch_size
     seq = int(seq_len or train.get("max_seq_length") or min(config.block_size, 2048))
     if seq > config.block_size:
         raise ConfigError(f"train.max_seq_length {seq} exceeds the model's block_size {config.block_size}")
-    return ModelSpec(config, mbs, seq, source)
+    return ModelSpec(config, mbs, seq, source, precision)
 
 
 def _config_dict(config) -> dict:

@@ -7,6 +7,7 @@ forward and backward execution traces as it would on the GPU. Nothing is execute
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import thunder
@@ -29,6 +30,23 @@ def _mark(t: torch.Tensor, device: torch.device) -> None:
     t._thunder_device = device
 
 
+@contextlib.contextmanager
+def cuda_autocast(dtype: torch.dtype | None):
+    """CUDA autocast to `dtype` (None: unchanged), also where no GPU is present: `torch.autocast("cuda")` turns
+    itself off there, while Thunder only reads whether autocast is on and to what dtype."""
+    if dtype is None:
+        yield
+        return
+    was_enabled, was_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled("cuda", was_enabled)
+        torch.set_autocast_dtype("cuda", was_dtype)
+
+
 def trace_planned(
     module: torch.nn.Module,
     inputs: Sequence[torch.Tensor],
@@ -36,11 +54,13 @@ def trace_planned(
     executors: Sequence | None = None,
     device: str | torch.device = "cuda:0",
     capability: tuple[int, int] = _extension.SUPPORTED_CAPABILITY,
+    autocast: torch.dtype | None = None,
 ):
     """Trace `module(*inputs)` (meta tensors) as if on `device`; returns the jitted module, whose
     `thunder.last_traces` / `last_backward_traces` hold the planned execution traces.
 
-    The backward trace is planned too when any parameter requires grad.
+    The backward trace is planned too when any parameter requires grad. `autocast`: a dtype to trace under CUDA
+    autocast to (mixed precision: fp32 parameters, Thunder casting the inputs of linears and attention).
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -49,7 +69,7 @@ def trace_planned(
         _mark(t, device)
     jitted = thunder.jit(module, executors=list(executors) if executors is not None else [tk])
     cd, cs = thunder.compile_data(jitted), thunder.compile_stats(jitted)
-    with _extension.planning_for(capability):
+    with _extension.planning_for(capability), cuda_autocast(autocast):
         try:
             cd.get_computation_and_inputs(*inputs)
         except AssertionError:
