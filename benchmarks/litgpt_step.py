@@ -1,7 +1,8 @@
 """End-to-end LitGPT training step: tokens/s and peak memory for eager PyTorch, torch.compile, Thunder's default
 executors and Thunder with executors=[tk], in one run.
 
-Model: LitGPT's Llama-3.2-1B config (fewer layers with --n-layer, stated in the output), bf16 weights, fused
+Model: LitGPT's Llama-3.2-1B config (fewer layers with --n-layer, stated in the output), bf16 weights
+(--precision bf16-mixed: fp32 weights, the forward under bf16 autocast, as `thunder-tk pretrain` runs it), fused
 AdamW, cross-entropy of the bf16 logits averaged in fp32 (pretrain.LossModule), sequence 2048. Each variant: warm-up
 steps, then timed steps. With --rounds R > 1 the variants stay built and are timed R times in turns, each round in a
 rotated order, and each gets the median: the GPU's clock drifts over a run, and one pass per variant had them 2-3%
@@ -32,18 +33,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import ClockSampler, bar_chart, print_table, profiled_kernels, write_results  # noqa: E402
 
 from thunder_tk.pretrain import LossModule, max_over_ranks, tracing_without_cyclic_gc  # noqa: E402
+from thunder_tk.pretrain_config import precision_of  # noqa: E402
 # Where a step's GPU time goes: kernels by what they compute (shared with `thunder-tk pretrain`'s profile).
 from thunder_tk.step_profile import TK_KERNEL, gpu_activities, idle_gaps, kernel_kind  # noqa: E402
 
 
-def build(model_name: str, n_layer: int | None, seq: int, device: torch.device):
+def build(model_name: str, n_layer: int | None, seq: int, device: torch.device, weights: torch.dtype = torch.bfloat16):
     from litgpt import GPT, Config
 
     cfg = Config.from_name(model_name, **({"n_layer": n_layer} if n_layer else {}))
     with device:
         model = GPT(cfg)
         model.max_seq_length = seq
-    return model.to(torch.bfloat16), cfg
+    return model.to(weights), cfg
 
 
 def _fsdp2(module: torch.nn.Module) -> torch.nn.Module:
@@ -344,8 +346,13 @@ class Built:
         self.name, self.device, self.cuda = name, device, device.type == "cuda"
         self.base_gib = torch.cuda.memory_allocated(device) / 2**30 if self.cuda else 0.0
         torch.manual_seed(0)
-        model, cfg = build(args.model, args.n_layer, args.seq, device)
+        # LitGPT's precisions, as `thunder-tk pretrain` runs them (bf16-mixed: fp32 weights, the step's forward
+        # under bf16 autocast, which each variant's compiler traces as casts)
+        _, weights, autocast = precision_of(args.precision, device.type)
+        model, cfg = build(args.model, args.n_layer, args.seq, device, getattr(torch, weights))
         self.net = net = wrap(LossModule(model))
+        computing = ((lambda: torch.autocast(device.type, dtype=getattr(torch, autocast))) if autocast
+                     else contextlib.nullcontext)
         opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4, fused=self.cuda)
         rank = torch.distributed.get_rank() if _world() > 1 else 0
         gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch
@@ -356,7 +363,8 @@ class Built:
 
         def step():
             with around():
-                loss = net(x, y)
+                with computing():
+                    loss = net(x, y)
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -470,6 +478,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, n_layer: int = 4, warmup:
     p.add_argument("--n-layer", type=int, default=n_layer)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--precision", choices=("bf16-true", "bf16-mixed"), default="bf16-true",
+                   help="LitGPT's: bf16 weights and compute, or fp32 weights with the forward under bf16 autocast")
     p.add_argument("--warmup", type=int, default=warmup)
 
 
@@ -541,7 +551,8 @@ def main():
         r["vs_torch_compile"] = r["tokens_per_s"] / base["torch.compile"] if "torch.compile" in base else None
     where = f"FSDP over {_world()} GPUs, batch {a.batch} per GPU" if a.fsdp else f"batch {a.batch}"
     timing = f"median of {a.rounds} rounds in turns" if a.rounds > 1 else "one pass per variant"
-    print(f"{a.model}, {a.n_layer} layers, {where} x {a.seq} tokens, bf16, fused AdamW; {a.steps} steps, {timing}")
+    print(f"{a.model}, {a.n_layer} layers, {where} x {a.seq} tokens, {a.precision}, fused AdamW; {a.steps} steps, "
+          f"{timing}")
     print_table(rows, ["variant", "tokens_per_s", "tokens_per_s_per_gpu", "peak_gib", "vs_thunder_default",
                        "vs_torch_compile"])
     print_profiles(rows)
@@ -549,6 +560,7 @@ def main():
     print_memory(rows)
     write_results(a.json, "litgpt_step_fsdp" if a.fsdp else "litgpt_step",
                   [{**r, "world_size": _world(), "n_layer": a.n_layer, "seq": a.seq, "batch_per_gpu": a.batch,
+                    "precision": a.precision,
                     "steps": a.steps, "rounds": a.rounds} for r in rows])
     if a.fsdp:
         torch.distributed.destroy_process_group()

@@ -41,6 +41,18 @@ def test_litgpt_step_fsdp_paths(tmp_path):
     assert max(losses) - min(losses) < 1e-2, losses
 
 
+def test_litgpt_step_at_bf16_mixed(tmp_path):
+    """--precision bf16-mixed: fp32 weights with the step's forward under bf16 autocast, recorded in each row."""
+    out = tmp_path / "step.json"
+    r = run_bench("litgpt_step.py", "--device", "cpu", "--model", "pythia-14m", "--n-layer", "1", "--seq", "32",
+                  "--batch", "1", "--warmup", "1", "--steps", "1", "--only", "thunder [tk]", "--precision",
+                  "bf16-mixed", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "1 layers, batch 1 x 32 tokens, bf16-mixed, fused AdamW" in r.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["precision"] == "bf16-mixed" and 10 < row["loss"] < 12  # ln(50304 classes) = 10.8 at the start
+
+
 def test_pretrain_compare_runs_both_variants(tmp_path):
     out = tmp_path / "compare.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "pretrain_compare.py"), "--config",
