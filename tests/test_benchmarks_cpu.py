@@ -331,7 +331,7 @@ def test_litgpt_step_variant_environment_is_set_only_during_its_steps(monkeypatc
             return self.inner(x, y)
 
     wrap = bench.with_environment(lambda m: Spy(m), THUNDER_TK_GEMM_SCHEDULE="dynamic")
-    args = argparse.Namespace(model="pythia-14m", n_layer=1, seq=16, batch=1, warmup=1)
+    args = argparse.Namespace(model="pythia-14m", n_layer=1, seq=16, batch=1, warmup=1, precision="bf16-true")
     built = bench.Built("spy", wrap, args, torch.device("cpu"))
     built.time_steps(1)
     assert seen == ["dynamic", "dynamic"]  # the warm-up step and the timed one
@@ -367,7 +367,7 @@ def test_litgpt_step_plain_launch_order_variant_runs_its_steps_inside_the_settin
             return self.inner(x, y)
 
     wrap = bench.around_steps(lambda m: Spy(m), setting)
-    args = argparse.Namespace(model="pythia-14m", n_layer=1, seq=16, batch=1, warmup=1)
+    args = argparse.Namespace(model="pythia-14m", n_layer=1, seq=16, batch=1, warmup=1, precision="bf16-true")
     bench.Built("spy", wrap, args, torch.device("cpu")).time_steps(1)
     assert seen == [True, True] and not inside  # the warm-up step and the timed one
     assert bench.variant_names(["tk_plain_launch_order", "tk_no_pdl"]) == ["thunder [tk] plain launch order"] * 2
