@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import ClockSampler, bar_chart, print_table, profiled_kernels, write_results  # noqa: E402
 
-from thunder_tk.pretrain import LossModule, max_over_ranks, tracing_without_cyclic_gc  # noqa: E402
+from thunder_tk.pretrain import LossModule, autocast_for, max_over_ranks, tracing_without_cyclic_gc  # noqa: E402
 from thunder_tk.pretrain_config import precision_of  # noqa: E402
 # Where a step's GPU time goes: kernels by what they compute (shared with `thunder-tk pretrain`'s profile).
 from thunder_tk.step_profile import TK_KERNEL, gpu_activities, idle_gaps, kernel_kind  # noqa: E402
@@ -351,8 +351,6 @@ class Built:
         _, weights, autocast = precision_of(args.precision, device.type)
         model, cfg = build(args.model, args.n_layer, args.seq, device, getattr(torch, weights))
         self.net = net = wrap(LossModule(model))
-        computing = ((lambda: torch.autocast(device.type, dtype=getattr(torch, autocast))) if autocast
-                     else contextlib.nullcontext)
         opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4, fused=self.cuda)
         rank = torch.distributed.get_rank() if _world() > 1 else 0
         gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch
@@ -363,7 +361,7 @@ class Built:
 
         def step():
             with around():
-                with computing():
+                with autocast_for(autocast, device.type):
                     loss = net(x, y)
                 loss.backward()
                 opt.step()

@@ -15,10 +15,15 @@ import warnings
 
 DEFAULT_MODEL = "Llama-3.2-1B"
 DEFAULT_N_LAYER = 2
-# explain --dtype: (weights' dtype, autocast dtype or None); and LitGPT's precision names as those choices.
-PLANNED_DTYPES = {"bf16": ("bfloat16", None), "fp16": ("float16", None), "fp32": ("float32", None),
-                  "bf16-mixed": ("float32", "bfloat16")}
+# explain --dtype names for LitGPT's precisions (pretrain_config.PRECISIONS), and fp16, which pretrain does not run.
 EXPLAIN_PRECISIONS = {"bf16-true": "bf16", "bf16-mixed": "bf16-mixed", "32-true": "fp32"}
+
+
+def planned_dtypes() -> dict[str, tuple[str, str | None]]:
+    """explain --dtype -> (weights' dtype, autocast dtype or None)."""
+    from thunder_tk.pretrain_config import PRECISIONS
+
+    return {**{short: PRECISIONS[name] for name, short in EXPLAIN_PRECISIONS.items()}, "fp16": ("float16", None)}
 
 
 class CLIError(Exception):
@@ -42,7 +47,7 @@ def _cmd_explain(args) -> int:
     if precision is None:
         raise CLIError(f"{spec.source}: precision {spec.precision!r} is not one of "
                        f"{', '.join(EXPLAIN_PRECISIONS)}; pass --dtype")
-    weights, autocast = (getattr(torch, name) if name else None for name in PLANNED_DTYPES[precision])
+    weights, autocast = (getattr(torch, name) if name else None for name in planned_dtypes()[precision])
     meta_model = build_meta_model(spec, weights)
     if args.inference:
         meta_model.requires_grad_(False)
@@ -135,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--n-layer", type=int, help="override the number of layers")
     e.add_argument("--batch", type=int, help="micro-batch size (default: train.micro_batch_size or 1)")
     e.add_argument("--seq", type=int, help="sequence length (default: train.max_seq_length or min(block_size, 2048))")
-    e.add_argument("--dtype", choices=tuple(PLANNED_DTYPES),
+    e.add_argument("--dtype", choices=tuple(planned_dtypes()),
                    help="weights and compute (bf16-mixed: fp32 weights under bf16 autocast; default: the YAML's "
                         "precision, else bf16)")
     e.add_argument("--inference", action="store_true", help="plan the forward pass only")

@@ -48,6 +48,14 @@ class LossModule(torch.nn.Module):
         return per_token.float().mean()
 
 
+def autocast_for(autocast_dtype: str | None, device_type: str):
+    """The context a precision's forward runs in (precision_of's autocast dtype): torch.autocast to it, which Thunder
+    traces as casts, or nothing."""
+    if autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=getattr(torch, autocast_dtype))
+
+
 @contextlib.contextmanager
 def tracing_without_cyclic_gc(active: bool = True):
     """Around the calls in which Thunder traces a model (its first calls). Thunder's interpreter can fail with
@@ -525,12 +533,6 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
         model = GPT(cfg)
         model.max_seq_length = seq
     model = model.to(getattr(torch, param_dtype))
-
-    def computing():
-        """Where the model runs: under autocast for a mixed precision (Thunder traces the casts it implies)."""
-        if autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(dist.device.type, dtype=getattr(torch, autocast_dtype))
     params_2d = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and "wte" not in n)
     if config.data.kind == "synthetic":
         data = SyntheticTokens(cfg.padded_vocab_size, seq, config.seed)
@@ -605,7 +607,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
                 # Validation samples come from a range training never reaches.
                 first = (1 << 40) + (i * dist.world + dist.rank) * t.micro_batch_size
                 x, y = batch(data, list(range(first, first + t.micro_batch_size)), dist.device)
-                with computing():
+                with autocast_for(autocast_dtype, dist.device.type):
                     losses.append(net(x, y).float())
         value = dist.all_reduce_sum(torch.stack(losses).mean()) / dist.world
         return float(value)
@@ -642,7 +644,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
                     first = samples + (micro * dist.world + dist.rank) * t.micro_batch_size
                     with phase("batch"):
                         x, y = batch(data, list(range(first, first + t.micro_batch_size)), dist.device)
-                    with phase("forward"), computing():
+                    with phase("forward"), autocast_for(autocast_dtype, dist.device.type):
                         loss = net(x, y) / accum
                     with phase("backward"):
                         loss.backward()
