@@ -434,13 +434,15 @@ def more_rounds(rows: list[dict], built: list[Built], args) -> None:
     """Rounds 2..R with every variant built, in turns (round r starts at variant r mod n); each row then gets the
     median of its rounds."""
     tokens = args.batch * args.seq * _world()
-    per_round = {r["variant"]: [r["tokens_per_s"]] for r in rows}
+    per_round = {r["variant"]: [r["tokens_per_s"]] for r in rows if r["tokens_per_s"] is not None}
     n = len(built)
     for rnd in range(1, args.rounds):
         for v in built[rnd % n:] + built[:rnd % n]:
             seconds, _ = v.time_steps(args.steps)
             per_round[v.name].append(tokens / seconds)
     for r in rows:
+        if r["variant"] not in per_round:  # a variant that failed: no timing
+            continue
         r["tokens_per_s_rounds"] = per_round[r["variant"]]
         r["tokens_per_s"] = statistics.median(per_round[r["variant"]])
         r["tokens_per_s_per_gpu"] = r["tokens_per_s"] / _world()
@@ -521,9 +523,18 @@ def main():
         for name, wrap in chosen.items():
             if a.only and name not in a.only:
                 continue
-            row, v = run(name, wrap, a, device)
+            try:
+                row, v = run(name, wrap, a, device)
+            except Exception as e:  # noqa: BLE001
+                if _world() > 1:  # the other ranks would wait for this one in a collective
+                    raise
+                # One variant that cannot run (e.g. Thunder's own SDPA backward at bf16-mixed) must not cost the
+                # others' figures: its row says why, with no timing.
+                row, v = {"variant": name, "tokens_per_s": None, "tokens_per_s_per_gpu": None, "peak_gib": None,
+                          "loss": None, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}, None
+                print(f"{name}: FAILED ({row['error']})", flush=True)
             rows.append(row)
-            if a.rounds > 1:
+            if a.rounds > 1 and v is not None:
                 built.append(v)
             del v
             if main_rank:
@@ -537,22 +548,29 @@ def main():
     clock_warnings = attach_clocks(rows, clocks)
     if main_rank and a.rounds > 1:
         for r in rows:
+            if r["tokens_per_s"] is None:
+                continue
             print(f"{r['variant']:>16}: " + ", ".join(
                 f"{t / 1e3:.1f}k" + (f" ({c['sm_mhz']:.0f} MHz, {c['celsius']:.0f} C)" if c else "")
                 for t, c in zip(r["tokens_per_s_rounds"], r["clocks_rounds"])) + " tokens/s by round", flush=True)
     if not main_rank:
         torch.distributed.destroy_process_group()
         return
-    base = {r["variant"]: r["tokens_per_s"] for r in rows}
+    base = {r["variant"]: r["tokens_per_s"] for r in rows if r["tokens_per_s"] is not None}
     for r in rows:
-        r["vs_thunder_default"] = r["tokens_per_s"] / base["thunder default"] if "thunder default" in base else None
-        r["vs_torch_compile"] = r["tokens_per_s"] / base["torch.compile"] if "torch.compile" in base else None
+        timed = r["tokens_per_s"] is not None
+        r["vs_thunder_default"] = r["tokens_per_s"] / base["thunder default"] if timed and "thunder default" in base \
+            else None
+        r["vs_torch_compile"] = r["tokens_per_s"] / base["torch.compile"] if timed and "torch.compile" in base else None
     where = f"FSDP over {_world()} GPUs, batch {a.batch} per GPU" if a.fsdp else f"batch {a.batch}"
     timing = f"median of {a.rounds} rounds in turns" if a.rounds > 1 else "one pass per variant"
     print(f"{a.model}, {a.n_layer} layers, {where} x {a.seq} tokens, {a.precision}, fused AdamW; {a.steps} steps, "
           f"{timing}")
     print_table(rows, ["variant", "tokens_per_s", "tokens_per_s_per_gpu", "peak_gib", "vs_thunder_default",
                        "vs_torch_compile"])
+    for r in rows:
+        if r.get("error"):
+            print(f"{r['variant']}: failed, {r['error']}")
     print_profiles(rows)
     print_host(rows)
     print_memory(rows)
@@ -563,8 +581,9 @@ def main():
     if a.fsdp:
         torch.distributed.destroy_process_group()
     if a.png:
-        bar_chart(a.png, f"{a.model} ({a.n_layer} layers) training tokens/s", [r["variant"] for r in rows],
-                  {"tokens/s": [r["tokens_per_s"] for r in rows]}, "tokens/s")
+        timed = [r for r in rows if r["tokens_per_s"] is not None]
+        bar_chart(a.png, f"{a.model} ({a.n_layer} layers, {a.precision}) training tokens/s",
+                  [r["variant"] for r in timed], {"tokens/s": [r["tokens_per_s"] for r in timed]}, "tokens/s")
     for w in clock_warnings:
         print(w, flush=True)
 

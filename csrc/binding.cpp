@@ -401,10 +401,10 @@ void rms_norm_backward(std::uintptr_t grad, int64_t grad_stride, std::uintptr_t 
 
 // A fused qkv projection with LitGPT's rotary embedding of q's and k's heads in its epilogue: C = A W^T, then the
 // rotate-half rope (gemm.h) over columns [0, rope_cols), row r at position r % seq, from cos and sin (rows of
-// angle_stride elements in the element type).
+// angle_stride elements in the element type, or fp32 where angle_fp32).
 void gemm_rope(std::uintptr_t a, std::uintptr_t w, std::uintptr_t c, std::uintptr_t cos, std::uintptr_t sin, int dtype,
                int64_t M, int64_t N, int64_t K, int64_t a_stride_m, int64_t w_stride_n, int64_t c_stride_m,
-               int64_t angle_stride, int64_t seq, int64_t rope_cols, int head_dim, int rope_dims,
+               int64_t angle_stride, int64_t seq, int64_t rope_cols, int head_dim, int rope_dims, bool angle_fp32,
                std::uintptr_t stream, int tile_n, int epilogue) {
     tk::gemm::gemm_args g = gemm_operands(a, w, c, dtype, M, N, K, a_stride_m, 1, 1, w_stride_n, c_stride_m);
     g.rope_cos = as_ptr<void>(cos);
@@ -414,6 +414,7 @@ void gemm_rope(std::uintptr_t a, std::uintptr_t w, std::uintptr_t c, std::uintpt
     g.rope_cols = rope_cols;
     g.rope_head_dim = head_dim;
     g.rope_dims = rope_dims;
+    g.rope_fp32 = angle_fp32;
     g.tile_n = tile_n;
     g.epilogue = epilogue;
     if (g.rope_cos == nullptr) throw std::invalid_argument("thunder_tk gemm_rope: cos is needed");
@@ -818,11 +819,12 @@ PYBIND11_MODULE(_C, m) {
     m.def("gemm_rope", &gemm_rope, py::arg("a"), py::arg("w"), py::arg("c"), py::arg("cos"), py::arg("sin"),
           py::arg("dtype"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a_stride_m"), py::arg("w_stride_n"),
           py::arg("c_stride_m"), py::arg("angle_stride"), py::arg("seq"), py::arg("rope_cols"), py::arg("head_dim"),
-          py::arg("rope_dims"), py::arg("stream"), py::arg("tile_n") = 0, py::arg("epilogue") = 0,
+          py::arg("rope_dims"), py::arg("angle_fp32"), py::arg("stream"), py::arg("tile_n") = 0,
+          py::arg("epilogue") = 0,
           "C = A W^T (A (M, K) and W (N, K) K-major) with LitGPT's rotate-half rotary embedding applied to columns "
           "[0, rope_cols) (heads of head_dim columns, the first rope_dims of each turned; row r at position r % seq) "
-          "from the fp32 accumulators, rounded once; cos and sin in the element type with rows of angle_stride "
-          "elements; enqueued on `stream`; `tile_n` and `epilogue` as gemm's.");
+          "from the fp32 accumulators, rounded once; cos and sin in the element type (fp32 where angle_fp32) with "
+          "rows of angle_stride elements; enqueued on `stream`; `tile_n` and `epilogue` as gemm's.");
     m.def("gemm_stream_k_workspace",
           [] {
               const int64_t floats = tk::gemm::stream_k_workspace_floats();

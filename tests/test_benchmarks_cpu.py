@@ -284,6 +284,32 @@ def test_litgpt_step_memory_replay_finds_what_is_live_at_the_peak(capsys):
     assert "thunder [tk]: 1.50 GiB before the step, peak 174 MiB" in out and "attention_backward" in out
 
 
+def test_litgpt_step_a_failing_variant_costs_only_its_own_row(monkeypatch, tmp_path, capsys):
+    """A variant whose build or first step raises (Thunder's own SDPA backward did at bf16-mixed) gets a row with
+    the error and no timing; the other variants are timed over their rounds and compared as usual."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("litgpt_step_bench_fail", ROOT / "benchmarks" / "litgpt_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def broken(m):
+        raise RuntimeError("query and dout must have the same dtype\nmore lines")
+
+    real = bench.variants
+    monkeypatch.setattr(bench, "variants", lambda *a: {**real(*a), "thunder default": broken})
+    out = tmp_path / "step.json"
+    monkeypatch.setattr(sys, "argv", ["litgpt_step.py", "--device", "cpu", "--model", "pythia-14m", "--n-layer", "1",
+                                      "--seq", "16", "--batch", "1", "--warmup", "1", "--steps", "1", "--rounds", "2",
+                                      "--only", "eager", "default", "--json", str(out)])
+    bench.main()
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["thunder default"]["error"] == "RuntimeError: query and dout must have the same dtype"
+    assert rows["thunder default"]["tokens_per_s"] is None and rows["eager"]["vs_thunder_default"] is None
+    assert len(rows["eager"]["tokens_per_s_rounds"]) == 2 and rows["eager"]["tokens_per_s"] > 0
+    assert "thunder default: failed, RuntimeError: query and dout" in capsys.readouterr().out
+
+
 def test_litgpt_step_only_takes_aliases_and_rejects_unknown_names():
     import importlib.util
 

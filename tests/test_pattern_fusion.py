@@ -324,6 +324,50 @@ def test_swiglu_left_apart_where_the_launch_cannot_take_it(standin_tk_build, mod
     assert rel_err(out, expected) < 2e-2
 
 
+def casts_of(trace, dtype=thunder.bfloat16):
+    """The (input name, ...) of each top-level cast to `dtype` in a trace, fused regions' casts included."""
+    def walk(bsyms):
+        for b in bsyms:
+            if b.sym.name == "convert_element_type" and b.args[1] == dtype:
+                yield b.args[0].name
+            yield from walk(b.subsymbols) if b.sym.is_fusion else ()
+    return list(walk(trace.bound_symbols))
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "cast_merge-off"])
+def test_swiglu_under_autocast_reads_one_cast_of_x(standin_tk_build, request, merge):
+    """bf16-mixed (LitGPT's default precision): fp32 parameters, the forward under autocast, which casts x for fc_1
+    and again for fc_2. The two casts are merged (`merge_repeated_casts`), so the products are one
+    tk_swiglu_linear launch and its backward one tk_matmul_swiglu_grad, x is cast (and saved) once, and the
+    gradients (fp32, like the parameters) match float64 eager. With `cast_merge` off the two casts stay and so do
+    the three GEMMs."""
+    request.getfixturevalue("standin_nvfuser")
+    model = SwiGLU()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 16, model.fc_1.in_features, generator=g)
+    jm = thunder.jit(model, executors=[tk], **({} if merge else {"tk_disable": "cast_merge"}))
+    ref = copy.deepcopy(model).double()
+    xj, xr = x.clone().requires_grad_(), x.double().requires_grad_()
+    with torch.autocast("cpu", dtype=bf16):
+        out = jm(xj)
+    expected = ref(xr)
+    cot = torch.randn(out.shape, generator=g)
+    out.backward(cot.to(out.dtype))
+    expected.backward(cot.double())
+    fwd = thunder.last_traces(jm)[-1]
+    if merge:
+        assert swiglu_ops(jm) == ["tk_swiglu_linear", "tk_linear"]
+        assert "tk_matmul_swiglu_grad" in backward_ops(jm)
+    else:
+        assert swiglu_ops(jm).count("tk_linear") == 3
+    x_casts = [name for name in casts_of(fwd) if name == fwd.args[0].name]
+    assert len(x_casts) == (1 if merge else 2), casts_of(fwd)
+    assert rel_err(out, expected) < 3e-2
+    assert rel_err(xj.grad, xr.grad) < 3e-2
+    for (name, p), rp in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32 and rel_err(p.grad, rp.grad) < 3e-2, name
+
+
 # SwiGLU's backward: the output projection's dX GEMM and the ~20 elementwise ops of silu(h1) * h2's gradient in one
 # tk_matmul_swiglu_grad launch.
 

@@ -125,6 +125,28 @@ def test_litgpt_rope_backward_folds_into_the_attention_backward(standin_tk_build
     assert not any(s.sym.name in ("neg", "pad") for b in fused for s in b.subsymbols)
 
 
+def test_bf16_mixed_folds_the_rope_with_fp32_tables_and_fuses_swiglu(standin_tk_build, standin_nvfuser):
+    """bf16-mixed (fp32 weights and rope tables, the step under bf16 autocast): the qkv projection reads the fp32
+    tables in its epilogue, the backward folds as at bf16-true, SwiGLU's products are one launch (the MLP's input
+    cast once, `merge_repeated_casts`) and its backward one, and the gradients (fp32) match float64 eager."""
+    torch.manual_seed(0)
+    model = litgpt.GPT(config(n_layer=2))
+    exact = copy.deepcopy(model).double()
+    idx = torch.randint(0, 512, (2, 32))
+    jm = thunder.jit(model, executors=[tk])
+    with torch.autocast("cpu", dtype=bf16):
+        out = jm(idx)
+    seed = torch.randn(out.shape)
+    (out.float() * seed).sum().backward()
+    (exact(idx) * seed.double()).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), exact.parameters()):
+        assert p.grad.dtype == torch.float32 and rel_err(p.grad, q.grad) < 3e-2, name
+    assert_rope_in_projection(jm, layers=2)
+    assert forward_ops(jm).count("tk_swiglu_linear") == 2, forward_ops(jm)
+    assert backward_ops(jm).count("tk_matmul_swiglu_grad") == 2
+    assert backward_ops(jm).count("tk_attention_backward_qkv") == 2
+
+
 def test_every_layer_folds_and_the_probe_tells_cos_from_sin(standin_tk_build, standin_nvfuser, monkeypatch):
     """Two layers share the angle tables; each layer's region is handed to the probe with the tables in the opposite
     order too, and the probe must still name the cosine (a wrong pick would give wrong gradients)."""

@@ -45,7 +45,7 @@ GEMM_SIZE_POLICY = "gemm_size_policy"
 # So is the FSDP schedule (fsdp_schedule.COLLECTIVE_SCHEDULE): turned off, the fuser's order of collectives stays.
 DISABLE_FEATURES = frozenset({"cross_entropy_forward_grad", "cross_entropy_gradient_over_logits", GEMM_SIZE_POLICY,
                               "attention_grouped_kv", "collective_schedule", "gemm_swiglu", "gemm_swiglu_grad",
-                              "attention_qkv_grad", "gemm_rope", "gemm_sum", "rms_norm"})
+                              "attention_qkv_grad", "gemm_rope", "gemm_sum", "rms_norm", "cast_merge"})
 
 
 def _env_names() -> set[str]:

@@ -1052,9 +1052,11 @@ def linear_rope_unsupported(x, weight, cos, sin, q_heads: int, kv_heads: int, he
         return f"the rotary epilogue turns a power of two of columns from 16 to the head dim ({head_dim}); got {n}"
     if cos.shape[0] < x.shape[1]:
         return f"cos and sin have {cos.shape[0]} positions for {x.shape[1]} tokens"
-    if not (cos.dtype == sin.dtype == x.dtype == weight.dtype) or x.dtype not in _GEMM_DTYPES:
-        return (f"x, the weight, cos and sin must share one 16-bit dtype; got {x.dtype}, {weight.dtype}, {cos.dtype} "
-                f"and {sin.dtype}")
+    if x.dtype != weight.dtype or x.dtype not in _GEMM_DTYPES:
+        return f"x and the weight must share one 16-bit dtype; got {x.dtype} and {weight.dtype}"
+    tables = (x.dtype, torch.float32) if x.dtype == torch.bfloat16 else (x.dtype,)  # fp32 with bf16: bf16-mixed's
+    if cos.dtype != sin.dtype or cos.dtype not in tables:
+        return f"cos and sin must both be {' or '.join(map(str, tables))} with {x.dtype} x; got {cos.dtype} and {sin.dtype}"
     if x.shape[2] % 8:
         return f"K ({x.shape[2]}) must be a multiple of 8"
     return None
@@ -1067,8 +1069,8 @@ def linear_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
     the first n = cos.shape[1] columns of each head, token s at row s of cos and sin) applied to q's and k's heads
     in the epilogue, from the fp32 accumulators, rounded once. Returns (q, k, v) as (B, H, S, head_dim) views of
     the one (B, S, N) output (qkv_head_views), which tk's attention reads in place. head_dim 64, 128 or 256; n a
-    power of two from 16 to head_dim; cos and sin (>= S, n) in x's dtype. `_tile_n` and `_epilogue`: gemm's tuning
-    knobs, for tests."""
+    power of two from 16 to head_dim; cos and sin (>= S, n) in x's dtype, or float32 with bf16 x (bf16-mixed
+    training's tables, read as they are). `_tile_n` and `_epilogue`: gemm's tuning knobs, for tests."""
     for name, t in (("x", x), ("weight", weight), ("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"linear_rope: {name} must be a tensor")
@@ -1086,17 +1088,19 @@ def linear_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
         return qkv_head_views(qkv.zero_(), q_heads, kv_heads, head_dim)
     a = _k_major_rows(x.reshape(B * S, K))
     w = _k_major_rows(weight)
-    # One row stride for both tables, 4-byte aligned rows of whole pairs; other tables are copied (S x n, small).
-    n = cos.shape[1]
+    # One row stride for both tables, rows of whole pairs aligned to a pair's bytes (the kernel loads a pair of columns
+    # at a time); other tables are copied (S x n, small).
+    n, fp32_tables = cos.shape[1], cos.dtype == torch.float32
+    pair_bytes = 2 * cos.element_size()
     if cos.stride(0) != sin.stride(0) or cos.shape[0] == 1 or not all(
-            t.stride(1) == 1 and t.stride(0) >= n and t.stride(0) % 2 == 0 and t.data_ptr() % 4 == 0
+            t.stride(1) == 1 and t.stride(0) >= n and t.stride(0) % 2 == 0 and t.data_ptr() % pair_bytes == 0
             for t in (cos, sin)):
         cos, sin = cos[:S].contiguous(), sin[:S].contiguous()
     with _on(x.device):
         ext.gemm_rope(a.data_ptr(), w.data_ptr(), qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                       _DTYPE_CODES[x.dtype], B * S, N, K, a.stride(0) if B * S > 1 else K,
                       w.stride(0) if N > 1 else K, N, cos.stride(0), S, (q_heads + kv_heads) * head_dim, head_dim, n,
-                      _stream_handle(x.device), _tile_n, _epilogue)
+                      fp32_tables, _stream_handle(x.device), _tile_n, _epilogue)
     return qkv_head_views(qkv, q_heads, kv_heads, head_dim)
 
 

@@ -58,7 +58,7 @@ import thunder
 import torch
 import torch.nn.functional as F
 from thunder.core import prims
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import from_trace, tracectx
 from thunder.core.transform_common import dce
@@ -135,6 +135,46 @@ def _rewritten(out, bsyms: list, provenance: str):
     out.bound_symbols = flat
     out.set_provenance(provenance)
     return dce(out)
+
+
+_HALVES = (thunder.bfloat16, thunder.float16)
+CAST_MERGE = "cast_merge"
+"""THUNDER_TK_DISABLE name that leaves repeated casts of one tensor as traced (each computed and kept on its own)."""
+
+
+def merge_repeated_casts(trace):
+    """The trace with each repeated cast of an fp32 tensor to one 16-bit dtype read from its first occurrence.
+    Under autocast, Thunder casts a linear's input for each linear on its own, so the two up-projections
+    of LLaMA's MLP read two bf16 copies of one fp32 activation: two tensors written, both saved for the backward, and
+    two inputs where `fuse_swiglu` needs one. Casts are pure, so the first one's value serves every reader; merged
+    before the other rewrites, which compare operands by identity. Only these downcasts: the upcasts inside a
+    16-bit elementwise op's decomposition stay its own (the RMSNorm fold matches them per op). Off with the feature
+    name CAST_MERGE."""
+    from thunder_tk import claim_rules
+
+    if CAST_MERGE in claim_rules.disabled_names():
+        return trace
+    swaps: dict = {}
+    first: dict[tuple[str, str], TensorProxy] = {}
+    bsyms = []
+    for b in trace.bound_symbols:
+        if swaps:
+            b = b.from_bsym_swap_proxies(swaps, skip_output=True)
+        if (b.sym.id == prims.PrimIDs.CONVERT_ELEMENT_TYPE and isinstance(b.args[0], TensorProxy)
+                and isinstance(b.output, TensorProxy) and b.args[0].dtype == thunder.float32
+                and b.output.dtype in _HALVES):
+            key = (b.args[0].name, str(b.args[1]))
+            if key in first:
+                swaps[variableify(b.output)] = first[key]
+                continue
+            first[key] = b.output
+        bsyms.append(b)
+    if not swaps:
+        return trace
+    out = from_trace(trace)
+    out.bound_symbols = bsyms
+    out.set_provenance("tk: repeated casts of one tensor read from the first")
+    return out
 
 
 def fold_row_scaling(trace):
@@ -460,6 +500,23 @@ def _swiglu_plan(bsyms: list[BoundSymbol], k: int, producer: dict[str, int]):
     return None
 
 
+def _swiglu_hoisted(bsyms: list[BoundSymbol], plan, producer: dict[str, int]):
+    """The indices of the bsyms to move up to the earlier product's place, so that the launch replacing both
+    products can go there: those making x or a weight after it (under autocast, the second weight's cast comes
+    between the two linears), each reading only what exists before that place. None where one reads more."""
+    i1, i2, x, w1, w2, _ = plan
+    first = min(i1, i2)
+    hoisted = []
+    for t in (x, w1, w2):
+        j = producer.get(t.name, -1)
+        if j < first or j in hoisted:
+            continue
+        if any(producer.get(a.name, -1) >= first for a in bsyms[j].flat_proxy_args):
+            return None
+        hoisted.append(j)
+    return sorted(hoisted)
+
+
 def fuse_swiglu(trace):
     """The trace with SwiGLU's two tk_linear products and silu(h1) * h2 as one tk_swiglu_linear launch, which also
     returns h1 and h2 for whatever else reads them (the backward): the fuser no longer reads both products back to
@@ -478,18 +535,22 @@ def fuse_swiglu(trace):
         plan = _swiglu_plan(bsyms, k, producer)
         if plan is None or plan[0] in taken or plan[1] in taken:
             continue
+        hoisted = _swiglu_hoisted(bsyms, plan, producer)
+        if hoisted is None:
+            continue
         taken.update(plan[:2])
-        plans.append((k, plan))
+        plans.append((k, hoisted, plan))
     if not plans:
         return trace
     out = from_trace(trace)
     with tracectx(out):
-        for k, (i1, i2, x, w1, w2, g) in plans:
+        for k, hoisted, (i1, i2, x, w1, w2, g) in plans:
             h1, h2 = bsyms[i1].output, bsyms[i2].output
-            first, second = min(i1, i2), max(i1, i2)
-            bsyms[first] = tk_swiglu_linear.bind(x, w1, w2, output=(g, h1, h2))
-            bsyms[second] = None
-            bsyms[k] = None
+            first = min(i1, i2)
+            launch = [bsyms[j] for j in hoisted] + [tk_swiglu_linear.bind(x, w1, w2, output=(g, h1, h2))]
+            for j in (*hoisted, i1, i2, k):
+                bsyms[j] = None
+            bsyms[first] = launch
     return _rewritten(out, bsyms, "tk: SwiGLU's two products and silu(h1) * h2 in one GEMM launch")
 
 

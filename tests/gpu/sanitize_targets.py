@@ -185,7 +185,8 @@ def attention_qkv_grad():
 
 
 # The qkv projection with the rope in its epilogue: each tile path (256 wide with the consumers' or the store warps'
-# epilogue, 128 wide), row tails, a partial rope, 128- and 256-wide heads, and a table slice of a wider one.
+# epilogue, 128 wide), row tails, a partial rope, 128- and 256-wide heads, and a table slice of a wider one, with bf16
+# and fp32 tables.
 def gemm_rope():
     for B, S, K, Hq, Hkv, D, n, knobs in [(2, 129, 128, 8, 2, 64, 64, {}),
                                          (1, 300, 256, 8, 2, 64, 64, {"_tile_n": 256, "_epilogue": 1}),
@@ -194,8 +195,9 @@ def gemm_rope():
                                          (1, 50, 64, 2, 1, 256, 256, {})]:
         x = torch.randn(B, S, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn((Hq + 2 * Hkv) * D, K, device="cuda", dtype=torch.bfloat16)
-        cos, sin = (torch.rand(S + 3, 2 * n, device="cuda").to(torch.bfloat16)[:, :n] for _ in "cs")
-        ops.linear_rope(x, w, cos, sin, Hq, Hkv, D, **knobs)
+        for tables in (torch.bfloat16, torch.float32):  # fp32: bf16-mixed training's tables
+            cos, sin = (torch.rand(S + 3, 2 * n, device="cuda").to(tables)[:, :n] for _ in "cs")
+            ops.linear_rope(x, w, cos, sin, Hq, Hkv, D, **knobs)
     torch.cuda.synchronize()
     print("gemm rope sanitize targets ran")
 

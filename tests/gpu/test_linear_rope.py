@@ -25,11 +25,12 @@ def rope_tables(rows, n, dtype):
     return ops.rope_tables(rows, n, dtype, "cuda")
 
 
-def make(B, S, K, Hq, Hkv, D, n, dtype, extra_rows=0, seed=0):
+def make(B, S, K, Hq, Hkv, D, n, dtype, extra_rows=0, seed=0, tables=None):
+    """x, the weight, and cos and sin in `tables` (default: dtype)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(B, S, K, device="cuda", dtype=dtype, generator=g)
     w = (torch.randn((Hq + 2 * Hkv) * D, K, device="cuda", dtype=dtype, generator=g) / K ** 0.5).to(dtype)
-    cos, sin = rope_tables(S + extra_rows, n, dtype)
+    cos, sin = rope_tables(S + extra_rows, n, tables or dtype)
     return x, w, cos, sin
 
 
@@ -78,14 +79,34 @@ def test_matches_float64(case, dtype):
     check(x, w, cos, sin, Hq, Hkv, D)
 
 
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}S{c[1]}K{c[2]}h{c[3]}-{c[4]}D{c[5]}n{c[6]}" for c in CASES])
+def test_fp32_tables_with_bf16(case):
+    """bf16-mixed training's tables: fp32 cos and sin read as they are (float64 reference from the same tables)."""
+    B, S, K, Hq, Hkv, D, n, extra = case
+    x, w, cos, sin = make(B, S, K, Hq, Hkv, D, n, torch.bfloat16, extra, tables=torch.float32)
+    check(x, w, cos, sin, Hq, Hkv, D)
+
+
+@pytest.mark.parametrize("tables", [torch.bfloat16, torch.float32], ids=["bf16-tables", "fp32-tables"])
 @pytest.mark.parametrize("tile_n,epilogue", [(256, 2), (256, 1), (128, 0)],
                          ids=["256-consumers", "256-store-warps", "128"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_every_tile_path(tile_n, epilogue, D):
+def test_every_tile_path(tile_n, epilogue, D, tables):
     """Many tiles and rows that are not whole tiles, through each epilogue the launch can take."""
-    x, w, cos, sin = make(3, 700, 512, 4096 // D // 2, 4096 // D // 8, D, D, torch.bfloat16)
+    x, w, cos, sin = make(3, 700, 512, 4096 // D // 2, 4096 // D // 8, D, D, torch.bfloat16, tables=tables)
     Hq, Hkv = 4096 // D // 2, 4096 // D // 8
     check(x, w, cos, sin, Hq, Hkv, D, _tile_n=tile_n, _epilogue=epilogue)
+
+
+def test_fp32_tables_sliced_or_off_their_pair_alignment():
+    """fp32 column slices of a wider table read in place (8-byte aligned rows); a slice starting at an odd column
+    (rows off 8 bytes) is copied first; fp32 tables of a 256-wide head."""
+    x, w, _, _ = make(2, 96, 256, 4, 2, 64, 32, torch.bfloat16)
+    wide_cos, wide_sin = rope_tables(200, 66, torch.float32)
+    check(x, w, wide_cos[:, :32], wide_sin[:, :32], 4, 2, 64)
+    check(x, w, wide_cos[:, 1:33], wide_sin[:, 1:33], 4, 2, 64)
+    x2, w2, c2, s2 = make(1, 77, 128, 2, 1, 256, 256, torch.bfloat16, tables=torch.float32)
+    check(x2, w2, c2, s2, 2, 1, 256)
 
 
 def test_sliced_and_strided_tables_and_a_strided_input():
@@ -137,8 +158,13 @@ def test_errors_name_the_problem():
         ops.linear_rope(x, w, c48, s48, 4, 2, 64)
     with pytest.raises(ValueError, match="positions"):
         ops.linear_rope(x, w, cos[:8], sin[:8], 4, 2, 64)
-    with pytest.raises(ValueError, match="dtype"):
-        ops.linear_rope(x, w, cos.float(), sin.float(), 4, 2, 64)
+    with pytest.raises(ValueError, match="cos and sin must both be"):
+        ops.linear_rope(x, w, cos.float(), sin, 4, 2, 64)
+    xh, wh, ch, sh = make(1, 16, 64, 4, 2, 64, 64, torch.float16)
+    with pytest.raises(ValueError, match="cos and sin must both be torch.float16 with torch.float16 x"):
+        ops.linear_rope(xh, wh, ch.float(), sh.float(), 4, 2, 64)
+    with pytest.raises(ValueError, match="one 16-bit dtype"):
+        ops.linear_rope(x, w.half(), cos, sin, 4, 2, 64)
     with pytest.raises(ValueError, match="weight expected"):
         ops.linear_rope(x, w[:-64], cos, sin, 4, 2, 64)
     with pytest.raises(ValueError, match="256-wide heads"):
@@ -148,9 +174,12 @@ def test_errors_name_the_problem():
         ops.linear_rope(x, w, None, sin, 4, 2, 64)
 
 
-def test_litgpt_model_trains_through_the_fold(monkeypatch):
+@pytest.mark.parametrize("mixed", [False, True], ids=["bf16-true", "bf16-mixed"])
+def test_litgpt_model_trains_through_the_fold(monkeypatch, mixed):
     """A LitGPT model with the qkv projection on tk (the GEMM size policy off, so that small projections are tk's):
-    its forward runs tk_linear_rope into tk's attention, and output and gradients are as good as eager's."""
+    its forward runs tk_linear_rope into tk's attention, and output and gradients are as good as eager's. At
+    bf16-mixed (fp32 weights and rope tables, under autocast) too, with SwiGLU's launches, which read one cast of the
+    MLP's input."""
     litgpt = pytest.importorskip("litgpt")
     import thunder
 
@@ -159,8 +188,11 @@ def test_litgpt_model_trains_through_the_fold(monkeypatch):
     from thunder_tk import claim_rules
 
     monkeypatch.setattr(claim_rules, "gemm_size_policy_default", False)
-    jitted, cfg = step_as_accurately_as_eager(litgpt)
+    jitted, cfg = step_as_accurately_as_eager(litgpt, mixed=mixed)
     names = [b.sym.name for b in thunder.last_traces(jitted)[-1].bound_symbols]
     assert names.count("tk_linear_rope") == cfg.n_layer, names
+    assert names.count("tk_swiglu_linear") == cfg.n_layer, names
+    backward = [b.sym.name for b in thunder.last_backward_traces(jitted)[-1].bound_symbols]
+    assert backward.count("tk_matmul_swiglu_grad") == cfg.n_layer, backward
     rows = [r for r in thunder_tk.explain(jitted).rows if r.ran_by == "tk: tk_linear_rope"]
     assert len(rows) == cfg.n_layer and all("roped in the epilogue" in r.detail for r in rows)

@@ -200,15 +200,24 @@ __device__ __forceinline__ float2 plus_bias(const T* __restrict__ bias, int64_t 
     return make_float2(x, y);
 }
 
-// Value `second` (0 or 1) of a packed pair of 16-bit table values, as a float (bf16: its bits are a float's top
-// half).
-template <typename T>
-__device__ __forceinline__ float angle_of(uint32_t pair, int second) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return __uint_as_float(second ? pair & 0xffff0000u : pair << 16);
-    else
-        return __half2float(__ushort_as_half(static_cast<unsigned short>(second ? pair >> 16 : pair & 0xffffu)));
-}
+// The angle tables' values as the epilogue loads them: a pair of adjacent columns at a time, packed as they are in
+// memory (16-bit tables: one 32-bit word; fp32 tables, bf16-mixed training's: a float2), and value `second` (0 or
+// 1) of a pair as a float (bf16: its bits are a float's top half).
+template <typename A>
+struct angle_pair {
+    using type = uint32_t;
+    static __device__ __forceinline__ float value(type pair, int second) {
+        if constexpr (std::is_same_v<A, __nv_bfloat16>)
+            return __uint_as_float(second ? pair & 0xffff0000u : pair << 16);
+        else
+            return __half2float(__ushort_as_half(static_cast<unsigned short>(second ? pair >> 16 : pair & 0xffffu)));
+    }
+};
+template <>
+struct angle_pair<float> {
+    using type = float2;
+    static __device__ __forceinline__ float value(type pair, int second) { return second ? pair.y : pair.x; }
+};
 
 // The rotary embedding over a consumer warpgroup's 64 x BN block of accumulators (first row row0, column col0 a
 // multiple of BN, hence of D): heads of D columns, the first 2 h = 16 H8 of each turned. A thread holds columns
@@ -216,14 +225,16 @@ __device__ __forceinline__ float angle_of(uint32_t pair, int second) {
 // partner c + h is in fragment j + H8 of the same thread. Each head of the block uses the same table columns at
 // the same positions: a thread loads them once per first-half fragment (packed, as they are in memory: unpacked
 // up front they took the 256-wide tiles' consumers past their registers) and turns every head of q and k with them.
-template <typename T, int BN, int D, int H8>
+// A: the tables' element type (T, or float).
+template <typename A, int BN, int D, int H8>
 __device__ __forceinline__ void rope_block(const gemm_args& g, float (&d)[BN / 2], int row0, int col0) {
     static_assert(BN % D == 0 && 16 * H8 <= D, "whole heads in the block, the turned columns within the head");
+    using pair = angle_pair<A>;
     constexpr int HEADS = BN / D, HEAD_FRAGMENTS = D / 8, HALF = 8 * H8;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
     const uint32_t top = uint32_t(row0 + warp * 16 + lane / 4), seq = uint32_t(g.rope_seq);
-    const unsigned int* cos = static_cast<const unsigned int*>(g.rope_cos);
-    const unsigned int* sin = static_cast<const unsigned int*>(g.rope_sin);
+    const auto* cos = static_cast<const typename pair::type*>(g.rope_cos);
+    const auto* sin = static_cast<const typename pair::type*>(g.rope_sin);
     // The two rows' positions, in packed pairs (rows past M have positions too: their values are never stored);
     // 32-bit offsets (rope_unsupported bounds the tables), which keeps the 256-wide tiles' consumers from spilling.
     const uint32_t row_pairs = uint32_t(g.rope_stride / 2);
@@ -231,7 +242,7 @@ __device__ __forceinline__ void rope_block(const gemm_args& g, float (&d)[BN / 2
 #pragma unroll
     for (int jj = 0; jj < H8; ++jj) {
         const int a = (jj * 8 + 2 * (lane & 3)) / 2;  // the pair of angle columns of this thread's two values
-        uint32_t c1[2], s1[2], c2[2], s2[2];
+        typename pair::type c1[2], s1[2], c2[2], s2[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             c1[r] = __ldg(cos + at[r] + a);
@@ -247,39 +258,51 @@ __device__ __forceinline__ void rope_block(const gemm_args& g, float (&d)[BN / 2
             for (int e = 0; e < 4; ++e) {  // (row, column) = (e / 2, e % 2) of the fragment
                 const int r = e >> 1, second = e & 1;
                 const float x1 = d[4 * j + e], x2 = d[4 * (j + H8) + e];
-                d[4 * j + e] = x1 * angle_of<T>(c1[r], second) - x2 * angle_of<T>(s1[r], second);
-                d[4 * (j + H8) + e] = x2 * angle_of<T>(c2[r], second) + x1 * angle_of<T>(s2[r], second);
+                d[4 * j + e] = x1 * pair::value(c1[r], second) - x2 * pair::value(s1[r], second);
+                d[4 * (j + H8) + e] = x2 * pair::value(c2[r], second) + x1 * pair::value(s2[r], second);
             }
         }
     }
 }
 
-// rope_block for the launch's head width and turned columns (gemm_unsupported admits only these).
-template <typename T, int BN>
-__device__ __forceinline__ void rope_rows64(const gemm_args& g, float (&d)[BN / 2], int row0, int col0) {
-    if (col0 >= g.rope_cols) return;  // a block of v's columns
+// rope_block for the launch's head width and turned columns (gemm_unsupported admits only these), tables of A.
+template <typename A, int BN>
+__device__ __forceinline__ void rope_rows64_of(const gemm_args& g, float (&d)[BN / 2], int row0, int col0) {
     const int h8 = g.rope_dims / 16;
     switch (g.rope_head_dim) {
         case 64:
-            if (h8 == 1) rope_block<T, BN, 64, 1>(g, d, row0, col0);
-            else if (h8 == 2) rope_block<T, BN, 64, 2>(g, d, row0, col0);
-            else rope_block<T, BN, 64, 4>(g, d, row0, col0);
+            if (h8 == 1) rope_block<A, BN, 64, 1>(g, d, row0, col0);
+            else if (h8 == 2) rope_block<A, BN, 64, 2>(g, d, row0, col0);
+            else rope_block<A, BN, 64, 4>(g, d, row0, col0);
             break;
         case 128:
-            if (h8 == 1) rope_block<T, BN, 128, 1>(g, d, row0, col0);
-            else if (h8 == 2) rope_block<T, BN, 128, 2>(g, d, row0, col0);
-            else if (h8 == 4) rope_block<T, BN, 128, 4>(g, d, row0, col0);
-            else rope_block<T, BN, 128, 8>(g, d, row0, col0);
+            if (h8 == 1) rope_block<A, BN, 128, 1>(g, d, row0, col0);
+            else if (h8 == 2) rope_block<A, BN, 128, 2>(g, d, row0, col0);
+            else if (h8 == 4) rope_block<A, BN, 128, 4>(g, d, row0, col0);
+            else rope_block<A, BN, 128, 8>(g, d, row0, col0);
             break;
         default:
             if constexpr (BN == 256) {
-                if (h8 == 1) rope_block<T, BN, 256, 1>(g, d, row0, col0);
-                else if (h8 == 2) rope_block<T, BN, 256, 2>(g, d, row0, col0);
-                else if (h8 == 4) rope_block<T, BN, 256, 4>(g, d, row0, col0);
-                else if (h8 == 8) rope_block<T, BN, 256, 8>(g, d, row0, col0);
-                else rope_block<T, BN, 256, 16>(g, d, row0, col0);
+                if (h8 == 1) rope_block<A, BN, 256, 1>(g, d, row0, col0);
+                else if (h8 == 2) rope_block<A, BN, 256, 2>(g, d, row0, col0);
+                else if (h8 == 4) rope_block<A, BN, 256, 4>(g, d, row0, col0);
+                else if (h8 == 8) rope_block<A, BN, 256, 8>(g, d, row0, col0);
+                else rope_block<A, BN, 256, 16>(g, d, row0, col0);
             }
     }
+}
+
+template <typename T, int BN>
+__device__ __forceinline__ void rope_rows64(const gemm_args& g, float (&d)[BN / 2], int row0, int col0) {
+    if (col0 >= g.rope_cols) return;  // a block of v's columns
+    // fp32 tables with bf16 only (bf16-mixed training): with fp16 the 256-wide tiles' consumers spill (24 bytes).
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        if (g.rope_fp32) {
+            rope_rows64_of<float, BN>(g, d, row0, col0);
+            return;
+        }
+    }
+    rope_rows64_of<T, BN>(g, d, row0, col0);
 }
 
 // A consumer warpgroup's 64 x COLS block of output (accumulator fragment d; first row row0, first column col0),
@@ -1188,9 +1211,12 @@ const char* rope_unsupported(const gemm_args& g) {
         return "the rotated columns must be whole heads within the output";
     if (g.rope_seq <= 0 || g.rope_stride > INT32_MAX || g.rope_seq * g.rope_stride > INT32_MAX)
         return "cos and sin must have fewer than 2^31 elements in the rows used";
-    if (g.rope_sin == nullptr || reinterpret_cast<uintptr_t>(g.rope_cos) % 4 != 0 ||
-        reinterpret_cast<uintptr_t>(g.rope_sin) % 4 != 0 || g.rope_stride < n || g.rope_stride % 2 != 0)
-        return "cos and sin: 4-byte aligned rows of at least the turned columns, an even row stride";
+    if (g.rope_fp32 && g.dtype != int(dtype::bf16)) return "fp32 cos and sin go with bf16 operands only";
+    const uintptr_t pair_bytes = g.rope_fp32 ? 8 : 4;  // the tables are read a pair of columns at a time
+    if (g.rope_sin == nullptr || reinterpret_cast<uintptr_t>(g.rope_cos) % pair_bytes != 0 ||
+        reinterpret_cast<uintptr_t>(g.rope_sin) % pair_bytes != 0 || g.rope_stride < n || g.rope_stride % 2 != 0)
+        return g.rope_fp32 ? "cos and sin (fp32): 8-byte aligned rows of at least the turned columns, an even row stride"
+                           : "cos and sin: 4-byte aligned rows of at least the turned columns, an even row stride";
     if (g.cluster == 2 || g.pingpong == 1 || g.stream_k == 1 || g.skinny == 1 || (g.tile_n == 128 && D == 256))
         return "the rotary epilogue runs the plain schedule's shared tiles (no cluster, ping-pong, stream-K or "
                "skinny kernel), 256 wide for 256-wide heads";

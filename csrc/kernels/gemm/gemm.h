@@ -61,12 +61,13 @@ struct gemm_args {
     // [0, rope_cols) are heads of rope_head_dim columns (q's, then k's), whose first rope_dims = 2h columns turn:
     // y[c] = x[c] cos[t][c] - x[c + h] sin[t][c] and y[c + h] = x[c + h] cos[t][c + h] + x[c] sin[t][c + h] for
     // c < h; the other columns are stored as they are. cos and sin: rows of rope_stride elements in the element
-    // type. A and B K-major, no bias; rope_head_dim 64, 128 or 256 and rope_dims a power of two from 16 to it
-    // (gemm_unsupported names the rest).
+    // type, or fp32 where rope_fp32 (bf16-mixed training's tables). A and B K-major, no bias; rope_head_dim 64, 128
+    // or 256 and rope_dims a power of two from 16 to it (gemm_unsupported names the rest).
     const void* rope_cos;
     const void* rope_sin;
     int64_t rope_stride, rope_seq, rope_cols;
     int rope_head_dim, rope_dims;
+    bool rope_fp32;
     // A second product summed into C (sum_a non-null): C = A B + A2 B2 (+ bias), both products' k-blocks (K's, then
     // sum_K's) accumulated in one fp32 tile and rounded once, so their sum is neither written nor read back in 16
     // bits. A2 (M, sum_K) and B2 (sum_K, N) with strides of their own and A's and B's majors (the unit stride on the
