@@ -18,6 +18,7 @@ with warnings.catch_warnings():
 
 from thunder.extend import Executor
 
+from thunder_tk import thunder_fixes  # noqa: F401  (before anything is jitted: see its docstring)
 from thunder_tk.version import __version__
 from thunder_tk.executor import tk, Decision
 from thunder_tk import lowering as _lowering  # noqa: F401  (registers the kernel operators)

@@ -11,12 +11,13 @@ def rel_err(got, ref):
     return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
-def step_as_accurately_as_eager(litgpt, mixed: bool = False):
+def step_as_accurately_as_eager(litgpt, mixed: bool = False, executors=None, **options):
     """A two-layer LitGPT model (grouped-query heads, 8 over 2 groups of 64, rope over the whole head, a sequence of
     300: a tail in every tile size) jitted with executors=[tk]: one forward and backward, beside eager bf16 and
     float64 with the same weights. Asserts that tk's error against float64 is at most twice eager bf16's, for the
     output and every parameter's gradient. `mixed`: bf16-mixed instead (LitGPT's default training precision: fp32
-    weights, the forward under bf16 autocast, for tk and eager alike). Returns the jitted model and its config."""
+    weights, the forward under bf16 autocast, for tk and eager alike). `executors` (default [tk]) and `options` go
+    to thunder.jit. Returns the jitted model and its config."""
     cfg = litgpt.Config(name="tk-test", block_size=512, n_layer=2, n_head=8, n_query_groups=2, n_embd=512,
                         head_size=64, padded_vocab_size=1024, vocab_size=1024, bias=False, norm_class_name="RMSNorm",
                         mlp_class_name="LLaMAMLP", intermediate_size=1024, rotary_percentage=1.0,
@@ -30,7 +31,7 @@ def step_as_accurately_as_eager(litgpt, mixed: bool = False):
     eager.load_state_dict(model.state_dict())
     idx = torch.randint(0, cfg.vocab_size, (2, 300), device="cuda")
 
-    jitted = thunder.jit(model, executors=[tk])
+    jitted = thunder.jit(model, executors=executors if executors is not None else [tk], **options)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mixed):
         logits = jitted(idx)
     seed = torch.randn_like(logits)
