@@ -137,6 +137,8 @@ def test_unsupported_norms_stay_with_the_fuser_and_say_why(build, size, dtype, w
     assert "tk_rms_norm" not in str(thunder.last_traces(jn)[-1])
     (row,) = [row for row in thunder_tk.explain(jn).rows if row.symbol == NORM_ROW]
     assert not row.claimed_by_tk and why in row.reason
+    short = {torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
+    assert row.inputs == f"{short}[2, 3, {size}], {short}[{size}]"  # the norm's x and weight, as a claimed row's
 
 
 def test_a_norm_whose_values_are_read_elsewhere_is_left_alone(build):

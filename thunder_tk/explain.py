@@ -173,10 +173,11 @@ def _norm_rows(forward, backward) -> list[Row]:
                                 _runner(grad) if grad is not None else "", "", detail))
                 continue
             for b in (bsym, *(_walk(bsym.subsymbols) if bsym.sym.is_fusion else ())):
-                why = next((t.why for p in b.flat_proxy_outs for t in p.tags
+                tag = next((t for p in b.flat_proxy_outs for t in p.tags
                             if isinstance(t, Declined) and t.feature == RMS_NORM), None)
-                if why is not None and b.sym.name == "rsqrt":
-                    rows.append(Row(label, _NORM, describe_inputs(b.args, {}), False, _runner(bsym), "", why))
+                if tag is not None and b.sym.name == "rsqrt":
+                    rows.append(Row(label, _NORM, tag.inputs or describe_inputs(b.args, {}), False, _runner(bsym), "",
+                                    tag.why))
     return rows
 
 

@@ -846,12 +846,13 @@ class Declined:
 
     feature: str
     why: str
+    inputs: str = ""  # what the left-alone computation reads, as `explain` lists inputs (where its op does not say)
 
 
-def _tag_declined(p: TensorProxy, feature: str, why: str) -> None:
+def _tag_declined(p: TensorProxy, feature: str, why: str, inputs: str = "") -> None:
     # A pass run again over the same proxies replaces its earlier reason.
     p.tags.difference_update([t for t in p.tags if isinstance(t, Declined) and t.feature == feature])
-    p.tags.add(Declined(feature, why))
+    p.tags.add(Declined(feature, why, inputs))
 
 
 def _listed(names: list[str]) -> str:

@@ -379,6 +379,7 @@ def fold_rms_norm(trace):
     module's docstring. Off with the feature name RMS_NORM, and where the build has no rms_norm kernel. A norm
     found but left to the fuser carries why on its rstd (pattern_fusion.Declined), for `explain`."""
     from thunder_tk.lowering import tk_add_rms_norm, tk_rms_norm, tk_rms_norm_backward
+    from thunder_tk.executor import describe_inputs
     from thunder_tk.pattern_fusion import _tag_declined
 
     bsyms = list(trace.bound_symbols)
@@ -394,7 +395,9 @@ def fold_rms_norm(trace):
             continue
         bwd, why = _plan(bsyms, fwd, producer, users, taken, probed)
         if why is not None:
-            _tag_declined(fwd.rstd, RMS_NORM, why)
+            # the norm's own inputs (the residual add's where it would fold), not the rsqrt's
+            read = (*fwd.residual, fwd.weight) if fwd.residual is not None else (fwd.s, fwd.weight)
+            _tag_declined(fwd.rstd, RMS_NORM, why, describe_inputs(read, {}))
             continue
         taken |= fwd.ops | (bwd.ops if bwd is not None else set())
         plans.append((fwd, bwd))
