@@ -306,22 +306,34 @@ def test_swiglu_in_inference(standin_tk_build):
     assert rel_err(out, expected) < 2e-2
 
 
+def swiglu_notes(jm):
+    """explain's detail on the forward's linear rows that tk ran apart where SwiGLU's launch could not be used."""
+    return [r.detail for r in thunder_tk.explain(jm).rows
+            if r.trace == "forward" and r.detail.startswith("SwiGLU's products not in one launch: ")]
+
+
 @pytest.mark.parametrize("how", ["option", "env", "build"])
 def test_swiglu_turned_off_keeps_two_gemms(standin_tk_build, monkeypatch, how):
     options = turned_off(how, pattern_fusion.SWIGLU, "gemm_swiglu", standin_tk_build, monkeypatch)
     jm, out, expected, _, _ = run_swiglu(SwiGLU().to(bf16), **options)
     assert swiglu_ops(jm).count("tk_linear") == 3 and "tk_swiglu_linear" not in swiglu_ops(jm)
     assert rel_err(out, expected) < 2e-2
+    why = "gemm_swiglu not in this build" if how == "build" else "turned off ("
+    notes = swiglu_notes(jm)
+    assert len(notes) == 2 and all(why in n for n in notes), notes  # on fc_1's row and fc_2's
 
 
-@pytest.mark.parametrize("model", [
-    pytest.param(lambda: SwiGLU(bias=True), id="fc_2-bias"),
-    pytest.param(lambda: SwiGLU(hidden=100), id="hidden-not-multiple-of-8"),
+@pytest.mark.parametrize("model, why", [
+    pytest.param(lambda: SwiGLU(bias=True), "a product has a bias", id="fc_2-bias"),
+    pytest.param(lambda: SwiGLU(hidden=100), "the MLP width (100) and K (64) must be multiples of 8",
+                 id="hidden-not-multiple-of-8"),
 ])
-def test_swiglu_left_apart_where_the_launch_cannot_take_it(standin_tk_build, model):
+def test_swiglu_left_apart_where_the_launch_cannot_take_it(standin_tk_build, model, why):
     jm, out, expected, _, _ = run_swiglu(model().to(bf16))
     assert "tk_swiglu_linear" not in swiglu_ops(jm)
     assert rel_err(out, expected) < 2e-2
+    notes = swiglu_notes(jm)
+    assert len(notes) == 2 and all(why in n for n in notes), notes
 
 
 def casts_of(trace, dtype=thunder.bfloat16):
@@ -360,6 +372,8 @@ def test_swiglu_under_autocast_reads_one_cast_of_x(standin_tk_build, request, me
         assert "tk_matmul_swiglu_grad" in backward_ops(jm)
     else:
         assert swiglu_ops(jm).count("tk_linear") == 3
+        assert swiglu_notes(jm) == ["SwiGLU's products not in one launch: fc_1 and fc_2 read two casts of one tensor "
+                                    "(cast_merge turned off)"] * 2
     x_casts = [name for name in casts_of(fwd) if name == fwd.args[0].name]
     assert len(x_casts) == (1 if merge else 2), casts_of(fwd)
     assert rel_err(out, expected) < 3e-2

@@ -14,7 +14,7 @@ import thunder
 from thunder.core.symbol import BoundSymbol
 
 from thunder_tk.executor import Site, decisions_of, describe_inputs, latest_decisions_of, sites_of
-from thunder_tk.pattern_fusion import QKV_GRAD, QKV_ROPE, Declined
+from thunder_tk.pattern_fusion import QKV_GRAD, QKV_ROPE, SWIGLU, Declined
 from thunder_tk.rms_norm_fusion import RMS_NORM
 
 
@@ -132,6 +132,8 @@ def _detail(op: BoundSymbol | None, backward_by: str, cd, declined: dict[str, st
         return "q and k roped in the epilogue; the attention reads q, k and v from its output in place"
     if op.sym.name == "tk_linear" and QKV_ROPE in declined:
         return f"q and k not roped in the epilogue: {declined[QKV_ROPE]}"
+    if op.sym.name == "tk_linear" and SWIGLU in declined:
+        return f"SwiGLU's products not in one launch: {declined[SWIGLU]}"
     if op.sym.name == "tk_matmul_sum":
         return "summed with the other product of an add in one launch"
     if op.sym.name.startswith("tk_cross_entropy_forward_grad"):

@@ -446,15 +446,14 @@ _MUL = frozenset({"mul"})
 _SILU = frozenset({"silu"})
 
 
-def _plain_linear(p, bsyms: list[BoundSymbol], producer: dict[str, int]):
-    """(index, x, w) where tensor p is tk_linear(x, w) without a bias, else None."""
+def _linear_of(p, bsyms: list[BoundSymbol], producer: dict[str, int]):
+    """(index, x, w, bias) where tensor p is a tk_linear's output, else None."""
     from thunder_tk.lowering import tk_linear
 
     j = producer.get(p.name) if isinstance(p, TensorProxy) else None
     if j is None or bsyms[j].sym.id != tk_linear.id:
         return None
-    x, w, bias = bsyms[j].args
-    return (j, x, w) if bias is None else None
+    return (j, *bsyms[j].args)
 
 
 def _upcast_of(p, bsyms: list[BoundSymbol], producer: dict[str, int]):
@@ -465,10 +464,32 @@ def _upcast_of(p, bsyms: list[BoundSymbol], producer: dict[str, int]):
     return b.args[0]
 
 
+def _swiglu_unsupported(x, x2, w1, w2, bias1, bias2, g, h1, bsyms, producer) -> str | None:
+    """Why one tk_swiglu_linear launch cannot stand for these two products and their gated product (for `explain`)."""
+    if x is not x2:
+        casts = [_made_by(t, _TO, bsyms, producer) for t in (x, x2)]
+        if all(c is not None for c in casts) and casts[0].args[0] is casts[1].args[0]:
+            return "fc_1 and fc_2 read two casts of one tensor (cast_merge turned off)"
+        return "fc_1 and fc_2 read different inputs"
+    if bias1 is not None or bias2 is not None:
+        return "a product has a bias (the launch adds none)"
+    if tuple(w1.shape) != tuple(w2.shape):
+        return f"the weights differ in shape: {tuple(w1.shape)} and {tuple(w2.shape)}"
+    if w1.shape[0] % 8 or w1.shape[1] % 8:
+        return f"the MLP width ({w1.shape[0]}) and K ({w1.shape[1]}) must be multiples of 8"
+    if not (x.dtype == w1.dtype == w2.dtype == g.dtype) or x.dtype not in _HALVES:
+        return (f"x, both weights and the gated product must share one 16-bit dtype; got {x.dtype}, {w1.dtype}, "
+                f"{w2.dtype} and {g.dtype}")
+    if tuple(g.shape) != tuple(h1.shape):
+        return f"the gated product {tuple(g.shape)} is not the products' shape {tuple(h1.shape)}"
+    return None
+
+
 def _swiglu_plan(bsyms: list[BoundSymbol], k: int, producer: dict[str, int]):
-    """For bsym k: (fc_1 index, fc_2 index, x, w1, w2, g) where its output g is silu(x w1^T) * (x w2^T) as traced,
-    with both products tk_linear of one x without bias: `mul(silu(h1), h2)` in 16 bits (inference), or
-    `to(mul(to(silu(h1), f32), to(h2, f32)), dtype)` (training, as Thunder's autodiff writes it). Else None."""
+    """For bsym k whose output g is silu(h1) * h2 as traced, h1 and h2 tk_linear products: `mul(silu(h1), h2)` in
+    16 bits (inference), or `to(mul(to(silu(h1), f32), to(h2, f32)), dtype)` (training, as Thunder's autodiff writes
+    it). Returns (fc_1 index, fc_2 index, x, w1, w2, g) where one launch can take both products (one x, no bias),
+    (fc_1 index, fc_2 index, why not) where it cannot, and None where bsym k is no such product."""
     b = bsyms[k]
     if b.sym.name in _TO and isinstance(b.args[0], TensorProxy):
         mul = _made_by(b.args[0], _MUL, bsyms, producer)
@@ -486,17 +507,13 @@ def _swiglu_plan(bsyms: list[BoundSymbol], k: int, producer: dict[str, int]):
         silu = _made_by(factors[silu_side], _SILU, bsyms, producer)
         if silu is None or (len(silu.args) > 1 and silu.args[1]):  # not in place
             continue
-        fc_1 = _plain_linear(silu.args[0], bsyms, producer)
-        fc_2 = _plain_linear(factors[1 - silu_side], bsyms, producer)
-        if fc_1 is None or fc_2 is None or fc_1[1] is not fc_2[1] or fc_1[0] == fc_2[0]:
+        fc_1 = _linear_of(silu.args[0], bsyms, producer)
+        fc_2 = _linear_of(factors[1 - silu_side], bsyms, producer)
+        if fc_1 is None or fc_2 is None or fc_1[0] == fc_2[0]:
             continue
-        (i1, x, w1), (i2, _, w2) = fc_1, fc_2
-        h1 = bsyms[i1].output
-        if (tuple(w1.shape) != tuple(w2.shape) or w1.shape[0] % 8 or w1.shape[1] % 8 or g.dtype != x.dtype
-                or w1.dtype != x.dtype or w2.dtype != x.dtype or tuple(g.shape) != tuple(h1.shape)
-                or x.dtype not in (thunder.bfloat16, thunder.float16)):
-            return None
-        return i1, i2, x, w1, w2, g
+        (i1, x, w1, bias1), (i2, x2, w2, bias2) = fc_1, fc_2
+        why = _swiglu_unsupported(x, x2, w1, w2, bias1, bias2, g, bsyms[i1].output, bsyms, producer)
+        return (i1, i2, why) if why is not None else (i1, i2, x, w1, w2, g)
     return None
 
 
@@ -520,23 +537,28 @@ def _swiglu_hoisted(bsyms: list[BoundSymbol], plan, producer: dict[str, int]):
 def fuse_swiglu(trace):
     """The trace with SwiGLU's two tk_linear products and silu(h1) * h2 as one tk_swiglu_linear launch, which also
     returns h1 and h2 for whatever else reads them (the backward): the fuser no longer reads both products back to
-    form the gated one. Off with the feature name SWIGLU, and where the build has no gemm_swiglu kernel."""
-    from thunder_tk import _extension, claim_rules
+    form the gated one. Off with the feature name SWIGLU, and where the build has no gemm_swiglu kernel. Products
+    left as they are say why in a Declined tag, which `explain` shows on the linears' rows."""
     from thunder_tk.lowering import tk_swiglu_linear
 
-    if SWIGLU in claim_rules.disabled_names() or not _extension.kernel_in_build("gemm_swiglu"):
-        return trace
     bsyms = list(trace.bound_symbols)
     if not any(b.sym.name in _SILU for b in bsyms):
         return trace
+    off = _switched_off(SWIGLU, SWIGLU)
     producer, _ = _producers_and_users(bsyms)
     plans, taken = [], set()
     for k, b in enumerate(bsyms):
         plan = _swiglu_plan(bsyms, k, producer)
         if plan is None or plan[0] in taken or plan[1] in taken:
             continue
-        hoisted = _swiglu_hoisted(bsyms, plan, producer)
-        if hoisted is None:
+        why = off or (plan[2] if len(plan) == 3 else None)
+        hoisted = _swiglu_hoisted(bsyms, plan, producer) if why is None else None
+        if why is None and hoisted is None:
+            why = "x or a weight is made after the first product from values made after it"
+        if why is not None:
+            # on both products' results, which `explain` finds the linears' rows by
+            for i in plan[:2]:
+                _tag_declined(bsyms[i].output, SWIGLU, why)
             continue
         taken.update(plan[:2])
         plans.append((k, hoisted, plan))
