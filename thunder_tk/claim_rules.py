@@ -204,7 +204,7 @@ def check_devices(tensors: list[TensorProxy]) -> Verdict:
     return ACCEPT
 
 
-_HALF = (thunder.bfloat16, thunder.float16)
+HALF_DTYPES = (thunder.bfloat16, thunder.float16)  # what the GEMM, SwiGLU and summed-product launches take
 
 
 def _dtype_name(d) -> str:
@@ -216,7 +216,7 @@ def check_half_dtypes(*tensors: TensorProxy) -> Verdict:
     if len(dtypes) > 1:
         return decline("mixed dtypes: " + ", ".join(sorted(_dtype_name(d) for d in dtypes)))
     (dtype,) = dtypes
-    if dtype not in _HALF:
+    if dtype not in HALF_DTYPES:
         return decline(f"dtype {_dtype_name(dtype)} not in {{bfloat16, float16}}")
     return ACCEPT
 

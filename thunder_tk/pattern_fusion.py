@@ -63,7 +63,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import from_trace, tracectx
 from thunder.core.transform_common import dce
 
-from thunder_tk.claim_rules import TensorMetadata
+from thunder_tk.claim_rules import HALF_DTYPES, TensorMetadata
 
 # View ops as the torch executor runs them (their result is the same data in another shape).
 _RESHAPES = frozenset({"reshape", "torch_prims_reshape_impl", "view"})
@@ -137,7 +137,6 @@ def _rewritten(out, bsyms: list, provenance: str):
     return dce(out)
 
 
-_HALVES = (thunder.bfloat16, thunder.float16)
 CAST_MERGE = "cast_merge"
 """THUNDER_TK_DISABLE name that leaves repeated casts of one tensor as traced (each computed and kept on its own)."""
 
@@ -162,7 +161,7 @@ def merge_repeated_casts(trace):
             b = b.from_bsym_swap_proxies(swaps, skip_output=True)
         if (b.sym.id == prims.PrimIDs.CONVERT_ELEMENT_TYPE and isinstance(b.args[0], TensorProxy)
                 and isinstance(b.output, TensorProxy) and b.args[0].dtype == thunder.float32
-                and b.output.dtype in _HALVES):
+                and b.output.dtype in HALF_DTYPES):
             key = (b.args[0].name, str(b.args[1]))
             if key in first:
                 swaps[variableify(b.output)] = first[key]
@@ -477,7 +476,7 @@ def _swiglu_unsupported(x, x2, w1, w2, bias1, bias2, g, h1, bsyms, producer) -> 
         return f"the weights differ in shape: {tuple(w1.shape)} and {tuple(w2.shape)}"
     if w1.shape[0] % 8 or w1.shape[1] % 8:
         return f"the MLP width ({w1.shape[0]}) and K ({w1.shape[1]}) must be multiples of 8"
-    if not (x.dtype == w1.dtype == w2.dtype == g.dtype) or x.dtype not in _HALVES:
+    if not (x.dtype == w1.dtype == w2.dtype == g.dtype) or x.dtype not in HALF_DTYPES:
         return (f"x, both weights and the gated product must share one 16-bit dtype; got {x.dtype}, {w1.dtype}, "
                 f"{w2.dtype} and {g.dtype}")
     if tuple(g.shape) != tuple(h1.shape):
@@ -613,7 +612,7 @@ def _gate_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int]
         view = readers[0]
         dg = bsyms[view].output
         readers = users.get(dg.name, [])
-    if (not isinstance(dg, TensorProxy) or not readers or dg.dtype not in (thunder.bfloat16, thunder.float16)
+    if (not isinstance(dg, TensorProxy) or not readers or dg.dtype not in HALF_DTYPES
             or dg.shape[-1] != out.shape[1] or any(bsyms[j].sym.name not in _GATE_GRAD_OPS for j in readers)):
         return None
     region, made = set(), {dg.name}
@@ -810,7 +809,7 @@ def _sum_plan(bsyms: list[BoundSymbol], j: int, producer: dict[str, int], users:
     if None in sides or (sides[0][1] is None) != (sides[1][1] is None):
         return None
     m1, m2 = (bsyms[k].output for k, _ in sides)
-    if tuple(m1.shape) != tuple(m2.shape) or m1.dtype != m2.dtype or m1.dtype not in (thunder.bfloat16, thunder.float16):
+    if tuple(m1.shape) != tuple(m2.shape) or m1.dtype != m2.dtype or m1.dtype not in HALF_DTYPES:
         return None
     return sides
 

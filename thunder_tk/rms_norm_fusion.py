@@ -34,7 +34,6 @@ from thunder_tk.pattern_fusion import (_ProbeOpError, _probe_device, _producers_
 RMS_NORM = "rms_norm"
 """THUNDER_TK_DISABLE name that leaves RMSNorm's forward and backward to the fuser."""
 
-_HALF = (thunder.bfloat16, thunder.float16)
 _CONVERTS = frozenset({"convert_element_type", "to"})
 # What Thunder's autodiff writes for the norm's backward, as prims and ltorch ops.
 _GRAD_OPS = _CONVERTS | frozenset({"broadcast_in_dim", "shallow_copy", "mul", "add", "sub", "neg", "div",
