@@ -269,7 +269,7 @@ void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t b
           std::uintptr_t stream, int group_rows, int cluster, std::uintptr_t tickets, int tile_n, int pingpong,
           int epilogue, int stream_k, std::uintptr_t partials, std::uintptr_t flags, int skinny, std::uintptr_t sum_a,
           std::uintptr_t sum_b, int64_t sum_K, int64_t sum_a_stride_m, int64_t sum_a_stride_k, int64_t sum_b_stride_k,
-          int64_t sum_b_stride_n) {
+          int64_t sum_b_stride_n, bool c_fp32) {
     tk::gemm::gemm_args g = gemm_operands(a, b, c, dtype, M, N, K, a_stride_m, a_stride_k, b_stride_k, b_stride_n,
                                           c_stride_m);
     g.bias = as_ptr<void>(bias);
@@ -292,6 +292,7 @@ void gemm(std::uintptr_t a, std::uintptr_t b, std::uintptr_t c, std::uintptr_t b
     g.sum_a_stride_k = sum_a_stride_k;
     g.sum_b_stride_k = sum_b_stride_k;
     g.sum_b_stride_n = sum_b_stride_n;
+    g.c_fp32 = c_fp32;
     launch_checked(g, stream, g.sum_a != nullptr ? "gemm_sum" : "gemm");
 }
 
@@ -665,7 +666,7 @@ void register_selftests(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_rope", "gemm_sum", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter", "rms_norm"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_fp32", "gemm_rope", "gemm_sum", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter", "rms_norm"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -767,7 +768,9 @@ PYBIND11_MODULE(_C, m) {
           py::arg("stream_k") = 0, py::arg("partials") = 0, py::arg("flags") = 0, py::arg("skinny") = 0,
           py::arg("sum_a") = 0, py::arg("sum_b") = 0, py::arg("sum_K") = 0, py::arg("sum_a_stride_m") = 0,
           py::arg("sum_a_stride_k") = 0, py::arg("sum_b_stride_k") = 0, py::arg("sum_b_stride_n") = 0,
-          "C = A B (+ bias), bf16/fp16 with fp32 accumulation, enqueued on `stream`; `tickets`: a zeroed int32 "
+          py::arg("c_fp32") = false,
+          "C = A B (+ bias), bf16/fp16 with fp32 accumulation, enqueued on `stream`; `c_fp32`: C in fp32 (bf16 "
+          "operands, the plain kernel with the consumers' epilogue); `tickets`: a zeroed int32 "
           "counter for the dynamic tile schedule (0: static); `tile_n`: output tile width 128 or 256 (0: chosen by "
           "how well each fills the persistent grid's last wave); `pingpong`: 1 the two consumer warpgroups take "
           "128 x 128 tiles in turns, -1 they share each tile, 0 automatic; `epilogue`: 1 store warps write the output "

@@ -243,24 +243,33 @@ def _check_one_device(tensors):
 # tk's GEMM and the cross-entropy's forward with its gradient, on CPU
 
 
-def gemm_standin(a, b, bias=None, **knobs):
-    """ops.gemm's contract in float64 math: a (M, K) @ b (K, N) (+ bias), 16-bit operands, result in their dtype."""
+def _gemm_out_dtype(a, out_dtype):
+    """ops.gemm's result dtype: the operands', or float32 with bfloat16 operands."""
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    assert out_dtype == a.dtype or (out_dtype == torch.float32 and a.dtype == torch.bfloat16), (a.dtype, out_dtype)
+    return out_dtype
+
+
+def gemm_standin(a, b, bias=None, *, out_dtype=None, **knobs):
+    """ops.gemm's contract in float64 math: a (M, K) @ b (K, N) (+ bias), 16-bit operands, result in their dtype
+    (or float32 with bf16 operands)."""
     assert a.ndim == b.ndim == 2 and a.shape[1] == b.shape[0] and a.shape[1] % 8 == 0, (a.shape, b.shape)
     assert a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16), (a.dtype, b.dtype)
     out = a.double() @ b.double()
     if bias is not None:
         out = out + bias.double()
-    return out.to(a.dtype)
+    return out.to(_gemm_out_dtype(a, out_dtype))
 
 
-def gemm_sum_standin(a, b, a2, b2, bias=None, **knobs):
-    """ops.gemm_sum's contract in float64 math: a @ b + a2 @ b2 (+ bias), rounded once to the operands' dtype."""
+def gemm_sum_standin(a, b, a2, b2, bias=None, *, out_dtype=None, **knobs):
+    """ops.gemm_sum's contract in float64 math: a @ b + a2 @ b2 (+ bias), rounded once to the operands' dtype (or
+    float32 with bf16 operands)."""
     assert a.shape[0] == a2.shape[0] and b.shape[1] == b2.shape[1] and a2.shape[1] == b2.shape[0], (a.shape, a2.shape)
     assert a2.shape[1] % 8 == 0 and a2.dtype == b2.dtype == a.dtype, (a2.shape, a2.dtype)
     out = a.double() @ b.double() + a2.double() @ b2.double()
     if bias is not None:
         out = out + bias.double()
-    return out.to(a.dtype)
+    return out.to(_gemm_out_dtype(a, out_dtype))
 
 
 def swiglu_linear_standin(x, w1, w2):

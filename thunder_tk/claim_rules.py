@@ -25,8 +25,8 @@ from thunder_tk.functional import attention_bwd_delta_symbol
 # Kernels this version's csrc/ provides (a GPU test checks the build reports exactly these).
 KERNELS_IN_SOURCE = frozenset({"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward",
                                "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward",
-                               "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_rope", "gemm_sum",
-                               "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter", "rms_norm"})
+                               "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_fp32", "gemm_rope",
+                               "gemm_sum", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter", "rms_norm"})
 
 DISABLE_ENV = "THUNDER_TK_DISABLE"
 """Comma-separated rule names or families tk must not claim (e.g. ``collective`` or ``ltorch.linear``)."""
@@ -45,7 +45,8 @@ GEMM_SIZE_POLICY = "gemm_size_policy"
 # So is the FSDP schedule (fsdp_schedule.COLLECTIVE_SCHEDULE): turned off, the fuser's order of collectives stays.
 DISABLE_FEATURES = frozenset({"cross_entropy_forward_grad", "cross_entropy_gradient_over_logits", GEMM_SIZE_POLICY,
                               "attention_grouped_kv", "collective_schedule", "gemm_swiglu", "gemm_swiglu_grad",
-                              "attention_qkv_grad", "gemm_rope", "gemm_sum", "rms_norm", "cast_merge"})
+                              "attention_qkv_grad", "gemm_rope", "gemm_sum", "rms_norm", "cast_merge",
+                              "gemm_fp32_out"})
 
 
 def _env_names() -> set[str]:

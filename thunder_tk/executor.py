@@ -267,7 +267,8 @@ class TKExecutor(FusionExecutor):
     def fusion_pass(self, trace):
         from thunder_tk.pattern_fusion import (attend_grouped_kv, attention_backward_into_qkv, fold_row_scaling,
                                                fuse_swiglu, fuse_swiglu_grad, merge_repeated_casts,
-                                               rope_into_qkv_projection, sum_products, write_gradient_over_logits)
+                                               rope_into_qkv_projection, sum_products, widen_products,
+                                               write_gradient_over_logits)
 
         from thunder_tk.fsdp_schedule import overlap_collectives
         from thunder_tk.rms_norm_fusion import fold_rms_norm
@@ -276,6 +277,7 @@ class TKExecutor(FusionExecutor):
         trace = rope_into_qkv_projection(attention_backward_into_qkv(trace))
         trace = sum_products(fuse_swiglu_grad(fuse_swiglu(trace)))
         trace = fold_rms_norm(trace)  # after sum_products: the norm's incoming gradient is then the summed launch's
+        trace = widen_products(trace)  # after fold_rms_norm, which reads a 16-bit incoming gradient
         fuser = self._fuser_in_use()
         if fuser is None:  # the list's own fuser runs after this pass (tk's fuser then schedules, see fusion.py)
             return trace

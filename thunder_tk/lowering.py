@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import thunder
 import thunder.torch as ltorch
+import torch
 from thunder.core import prims
 from thunder.core.prims import OpTags
 from thunder.core.proxies import TensorProxy, pyval
@@ -176,6 +177,31 @@ def _matmul_sum_impl(a, b, a2, b2):
 
 tk_matmul_sum = tk.register_operator("tk_matmul_sum", meta=_matmul_sum_meta,
                                      fn=_matmul_sum_impl, tags=_GEMM_TAGS)
+
+
+# The same products written in fp32 from the accumulators (bf16 operands); only pattern_fusion.widen_products puts
+# them in a trace, for a bf16 product whose one reader casts it to fp32 (bf16-mixed training's weight gradients) or
+# two whose fp32 casts meet in an add (the MLP input gradient under autocast).
+def _matmul_fp32_meta(a: TensorProxy, b: TensorProxy) -> TensorProxy:
+    return TensorProxy(like=a, shape=(a.shape[0], b.shape[1]), dtype=thunder.float32)
+
+
+def _matmul_fp32_impl(a, b):
+    return ops.gemm(a, b, out_dtype=torch.float32)
+
+
+def _matmul_sum_fp32_meta(a: TensorProxy, b: TensorProxy, a2: TensorProxy, b2: TensorProxy) -> TensorProxy:
+    return _matmul_fp32_meta(a, b)
+
+
+def _matmul_sum_fp32_impl(a, b, a2, b2):
+    return ops.gemm_sum(a, b, a2, b2, out_dtype=torch.float32)
+
+
+tk_matmul_fp32 = tk.register_operator("tk_matmul_fp32", meta=_matmul_fp32_meta, fn=_matmul_fp32_impl,
+                                      tags=_GEMM_TAGS)
+tk_matmul_sum_fp32 = tk.register_operator("tk_matmul_sum_fp32", meta=_matmul_sum_fp32_meta,
+                                          fn=_matmul_sum_fp32_impl, tags=_GEMM_TAGS)
 
 
 # SwiGLU's two products and silu(h1) * h2 in one launch; only pattern_fusion.fuse_swiglu puts it in a trace (for two

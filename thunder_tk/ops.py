@@ -727,14 +727,17 @@ SKINNY_MAX_M = 64  # rows up to which the GEMM takes its kernel for few rows (cs
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
-         out: torch.Tensor | None = None, _group_rows: int = 0, _cluster: int = 0,
+         out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, _group_rows: int = 0, _cluster: int = 0,
          _schedule: str | None = None, _tile_n: int = 0, _pingpong: int = 0, _epilogue: int = 0,
          _stream_k: int = 0, _skinny: int = 0, _second: tuple[torch.Tensor, torch.Tensor] | None = None
          ) -> torch.Tensor:
     """a (M, K) @ b (K, N) (+ bias (N,)) by the tk kernel, bf16/fp16 with fp32 accumulation.
 
     Operands are read in place when one of their strides is 1 (either major) and the other a multiple of 8;
-    others are copied first. `out`, if given, is an (M, N) tensor with unit column stride. The underscored
+    others are copied first. `out_dtype`: the result's dtype, the operands' (default) or torch.float32 with bf16
+    operands (rounded once from the fp32 accumulators: bf16-mixed training's weight gradients, which would otherwise
+    be rounded to bf16 and widened again; the knobs `_cluster=2`, `_pingpong=1`, `_epilogue=1` and `_skinny=1` do
+    not apply there). `out`, if given, is an (M, N) tensor of that dtype with unit column stride. The underscored
     arguments are tuning knobs for tests and benchmarks (`_tile_n`: output tile width 128 or 256, 0 automatic;
     `_pingpong`: 1 the consumer warpgroups take 128 x 128 tiles in turns, -1 they share each tile, 0 automatic;
     `_epilogue`: 1 store warps write the output tiles while the consumers go on, 2 the consumers do, 0 automatic;
@@ -746,19 +749,24 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     check_gemm_args(a, b, bias)
     if _second is not None:
         check_gemm_sum_args(a, b, *_second)
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    if out_dtype not in (a.dtype, torch.float32) or (out_dtype == torch.float32 and a.dtype != torch.bfloat16):
+        raise ValueError(f"gemm writes its result in the operands' dtype, or in float32 with bfloat16 operands; "
+                         f"got out_dtype {out_dtype} with {a.dtype} operands")
+    wide = out_dtype != a.dtype
     ext = _require_kernels(a.device)
     M, K = a.shape
     N = b.shape[1]
     if out is None:
-        out = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    elif out.shape != (M, N) or out.dtype != a.dtype or out.device != a.device or (N > 1 and out.stride(1) != 1):
-        raise ValueError(f"out must be a {a.dtype} ({M}, {N}) tensor on {a.device} with unit column stride")
+        out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    elif out.shape != (M, N) or out.dtype != out_dtype or out.device != a.device or (N > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be a {out_dtype} ({M}, {N}) tensor on {a.device} with unit column stride")
     if M == 0 or N == 0:
         return out
     if _second is not None and (K == 0 or _second[0].shape[1] == 0):  # one product is empty: the other alone
         knobs = dict(_group_rows=_group_rows, _cluster=_cluster, _schedule=_schedule, _tile_n=_tile_n,
                      _pingpong=_pingpong, _epilogue=_epilogue, _stream_k=_stream_k, _skinny=_skinny)
-        return gemm(*(_second if K == 0 else (a, b)), bias, out=out, **knobs)
+        return gemm(*(_second if K == 0 else (a, b)), bias, out=out, out_dtype=out_dtype, **knobs)
     if K == 0:
         return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros((), dtype=a.dtype, device=a.device))
     sum_args = {}
@@ -772,6 +780,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
                         sum_a_stride_k=a2_layout[1], sum_b_stride_k=b2_layout[1], sum_b_stride_n=b2_layout[0])
         if _skinny == 0:  # the skinny kernel takes one product
             _skinny = -1
+    if wide and _skinny == 0:  # the skinny kernel writes the operands' dtype
+        _skinny = -1
     if bias is not None:
         bias = bias.contiguous()
     (a_sm, a_sk), (b_sn, b_sk) = a_layout, b_layout
@@ -784,7 +794,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
         ext.gemm(a.data_ptr(), b.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr(),
                  _DTYPE_CODES[a.dtype], M, N, K, a_sm, a_sk, b_sk, b_sn, out.stride(0) if M > 1 else N,
                  _stream_handle(a.device), _group_rows, _cluster, tickets, _tile_n, _pingpong, _epilogue,
-                 _stream_k, partials, flags, _skinny, **sum_args)
+                 _stream_k, partials, flags, _skinny, **sum_args, c_fp32=wide)
     return out
 
 

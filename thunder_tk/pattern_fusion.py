@@ -772,22 +772,24 @@ GEMM_SUM = "gemm_sum"
 (the fuser's)."""
 
 
-def _product_behind(p, j: int, bsyms: list[BoundSymbol], producer: dict[str, int], users: dict[str, list[int]]):
-    """(tk_matmul index, reshape index or None) where tensor p, read by bsym j, is a tk_matmul's result or its one
-    reshape, and nothing but j reads either; else None."""
+def _product_behind(p, j: int, bsyms: list[BoundSymbol], producer: dict[str, int], users: dict[str, list[int]],
+                    kinds: frozenset | None = None):
+    """(product index, reshape index or None) where tensor p, read by bsym j, is the result of a tk_matmul (or of
+    the operators whose ids are `kinds`) or its one reshape, and nothing but j reads either; else None."""
     from thunder_tk.lowering import tk_matmul
 
+    kinds = kinds or frozenset({tk_matmul.id})
     if not isinstance(p, TensorProxy) or users.get(p.name) != [j] or p.name not in producer:
         return None
     at = producer[p.name]
-    if bsyms[at].sym.id == tk_matmul.id:
+    if bsyms[at].sym.id in kinds:
         return at, None
     b = bsyms[at]
     if b.sym.name not in _RESHAPES or not isinstance(b.args[0], TensorProxy):
         return None
     inner = b.args[0]
     k = producer.get(inner.name)
-    if k is None or bsyms[k].sym.id != tk_matmul.id or users.get(inner.name) != [at]:
+    if k is None or bsyms[k].sym.id not in kinds or users.get(inner.name) != [at]:
         return None
     return k, at
 
@@ -852,6 +854,116 @@ def sum_products(trace):
                 bsyms[j] = bsyms[late[1]].from_bsym_swap_proxies({variableify(bsyms[late[1]].output): bsyms[j].output})
                 bsyms[early[1]] = bsyms[late[1]] = None
     return _rewritten(out, bsyms, "tk: two products met in an add summed in one GEMM launch")
+
+
+GEMM_FP32_OUT = "gemm_fp32_out"
+"""THUNDER_TK_DISABLE name that keeps bf16 products cast to fp32 as products rounded to bf16 and the fuser's casts."""
+
+
+def _widen_cast_plan(bsyms: list[BoundSymbol], j: int, producer: dict[str, int], users: dict[str, list[int]]):
+    """For bsym j: (product, reshape or None) where j casts a bf16 tk_matmul or tk_matmul_sum result (or its one
+    reshape), read nowhere else, to fp32."""
+    from thunder_tk.lowering import tk_matmul, tk_matmul_sum
+
+    b = bsyms[j]
+    if b.sym.name != "convert_element_type" or not isinstance(b.output, TensorProxy):
+        return None
+    x = b.args[0]
+    if b.output.dtype != thunder.float32 or not isinstance(x, TensorProxy) or x.dtype != thunder.bfloat16:
+        return None
+    return _product_behind(x, j, bsyms, producer, users, frozenset({tk_matmul.id, tk_matmul_sum.id}))
+
+
+def _widen_sum_plan(bsyms: list[BoundSymbol], j: int, producer: dict[str, int], users: dict[str, list[int]]):
+    """For bsym j: (cast index, (tk_matmul, reshape or None)) of each operand where j is an fp32 add (alpha 1) of
+    two casts to fp32, each read only there, of two bf16 tk_matmul results of one shape (each read only by its cast,
+    through one reshape each or none): autocast's backward sums two gradients of one bf16 tensor so."""
+    from thunder_tk.lowering import tk_matmul
+
+    b = bsyms[j]
+    if b.sym.name != "add" or len(b.args) < 2 or not isinstance(b.output, TensorProxy) or not _alpha_one(b):
+        return None
+    x, y = b.args[:2]
+    if not (isinstance(x, TensorProxy) and isinstance(y, TensorProxy)) or x.name == y.name:
+        return None
+    if not (tuple(x.shape) == tuple(y.shape) == tuple(b.output.shape) and
+            x.dtype == y.dtype == b.output.dtype == thunder.float32):
+        return None
+    sides = []
+    for p in (x, y):
+        c = producer.get(p.name)
+        if c is None or users.get(p.name) != [j]:
+            return None
+        product = _widen_cast_plan(bsyms, c, producer, users)
+        if product is None or bsyms[product[0]].sym.id != tk_matmul.id:
+            return None
+        sides.append((c, product))
+    (_, (k1, r1)), (_, (k2, r2)) = sides
+    if (r1 is None) != (r2 is None) or tuple(bsyms[k1].output.shape) != tuple(bsyms[k2].output.shape):
+        return None
+    return sides
+
+
+def _alpha_one(b: BoundSymbol) -> bool:
+    return b.kwargs.get("alpha", b.args[2] if len(b.args) > 2 else None) in (None, 1)
+
+
+def widen_products(trace):
+    """The trace with bf16 products that are cast to fp32 written in fp32 by their launch (tk_matmul_fp32,
+    tk_matmul_sum_fp32), rounded once from the accumulators instead of to bf16 and widened again by a pass of the
+    fuser (bf16-mixed training: every weight gradient is a bf16 product cast to the fp32 parameter's dtype, 1.8 ms
+    of a 16-layer Llama-3.2-1B step). Where two such casts meet in an fp32 add (autocast's backward of LLaMA's MLP:
+    fc_1's and fc_2's input gradients), both products go into one tk_matmul_sum_fp32 launch (GEMM_SUM on too).
+    Runs after fold_rms_norm, which reads a 16-bit incoming gradient. Off with the feature name GEMM_FP32_OUT, and
+    where the build has no gemm_fp32 kernel."""
+    from thunder_tk import _extension, claim_rules
+    from thunder_tk.lowering import tk_matmul, tk_matmul_fp32, tk_matmul_sum, tk_matmul_sum_fp32
+
+    if GEMM_FP32_OUT in claim_rules.disabled_names() or not _extension.kernel_in_build("gemm_fp32"):
+        return trace
+    bsyms = list(trace.bound_symbols)
+    if not any(b.sym.id in (tk_matmul.id, tk_matmul_sum.id) and b.output.dtype == thunder.bfloat16 for b in bsyms):
+        return trace
+    producer, users = _producers_and_users(bsyms)
+    summing = GEMM_SUM not in claim_rules.disabled_names() and _extension.kernel_in_build("gemm_sum")
+    sums, casts, taken = [], [], set()
+    for j in range(len(bsyms)):
+        if summing and (plan := _widen_sum_plan(bsyms, j, producer, users)) is not None:
+            sums.append((j, plan))
+            taken |= {plan[0][0], plan[1][0]}
+    for j in range(len(bsyms)):
+        if j not in taken and (plan := _widen_cast_plan(bsyms, j, producer, users)) is not None:
+            casts.append((j, plan))
+    if not sums and not casts:
+        return trace
+    from thunder_tk.executor import sites_of
+
+    out = from_trace(trace)
+    with tracectx(out):
+        def widened(k, r, result, launch, args, sites):
+            """The product at k as `launch` (args) writing fp32: `result` itself, or through its reshape r."""
+            made = bsyms[k].output
+            wide = result if r is None else TensorProxy(like=made, dtype=thunder.float32)
+            wide.tags.update(sites)  # the products' decisions go with the launch, for `explain`
+            bsyms[k] = launch.bind(*args, output=wide)
+            if r is not None:
+                bsyms[r] = bsyms[r].from_bsym_swap_proxies({variableify(made): wide,
+                                                            variableify(bsyms[r].output): result})
+
+        for j, (k, r) in casts:
+            summed = bsyms[k].sym.id == tk_matmul_sum.id
+            widened(k, r, bsyms[j].output, tk_matmul_sum_fp32 if summed else tk_matmul_fp32,
+                    bsyms[k].args[:4 if summed else 2], sites_of(bsyms[k].output))
+            bsyms[j] = None
+        for j, ((c1, (k1, r1)), (c2, (k2, r2))) in sums:
+            (early, r_early), (late, r_late) = sorted(((k1, r1), (k2, r2)))
+            sites = sites_of(bsyms[early].output) + sites_of(bsyms[late].output)
+            args = (*bsyms[early].args[:2], *bsyms[late].args[:2])
+            widened(late, r_late, bsyms[j].output, tk_matmul_sum_fp32, args, sites)
+            for i in (early, r_early, c1, c2, j):
+                if i is not None:
+                    bsyms[i] = None
+    return _rewritten(out, bsyms, "tk: bf16 products cast to fp32 written in fp32 by their launch")
 
 
 QKV_GRAD = "attention_qkv_grad"

@@ -221,6 +221,26 @@ def gemm_sum():
     print("gemm sum sanitize targets ran")
 
 
+# fp32 output (bf16 operands): tails, every operand major, each tile path and schedule that takes it, stream-K,
+# a summed second product, a bias, and outputs off 16 bytes (the register path).
+def gemm_fp32_out():
+    bf16, f32 = torch.bfloat16, torch.float32
+    for M, N, K in [(129, 264, 72), (1100, 4104, 520)]:
+        for a_rows in (True, False):
+            for b_rows in (True, False):
+                a = torch.randn(M, K, device="cuda", dtype=bf16) if a_rows else \
+                    torch.randn(K, M, device="cuda", dtype=bf16).t()
+                b = torch.randn(K, N, device="cuda", dtype=bf16) if b_rows else \
+                    torch.randn(N, K, device="cuda", dtype=bf16).t()
+                bias = torch.randn(N, device="cuda", dtype=bf16)
+                for knobs in ({}, {"_schedule": "dynamic"}, {"_tile_n": 128}, {"_tile_n": 256}, {"_stream_k": 1}):
+                    ops.gemm(a, b, bias if not knobs else None, out_dtype=f32, **knobs)
+                ops.gemm_sum(a, b, a, b, out_dtype=f32)
+                ops.gemm(a, b, out=torch.empty(M, N + 1, device="cuda")[:, :N], out_dtype=f32)
+    torch.cuda.synchronize()
+    print("gemm fp32 output sanitize targets ran")
+
+
 # The embedding's weight gradient: vectors and scalars, repeated ids, a padding row, ids outside the table, strided
 # incoming rows.
 def embedding_backward():
@@ -331,7 +351,7 @@ def dependent_launch():
 
 
 SECTIONS = [attention_bwd_delta, gemm, gemm_skinny, gemm_swiglu, tile_library, attention_forward, attention_backward,
-            attention_qkv_grad, gemm_rope, gemm_sum, embedding_backward, rms_norm, cross_entropy,
+            attention_qkv_grad, gemm_rope, gemm_sum, gemm_fp32_out, embedding_backward, rms_norm, cross_entropy,
             cross_entropy_forward_grad, dependent_launch]
 
 if __name__ == "__main__":

@@ -177,7 +177,12 @@ __device__ __forceinline__ void take_partials(const kernel_params& p, int from, 
 
 template <typename T>
 __device__ __forceinline__ void store_pair(T* p, float x, float y, bool vector) {
-    if constexpr (sizeof(T) == 2) {
+    if constexpr (std::is_same_v<T, float>) {
+        if (vector) {
+            *reinterpret_cast<float2*>(p) = make_float2(x, y);
+            return;
+        }
+    } else if constexpr (sizeof(T) == 2) {
         if (vector) {
             if constexpr (std::is_same_v<T, __nv_bfloat16>)
                 *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
@@ -305,17 +310,60 @@ __device__ __forceinline__ void rope_rows64(const gemm_args& g, float (&d)[BN / 
     rope_rows64_of<T, BN>(g, d, row0, col0);
 }
 
+// fp32 output (O = float) through the warpgroup's staging: its two 64 x 64 16-bit panels hold two 64 x 32 fp32
+// ones (128-byte rows either way, in the 128-byte swizzle), used in turns, a TMA store each. A panel is rewritten
+// once the store of the one before it (the other panel) is all that may still read: the warpgroup meets once per
+// panel, not once per pair of them. Each thread writes its pairs as 8-byte stores (a warp's 8 rows x 32 bytes land
+// in two wavefronts).
+template <int COLS, typename State, typename Pair>
+__device__ __forceinline__ void write_rows64_fp32(State& st, const gemm_args& g, const CUtensorMap& map_c, int wg,
+                                                  const float (&d)[COLS / 2], int64_t row0, int64_t col0, Pair pair) {
+    const bool leader = warpgroup::thread() == 0;
+    const int own_barrier = barrier_id::warpgroup(wg);
+#pragma unroll
+    for (int panel = 0; panel < COLS / 32; ++panel) {
+        uint8_t* stage = reinterpret_cast<uint8_t*>(st.c_stage[wg][panel % 2]);
+        if (leader) tma::store_wait_read<1>();  // this panel's last store (two back) has read it
+        sync::named_sync(own_barrier, warpgroup::threads);
+#pragma unroll
+        for (int i = panel * 16; i < panel * 16 + 16; i += 2) {  // fragment columns [32 panel, 32 panel + 32)
+            const auto pos = wgmma::accumulator_position(i);
+            const int byte = (pos.col % 32) * 4;
+            const uint32_t at = pos.row * 128 + (((byte >> 4) ^ (pos.row & 7)) << 4) + (byte & 15);
+            *reinterpret_cast<float2*>(stage + at) = pair(i, d[i], d[i + 1]);
+        }
+        tma::fence_shared_to_async();
+        sync::named_sync(own_barrier, warpgroup::threads);
+        if (leader) {
+            const int64_t gc = col0 + panel * 32;
+            if (gc < g.N && row0 < g.M) tma::store_2d(&map_c, st.c_stage[wg][panel % 2], int32_t(gc), int32_t(row0));
+            tma::store_commit();
+        }
+    }
+}
+
 // A consumer warpgroup's 64 x COLS block of output (accumulator fragment d; first row row0, first column col0),
-// plus bias, to C: 128 columns at a time through the warpgroup's swizzled staging and TMA stores, which run on
-// while the warpgroup goes on; or, where C's rows are not 16-byte aligned, straight from registers.
-template <typename T, int COLS, typename State>
+// plus bias, to C (elements O: T, or fp32): 128 columns at a time through the warpgroup's swizzled staging and TMA
+// stores (fp32: 32 at a time, write_rows64_fp32), which run on while the warpgroup goes on; or, where C's rows are
+// not 16-byte aligned, straight from registers.
+template <typename T, typename O, int COLS, typename State>
 __device__ __forceinline__ void write_rows64(State& st, const kernel_params& p, const CUtensorMap& map_c, int wg,
                                              const float (&d)[COLS / 2], int64_t row0, int64_t col0) {
     const gemm_args& g = p.args;
     const T* __restrict__ bias = static_cast<const T*>(g.bias);
     const bool leader = warpgroup::thread() == 0;
     const int own_barrier = barrier_id::warpgroup(wg);
-    if (p.tma_store) {
+    if constexpr (std::is_same_v<O, float>) {
+        if (p.tma_store) {
+            if (bias == nullptr)  // one branch for the block, as below
+                write_rows64_fp32<COLS>(st, g, map_c, wg, d, row0, col0, rt::as_is{});
+            else
+                write_rows64_fp32<COLS>(st, g, map_c, wg, d, row0, col0, [&](int i, float x, float y) {
+                    return plus_bias(bias, col0 + wgmma::accumulator_position(i).col, g.N, x, y);
+                });
+            return;
+        }
+    } else if (p.tma_store) {
 #pragma unroll
         for (int half = 0; half < COLS / 128; ++half) {
             if (leader) tma::store_wait_read();
@@ -343,8 +391,8 @@ __device__ __forceinline__ void write_rows64(State& st, const kernel_params& p, 
         }
         return;
     }
-    T* __restrict__ c = static_cast<T*>(g.c);
-    const bool vector_store = (g.c_stride_m % 2 == 0) && (reinterpret_cast<uintptr_t>(g.c) % 4 == 0);
+    O* __restrict__ c = static_cast<O*>(g.c);
+    const bool vector_store = (g.c_stride_m % 2 == 0) && (reinterpret_cast<uintptr_t>(g.c) % (2 * sizeof(O)) == 0);
 #pragma unroll
     for (int i = 0; i < COLS / 2; i += 2) {
         const auto pos = wgmma::accumulator_position(i);
@@ -356,11 +404,11 @@ __device__ __forceinline__ void write_rows64(State& st, const kernel_params& p, 
             x += to_float(bias[col]);
             if (pair) y += to_float(bias[col + 1]);
         }
-        T* out = c + row * g.c_stride_m + col;
+        O* out = c + row * g.c_stride_m + col;
         if (pair)
             store_pair(out, x, y, vector_store);
         else
-            out[0] = T(x);
+            out[0] = O(x);
     }
 }
 
@@ -655,7 +703,7 @@ __device__ __forceinline__ void walk_k_blocks(State& st, pipeline::cursor<STAGES
 }
 
 // Consumer warpgroups: wgmma over the ring, then the epilogue of each tile.
-template <typename T, major MA, major MB, int CLUSTER, int BN, fused F, typename State, typename TileOf>
+template <typename T, typename O, major MA, major MB, int CLUSTER, int BN, fused F, typename State, typename TileOf>
 __device__ __forceinline__ void consume(State& st, const kernel_params& p, const CUtensorMap& map_c, int cluster,
                                         int clusters, TileOf tile_of) {
     // A stage is free once every consumer warp of both blocks is done with it: the peer's producer writes
@@ -736,7 +784,7 @@ __device__ __forceinline__ void consume(State& st, const kernel_params& p, const
         else if (GATED || (State::STORE_WARPS && p.tma_store))  // a SwiGLU launch always stores by TMA
             stage_rows64<T, BN>(st, p, slice, d, int(row0), int(col0), handoffs);
         else
-            write_rows64<T, BN>(st, p, map_c, slice, d, row0, col0);
+            write_rows64<T, O, BN>(st, p, map_c, slice, d, row0, col0);
     }
     if (State::STORE_WARPS && p.tma_store)
         stage_end(st, slice, handoffs);
@@ -825,15 +873,15 @@ __device__ __forceinline__ void consume_pingpong(State& st, const kernel_params&
                 gate_grad_in_place<T>(st, 1, d[1]);
             });
         } else {
-            write_rows64<T, 128>(st, p, map_c, wg, d[0], row0, col0);
-            write_rows64<T, 128>(st, p, map_c, wg, d[1], row0 + 64, col0);
+            write_rows64<T, T, 128>(st, p, map_c, wg, d[0], row0, col0);
+            write_rows64<T, T, 128>(st, p, map_c, wg, d[1], row0 + 64, col0);
         }
     }
     if (warpgroup::thread() == 0) tma::store_wait_read();  // staging outlives the reads; the grid's end flushes
 }
 
 // PINGPONG: the consumers take 128 x 128 tiles in turns (BN = 128, no cluster); otherwise they share each tile.
-template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, fused F>
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, fused F, typename O>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                 const __grid_constant__ CUtensorMap map_c, const __grid_constant__ extra_maps gm,
@@ -848,6 +896,9 @@ __global__ void __launch_bounds__(THREADS, 1)
                   "SwiGLU's backward: store warps, no cluster, 128-wide tiles, A K-major");
     static_assert(F != fused::rope || (!PINGPONG && CLUSTER == 1 && MA == major::k && MB == major::k),
                   "the rotary epilogue: shared tiles, no cluster, both operands K-major");
+    static_assert(std::is_same_v<O, T> || (std::is_same_v<O, float> && F == fused::none && !PINGPONG &&
+                                           !STORE_WARPS && CLUSTER == 1),
+                  "fp32 output: the plain product, the consumers' epilogue, no cluster");
     using state_t = shared_state<T, MA, MB, BN, STORE_WARPS, F>;
     constexpr int STAGES = state_t::STAGES;
     extern __shared__ uint8_t raw_smem[];
@@ -984,7 +1035,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     } else if constexpr (PINGPONG) {
         consume_pingpong<T, MA, MB, F>(st, p, map_c, pairs, cluster, clusters, tile_of);
     } else {
-        consume<T, MA, MB, CLUSTER, BN, F>(st, p, map_c, cluster, clusters, tile_of);
+        consume<T, O, MA, MB, CLUSTER, BN, F>(st, p, map_c, cluster, clusters, tile_of);
     }
     // No block leaves while its peer may still write into its shared memory or arrive on its barriers.
     // (Lane 0 of the producer warp arrives late: reconverge the warp first, the cluster barrier is .aligned.)
@@ -1004,14 +1055,15 @@ static_assert(smem_bytes_of<__nv_bfloat16, major::k, major::k, 256, true> <= 227
 
 // Per device, once: the kernel's shared-memory opt-in (an attribute of the kernel in each device's context) and
 // the persistent grid: one block per SM, or for clusters as many as the occupancy query says fit at once.
-template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, fused F = fused::none>
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, fused F = fused::none,
+          typename O = T>
 cudaError_t prepare(int* grid_blocks) {
     static std::atomic<int> blocks[max_devices];
     const int device = current_device();
     if (device < 0) return cudaErrorInvalidDevice;
     int known = blocks[device].load(std::memory_order_acquire);
     if (known == 0) {
-        auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS, F>;
+        auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS, F, O>;
         constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN, STORE_WARPS, F>;
         cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         if (e != cudaSuccess) return e;
@@ -1044,13 +1096,14 @@ bool split_wanted(const gemm_args& g) {
 // than blocks (each finisher adds the others' partial sums), and ranges of at least 4 k-blocks.
 constexpr int SPLIT_MAX_PIECES = 4, SPLIT_MIN_K_BLOCKS = 4;
 
-template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, fused F = fused::none>
+template <typename T, major MA, major MB, int CLUSTER, int BN, bool PINGPONG, bool STORE_WARPS, fused F = fused::none,
+          typename O = T>
 cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     constexpr bool GATED = F == fused::swiglu;
-    auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS, F>;
+    auto kernel = gemm_kernel<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS, F, O>;
     constexpr int smem_bytes = smem_bytes_of<T, MA, MB, BN, STORE_WARPS, F>;
     int resident = 0;
-    if (cudaError_t e = prepare<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS, F>(&resident); e != cudaSuccess)
+    if (cudaError_t e = prepare<T, MA, MB, CLUSTER, BN, PINGPONG, STORE_WARPS, F, O>(&resident); e != cudaSuccess)
         return e;
     // SwiGLU: each product's B tile is half the block's (128 columns of B, 128 of B2), and an output tile 128 wide.
     constexpr int b_box = GATED ? BN / 2 : BN / CLUSTER, out_tile_n = GATED ? BN / 2 : BN;
@@ -1074,11 +1127,18 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
     auto panel_map = [&](CUtensorMap* map, const void* at) {
         return tma::make_tensor_map_2d(map, at, tma::element_type<T>(), 2, g.N, g.M, g.c_stride_m, 64, 64, sw);
     };
-    // TMA stores write whole 16-byte chunks: with N * 2 bytes off a 16-byte multiple the last chunk of a row would
+    // TMA stores write whole 16-byte chunks: with N elements off a 16-byte multiple the last chunk of a row would
     // overwrite up to 14 bytes past column N (another tensor's data in a view), so such C takes the register path.
-    const bool tma_store = reinterpret_cast<uintptr_t>(g.c) % 16 == 0 && g.N % 8 == 0 &&
-                           (g.M == 1 || g.c_stride_m % 8 == 0);
-    if (tma_store && panel_map(&map_c, g.c) != CUDA_SUCCESS) return cudaErrorInvalidValue;
+    constexpr int per_chunk = 16 / sizeof(O);
+    const bool tma_store = reinterpret_cast<uintptr_t>(g.c) % 16 == 0 && g.N % per_chunk == 0 &&
+                           (g.M == 1 || g.c_stride_m % per_chunk == 0);
+    if (tma_store) {  // fp32 C in 64 x 32 boxes: 128-byte rows, as the 16-bit ones
+        const CUresult made =
+            std::is_same_v<O, float>
+                ? tma::make_tensor_map_2d(&map_c, g.c, tma::element_type<float>(), 4, g.N, g.M, g.c_stride_m, 32, 64, sw)
+                : panel_map(&map_c, g.c);
+        if (made != CUDA_SUCCESS) return cudaErrorInvalidValue;
+    }
     extra_maps gm{};
     if constexpr (GATED) {
         if (!tma_store ||
@@ -1118,13 +1178,14 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
                          map_c, gm, p);
 }
 
-template <typename T, int C, int BN, bool PINGPONG = false, bool STORE_WARPS = false>
+template <typename T, int C, int BN, bool PINGPONG = false, bool STORE_WARPS = false, typename O = T>
 cudaError_t dispatch_majors(const gemm_args& g, cudaStream_t stream) {
     const bool a_k = g.a_stride_k == 1, b_k = g.b_stride_k == 1;
-    if (a_k && b_k) return launch<T, major::k, major::k, C, BN, PINGPONG, STORE_WARPS>(g, stream);
-    if (a_k) return launch<T, major::k, major::mn, C, BN, PINGPONG, STORE_WARPS>(g, stream);
-    if (b_k) return launch<T, major::mn, major::k, C, BN, PINGPONG, STORE_WARPS>(g, stream);
-    return launch<T, major::mn, major::mn, C, BN, PINGPONG, STORE_WARPS>(g, stream);
+    constexpr fused none = fused::none;
+    if (a_k && b_k) return launch<T, major::k, major::k, C, BN, PINGPONG, STORE_WARPS, none, O>(g, stream);
+    if (a_k) return launch<T, major::k, major::mn, C, BN, PINGPONG, STORE_WARPS, none, O>(g, stream);
+    if (b_k) return launch<T, major::mn, major::k, C, BN, PINGPONG, STORE_WARPS, none, O>(g, stream);
+    return launch<T, major::mn, major::mn, C, BN, PINGPONG, STORE_WARPS, none, O>(g, stream);
 }
 
 // Output tiles `tn` wide.
@@ -1167,6 +1228,21 @@ cudaError_t dispatch_cluster(const gemm_args& g, cudaStream_t stream) {
     if (tile_n_of(g) == 128) return dispatch_majors<T, 1, 128>(g, stream);
     if (store_warps_for(g)) return dispatch_majors<T, 1, 256, false, true>(g, stream);
     return dispatch_majors<T, 1, 256>(g, stream);
+}
+
+// fp32 output (bf16 operands): the plain kernel's tile width, the consumers' epilogue.
+cudaError_t dispatch_fp32_out(const gemm_args& g, cudaStream_t stream) {
+    if (tile_n_of(g) == 128) return dispatch_majors<__nv_bfloat16, 1, 128, false, false, float>(g, stream);
+    return dispatch_majors<__nv_bfloat16, 1, 256, false, false, float>(g, stream);
+}
+
+const char* fp32_out_unsupported(const gemm_args& g) {
+    if (g.dtype != int(dtype::bf16)) return "fp32 output goes with bf16 operands only";
+    if (g.rope_cos != nullptr || g.h1 != nullptr || g.b2 != nullptr)
+        return "fp32 output is a plain product's (no fused epilogue)";
+    if (g.cluster == 2 || g.pingpong == 1 || g.epilogue == 1 || g.skinny == 1)
+        return "fp32 output runs the consumers' epilogue (no cluster, ping-pong, store warps or skinny kernel)";
+    return nullptr;
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -1297,6 +1373,8 @@ const char* gemm_unsupported(const gemm_args& g) {
     if (!aligned16(g.a) || !aligned16(g.b)) return "A and B must be 16-byte aligned";
     if (g.sum_a != nullptr)
         if (const char* why = sum_unsupported(g)) return why;
+    if (g.c_fp32)
+        if (const char* why = fp32_out_unsupported(g)) return why;
     if (g.rope_cos != nullptr && (g.h1 != nullptr || g.b2 != nullptr)) return "the rotary epilogue is a plain product's";
     if (g.rope_cos != nullptr) return rope_unsupported(g);
     if (g.h1 != nullptr) return gate_grad_unsupported(g);
@@ -1334,6 +1412,7 @@ cudaError_t launch_gemm(const gemm_args& g, cudaStream_t stream) {
         return g.dtype == int(dtype::bf16) ? dispatch_rope<__nv_bfloat16>(g, stream) : dispatch_rope<__half>(g, stream);
     // Few rows: the skinny kernel spreads the weight's columns and K over every SM (skinny.cu).
     if (g.skinny == 1 || (g.skinny == 0 && skinny_unsupported(g) == nullptr)) return launch_skinny(g, stream);
+    if (g.c_fp32) return dispatch_fp32_out(g, stream);
     if (g.dtype == int(dtype::bf16)) return dispatch_cluster<__nv_bfloat16>(g, stream);
     return dispatch_cluster<__half>(g, stream);
 }

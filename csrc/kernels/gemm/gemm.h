@@ -1,4 +1,5 @@
-// C[M, N] = A[M, K] * B[K, N] (+ A2[M, K2] * B2[K2, N]) (+ bias[N]) in bf16 or fp16 with fp32 accumulation.
+// C[M, N] = A[M, K] * B[K, N] (+ A2[M, K2] * B2[K2, N]) (+ bias[N]) in bf16 or fp16 with fp32 accumulation, C in
+// the operands' dtype or fp32.
 // Host-visible declarations only (no device code).
 #pragma once
 
@@ -75,6 +76,11 @@ struct gemm_args {
     const void* sum_a;
     const void* sum_b;
     int64_t sum_K, sum_a_stride_m, sum_a_stride_k, sum_b_stride_k, sum_b_stride_n;
+    // C in fp32, rounded once from the accumulators (bf16 operands; bf16-mixed training's weight gradients and
+    // summed input gradients, which it would otherwise round to bf16 and widen again). The plain product (a summed
+    // second one included) with the consumers' epilogue: no fused epilogue, cluster, ping-pong, store warps or
+    // skinny kernel (gemm_unsupported). The bias stays in the operands' dtype.
+    bool c_fp32;
 };
 
 constexpr int SKINNY_MAX_M = 64;

@@ -207,6 +207,7 @@ cudaError_t launch_skinny_type(const gemm_args& g, cudaStream_t stream) {
 const char* skinny_unsupported(const gemm_args& g) {
     if (g.M > SKINNY_MAX_M) return "the skinny GEMM takes at most 64 rows";
     if (g.sum_a != nullptr) return "the skinny GEMM takes one product";
+    if (g.c_fp32) return "the skinny GEMM writes C in the operands' dtype";
     if (g.a_stride_k != 1) return "the skinny GEMM reads A K-major (unit stride along K)";
     if (g.cluster == 2 || g.pingpong == 1 || g.tile_n != 0 || g.epilogue != 0 || g.stream_k == 1 || g.tickets)
         return "the skinny GEMM takes none of the persistent kernel's knobs";
