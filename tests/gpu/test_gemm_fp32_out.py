@@ -139,8 +139,9 @@ def test_mlp_under_autocast_writes_its_gradients_in_fp32(monkeypatch):
     torch.manual_seed(0)
     model = LlamaMLP(512, 1376).cuda()
     exact = copy.deepcopy(model).double()
-    x = torch.randn(3, 301, 512, device="cuda")
-    cot = torch.randn(3, 301, 512, device="cuda", dtype=BF16)
+    # 912 tokens: the weight gradients' K, a multiple of 8 as tk's GEMM needs (not of the 64-deep k-blocks)
+    x = torch.randn(3, 304, 512, device="cuda")
+    cot = torch.randn(3, 304, 512, device="cuda", dtype=BF16)
     xr = x.double().requires_grad_()
     exact(xr).backward(cot.double())
     errors = {}
