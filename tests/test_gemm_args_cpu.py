@@ -1,6 +1,6 @@
 """The compiled GEMM's own argument checks (gemm_unsupported), on a machine with the kernels built and no GPU (CI):
-a summed second product is refused with the reason where its layout or knobs cannot run, and a valid one passes
-every check and fails only at the launch, for want of a device. No address is ever read: the checks look at
+a summed second product, and an fp32 output, is refused with the reason where its layout or knobs cannot run, and a
+valid one passes every check and fails only at the launch, for want of a device. No address is ever read: the checks look at
 metadata, and a launch without a device stops before touching memory.
 """
 
@@ -53,3 +53,22 @@ def test_a_valid_sum_passes_the_checks(ext):
 def test_a_sum_that_cannot_run_is_refused_with_the_reason(ext, changes, reason):
     with pytest.raises(ValueError, match=reason):
         gemm(ext, **changes)
+
+
+def test_a_valid_fp32_output_passes_the_checks(ext):
+    with pytest.raises(RuntimeError, match="launching gemm_sum failed"):
+        gemm(ext, c_fp32=True)
+    with pytest.raises(RuntimeError, match="launching gemm failed"):  # one product, few rows: not the skinny kernel
+        gemm(ext, c_fp32=True, M=16, sum_a=0, sum_b=0, sum_K=0)
+
+
+@pytest.mark.parametrize("changes,reason", [
+    (dict(dtype=1), "fp32 output goes with bf16 operands only"),
+    (dict(cluster=2), "fp32 output runs the consumers' epilogue"),
+    (dict(pingpong=1, tile_n=128), "fp32 output runs the consumers' epilogue"),
+    (dict(epilogue=1), "fp32 output runs the consumers' epilogue"),
+    (dict(skinny=1, M=16, sum_a=0, sum_b=0, sum_K=0), "skinny GEMM writes C in the operands' dtype"),
+])
+def test_an_fp32_output_that_cannot_run_is_refused_with_the_reason(ext, changes, reason):
+    with pytest.raises(ValueError, match=reason):
+        gemm(ext, c_fp32=True, **changes)

@@ -382,6 +382,54 @@ def test_swiglu_under_autocast_reads_one_cast_of_x(standin_tk_build, request, me
         assert p.grad.dtype == torch.float32 and rel_err(p.grad, rp.grad) < 3e-2, name
 
 
+@pytest.mark.parametrize("how", ["on", "default", "option", "env", "build"])
+def test_products_cast_to_fp32_are_written_in_fp32(standin_tk_build, request, monkeypatch, how):
+    """bf16-mixed: each weight gradient is a bf16 product cast to the fp32 parameter's dtype, and fc_1's and fc_2's
+    input gradients are cast to fp32 and added. With THUNDER_TK_GEMM_FP32_OUT=1, `widen_products` has their launches
+    write fp32 (tk_matmul_fp32 for the three weight gradients, one tk_matmul_sum_fp32 for the input gradient), so no
+    cast of a product is left and the gradients match float64 eager. By default, and turned off (option,
+    THUNDER_TK_DISABLE, a build without gemm_fp32): the bf16 launches and the casts stay."""
+    request.getfixturevalue("standin_nvfuser")
+    if how != "default":
+        monkeypatch.setenv(pattern_fusion.GEMM_FP32_OUT_ENV, "1")
+    options = {} if how in ("on", "default") else turned_off(how, pattern_fusion.GEMM_FP32_OUT, "gemm_fp32",
+                                                              standin_tk_build, monkeypatch)
+    model = SwiGLU()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 16, model.fc_1.in_features, generator=g)
+    jm = thunder.jit(model, executors=[tk], **options)
+    ref = copy.deepcopy(model).double()
+    xj, xr = x.clone().requires_grad_(), x.double().requires_grad_()
+    with torch.autocast("cpu", dtype=bf16):
+        out = jm(xj)
+    cot = torch.randn(out.shape, generator=g)
+    out.backward(cot.to(out.dtype))
+    ref(xr).backward(cot.double())
+    ops_run = backward_ops(jm)
+    bwd = thunder.last_backward_traces(jm)[-1]
+    widened = [b.output for b in bwd.bound_symbols if b.sym.name in ("tk_matmul_fp32", "tk_matmul_sum_fp32")]
+    if how == "on":
+        assert ops_run.count("tk_matmul_fp32") == 3 and ops_run.count("tk_matmul_sum_fp32") == 1, ops_run
+        assert "tk_matmul" not in ops_run and "tk_matmul_sum" not in ops_run, ops_run
+        assert all(p.dtype == thunder.float32 for p in widened)
+        assert casts_of(bwd, thunder.float32) == [], casts_of(bwd, thunder.float32)
+    else:
+        assert not widened and ops_run.count("tk_matmul") == 5, ops_run  # fc_1's and fc_2's dX apart (fp32 add)
+        assert len(casts_of(bwd, thunder.float32)) >= 4  # three weight gradients and the input gradient's two
+    ran_by = [r.ran_by for r in thunder_tk.explain(jm).rows if r.trace == "backward"]
+    assert ("tk: tk_matmul_fp32" in ran_by) == (how == "on"), ran_by
+    assert rel_err(xj.grad, xr.grad) < 3e-2
+    for (name, p), rp in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32 and rel_err(p.grad, rp.grad) < 3e-2, name
+
+
+def test_bf16_training_casts_nothing_to_fp32(standin_tk_build, monkeypatch):
+    """bf16-true: the MLP's products stay bf16 launches; nothing is widened."""
+    monkeypatch.setenv(pattern_fusion.GEMM_FP32_OUT_ENV, "1")
+    jm, out, expected, (dx, dx_ref), grads = run_swiglu(SwiGLU().to(bf16))
+    assert "tk_matmul_fp32" not in backward_ops(jm) and "tk_matmul_sum_fp32" not in backward_ops(jm)
+
+
 # SwiGLU's backward: the output projection's dX GEMM and the ~20 elementwise ops of silu(h1) * h2's gradient in one
 # tk_matmul_swiglu_grad launch.
 
@@ -548,3 +596,9 @@ def test_mlp_input_gradient_is_one_launch(standin_tk_build, request, fuser):
     summed = [r for r in thunder_tk.explain(jm).rows if r.trace == "backward" and r.ran_by == "tk: tk_matmul_sum"]
     assert len(summed) == 2, thunder_tk.explain(jm)
     assert rel_err(dx, dx_ref) < 3e-2
+
+
+def test_fp32_output_switch_names_a_bad_value(standin_tk_build, monkeypatch):
+    monkeypatch.setenv(pattern_fusion.GEMM_FP32_OUT_ENV, "yes")
+    with pytest.raises(ValueError, match="THUNDER_TK_GEMM_FP32_OUT must be 0 or 1"):
+        run_swiglu(SwiGLU().to(bf16))

@@ -51,6 +51,7 @@ SWIGLU_GRAD_MAX_N (wider ones measured slower); off with the feature name `gemm_
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -858,6 +859,17 @@ def sum_products(trace):
 
 GEMM_FP32_OUT = "gemm_fp32_out"
 """THUNDER_TK_DISABLE name that keeps bf16 products cast to fp32 as products rounded to bf16 and the fuser's casts."""
+GEMM_FP32_OUT_ENV = "THUNDER_TK_GEMM_FP32_OUT"
+"""1: widen_products runs (then GEMM_FP32_OUT turns it off per jitted function); 0 or unset: it does not. Off by
+default: in the 16-layer Llama-3.2-1B step at bf16-mixed (H200, 408049d, benchmarks/NOTES.md) the fp32 epilogue cost
+the weight-gradient GEMMs more than the fuser's casts it saved (64.3k tokens/s against 65.3k without it)."""
+
+
+def _widening_wanted() -> bool:
+    value = os.environ.get(GEMM_FP32_OUT_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{GEMM_FP32_OUT_ENV} must be 0 or 1; got {value!r}")
+    return value == "1"
 
 
 def _widen_cast_plan(bsyms: list[BoundSymbol], j: int, producer: dict[str, int], users: dict[str, list[int]]):
@@ -911,15 +923,16 @@ def _alpha_one(b: BoundSymbol) -> bool:
 def widen_products(trace):
     """The trace with bf16 products that are cast to fp32 written in fp32 by their launch (tk_matmul_fp32,
     tk_matmul_sum_fp32), rounded once from the accumulators instead of to bf16 and widened again by a pass of the
-    fuser (bf16-mixed training: every weight gradient is a bf16 product cast to the fp32 parameter's dtype, 1.8 ms
-    of a 16-layer Llama-3.2-1B step). Where two such casts meet in an fp32 add (autocast's backward of LLaMA's MLP:
+    fuser (bf16-mixed training: every weight gradient is a bf16 product cast to the fp32 parameter's dtype; those
+    casts took 1.8 ms of a 16-layer Llama-3.2-1B step). Where two such casts meet in an fp32 add (autocast's backward of LLaMA's MLP:
     fc_1's and fc_2's input gradients), both products go into one tk_matmul_sum_fp32 launch (GEMM_SUM on too).
-    Runs after fold_rms_norm, which reads a 16-bit incoming gradient. Off with the feature name GEMM_FP32_OUT, and
-    where the build has no gemm_fp32 kernel."""
+    Runs after fold_rms_norm, which reads a 16-bit incoming gradient. Only where GEMM_FP32_OUT_ENV is 1 (off by
+    default, see there); then off with the feature name GEMM_FP32_OUT, and where the build has no gemm_fp32 kernel."""
     from thunder_tk import _extension, claim_rules
     from thunder_tk.lowering import tk_matmul, tk_matmul_fp32, tk_matmul_sum, tk_matmul_sum_fp32
 
-    if GEMM_FP32_OUT in claim_rules.disabled_names() or not _extension.kernel_in_build("gemm_fp32"):
+    if (not _widening_wanted() or GEMM_FP32_OUT in claim_rules.disabled_names()
+            or not _extension.kernel_in_build("gemm_fp32")):
         return trace
     bsyms = list(trace.bound_symbols)
     if not any(b.sym.id in (tk_matmul.id, tk_matmul_sum.id) and b.output.dtype == thunder.bfloat16 for b in bsyms):
