@@ -773,6 +773,11 @@ GEMM_SUM = "gemm_sum"
 (the fuser's)."""
 
 
+def _alpha_one(b: BoundSymbol) -> bool:
+    """Whether add (or sub) bsym b has no alpha other than 1."""
+    return b.kwargs.get("alpha", b.args[2] if len(b.args) > 2 else None) in (None, 1)
+
+
 def _product_behind(p, j: int, bsyms: list[BoundSymbol], producer: dict[str, int], users: dict[str, list[int]],
                     kinds: frozenset | None = None):
     """(product index, reshape index or None) where tensor p, read by bsym j, is the result of a tk_matmul (or of
@@ -802,8 +807,7 @@ def _sum_plan(bsyms: list[BoundSymbol], j: int, producer: dict[str, int], users:
     if b.sym.name != "add" or len(b.args) < 2 or not isinstance(b.output, TensorProxy):
         return None
     x, y = b.args[:2]
-    alpha = b.kwargs.get("alpha", b.args[2] if len(b.args) > 2 else None)
-    if alpha not in (None, 1) or not isinstance(x, TensorProxy) or not isinstance(y, TensorProxy) or x.name == y.name:
+    if not _alpha_one(b) or not isinstance(x, TensorProxy) or not isinstance(y, TensorProxy) or x.name == y.name:
         return None
     out = b.output
     if not (tuple(x.shape) == tuple(y.shape) == tuple(out.shape) and x.dtype == y.dtype == out.dtype):
@@ -914,10 +918,6 @@ def _widen_sum_plan(bsyms: list[BoundSymbol], j: int, producer: dict[str, int], 
     if (r1 is None) != (r2 is None) or tuple(bsyms[k1].output.shape) != tuple(bsyms[k2].output.shape):
         return None
     return sides
-
-
-def _alpha_one(b: BoundSymbol) -> bool:
-    return b.kwargs.get("alpha", b.args[2] if len(b.args) > 2 else None) in (None, 1)
 
 
 def widen_products(trace):

@@ -29,7 +29,8 @@ import torch
 from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.trace import from_trace, tracectx
 
-from thunder_tk.pattern_fusion import (_ProbeOpError, _probe_device, _producers_and_users, _rewritten, _run_region)
+from thunder_tk.pattern_fusion import (_alpha_one, _ProbeOpError, _probe_device, _producers_and_users, _rewritten,
+                                       _run_region)
 
 RMS_NORM = "rms_norm"
 """THUNDER_TK_DISABLE name that leaves RMSNorm's forward and backward to the fuser."""
@@ -97,10 +98,6 @@ def _other(b, p):
     if isinstance(c, TensorProxy) and c.name == p.name:
         return a
     return None
-
-
-def _alpha_one(b) -> bool:
-    return b.kwargs.get("alpha", b.args[2] if len(b.args) > 2 else None) in (None, 1)
 
 
 def _match_forward(bsyms, k: int, producer, users) -> _Forward | None:
