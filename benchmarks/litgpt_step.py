@@ -35,7 +35,7 @@ from common import ClockSampler, bar_chart, print_table, profiled_kernels, write
 from thunder_tk.pretrain import LossModule, autocast_for, max_over_ranks, tracing_without_cyclic_gc  # noqa: E402
 from thunder_tk.pretrain_config import precision_of  # noqa: E402
 # Where a step's GPU time goes: kernels by what they compute (shared with `thunder-tk pretrain`'s profile).
-from thunder_tk.step_profile import TK_KERNEL, gpu_activities, idle_gaps, kernel_kind  # noqa: E402
+from thunder_tk.step_profile import TK_KERNEL, gpu_activities, idle_gaps, kernel_kind, kernel_label  # noqa: E402
 
 
 def build(model_name: str, n_layer: int | None, seq: int, device: torch.device, weights: torch.dtype = torch.bfloat16):
@@ -214,7 +214,7 @@ def profile_step(step, device: torch.device, top: int) -> dict:
     return {"wall_ms": wall * 1e3, "kernel_ms": sum(ms for ms, _ in kernels.values()), "gaps": gaps,
             "tk_ms": sum(ms for name, (ms, _) in kernels.items() if TK_KERNEL.search(name)),
             "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-            "top": [{"kernel": k[:140], "ms": ms, "calls": n, "kind": kernel_kind(k),
+            "top": [{"kernel": kernel_label(k)[:200], "ms": ms, "calls": n, "kind": kernel_kind(k),
                      "tk": bool(TK_KERNEL.search(k))} for k, (ms, n) in ranked]}
 
 
@@ -336,7 +336,7 @@ def print_profiles(rows: list[dict]) -> None:
         print(f"\n{r['variant']}: top kernels")
         for k in r["profile"]["top"]:
             owner = "tk " if k.get("tk") else ""
-            print(f"  {k['ms']:8.3f} ms {k['calls']:5d}x  {owner + k['kind']:<18} {k['kernel'][:100]}")
+            print(f"  {k['ms']:8.3f} ms {k['calls']:5d}x  {owner + k['kind']:<18} {k['kernel'][:130]}")
 
 
 class Built:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from thunder_tk.litgpt_models import ConfigError
-from thunder_tk.step_profile import (StepProfiler, idle_gaps, kernel_kind, length, overlap, parse_steps, summarize,
-                                     union)
+from thunder_tk.step_profile import (StepProfiler, idle_gaps, kernel_kind, kernel_label, length, overlap, parse_steps,
+                                     summarize, union)
 
 MS = 1_000_000  # ns
 
@@ -53,7 +53,7 @@ def test_summary_splits_the_main_streams_idle_time():
     assert main["tk_ms"] == pytest.approx(4.5) and main["kernel_ms"] == pytest.approx(7.5)
     assert not other["main"] and other["kinds_ms"] == pytest.approx({"collective": 2.5})
     assert other["busy_ms"] == pytest.approx(2.5)
-    assert s["top"][0]["kernel"].startswith("void tk::attention") and s["top"][0]["calls"] == 0.5
+    assert s["top"][0]["kernel"] == "tk::attention::forward<128>" and s["top"][0]["calls"] == 0.5
     assert summarize([], steps=1, wall_s=0.01) == {"steps": 1, "wall_ms": 10.0, "gpu_activities": 0}
 
 
@@ -81,6 +81,27 @@ def test_kernel_kinds():
     assert kernel_kind("fmha_cutlassF_bf16_aligned_64x128_rf_sm80") == "attention"
     assert kernel_kind("void multi_tensor_apply_kernel<...>") == "optimizer"
     assert kernel_kind("Memset (Device)") == "copy/fill" and kernel_kind("mystery") == "other"
+
+
+def test_kernel_labels_keep_every_template_argument():
+    """The profile tables' names: two GEMM kernels that differ only in the output type stay apart."""
+    gemm = ("void tk::gemm::(anonymous namespace)::gemm_kernel<__nv_bfloat16, (tk::wgmma::major)1, "
+            "(tk::wgmma::major)0, 1, 256, false, false, (tk::gemm::(anonymous namespace)::fused)0, {}>("
+            "CUtensorMap_st, CUtensorMap_st, CUtensorMap_st, tk::gemm::(anonymous namespace)::extra_maps, "
+            "tk::gemm::(anonymous namespace)::kernel_params)")
+    assert kernel_label(gemm.format("float")) == ("tk::gemm::gemm_kernel<bf16, major=1, major=0, 1, 256, false, false, "
+                                                  "fused=0, float>")
+    assert kernel_label(gemm.format("__nv_bfloat16")).endswith("fused=0, bf16>")
+    assert kernel_label("void tk::attention::(anonymous namespace)::rope_grad_kernel<__half, float, unsigned int>("
+                        "tk::attention::rope_grad_args)") == ("tk::attention::rope_grad_kernel<fp16, float, "
+                                                              "unsigned int>")
+    adam = ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+            "FusedOptimizerTensorListMetadata<4>, float*, bool>(at::native::(anonymous namespace)::"
+            "FusedOptimizerTensorListMetadata<4>, float*, bool)")
+    assert kernel_label(adam) == ("at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, float*, "
+                                  "bool>")
+    for plain in ("triton_poi_fused__to_copy_1", "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "Memset (Device)"):
+        assert kernel_label(plain) == plain
 
 
 def test_profiler_off_unless_asked_for(tmp_path):

@@ -46,6 +46,36 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
 
 
+_CAST_ENUM = re.compile(r"\((?:\w+::)*(\w+)\)(-?\d+)")  # (tk::wgmma::major)1 -> major=1
+_QUALIFIER = re.compile(r"\b(?:\w+::)+")
+_SHORT_TYPES = (("__nv_bfloat16", "bf16"), ("__half", "fp16"))
+
+
+def kernel_label(name: str) -> str:
+    """A kernel's demangled name short enough to read whole in a table: its qualified name (tk::gemm::gemm_kernel)
+    without the return type, anonymous namespaces or argument list, and its template arguments without namespaces,
+    enums as name=value, bf16 and fp16 for CUDA's type names. Every template argument is kept: tk's GEMM kernels that
+    differ only in their last ones (the store warps, the output's dtype) must not look alike. Names that are not
+    C++ templates (Triton's, cuBLAS's) come back as they are."""
+    label = name.replace("(anonymous namespace)::", "")
+    if "<" not in label:
+        return label
+    if label.endswith(")"):  # the argument list, after the template's closing ">"
+        depth = 0
+        for i in range(len(label) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(label[i], 0)
+            if depth == 0:
+                label = label[:i] if label[:i].endswith(">") else label
+                break
+    head, _, arguments = label.partition("<")
+    if head.startswith("void "):
+        head = head[len("void "):]
+    arguments = _QUALIFIER.sub("", _CAST_ENUM.sub(r"\1=\2", arguments))
+    for long, short in _SHORT_TYPES:
+        arguments = arguments.replace(long, short)
+    return f"{head}<{arguments}"
+
+
 def parse_steps(raw: str | None) -> tuple[int, int] | None:
     """"45" -> (45, 1), "45:3" -> (45, 3); unset or empty -> None. The first step traces and compiles (minutes of
     host work, no steady GPU work), so profiling starts at step 2 at the earliest."""
@@ -136,7 +166,7 @@ def summarize(kernels: list[dict], steps: int, wall_s: float, top: int = 25) -> 
         entry[0] += k["end"] - k["start"]
         entry[1] += 1
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
-    out["top"] = [{"kernel": name[:160], "stream": sid, "kind": kernel_kind(name), "ms": ns * per,
+    out["top"] = [{"kernel": kernel_label(name)[:200], "stream": sid, "kind": kernel_kind(name), "ms": ns * per,
                    "calls": n / steps} for (name, sid), (ns, n) in ranked]
     return out
 
