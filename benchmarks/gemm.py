@@ -8,6 +8,9 @@ Shapes: squares 4096/8192/16384 and 8192 tokens against LLM weights (K x N as li
 instead puts other token counts against those weights (inference and small-batch shapes: 1 to a few thousand rows).
 TFLOP/s = 2 * (product of the three dims) / time; tk and cuBLAS (and the
 optional variants) are timed in turns, in rotating order, and each gets the median over the rounds. Prints ratios and the geometric mean, writes JSON and a PNG.
+`--fp32-out`: the products written in fp32 from bf16 operands (bf16-mixed training's weight gradients): tk's fp32
+epilogue against cuBLAS's (torch.mm with out_dtype=torch.float32), beside tk's bf16 output and that output cast to
+fp32 (what the fuser's cast pass makes of it).
 
     python benchmarks/gemm.py --json out/gemm.json --png out/gemm.png
 """
@@ -29,7 +32,9 @@ from thunder_tk import ops  # noqa: E402
 SQUARES = [4096, 8192, 16384]
 SWEEP_GROUPS = (4, 16, 32, 64)
 EXTRA_VARIANTS = ("dynamic", "cluster2", "narrow", "pingpong", "pingpong_dynamic", "store_warps", "consumers",
-                  "stream_k", "persistent")  # optional tk variants, timed in the same rotation
+                  "stream_k", "persistent", "bf16_out", "bf16_out_cast")  # optional tk variants, in the same rotation
+# The knobs whose kernels write only the operands' dtype (ops.gemm refuses them with fp32 output).
+NOT_WITH_FP32_OUT = ("cluster", "pingpong", "epilogues")
 TOKENS = 8192
 WEIGHTS = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]
 
@@ -97,11 +102,17 @@ def main() -> None:
                    help="also time the stream-K tail (the last wave cut into k-block ranges; off by default)")
     p.add_argument("--persistent", action="store_true",
                    help="also time the persistent kernel where the skinny one is the default (<= 64 rows)")
+    p.add_argument("--fp32-out", action="store_true",
+                   help="results in fp32: tk's fp32 epilogue against cuBLAS's (torch.mm out_dtype=float32), with tk's "
+                        "bf16 output, and that output cast to fp32, timed beside them")
     p.add_argument("--rounds", type=int, default=5, help="timing rounds per point, peers in rotating order")
     p.add_argument("--only", nargs="*", help="problems to run (names as printed, e.g. sq8192 8192x4096x4096)")
     p.add_argument("--once", action="store_true",
                    help="run each variant once per problem and layout, untimed (for a profiler such as ncu)")
     a = p.parse_args()
+    if a.fp32_out and (clash := [f"--{k}" for k in NOT_WITH_FP32_OUT if getattr(a, k)]):
+        p.error(f"{', '.join(clash)}: those kernels write the operands' dtype only, not with --fp32-out")
+    out_dtype = torch.float32 if a.fp32_out else torch.bfloat16
     if a.cluster:
         import thunder_tk._C as kernels
 
@@ -118,32 +129,41 @@ def main() -> None:
             if lhs.shape[1] % 8:  # dW of fewer tokens than 8 (K = tokens): tk takes K in multiples of 8 only
                 print(f"{name:>16} {layout:>3}: skipped (K = {lhs.shape[1]} is not a multiple of 8)", flush=True)
                 continue
-            out = ops.gemm(lhs, rhs)
-            ref = torch.matmul(lhs, rhs)
+            def tk(**knobs):
+                return ops.gemm(lhs, rhs, out_dtype=out_dtype, **knobs)
+
+            def cublas():
+                return torch.mm(lhs, rhs, out_dtype=torch.float32) if a.fp32_out else torch.matmul(lhs, rhs)
+
+            out, ref = tk(), cublas()
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            assert err < 1e-2, f"{name} {layout}: rel err {err}"
+            # both accumulate in fp32: rounded to bf16 they differ by ~1e-3, written in fp32 by ~1e-6
+            assert err < (1e-4 if a.fp32_out else 1e-2), f"{name} {layout}: rel err {err}"
             del out, ref
             flops = 2.0 * lhs.shape[0] * lhs.shape[1] * rhs.shape[1]
-            variants = {"tk": lambda: ops.gemm(lhs, rhs), "cuBLAS": lambda: torch.matmul(lhs, rhs)}
+            variants = {"tk": tk, "cuBLAS": cublas}
+            if a.fp32_out:
+                variants["bf16_out"] = lambda: ops.gemm(lhs, rhs)
+                variants["bf16_out_cast"] = lambda: ops.gemm(lhs, rhs).float()
             if a.dynamic:
-                variants["dynamic"] = lambda: ops.gemm(lhs, rhs, _schedule="dynamic")
+                variants["dynamic"] = lambda: tk(_schedule="dynamic")
             if a.cluster:
-                variants["cluster2"] = lambda: ops.gemm(lhs, rhs, _cluster=2)
+                variants["cluster2"] = lambda: tk(_cluster=2)
             if a.narrow:
-                variants["narrow"] = lambda: ops.gemm(lhs, rhs, _tile_n=128)
+                variants["narrow"] = lambda: tk(_tile_n=128)
             if a.pingpong:
-                variants["pingpong"] = lambda: ops.gemm(lhs, rhs, _pingpong=1)
-                variants["pingpong_dynamic"] = lambda: ops.gemm(lhs, rhs, _pingpong=1, _schedule="dynamic")
+                variants["pingpong"] = lambda: tk(_pingpong=1)
+                variants["pingpong_dynamic"] = lambda: tk(_pingpong=1, _schedule="dynamic")
             if a.epilogues:
-                variants["store_warps"] = lambda: ops.gemm(lhs, rhs, _epilogue=1)
-                variants["consumers"] = lambda: ops.gemm(lhs, rhs, _epilogue=2)
+                variants["store_warps"] = lambda: tk(_epilogue=1)
+                variants["consumers"] = lambda: tk(_epilogue=2)
             if a.stream_k:
-                variants["stream_k"] = lambda: ops.gemm(lhs, rhs, _stream_k=1)
+                variants["stream_k"] = lambda: tk(_stream_k=1)
             if a.persistent:
-                variants["persistent"] = lambda: ops.gemm(lhs, rhs, _skinny=-1)
+                variants["persistent"] = lambda: tk(_skinny=-1)
             if a.sweep:  # other L2 group sizes of the tile order, in the same rotation
                 for g in SWEEP_GROUPS:
-                    variants[f"group_rows={g}"] = (lambda g=g: ops.gemm(lhs, rhs, _group_rows=g))
+                    variants[f"group_rows={g}"] = (lambda g=g: tk(_group_rows=g))
             if a.graphs:
                 variants = {v: graphed(fn) for v, fn in variants.items()}
             if a.once:
@@ -159,7 +179,8 @@ def main() -> None:
                     flush=True)
             rows.append({"problem": name, "layout": layout, "M": lhs.shape[0], "N": rhs.shape[1], "K": lhs.shape[1],
                          "tk_tflops": flops / t_tk / 1e9, "cublas_tflops": flops / t_cublas / 1e9,
-                         "ratio": t_cublas / t_tk, "timing": "graph" if a.graphs else "eager"})
+                         "ratio": t_cublas / t_tk, "timing": "graph" if a.graphs else "eager",
+                         "out_dtype": str(out_dtype).removeprefix("torch.")})
             for v in EXTRA_VARIANTS:
                 if v in ms:
                     rows[-1][f"tk_{v}_tflops"] = flops / ms[v] / 1e9
@@ -183,7 +204,8 @@ def main() -> None:
     print(f"wrote {path}")
     if a.png:
         labels = [f"{r['problem']} {r['layout']}" for r in rows]
-        bar_chart(a.png, "bf16 GEMM on one GPU (TFLOP/s)", labels,
+        title = "bf16 GEMM, fp32 output" if a.fp32_out else "bf16 GEMM"
+        bar_chart(a.png, f"{title} on one GPU (TFLOP/s)", labels,
                   {"tk": [r["tk_tflops"] for r in rows], "cuBLAS": [r["cublas_tflops"] for r in rows]}, "TFLOP/s")
 
 

@@ -229,6 +229,16 @@ def test_gemm_decode_layer_benchmark_parses_on_cpu():
     assert r.returncode == 0 and "--tokens" in r.stdout, r.stderr[-3000:]
 
 
+def test_gemm_benchmark_fp32_output_refuses_the_knobs_that_cannot_write_it():
+    """--fp32-out times tk's fp32 epilogue against cuBLAS's; the clusters, ping-pong and store-warp kernels write the
+    operands' dtype only, so asking for them too fails at once, naming them (before anything touches a GPU)."""
+    r = run_bench("gemm.py", "--help")
+    assert r.returncode == 0 and "--fp32-out" in r.stdout, r.stderr[-3000:]
+    r = run_bench("gemm.py", "--fp32-out", "--cluster", "--epilogues")
+    assert r.returncode == 2 and "--cluster, --epilogues: those kernels write the operands' dtype only" in r.stderr, \
+        r.stderr[-3000:]
+
+
 def test_gemm_benchmark_llama_1b_problems():
     import importlib.util
 
