@@ -125,10 +125,15 @@ def test_litgpt_rope_backward_folds_into_the_attention_backward(standin_tk_build
     assert not any(s.sym.name in ("neg", "pad") for b in fused for s in b.subsymbols)
 
 
-def test_bf16_mixed_folds_the_rope_with_fp32_tables_and_fuses_swiglu(standin_tk_build, standin_nvfuser):
+@pytest.mark.parametrize("fp32_out", [False, True], ids=["default", "fp32-out"])
+def test_bf16_mixed_folds_the_rope_with_fp32_tables_and_fuses_swiglu(standin_tk_build, standin_nvfuser, monkeypatch,
+                                                                      fp32_out):
     """bf16-mixed (fp32 weights and rope tables, the step under bf16 autocast): the qkv projection reads the fp32
     tables in its epilogue, the backward folds as at bf16-true, SwiGLU's products are one launch (the MLP's input
-    cast once, `merge_repeated_casts`) and its backward one, and the gradients (fp32) match float64 eager."""
+    cast once, `merge_repeated_casts`) and its backward one, and the gradients (fp32) match float64 eager. With
+    THUNDER_TK_GEMM_FP32_OUT=1 the same, and the products cast to fp32 (every linear's weight gradient, the input
+    gradients of fp32 activations, each MLP's summed input gradient) come from launches that write fp32."""
+    monkeypatch.setenv(pattern_fusion.GEMM_FP32_OUT_ENV, "1" if fp32_out else "0")
     torch.manual_seed(0)
     model = litgpt.GPT(config(n_layer=2))
     exact = copy.deepcopy(model).double()
@@ -145,6 +150,10 @@ def test_bf16_mixed_folds_the_rope_with_fp32_tables_and_fuses_swiglu(standin_tk_
     assert forward_ops(jm).count("tk_swiglu_linear") == 2, forward_ops(jm)
     assert backward_ops(jm).count("tk_matmul_swiglu_grad") == 2
     assert backward_ops(jm).count("tk_attention_backward_qkv") == 2
+    names = [b.sym.name for b in thunder.last_backward_traces(jm)[-1].bound_symbols]
+    # fp32: every linear's weight gradient (five a layer and the lm_head's), the input gradients that go back to fp32
+    # activations (each qkv projection's and the lm_head's: the norms' outputs), the MLPs' summed input gradients
+    assert (names.count("tk_matmul_fp32"), names.count("tk_matmul_sum_fp32")) == ((14, 2) if fp32_out else (0, 0))
 
 
 def test_every_layer_folds_and_the_probe_tells_cos_from_sin(standin_tk_build, standin_nvfuser, monkeypatch):
