@@ -1,7 +1,7 @@
 """The compiled GEMM's own argument checks (gemm_unsupported), on a machine with the kernels built and no GPU (CI):
 a summed second product, and an fp32 output, is refused with the reason where its layout or knobs cannot run, and a
-valid one passes every check and fails only at the launch, for want of a device. No address is ever read: the checks look at
-metadata, and a launch without a device stops before touching memory.
+valid one passes every check and fails only at the launch, for want of a device. No address is ever read: the
+checks look at metadata, and a launch without a device stops before touching memory.
 """
 
 import pytest

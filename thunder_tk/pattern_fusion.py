@@ -923,9 +923,10 @@ def _widen_sum_plan(bsyms: list[BoundSymbol], j: int, producer: dict[str, int], 
 def widen_products(trace):
     """The trace with bf16 products that are cast to fp32 written in fp32 by their launch (tk_matmul_fp32,
     tk_matmul_sum_fp32), rounded once from the accumulators instead of to bf16 and widened again by a pass of the
-    fuser (bf16-mixed training: every weight gradient is a bf16 product cast to the fp32 parameter's dtype; those
-    casts took 1.8 ms of a 16-layer Llama-3.2-1B step). Where two such casts meet in an fp32 add (autocast's backward of LLaMA's MLP:
-    fc_1's and fc_2's input gradients), both products go into one tk_matmul_sum_fp32 launch (GEMM_SUM on too).
+    fuser (bf16-mixed training: every weight gradient is a bf16 product cast to the fp32 parameter's dtype, and so is
+    the input gradient of a linear that reads an fp32 activation; those casts took 1.8 ms of a 16-layer
+    Llama-3.2-1B step). Where two such casts meet in an fp32 add (autocast's backward of LLaMA's MLP: fc_1's and
+    fc_2's input gradients), both products go into one tk_matmul_sum_fp32 launch (GEMM_SUM on too).
     Runs after fold_rms_norm, which reads a 16-bit incoming gradient. Only where GEMM_FP32_OUT_ENV is 1 (off by
     default, see there); then off with the feature name GEMM_FP32_OUT, and where the build has no gemm_fp32 kernel."""
     from thunder_tk import _extension, claim_rules

@@ -130,9 +130,10 @@ def test_errors_name_the_problem():
 
 
 def test_mlp_under_autocast_writes_its_gradients_in_fp32(monkeypatch):
-    """bf16-mixed through Thunder with tk and THUNDER_TK_GEMM_FP32_OUT=1: fp32 weights, the forward under bf16 autocast. The three weight gradients
-    come from tk_matmul_fp32 and the input gradient (fc_1's and fc_2's, summed) from one tk_matmul_sum_fp32; no cast
-    of a product is left, every gradient is fp32 and at least as close to float64 as with `gemm_fp32_out` off."""
+    """bf16-mixed through Thunder with tk and THUNDER_TK_GEMM_FP32_OUT=1: fp32 weights, the forward under bf16
+    autocast. The three weight gradients come from tk_matmul_fp32 and the input gradient (fc_1's and fc_2's, summed)
+    from one tk_matmul_sum_fp32; no cast of a product is left, every gradient is fp32 and at least as close to
+    float64 as with `gemm_fp32_out` off."""
     from thunder_tk import claim_rules, pattern_fusion
 
     monkeypatch.setattr(claim_rules, "gemm_size_policy_default", False)
