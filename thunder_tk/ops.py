@@ -1066,7 +1066,8 @@ def linear_rope_unsupported(x, weight, cos, sin, q_heads: int, kv_heads: int, he
         return f"x and the weight must share one 16-bit dtype; got {x.dtype} and {weight.dtype}"
     tables = (x.dtype, torch.float32) if x.dtype == torch.bfloat16 else (x.dtype,)  # fp32 with bf16: bf16-mixed's
     if cos.dtype != sin.dtype or cos.dtype not in tables:
-        return f"cos and sin must both be {' or '.join(map(str, tables))} with {x.dtype} x; got {cos.dtype} and {sin.dtype}"
+        return (f"cos and sin must both be {' or '.join(map(str, tables))} with {x.dtype} x; got {cos.dtype} and "
+                f"{sin.dtype}")
     if x.shape[2] % 8:
         return f"K ({x.shape[2]}) must be a multiple of 8"
     return None

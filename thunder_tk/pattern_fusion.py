@@ -800,9 +800,11 @@ def _product_behind(p, j: int, bsyms: list[BoundSymbol], producer: dict[str, int
     return k, at
 
 
-def _sum_plan(bsyms: list[BoundSymbol], j: int, producer: dict[str, int], users: dict[str, list[int]]):
-    """For bsym j: ((matmul, reshape or None) of each operand) where j is add(x, y) (alpha 1, no promotion or
-    broadcast) of two tk_matmul results of one shape, each read only there (through one reshape each, or none)."""
+def _sum_plan(bsyms: list[BoundSymbol], j: int, producer: dict[str, int], users: dict[str, list[int]], product,
+              dtypes: tuple):
+    """For bsym j: ((product, reshape or None) of each operand) where j is add(x, y) (alpha 1, no promotion or
+    broadcast) of two results of the operator `product` of one shape and one of `dtypes`, each read only there
+    (through one reshape each, or none)."""
     b = bsyms[j]
     if b.sym.name != "add" or len(b.args) < 2 or not isinstance(b.output, TensorProxy):
         return None
@@ -812,11 +814,11 @@ def _sum_plan(bsyms: list[BoundSymbol], j: int, producer: dict[str, int], users:
     out = b.output
     if not (tuple(x.shape) == tuple(y.shape) == tuple(out.shape) and x.dtype == y.dtype == out.dtype):
         return None
-    sides = [_product_behind(p, j, bsyms, producer, users) for p in (x, y)]
+    sides = [_product_behind(p, j, bsyms, producer, users, frozenset({product.id})) for p in (x, y)]
     if None in sides or (sides[0][1] is None) != (sides[1][1] is None):
         return None
     m1, m2 = (bsyms[k].output for k, _ in sides)
-    if tuple(m1.shape) != tuple(m2.shape) or m1.dtype != m2.dtype or m1.dtype not in HALF_DTYPES:
+    if tuple(m1.shape) != tuple(m2.shape) or m1.dtype != m2.dtype or m1.dtype not in dtypes:
         return None
     return sides
 
@@ -827,20 +829,25 @@ def sum_products(trace):
     neither is written or read back on its own (LLaMA's MLP input gradient, dh1 W1 + dh2 W2, whose sum the fuser
     read back from two GEMM outputs). Off with the feature name GEMM_SUM, and where the build has no gemm_sum
     kernel."""
-    from thunder_tk import _extension, claim_rules
     from thunder_tk.lowering import tk_matmul, tk_matmul_sum
+
+    return _summed_pairs(trace, tk_matmul, tk_matmul_sum, HALF_DTYPES)
+
+
+def _summed_pairs(trace, product, summed, dtypes: tuple):
+    """sum_products for the operator `product` (results of `dtypes`), whose pairs become one `summed` launch."""
+    from thunder_tk import _extension, claim_rules
 
     if GEMM_SUM in claim_rules.disabled_names() or not _extension.kernel_in_build("gemm_sum"):
         return trace
     bsyms = list(trace.bound_symbols)
-    if sum(b.sym.id == tk_matmul.id for b in bsyms) < 2:
+    if sum(b.sym.id == product.id for b in bsyms) < 2:
         return trace
     producer, users = _producers_and_users(bsyms)
-    plans = [(j, plan) for j in range(len(bsyms)) if (plan := _sum_plan(bsyms, j, producer, users)) is not None]
+    plans = [(j, plan) for j in range(len(bsyms))
+             if (plan := _sum_plan(bsyms, j, producer, users, product, dtypes)) is not None]
     if not plans:
         return trace
-    from thunder.core.proxies import variableify
-
     from thunder_tk.executor import sites_of
 
     out = from_trace(trace)
@@ -851,7 +858,7 @@ def sum_products(trace):
             total = bsyms[j].output if r1 is None else bsyms[late[0]].output
             # Both products' decisions (sites) go with the sum, so that `explain` names the launch for each.
             total.tags.update(sites_of(bsyms[early[0]].output) + sites_of(bsyms[late[0]].output))
-            bsyms[late[0]] = tk_matmul_sum.bind(a, b, a2, b2, output=total)
+            bsyms[late[0]] = summed.bind(a, b, a2, b2, output=total)
             bsyms[early[0]] = None
             if r1 is None:
                 bsyms[j] = None
@@ -890,43 +897,13 @@ def _widen_cast_plan(bsyms: list[BoundSymbol], j: int, producer: dict[str, int],
     return _product_behind(x, j, bsyms, producer, users, frozenset({tk_matmul.id, tk_matmul_sum.id}))
 
 
-def _widen_sum_plan(bsyms: list[BoundSymbol], j: int, producer: dict[str, int], users: dict[str, list[int]]):
-    """For bsym j: (cast index, (tk_matmul, reshape or None)) of each operand where j is an fp32 add (alpha 1) of
-    two casts to fp32, each read only there, of two bf16 tk_matmul results of one shape (each read only by its cast,
-    through one reshape each or none): autocast's backward sums two gradients of one bf16 tensor so."""
-    from thunder_tk.lowering import tk_matmul
-
-    b = bsyms[j]
-    if b.sym.name != "add" or len(b.args) < 2 or not isinstance(b.output, TensorProxy) or not _alpha_one(b):
-        return None
-    x, y = b.args[:2]
-    if not (isinstance(x, TensorProxy) and isinstance(y, TensorProxy)) or x.name == y.name:
-        return None
-    if not (tuple(x.shape) == tuple(y.shape) == tuple(b.output.shape) and
-            x.dtype == y.dtype == b.output.dtype == thunder.float32):
-        return None
-    sides = []
-    for p in (x, y):
-        c = producer.get(p.name)
-        if c is None or users.get(p.name) != [j]:
-            return None
-        product = _widen_cast_plan(bsyms, c, producer, users)
-        if product is None or bsyms[product[0]].sym.id != tk_matmul.id:
-            return None
-        sides.append((c, product))
-    (_, (k1, r1)), (_, (k2, r2)) = sides
-    if (r1 is None) != (r2 is None) or tuple(bsyms[k1].output.shape) != tuple(bsyms[k2].output.shape):
-        return None
-    return sides
-
-
 def widen_products(trace):
     """The trace with bf16 products that are cast to fp32 written in fp32 by their launch (tk_matmul_fp32,
     tk_matmul_sum_fp32), rounded once from the accumulators instead of to bf16 and widened again by a pass of the
     fuser (bf16-mixed training: every weight gradient is a bf16 product cast to the fp32 parameter's dtype, and so is
     the input gradient of a linear that reads an fp32 activation; those casts took 1.8 ms of a 16-layer
-    Llama-3.2-1B step). Where two such casts meet in an fp32 add (autocast's backward of LLaMA's MLP: fc_1's and
-    fc_2's input gradients), both products go into one tk_matmul_sum_fp32 launch (GEMM_SUM on too).
+    Llama-3.2-1B step). Where two widened products then meet in an fp32 add (autocast's backward of LLaMA's MLP:
+    fc_1's and fc_2's input gradients), sum_products' rewrite makes them one tk_matmul_sum_fp32 launch.
     Runs after fold_rms_norm, which reads a 16-bit incoming gradient. Only where GEMM_FP32_OUT_ENV is 1 (off by
     default, see there); then off with the feature name GEMM_FP32_OUT, and where the build has no gemm_fp32 kernel."""
     from thunder_tk import _extension, claim_rules
@@ -939,45 +916,27 @@ def widen_products(trace):
     if not any(b.sym.id in (tk_matmul.id, tk_matmul_sum.id) and b.output.dtype == thunder.bfloat16 for b in bsyms):
         return trace
     producer, users = _producers_and_users(bsyms)
-    summing = GEMM_SUM not in claim_rules.disabled_names() and _extension.kernel_in_build("gemm_sum")
-    sums, casts, taken = [], [], set()
-    for j in range(len(bsyms)):
-        if summing and (plan := _widen_sum_plan(bsyms, j, producer, users)) is not None:
-            sums.append((j, plan))
-            taken |= {plan[0][0], plan[1][0]}
-    for j in range(len(bsyms)):
-        if j not in taken and (plan := _widen_cast_plan(bsyms, j, producer, users)) is not None:
-            casts.append((j, plan))
-    if not sums and not casts:
+    casts = [(j, plan) for j in range(len(bsyms)) if (plan := _widen_cast_plan(bsyms, j, producer, users)) is not None]
+    if not casts:
         return trace
     from thunder_tk.executor import sites_of
 
     out = from_trace(trace)
     with tracectx(out):
-        def widened(k, r, result, launch, args, sites):
-            """The product at k as `launch` (args) writing fp32: `result` itself, or through its reshape r."""
-            made = bsyms[k].output
+        for j, (k, r) in casts:
+            summed = bsyms[k].sym.id == tk_matmul_sum.id
+            made, result = bsyms[k].output, bsyms[j].output
+            # the cast's result itself, or a new fp32 product that the product's reshape then makes it from
             wide = result if r is None else TensorProxy(like=made, dtype=thunder.float32)
-            wide.tags.update(sites)  # the products' decisions go with the launch, for `explain`
-            bsyms[k] = launch.bind(*args, output=wide)
+            wide.tags.update(sites_of(made))  # the product's decisions go with the launch, for `explain`
+            launch = tk_matmul_sum_fp32 if summed else tk_matmul_fp32
+            bsyms[k] = launch.bind(*bsyms[k].args[:4 if summed else 2], output=wide)
             if r is not None:
                 bsyms[r] = bsyms[r].from_bsym_swap_proxies({variableify(made): wide,
                                                             variableify(bsyms[r].output): result})
-
-        for j, (k, r) in casts:
-            summed = bsyms[k].sym.id == tk_matmul_sum.id
-            widened(k, r, bsyms[j].output, tk_matmul_sum_fp32 if summed else tk_matmul_fp32,
-                    bsyms[k].args[:4 if summed else 2], sites_of(bsyms[k].output))
             bsyms[j] = None
-        for j, ((c1, (k1, r1)), (c2, (k2, r2))) in sums:
-            (early, r_early), (late, r_late) = sorted(((k1, r1), (k2, r2)))
-            sites = sites_of(bsyms[early].output) + sites_of(bsyms[late].output)
-            args = (*bsyms[early].args[:2], *bsyms[late].args[:2])
-            widened(late, r_late, bsyms[j].output, tk_matmul_sum_fp32, args, sites)
-            for i in (early, r_early, c1, c2, j):
-                if i is not None:
-                    bsyms[i] = None
-    return _rewritten(out, bsyms, "tk: bf16 products cast to fp32 written in fp32 by their launch")
+    widened = _rewritten(out, bsyms, "tk: bf16 products cast to fp32 written in fp32 by their launch")
+    return _summed_pairs(widened, tk_matmul_fp32, tk_matmul_sum_fp32, (thunder.float32,))
 
 
 QKV_GRAD = "attention_qkv_grad"
