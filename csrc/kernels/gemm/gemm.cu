@@ -328,8 +328,8 @@ __device__ __forceinline__ void write_rows64_fp32(State& st, const gemm_args& g,
 #pragma unroll
         for (int i = panel * 16; i < panel * 16 + 16; i += 2) {  // fragment columns [32 panel, 32 panel + 32)
             const auto pos = wgmma::accumulator_position(i);
-            const int byte = (pos.col % 32) * 4;
-            const uint32_t at = pos.row * 128 + (((byte >> 4) ^ (pos.row & 7)) << 4) + (byte & 15);
+            // the 128-byte swizzle's offset, which that helper takes in 16-bit columns: two per fp32 column
+            const uint32_t at = tma::swizzled_offset_128b(pos.row, 2 * (pos.col % 32));
             *reinterpret_cast<float2*>(stage + at) = pair(i, d[i], d[i + 1]);
         }
         tma::fence_shared_to_async();
