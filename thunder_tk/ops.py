@@ -778,9 +778,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
         b, b_layout, b2, b2_layout = _sum_operands(b, b2, 0)
         sum_args = dict(sum_a=a2.data_ptr(), sum_b=b2.data_ptr(), sum_K=a2.shape[1], sum_a_stride_m=a2_layout[0],
                         sum_a_stride_k=a2_layout[1], sum_b_stride_k=b2_layout[1], sum_b_stride_n=b2_layout[0])
-        if _skinny == 0:  # the skinny kernel takes one product
-            _skinny = -1
-    if wide and _skinny == 0:  # the skinny kernel writes the operands' dtype
+    if _skinny == 0 and (_second is not None or wide):  # the skinny kernel takes one product, in the operands' dtype
         _skinny = -1
     if bias is not None:
         bias = bias.contiguous()
