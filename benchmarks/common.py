@@ -173,9 +173,9 @@ def write_results(path: str | Path, name: str, rows: list[dict]) -> Path:
     return path
 
 
-def shape_arguments(name: str, shapes: dict, rounds: int = 5, argv=None):
+def shape_arguments(name: str, shapes: dict, rounds: int = 5, argv=None, extend=None):
     """The command line of a benchmark over named shapes: --json (default out/<name>.json), --png, --shapes (a
-    subset of `shapes`' names, all by default) and --rounds."""
+    subset of `shapes`' names, all by default) and --rounds; `extend(parser)` adds the benchmark's own."""
     import argparse
 
     p = argparse.ArgumentParser()
@@ -183,6 +183,8 @@ def shape_arguments(name: str, shapes: dict, rounds: int = 5, argv=None):
     p.add_argument("--png")
     p.add_argument("--shapes", nargs="+", choices=sorted(shapes), default=list(shapes))
     p.add_argument("--rounds", type=int, default=rounds)
+    if extend is not None:
+        extend(p)
     return p.parse_args(argv)
 
 

@@ -10,7 +10,8 @@ TFLOP/s = 2 * (product of the three dims) / time; tk and cuBLAS (and the
 optional variants) are timed in turns, in rotating order, and each gets the median over the rounds. Prints ratios and the geometric mean, writes JSON and a PNG.
 `--fp32-out`: the products written in fp32 from bf16 operands (bf16-mixed training's weight gradients): tk's fp32
 epilogue against cuBLAS's (torch.mm with out_dtype=torch.float32), beside tk's bf16 output and that output cast to
-fp32 (what the fuser's cast pass makes of it).
+fp32 (what the fuser's cast pass makes of it). `--register-epilogue` adds tk with the consumers storing their rows
+straight from registers (no shared-memory staging, `_epilogue=3`), in either output dtype.
 
     python benchmarks/gemm.py --json out/gemm.json --png out/gemm.png
 """
@@ -32,7 +33,7 @@ from thunder_tk import ops  # noqa: E402
 SQUARES = [4096, 8192, 16384]
 SWEEP_GROUPS = (4, 16, 32, 64)
 EXTRA_VARIANTS = ("dynamic", "cluster2", "narrow", "pingpong", "pingpong_dynamic", "store_warps", "consumers",
-                  "stream_k", "persistent", "bf16_out", "bf16_out_cast")  # optional tk variants, in the same rotation
+                  "stream_k", "persistent", "registers", "bf16_out", "bf16_out_cast")  # optional tk variants, in the same rotation
 # The knobs whose kernels write only the operands' dtype (ops.gemm refuses them with fp32 output).
 NOT_WITH_FP32_OUT = ("cluster", "pingpong", "epilogues")
 TOKENS = 8192
@@ -98,6 +99,8 @@ def main() -> None:
     p.add_argument("--epilogues", action="store_true",
                    help="also time both epilogues forced: store warps (three stages) and the consumers storing their "
                         "own rows (four stages)")
+    p.add_argument("--register-epilogue", action="store_true",
+                   help="also time the consumers storing their rows from registers, with no staging (_epilogue=3)")
     p.add_argument("--stream-k", action="store_true",
                    help="also time the stream-K tail (the last wave cut into k-block ranges; off by default)")
     p.add_argument("--persistent", action="store_true",
@@ -157,6 +160,8 @@ def main() -> None:
             if a.epilogues:
                 variants["store_warps"] = lambda: tk(_epilogue=1)
                 variants["consumers"] = lambda: tk(_epilogue=2)
+            if a.register_epilogue:
+                variants["registers"] = lambda: tk(_epilogue=3)
             if a.stream_k:
                 variants["stream_k"] = lambda: tk(_stream_k=1)
             if a.persistent:

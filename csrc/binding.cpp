@@ -774,7 +774,7 @@ PYBIND11_MODULE(_C, m) {
           "counter for the dynamic tile schedule (0: static); `tile_n`: output tile width 128 or 256 (0: chosen by "
           "how well each fills the persistent grid's last wave); `pingpong`: 1 the two consumer warpgroups take "
           "128 x 128 tiles in turns, -1 they share each tile, 0 automatic; `epilogue`: 1 store warps write the output "
-          "tiles, 2 the consumers do, 0 automatic; `stream_k`: 1 the grid's last wave cut into k-block ranges, with "
+          "tiles, 2 the consumers do, 3 the consumers from registers (no staging), 0 automatic; `stream_k`: 1 the grid's last wave cut into k-block ranges, with "
           "`partials` (fp32) and `flags` (zeroed int32) of gemm_stream_k_workspace()'s sizes, not shared with a "
           "launch that may run at the same time; 0 or -1 whole tiles only; `skinny`: 1 the kernel for few rows (at "
           "most 64, A K-major), which splits K over `partials` and `flags` where given, -1 never, 0 where it "

@@ -72,3 +72,18 @@ def test_a_valid_fp32_output_passes_the_checks(ext):
 def test_an_fp32_output_that_cannot_run_is_refused_with_the_reason(ext, changes, reason):
     with pytest.raises(ValueError, match=reason):
         gemm(ext, c_fp32=True, **changes)
+
+
+def test_the_register_epilogue_passes_the_checks_for_plain_and_fp32_products(ext):
+    for c_fp32 in (False, True):
+        with pytest.raises(RuntimeError, match="launching gemm_sum failed"):
+            gemm(ext, epilogue=3, c_fp32=c_fp32)
+
+
+@pytest.mark.parametrize("changes,reason", [
+    (dict(epilogue=4), r"epilogue must be 0 \(automatic\), 1 \(store warps\), 2 \(consumers\) or 3"),
+    (dict(epilogue=-1), r"epilogue must be 0 \(automatic\), 1 \(store warps\), 2 \(consumers\) or 3"),
+])
+def test_an_epilogue_that_cannot_run_is_refused_with_the_reason(ext, changes, reason):
+    with pytest.raises(ValueError, match=reason):
+        gemm(ext, **changes)

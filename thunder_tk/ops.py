@@ -590,25 +590,35 @@ def attention_backward_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
     if (reason := qkv_grad_unsupported(q, k, cos, sin)) is not None:
         raise ValueError(reason)
     B, Hq, S, D = q.shape
-    Hkv, n = k.shape[1], cos.shape[1]
+    Hkv = k.shape[1]
     qkv_grad = torch.empty((B, S, (Hq + 2 * Hkv) * D), dtype=q.dtype, device=q.device)
     if qkv_grad.numel() == 0:
         return qkv_grad
     dq, dk, dv = qkv_head_views(qkv_grad, Hq, Hkv, D)
     ext, dq_accum, factor = _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, _group_split,
                                            _tail_split)
+    _rope_grad_pass(ext, dq_accum, factor, dq, dk, cos, sin)
+    return qkv_grad
+
+
+def _rope_grad_pass(ext, dq_accum: torch.Tensor, factor: float, dq: torch.Tensor, dk: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """attention_backward_qkv's last pass: dq = factor * dq_accum (fp32, contiguous (B, Hq, S, D)) rotated back into
+    `dq`, and `dk` rotated back in place (not at all where the tables are 0 wide); dq and dk (B, H, S, D) views with
+    unit last stride, as qkv_head_views makes them. Checked by the caller."""
+    B, Hq, S, D = dq.shape
+    n = cos.shape[1]
     # The kernel reads both tables with one row stride, rows on 16 bytes; other tables are copied (S x n, small).
     if cos.stride(0) != sin.stride(0) or not all(t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
                                                  for t in (cos, sin)):
         cos, sin = cos[:S].contiguous(), sin[:S].contiguous()
-    with _on(q.device):
+    with _on(dq.device):
         ext.attention_rope_grad(dq_accum=dq_accum.data_ptr(), dq=dq.data_ptr(), dq_stride=list(dq.stride()[:3]),
                                 q_heads=Hq, scale=factor, dk=dk.data_ptr() if n else 0,
-                                dk_stride=list(dk.stride()[:3]), kv_heads=Hkv, cos=cos.data_ptr(),
+                                dk_stride=list(dk.stride()[:3]), kv_heads=dk.shape[1], cos=cos.data_ptr(),
                                 sin=sin.data_ptr(), angle_fp32=cos.dtype == torch.float32, angle_stride=cos.stride(0),
-                                dtype=_DTYPE_CODES[q.dtype], batch=B, seq=S, head_dim=D, rope_dims=n,
-                                stream=_stream_handle(q.device))
-    return qkv_grad
+                                dtype=_DTYPE_CODES[dq.dtype], batch=B, seq=S, head_dim=D, rope_dims=n,
+                                stream=_stream_handle(dq.device))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -740,7 +750,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
     not apply there). `out`, if given, is an (M, N) tensor of that dtype with unit column stride. The underscored
     arguments are tuning knobs for tests and benchmarks (`_tile_n`: output tile width 128 or 256, 0 automatic;
     `_pingpong`: 1 the consumer warpgroups take 128 x 128 tiles in turns, -1 they share each tile, 0 automatic;
-    `_epilogue`: 1 store warps write the output tiles while the consumers go on, 2 the consumers do, 0 automatic;
+    `_epilogue`: 1 store warps write the output tiles while the consumers go on, 2 the consumers do, 3 the consumers
+    from registers with no staging (not SwiGLU's launches), 0 automatic;
     `_stream_k`: 1 the persistent grid's last wave cut into k-block ranges (static schedule only), 0 or -1 whole
     tiles only: no automatic rule measured faster; `_skinny`: the kernel for at most SKINNY_MAX_M rows with `a`
     K-major, which spreads the product over every SM by splitting K: 0 where it applies, 1 forced, -1 never).

@@ -37,6 +37,7 @@ def gemm():
                 ops.gemm(a, b, _pingpong=1, _schedule="dynamic")
                 ops.gemm(a, b, torch.randn(N, device="cuda", dtype=torch.bfloat16), _epilogue=1)
                 ops.gemm(a, b, _epilogue=1, _schedule="dynamic")
+                ops.gemm(a, b, torch.randn(N, device="cuda", dtype=torch.bfloat16), _epilogue=3)
     # The TMA-store epilogue (N % 8 == 0) with more tiles (153) than blocks, so a block stages tile after tile.
     a = torch.randn(1100, 64, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(64, 4104, device="cuda", dtype=torch.bfloat16)
@@ -233,7 +234,8 @@ def gemm_fp32_out():
                 b = torch.randn(K, N, device="cuda", dtype=bf16) if b_rows else \
                     torch.randn(N, K, device="cuda", dtype=bf16).t()
                 bias = torch.randn(N, device="cuda", dtype=bf16)
-                for knobs in ({}, {"_schedule": "dynamic"}, {"_tile_n": 128}, {"_tile_n": 256}, {"_stream_k": 1}):
+                for knobs in ({}, {"_schedule": "dynamic"}, {"_tile_n": 128}, {"_tile_n": 256}, {"_stream_k": 1},
+                              {"_epilogue": 3}):
                     ops.gemm(a, b, bias if not knobs else None, out_dtype=f32, **knobs)
                 ops.gemm_sum(a, b, a, b, out_dtype=f32)
                 ops.gemm(a, b, out=torch.empty(M, N + 1, device="cuda")[:, :N], out_dtype=f32)

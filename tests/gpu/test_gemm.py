@@ -153,16 +153,19 @@ def test_pingpong(M, N, K, a_k_major, b_n_major, dtype):
 @pytest.mark.parametrize("b_n_major", [True, False])
 @pytest.mark.parametrize("M,N,K", [(1, 8, 64), (129, 264, 72), (300, 504, 1000), (777, 1504, 520), (4096, 4104, 136),
                                    (2100, 4104, 64)])
-@pytest.mark.parametrize("epilogue", [1, 2])
+@pytest.mark.parametrize("epilogue", [1, 2, 3])
 def test_epilogues(M, N, K, a_k_major, b_n_major, dtype, epilogue):
-    """Both epilogues forced (1: store warps hand each staged tile to TMA stores while the consumers go on; 2: the
-    consumers store their own rows), N % 8 == 0 so the TMA-store path runs: tails, bias, every major, both schedules,
-    blocks with no tile, one, and many (2100 x 4104: 289 tiles, the staging handed back and forth at K of one
-    k-block), run twice so the hand-over's barriers start each launch in phase."""
+    """Each epilogue forced (1: store warps hand each staged tile to TMA stores while the consumers go on; 2: the
+    consumers store their own rows through their staging; 3: the consumers store them from registers), N % 8 == 0
+    so the TMA-store path could run: tails, bias, every major, both schedules, blocks with no tile, one, and many
+    (2100 x 4104: 289 tiles, the staging handed back and forth at K of one k-block), run twice so the hand-over's
+    barriers start each launch in phase. The register stores write the staged path's bits."""
     a, b, bias, ref = biased_problem(M, N, K, a_k_major, b_n_major, dtype)
     for schedule in ("static", "dynamic"):
         for _ in range(2):
-            checked_gemm(a, b, bias, ref, _epilogue=epilogue, _schedule=schedule)
+            out = checked_gemm(a, b, bias, ref, _epilogue=epilogue, _schedule=schedule)
+        if epilogue == 3:
+            assert torch.equal(out, ops.gemm(a, b, bias, _epilogue=2, _schedule=schedule))
 
 
 STREAM_K_SHAPES = [
@@ -244,8 +247,8 @@ def test_epilogue_errors():
     for bad in ({"_tile_n": 128}, {"_cluster": 2}, {"_pingpong": 1}):
         with pytest.raises(ValueError, match="store warps"):
             ops.gemm(a, b, _epilogue=1, **bad)
-    with pytest.raises(ValueError, match="epilogue"):
-        ops.gemm(a, b, _epilogue=3)
+    with pytest.raises(ValueError, match="epilogue must be 0"):
+        ops.gemm(a, b, _epilogue=4)
 
 
 def test_pingpong_errors():

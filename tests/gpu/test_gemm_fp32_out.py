@@ -71,8 +71,9 @@ def test_matches_float64(M, N, K, a_k_major, b_n_major):
 
 
 @pytest.mark.parametrize("knobs", [
-    dict(_tile_n=128), dict(_tile_n=256), dict(_epilogue=2), dict(_schedule="dynamic"), dict(_stream_k=1),
-    dict(_stream_k=1, _tile_n=128), dict(_group_rows=1), dict(_pingpong=-1),
+    dict(_tile_n=128), dict(_tile_n=256), dict(_epilogue=2), dict(_epilogue=3), dict(_epilogue=3, _tile_n=128),
+    dict(_schedule="dynamic"), dict(_stream_k=1), dict(_stream_k=1, _tile_n=128), dict(_group_rows=1),
+    dict(_pingpong=-1),
 ], ids=lambda k: ",".join(f"{n.strip('_')}={v}" for n, v in k.items()))
 @pytest.mark.parametrize("a_k_major,b_n_major", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("M,N,K", [(129, 264, 72), (777, 1504, 520), (4096, 4096, 512)])
@@ -108,8 +109,9 @@ def test_degenerate_sizes_and_repeats():
     first = ops.gemm(a, b, out_dtype=torch.float32)
     for _ in range(3):
         assert torch.equal(ops.gemm(a, b, out_dtype=torch.float32), first), "not repeatable bit for bit"
-    # the same products as the 16-bit output, before its rounding
+    # the same products as the 16-bit output, before its rounding; stored from registers, the same bits
     assert torch.equal(first.to(BF16), ops.gemm(a, b))
+    assert torch.equal(ops.gemm(a, b, out_dtype=torch.float32, _epilogue=3), first)
 
 
 def test_errors_name_the_problem():

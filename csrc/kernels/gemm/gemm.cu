@@ -313,8 +313,9 @@ __device__ __forceinline__ void rope_rows64(const gemm_args& g, float (&d)[BN / 
 // fp32 output (O = float) through the warpgroup's staging: its two 64 x 64 16-bit panels hold two 64 x 32 fp32
 // ones (128-byte rows either way, in the 128-byte swizzle), used in turns, a TMA store each. A panel is rewritten
 // once the store of the one before it (the other panel) is all that may still read: the warpgroup meets once per
-// panel, not once per pair of them. Each thread writes its pairs as 8-byte stores (a warp's 8 rows x 32 bytes land
-// in two wavefronts).
+// panel, not once per pair of them. Each thread writes its pairs as 8-byte stores, a half-warp's 4 rows x 32 bytes
+// at a time. Under the swizzle rows r and r ^ 1 put a column block in the same two 16-byte chunks, so in each store
+// the odd rows write the block two further on (16 columns): the half-warp's rows then cover all 32 banks once.
 template <int COLS, typename State, typename Pair>
 __device__ __forceinline__ void write_rows64_fp32(State& st, const gemm_args& g, const CUtensorMap& map_c, int wg,
                                                   const float (&d)[COLS / 2], int64_t row0, int64_t col0, Pair pair) {
@@ -325,12 +326,16 @@ __device__ __forceinline__ void write_rows64_fp32(State& st, const gemm_args& g,
         uint8_t* stage = reinterpret_cast<uint8_t*>(st.c_stage[wg][panel % 2]);
         if (leader) tma::store_wait_read<1>();  // this panel's last store (two back) has read it
         sync::named_sync(own_barrier, warpgroup::threads);
+        const bool odd_row = (threadIdx.x >> 2) & 1;
 #pragma unroll
         for (int i = panel * 16; i < panel * 16 + 16; i += 2) {  // fragment columns [32 panel, 32 panel + 32)
-            const auto pos = wgmma::accumulator_position(i);
+            const int partner = i ^ 8;  // the same row's pair 16 columns on, in this panel
+            const int f = odd_row ? partner : i;
+            const float x = odd_row ? d[partner] : d[i], y = odd_row ? d[partner + 1] : d[i + 1];
+            const auto pos = wgmma::accumulator_position(f);
             // the 128-byte swizzle's offset, which that helper takes in 16-bit columns: two per fp32 column
             const uint32_t at = tma::swizzled_offset_128b(pos.row, 2 * (pos.col % 32));
-            *reinterpret_cast<float2*>(stage + at) = pair(i, d[i], d[i + 1]);
+            *reinterpret_cast<float2*>(stage + at) = pair(f, x, y);
         }
         tma::fence_shared_to_async();
         sync::named_sync(own_barrier, warpgroup::threads);
@@ -1158,7 +1163,7 @@ cudaError_t launch(const gemm_args& g, cudaStream_t stream) {
         return cudaErrorInvalidValue;
 
     kernel_params p;
-    p.tma_store = tma_store;
+    p.tma_store = tma_store && g.epilogue != 3;  // 3: the consumers store from registers, where TMA could too
     p.args = g;
     // The schedule walks pairs of tile rows; a pair past M computes on zero-filled A and stores nothing.
     const int tiles_m = int((g.M + BM - 1) / BM);
@@ -1355,7 +1360,10 @@ const char* gemm_unsupported(const gemm_args& g) {
     if (g.pingpong < -1 || g.pingpong > 1) return "pingpong must be 0 (automatic), 1 (on) or -1 (off)";
     if (g.pingpong == 1 && (g.cluster == 2 || g.tile_n == 256))
         return "ping-pong tiles are 128 x 128 with no cluster";
-    if (g.epilogue < 0 || g.epilogue > 2) return "epilogue must be 0 (automatic), 1 (store warps) or 2 (consumers)";
+    if (g.epilogue < 0 || g.epilogue > 3)
+        return "epilogue must be 0 (automatic), 1 (store warps), 2 (consumers) or 3 (consumers, from registers)";
+    if (g.epilogue == 3 && (g.h1 != nullptr || g.b2 != nullptr))
+        return "SwiGLU's launches store through shared memory (epilogue 3 is not theirs)";
     if (g.epilogue == 1 && (g.cluster == 2 || g.tile_n == 128 || g.pingpong == 1))
         return "store warps take 256-wide shared tiles with no cluster and no ping-pong";
     if (g.stream_k < -1 || g.stream_k > 1) return "stream_k must be 1 (on), 0 or -1 (off)";

@@ -24,7 +24,8 @@ struct gemm_args {
     // benchmark's shapes) and ping-pong for SwiGLU's backward (its tiles are 128 wide either way).
     int pingpong;
     // 1: store warps write the output tiles, so the consumers go on at once (256-wide tiles, three stages); 2: the
-    // consumers store their own rows (four stages); 0: automatic, store warps where a block takes many tiles.
+    // consumers store their own rows (four stages); 3: the consumers store them from registers, no staging (not
+    // SwiGLU's launches); 0: automatic, store warps where a block takes many tiles.
     int epilogue;
     // Dynamic tile schedule (clusters of 1 only): blocks take tiles from this zeroed counter as they get to
     // them, so blocks that start late (SMs busy with other kernels, e.g. an overlapping collective) take fewer
