@@ -4,11 +4,8 @@ model end to end."""
 import thunder
 import torch
 
+from accuracy import rel_err
 from thunder_tk import tk
-
-
-def rel_err(got, ref):
-    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def step_as_accurately_as_eager(litgpt, mixed: bool = False, executors=None, **options):

@@ -8,6 +8,7 @@ repeatability, outputs written in full (the caching allocator is filled with NaN
 import pytest
 import torch
 
+from accuracy import rel_err
 from poisoning import poison_allocator
 from thunder_tk import ops
 
@@ -37,10 +38,6 @@ def reference(q, k, v, causal=False, scale=None):
     lse = torch.logsumexp(s, dim=-1)
     o = torch.exp(s - lse[..., None]) @ v64
     return o, lse
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def run(q, k, v, causal=False, scale=None):

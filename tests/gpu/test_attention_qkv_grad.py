@@ -9,6 +9,7 @@ bit for bit, and argument errors named."""
 import pytest
 import torch
 
+from accuracy import rel_err
 from poisoning import poison_allocator
 from thunder_tk import ops
 
@@ -16,10 +17,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not hasattr(ops, "attention_backward_qkv"), reason="no ops.attention_backward_qkv")]
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
-
-
-def rel_err(got, ref):
-    return ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def rope_tables(rows, n, dtype):

@@ -7,14 +7,11 @@ import torch
 import thunder
 
 import thunder_tk
+from accuracy import rel_err
 from litgpt_training import step_as_accurately_as_eager
 from thunder_tk import ops, tk
 
 pytestmark = pytest.mark.gpu
-
-
-def rel_err(got, ref):
-    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def test_litgpt_gpt_trains_with_tk_attention_as_accurately_as_eager():

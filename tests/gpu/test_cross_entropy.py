@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import thunder
 
 import thunder_tk
+from accuracy import rel_err
 from poisoning import poison_allocator
 from thunder_tk import ops, tk
 
@@ -57,10 +58,6 @@ def reference_grad(logits, target, grad_loss, ignore_index=-100):
     grad = grad_loss.double().unsqueeze(1) * p
     grad[target == ignore_index] = 0.0
     return grad
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def row_err(out, ref, ref_lse):

@@ -6,6 +6,7 @@ repeatable bit for bit (sums in token order, no atomics), and argument errors na
 import pytest
 import torch
 
+from accuracy import rel_err
 from poisoning import poison_allocator
 from thunder_tk import ops
 
@@ -13,10 +14,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not hasattr(ops, "embedding_backward"), reason="no ops.embedding_backward")]
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-
-
-def rel_err(got, ref):
-    return ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def run(grad, ids, rows, padding_idx=-1):

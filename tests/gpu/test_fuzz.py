@@ -39,6 +39,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from accuracy import rel_err
 from fuzzing import pick
 from poisoning import poison_allocator
 from test_attention import GRAD_TOL, LSE_TOL, O_TOL
@@ -138,11 +139,6 @@ def check_acceptance(case, check):
     error = raised(check)
     assert error is None, f"the check rejects a case meant to be valid: {type(error).__name__}: {error}: " \
                           f"{describe(case)}"
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float:
-    ref = ref.double()
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(floor)).item()
 
 
 def assert_mostly_accepted(cases, check_of):

@@ -6,16 +6,13 @@ import torch
 import thunder
 
 import thunder_tk
+from accuracy import operand, rel_err
 from models import LlamaMLP
 from thunder_tk import ops
 
 pytestmark = pytest.mark.gpu
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def reference(a, b, bias=None):
@@ -32,13 +29,6 @@ def check(a, b, bias=None):
     return out
 
 
-def operand(rows, cols, dtype, major_rows: bool):
-    """(rows, cols) with a unit stride along cols (row-major) or along rows (a transposed view)."""
-    if major_rows:
-        return torch.randn(rows, cols, device="cuda", dtype=dtype)
-    return torch.randn(cols, rows, device="cuda", dtype=dtype).t()
-
-
 SHAPES = [(1, 1, 8), (1, 7, 64), (17, 33, 24), (128, 256, 64), (129, 257, 72), (300, 500, 1000), (1000, 5, 4096),
           (8192, 16, 128), (16, 8192, 2048), (777, 1500, 520), (2048, 4096, 2048)]
 
@@ -50,8 +40,8 @@ SHAPES = [(1, 1, 8), (1, 7, 64), (17, 33, 24), (128, 256, 64), (129, 257, 72), (
 def test_matches_fp32_reference(M, N, K, a_k_major, b_n_major, dtype):
     if (not a_k_major and M % 8) or (b_n_major and N % 8):
         pytest.skip("that layout's leading stride is M or N; the copy path is tested separately")
-    a = operand(M, K, dtype, a_k_major)
-    b = operand(K, N, dtype, b_n_major)
+    a = operand(M, K, a_k_major, dtype)
+    b = operand(K, N, b_n_major, dtype)
     check(a, b)
 
 
@@ -59,8 +49,8 @@ def test_matches_fp32_reference(M, N, K, a_k_major, b_n_major, dtype):
 @pytest.mark.parametrize("a_k_major", [True, False])
 @pytest.mark.parametrize("b_n_major", [True, False])
 def test_cluster_variant(M, N, K, a_k_major, b_n_major):
-    a = operand(M, K, torch.bfloat16, a_k_major)
-    b = operand(K, N, torch.bfloat16, b_n_major) if not (b_n_major and N % 8) else operand(K, N, torch.bfloat16, False)
+    a = operand(M, K, a_k_major, torch.bfloat16)
+    b = operand(K, N, b_n_major, torch.bfloat16) if not (b_n_major and N % 8) else operand(K, N, False, torch.bfloat16)
     out = ops.gemm(a, b, _cluster=2)
     assert rel_err(out, reference(a, b)) < TOL[torch.bfloat16]
 
@@ -86,7 +76,7 @@ def test_bias_through_the_tma_epilogue_over_many_tiles(dtype, K, bias_offset, sc
     off."""
     M, N = 2100, 4104
     a = torch.randn(M, K, device="cuda", dtype=dtype)
-    b = operand(K, N, dtype, False) / 8
+    b = operand(K, N, False, dtype) / 8
     bias = torch.randn(N + 1, device="cuda", dtype=dtype)[bias_offset:bias_offset + N]
     out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
     ops.gemm(a, b, bias, out=out, _schedule=schedule)
@@ -103,8 +93,8 @@ def test_narrow_tiles(M, N, K, a_k_major, b_n_major, dtype):
     every operand major, with tails, bias and both schedules."""
     if (not a_k_major and M % 8) or (b_n_major and N % 8):
         pytest.skip("that layout's leading stride is M or N; the copy path is tested separately")
-    a = operand(M, K, dtype, a_k_major)
-    b = operand(K, N, dtype, b_n_major)
+    a = operand(M, K, a_k_major, dtype)
+    b = operand(K, N, b_n_major, dtype)
     bias = torch.randn(N, device="cuda", dtype=dtype)
     for schedule in ("static", "dynamic"):
         out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
@@ -118,8 +108,8 @@ def biased_problem(M, N, K, a_k_major, b_n_major, dtype):
     bias, and the fp32 reference."""
     if (not a_k_major and M % 8) or (b_n_major and N % 8):
         pytest.skip("that layout's leading stride is M or N; the copy path is tested separately")
-    a = operand(M, K, dtype, a_k_major)
-    b = operand(K, N, dtype, b_n_major) / 8
+    a = operand(M, K, a_k_major, dtype)
+    b = operand(K, N, b_n_major, dtype) / 8
     bias = torch.randn(N, device="cuda", dtype=dtype)
     return a, b, bias, reference(a, b, bias)
 
@@ -286,7 +276,7 @@ def test_strided_views_and_copy_path():
     check(flat[1:].view(40, 64), torch.randn(64, 30, device="cuda", dtype=torch.bfloat16))  # misaligned base
     check(torch.randn(50, 64, device="cuda", dtype=torch.bfloat16),
           torch.randn(30, 64, device="cuda", dtype=torch.bfloat16).t()[:, ::2][:, :13])  # no unit stride
-    check(operand(77, 64, torch.bfloat16, False), operand(64, 50, torch.bfloat16, True))  # M-major, lead 77
+    check(operand(77, 64, False, torch.bfloat16), operand(64, 50, True, torch.bfloat16))  # M-major, lead 77
 
 
 def test_degenerate_and_errors():
@@ -308,8 +298,8 @@ def test_dynamic_schedule(M, N, K, a_k_major):
     launches on two streams at once, and where a busy GPU starts blocks late."""
     if not a_k_major and M % 8:
         pytest.skip("that layout's leading stride is M")
-    a = operand(M, K, torch.bfloat16, a_k_major)
-    b = operand(K, N, torch.bfloat16, True)
+    a = operand(M, K, a_k_major, torch.bfloat16)
+    b = operand(K, N, True, torch.bfloat16)
     ref = reference(a, b)
     outs = []
     for _ in range(3):

@@ -12,6 +12,7 @@ import torch
 import thunder
 
 import thunder_tk
+from accuracy import operand, rel_err
 from models import LlamaMLP
 from thunder_tk import ops
 
@@ -20,17 +21,6 @@ pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 # fp32 accumulation over K of at most 4096: a few 1e-7 relative; a result rounded to bf16 would be ~2e-3.
 TOL = 2e-5
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-
-
-def operand(rows, cols, unit_cols: bool):
-    """(rows, cols) bf16 with a unit stride along cols (row-major) or along rows (a transposed view)."""
-    if unit_cols:
-        return torch.randn(rows, cols, device="cuda", dtype=BF16)
-    return torch.randn(cols, rows, device="cuda", dtype=BF16).t()
 
 
 def check(a, b, bias=None, second=None, out=None, **knobs):

@@ -10,23 +10,13 @@ import torch
 import thunder
 
 import thunder_tk
+from accuracy import operand, rel_err
 from models import LlamaMLP
 from thunder_tk import ops
 
 pytestmark = pytest.mark.gpu
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-
-
-def operand(rows, cols, dtype, unit_cols: bool):
-    """(rows, cols) with a unit stride along cols (row-major) or along rows (a transposed view)."""
-    if unit_cols:
-        return torch.randn(rows, cols, device="cuda", dtype=dtype)
-    return torch.randn(cols, rows, device="cuda", dtype=dtype).t()
 
 
 def check(a, b, a2, b2, bias=None, **knobs):
@@ -54,8 +44,8 @@ SHAPES = [(1, 8, 64, 8), (17, 40, 24, 72), (129, 264, 72, 136), (300, 504, 1000,
 def test_matches_float64(M, N, K, K2, a_k_major, b_n_major, dtype):
     if (not a_k_major and M % 8) or (b_n_major and N % 8):
         pytest.skip("that layout's leading stride is M or N; the copy path is tested separately")
-    a, a2 = operand(M, K, dtype, a_k_major), operand(M, K2, dtype, a_k_major)
-    b, b2 = operand(K, N, dtype, b_n_major), operand(K2, N, dtype, b_n_major)
+    a, a2 = operand(M, K, a_k_major, dtype), operand(M, K2, a_k_major, dtype)
+    b, b2 = operand(K, N, b_n_major, dtype), operand(K2, N, b_n_major, dtype)
     check(a, b, a2, b2)
 
 
@@ -67,8 +57,8 @@ def test_matches_float64(M, N, K, K2, a_k_major, b_n_major, dtype):
 @pytest.mark.parametrize("M,N,K,K2", [(129, 264, 72, 136), (777, 1504, 520, 1000), (4096, 4096, 512, 192)])
 def test_every_tile_path(M, N, K, K2, a_k_major, b_n_major, knobs):
     dtype = torch.bfloat16
-    a, a2 = operand(M, K, dtype, a_k_major), operand(M, K2, dtype, a_k_major)
-    b, b2 = operand(K, N, dtype, b_n_major), operand(K2, N, dtype, b_n_major)
+    a, a2 = operand(M, K, a_k_major, dtype), operand(M, K2, a_k_major, dtype)
+    b, b2 = operand(K, N, b_n_major, dtype), operand(K2, N, b_n_major, dtype)
     check(a, b, a2, b2, **knobs)
 
 
@@ -79,27 +69,27 @@ def test_bias_mixed_majors_strided_views_and_copies(dtype):
     M, N, K, K2 = 300, 504, 200, 136
     big = torch.randn(M, 2 * K, device="cuda", dtype=dtype)
     a = big[:, 8:8 + K]  # a strided K-major view
-    a2 = operand(M, K2, dtype, False)  # M-major
-    b = operand(K, N, dtype, True)
+    a2 = operand(M, K2, False, dtype)  # M-major
+    b = operand(K, N, True, dtype)
     b2 = torch.randn(K2, N + 8, device="cuda", dtype=dtype)[:, :N]  # N-major, row stride N + 8
     bias = torch.randn(N, device="cuda", dtype=dtype)
     check(a, b, a2, b2, bias)
-    check(a, b, a2, operand(K2, N, dtype, False))  # B majors differ
+    check(a, b, a2, operand(K2, N, False, dtype))  # B majors differ
     odd = torch.randn(M * K2 + 1, device="cuda", dtype=dtype)[1:].view(M, K2)  # 2 bytes off 16
     check(a, b, odd, b2)
 
 
 def test_degenerate_sizes_and_repeats():
     dtype = torch.bfloat16
-    a, b = operand(70, 64, dtype, True), operand(64, 24, dtype, True)
-    a2, b2 = operand(70, 0, dtype, True), operand(0, 24, dtype, True)
+    a, b = operand(70, 64, True, dtype), operand(64, 24, True, dtype)
+    a2, b2 = operand(70, 0, True, dtype), operand(0, 24, True, dtype)
     assert torch.equal(ops.gemm_sum(a, b, a2, b2), ops.gemm(a, b))  # nothing to add
     assert torch.equal(ops.gemm_sum(a2, b2, a, b), ops.gemm(a, b))  # the first product empty
     zero = ops.gemm_sum(a2, b2, a2, b2)
     assert zero.shape == (70, 24) and not zero.any()
     assert ops.gemm_sum(a[:0], b, a2[:0], b2).shape == (0, 24)
-    a, b = operand(2048, 1000, dtype, True), operand(1000, 2048, dtype, False)
-    a2, b2 = operand(2048, 520, dtype, True), operand(520, 2048, dtype, False)
+    a, b = operand(2048, 1000, True, dtype), operand(1000, 2048, False, dtype)
+    a2, b2 = operand(2048, 520, True, dtype), operand(520, 2048, False, dtype)
     first = ops.gemm_sum(a, b, a2, b2)
     for _ in range(3):
         assert torch.equal(ops.gemm_sum(a, b, a2, b2), first), "not repeatable bit for bit"
@@ -107,17 +97,17 @@ def test_degenerate_sizes_and_repeats():
 
 def test_errors_name_the_problem():
     dtype = torch.bfloat16
-    a, b = operand(64, 64, dtype, True), operand(64, 32, dtype, True)
+    a, b = operand(64, 64, True, dtype), operand(64, 32, True, dtype)
     with pytest.raises(ValueError, match="one shape"):
-        ops.gemm_sum(a, b, operand(32, 64, dtype, True), b)
+        ops.gemm_sum(a, b, operand(32, 64, True, dtype), b)
     with pytest.raises(ValueError, match="one shape"):
-        ops.gemm_sum(a, b, a, operand(64, 40, dtype, True))
+        ops.gemm_sum(a, b, a, operand(64, 40, True, dtype))
     with pytest.raises(ValueError, match="must be torch.bfloat16 tensors"):
         ops.gemm_sum(a, b, a.half(), b.half())
     with pytest.raises(ValueError, match="K a multiple of 8"):
-        ops.gemm_sum(a, b, operand(64, 12, dtype, True), operand(12, 32, dtype, True))
+        ops.gemm_sum(a, b, operand(64, 12, True, dtype), operand(12, 32, True, dtype))
     with pytest.raises(ValueError, match="shapes do not match"):
-        ops.gemm_sum(a, b, a, operand(60, 32, dtype, True))
+        ops.gemm_sum(a, b, a, operand(60, 32, True, dtype))
     with pytest.raises(TypeError, match="a2 and b2 must be tensors"):
         ops.gemm_sum(a, b, a, None)
     with pytest.raises(ValueError, match="skinny GEMM takes one product"):

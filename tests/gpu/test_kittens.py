@@ -6,6 +6,7 @@ Outputs are poisoned with NaN first."""
 import pytest
 import torch
 
+from accuracy import rel_err
 from thunder_tk import _extension
 
 pytestmark = pytest.mark.gpu
@@ -19,10 +20,6 @@ def selftest():
 
 def stream():
     return torch.cuda.current_stream().cuda_stream
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def poisoned(*shape, dtype=torch.float32):

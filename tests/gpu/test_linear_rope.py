@@ -9,16 +9,13 @@ copies, a LitGPT model trained through the fold, and argument errors named."""
 import pytest
 import torch
 
+from accuracy import rel_err
 from poisoning import poison_allocator
 from thunder_tk import ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not hasattr(ops, "linear_rope"), reason="no ops.linear_rope")]
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
-
-
-def rel_err(got, ref):
-    return ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def rope_tables(rows, n, dtype):

@@ -11,6 +11,7 @@ arithmetic in torch fp32 (forward to within an ulp, backward by torch.autograd),
 import pytest
 import torch
 
+from accuracy import rel_err
 from poisoning import poison_allocator
 from thunder_tk import ops
 
@@ -40,10 +41,6 @@ SHAPES = [(1, 8), (17, 8), (3, 64), (8192, 64), (1, 200), (17, 200), (3, 1000), 
           (8192, 2048), (3, 2056), (3000, 2056), (17, 4096), (1000, 4096), (3, 5120), (2000, 5120), (1, 8192),
           (17, 8192), (3, 8200), (1, 16384), (17, 16384), (1000, 16384)]
 SHAPE_IDS = [f"{rows}x{n}" for rows, n in SHAPES]
-
-
-def rel_err(got, ref):
-    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def generator(seed):

@@ -8,15 +8,12 @@ import torch.nn.functional as F
 
 from thunder_tk import ops
 
+from accuracy import rel_err
 from poisoning import poison_allocator
 
 pytestmark = pytest.mark.gpu
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def check(x, w1, w2, schedule=None):
