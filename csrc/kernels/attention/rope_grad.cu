@@ -68,7 +68,8 @@ __device__ __forceinline__ void unit(const Src* in, T* out, const Angle* cos_row
 
 // Units: dq's rows first, then dk's, each row rope_dims / 16 pairs and (D - rope_dims) / 8 octets passed through.
 // Rows go in (batch, position, head) order, so that a warp's rows share one position: their table loads are the
-// same addresses, served once (in (batch, head, position) order fp32 tables took 2.5-3x the bf16 tables' time).
+// same addresses, served once (in (batch, head, position) order, H200: 2.5 against 3.4 TB/s with fp32 tables at
+// Llama-3-8B's shape, 3.0 against 3.2 at Llama-3.2-1B's; benchmarks/NOTES.md, session 47).
 // Index: 32-bit where the units fit (its divisions are a few instructions, 64-bit ones a call).
 template <typename T, typename Angle, typename Index>
 __global__ void __launch_bounds__(THREADS) rope_grad_kernel(const rope_grad_args a) {
