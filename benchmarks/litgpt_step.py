@@ -35,7 +35,8 @@ from common import ClockSampler, bar_chart, print_table, profiled_kernels, write
 from thunder_tk.pretrain import LossModule, autocast_for, max_over_ranks, tracing_without_cyclic_gc  # noqa: E402
 from thunder_tk.pretrain_config import precision_of  # noqa: E402
 # Where a step's GPU time goes: kernels by what they compute (shared with `thunder-tk pretrain`'s profile).
-from thunder_tk.step_profile import TK_KERNEL, gpu_activities, idle_gaps, kernel_kind, kernel_label  # noqa: E402
+from thunder_tk.step_profile import (TK_KERNEL, gpu_activities, idle_gaps, kernel_kind, kernel_label,  # noqa: E402
+                                     launch_order_for_profiling)
 
 
 def build(model_name: str, n_layer: int | None, seq: int, device: torch.device, weights: torch.dtype = torch.bfloat16):
@@ -190,13 +191,14 @@ def _world() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
-def profile_step(step, device: torch.device, top: int) -> dict:
+def profile_step(step, device: torch.device, top: int, launch_order: str = "plain") -> dict:
     """One step under the CUDA profiler: wall time, summed kernel time (the gap is launch overhead and idle GPU),
-    time per kernel kind and the `top` kernels."""
+    time per kernel kind and the `top` kernels. tk's kernels launch in `launch_order` for it (plain by default: a
+    dependently launched kernel's profiled time would include its wait for the kernel before it)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with launch_order_for_profiling(launch_order) as launched_in, profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         step()
         torch.cuda.synchronize(device)
@@ -212,6 +214,7 @@ def profile_step(step, device: torch.device, top: int) -> dict:
     except Exception as e:  # noqa: BLE001
         gaps = {"error": f"{type(e).__name__}: {e}"}
     return {"wall_ms": wall * 1e3, "kernel_ms": sum(ms for ms, _ in kernels.values()), "gaps": gaps,
+            "launch_order": launched_in,
             "tk_ms": sum(ms for name, (ms, _) in kernels.items() if TK_KERNEL.search(name)),
             "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top": [{"kernel": kernel_label(k)[:200], "ms": ms, "calls": n, "kind": kernel_kind(k),
@@ -321,7 +324,8 @@ def print_profiles(rows: list[dict]) -> None:
     if not profiled:
         return
     kinds = sorted({k for r in profiled for k in r["profile"]["kinds_ms"]})
-    print("\nGPU time per step (ms), one profiled step")
+    orders = sorted({r["profile"].get("launch_order", "?") for r in profiled})
+    print(f"\nGPU time per step (ms), one profiled step (tk's kernels in {' / '.join(orders)} launch order)")
     print_table([{"variant": r["variant"], "wall": r["profile"]["wall_ms"], "kernels": r["profile"]["kernel_ms"],
                   "of which tk": r["profile"].get("tk_ms", 0.0),
                   **{k: r["profile"]["kinds_ms"].get(k, 0.0) for k in kinds}} for r in profiled],
@@ -407,7 +411,7 @@ def run(name, wrap, args, device: torch.device):
            "peak_gib": peak, "loss": float(loss.detach().float().mean()), "_windows": v.windows}
     if args.profile and cuda and name != "eager":
         try:  # a profiler failure must not cost the timing above
-            row["profile"] = profile_step(step, device, args.profile)
+            row["profile"] = profile_step(step, device, args.profile, args.profile_launch_order)
         except Exception as e:  # noqa: BLE001
             row["profile_error"] = f"{type(e).__name__}: {e}"
     if args.host_time and cuda:
@@ -498,6 +502,9 @@ def main():
     p.add_argument("--png")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile one step per variant: GPU time by kernel kind and the N largest kernels")
+    p.add_argument("--profile-launch-order", choices=("plain", "dependent"), default="plain",
+                   help="tk's launch order in the profiled step: plain (default; each kernel's time its own) or "
+                        "dependent (as the timed steps run, where a kernel's time includes its wait for the one before)")
     p.add_argument("--host-time", action="store_true",
                    help="after timing, the host's own time for one step per variant (enqueued behind a GPU sleep, "
                         "so it never waits for the GPU), beside the timed step")

@@ -165,3 +165,48 @@ def test_a_resumed_runs_first_step_is_not_profiled(tmp_path, monkeypatch):
     assert not (tmp_path / "profile.json").exists()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["tokens_per_s_after_first_step"] > 0
+
+
+def test_profiled_steps_launch_in_plain_order_unless_asked(monkeypatch, tmp_path):
+    """A dependently launched kernel's profiled time would include its wait for the one before: profiled steps
+    turn dependent launch off for their window (and back on after it), unless THUNDER_TK_PROFILE_LAUNCH_ORDER says
+    dependent; a bad value is a config error naming the variable; without tk's kernels the order is "none"."""
+    from standins import StandinBuild
+
+    from thunder_tk import ops
+    from thunder_tk.step_profile import launch_order_for_profiling, profiling_launch_order
+
+    assert profiling_launch_order({}) == "plain"
+    assert profiling_launch_order({"THUNDER_TK_PROFILE_LAUNCH_ORDER": " dependent "}) == "dependent"
+    with pytest.raises(ConfigError, match="THUNDER_TK_PROFILE_LAUNCH_ORDER='sideways'"):
+        profiling_launch_order({"THUNDER_TK_PROFILE_LAUNCH_ORDER": "sideways"})
+    with pytest.raises(ValueError, match="launch order must be"):
+        with launch_order_for_profiling("sideways"):
+            pass
+
+    StandinBuild(monkeypatch)
+    assert ops.dependent_launch() is True
+    with launch_order_for_profiling("plain") as order:
+        assert order == "plain" and ops.dependent_launch() is False
+    assert ops.dependent_launch() is True
+    with launch_order_for_profiling("dependent") as order:
+        assert order == "dependent" and ops.dependent_launch() is True
+    with ops.dependent_launches(False), launch_order_for_profiling("dependent") as order:
+        assert order == "plain"  # what the kernels really launch in
+
+    p = StepProfiler(tmp_path, 0, torch.device("cpu"), environ={"THUNDER_TK_PROFILE_STEPS": "2"})
+    p.before(2)
+    assert p.active and ops.dependent_launch() is False
+    p.after(2)
+    assert not p.active and ops.dependent_launch() is True
+    assert json.loads((tmp_path / "profile.json").read_text())["launch_order"] == "plain"
+    with pytest.raises(ConfigError, match="THUNDER_TK_PROFILE_LAUNCH_ORDER"):
+        StepProfiler(tmp_path, 0, torch.device("cpu"),
+                     environ={"THUNDER_TK_PROFILE_STEPS": "2", "THUNDER_TK_PROFILE_LAUNCH_ORDER": "x"})
+
+
+def test_without_kernels_the_launch_order_is_none(kernels_not_built):
+    from thunder_tk.step_profile import launch_order_for_profiling
+
+    with launch_order_for_profiling("plain") as order:
+        assert order == "none"

@@ -10,12 +10,17 @@ write out_dir/profile[.rank<r>].json on every rank:
 - the largest kernels.
 
 Rank 0 also writes the profiler's Chrome trace (profile_trace.json.gz, for chrome://tracing or Perfetto).
+The profiled steps run tk's kernels in plain stream order (`launch_order_for_profiling`; the profile records it):
+with programmatic dependent launch a kernel starts while the one before it finishes and waits inside itself, so
+the profiler would count that wait as the kernel's own time and the stream's idle gaps as busy.
+`THUNDER_TK_PROFILE_LAUNCH_ORDER=dependent` profiles the steps as they run otherwise.
 With FSDP the collectives run on streams of their own, so the summed kernel time says little: what the step waits
 for is the main stream's idle time, and what another stream was doing meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,6 +32,8 @@ import torch
 from thunder_tk.litgpt_models import ConfigError
 
 ENV = "THUNDER_TK_PROFILE_STEPS"
+LAUNCH_ORDER_ENV = "THUNDER_TK_PROFILE_LAUNCH_ORDER"
+LAUNCH_ORDERS = ("plain", "dependent")
 
 # Kernels by what they compute, whoever's they are (names as CUDA reports them; tk's kernels live in namespaces
 # tk::gemm, tk::attention, tk::loss, tk::p2p...). The first pattern that matches wins.
@@ -90,6 +97,34 @@ def parse_steps(raw: str | None) -> tuple[int, int] | None:
         raise ConfigError(f"{ENV}={raw!r}: expected <first step>[:<count>] with first >= 2 (step 1 traces and "
                           f"compiles) and count >= 1, e.g. 30:3")
     return first_i, count_i
+
+
+def profiling_launch_order(environ=os.environ) -> str:
+    """The launch order asked for profiled steps: LAUNCH_ORDER_ENV's value, "plain" where it is unset."""
+    order = environ.get(LAUNCH_ORDER_ENV, "").strip() or "plain"
+    if order not in LAUNCH_ORDERS:
+        raise ConfigError(f"{LAUNCH_ORDER_ENV}={order!r}: expected one of {', '.join(LAUNCH_ORDERS)}")
+    return order
+
+
+@contextlib.contextmanager
+def launch_order_for_profiling(order: str = "plain"):
+    """Runs the block in `order` and yields the order tk's kernels launched in: "plain" turns tk's programmatic
+    dependent launch off for the block (a dependently launched kernel starts under the one before it and waits
+    inside itself, so a profile would count that wait as its time, and the stream's gaps as busy); "dependent"
+    leaves the process's setting as it is (and yields that setting); "none" where tk's kernels are not loaded."""
+    if order not in LAUNCH_ORDERS:
+        raise ValueError(f"launch order must be one of {', '.join(LAUNCH_ORDERS)}; got {order!r}")
+    from thunder_tk import _extension, ops
+
+    ext = _extension.extension()
+    if ext is None:
+        yield "none"
+    elif order == "plain":
+        with ops.dependent_launches(False):
+            yield "plain"
+    else:
+        yield "dependent" if ext.dependent_launch() else "plain"
 
 
 def union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -220,8 +255,10 @@ class StepProfiler:
 
     def __init__(self, out_dir: Path, rank: int, device: torch.device, environ=os.environ):
         self.window = parse_steps(environ.get(ENV))
+        self.launch_order = profiling_launch_order(environ) if self.window is not None else "plain"
         self.out_dir, self.rank, self.device = out_dir, rank, device
         self.prof, self.done = None, 0
+        self.order_context, self.launched_in = None, None  # launch_order_for_profiling's, while the window is open
         self.started = self.t0 = 0.0  # the window's start: before its first synchronisation, after it
         # Wall time from the window's first synchronisation to the profile written: the run's pace leaves it out.
         self.spent_s = 0.0
@@ -244,6 +281,8 @@ class StepProfiler:
         activities = [ProfilerActivity.CUDA] if self.device.type == "cuda" else [ProfilerActivity.CPU]
         self.started = time.perf_counter()
         self._sync()  # the window holds these steps' GPU work only
+        self.order_context = launch_order_for_profiling(self.launch_order)
+        self.launched_in = self.order_context.__enter__()
         self.prof = profile(activities=activities)
         self.prof.__enter__()
         self.t0 = time.perf_counter()
@@ -264,7 +303,9 @@ class StepProfiler:
         wall = time.perf_counter() - self.t0
         prof, self.prof = self.prof, None
         prof.__exit__(None, None, None)
+        self.order_context.__exit__(None, None, None)
         summary = summarize(gpu_activities(prof), max(self.done, 1), wall)
+        summary["launch_order"] = self.launched_in
         summary["first_step"] = self.window[0]
         summary["rank"] = self.rank
         name = "profile.json" if self.rank == 0 else f"profile.rank{self.rank}.json"
