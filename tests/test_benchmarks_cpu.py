@@ -233,7 +233,7 @@ def test_gemm_benchmark_fp32_output_refuses_the_knobs_that_cannot_write_it():
     """--fp32-out times tk's fp32 epilogue against cuBLAS's; the clusters, ping-pong and store-warp kernels write the
     operands' dtype only, so asking for them too fails at once, naming them (before anything touches a GPU)."""
     r = run_bench("gemm.py", "--help")
-    assert r.returncode == 0 and "--fp32-out" in r.stdout, r.stderr[-3000:]
+    assert r.returncode == 0 and "--fp32-out" in r.stdout and "--register-epilogue" in r.stdout, r.stderr[-3000:]
     r = run_bench("gemm.py", "--fp32-out", "--cluster", "--epilogues")
     assert r.returncode == 2 and "--cluster, --epilogues: those kernels write the operands' dtype only" in r.stderr, \
         r.stderr[-3000:]
@@ -478,7 +478,9 @@ def test_attention_qkv_grad_benchmark_parses_and_its_peer_is_the_reference():
     from thunder_tk import ops
 
     r = run_bench("attention_qkv_grad.py", "--help")
-    assert r.returncode == 0 and "--shapes" in r.stdout, r.stderr[-3000:]
+    assert r.returncode == 0 and "--shapes" in r.stdout and "--tables" in r.stdout, r.stderr[-3000:]
+    r = run_bench("attention_qkv_grad.py", "--tables", "float16")
+    assert r.returncode == 2 and "invalid choice: 'float16'" in r.stderr, r.stderr[-3000:]
     spec = importlib.util.spec_from_file_location("qkv_grad_bench", ROOT / "benchmarks" / "attention_qkv_grad.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # no CUDA work at import time
@@ -560,6 +562,9 @@ def test_per_shape_benchmarks_share_their_command_line_and_report(tmp_path, caps
     assert a.shapes == ["large"] and a.rounds == 5
     with pytest.raises(SystemExit):
         common.shape_arguments("demo", shapes, argv=["--shapes", "medium"])
+    own = common.shape_arguments("demo", shapes, argv=["--tables", "a", "b"],
+                                 extend=lambda p: p.add_argument("--tables", nargs="+", default=["a"]))
+    assert own.tables == ["a", "b"] and own.shapes == ["small", "large"]
     rows = [{"shape": "large", "tk_us": 10.0, "peer_us": 12.5}]
     common.report(a, "demo", rows, ["shape", "tk_us", "peer_us"], "demo (us)", {"tk": "tk_us", "peer": "peer_us"})
     assert json.loads((tmp_path / "d.json").read_text())["rows"] == rows
