@@ -7,9 +7,10 @@ executors). Timed in turns (common.interleaved_ms), µs; ratios against the fold
 
 Shapes: the training steps' attention (batch x sequence 8192 tokens): Llama-3.2-1B (32 heads over 8 of 64, rope 64),
 TinyLlama (32 over 4), Llama-3-8B (32 over 8 of 128), Pythia-1.4B-like partial rope (16 heads of 128, rope 32).
-`--tables float32` uses fp32 cos and sin (bf16-mixed training's), bf16 by default (both: a row each). Each row also times the fold's
-last pass alone (the rope backward of dq and dk into the projection's gradient) against the compiled function
-alone, with the pass's rate over the bytes it must move (dq's fp32 accumulator in, dq out, dk in and out).
+`--tables float32` uses fp32 cos and sin (bf16-mixed training's), bf16 by default (both: a row each). Each row also
+times the fold's last pass alone (the rope backward of dq and dk into the projection's gradient) against the
+compiled function alone, with the pass's rate over the bytes it must move (dq's fp32 accumulator in, dq out, dk in
+and out).
 
     python benchmarks/attention_qkv_grad.py --json out/attention_qkv_grad.json --png out/attention_qkv_grad.png
 """
@@ -74,8 +75,8 @@ def measure(name: str, compiled, rounds: int, table_dtype: torch.dtype) -> dict:
         assert err < 2e-2, f"{name}: {label} differs from tk + compiled rope by {err:.3g}"
     t = interleaved_ms({"fold": fold, "tk+compile": tk_then_compiled, "sdpa+compile": sdpa_then_compiled},
                        rounds=rounds)
-    row = {"shape": name if table_dtype != torch.float32 else f"{name} fp32 tables", "B": B, "S": S, "Hq": Hq, "Hkv": Hkv, "D": D, "rope": n,
-           "tables": str(table_dtype).removeprefix("torch."),
+    row = {"shape": name if table_dtype != torch.float32 else f"{name} fp32 tables", "B": B, "S": S, "Hq": Hq,
+           "Hkv": Hkv, "D": D, "rope": n, "tables": str(table_dtype).removeprefix("torch."),
            "fold_us": t["fold"] * 1e3, "tk_compile_us": t["tk+compile"] * 1e3,
            "sdpa_compile_us": t["sdpa+compile"] * 1e3,
            "vs_tk_compile": t["tk+compile"] / t["fold"], "vs_sdpa_compile": t["sdpa+compile"] / t["fold"]}

@@ -32,8 +32,9 @@ from thunder_tk import ops  # noqa: E402
 
 SQUARES = [4096, 8192, 16384]
 SWEEP_GROUPS = (4, 16, 32, 64)
+# optional tk variants, timed in the same rotation
 EXTRA_VARIANTS = ("dynamic", "cluster2", "narrow", "pingpong", "pingpong_dynamic", "store_warps", "consumers",
-                  "stream_k", "persistent", "registers", "bf16_out", "bf16_out_cast")  # optional tk variants, in the same rotation
+                  "stream_k", "persistent", "registers", "bf16_out", "bf16_out_cast")
 # The knobs whose kernels write only the operands' dtype (ops.gemm refuses them with fp32 output).
 NOT_WITH_FP32_OUT = ("cluster", "pingpong", "epilogues")
 TOKENS = 8192

@@ -872,8 +872,9 @@ GEMM_FP32_OUT = "gemm_fp32_out"
 """THUNDER_TK_DISABLE name that keeps bf16 products cast to fp32 as products rounded to bf16 and the fuser's casts."""
 GEMM_FP32_OUT_ENV = "THUNDER_TK_GEMM_FP32_OUT"
 """1: widen_products runs (then GEMM_FP32_OUT turns it off per jitted function); 0 or unset: it does not. Off by
-default: in the 16-layer Llama-3.2-1B step at bf16-mixed (H200, 408049d, benchmarks/NOTES.md) the fp32 epilogue cost
-the weight-gradient GEMMs more than the fuser's casts it saved (64.3k tokens/s against 65.3k without it)."""
+default: in the 16-layer Llama-3.2-1B step at bf16-mixed (H200, 04915fa, benchmarks/NOTES.md) it was no faster (66.0k
+tokens/s against 65.7k without it, inside the rounds' spread: the fp32 epilogue costs the GEMMs about what the fuser's
+casts it saves took) and held 0.49 GiB more at peak (the lm_head's weight gradient in fp32)."""
 
 
 def _widening_wanted() -> bool:

@@ -258,7 +258,7 @@ class StepProfiler:
         self.launch_order = profiling_launch_order(environ) if self.window is not None else "plain"
         self.out_dir, self.rank, self.device = out_dir, rank, device
         self.prof, self.done = None, 0
-        self.order_context, self.launched_in = None, None  # launch_order_for_profiling's, while the window is open
+        self.scope, self.launched_in = None, None  # the window's launch order and profiler, while it is open
         self.started = self.t0 = 0.0  # the window's start: before its first synchronisation, after it
         # Wall time from the window's first synchronisation to the profile written: the run's pace leaves it out.
         self.spent_s = 0.0
@@ -281,10 +281,9 @@ class StepProfiler:
         activities = [ProfilerActivity.CUDA] if self.device.type == "cuda" else [ProfilerActivity.CPU]
         self.started = time.perf_counter()
         self._sync()  # the window holds these steps' GPU work only
-        self.order_context = launch_order_for_profiling(self.launch_order)
-        self.launched_in = self.order_context.__enter__()
-        self.prof = profile(activities=activities)
-        self.prof.__enter__()
+        self.scope = contextlib.ExitStack()
+        self.launched_in = self.scope.enter_context(launch_order_for_profiling(self.launch_order))
+        self.prof = self.scope.enter_context(profile(activities=activities))
         self.t0 = time.perf_counter()
 
     def after(self, step: int) -> None:
@@ -302,8 +301,7 @@ class StepProfiler:
         self._sync()
         wall = time.perf_counter() - self.t0
         prof, self.prof = self.prof, None
-        prof.__exit__(None, None, None)
-        self.order_context.__exit__(None, None, None)
+        self.scope.close()  # the profiler stopped, then the launch order restored
         summary = summarize(gpu_activities(prof), max(self.done, 1), wall)
         summary["launch_order"] = self.launched_in
         summary["first_step"] = self.window[0]
