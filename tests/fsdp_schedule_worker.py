@@ -1,19 +1,17 @@
 """Run by tests/test_fsdp_schedule.py under torchrun (two gloo ranks): a 3-layer LitGPT model under Thunder FSDP,
-jitted with the executors argv[1] names ("tk", "tk-fused-order": tk with the schedule off, "default"; a name with
-"zero3" in it shards with ZeRO-3). Rank 0
-writes where the collectives and waits sit in the traces that run, the loss and the gradients' norms, as JSON to
-argv[2]."""
+jitted with the executors each of argv[1]'s comma-separated variants names ("tk", "tk-fused-order": tk with the
+schedule off, "default"; a name with "zero3" in it shards with ZeRO-3). Rank 0 writes, by variant, where the
+collectives and waits sit in the traces that run, the loss and the gradients' norms, as JSON to argv[2]."""
 
-import json
 import sys
 
 import thunder
 import torch
-import torch.distributed as dist
 from litgpt import GPT, Config
 from thunder.distributed import FSDPType, fsdp
 
 from thunder_tk.pretrain import LossModule, resolve_executors
+from workers import run_variants
 
 
 def positions(trace, pattern: str) -> list[int]:
@@ -30,8 +28,7 @@ def last_gemm(trace) -> int:
                                                                                 "tk_matmul"))
 
 
-def main(variant: str, out: str) -> None:
-    dist.init_process_group("gloo")
+def run(variant: str) -> dict:
     torch.manual_seed(0)
     cfg = Config(name="s", block_size=64, vocab_size=128, padded_vocab_size=128, n_layer=3, n_head=2,
                  n_query_groups=2, n_embd=64, head_size=32, bias=False, norm_class_name="RMSNorm",
@@ -50,20 +47,15 @@ def main(variant: str, out: str) -> None:
     loss.backward()
     grads = {n: float(p.grad.double().norm()) for n, p in net.named_parameters()}
     fw, bw = thunder.last_traces(net)[-1], thunder.last_backward_traces(net)[-1]
-    if dist.get_rank() == 0:
-        gathers = [b.args[0].name for b in fw.bound_symbols if "all_gather" in b.sym.name]
-        result = {
-            "loss": float(loss), "grads": grads, "gathers": gathers,
-            "forward_waits": positions(fw, "wait"), "forward_first_gemm": first_gemm(fw),
-            "backward_reduce_scatters": positions(bw, "reduce_scatter"), "backward_last_gemm": last_gemm(bw),
-            "backward_waits": positions(bw, "wait"),
-            "backward_gathers": [(i, b.args[0].name) for i, b in enumerate(bw.bound_symbols)
-                                 if "all_gather" in b.sym.name],
-        }
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
+    gathers = [b.args[0].name for b in fw.bound_symbols if "all_gather" in b.sym.name]
+    return {
+        "loss": float(loss), "grads": grads, "gathers": gathers,
+        "forward_waits": positions(fw, "wait"), "forward_first_gemm": first_gemm(fw),
+        "backward_reduce_scatters": positions(bw, "reduce_scatter"), "backward_last_gemm": last_gemm(bw),
+        "backward_waits": positions(bw, "wait"),
+        "backward_gathers": [(i, b.args[0].name) for i, b in enumerate(bw.bound_symbols) if "all_gather" in b.sym.name],
+    }
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    run_variants(run, sys.argv[1], sys.argv[2])

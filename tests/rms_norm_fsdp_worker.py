@@ -1,15 +1,14 @@
 """Run by tests/test_rms_norm_fsdp.py under torchrun (two gloo ranks): a 3-layer LitGPT model in bf16 under Thunder
-FSDP (argv[1]: "zero2" or "zero3", "-off" appended for tk_disable="rms_norm"), jitted with tk and the stand-in build
+FSDP (each of argv[1]'s comma-separated variants: "zero2" or "zero3", "-off" appended for tk_disable="rms_norm"),
+jitted with tk and the stand-in build
 (tk's kernels in float64 math on CPU tensors), so that fold_rms_norm meets the all-gathered weights and the
-reduce-scattered weight gradients. Rank 0 writes the loss, the gradients' norms and the norms folded as JSON to
-argv[2]."""
+reduce-scattered weight gradients. Rank 0 writes, by variant, the loss, the gradients' norms and the norms folded as
+JSON to argv[2]."""
 
-import json
 import sys
 
 import thunder
 import torch
-import torch.distributed as dist
 from _pytest.monkeypatch import MonkeyPatch
 from litgpt import GPT, Config
 from thunder.distributed import FSDPType, fsdp
@@ -17,14 +16,10 @@ from thunder.extend import register_executor
 
 from standins import EagerRegionFuser, StandinBuild
 from thunder_tk import claim_rules, tk
+from workers import run_variants
 
 
-def main(variant: str, out: str) -> None:
-    dist.init_process_group("gloo")
-    patch = MonkeyPatch()
-    StandinBuild(patch)
-    patch.setattr(claim_rules, "gemm_size_policy_default", False)
-    register_executor(EagerRegionFuser("nvfuser"))
+def run(variant: str) -> dict:
     torch.manual_seed(0)
     cfg = Config(name="s", block_size=64, vocab_size=128, padded_vocab_size=128, n_layer=3, n_head=2,
                  n_query_groups=2, n_embd=64, head_size=32, bias=False, norm_class_name="RMSNorm",
@@ -41,14 +36,14 @@ def main(variant: str, out: str) -> None:
     loss = net(x).float().square().mean()
     loss.backward()
     fw, bw = str(thunder.last_traces(net)[-1]), str(thunder.last_backward_traces(net)[-1])
-    if dist.get_rank() == 0:
-        result = {"loss": float(loss), "grads": {n: float(p.grad.double().norm()) for n, p in net.named_parameters()},
-                  "forward_norms": fw.count("tk_rms_norm(") + fw.count("tk_add_rms_norm("),
-                  "backward_norms": bw.count("tk_rms_norm_backward(")}
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
+    return {"loss": float(loss), "grads": {n: float(p.grad.double().norm()) for n, p in net.named_parameters()},
+            "forward_norms": fw.count("tk_rms_norm(") + fw.count("tk_add_rms_norm("),
+            "backward_norms": bw.count("tk_rms_norm_backward(")}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    patch = MonkeyPatch()
+    StandinBuild(patch)
+    patch.setattr(claim_rules, "gemm_size_policy_default", False)
+    register_executor(EagerRegionFuser("nvfuser"))
+    run_variants(run, sys.argv[1], sys.argv[2])

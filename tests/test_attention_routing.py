@@ -325,3 +325,80 @@ def test_inference_reads_repeated_kv_grouped(standin_tk_build, standin_attention
     out = jf(*inputs)
     assert_close_bf16(out, _reference_grouped(inputs, torch.zeros(2, 4, 16, 64), f)[0].float())
     assert _tk_op(thunder.last_traces(jf)[-1], "tk_attention").args[1].shape[1] == 1
+
+
+# -- a fallback's own shape limits ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def masked_attention(monkeypatch):
+    """A CPU attention executor that takes masks, standing where tk looks for cuDNN/SDPA, with Thunder's `sdpa`
+    shape limits (FALLBACK_SHAPE_LIMITS): its checker accepts what its memory-efficient kernel then fails on."""
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.transforms import get_grad, put_grads
+    from thunder.extend import OperatorExecutor, deregister_executor, register_executor
+    import thunder.torch as ltorch
+
+    ex = OperatorExecutor("masked_sdpa")
+
+    def run(q, k, v, mask, grad_o=None):
+        inputs = [t.detach().requires_grad_(grad_o is not None) for t in (q, k, v)]
+        with torch.enable_grad():
+            out = F.scaled_dot_product_attention(*inputs, attn_mask=mask)
+            return out if grad_o is None else torch.autograd.grad(out, inputs, grad_o)
+
+    fwd = ex.register_operator("masked_sdpa_fwd", meta=lambda q, k, v, mask: TensorProxy(like=q),
+                               fn=lambda q, k, v, mask: run(q, k, v, mask))
+    bwd = ex.register_operator("masked_sdpa_bwd", fn=lambda g, q, k, v, mask: run(q, k, v, mask, g),
+                               meta=lambda g, q, k, v, mask: tuple(TensorProxy(like=t) for t in (q, k, v)))
+
+    def checker(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
+        return dropout_p == 0.0 and not is_causal and scale is None
+
+    def execution(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
+        return fwd(q, k, v, attn_mask)
+
+    def grad(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
+        out = fwd(q, k, v, attn_mask)
+        put_grads((q, k, v), bwd(get_grad(out), q, k, v, attn_mask))
+        return out
+
+    ex.register_implementation(ltorch.scaled_dot_product_attention, checker=checker, execution_transform=execution,
+                               grad_transform=grad)
+    register_executor(ex)
+    monkeypatch.setattr(tk_executor, "ATTENTION_FALLBACKS", (ex.name,))
+    monkeypatch.setitem(tk_executor.FALLBACK_SHAPE_LIMITS, ex.name, tk_executor.FALLBACK_SHAPE_LIMITS["sdpa"])
+    yield ex
+    deregister_executor(ex)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("mask_batch", [1, 2])
+def test_a_mask_sdpa_cannot_take_goes_to_the_decomposition_and_explain_says_why(standin_tk_build, masked_attention,
+                                                                               training, mask_batch):
+    """A mask broadcast over the batch (LitGPT's sliding window: (1, 1, S, S)) passes Thunder's sdpa checker and
+    then fails its memory-efficient kernel's trace-time check: tk hands it to the decomposition instead."""
+    q, k, v = qkv(B=2, requires_grad=training)
+    mask = torch.rand(mask_batch, 1, 16, 16, generator=torch.Generator().manual_seed(3)) > 0.3
+    mask |= torch.eye(16, dtype=torch.bool)  # no row fully masked
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    jf = thunder.jit(fn, executors=[tk])
+    out = jf(q, k, v)
+    grad_o = torch.randn_like(out)
+    want, want_grads = reference(q, k, v, grad_o if training else None, attn_mask=mask)
+    assert_close_bf16(out, want)
+    if training:
+        out.backward(grad_o)
+        for t, w in zip((q, k, v), want_grads):
+            assert_close_bf16(t.grad, w)
+    row = attention_row(jf)
+    assert not row.claimed_by_tk and "attn_mask is given" in row.reason
+    if mask_batch == 1:
+        assert "masked_sdpa not used: its memory-efficient kernel needs one batch size for q, k, v and the mask " \
+               "(got 2, 2, 2, 1)" in row.reason, row.reason
+        assert "masked_sdpa" not in row.ran_by
+    else:
+        assert row.ran_by == "masked_sdpa: masked_sdpa_fwd", row.ran_by

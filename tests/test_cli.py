@@ -67,6 +67,8 @@ def test_explain_decoding_leaves_small_gemms_to_cublas_and_says_why(tmp_path, ca
         (["explain", "missing.yaml"], "config file missing.yaml does not exist"),
         (["explain", "--seq", "0"], "--seq must be at least 1"),
         (["explain", str(CONFIGS / "tiny.yaml"), "--seq", "100000"], "exceeds the model's block_size 256"),
+        (["explain", "Mixtral-8x7B-v0.1"], "Mixtral-8x7B-v0.1: model_config.mlp_class_name: LitGPT's "
+         "mixture-of-experts MLP (LLaMAMoE)"),
     ],
 )
 def test_bad_input_is_one_message(argv, message, capsys):

@@ -17,7 +17,7 @@ WORKER = Path(__file__).with_name("fsdp_schedule_worker.py")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp_schedule")
-    return {v: run_two_ranks(WORKER, v, tmp) for v in ("tk", "tk-fused-order", "default")}
+    return run_two_ranks(WORKER, ["tk", "tk-fused-order", "default"], tmp)
 
 
 def test_gathers_in_the_order_of_need_and_waits_before_their_readers(runs):

@@ -108,6 +108,18 @@ def test_run_time_config_errors(tmp_path):
         pretrain(load_config(None, {**MICRO, "out_dir": str(tmp_path), "compiler": {"executors": ["nosuch"]}}))
 
 
+def test_a_model_thunder_cannot_trace_is_one_message_and_trains_without_jit(tmp_path):
+    """LitGPT's mixture-of-experts MLP: refused before the model is built, naming the key and the way round."""
+    moe = {**MICRO, "out_dir": str(tmp_path), "model_config": {**MICRO["model_config"], "mlp_class_name": "LLaMAMoE",
+                                                              "n_expert": 2, "n_expert_per_token": 1}}
+    with pytest.raises(ConfigError, match=r"^model_config.mlp_class_name: LitGPT's mixture-of-experts MLP \(LLaMAMoE\)"
+                                          r".*`--compiler.jit false` trains it in eager PyTorch$"):
+        pretrain(load_config(None, moe))
+    summary = pretrain(load_config(None, {**moe, "compiler": {"jit": False},
+                                          "train": {**MICRO["train"], "max_steps": 1}}), checkpoints=False)
+    assert summary["steps"] == 1
+
+
 def test_cli_reports_one_message(capsys):
     assert main(["pretrain", "--config", str(TINY), "--train.micro_batchsize", "2"]) == 2
     err = capsys.readouterr().err

@@ -33,7 +33,7 @@ class CLIError(Exception):
 def _cmd_explain(args) -> int:
     import torch
 
-    from thunder_tk.litgpt_models import ConfigError, build_meta_model, load_spec
+    from thunder_tk.litgpt_models import ConfigError, build_meta_model, jit_unsupported, load_spec
     from thunder_tk.planning import plan
 
     model = args.model or DEFAULT_MODEL
@@ -42,6 +42,8 @@ def _cmd_explain(args) -> int:
         spec = load_spec(model, n_layer=n_layer, micro_batch_size=args.batch, seq_len=args.seq)
     except ConfigError as e:
         raise CLIError(str(e)) from None
+    if why := jit_unsupported(spec.config):
+        raise CLIError(f"{spec.source}: {why}")
     # --dtype, else the YAML's precision as `thunder-tk pretrain` would run it on a GPU, else bf16
     precision = args.dtype or EXPLAIN_PRECISIONS.get(spec.precision or "bf16-true")
     if precision is None:

@@ -36,6 +36,35 @@ from thunder_tk.version import __version__
 
 # Executors that take an attention tk declines, in order of preference.
 ATTENTION_FALLBACKS = ("cudnn", "sdpa")
+
+
+def _attention_operands(args, kwargs):
+    """(query, key, value, attn_mask) of an ltorch.scaled_dot_product_attention call."""
+    names = ("query", "key", "value", "attn_mask")
+    bound = dict(zip(names, args))
+    bound.update((k, v) for k, v in kwargs.items() if k in names)
+    return tuple(bound.get(n) for n in names)
+
+
+def _sdpa_shape_problem(args, kwargs) -> str | None:
+    """What Thunder 0.2.6's `sdpa` executor accepts in its checker but then fails on while tracing: its
+    memory-efficient kernel (the one it picks for an attn_mask) takes no broadcast batch, so q, k, v and the mask
+    must share dim 0, and each head count must be q's or 1 (its grad-forward meta asserts both)."""
+    tensors = [t for t in _attention_operands(args, kwargs) if isinstance(t, TensorProxy)]
+    if any(t.ndim != 4 for t in tensors):
+        return None  # not the shapes this rule is about; Thunder's own checks apply
+    batch, heads = tensors[0].shape[0], tensors[0].shape[1]
+    if any(t.shape[0] != batch for t in tensors):
+        return ("its memory-efficient kernel needs one batch size for q, k, v and the mask (got "
+                f"{', '.join(str(t.shape[0]) for t in tensors)})")
+    if any(t.shape[1] not in (heads, 1) for t in tensors):
+        return "its memory-efficient kernel needs each head count to be q's or 1"
+    return None
+
+
+# Inputs a fallback executor's checker accepts but its transforms then fail on (a trace-time error that would end
+# the user's jit): tk passes the symbol over to the next executor, or to Thunder's decomposition, saying why.
+FALLBACK_SHAPE_LIMITS = {"sdpa": _sdpa_shape_problem}
 # Fusion executors that only fuse regions holding particular ops, so they do not replace a general fuser.
 _SPECIALISED_FUSERS = ("torchcompile_cat", "torchcompile_xentropy")
 
@@ -158,17 +187,24 @@ class TKExecutor(FusionExecutor):
             verdict = rule.judge_gradient()
         if verdict:
             return _Route(rule, verdict, None)
+        passed_over = []
         for ex in self._gradient_fallbacks(rule) if gradient else self._fallbacks_in_use(rule):
             impl = ex.implmap.get(rule.symbol_id)
             if impl is None or (gradient and impl.grad_transform is None):
                 continue
             if impl.checker is None or impl.checker(*args, **kwargs):
+                limit = FALLBACK_SHAPE_LIMITS.get(ex.name)
+                if limit is not None and (problem := limit(args, kwargs)) is not None:
+                    passed_over.append(f"{ex.name} not used: {problem}")
+                    continue
                 if forward_accepted:
                     verdict = claim_rules.decline(f"{verdict.reason}; {ex.name} takes forward and backward")
                 return _Route(rule, verdict, ex)
         if forward_accepted:
             verdict = claim_rules.decline(f"{verdict.reason}; no executor takes its gradient, so Thunder "
                                           "differentiates its decomposition")
+        if passed_over:
+            verdict = claim_rules.decline("; ".join([verdict.reason, *passed_over]))
         return _Route(rule, verdict, None)
 
     def _route(self, bsym: BoundSymbol) -> _Route | None:

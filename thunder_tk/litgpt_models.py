@@ -102,6 +102,17 @@ def config_of(Config, model_name: str | None, model_config: dict | None, where: 
         raise ConfigError(f"{where}model_config: {e}") from None
 
 
+def jit_unsupported(config) -> str | None:
+    """Why thunder.jit cannot trace a LitGPT model of this config, where that is known from the config alone; None
+    otherwise. LitGPT's mixture-of-experts MLP (Mixtral, Qwen3's MoE models) picks each expert's tokens with
+    `torch.where(mask)`, whose result's shape depends on the data: Thunder traces static shapes and stops there."""
+    if getattr(config, "mlp_class_name", None) == "LLaMAMoE":
+        return ("model_config.mlp_class_name: LitGPT's mixture-of-experts MLP (LLaMAMoE) selects each expert's tokens "
+                "with torch.where(mask), whose shape depends on the data, and Thunder (lightning-thunder 0.2.6) "
+                "traces only static shapes, so it cannot jit this model")
+    return None
+
+
 def _from_name(Config, name: str, what: str):
     try:
         return Config.from_name(name)

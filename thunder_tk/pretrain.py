@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from thunder_tk.litgpt_models import ConfigError, _litgpt, config_of
+from thunder_tk.litgpt_models import ConfigError, _litgpt, config_of, jit_unsupported
 from thunder_tk.pretrain_config import PretrainConfig, precision_of, world_size_of
 from thunder_tk.step_profile import StepProfiler
 
@@ -410,6 +410,8 @@ class Dist:
 def model_config_of(config: PretrainConfig):
     _, Config = _litgpt()
     cfg = config_of(Config, config.model_name, config.model_config)
+    if config.compiler.jit and (why := jit_unsupported(cfg)):
+        raise ConfigError(f"{why}; `--compiler.jit false` trains it in eager PyTorch")
     seq = config.train.max_seq_length or min(cfg.block_size, 2048)
     if seq > cfg.block_size:
         raise ConfigError(f"train.max_seq_length: {seq} exceeds the model's block_size {cfg.block_size}")

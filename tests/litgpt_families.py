@@ -1,0 +1,130 @@
+"""LitGPT's model families, shrunk: each a LitGPT config name with its distinguishing structure kept (the MLP and norm
+classes, grouped or multi-query heads, q/k norms, attention biases, partial rotary embeddings, parallel residuals,
+logit soft-capping, sliding windows, head sizes tk declines) and its sizes cut to a one-layer model that trains in
+seconds. The CPU and GPU family tests train each through tk and check where the work went and that every gradient is
+as accurate as eager PyTorch's.
+
+`claimed`: tk ops that must be in the joint trace; `absent`: ones that must not be, because the family's structure
+does not have what they fold (the explain row or the fold's own rule says why). `declined`: text that explain's
+attention row gives as its reason, where the family's attention stays off tk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+VOCAB = 512
+SEQ = 32  # above every shrunk sliding window (16): the window's mask is in play
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str                    # a LitGPT config name
+    overrides: dict              # sizes (and the window) that shrink it
+    claimed: frozenset = field(default_factory=frozenset)
+    absent: frozenset = field(default_factory=frozenset)
+    declined: str = ""           # explain's reason for the attention row, where attention is declined
+
+
+def _family(name, claimed=(), absent=(), declined="", **overrides) -> Family:
+    sizes = dict(n_layer=1, n_head=4, head_size=64, intermediate_size=256, padded_vocab_size=VOCAB, vocab_size=VOCAB,
+                 block_size=512)
+    sizes.update(overrides)
+    sizes.setdefault("n_query_groups", sizes["n_head"])
+    sizes.setdefault("n_embd", sizes["n_head"] * sizes["head_size"])
+    return Family(name, sizes, frozenset(claimed), frozenset(absent), declined)
+
+
+_EVERYTHING = ("tk_linear_rope", "tk_attention_forward", "tk_attention_backward_qkv", "tk_swiglu_linear",
+               "tk_matmul_swiglu_grad", "tk_add_rms_norm", "tk_rms_norm_backward", "tk_embedding_backward")
+
+FAMILIES = [
+    # Grouped-query heads, SwiGLU, RMSNorm, rope over the whole head: every fold.
+    _family("Llama-3.2-1B", _EVERYTHING, n_query_groups=2),
+    # RMSNorm on q and k between the projection and the rope: the rope and qkv-gradient folds do not apply.
+    _family("Qwen3-0.6B", ("tk_attention_forward", "tk_attention_backward", "tk_swiglu_linear", "tk_add_rms_norm"),
+            ("tk_linear_rope", "tk_attention_backward_qkv"), n_query_groups=2),
+    # A bias on the qkv projection: the rope stays the fuser's (the epilogue adds none), its gradient still folds.
+    _family("Qwen2.5-0.5B", ("tk_attention_backward_qkv", "tk_swiglu_linear", "tk_add_rms_norm"),
+            ("tk_linear_rope",), n_query_groups=2),
+    # GeGLU (not SwiGLU), RMSNorm's 1 + w, scaled embeddings, one KV head of 256.
+    _family("Gemma-2b", ("tk_linear_rope", "tk_attention_backward_qkv", "tk_add_rms_norm"),
+            ("tk_swiglu_linear", "tk_matmul_swiglu_grad"), n_head=2, n_query_groups=1, head_size=256),
+    # Soft-capped attention logits: LitGPT computes the scores itself, so there is no SDPA to claim.
+    _family("Gemma-2-2b", ("tk_add_rms_norm", "tk_rms_norm_backward"), ("tk_attention_forward",), n_query_groups=2,
+            sliding_window_size=16),
+    # LayerNorm, a GELU MLP, parallel residual, biases, a rotary embedding over 32 of 80 columns: heads of 80.
+    _family("phi-2", ("tk_linear", "tk_embedding_backward"), ("tk_attention_forward", "tk_add_rms_norm"),
+            declined="head_dim 80", head_size=80),
+    # One KV head, parallel residual with one shared norm (LayerNorm).
+    _family("falcon-7b", ("tk_linear_rope", "tk_attention_backward_qkv"), (), n_query_groups=1),
+    # q/k norms over the whole projection and norms after attention and MLP.
+    _family("OLMo-2-1124-7B", ("tk_attention_forward", "tk_swiglu_linear", "tk_add_rms_norm", "tk_rms_norm_backward"),
+            ("tk_linear_rope",)),
+    # LayerNorm with LLaMA's MLP, the rotary embedding over 16 of 64 columns.
+    _family("stablelm-3b-4e1t", ("tk_linear_rope", "tk_attention_backward_qkv", "tk_swiglu_linear"),
+            ("tk_add_rms_norm",)),
+    # A sliding window shorter than the sequence: LitGPT hands SDPA a mask.
+    _family("Mistral-7B-v0.1", ("tk_swiglu_linear", "tk_add_rms_norm"), ("tk_attention_forward",), declined="mask",
+            n_query_groups=2, sliding_window_size=16),
+]
+
+# LitGPT's mixture-of-experts MLP picks each expert's tokens with torch.where(mask): Thunder cannot trace it.
+MOE = _family("Mixtral-8x7B-v0.1", n_query_groups=2, n_expert=4, n_expert_per_token=2)
+
+
+def ids(families) -> list[str]:
+    return [f.name for f in families]
+
+
+def build(litgpt, family: Family, device, dtype, seed: int = 0):
+    """(model in `dtype`, the same weights in eager `dtype`, in float64, and the config). The norm weights are moved
+    away from their initial values, so that a lost or misplaced weight shows in the results."""
+    import torch
+
+    cfg = litgpt.Config.from_name(family.name, **family.overrides)
+    torch.manual_seed(seed)
+    exact = litgpt.GPT(cfg).to(device=device, dtype=torch.float64)
+    for p in exact.parameters():
+        if p.ndim == 1:
+            p.data += 0.2 * torch.randn_like(p)
+    models = []
+    for _ in range(2):
+        m = litgpt.GPT(cfg).to(device=device, dtype=dtype)
+        m.load_state_dict({k: v.to(dtype) for k, v in exact.state_dict().items()})
+        models.append(m)
+    return models[0], models[1], exact, cfg
+
+
+def tk_ops(jitted) -> set[str]:
+    """The tk ops in the jitted model's last forward and backward traces."""
+    import thunder
+
+    traces = (thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1])
+    return {str(b.sym.name) for t in traces for b in t.bound_symbols if str(b.sym.name).startswith("tk_")}
+
+
+def train_and_compare(litgpt, family: Family, device, jit, batch: int = 2, seq: int = SEQ) -> tuple:
+    """One forward and backward of the family's model through `jit(model)` beside eager bf16 and float64 with the
+    same weights. Asserts that the jitted error against float64 is at most twice eager bf16's (plus 1e-3), for the
+    output and every parameter's gradient. Returns the jitted model."""
+    import torch
+
+    from gpu.accuracy import rel_err  # tests/ is on the path (conftest's directory); tests/gpu may not be
+
+    model, eager, exact, cfg = build(litgpt, family, device, torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device)
+    seed = torch.randn(batch, seq, cfg.padded_vocab_size, generator=gen).to(device)
+    jitted = jit(model)
+    out = jitted(idx)
+    out.backward(seed.to(out.dtype))
+    e = eager(idx)
+    e.backward(seed.to(e.dtype))
+    x = exact(idx)
+    x.backward(seed.double())
+    errors = {"logits": (rel_err(out, x), rel_err(e, x))}
+    for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
+        errors[name] = (rel_err(p.grad, r.grad), rel_err(q.grad, r.grad))
+    worse = {k: f"jitted {a:.2e} eager {b:.2e}" for k, (a, b) in errors.items() if not a < 2 * b + 1e-3}
+    assert not worse, (family.name, worse)
+    return jitted
