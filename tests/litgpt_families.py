@@ -72,8 +72,9 @@ FAMILIES = [
 MOE = _family("Mixtral-8x7B-v0.1", n_query_groups=2, n_expert=4, n_expert_per_token=2)
 
 
-def ids(families) -> list[str]:
-    return [f.name for f in families]
+def ids(family: Family) -> str:
+    """pytest's id for a family parameter."""
+    return family.name
 
 
 def build(litgpt, family: Family, device, dtype, seed: int = 0):
@@ -103,28 +104,48 @@ def tk_ops(jitted) -> set[str]:
     return {str(b.sym.name) for t in traces for b in t.bound_symbols if str(b.sym.name).startswith("tk_")}
 
 
-def train_and_compare(litgpt, family: Family, device, jit, batch: int = 2, seq: int = SEQ) -> tuple:
-    """One forward and backward of the family's model through `jit(model)` beside eager bf16 and float64 with the
-    same weights. Asserts that the jitted error against float64 is at most twice eager bf16's (plus 1e-3), for the
-    output and every parameter's gradient. Returns the jitted model."""
+def train_and_compare(litgpt, family: Family, device, jit, batch: int = 2, seq: int = SEQ, mixed: bool = False):
+    """One forward and backward of the family's model through `jit(model)` beside eager PyTorch and float64 with the
+    same weights: bf16 weights, or with `mixed` LitGPT's bf16-mixed (fp32 weights, the forward under bf16 autocast,
+    for the jitted model and eager alike). Asserts that the jitted error against float64 is at most twice eager's
+    (plus 1e-3), for the output and every parameter's gradient. Returns the jitted model."""
     import torch
 
     from gpu.accuracy import rel_err  # tests/ is on the path (conftest's directory); tests/gpu may not be
 
-    model, eager, exact, cfg = build(litgpt, family, device, torch.bfloat16)
+    model, eager, exact, cfg = build(litgpt, family, device, torch.float32 if mixed else torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device)
     seed = torch.randn(batch, seq, cfg.padded_vocab_size, generator=gen).to(device)
     jitted = jit(model)
-    out = jitted(idx)
-    out.backward(seed.to(out.dtype))
-    e = eager(idx)
-    e.backward(seed.to(e.dtype))
+    results = []
+    for m in (jitted, eager):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mixed):
+            out = m(idx)
+        out.backward(seed.to(out.dtype))
+        results.append(out)
     x = exact(idx)
     x.backward(seed.double())
-    errors = {"logits": (rel_err(out, x), rel_err(e, x))}
+    errors = {"logits": (rel_err(results[0], x), rel_err(results[1], x))}
     for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
         errors[name] = (rel_err(p.grad, r.grad), rel_err(q.grad, r.grad))
     worse = {k: f"jitted {a:.2e} eager {b:.2e}" for k, (a, b) in errors.items() if not a < 2 * b + 1e-3}
     assert not worse, (family.name, worse)
+    return jitted
+
+
+def infer_and_compare(litgpt, family: Family, device, jit, batch: int = 2, seq: int = SEQ):
+    """The family's bf16 model through `jit(model)` under no_grad (inference traces: ltorch ops, tk_attention)
+    beside eager bf16 and float64; asserts the jitted output's error is at most twice eager's (plus 1e-3). Returns
+    the jitted model."""
+    import torch
+
+    from gpu.accuracy import rel_err
+
+    model, eager, exact, cfg = build(litgpt, family, device, torch.bfloat16)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        jitted = jit(model)
+        got, want, x = jitted(idx), eager(idx), exact(idx)
+    assert rel_err(got, x) < 2 * rel_err(want, x) + 1e-3, (family.name, rel_err(got, x), rel_err(want, x))
     return jitted

@@ -11,7 +11,7 @@ from thunder_tk import tk
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=ids(FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES, ids=ids)
 def test_family_trains_on_tk_kernels_as_accurately_as_eager(family):
     litgpt = pytest.importorskip("litgpt")
     jitted = train_and_compare(litgpt, family, "cuda", lambda m: thunder.jit(m, executors=[tk]), seq=300)
