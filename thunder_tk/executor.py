@@ -37,6 +37,12 @@ from thunder_tk.version import __version__
 # Executors that take an attention tk declines, in order of preference.
 ATTENTION_FALLBACKS = ("cudnn", "sdpa")
 
+# Fusion executors that only fuse regions holding particular ops, so they do not replace a general fuser.
+_SPECIALISED_FUSERS = ("torchcompile_cat", "torchcompile_xentropy")
+
+# Thunder's distributed prims never go into a fusion region (async work handles break torch.compile).
+_COLLECTIVE_IDS = frozenset(dist_prims.PrimIDs)
+
 
 def _attention_operands(args, kwargs):
     """(query, key, value, attn_mask) of an ltorch.scaled_dot_product_attention call."""
@@ -65,11 +71,6 @@ def _sdpa_shape_problem(args, kwargs) -> str | None:
 # Inputs a fallback executor's checker accepts but its transforms then fail on (a trace-time error that would end
 # the user's jit): tk passes the symbol over to the next executor, or to Thunder's decomposition, saying why.
 FALLBACK_SHAPE_LIMITS = {"sdpa": _sdpa_shape_problem}
-# Fusion executors that only fuse regions holding particular ops, so they do not replace a general fuser.
-_SPECIALISED_FUSERS = ("torchcompile_cat", "torchcompile_xentropy")
-
-# Thunder's distributed prims never go into a fusion region (async work handles break torch.compile).
-_COLLECTIVE_IDS = frozenset(dist_prims.PrimIDs)
 
 
 def is_general_fuser(ex: Executor) -> bool:
