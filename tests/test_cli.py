@@ -126,3 +126,16 @@ def test_a_source_checkout_without_kernels_says_so(tmp_path):
     (tmp_path / "csrc").mkdir()
     reason = _extension._no_build_reason(package)
     assert str(package) in reason and "run from another directory" in reason
+
+
+def test_explain_says_when_sdpa_cannot_take_a_declined_attention(tmp_path, capsys):
+    """Mistral's sliding window masks SDPA with a (1, 1, T, T) mask: tk declines masks, and Thunder's sdpa executor,
+    whose checker would accept it, fails on a mask broadcast over the batch; the plan says so without a GPU."""
+    config = tmp_path / "mistral.yaml"
+    config.write_text("model_name: Mistral-7B-v0.1\nmodel_config:\n  n_layer: 1\n  sliding_window_size: 16\n"
+                      "train:\n  micro_batch_size: 2\n  max_seq_length: 64\n")
+    out = tmp_path / "plan.json"
+    assert main(["explain", str(config), "--json", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["symbol"] == "ltorch.scaled_dot_product_attention"]
+    assert rows and all("sdpa not used: its memory-efficient kernel needs one batch size for q, k, v and the mask "
+                        "(got 2, 2, 2, 1)" in r["reason"] for r in rows), [r["reason"] for r in rows]

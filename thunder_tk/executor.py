@@ -193,11 +193,12 @@ class TKExecutor(FusionExecutor):
             impl = ex.implmap.get(rule.symbol_id)
             if impl is None or (gradient and impl.grad_transform is None):
                 continue
+            # Before the checker: a plan made without a GPU, where the fallbacks' checkers decline, says it too.
+            limit = FALLBACK_SHAPE_LIMITS.get(ex.name)
+            if limit is not None and (problem := limit(args, kwargs)) is not None:
+                passed_over.append(f"{ex.name} not used: {problem}")
+                continue
             if impl.checker is None or impl.checker(*args, **kwargs):
-                limit = FALLBACK_SHAPE_LIMITS.get(ex.name)
-                if limit is not None and (problem := limit(args, kwargs)) is not None:
-                    passed_over.append(f"{ex.name} not used: {problem}")
-                    continue
                 if forward_accepted:
                     verdict = claim_rules.decline(f"{verdict.reason}; {ex.name} takes forward and backward")
                 return _Route(rule, verdict, ex)
