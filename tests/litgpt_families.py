@@ -111,7 +111,8 @@ def train_and_compare(litgpt, family: Family, device, jit, batch: int = 2, seq: 
     (plus 1e-3), for the output and every parameter's gradient. Returns the jitted model."""
     import torch
 
-    from gpu.accuracy import rel_err  # tests/ is on the path (conftest's directory); tests/gpu may not be
+    # tests/ is on the path (conftest's directory); tests/gpu may not be
+    from gpu.accuracy import assert_as_accurate_as_eager
 
     model, eager, exact, cfg = build(litgpt, family, device, torch.float32 if mixed else torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
@@ -126,11 +127,7 @@ def train_and_compare(litgpt, family: Family, device, jit, batch: int = 2, seq: 
         results.append(out)
     x = exact(idx)
     x.backward(seed.double())
-    errors = {"logits": (rel_err(results[0], x), rel_err(results[1], x))}
-    for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
-        errors[name] = (rel_err(p.grad, r.grad), rel_err(q.grad, r.grad))
-    worse = {k: f"jitted {a:.2e} eager {b:.2e}" for k, (a, b) in errors.items() if not a < 2 * b + 1e-3}
-    assert not worse, (family.name, worse)
+    assert_as_accurate_as_eager(family.name, *results, x, model, eager, exact)
     return jitted
 
 

@@ -44,19 +44,13 @@ _SPECIALISED_FUSERS = ("torchcompile_cat", "torchcompile_xentropy")
 _COLLECTIVE_IDS = frozenset(dist_prims.PrimIDs)
 
 
-def _attention_operands(args, kwargs):
-    """(query, key, value, attn_mask) of an ltorch.scaled_dot_product_attention call."""
-    names = ("query", "key", "value", "attn_mask")
-    bound = dict(zip(names, args))
-    bound.update((k, v) for k, v in kwargs.items() if k in names)
-    return tuple(bound.get(n) for n in names)
-
-
-def _sdpa_shape_problem(args, kwargs) -> str | None:
+def _sdpa_shape_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None
+                        ) -> str | None:
     """What Thunder 0.2.6's `sdpa` executor accepts in its checker but then fails on while tracing: its
     memory-efficient kernel (the one it picks for an attn_mask) takes no broadcast batch, so q, k, v and the mask
-    must share dim 0, and each head count must be q's or 1 (its grad-forward meta asserts both)."""
-    tensors = [t for t in _attention_operands(args, kwargs) if isinstance(t, TensorProxy)]
+    must share dim 0, and each head count must be q's or 1 (its grad-forward meta asserts both). Called like the
+    executor's checker."""
+    tensors = [t for t in (query, key, value, attn_mask) if isinstance(t, TensorProxy)]
     if any(t.ndim != 4 for t in tensors):
         return None  # not the shapes this rule is about; Thunder's own checks apply
     batch, heads = tensors[0].shape[0], tensors[0].shape[1]
@@ -69,7 +63,8 @@ def _sdpa_shape_problem(args, kwargs) -> str | None:
 
 
 # Inputs a fallback executor's checker accepts but its transforms then fail on (a trace-time error that would end
-# the user's jit): tk passes the symbol over to the next executor, or to Thunder's decomposition, saying why.
+# the user's jit), each called with the symbol's arguments like the checker: tk passes the symbol over to the next
+# executor, or to Thunder's decomposition, saying why.
 FALLBACK_SHAPE_LIMITS = {"sdpa": _sdpa_shape_problem}
 
 
@@ -195,7 +190,7 @@ class TKExecutor(FusionExecutor):
                 continue
             # Before the checker: a plan made without a GPU, where the fallbacks' checkers decline, says it too.
             limit = FALLBACK_SHAPE_LIMITS.get(ex.name)
-            if limit is not None and (problem := limit(args, kwargs)) is not None:
+            if limit is not None and (problem := limit(*args, **kwargs)) is not None:
                 passed_over.append(f"{ex.name} not used: {problem}")
                 continue
             if impl.checker is None or impl.checker(*args, **kwargs):

@@ -4,7 +4,7 @@ model end to end."""
 import thunder
 import torch
 
-from accuracy import rel_err
+from accuracy import assert_as_accurate_as_eager
 from thunder_tk import tk
 
 
@@ -39,10 +39,5 @@ def step_as_accurately_as_eager(litgpt, mixed: bool = False, executors=None, **o
     exact_logits = exact(idx)
     exact_logits.backward(seed.double())
 
-    # Every figure in the message, so that a short log says how far off what was.
-    errors = {"logits": (rel_err(logits, exact_logits), rel_err(eager_logits, exact_logits), logits.dtype)}
-    for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
-        errors[name] = (rel_err(p.grad, r.grad), rel_err(q.grad, r.grad), p.grad.dtype)
-    worse = {k: f"tk {a:.2e} eager {e:.2e} ({dtype})" for k, (a, e, dtype) in errors.items() if not a < 2 * e + 1e-3}
-    assert not worse, worse
+    assert_as_accurate_as_eager(cfg.name, logits, eager_logits, exact_logits, model, eager, exact)
     return jitted, cfg
