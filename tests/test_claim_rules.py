@@ -63,7 +63,8 @@ def test_sdpa_shape_constraints_accept(D, hq, hkv):
 @pytest.mark.parametrize(
     "make_args, reason",
     [
-        (lambda: (proxy(2, 16, 128, 128),) * 3 + (proxy(128, 128, dtype=thunder.bool8), 0.0, False), "attn_mask is given"),
+        (lambda: (proxy(2, 16, 128, 128),) * 3 + (proxy(128, 128, dtype=thunder.bool8), 0.0, False),
+         "attn_mask is an input of the traced function"),
         (lambda: (proxy(2, 16, 128, 128),) * 3 + (None, 0.1, False), "dropout_p=0.1 > 0"),
         (lambda: (proxy(2, 16, 128, 96),) * 3 + (None, 0.0, False), "head_dim 96 not in {64, 128, 256}"),
         (lambda: (proxy(2, 16, 128, 512),) * 3 + (None, 0.0, False), "head_dim 512 not in {64, 128, 256}"),

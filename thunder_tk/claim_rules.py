@@ -8,6 +8,7 @@ kernel. The first failing check is the reason shown.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Callable, Hashable
@@ -19,7 +20,7 @@ from thunder.core import prims
 from thunder.core.proxies import TensorProxy, pyval
 from thunder.distributed import prims as dist_prims
 
-from thunder_tk import _extension, ops
+from thunder_tk import _extension, attention_masks, ops
 from thunder_tk.functional import attention_bwd_delta_symbol
 
 # Kernels this version's csrc/ provides (a GPU test checks the build reports exactly these).
@@ -247,8 +248,8 @@ def check_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     at all; the kernel reads key/value head h // (Hq // Hkv) for query head h, which is that broadcast (and
     torch's `enable_gqa` grouping for any Hkv dividing Hq).
     """
-    if attn_mask is not None:
-        return decline("attn_mask is given (only is_causal masking is supported)")
+    if attn_mask is not None and pyval(is_causal):
+        return decline("attn_mask is given with is_causal=True")
     if pyval(dropout_p) != 0.0:
         return decline(f"dropout_p={pyval(dropout_p)} > 0")
     if not (query.ndim == key.ndim == value.ndim == 4):
@@ -269,11 +270,42 @@ def check_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         return decline(f"query heads {Hq} not a multiple of key/value heads {Hkv}")
     if Sk == 0:
         return decline("key/value length is 0 (every softmax row would be empty)")
-    if pyval(is_causal) and Sq != Sk:
+    causal = pyval(is_causal)
+    if attn_mask is not None:
+        # Recognised only where the trace makes the mask from constants (attention_masks); any other mask is declined.
+        pattern = attention_masks.pattern_of(attn_mask, Sq, Sk)
+        if isinstance(pattern, str):
+            return decline(pattern)
+        if pattern.window is not None:
+            return decline(f"{pattern.describe(Sk)}, fewer than the {Sk} keys: tk's kernels have no sliding window")
+        causal = pattern.causal
+    if causal and Sq != Sk:
         return decline(f"causal with Sq={Sq} != Sk={Sk}")
     if scale is not None and (reason := ops.attention_scale_unsupported(pyval(scale))):
         return decline(reason)
     return ACCEPT
+
+
+def sdpa_without_mask(args, kwargs) -> tuple[tuple, dict, str] | None:
+    """An SDPA call whose attn_mask is a constant all-keep or causal mask (attention_masks), with the mask replaced
+    by is_causal, and how the mask was read; None for any other call. What tk hands an attention executor that
+    takes the symbol in its place: with no mask, cuDNN and SDPA run their flash kernels, and SDPA's memory-efficient
+    kernel no longer meets a batch-broadcast mask (executor.FALLBACK_SHAPE_LIMITS)."""
+    try:
+        bound = inspect.signature(check_sdpa).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    given = bound.arguments
+    mask, query, key = given.get("attn_mask"), given["query"], given["key"]
+    if not isinstance(mask, TensorProxy) or pyval(given.get("is_causal", False)):
+        return None
+    if not (isinstance(query, TensorProxy) and isinstance(key, TensorProxy) and query.ndim == key.ndim == 4):
+        return None
+    pattern = attention_masks.pattern_of(mask, query.shape[2], key.shape[2])
+    if isinstance(pattern, str) or pattern.window is not None:
+        return None
+    given["attn_mask"], given["is_causal"] = None, pattern.causal
+    return bound.args, bound.kwargs, pattern.describe(key.shape[2])
 
 
 # ------------------------------------------------------------------------------------------------

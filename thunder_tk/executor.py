@@ -68,6 +68,18 @@ def _sdpa_shape_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_cau
 FALLBACK_SHAPE_LIMITS = {"sdpa": _sdpa_shape_problem}
 
 
+def _unmasking(transform: Callable) -> Callable:
+    """`transform` called with the SDPA arguments' constant mask replaced by is_causal, as it was judged."""
+
+    def unmasked(*args, **kwargs):
+        found = claim_rules.sdpa_without_mask(args, kwargs)
+        if found is None:
+            raise AssertionError("an attention mask judged constant is no longer recognised")
+        return transform(*found[0], **found[1])
+
+    return unmasked
+
+
 def is_general_fuser(ex: Executor) -> bool:
     return isinstance(ex, FusionExecutor) and ex.name not in _SPECIALISED_FUSERS
 
@@ -89,6 +101,9 @@ class _Route:
     rule: ClaimRule
     verdict: Verdict
     fallback: Executor | None  # set when tk declined and this executor takes the symbol
+    # The fallback is called with a constant causal or all-keep attn_mask replaced by is_causal
+    # (claim_rules.sdpa_without_mask).
+    mask_dropped: bool = False
 
     @property
     def taken(self) -> bool:
@@ -184,6 +199,9 @@ class TKExecutor(FusionExecutor):
         if verdict:
             return _Route(rule, verdict, None)
         passed_over = []
+        unmasked = claim_rules.sdpa_without_mask(args, kwargs) if rule.family == "attention" else None
+        if unmasked is not None:
+            args, kwargs, read = unmasked
         for ex in self._gradient_fallbacks(rule) if gradient else self._fallbacks_in_use(rule):
             impl = ex.implmap.get(rule.symbol_id)
             if impl is None or (gradient and impl.grad_transform is None):
@@ -196,7 +214,9 @@ class TKExecutor(FusionExecutor):
             if impl.checker is None or impl.checker(*args, **kwargs):
                 if forward_accepted:
                     verdict = claim_rules.decline(f"{verdict.reason}; {ex.name} takes forward and backward")
-                return _Route(rule, verdict, ex)
+                if unmasked is not None:
+                    verdict = claim_rules.decline(f"{verdict.reason}; {ex.name} runs it with {read}")
+                return _Route(rule, verdict, ex, mask_dropped=unmasked is not None)
         if forward_accepted:
             verdict = claim_rules.decline(f"{verdict.reason}; no executor takes its gradient, so Thunder "
                                           "differentiates its decomposition")
@@ -233,8 +253,11 @@ class TKExecutor(FusionExecutor):
             return None  # kept for the fusion pass
         if route.fallback is None:
             return self._tagging(route.rule.execution_transform, self._last_site)
+        impl = route.fallback.implmap[bsym.sym.id]
+        if route.mask_dropped:  # judged (by _decide) on the arguments without the mask, as it will be called
+            return _unmasking(impl.execution_transform or impl.symbol)
         transform = route.fallback.get_execution_transform(bsym)
-        return transform if transform is not None else route.fallback.implmap[bsym.sym.id].symbol
+        return transform if transform is not None else impl.symbol
 
     def _tagging(self, transform: Callable, site) -> Callable:
         """`transform`, tagging what tk's own ops in it compute with the symbol's site, so that `explain` names the
@@ -277,6 +300,8 @@ class TKExecutor(FusionExecutor):
             route = decided if decided is not None else self._decide(rule, args, kwargs, gradient=True)
             if route.fallback is not None:
                 transform, runner = route.fallback.get_grad_transform(sym), route.fallback
+                if route.mask_dropped:
+                    transform = _unmasking(transform)
             elif route.verdict:
                 transform, runner = rule.grad_transform, self
             else:
@@ -303,9 +328,11 @@ class TKExecutor(FusionExecutor):
                                                rope_into_qkv_projection, sum_products, widen_products,
                                                write_gradient_over_logits)
 
+        from thunder_tk.attention_masks import drop_unread_constants
         from thunder_tk.fsdp_schedule import overlap_collectives
         from thunder_tk.rms_norm_fusion import fold_rms_norm
 
+        trace = drop_unread_constants(trace)  # first: the masks of attention that tk runs without them
         trace = attend_grouped_kv(write_gradient_over_logits(fold_row_scaling(merge_repeated_casts(trace))))
         trace = rope_into_qkv_projection(attention_backward_into_qkv(trace))
         trace = sum_products(fuse_swiglu_grad(fuse_swiglu(trace)))

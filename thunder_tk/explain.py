@@ -14,6 +14,7 @@ import thunder
 from thunder.core.symbol import BoundSymbol
 
 from thunder_tk.executor import Site, decisions_of, describe_inputs, latest_decisions_of, sites_of
+from thunder_tk.lowering import MaskRead
 from thunder_tk.pattern_fusion import QKV_GRAD, QKV_ROPE, SWIGLU, Declined
 from thunder_tk.rms_norm_fusion import RMS_NORM
 
@@ -123,6 +124,7 @@ def _detail(op: BoundSymbol | None, backward_by: str, cd, declined: dict[str, st
         q, k = op.args[0], op.args[1]
         notes = [f"K/V read with their {k.shape[1]} heads for {q.shape[1]} query heads"] if k.shape[1] < q.shape[1] \
             else []
+        notes += [t.description for p in op.flat_proxy_outs for t in p.tags if isinstance(t, MaskRead)]
         if "tk_attention_backward_qkv" in backward_by:
             notes.append("gradient written as the qkv projection's, the rotary embedding's backward included")
         elif QKV_GRAD in declined:

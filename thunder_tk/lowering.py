@@ -5,6 +5,8 @@ Kernel operators are registered with `meta=` (no subsymbols), so no fuser can pu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import thunder
 import thunder.torch as ltorch
 import torch
@@ -14,7 +16,7 @@ from thunder.core.proxies import TensorProxy, pyval
 from thunder.core.transforms import get_grad, put_grad, put_grads
 from thunder.distributed import prims as dist_prims
 
-from thunder_tk import collectives, functional, ops
+from thunder_tk import attention_masks, collectives, functional, ops
 from thunder_tk.executor import tk
 
 
@@ -53,8 +55,9 @@ tk._lookasides[functional.attention_bwd_delta] = functional.attention_bwd_delta_
 
 
 # ------------------------------------------------------------------------------------------------
-# Attention: ltorch.scaled_dot_product_attention (the claim rule has already declined masks, dropout and what
-# the kernels cannot compute, so only q, k, v, is_causal and scale reach the operators).
+# Attention: ltorch.scaled_dot_product_attention (the claim rule has already declined dropout, masks other than
+# constant all-keep or causal ones (attention_masks) and what the kernels cannot compute, so only q, k, v, is_causal
+# and scale reach the operators).
 # - inference: tk_attention, the forward kernel returning o alone;
 # - training: tk_attention_forward returns (o, lse), and tk_attention_backward turns the saved (q, k, v, o, lse)
 #   and dO into (dq, dk, dv), dk and dv with the key/value heads. The executor uses this grad transform only
@@ -115,17 +118,38 @@ tk_attention_backward_qkv = tk.register_operator(
 )
 
 
-def _sdpa_flags(is_causal, scale) -> tuple[bool, float | None]:
-    return bool(pyval(is_causal)), None if scale is None else float(pyval(scale))
+@dataclass(frozen=True)
+class MaskRead:
+    """A tag on a tk attention op's output whose traced symbol had an attn_mask: how tk computes that mask."""
+
+    description: str
+
+
+def _sdpa_flags(query, key, attn_mask, is_causal, scale) -> tuple[bool, float | None, MaskRead | None]:
+    """(causal, scale, how a mask was read). The claim rule took the mask only as a pattern of attention_masks."""
+    scale = None if scale is None else float(pyval(scale))
+    if attn_mask is None:
+        return bool(pyval(is_causal)), scale, None
+    q_len, kv_len = query.shape[2], key.shape[2]
+    pattern = attention_masks.pattern_of(attn_mask, q_len, kv_len)
+    if isinstance(pattern, str) or pattern.window is not None:
+        raise AssertionError(f"tk was asked to run an attention mask it declined: {pattern}")
+    return pattern.causal, scale, MaskRead(pattern.describe(kv_len))
 
 
 def _sdpa_lowering(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
-    return tk_attention(query, key, value, *_sdpa_flags(is_causal, scale))
+    is_causal, scale, read = _sdpa_flags(query, key, attn_mask, is_causal, scale)
+    o = tk_attention(query, key, value, is_causal, scale)
+    if read is not None:
+        o.tags.add(read)
+    return o
 
 
 def _sdpa_grad(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
-    is_causal, scale = _sdpa_flags(is_causal, scale)
+    is_causal, scale, read = _sdpa_flags(query, key, attn_mask, is_causal, scale)
     o, lse = tk_attention_forward(query, key, value, is_causal, scale)
+    if read is not None:
+        o.tags.add(read)
     grads = tk_attention_backward(query, key, value, o, lse, get_grad(o), is_causal, scale)
     put_grads((query, key, value), grads)
     return o
