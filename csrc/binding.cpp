@@ -94,7 +94,7 @@ template <typename Args>
 void fill_attention_common(Args& args, std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, int dtype, int64_t batch,
                            int64_t q_heads, int64_t kv_heads, int64_t q_len, int64_t kv_len, int64_t head_dim,
                            const strides3& q_stride, const strides3& k_stride, const strides3& v_stride,
-                           const std::array<int64_t, 2>& lse_stride, float scale, bool causal) {
+                           const std::array<int64_t, 2>& lse_stride, float scale, bool causal, int window) {
     args.q = as_ptr<void>(q);
     args.k = as_ptr<void>(k);
     args.v = as_ptr<void>(v);
@@ -111,6 +111,7 @@ void fill_attention_common(Args& args, std::uintptr_t q, std::uintptr_t k, std::
     copy_strides(args.lse_stride, lse_stride);
     args.scale = scale;
     args.causal = causal;
+    args.window = window;
 }
 
 void attention_forward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t o, std::uintptr_t lse,
@@ -118,10 +119,11 @@ void attention_forward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std
                        int64_t head_dim, strides3 q_stride, strides3 k_stride, strides3 v_stride, strides3 o_stride,
                        std::array<int64_t, 2> lse_stride, float scale, bool causal, std::uintptr_t stream,
                        int max_blocks, std::uintptr_t tickets, std::uintptr_t split_scratch,
-                       int64_t split_scratch_floats, std::uintptr_t split_counts, int64_t split_counts_len) {
+                       int64_t split_scratch_floats, std::uintptr_t split_counts, int64_t split_counts_len,
+                       int window) {
     tk::attention::forward_args args{};
     fill_attention_common(args, q, k, v, dtype, batch, q_heads, kv_heads, q_len, kv_len, head_dim, q_stride, k_stride,
-                          v_stride, lse_stride, scale, causal);
+                          v_stride, lse_stride, scale, causal, window);
     args.o = reinterpret_cast<void*>(o);
     args.lse = reinterpret_cast<float*>(lse);
     copy_strides(args.o_stride, o_stride);
@@ -178,10 +180,10 @@ void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, st
                         strides3 dk_stride, strides3 dv_stride, std::array<int64_t, 2> lse_stride,
                         std::array<int64_t, 2> delta_stride, float scale, bool causal, std::uintptr_t stream,
                         int64_t group_split, int64_t split_from, int split_parts, std::uintptr_t split_scratch,
-                        std::uintptr_t split_counts) {
+                        std::uintptr_t split_counts, int window) {
     tk::attention::backward_args args{};
     fill_attention_common(args, q, k, v, dtype, batch, q_heads, kv_heads, q_len, kv_len, head_dim, q_stride, k_stride,
-                          v_stride, lse_stride, scale, causal);
+                          v_stride, lse_stride, scale, causal, window);
     args.dout = as_ptr<void>(dout);
     args.lse = as_ptr<float>(lse);
     args.delta = as_ptr<float>(delta);
@@ -704,17 +706,18 @@ PYBIND11_MODULE(_C, m) {
           py::arg("o_stride"), py::arg("lse_stride"), py::arg("scale"), py::arg("causal"), py::arg("stream"),
           py::arg("max_blocks") = 0, py::arg("tickets") = 0, py::arg("split_scratch") = 0,
           py::arg("split_scratch_floats") = 0, py::arg("split_counts") = 0, py::arg("split_counts_len") = 0,
+          py::arg("window") = 0,
           "o = softmax(scale q k^T (causal mask)) v and lse (fp32, natural log) per query row, (B, H, S, D) tensors "
           "with strides (batch, head, sequence) in elements; enqueued on `stream`. With the dynamic schedule "
           "(tickets) and scratch and counters as attention_forward_split_plan asks, the last wave's tiles are split "
-          "by keys.");
+          "by keys. window > 0 (causal only): a sliding window, query i keeps keys i - window < j <= i.");
     m.def(
         "attention_forward_split_plan",
         [](int64_t batch, int64_t q_heads, int64_t q_len, int64_t kv_len, int64_t head_dim, bool causal,
            int max_blocks, bool dynamic) {
             tk::attention::forward_args args{};  // sizes only: the plan reads no tensor
             fill_attention_common(args, 0, 0, 0, 0, batch, q_heads, q_heads, q_len, kv_len, head_dim, {}, {}, {}, {},
-                                  1.0f, causal);
+                                  1.0f, causal, 0);  // a window needs causal, which is never split
             args.max_blocks = max_blocks;
             const auto needs = tk::attention::forward_split_plan(args, dynamic);
             return std::make_pair(needs.scratch_floats, needs.counts);
@@ -729,11 +732,12 @@ PYBIND11_MODULE(_C, m) {
           py::arg("head_dim"), py::arg("q_stride"), py::arg("k_stride"), py::arg("v_stride"), py::arg("dout_stride"),
           py::arg("dk_stride"), py::arg("dv_stride"), py::arg("lse_stride"), py::arg("delta_stride"), py::arg("scale"),
           py::arg("causal"), py::arg("stream"), py::arg("group_split") = 1, py::arg("split_from") = 0,
-          py::arg("split_parts") = 0, py::arg("split_scratch") = 0, py::arg("split_counts") = 0,
+          py::arg("split_parts") = 0, py::arg("split_scratch") = 0, py::arg("split_counts") = 0, py::arg("window") = 0,
           "dK, dV (input dtype, summed over each key/value head's query heads, or over each of group_split parts of "
           "them) and dS K added into the zeroed fp32 dq_accum, from the forward's lse and delta = rowsum(dO O); "
           "units (128 keys of a head) from split_from on walked in split_parts query ranges and merged (fp32 "
-          "split_scratch, zeroed split_counts left zero); enqueued on `stream`.");
+          "split_scratch, zeroed split_counts left zero); window > 0 (causal only): the forward's sliding window; "
+          "enqueued on `stream`.");
     m.def("cross_entropy_forward", &cross_entropy_forward, py::arg("logits"), py::arg("target"), py::arg("loss"),
           py::arg("lse"), py::arg("dtype"), py::arg("rows"), py::arg("classes"), py::arg("logits_row_stride"),
           py::arg("ignore_index"), py::arg("stream"),

@@ -79,19 +79,20 @@ def make_standin_attention(name="standin_sdpa") -> OperatorExecutor:
 # tk's attention kernels on CPU
 
 
-def attention_forward_standin(q, k, v, *, is_causal=False, scale=None):
+def attention_forward_standin(q, k, v, *, is_causal=False, scale=None, window=None):
     """ops.attention_forward's contract in float64 math on any device: o in the input dtype, lse float32."""
     from thunder_tk import ops
 
     assert q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype, (q.dtype, k.dtype, v.dtype)
     assert q.shape[1] % k.shape[1] == 0 and k.shape[2] > 0 and q.shape[-1] in ops.ATTENTION_HEAD_DIMS
-    o, lse = ops.attention_forward_reference(q, k, v, is_causal=is_causal, scale=scale)
+    o, lse = ops.attention_forward_reference(q, k, v, is_causal=is_causal, scale=scale, window=window)
     return o.to(q.dtype), lse.float()
 
 
-def attention_backward_standin(q, k, v, o, lse, grad_o, *, is_causal=False, scale=None):
+def attention_backward_standin(q, k, v, o, lse, grad_o, *, is_causal=False, scale=None, window=None):
     """The coming ops.attention_backward's contract, in float64 math from the saved o and lse (as the kernel
-    would: the probabilities are rebuilt as exp(scale q k^T - lse), never renormalised)."""
+    would: the probabilities are rebuilt as exp(scale q k^T - lse), never renormalised). `window` (causal): query i
+    keeps keys i - window < j <= i."""
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -102,7 +103,10 @@ def attention_backward_standin(q, k, v, o, lse, grad_o, *, is_causal=False, scal
     v64 = v.double().repeat_interleave(group, dim=1)
     s = (q64 @ k64.transpose(-1, -2)) * scale
     if is_causal:
-        s = s.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool).triu(1), float("-inf"))
+        dropped = torch.ones(Sq, Sk, dtype=torch.bool).triu(1)
+        if window is not None:
+            dropped |= torch.ones(Sq, Sk, dtype=torch.bool).tril(-int(window))
+        s = s.masked_fill(dropped, float("-inf"))
     p = torch.exp(s - lse.double().unsqueeze(-1))
     dv = p.transpose(-1, -2) @ do64
     dp = do64 @ v64.transpose(-1, -2)
@@ -117,12 +121,12 @@ def attention_backward_standin(q, k, v, o, lse, grad_o, *, is_causal=False, scal
     return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
 
 
-def attention_backward_qkv_standin(q, k, v, o, lse, grad_o, cos, sin, *, is_causal=False, scale=None):
+def attention_backward_qkv_standin(q, k, v, o, lse, grad_o, cos, sin, *, is_causal=False, scale=None, window=None):
     """ops.attention_backward_qkv's contract: the standin's gradients, rotated back and concatenated (float64)."""
     from thunder_tk import ops
 
     assert ops.qkv_grad_unsupported(q, k, cos, sin) is None, ops.qkv_grad_unsupported(q, k, cos, sin)
-    dq, dk, dv = attention_backward_standin(q, k, v, o, lse, grad_o, is_causal=is_causal, scale=scale)
+    dq, dk, dv = attention_backward_standin(q, k, v, o, lse, grad_o, is_causal=is_causal, scale=scale, window=window)
     return ops.qkv_grad_reference(dq, dk, dv, cos, sin).to(q.dtype)
 
 

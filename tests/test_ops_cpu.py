@@ -161,3 +161,42 @@ def test_gemm_and_gemm_sum_hand_the_kernel_their_operands_as_read(recorded):
     ops.gemm_sum(a[:, :0], b_k[:0], a2, b2_k)  # the first product empty: the second alone
     call = recorded.calls.pop()
     assert "sum_a" not in call and (call["K"], call["a_ptr"], call["b_ptr"]) == (K2, a2.data_ptr(), b2_k.data_ptr())
+
+
+def test_sliding_window_references_and_standins():
+    """The float64 references with window=W keep keys i - W < j <= i (against a softmax over each row's keys), a
+    window of S keys or more is plain causal, and the CPU stand-ins take the window too (their backward, from lse,
+    against autograd through the reference)."""
+    from standins import attention_backward_standin, attention_forward_standin
+
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, S, D, W = 1, 4, 2, 11, 64, 3
+    q, k, v, grad_o = (torch.randn(B, h, S, D, generator=g).bfloat16() for h in (Hq, Hkv, Hkv, Hq))
+    o, lse = ops.attention_forward_reference(q, k, v, is_causal=True, window=W)
+    k64, v64 = (t.double().repeat_interleave(Hq // Hkv, 1) for t in (k, v))
+    for i in range(S):
+        keys = list(range(max(0, i - W + 1), i + 1))
+        s = (q[:, :, i].double().unsqueeze(-2) @ k64[:, :, keys].transpose(-1, -2)).squeeze(-2) * D ** -0.5
+        torch.testing.assert_close(o[:, :, i], (s.softmax(-1).unsqueeze(-2) @ v64[:, :, keys]).squeeze(-2))
+        torch.testing.assert_close(lse[:, :, i], s.logsumexp(-1))
+    plain = ops.attention_forward_reference(q, k, v, is_causal=True)
+    for big in (S, S + 5):
+        wide = ops.attention_forward_reference(q, k, v, is_causal=True, window=big)
+        assert all(torch.equal(a, b) for a, b in zip(wide, plain))
+    o16, lse32 = attention_forward_standin(q, k, v, is_causal=True, window=W)
+    torch.testing.assert_close(lse32, lse.float())
+    grads = attention_backward_standin(q, k, v, o16, lse32, grad_o, is_causal=True, window=W)
+    refs = ops.attention_backward_reference(q, k, v, o16, lse32, grad_o, is_causal=True, window=W)
+    for got, ref in zip(grads, refs):
+        assert ((got.double() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_backward_group_split_prices_a_sliding_window():
+    """With a window the causal key tiles walk nearly equal query ranges: a batch-1 GQA backward whose causal blocks
+    are too uneven to fill the GPU whole (split in 2) is even enough whole with a short window; no window (0) is the
+    causal plan."""
+    assert ops.backward_group_split(1, 32, 8, 2048, 2048, 64, True, 132, 0) == \
+        ops.backward_group_split(1, 32, 8, 2048, 2048, 64, True, 132)
+    assert ops.backward_group_split(1, 32, 8, 2048, 2048, 64, True, 132) == 2
+    assert ops.backward_group_split(1, 32, 8, 2048, 2048, 64, True, 132, 256) == 1  # 128 blocks of 5-6 steps a head
+    assert ops._bwd_makespan(8, 16, 32, 4, True, 132, 2, 256) < ops._bwd_makespan(8, 16, 32, 4, True, 132, 2)

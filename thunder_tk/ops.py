@@ -156,7 +156,7 @@ _ATTENTION_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
-                         scale: float | None = None) -> None:
+                         scale: float | None = None, window: int | None = None) -> None:
     """Raises an error naming the first problem with the arguments of attention_forward."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         raise TypeError("attention expects three tensors (q, k, v)")
@@ -185,6 +185,28 @@ def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
         raise ValueError(f"causal attention needs equal query and key lengths; got {Sq} and {Sk}")
     if scale is not None and (reason := attention_scale_unsupported(scale)):
         raise ValueError(reason)
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int):
+            raise ValueError(f"window must be None or an int (keys per query row), not {window!r}")
+        if window < 1:
+            raise ValueError(f"window must be at least 1 (a row keeps its own key), not {window}; None: no window")
+        if not is_causal:
+            raise ValueError(f"a sliding window (window={window}) needs is_causal=True")
+
+
+def _kernel_window(window: int | None, Sk: int) -> int:
+    """The kernels' window argument for a checked `window`: 0 (none) where it is None or keeps every causal key
+    (window >= Sk)."""
+    return 0 if window is None or window >= Sk else int(window)
+
+
+def _window_mask(Sq: int, Sk: int, window: int | None, device) -> torch.Tensor:
+    """The causal mask (True: dropped) of query i against key j: j > i, and with a window also j <= i - window."""
+    ones = torch.ones(Sq, Sk, dtype=torch.bool, device=device)
+    mask = ones.triu(1)
+    if window is not None:
+        mask |= ones.tril(-int(window))
+    return mask
 
 
 def attention_scale_unsupported(scale: float) -> str | None:
@@ -248,8 +270,10 @@ def _rows_tma_readable(t: torch.Tensor) -> torch.Tensor:
 
 
 def attention_forward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
-                                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 math: (o, lse) as attention_forward defines them (o in float64 here)."""
+                                scale: float | None = None,
+                                window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 math: (o, lse) as attention_forward defines them (o in float64 here); `window` (with is_causal):
+    query i keeps keys i - window < j <= i."""
     Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     k = k.double().repeat_interleave(Hq // Hkv, dim=1)
@@ -257,19 +281,20 @@ def attention_forward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     s = (q.double() @ k.transpose(-1, -2)) * scale
     if is_causal:
         Sq, Sk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        s = s.masked_fill(_window_mask(Sq, Sk, window, s.device), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     return torch.softmax(s, dim=-1) @ v, lse
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
-                      scale: float | None = None, _max_blocks: int = 0, _schedule: str = "dynamic",
-                      _tail_split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float | None = None, window: int | None = None, _max_blocks: int = 0,
+                      _schedule: str = "dynamic", _tail_split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """o = softmax(scale q k^T, causal mask) v and lse = logsumexp of the scaled scores, by the tk kernel.
 
     q is (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) with Hkv dividing Hq (query head h reads key/value head
     h // (Hq // Hkv)); bf16 or fp16; D 64, 128 or 256; scale defaults to 1/sqrt(D); causal masks key j > query i and
-    needs Sq == Sk. Inputs are read in place when the last dim is contiguous and the other strides are multiples
+    needs Sq == Sk. window (causal only; LitGPT's, Mistral's sliding window): query i keeps keys i - window < j <= i,
+    its own and window - 1 before it; None, or window >= Sk, is plain causal. Inputs are read in place when the last dim is contiguous and the other strides are multiples
     of 8 elements (LitGPT's transposed views qualify); others are copied first. Returns o (B, Hq, Sq, D) in the
     input dtype, a transposed view of a contiguous (B, Sq, Hq, D) buffer, and lse (B, Hq, Sq) in float32 (natural
     log), which the backward pass consumes.
@@ -280,7 +305,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     idle, its tiles are walked in key ranges by several blocks and merged (fp32 scratch of up to a wave of tiles);
     _tail_split=False (tests) walks them whole.
     """
-    check_attention_args(q, k, v, is_causal, scale)
+    check_attention_args(q, k, v, is_causal, scale, window)
     ext = _require_kernels(q.device)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -307,14 +332,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
                               list(k.stride()[:3]), list(v.stride()[:3]), list(o.stride()[:3]),
                               list(lse.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device),
                               int(_max_blocks), tickets, scratch.data_ptr() if floats else 0, floats, count_slot,
-                              counts)
+                              counts, _kernel_window(window, Sk))
     return o, lse
 
 
-def attention_backward_reference(q, k, v, o, lse, grad_o, *, is_causal=False, scale=None):
+def attention_backward_reference(q, k, v, o, lse, grad_o, *, is_causal=False, scale=None, window=None):
     """float64 autograd through attention_forward_reference: (dq, dk, dv) in float64 (o and lse unused)."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, _ = attention_forward_reference(q64, k64, v64, is_causal=is_causal, scale=scale)
+    out, _ = attention_forward_reference(q64, k64, v64, is_causal=is_causal, scale=scale, window=window)
     return torch.autograd.grad(out, (q64, k64, v64), grad_o.double())
 
 
@@ -339,14 +364,21 @@ _SPLIT_MARGIN = 0.9
 
 
 def _bwd_makespan(blocks_per_tile: int, kv_tiles: int, q_tiles: int, heads: int, causal: bool, sms: int,
-                  tile_steps: int = 2) -> float:
+                  tile_steps: int = 2, window: int = 0) -> float:
     """The backward grid's time in steps on `sms` multiprocessors, each block walking `heads` query heads: causal
     key tiles t take q_tiles - tile_steps t steps a head (tile_steps: query tiles per key tile, 2 for 128 keys) and
     start heaviest first (the longest block or the mean load, whichever is more); full ones are alike and run in
-    whole waves."""
+    whole waves. With a sliding window (the kernel's: 0 none) a key tile's steps stop at the tile of its last key's
+    last query (as the kernel's walk does), so the tiles are nearly alike."""
     blocks = blocks_per_tile * kv_tiles
     if not causal:
         return -(-blocks // sms) * (heads * q_tiles + _BWD_BLOCK_OVERHEAD_STEPS)
+    if window:
+        keys = tile_steps * _BWD_QUERIES
+        tile_steps_of = [min(q_tiles, (keys * (t + 1) - 2 + window) // _BWD_QUERIES + 1) - tile_steps * t
+                         for t in range(kv_tiles)]
+        total = blocks_per_tile * (heads * sum(tile_steps_of) + kv_tiles * _BWD_BLOCK_OVERHEAD_STEPS)
+        return max(heads * max(tile_steps_of) + _BWD_BLOCK_OVERHEAD_STEPS, total / sms)
     steps = kv_tiles * q_tiles - tile_steps * kv_tiles * (kv_tiles - 1) // 2  # sum over t of q_tiles - tile_steps t
     total = blocks_per_tile * (heads * steps + kv_tiles * _BWD_BLOCK_OVERHEAD_STEPS)
     return max(heads * q_tiles + _BWD_BLOCK_OVERHEAD_STEPS, total / sms)
@@ -387,23 +419,26 @@ def backward_tail_split(units: int, steps: int, causal: bool, sms: int) -> tuple
 
 
 @functools.lru_cache(maxsize=256)  # a pure function of the shape, asked on every backward call
-def backward_group_split(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, causal: bool, sms: int) -> int:
+def backward_group_split(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, causal: bool, sms: int,
+                         window: int = 0) -> int:
     """In how many parts the backward splits each key/value head's query heads (1: a block walks the whole group and
     dK, dV leave it summed). B * Hkv * key tiles blocks can be too few for the GPU, or too few to even out causal
     blocks' lengths (multi-query heads, small batches); then more blocks each walk part of the group, and dK, dV
-    are summed over the parts afterwards, which the split's predicted time must pay for and still win by 10%."""
+    are summed over the parts afterwards, which the split's predicted time must pay for and still win by 10%.
+    `window`: the kernel's sliding window (0: none)."""
     G = Hq // Hkv
     if G == 1:
         return 1
     keys = _bwd_keys(D)
     kv_tiles, q_tiles, tile_steps = -(-Sk // keys), -(-Sq // _BWD_QUERIES), keys // _BWD_QUERIES
     step_s = 5 * 2 * keys * _BWD_QUERIES * D / _BWD_STEP_FLOP_RATE
-    whole = _bwd_makespan(B * Hkv, kv_tiles, q_tiles, G, causal, sms, tile_steps)
+    whole = _bwd_makespan(B * Hkv, kv_tiles, q_tiles, G, causal, sms, tile_steps, window)
     best, best_steps = 1, whole
     for split in (s for s in range(2, G + 1) if G % s == 0):
         part_bytes = 2 * (split + 1) * B * Hkv * Sk * D * 2  # dK and dV: the parts read, the sums written
         summing = (part_bytes * _PART_SUM_SECONDS_PER_BYTE + 2 * _PART_SUM_LAUNCH_SECONDS) / step_s
-        steps = _bwd_makespan(B * Hkv * split, kv_tiles, q_tiles, G // split, causal, sms, tile_steps) + summing
+        steps = _bwd_makespan(B * Hkv * split, kv_tiles, q_tiles, G // split, causal, sms, tile_steps,
+                              window) + summing
         if steps < best_steps:
             best, best_steps = split, steps
     return best if best_steps < _SPLIT_MARGIN * whole else 1
@@ -411,11 +446,11 @@ def backward_group_split(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, ca
 
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                        grad_o: torch.Tensor, *, is_causal: bool = False, scale: float | None = None,
-                       _group_split: int = 0,
+                       window: int | None = None, _group_split: int = 0,
                        _tail_split: bool | tuple[int, int] = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention_forward's o, by the tk kernels, from its o and lse.
 
-    Same arguments and layouts as attention_forward; o and grad_o are (B, Hq, Sq, D), lse (B, Hq, Sq) float32.
+    Same arguments and layouts as attention_forward (window: the forward's); o and grad_o are (B, Hq, Sq, D), lse (B, Hq, Sq) float32.
     dk and dv have k's (B, Hkv, Sk, D) shape, summed over each key/value head's query heads. All come back in the
     input dtype. The kernels: delta = rowsum(grad_o * o), whose pass also zeroes an fp32 dQ buffer; then one pass
     over key blocks that keeps dK and dV in registers and adds dQ into that buffer, which a last pass scales and
@@ -426,7 +461,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     query ranges by several blocks and merged (`backward_tail_split`; fp32 scratch of up to a wave of units). Not
     under CUDA-graph capture. _tail_split (tests): False walks every unit whole, (split_from, parts) forces a split.
     """
-    _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, _group_split, _tail_split)
+    _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, _group_split, _tail_split, window)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if q.numel() == 0 or k.numel() == 0:
@@ -434,7 +469,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     ext, dq_accum, factor = _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, _group_split,
-                                           _tail_split)
+                                           _tail_split, window)
     dq = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     with _on(q.device):
         ext.attention_dq_finalize(dq_accum.data_ptr(), dq.data_ptr(), _DTYPE_CODES[q.dtype], dq.numel(), factor,
@@ -442,8 +477,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     return dq, dk, dv
 
 
-def _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, group_split, tail_split) -> None:
-    check_attention_args(q, k, v, is_causal, scale)
+def _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, group_split, tail_split, window=None) -> None:
+    check_attention_args(q, k, v, is_causal, scale, window)
     B, Hq, Sq, D = q.shape
     Hkv = k.shape[1]
     for name, t in (("o", o), ("grad_o", grad_o)):
@@ -460,14 +495,15 @@ def _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, group_split,
         raise ValueError(f"_tail_split must be True, False or (split_from, parts), not {tail_split!r}")
 
 
-def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_split, tail_split):
+def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_split, tail_split, window=None):
     """The backward kernels on checked, non-empty arguments: dk and dv (B, Hkv, Sk, D, any 16-byte strides TMA can
     store through) written, and (extension, the fp32 dQ accumulator, the factor that scales it into dq)."""
     ext = _require_kernels(q.device)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     sms = _extension.multiprocessor_count(q.device.index)
-    split = group_split or backward_group_split(B, Hq, Hkv, Sq, Sk, D, bool(is_causal), sms)
+    kernel_window = _kernel_window(window, Sk)
+    split = group_split or backward_group_split(B, Hq, Hkv, Sq, Sk, D, bool(is_causal), sms, kernel_window)
     units = B * Hkv * split * -(-Sk // _bwd_keys(D))
     if tail_split is True:
         # D = 256 walks every unit whole (its kernel has no merge of parts).
@@ -498,7 +534,8 @@ def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_spli
                                list(dk_parts.stride()[:3]), list(dv_parts.stride()[:3]), list(lse.stride()[:2]),
                                list(delta.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device), split,
                                split_from, parts, scratch.data_ptr() if parts else 0,
-                               _zeroed_slot(q.device, "attention_bwd_split", _SPLIT_COUNT_SLOT, 64) if parts else 0)
+                               _zeroed_slot(q.device, "attention_bwd_split", _SPLIT_COUNT_SLOT, 64) if parts else 0,
+                               kernel_window)
     if split > 1:  # the parts of each group, summed (torch accumulates 16-bit sums in fp32; out= may be strided)
         for out, part in ((dk, dk_parts), (dv, dv_parts)):
             torch.sum(part.view(B, Hkv, split, Sk, D), 2, out=out)
@@ -573,7 +610,7 @@ def qkv_grad_unsupported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
 
 def attention_backward_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                            grad_o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, is_causal: bool = False,
-                           scale: float | None = None, _group_split: int = 0,
+                           scale: float | None = None, window: int | None = None, _group_split: int = 0,
                            _tail_split: bool | tuple[int, int] = True) -> torch.Tensor:
     """The gradient of the fused projection output qkv (B, S, (Hq + 2 Hkv) D) from which q, k and v were split (in
     that column order, D columns a head, each transposed to (B, H, S, D)) and q and k roped as rope_reference does.
@@ -584,7 +621,7 @@ def attention_backward_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
     attention backward. cos and sin: (>= S, n) float32 or q's dtype, n a multiple of 16 up to D (0: no rotation);
     position s uses row s. Other arguments as attention_backward.
     """
-    _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, _group_split, _tail_split)
+    _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, _group_split, _tail_split, window)
     if not all(isinstance(t, torch.Tensor) and t.device == q.device for t in (cos, sin)):
         raise ValueError(f"cos and sin must be tensors on {q.device}")
     if (reason := qkv_grad_unsupported(q, k, cos, sin)) is not None:
@@ -596,7 +633,7 @@ def attention_backward_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
         return qkv_grad
     dq, dk, dv = qkv_head_views(qkv_grad, Hq, Hkv, D)
     ext, dq_accum, factor = _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, _group_split,
-                                           _tail_split)
+                                           _tail_split, window)
     _rope_grad_pass(ext, dq_accum, factor, dq, dk, cos, sin)
     return qkv_grad
 

@@ -164,6 +164,22 @@ def attention_backward():
     print("attention backward sanitize targets ran")
 
 
+# Causal sliding windows (query i keeps keys i - W < j <= i), forward and backward: windows of one key, under, at and
+# over a key block, tiles starting past key block 0, rows whose first visited blocks hold none of their keys, a
+# transposed view, capped grids (blocks walk several tiles), GQA groups whole and in parts, D 64/128/256.
+def attention_window():
+    for B, Hq, Hkv, S, D, W, grid in [(1, 4, 2, 300, 64, 7, 0), (2, 2, 1, 700, 128, 129, 2), (1, 2, 2, 300, 256, 64, 0),
+                                      (1, 3, 3, 2100, 64, 200, 3), (1, 2, 1, 513, 128, 1, 0),
+                                      (1, 4, 1, 400, 256, 128, 2)]:
+        q = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        o, lse = ops.attention_forward(q, k, v, is_causal=True, window=W, _max_blocks=grid)
+        for split in sorted({1, Hq // Hkv}):
+            ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), is_causal=True, window=W, _group_split=split)
+    torch.cuda.synchronize()
+    print("attention window sanitize targets ran")
+
+
 # The attention backward into the qkv projection's gradient: causal GQA with tails and the whole head rotated, a
 # quarter-width rotation with fp32 angles, no rotation, D = 128 and 256, a group split in parts and a last-wave split
 # (dk, dv summed or merged into their strided columns, then rotated in place).
@@ -353,7 +369,7 @@ def dependent_launch():
 
 
 SECTIONS = [attention_bwd_delta, gemm, gemm_skinny, gemm_swiglu, tile_library, attention_forward, attention_backward,
-            attention_qkv_grad, gemm_rope, gemm_sum, gemm_fp32_out, embedding_backward, rms_norm, cross_entropy,
+            attention_window, attention_qkv_grad, gemm_rope, gemm_sum, gemm_fp32_out, embedding_backward, rms_norm, cross_entropy,
             cross_entropy_forward_grad, dependent_launch]
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ O_TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
 LSE_TOL = 1e-2
 
 
-def reference(q, k, v, causal=False, scale=None):
-    """o and lse in float64: query head h reads kv head h // (Hq // Hkv); causal is the top-left aligned mask."""
+def reference(q, k, v, causal=False, scale=None, window=None):
+    """o and lse in float64: query head h reads kv head h // (Hq // Hkv); causal is the top-left aligned mask, with
+    `window` also dropping keys j <= i - window."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     group = q.shape[1] // k.shape[1]
     q64 = q.double()
@@ -34,17 +35,19 @@ def reference(q, k, v, causal=False, scale=None):
     s = (q64 @ k64.transpose(-1, -2)) * scale
     if causal:
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        if window is not None:
+            keep = keep.triu(1 - window)
         s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     o = torch.exp(s - lse[..., None]) @ v64
     return o, lse
 
 
-def run(q, k, v, causal=False, scale=None):
+def run(q, k, v, causal=False, scale=None, window=None, **options):
     """The op on freshly poisoned memory, with the output contract checked."""
     B, Hq, Sq, D = q.shape
     poison_allocator(((B, Hq, Sq, D), q.dtype), ((B, Hq, Sq), torch.float32))
-    o, lse = ops.attention_forward(q, k, v, is_causal=causal, scale=scale)
+    o, lse = ops.attention_forward(q, k, v, is_causal=causal, scale=scale, window=window, **options)
     assert o.shape == q.shape and o.dtype == q.dtype and o.device == q.device
     assert o.transpose(1, 2).is_contiguous(), "o is not laid out (B, S, H, D) in memory"
     assert lse.shape == (B, Hq, Sq) and lse.dtype == torch.float32
@@ -53,9 +56,9 @@ def run(q, k, v, causal=False, scale=None):
     return o, lse
 
 
-def check(q, k, v, causal=False, scale=None, lse_tol=LSE_TOL):
-    o, lse = run(q, k, v, causal, scale)
-    ref_o, ref_lse = reference(q, k, v, causal, scale)
+def check(q, k, v, causal=False, scale=None, lse_tol=LSE_TOL, window=None, **options):
+    o, lse = run(q, k, v, causal, scale, window, **options)
+    ref_o, ref_lse = reference(q, k, v, causal, scale, window)
     err = rel_err(o, ref_o)
     assert err < O_TOL[q.dtype], f"o rel err {err}"
     lse_err = (lse.double() - ref_lse).abs().max().item()
@@ -334,11 +337,11 @@ def rising_scores(B, H, S, D, rise, dtype, seed, rising_rows):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def check_large_lse(q, k, v, causal=False):
+def check_large_lse(q, k, v, causal=False, window=None):
     # |lse| reaches the thousands with large scores, where an fp32 ulp is ~1e-4 and the scores' fp32 sums carry error
     # of a few 1e-4: allow the absolute lse tolerance plus a relative 1e-5.
-    ref_lse = reference(q, k, v, causal)[1]
-    check(q, k, v, causal=causal, lse_tol=LSE_TOL + 1e-5 * ref_lse.abs().max().item())
+    ref_lse = reference(q, k, v, causal, window=window)[1]
+    check(q, k, v, causal=causal, lse_tol=LSE_TOL + 1e-5 * ref_lse.abs().max().item(), window=window)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
@@ -489,15 +492,15 @@ BACKWARD_CASES = [
 ]
 
 
-def backward_check(q, k, v, causal=False, scale=None, group_split=0, tail_split=True):
-    o, lse = ops.attention_forward(q, k, v, is_causal=causal, scale=scale)
+def backward_check(q, k, v, causal=False, scale=None, group_split=0, tail_split=True, window=None):
+    o, lse = ops.attention_forward(q, k, v, is_causal=causal, scale=scale, window=window)
     g = torch.randn_like(o)
     poison_allocator((tuple(q.shape), q.dtype), (tuple(k.shape), k.dtype))
-    dq, dk, dv = ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, scale=scale,
+    dq, dk, dv = ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, scale=scale, window=window,
                                         _group_split=group_split, _tail_split=tail_split)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == q.dtype
-    refs = ops.attention_backward_reference(q, k, v, o, lse, g, is_causal=causal, scale=scale)
+    refs = ops.attention_backward_reference(q, k, v, o, lse, g, is_causal=causal, scale=scale, window=window)
     for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), refs):
         assert torch.isfinite(got).all(), f"{name} has unwritten (NaN) or overflowed elements"
         # Relative to the reference's norm, with a floor: with one key dq and dk are exactly 0 in exact math,
@@ -675,3 +678,139 @@ def test_dq_finalize_scales_and_rounds_like_torch(dtype):
     with pytest.raises(ValueError, match="aligned"):
         ext.attention_dq_finalize(accum.data_ptr() + 4, out.data_ptr(), ops._DTYPE_CODES[dtype], 8, 1.0,
                                   ops._stream_handle(accum.device))
+
+
+# ------------------------------------------------------------------------------------------------
+# Causal sliding window (window=W): query i keeps keys i - W < j <= i. The forward visits only the key blocks of its
+# rows' windows, and rows can meet blocks (even a tile's first) where all their keys are masked; the backward walks
+# only the query tiles that keep some of a block's keys.
+
+# (B, Hq, Hkv, S, D, W) with W < S: W of 1 (each row its own key), under, at and over a key block (128; 64 at
+# D = 256) and a 64-row slice, tails in S, GQA.
+WINDOW_CASES = [
+    (1, 2, 1, 17, 64, 1),
+    (2, 2, 2, 17, 256, 7),
+    (2, 4, 2, 128, 64, 7),
+    (1, 4, 4, 128, 128, 127),
+    (1, 4, 2, 128, 256, 64),
+    (2, 4, 2, 300, 64, 1),
+    (1, 4, 2, 300, 128, 129),
+    (1, 2, 2, 300, 256, 200),
+    (1, 8, 2, 1000, 64, 128),
+    (1, 4, 1, 1000, 128, 64),
+    (1, 4, 2, 1000, 256, 512),
+    (1, 4, 4, 1000, 128, 7),
+    (1, 2, 2, 2049, 64, 200),
+    (1, 2, 1, 2049, 128, 512),
+    (1, 2, 2, 2049, 256, 129),
+    (1, 2, 1, 2049, 128, 1),
+]
+
+
+def window_id(c):
+    B, Hq, Hkv, S, D, W = c
+    return f"B{B}-H{Hq}kv{Hkv}-S{S}-D{D}-W{W}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=window_id)
+def test_window_matches_fp64_reference(case, dtype):
+    B, Hq, Hkv, S, D, W = case
+    check(*make(B, Hq, Hkv, S, S, D, dtype, seed=21), causal=True, window=W)
+
+
+# A subset for the backward (the fp64 autograd reference is the slow part).
+WINDOW_BACKWARD_CASES = [WINDOW_CASES[i] for i in (0, 1, 2, 3, 4, 6, 7, 8, 10, 11, 14, 15)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", WINDOW_BACKWARD_CASES, ids=window_id)
+def test_window_backward_matches_fp64_autograd(case, dtype):
+    B, Hq, Hkv, S, D, W = case
+    backward_check(*make(B, Hq, Hkv, S, S, D, dtype, seed=22), causal=True, window=W)
+
+
+@pytest.mark.parametrize("S,W,D", [(1, 1, 64), (17, 17, 128), (17, 512, 256), (128, 128, 64), (128, 200, 128),
+                                   (300, 512, 256), (1000, 1000, 64), (2049, 4096, 128)])
+def test_window_covering_every_key_is_plain_causal_bitwise(S, W, D):
+    """A window of S keys or more keeps every causal key: the same launch as plain causal, bit for bit (dq is summed
+    by reduce-adds in varying order, so it only has to be close)."""
+    q, k, v = make(1, 4, 2, S, S, D, torch.bfloat16, seed=23)
+    o, lse = run(q, k, v, True, window=W)
+    o_c, lse_c = run(q, k, v, True)
+    assert torch.equal(o, o_c) and torch.equal(lse, lse_c)
+    g = torch.randn_like(o)
+    dq, dk, dv = ops.attention_backward(q, k, v, o, lse, g, is_causal=True, window=W)
+    dq_c, dk_c, dv_c = ops.attention_backward(q, k, v, o, lse, g, is_causal=True)
+    assert torch.equal(dk, dk_c) and torch.equal(dv, dv_c)
+    assert rel_err(dq, dq_c.double()) < 1e-2
+
+
+@pytest.mark.parametrize("schedule", ["dynamic", "static"])
+@pytest.mark.parametrize("max_blocks", [1, 3])
+@pytest.mark.parametrize("B,Hq,Hkv,S,D,W", [
+    (1, 3, 3, 2100, 64, 200),  # 192-row tiles: first key blocks from 0 up to 15, 2-4 blocks each
+    (2, 2, 1, 1000, 128, 64),  # 128-row tiles, most rows' windows starting in the tile's second block
+    (1, 2, 2, 700, 256, 129),  # 64-key blocks
+])
+def test_window_persistent_grid_walks_many_tiles_repeatably(B, Hq, Hkv, S, D, W, max_blocks, schedule):
+    q, k, v = make(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=24)
+    o, lse = check(q, k, v, causal=True, window=W, _max_blocks=max_blocks, _schedule=schedule)
+    o2, lse2 = run(q, k, v, True, window=W, _max_blocks=max_blocks, _schedule=schedule)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2), "results differ between identical runs"
+    o_full_grid, _ = ops.attention_forward(q, k, v, is_causal=True, window=W)
+    assert torch.equal(o, o_full_grid), "the result depends on the grid"
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("offset", [-5.0, 5.0])
+@pytest.mark.parametrize("W", [7, 100])
+def test_window_rows_without_keys_far_from_zero(W, offset, D):
+    """Scores of about +-1000 (base 2) everywhere: a row whose keys have not begun by a block (its running max still
+    -inf) must not take that block's exponents against 0, where they underflow (l = 0) or overflow."""
+    q, k, v = make(1, 2, 1, 600, 600, D, torch.bfloat16, seed=25)
+    q = (q * 0.1 + offset).to(torch.bfloat16)
+    k = (k * 0.1 + 5.0).to(torch.bfloat16)
+    o, lse = ops.attention_forward(q, k, v, is_causal=True, window=W)
+    check_large_lse(q, k, v, causal=True, window=W)
+    # The backward's masked keys score far from lse too (exp2 of them can be inf): their P must be exactly 0. dq and
+    # dk are sums of dS times the common offset of k or q, whose rounding the offset magnifies: only finite here;
+    # dv = P^T dO has no such cancellation.
+    g = torch.randn_like(o)
+    dq, dk, dv = ops.attention_backward(q, k, v, o, lse, g, is_causal=True, window=W)
+    assert all(torch.isfinite(t).all() for t in (dq, dk, dv))
+    ref_dv = ops.attention_backward_reference(q, k, v, o, lse, g, is_causal=True, window=W)[2]
+    assert rel_err(dv, ref_dv) < GRAD_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("parts", ["whole", "single heads"])
+@pytest.mark.parametrize("case", [(2, 8, 2, 1000, 128, 200), (1, 8, 1, 700, 64, 64), (1, 4, 2, 500, 256, 129)],
+                         ids=window_id)
+def test_window_backward_grouped_heads(case, parts):
+    B, Hq, Hkv, S, D, W = case
+    split = {"whole": 1, "single heads": Hq // Hkv}[parts]
+    backward_check(*make(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=26), causal=True, window=W, group_split=split)
+
+
+@pytest.mark.parametrize("layout,D,W", [("bshd", 128, 100), ("fused_qkv", 64, 7), ("wide_rows", 256, 129)])
+def test_window_strided_views_match_contiguous(layout, D, W):
+    """Forward bitwise as on contiguous copies; backward against fp64 and dk, dv bitwise repeatable."""
+    q, k, v, bufs = strided_inputs(layout, 2, 8, 2, 333, D, torch.bfloat16)
+    o, lse = check(q, k, v, causal=True, window=W)
+    o_c, lse_c = ops.attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=True, window=W)
+    assert torch.equal(o, o_c) and torch.equal(lse, lse_c), "a strided run differs from the contiguous one"
+    (dq, dk, dv), g, (o, lse) = backward_check(q, k, v, causal=True, window=W)
+    dq2, dk2, dv2 = ops.attention_backward(q, k, v, o, lse, g, is_causal=True, window=W)
+    assert torch.equal(dk, dk2) and torch.equal(dv, dv2)
+    assert rel_err(dq2, dq.double()) < 1e-2
+
+
+@pytest.mark.parametrize("window,causal,match", [(0, True, "at least 1"), (-3, True, "at least 1"),
+                                                 (8, False, "is_causal"), (2.5, True, "int"), (True, True, "int")])
+def test_window_bad_arguments_raise_named_errors(window, causal, match):
+    q, k, v = make(1, 2, 2, 32, 32, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        ops.attention_forward(q, k, v, is_causal=causal, window=window)
+    o, lse = ops.attention_forward(q, k, v, is_causal=True)
+    with pytest.raises(ValueError, match=match):
+        ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), is_causal=causal, window=window)

@@ -23,19 +23,20 @@ def rope_tables(rows, n, dtype):
     return ops.rope_tables(rows, n, dtype, "cuda")
 
 
-def make(B, Hq, Hkv, S, D, dtype, causal, seed=0):
+def make(B, Hq, Hkv, S, D, dtype, causal, seed=0, window=None):
     """q, k, v as LitGPT splits them from one (B, S, (Hq + 2 Hkv) D) projection output, o and lse of the forward,
     and a gradient of o."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     qkv = torch.randn(B, S, (Hq + 2 * Hkv) * D, device="cuda", dtype=dtype, generator=g)
     q, k, v = ops.qkv_head_views(qkv, Hq, Hkv, D)
-    o, lse = ops.attention_forward(q, k, v, is_causal=causal)
+    o, lse = ops.attention_forward(q, k, v, is_causal=causal, window=window)
     grad_o = torch.randn(o.shape, device="cuda", dtype=dtype, generator=g)
     return q, k, v, o, lse, grad_o
 
 
-def reference(q, k, v, o, lse, grad_o, cos, sin, causal, scale=None):
-    dq, dk, dv = ops.attention_backward_reference(q, k, v, o, lse, grad_o, is_causal=causal, scale=scale)
+def reference(q, k, v, o, lse, grad_o, cos, sin, causal, scale=None, window=None):
+    dq, dk, dv = ops.attention_backward_reference(q, k, v, o, lse, grad_o, is_causal=causal, scale=scale,
+                                                  window=window)
     return ops.qkv_grad_reference(dq, dk, dv, cos.double(), sin.double())
 
 
@@ -91,6 +92,17 @@ def test_splits_sum_into_the_columns(split):
     cos, sin = rope_tables(300, 64, torch.bfloat16)
     got = run(q, k, v, o, lse, grad_o, cos, sin, causal, **split)
     want = reference(q, k, v, o, lse, grad_o, cos, sin, causal)
+    assert rel_err(got, want) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,S,D,W,split", [(2, 8, 2, 300, 64, 7, 0), (1, 4, 2, 1000, 128, 129, 2),
+                                                 (1, 4, 1, 257, 256, 64, 0)])
+def test_sliding_window(B, Hq, Hkv, S, D, W, split):
+    """A causal sliding window (keys i - W < j <= i), as the forward computed it, grouped heads whole or in parts."""
+    q, k, v, o, lse, grad_o = make(B, Hq, Hkv, S, D, torch.bfloat16, True, seed=9, window=W)
+    cos, sin = rope_tables(S, D, torch.bfloat16)
+    got = run(q, k, v, o, lse, grad_o, cos, sin, True, window=W, _group_split=split)
+    want = reference(q, k, v, o, lse, grad_o, cos, sin, True, window=W)
     assert rel_err(got, want) < TOL[torch.bfloat16]
 
 

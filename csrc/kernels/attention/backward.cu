@@ -13,6 +13,8 @@
 // in shared memory), and each adds its 128 columns of dV, dK and dQ with both operands from shared memory; dQ is
 // staged (fp32) over the step's own Q and dO boxes once both are done with them, and the writer warp adds it into
 // the accumulator by TMA reduce-adds and then releases the stage.
+// Causal walks start at the block's diagonal; with a sliding window (args.window = W) they also end at the query tile
+// of the block's last key + W - 1, and P is 0 where key <= query - W as well.
 #include "backward.h"
 #include "../../kittens/kittens.cuh"
 #include "layout.cuh"
@@ -118,7 +120,8 @@ struct kernel_params {
 };
 
 struct block_work {
-    int kv_tile, kv_head, batch, first_q_tile;
+    int kv_tile, kv_head, batch;
+    int first_q_tile, end_q_tile;  // the query tiles [first, end) that see its keys (causal, window), of every head
     int first_head;  // the first query head the block walks
     int out_head;    // the head of dk and dv it writes: kv_head * group_split + its split
     // Its steps [step0, step1) of the unit's walk (heads_per_block x its query tiles); a split unit's part, or -1.
@@ -149,14 +152,19 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p) {
         kv_tile = int(linear % p.kv_tiles);
         bh = linear / p.kv_tiles;
     }
-    // Causal: query tiles that end before the block's first key see none of its keys.
+    // Causal: query tiles that end before the block's first key see none of its keys. Sliding window: nor do those
+    // that start past its last key + window - 1 (the last query that keeps that key; 64 bits, then clipped).
     const int first = a.causal ? (kv_tile * KEYS) / BQ : 0;
+    const int end = a.window > 0
+                        ? int(std::min<int64_t>(p.q_tiles, (int64_t(kv_tile) * KEYS + KEYS - 2 + a.window) / BQ + 1))
+                        : p.q_tiles;
     const int split = int(bh % a.group_split), kv_head = int(bh / a.group_split % a.kv_heads);
-    const int steps = p.heads_per_block * (p.q_tiles - first);
+    const int steps = p.heads_per_block * (end - first);
     return {kv_tile,
             kv_head,
             int(bh / a.group_split / a.kv_heads),
             first,
+            end,
             kv_head * p.group + split * p.heads_per_block,
             kv_head * int(a.group_split) + split,
             part < 0 ? 0 : int(int64_t(steps) * part / p.parts),
@@ -165,12 +173,12 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p) {
             part};
 }
 
-// A step of a block's walk: its query head and tile. The walk goes over the block's query tiles (from first_q_tile)
-// of one head, then of the next.
+// A step of a block's walk: its query head and tile. The walk goes over the block's query tiles [first_q_tile,
+// end_q_tile) of one head, then of the next.
 struct walk_position {
     int head, q_tile;
-    __device__ __forceinline__ void next(const kernel_params& p, const block_work& w) {
-        if (++q_tile == p.q_tiles) {
+    __device__ __forceinline__ void next(const kernel_params&, const block_work& w) {
+        if (++q_tile == w.end_q_tile) {
             q_tile = w.first_q_tile;
             ++head;
         }
@@ -178,7 +186,7 @@ struct walk_position {
 };
 // Where a block's walk starts: the query head and tile of its step0.
 __device__ __forceinline__ walk_position start_of(const kernel_params& p, const block_work& w) {
-    const int per_head = p.q_tiles - w.first_q_tile;
+    const int per_head = w.end_q_tile - w.first_q_tile;
     return {w.first_head + w.step0 / per_head, w.first_q_tile + w.step0 % per_head};
 }
 
@@ -278,9 +286,12 @@ struct fp32_box_chunks {
 // queries in column pairs). `masked`: 0 where the key is past the query (causal: key - query, as
 // row + `ahead` against rt::column_offset, in 32 bits; `ahead` INT_MIN where the step is clear of the diagonal)
 // and for this thread's key rows at or past `keys_left` (keys past kv_len, which TMA filled with zeros: their
-// exp(-lse) can overflow dS). Both consumers take it; a constant `masked` drops the mask's instructions.
+// exp(-lse) can overflow dS). `windowed` (sliding window; with `masked`): 0 too where the key is at or below
+// query - window, i.e. rt::column_offset >= row + `behind` (key - query + window at the thread's first column).
+// Masked entries are set to 0 whatever their exponent was (even inf: a dropped key can score far above the row's
+// lse), so dS is exactly 0 there. Both consumers take it; constant flags drop the masks' instructions.
 __device__ __forceinline__ void exponentiate_scores(float (&d)[32], const float* lse, float c, bool masked, int ahead,
-                                                    int keys_left) {
+                                                    int keys_left, bool windowed = false, int behind = 0) {
 #pragma unroll
     for (int e = 0; e < 32; e += 2) {
         const float2 l = *reinterpret_cast<const float2*>(&lse[rt::column(e)]);
@@ -289,6 +300,11 @@ __device__ __forceinline__ void exponentiate_scores(float (&d)[32], const float*
             const int row = rt::is_bottom(e) ? 8 : 0, row_ahead = ahead + row;
             if (row_ahead > rt::column_offset(e) || row >= keys_left) x0 = 0.0f;
             if (row_ahead > rt::column_offset(e + 1) || row >= keys_left) x1 = 0.0f;
+            if (windowed) {
+                const int row_behind = behind + row;
+                if (rt::column_offset(e) >= row_behind) x0 = 0.0f;
+                if (rt::column_offset(e + 1) >= row_behind) x1 = 0.0f;
+            }
         }
         d[e] = x0;
         d[e + 1] = x1;
@@ -408,7 +424,12 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         // The last key block's rows past kv_len take the masked copy too (see keys_left).
         const int col0 = rt::column(0);
         const int ahead = a.causal && key0 + 63 > q0 ? int(key0 - q0) + top - col0 : INT_MIN;
-        if (ahead != INT_MIN || key_tail)
+        // Sliding window: steps where some query drops some of this warpgroup's keys (key <= query - window) take
+        // a copy with that mask too; key0 - q0 + window is in [-128, 63] there, so 32 bits.
+        if (a.window > 0 && key0 + a.window <= q0 + 63)
+            exponentiate_scores(s.d, st.lse[stage], c, true, ahead, keys_left, true,
+                                int(key0 - q0) + a.window + top - col0);
+        else if (ahead != INT_MIN || key_tail)
             exponentiate_scores(s.d, st.lse[stage], c, true, ahead, keys_left);
         else
             exponentiate_scores(s.d, st.lse[stage], c, false, ahead, keys_left);
@@ -652,7 +673,12 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
             // probabilities and keys_left).
             const int col0 = rt::column(0);
             const int ahead = a.causal && key0 + 63 > q0 ? int(key0 - q0) + top - col0 : INT_MIN;
-            exponentiate_scores(x.d, st.lse[stage], c, ahead != INT_MIN || key_tail, ahead, keys_left);
+            // Sliding window: keys at or below query - window too (see consume).
+            if (a.window > 0 && key0 + a.window <= q0 + 63)
+                exponentiate_scores(x.d, st.lse[stage], c, true, ahead, keys_left, true,
+                                    int(key0 - q0) + a.window + top - col0);
+            else
+                exponentiate_scores(x.d, st.lse[stage], c, ahead != INT_MIN || key_tail, ahead, keys_left);
             rt::to_a_operand(frag, x);
             rt::store_swizzled(frag, 0, [&](int) { return const_cast<uint8_t*>(pt_bytes); });
             tma::fence_shared_to_async();
@@ -834,6 +860,7 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
         return cudaErrorInvalidValue;
     kernel_params p;
     p.args = a;
+    if (a.window >= a.kv_len) p.args.window = 0;  // every causal row's keys fit such a window: plain causal
     p.q_tiles = int((a.q_len + BQ - 1) / BQ);
     p.kv_tiles = int((a.kv_len + BK_OF<D> - 1) / BK_OF<D>);
     p.group = int(a.q_heads / a.kv_heads);
@@ -855,7 +882,7 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
 
 const char* backward_unsupported(const backward_args& a) {
     if (const char* reason = layout::shape_unsupported(a.dtype, a.head_dim, a.batch, a.q_heads, a.kv_heads, a.q_len,
-                                                       a.kv_len, a.causal, a.scale))
+                                                       a.kv_len, a.causal, a.scale, a.window))
         return reason;
     if (a.group_split < 1 || (a.q_heads / a.kv_heads) % a.group_split)
         return "group_split must divide q_heads / kv_heads";

@@ -25,6 +25,7 @@ struct backward_args {
     int64_t lse_stride[2], delta_stride[2];
     float scale;  // positive
     bool causal;  // q_len == kv_len
+    int window = 0;  // causal sliding window as forward_args::window: query i keeps keys i - W < j <= i (0: none)
     // 1, or a divisor of q_heads / kv_heads: each key/value head's query heads in that many parts, one block per
     // part and key tile, so that small batches of grouped heads still fill the GPU; the caller sums the parts.
     int64_t group_split = 1;

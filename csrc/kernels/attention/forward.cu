@@ -9,6 +9,9 @@
 // running maximum without the block's own maxima first (softmax_against_max), with slower paths for the rare block
 // that passes it. Tails in both lengths are handled
 // in-kernel: TMA zero-fills rows past the end, the softmax masks keys past kv_len, and the O store is clipped.
+// A causal sliding window (args.window = W: query i keeps keys i - W < j <= i) skips the key blocks before the tile's
+// first row's window and masks keys at or below row - W; a warp whose rows' windows have not all begun takes the
+// softmax with block maxima (rows with no key yet keep m = -inf; see exact_until).
 #include "forward.h"
 #include "../../kittens/kittens.cuh"
 #include "layout.cuh"
@@ -115,9 +118,16 @@ __device__ __forceinline__ work_item item_of(const kernel_params& p, int ticket)
     return {p.split.split_from + tail, ticket - p.split.split_from - tail * p.split.parts, tail};
 }
 // Key blocks [first, end) of an item: all of the tile's, or its part's share (the parts differ by at most one).
-__device__ __forceinline__ int2 key_blocks_of(const kernel_params& p, const work_item& it, int kv_blocks) {
-    if (it.part < 0) return {0, kv_blocks};
-    return {it.part * kv_blocks / p.split.parts, (it.part + 1) * kv_blocks / p.split.parts};
+// With a sliding window the tile's first row keeps keys from row0 - window + 1 on, and every later row from further
+// on, so the blocks before that key's are skipped (padding rows, row0 < 0, start at block 0; in 32 bits: row0 >=
+// window there, and window < kv_len < 2^31 once launch has normalised it). Split tiles have no window.
+template <int KEYS>
+__device__ __forceinline__ int2 key_blocks_of(const kernel_params& p, const work_item& it, const block_work& w) {
+    if (it.part < 0) {
+        const int window = p.args.window;
+        return {window > 0 && w.row0 >= window ? (w.row0 - window + 1) / KEYS : 0, w.kv_blocks};
+    }
+    return {it.part * w.kv_blocks / p.split.parts, (it.part + 1) * w.kv_blocks / p.split.parts};
 }
 
 // Causal tiles differ in work (row tile i sees i + 1 key blocks): within each L2 chunk of heads the heaviest
@@ -176,7 +186,7 @@ __device__ __forceinline__ void produce(shared_state<T, D, C>& st, const kernel_
         constexpr int BM = config<D, C>::BM;
         const work_item it = item_of(p, t);
         const block_work w = work_of<BM, BN>(p, it.tile);
-        const int2 blocks = key_blocks_of(p, it, w.kv_blocks);
+        const int2 blocks = key_blocks_of<BN>(p, it, w);
         const int kv_head = w.head / p.kv_group;
         // 64-row slices above row 0 (causal padding) are not loaded: their rows are masked whole.
         constexpr uint32_t slice_bytes = shared_state<T, D, C>::q_bytes / (BM / 64);
@@ -313,17 +323,32 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     bool moved = true;  // warp-uniform: the last softmax moved some row's maximum (o needs rescaling)
     auto mask = [&](int j) {
         const int64_t key0 = int64_t(j) * BN;
-        if (key0 + BN > a.kv_len || (a.causal && key0 + BN - 1 > row0)) {
+        // Sliding window (causal): some row of this slice drops keys of this block at or below row - window.
+        const bool window_cut = a.window > 0 && key0 + a.window <= row0 + 63;
+        if (key0 + BN > a.kv_len || (a.causal && key0 + BN - 1 > row0) || window_cut) {
             // Keys past kv_len and (causal) past the row are masked: each element is one compare of its
-            // rt::column_offset against its row's last kept offset, in 32 bits (lengths < 2^31; causal rows and
-            // keys are at most BM + BN apart here).
+            // rt::column_offset against its row's last kept offset, in 32 bits (lengths < 2^31; row0 - key0 is
+            // below q_len, and with the window cut row0 - key0 - window >= -63).
             const int col0 = rt::column(0);
             const int tail = int(a.kv_len - key0 < BN ? a.kv_len - key0 : BN) - 1 - col0;
             const int diag = a.causal ? int(row0 - key0) + rt::top_row() - col0 : tail;
             const int last_top = min(tail, diag), last_bottom = min(tail, a.causal ? diag + 8 : tail);
+            if (window_cut) {
+                // ... and keys at or below row - window: offsets up to diag - window. A copy of its own, so that
+                // blocks without the cut (every block without a window) keep the one compare.
+                const int cut_top = diag - a.window, cut_bottom = cut_top + 8;
 #pragma unroll
-            for (int i = 0; i < BN / 2; ++i)
-                if (rt::column_offset(i) > (rt::is_bottom(i) ? last_bottom : last_top)) s.d[i] = -INFINITY;
+                for (int i = 0; i < BN / 2; ++i) {
+                    const int offset = rt::column_offset(i);
+                    const bool bottom = rt::is_bottom(i);
+                    if (offset > (bottom ? last_bottom : last_top) || offset <= (bottom ? cut_bottom : cut_top))
+                        s.d[i] = -INFINITY;
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i)
+                    if (rt::column_offset(i) > (rt::is_bottom(i) ? last_bottom : last_top)) s.d[i] = -INFINITY;
+            }
         }
     };
     // s becomes exp2(scaled s - base) in place, each row's sum over this thread's columns added to sum_top/bottom.
@@ -448,7 +473,17 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     auto hand_over = [&] { sync::named_arrive(turn_barrier<C>((slice + 1) % CONSUMERS), turn_threads); };
 
     // The item's key blocks: the tile's, or its part's.
-    const int2 blocks = key_blocks_of(p, it, w.kv_blocks);
+    const int2 blocks = key_blocks_of<BN>(p, it, w);
+    // With a sliding window a row's first kept key can lie past the tile's first block, so a row can enter a block
+    // with no key yet (m = -inf). softmax_against_max would take such a row's exponents against 0, where a block of
+    // scores far below 0 underflows to l = 0 (and far above it goes the slow way), so until the warp's last row has
+    // its first key (its block included) the warp takes softmax(j), whose block maxima handle rows with no key. One
+    // compare per block; without a window (and for padding rows) only the first block, as before.
+    int exact_until = blocks.x;
+    if (a.window > 0) {
+        const int64_t warp_last_row = row0 + (rt::top_row() | 15);  // top_row: 16 warp + lane / 4
+        if (warp_last_row >= a.window) exact_until = max(exact_until, int((warp_last_row - a.window + 1) / BN));
+    }
     // First block: scores, softmax, P.
     st.k_ring.wait_full(at_k);
     my_turn();
@@ -479,12 +514,14 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
         wgmma::wait<1>();  // the scores (committed first) are done; P V may still run
         wgmma::pin(s.d);
         rt::row_vec alpha{1.0f, 1.0f};
-        if (!softmax_against_max(j, alpha)) {
+        const bool exact = j <= exact_until;  // a row of this warp may have no key yet (sliding window)
+        if (exact || !softmax_against_max(j, alpha)) {
             // Overflowed (rare): this warp's scores of the block again (K's stage is still held), then the softmax
             // with its maxima. P V's registers are freed first (three warpgroups' 160 registers hold no more).
+            // Exact: the scores are still raw, the softmax with maxima right away.
             wgmma::wait<0>();
             wgmma::pin(o.d);
-            rescore(at_k.stage);
+            if (!exact) rescore(at_k.stage);
             alpha = softmax(j);
         }
         if (lane0) sync::arrive(st.k_ring.empty[at_k.stage]);
@@ -687,6 +724,7 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
         return cudaErrorInvalidValue;
     kernel_params p;
     p.args = a;
+    if (a.window >= a.kv_len) p.args.window = 0;  // every causal row's keys fit such a window: plain causal
     p.q_tiles = int((a.q_len + config<D, C>::BM - 1) / config<D, C>::BM);
     p.kv_group = int(a.q_heads / a.kv_heads);
     constexpr int BM = config<D, C>::BM;
@@ -718,7 +756,7 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
 
 const char* forward_unsupported(const forward_args& a) {
     if (const char* reason = layout::shape_unsupported(a.dtype, a.head_dim, a.batch, a.q_heads, a.kv_heads, a.q_len,
-                                                       a.kv_len, a.causal, a.scale))
+                                                       a.kv_len, a.causal, a.scale, a.window))
         return reason;
     // Tiles and the dynamic schedule's tickets (tiles + grid of them) count in int.
     if (a.batch * a.q_heads * ((a.q_len + 127) / 128) >= (int64_t(1) << 31) - 65536) return "too many tiles";

@@ -20,6 +20,9 @@ struct forward_args {
     int64_t q_stride[3], k_stride[3], v_stride[3], o_stride[3], lse_stride[2];
     float scale;   // multiplies Q K^T; positive
     bool causal;   // mask key j > query i (top-left aligned; q_len == kv_len)
+    // Causal sliding window: with window = W >= 1 query i keeps keys i - W < j <= i (W keys with its own; LitGPT,
+    // Mistral, Gemma). 0: none. Needs causal; W >= kv_len is plain causal.
+    int window = 0;
     int max_blocks = 0;  // grid limit (0: one block per SM); tests set it to walk several tiles per block cheaply
     // Dynamic tile schedule: a zeroed int in device memory that the launch leaves zeroed again (null: static,
     // e.g. under CUDA-graph capture, where every replay would reuse the one counter).

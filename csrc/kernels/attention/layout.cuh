@@ -30,13 +30,16 @@ inline bool strides_ok(const int64_t (&stride)[3], int64_t batch, int64_t heads,
 
 // Why these sizes and options cannot run (null when they can), for forward and backward alike.
 inline const char* shape_unsupported(int dtype_code, int64_t head_dim, int64_t batch, int64_t q_heads,
-                                     int64_t kv_heads, int64_t q_len, int64_t kv_len, bool causal, float scale) {
+                                     int64_t kv_heads, int64_t q_len, int64_t kv_len, bool causal, float scale,
+                                     int window = 0) {
     if (dtype_code != int(dtype::bf16) && dtype_code != int(dtype::fp16)) return "dtype must be bfloat16 or float16";
     if (head_dim != 64 && head_dim != 128 && head_dim != 256) return "head_dim must be 64, 128 or 256";
     if (batch < 1 || q_heads < 1 || kv_heads < 1 || q_len < 1 || kv_len < 1)
         return "batch, heads and lengths must be at least 1";
     if (q_heads % kv_heads) return "q_heads must be a multiple of kv_heads";
     if (causal && q_len != kv_len) return "causal attention needs q_len == kv_len";
+    if (window < 0) return "window must be >= 0 (0: no sliding window)";
+    if (window > 0 && !causal) return "a sliding window (window > 0) needs causal attention";
     if (q_len >= (int64_t(1) << 31) || kv_len >= (int64_t(1) << 31)) return "sequence length too large";
     // ops.attention_forward/backward fold a negative scale into q and replace 0 with a tiny positive one.
     if (!std::isfinite(scale) || !(scale > 0.0f)) return "scale must be positive and finite";
