@@ -64,8 +64,8 @@ FAMILIES = [
     _family("stablelm-3b-4e1t", ("tk_linear_rope", "tk_attention_backward_qkv", "tk_swiglu_linear"),
             ("tk_add_rms_norm",)),
     # A sliding window shorter than the sequence: LitGPT hands SDPA a mask, which tk reads as a causal window.
-    _family("Mistral-7B-v0.1", ("tk_swiglu_linear", "tk_add_rms_norm"), ("tk_attention_forward",),
-            declined="a window of 16 keys", n_query_groups=2, sliding_window_size=16),
+    _family("Mistral-7B-v0.1", ("tk_attention_forward", "tk_attention_backward_qkv", "tk_swiglu_linear",
+                                "tk_add_rms_norm"), n_query_groups=2, sliding_window_size=16),
     # A window no shorter than the sequence (Mathstral's 4096 at up to 4096 tokens): LitGPT's mask is causal.
     _family("Mathstral-7B-v0.1", ("tk_attention_forward", "tk_attention_backward_qkv", "tk_linear_rope",
                                   "tk_swiglu_linear"), n_query_groups=2, sliding_window_size=64),
@@ -76,8 +76,8 @@ FAMILIES = [
     _family("Phi-3-mini-128k-instruct", ("tk_swiglu_linear",), ("tk_attention_forward",), declined="head_dim 96",
             head_size=96),
     # Gemma-3: q/k norms, a window of 16 keys on five layers of six (the first here), unit-offset norms.
-    _family("Gemma-3-1b-it", ("tk_add_rms_norm",), ("tk_attention_forward",), declined="a window of 16 keys",
-            n_head=2, n_query_groups=1, head_size=256, sliding_window_size=16),
+    _family("Gemma-3-1b-it", ("tk_attention_forward", "tk_add_rms_norm"), n_head=2, n_query_groups=1, head_size=256,
+            sliding_window_size=16),
 ]
 
 # LitGPT's mixture-of-experts MLP picks each expert's tokens with torch.where(mask): Thunder cannot trace it.

@@ -276,8 +276,6 @@ def check_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         pattern = attention_masks.pattern_of(attn_mask, Sq, Sk)
         if isinstance(pattern, str):
             return decline(pattern)
-        if pattern.window is not None:
-            return decline(f"{pattern.describe(Sk)}, fewer than the {Sk} keys: tk's kernels have no sliding window")
         causal = pattern.causal
     if causal and Sq != Sk:
         return decline(f"causal with Sq={Sq} != Sk={Sk}")

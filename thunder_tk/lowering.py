@@ -66,30 +66,33 @@ tk._lookasides[functional.attention_bwd_delta] = functional.attention_bwd_delta_
 # The kernel entry points are looked up when called, so that tests can stand in for them.
 
 
-def _attention_out_meta(q: TensorProxy, k: TensorProxy, v: TensorProxy, is_causal: bool, scale) -> TensorProxy:
+# `window`: keys a causal query sees, itself included (ops.attention_forward's; None: all up to itself).
+def _attention_out_meta(q: TensorProxy, k: TensorProxy, v: TensorProxy, is_causal: bool, scale,
+                        window: int | None = None) -> TensorProxy:
     return TensorProxy(like=q, shape=(*q.shape[:-1], v.shape[-1]))
 
 
-def _attention_forward_meta(q: TensorProxy, k: TensorProxy, v: TensorProxy, is_causal: bool, scale):
+def _attention_forward_meta(q: TensorProxy, k: TensorProxy, v: TensorProxy, is_causal: bool, scale,
+                            window: int | None = None):
     lse = TensorProxy(like=q, shape=tuple(q.shape[:3]), dtype=thunder.float32, requires_grad=False)
     return _attention_out_meta(q, k, v, is_causal, scale), lse
 
 
-def _attention_backward_meta(q, k, v, o, lse, grad_o, is_causal: bool, scale):
+def _attention_backward_meta(q, k, v, o, lse, grad_o, is_causal: bool, scale, window: int | None = None):
     return TensorProxy(like=q), TensorProxy(like=k), TensorProxy(like=v)
 
 
-def _attention_impl(q, k, v, is_causal, scale):
-    o, _ = ops.attention_forward(q, k, v, is_causal=is_causal, scale=scale)
+def _attention_impl(q, k, v, is_causal, scale, window=None):
+    o, _ = ops.attention_forward(q, k, v, is_causal=is_causal, scale=scale, window=window)
     return o
 
 
-def _attention_forward_impl(q, k, v, is_causal, scale):
-    return ops.attention_forward(q, k, v, is_causal=is_causal, scale=scale)
+def _attention_forward_impl(q, k, v, is_causal, scale, window=None):
+    return ops.attention_forward(q, k, v, is_causal=is_causal, scale=scale, window=window)
 
 
-def _attention_backward_impl(q, k, v, o, lse, grad_o, is_causal, scale):
-    return ops.attention_backward(q, k, v, o, lse, grad_o, is_causal=is_causal, scale=scale)
+def _attention_backward_impl(q, k, v, o, lse, grad_o, is_causal, scale, window=None):
+    return ops.attention_backward(q, k, v, o, lse, grad_o, is_causal=is_causal, scale=scale, window=window)
 
 
 tk_attention = tk.register_operator("tk_attention", meta=_attention_out_meta, fn=_attention_impl)
@@ -104,13 +107,15 @@ tk_attention_backward = tk.register_operator(
 
 # The attention backward written straight into the gradient of the fused qkv projection that q, k and v were split
 # from, with the rotary embedding's backward in its last pass (pattern_fusion.attention_backward_into_qkv).
-def _attention_backward_qkv_meta(q, k, v, o, lse, grad_o, cos, sin, is_causal: bool, scale):
+def _attention_backward_qkv_meta(q, k, v, o, lse, grad_o, cos, sin, is_causal: bool, scale,
+                                 window: int | None = None):
     B, Hq, S, D = q.shape
     return TensorProxy(like=q, shape=(B, S, (Hq + 2 * k.shape[1]) * D))
 
 
-def _attention_backward_qkv_impl(q, k, v, o, lse, grad_o, cos, sin, is_causal, scale):
-    return ops.attention_backward_qkv(q, k, v, o, lse, grad_o, cos, sin, is_causal=is_causal, scale=scale)
+def _attention_backward_qkv_impl(q, k, v, o, lse, grad_o, cos, sin, is_causal, scale, window=None):
+    return ops.attention_backward_qkv(q, k, v, o, lse, grad_o, cos, sin, is_causal=is_causal, scale=scale,
+                                      window=window)
 
 
 tk_attention_backward_qkv = tk.register_operator(
@@ -125,32 +130,34 @@ class MaskRead:
     description: str
 
 
-def _sdpa_flags(query, key, attn_mask, is_causal, scale) -> tuple[bool, float | None, MaskRead | None]:
-    """(causal, scale, how a mask was read). The claim rule took the mask only as a pattern of attention_masks."""
+def _sdpa_flags(query, key, attn_mask, is_causal, scale
+                ) -> tuple[bool, float | None, int | None, MaskRead | None]:
+    """(causal, scale, window, how a mask was read). The claim rule took the mask only as a pattern of
+    attention_masks."""
     scale = None if scale is None else float(pyval(scale))
     if attn_mask is None:
-        return bool(pyval(is_causal)), scale, None
+        return bool(pyval(is_causal)), scale, None, None
     q_len, kv_len = query.shape[2], key.shape[2]
     pattern = attention_masks.pattern_of(attn_mask, q_len, kv_len)
-    if isinstance(pattern, str) or pattern.window is not None:
+    if isinstance(pattern, str):
         raise AssertionError(f"tk was asked to run an attention mask it declined: {pattern}")
-    return pattern.causal, scale, MaskRead(pattern.describe(kv_len))
+    return pattern.causal, scale, pattern.window, MaskRead(pattern.describe(kv_len))
 
 
 def _sdpa_lowering(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
-    is_causal, scale, read = _sdpa_flags(query, key, attn_mask, is_causal, scale)
-    o = tk_attention(query, key, value, is_causal, scale)
+    is_causal, scale, window, read = _sdpa_flags(query, key, attn_mask, is_causal, scale)
+    o = tk_attention(query, key, value, is_causal, scale, window)
     if read is not None:
         o.tags.add(read)
     return o
 
 
 def _sdpa_grad(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
-    is_causal, scale, read = _sdpa_flags(query, key, attn_mask, is_causal, scale)
-    o, lse = tk_attention_forward(query, key, value, is_causal, scale)
+    is_causal, scale, window, read = _sdpa_flags(query, key, attn_mask, is_causal, scale)
+    o, lse = tk_attention_forward(query, key, value, is_causal, scale, window)
     if read is not None:
         o.tags.add(read)
-    grads = tk_attention_backward(query, key, value, o, lse, get_grad(o), is_causal, scale)
+    grads = tk_attention_backward(query, key, value, o, lse, get_grad(o), is_causal, scale, window)
     put_grads((query, key, value), grads)
     return o
 

@@ -1286,10 +1286,9 @@ def attention_backward_into_qkv(trace):
     out = from_trace(trace)
     with tracectx(out):
         for k, region, x, (cos, sin) in plans:
-            q, kk, v, o, lse, grad_o, is_causal, scale = bsyms[k].args
+            q, kk, v, o, lse, grad_o, *flags = bsyms[k].args  # is_causal, scale (and the window)
             x.tags.update(sites_of(bsyms[k].flat_proxy_outs[0]))  # explain names this launch for the attention
-            bsyms[k] = tk_attention_backward_qkv.bind(q, kk, v, o, lse, grad_o, cos, sin, is_causal, scale,
-                                                      output=x)
+            bsyms[k] = tk_attention_backward_qkv.bind(q, kk, v, o, lse, grad_o, cos, sin, *flags, output=x)
             for j in region:
                 bsyms[j] = None
     return _rewritten(out, bsyms, "tk: the attention backward into the qkv projection's gradient, rope included")
