@@ -7,15 +7,24 @@ timed in turns, in rotating order, each getting the median over the rounds. The 
 ops.attention_backward exists, fed o and lse from ops.attention_forward. Ratios are speed ratios: tk/cuDNN > 1
 means tk is faster.
 
+With --window W [W ...] it times causal sliding-window attention instead (query i keeps keys i - W < j <= i), at each
+S > W: tk with window=W; its peer, torch SDPA given the window as an (S, S) boolean keep-mask broadcast over batch
+and heads, under the cuDNN and the memory-efficient backend in turn (the ones that take a mask; one that refuses is
+noted with torch's reason); and tk plain causal at the same S, for what the window saves. FLOPs of a windowed point
+count the kept scores only: 4 * B*H*D * sum_i min(i + 1, W), backward 2.5 x; rows go under "window_points".
+
     python benchmarks/attention.py --json out/attention.json --png out/attention.png
     python benchmarks/attention.py --quick --no-backward
+    python benchmarks/attention.py --window 512 4096 --head-dims 128 --json out/attention_window.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -32,6 +41,9 @@ LABELS = {"tk": "tk", "cudnn": "cuDNN", "flash": "flash"}
 FWD_TOL = 2e-2  # ||o_tk - o_sdpa|| / ||o_sdpa||, both bf16 kernels accumulating in fp32
 BWD_TOL = 5e-2  # gradients: bf16 dS and two rounded products more; a warning only
 SUMMARY_MIN_S, SUMMARY_D = 2048, 128
+# Windowed points: the SDPA backends that take a boolean mask, each tried alone (name -> SDPBackend member).
+WINDOW_PEERS = {"cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+WINDOW_LABELS = {"tk": "tk", "tk_causal": "tk causal", "cudnn": "cuDNN mask", "efficient": "mem-eff mask"}
 
 
 def fwd_flops(B: int, H: int, S: int, D: int, causal: bool) -> float:
@@ -75,14 +87,15 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
 
 
-def sdpa_forward(backend, q, k, v, causal, scale=None):
+def sdpa_forward(backend, q, k, v, causal, scale=None, attn_mask=None):
     """A callable running SDPA forward restricted to one backend; the backend is chosen inside the call, so
     callables of different backends can be timed in turns."""
     from torch.nn.attention import sdpa_kernel
 
     def fn():
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
+                                                                    scale=scale)
 
     return fn
 
@@ -185,6 +198,245 @@ def fmt(value) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
+# Causal sliding window (--window): tk's window beside SDPA given the same window as a boolean mask.
+
+class WindowCheckFailed(Exception):
+    """tk's windowed output disagrees with its peer's or with the float64 math: the point is not timed."""
+
+
+def window_pairs(S: int, W: int) -> int:
+    """Kept (query, key) pairs of a causal window of W keys over S queries: sum over i of min(i + 1, W)."""
+    if W >= S:
+        return S * (S + 1) // 2
+    return W * (W + 1) // 2 + (S - W) * W
+
+
+def window_fwd_flops(B: int, H: int, S: int, D: int, W: int) -> float:
+    return 4.0 * B * H * D * window_pairs(S, W)
+
+
+def window_bwd_flops(B: int, H: int, S: int, D: int, W: int) -> float:
+    return 2.5 * window_fwd_flops(B, H, S, D, W)
+
+
+def window_points(seq_lens, head_dims, windows):
+    """(B, H, S, D, W) of the protocol for each window shorter than S; at S <= W the window keeps every causal key,
+    which the plain causal points already time."""
+    for D in head_dims:
+        H = HIDDEN // D
+        for S in seq_lens:
+            for W in windows:
+                if W < S:
+                    yield max(1, TOKENS // S), H, S, D, W
+
+
+def window_keep_mask(S: int, W: int, device=None, rows=None) -> torch.Tensor:
+    """(len(rows), S) bool, True where query i keeps key j (i - W < j <= i): SDPA's boolean attn_mask convention.
+    rows: the query rows (default all S)."""
+    keys = torch.arange(S, device=device)
+    queries = keys if rows is None else torch.as_tensor(rows, device=device)
+    offset = queries[:, None] - keys[None, :]
+    return (offset >= 0) & (offset < W)
+
+
+def window_check_rows(S: int, W: int) -> list[int]:
+    """Query rows checked against the float64 math: the window's edges (where it starts sliding) and the end."""
+    return sorted({r for r in (0, 1, W - 2, W - 1, W, W + 1, S // 2, S - 2, S - 1) if 0 <= r < S})
+
+
+def window_reference_rows(q, k, v, W: int, rows) -> torch.Tensor:
+    """float64 attention output of query rows `rows` of the first batch and head under the causal window, at SDPA's
+    default scale: cheap enough to check every point, and independent of any backend."""
+    q0, k0, v0 = (t[0, 0].double() for t in (q, k, v))
+    rows = torch.as_tensor(rows, device=q.device)
+    scores = (q0[rows] @ k0.T) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~window_keep_mask(k.shape[2], W, q.device, rows), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v0
+
+
+def refusal(e: BaseException, caught) -> str:
+    """Why a backend refused: the error's first line and the warnings torch gave with it (under sdpa_kernel the
+    error says only 'No available kernel'; the reasons come as warnings)."""
+    reasons = [str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()]
+    return "; ".join([first_line(e), *dict.fromkeys(reasons)])[:600]
+
+
+def window_point(B, H, S, D, W) -> dict:
+    """The keys every window_points row of this point carries."""
+    return {"shape": f"{B}x{H}x{S}x{D}", "S": S, "D": D, "B": B, "H": H, "W": W, "kept_pairs": window_pairs(S, W),
+            "peer_backends": {name: [member] for name, member in WINDOW_PEERS.items()}}
+
+
+def window_timings(point: dict, pass_name: str, ms: dict, flops: float, causal_flops: float) -> dict:
+    """One window_points row: each timed kernel's ms and TFLOP/s (the windowed ones by the window's kept pairs, tk
+    causal by the causal ones), tk's speed ratio to each peer and to the fastest, and what the window saves tk."""
+    row = {**point, "pass": pass_name}
+    for name in WINDOW_LABELS:
+        row[f"{name}_ms"] = ms.get(name)
+        count = causal_flops if name == "tk_causal" else flops
+        row[f"{name}_tflops"] = count / ms[name] / 1e9 if name in ms else None
+    for name in WINDOW_PEERS:
+        row[f"tk_vs_{name}"] = ms[name] / ms["tk"] if name in ms and "tk" in ms else None
+    ran = [name for name in WINDOW_PEERS if name in ms]
+    row["best_peer"] = min(ran, key=ms.get) if ran else None
+    row["tk_vs_best_peer"] = ms[row["best_peer"]] / ms["tk"] if ran and "tk" in ms else None
+    row["window_speedup"] = ms["tk_causal"] / ms["tk"] if "tk_causal" in ms and "tk" in ms else None
+    return row
+
+
+def run_window_point(ops, B, H, S, D, W, a) -> list[dict]:
+    """The forward row (and the backward's unless --no-backward) of one windowed point; raises WindowCheckFailed
+    before timing anything if tk's output is off."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    point = window_point(B, H, S, D, W)
+    where = f"{point['shape']} window {W}"
+    notes, errs, skipped = [], {}, {}
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    keep = window_keep_mask(S, W, "cuda")  # (S, S), broadcast over batch and heads
+
+    # Forward: tk against the float64 math on a few rows (holds even where no peer runs), then against each peer.
+    o, lse = ops.attention_forward(q, k, v, is_causal=True, window=W)
+    rows = window_check_rows(S, W)
+    errs["float64_rows"] = rel_err(o[0, 0, rows], window_reference_rows(q, k, v, W, rows))
+    if errs["float64_rows"] > FWD_TOL:
+        raise WindowCheckFailed(f"tk forward at {where}: rel err {errs['float64_rows']:.2e} against the float64 "
+                                f"math on rows {rows} (tolerance {FWD_TOL})")
+    fwd = {"tk": lambda: ops.attention_forward(q, k, v, is_causal=True, window=W),
+           "tk_causal": lambda: ops.attention_forward(q, k, v, is_causal=True)}
+    for name, member in WINDOW_PEERS.items():
+        fn = sdpa_forward(getattr(SDPBackend, member), q, k, v, False, attn_mask=keep)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                out = fn()
+                torch.cuda.synchronize()
+            except RuntimeError as e:
+                skipped[f"{name}_fwd"] = refusal(e, caught)
+                notes.append(f"{WINDOW_LABELS[name]} fwd skipped ({skipped[f'{name}_fwd']})")
+                continue
+        errs[name] = rel_err(o, out)
+        del out
+        if errs[name] > FWD_TOL:
+            raise WindowCheckFailed(f"tk forward at {where}: rel err {errs[name]:.2e} against SDPA {member} with "
+                                    f"the window's mask (tolerance {FWD_TOL}); tk agrees with the float64 math on "
+                                    f"rows {rows} to {errs['float64_rows']:.2e}, so suspect the peer too")
+        fwd[name] = fn
+    point = {**point, "fwd_err": errs, "skipped": skipped}
+    ms = interleaved_ms(fwd, rounds=a.rounds)
+    out_rows = [window_timings(point, "fwd", ms, window_fwd_flops(B, H, S, D, W), window_fwd_flops(B, H, S, D, S))]
+
+    # Backward: SDPA's through autograd on a graph kept alive; tk's from o and lse of its forward, windowed and not.
+    if not a.no_backward:
+        grad_out = torch.randn_like(q)
+        bwd, ref_grads = {}, None
+        for name, member in WINDOW_PEERS.items():
+            if name not in fwd:
+                continue  # refused the forward: no graph to run backward through
+            inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    with sdpa_kernel(getattr(SDPBackend, member)):
+                        out = torch.nn.functional.scaled_dot_product_attention(*inputs, attn_mask=keep)
+                    grads = torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+                    torch.cuda.synchronize()
+                except RuntimeError as e:
+                    skipped[f"{name}_bwd"] = refusal(e, caught)
+                    notes.append(f"{WINDOW_LABELS[name]} bwd skipped ({skipped[f'{name}_bwd']})")
+                    continue
+            bwd[name] = lambda out=out, inputs=inputs: torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+            if ref_grads is None:
+                ref_grads, ref_name = grads, name
+        if hasattr(ops, "attention_backward"):
+            grads = ops.attention_backward(q, k, v, o, lse, grad_out, is_causal=True, window=W)
+            if ref_grads is not None:
+                grad_errs = [rel_err(g, r) for g, r in zip(grads, ref_grads)]
+                point["bwd_err"] = {ref_name: max(grad_errs)}
+                if max(grad_errs) > BWD_TOL:  # a warning only, as for the plain points
+                    print(f"WARNING: tk backward at {where}: rel err dq/dk/dv against {WINDOW_LABELS[ref_name]} "
+                          + " ".join(f"{e:.2e}" for e in grad_errs), flush=True)
+            del grads
+            o_causal, lse_causal = ops.attention_forward(q, k, v, is_causal=True)
+            bwd["tk"] = lambda: ops.attention_backward(q, k, v, o, lse, grad_out, is_causal=True, window=W)
+            bwd["tk_causal"] = lambda: ops.attention_backward(q, k, v, o_causal, lse_causal, grad_out, is_causal=True)
+        else:
+            notes.append("tk bwd not timed (no ops.attention_backward)")
+        del ref_grads
+        bms = interleaved_ms(bwd, rounds=a.rounds) if bwd else {}
+        out_rows.append(window_timings(point, "bwd", bms, window_bwd_flops(B, H, S, D, W),
+                                       window_bwd_flops(B, H, S, D, S)))
+    for row in out_rows:
+        row["notes"] = "; ".join(notes)
+    return out_rows
+
+
+def run_windows(ops, seq_lens, head_dims, windows, a, env) -> None:
+    """--window: the windowed points, their table, the JSON ("rows" empty, "window_points") and the chart."""
+    print("causal sliding window, bf16: TFLOP/s count the kept scores only, 4*B*H*D*sum_i min(i+1, W) (backward "
+          "2.5x; tk causal by its own kept pairs); ratios tk/peer are speed ratios (> 1: tk faster); SDPA peers get "
+          "an (S, S) boolean keep-mask", flush=True)
+    covered = [(S, W) for S in seq_lens for W in windows if W >= S]
+    if covered:
+        print("not run (S <= W keeps every causal key: plain causal): "
+              + ", ".join(f"S {S} W {W}" for S, W in covered), flush=True)
+    rows = []
+    for B, H, S, D, W in window_points(seq_lens, head_dims, windows):
+        try:
+            point_rows = run_window_point(ops, B, H, S, D, W, a)
+        except WindowCheckFailed as e:
+            print(f"ABORTED {e}", flush=True)
+            rows.append({**window_point(B, H, S, D, W), "pass": "fwd", "aborted": str(e)})
+            torch.cuda.empty_cache()
+            continue
+        rows += point_rows
+        for row in point_rows:
+            line = f"{row['shape']:>16} W {W:>5} {row['pass']}: " + ", ".join(
+                f"{WINDOW_LABELS[name]} {fmt(row[f'{name}_ms'])} ms {fmt(row[f'{name}_tflops'])} TFLOP/s"
+                for name in WINDOW_LABELS if row[f"{name}_ms"] is not None)
+            if row["window_speedup"] is not None:
+                line += f" | window saves {row['window_speedup']:.2f}x"
+            print(line + (f"  [{row['notes']}]" if row["notes"] else ""), flush=True)
+        torch.cuda.empty_cache()
+
+    timed = [r for r in rows if "aborted" not in r]
+    columns = ["shape", "W", "pass", "tk_ms", "tk_tflops", "cudnn_tflops", "efficient_tflops", "tk_vs_cudnn",
+               "tk_vs_efficient", "tk_causal_ms", "window_speedup"]
+    if timed:
+        print_table([{c: fmt(r.get(c)) for c in columns} for r in timed], columns)
+    for pass_name in ("fwd", "bwd"):
+        for key in (*(f"tk_vs_{name}" for name in WINDOW_PEERS), "window_speedup"):
+            ratios = [r[key] for r in timed if r["pass"] == pass_name and r.get(key) is not None]
+            if ratios:
+                print(f"window {pass_name} {key.replace('_vs_', '/')}: geometric mean {geomean(ratios):.3f} over "
+                      f"{len(ratios)} points; lowest {min(ratios):.3f}, highest {max(ratios):.3f}")
+    aborted = [r for r in rows if "aborted" in r]
+    if aborted:
+        print(f"{len(aborted)} windowed point(s) aborted by the correctness check; see 'aborted' in the JSON")
+    # The shared writer has only "rows"; the windowed rows go beside them under their own key.
+    path = write_results(a.json, "attention", [])
+    results = json.loads(path.read_text())
+    results["window_points"] = rows
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+    if a.png and timed:
+        png = Path(a.png).with_name(Path(a.png).stem + "_window.png")
+        labels = [f"S{r['S']} D{r['D']} W{r['W']} {r['pass']}" for r in timed]
+        series = {WINDOW_LABELS[n]: [r.get(f"{n}_ms") or 0.0 for r in timed] for n in WINDOW_LABELS}
+        series = {n: vals for n, vals in series.items() if any(vals)}
+        # Milliseconds, not TFLOP/s: the tk causal bar then shows what the window saves.
+        bar_chart(png, f"bf16 causal sliding-window attention, 16k tokens, hidden 2048, {env['device']} "
+                       "(ms, lower is better)", labels, series, "ms")
+        print(f"wrote {png}")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default="out/attention.json")
@@ -196,6 +448,9 @@ def main() -> None:
     p.add_argument("--mask", choices=("both", "causal", "full"), default="both", help="causal points, full ones or both")
     p.add_argument("--static-too", action="store_true", help="also time the forward's static tile schedule")
     p.add_argument("--rounds", type=int, default=5, help="timing rounds per point, peers in rotating order")
+    p.add_argument("--window", dest="windows", type=positive_int, nargs="+", metavar="W",
+                   help="time causal sliding windows of W keys instead (at each S > W; tk, SDPA with the window's "
+                        "mask, tk plain causal); --mask and --static-too do not apply; the chart is <png>_window.png")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/attention.py needs a CUDA GPU")
@@ -209,6 +464,9 @@ def main() -> None:
     env = environment()
     print(f"{env['device']}, torch {env['torch']}, commit {env['commit']}; tk backward: "
           f"{'timed' if hasattr(ops, 'attention_backward') and not a.no_backward else 'not timed'}", flush=True)
+    if a.windows:
+        run_windows(ops, seq_lens, head_dims, a.windows, a, env)
+        return
 
     rows = []
     masks = {"both": (False, True), "causal": (True,), "full": (False,)}[a.mask]

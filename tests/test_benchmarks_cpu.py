@@ -144,6 +144,64 @@ def test_attention_benchmark_imports_and_parses_on_cpu():
     assert "2 points" in line and "geometric mean 1.000" in line and "minimum 0.500" in line
 
 
+def test_attention_benchmark_window_mode_on_cpu():
+    """--window's pure parts: the kept-pair count the FLOPs use, the points (S > W only), the keep-mask handed to SDPA
+    (True: keep, the window's keys i - W < j <= i), the float64 rows the correctness check reads, and a row's ratios."""
+    import importlib.util
+    import warnings
+
+    import torch
+
+    from thunder_tk import ops
+
+    r = run_bench("attention.py", "--help")
+    assert r.returncode == 0 and "--window" in r.stdout, r.stderr[-3000:]
+    r = run_bench("attention.py", "--window", "0")
+    assert r.returncode == 2 and "must be >= 1" in r.stderr, r.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("attention_bench_window", ROOT / "benchmarks" / "attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # no CUDA work at import time
+    for S, W in ((1, 1), (7, 1), (7, 3), (7, 7), (7, 100), (64, 16)):
+        keep = bench.window_keep_mask(S, W)
+        assert bench.window_pairs(S, W) == sum(min(i + 1, W) for i in range(S)) == keep.sum().item(), (S, W)
+        assert torch.equal(keep, ~ops._window_mask(S, S, W, "cpu")), (S, W)  # the kernels' own reference window
+        assert torch.equal(bench.window_keep_mask(S, W, rows=[S - 1, 0]), keep[[S - 1, 0]])
+    assert bench.window_pairs(16, 16) == bench.window_pairs(16, 99) == 16 * 17 // 2
+    assert bench.window_fwd_flops(2, 3, 8, 64, 4) == 4 * 2 * 3 * 64 * (1 + 2 + 3 + 4 * 5)
+    assert bench.window_bwd_flops(2, 3, 8, 64, 4) == 2.5 * bench.window_fwd_flops(2, 3, 8, 64, 4)
+    pts = list(bench.window_points((2048, 4096, 8192, 16384), (128,), (512, 4096)))
+    assert [(S, W) for _, _, S, _, W in pts] == [(2048, 512), (4096, 512), (8192, 512), (8192, 4096), (16384, 512),
+                                                 (16384, 4096)]
+    assert all(B * S == 16384 and H * D == 2048 for B, H, S, D, _ in pts)
+    assert bench.window_check_rows(2048, 512) == [0, 1, 510, 511, 512, 513, 1024, 2046, 2047]
+    assert bench.window_check_rows(4, 8) == [0, 1, 2, 3]
+    # The check's float64 rows are SDPA's output with the mask and the ops reference's with the window.
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 40, 64, dtype=torch.float64, generator=g) for _ in range(3))
+    W, rows = 9, bench.window_check_rows(40, 9)
+    got = bench.window_reference_rows(q, k, v, W, rows)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bench.window_keep_mask(40, W))
+    want, _ = ops.attention_forward_reference(q, k, v, is_causal=True, window=W)
+    assert torch.allclose(got, sdpa[0, 0, rows], atol=1e-12) and torch.allclose(got, want[0, 0, rows], atol=1e-12)
+    # A row: TFLOP/s by the window's pairs (tk causal by the causal ones), speed ratios, the fastest peer.
+    point = bench.window_point(1, 16, 16384, 128, 512)
+    assert point["kept_pairs"] == bench.window_pairs(16384, 512) and point["peer_backends"]["efficient"] == [
+        "EFFICIENT_ATTENTION"]
+    row = bench.window_timings(point, "fwd", {"tk": 1.0, "tk_causal": 8.0, "efficient": 3.0}, 2e12, 16e12)
+    assert row["pass"] == "fwd" and row["tk_tflops"] == 2000.0 and row["tk_causal_tflops"] == 2000.0
+    assert row["efficient_tflops"] == pytest.approx(2000 / 3) and row["cudnn_ms"] is None
+    assert row["tk_vs_efficient"] == 3.0 and row["tk_vs_cudnn"] is None and row["window_speedup"] == 8.0
+    assert row["best_peer"] == "efficient" and row["tk_vs_best_peer"] == 3.0
+    row = bench.window_timings(point, "bwd", {"tk": 2.0, "cudnn": 1.0, "efficient": 3.0}, 1e9, 1e9)
+    assert row["best_peer"] == "cudnn" and row["tk_vs_best_peer"] == 0.5 and row["window_speedup"] is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("Memory efficient kernel not used because:")
+        warnings.warn("Both fused kernels do not support non-null attn_mask.\nmore")
+    why = bench.refusal(RuntimeError("No available kernel. Aborting execution."), caught)
+    assert why == ("RuntimeError: No available kernel. Aborting execution.; Memory efficient kernel not used because:; "
+                   "Both fused kernels do not support non-null attn_mask.")
+
 def test_profile_attention_parses_on_cpu():
     r = run_bench("profile_attention.py", "--help")
     assert r.returncode == 0 and "--kernels" in r.stdout and "cudnn" in r.stdout, r.stderr[-3000:]
