@@ -130,7 +130,7 @@ struct block_work {
 
 // Causal: key tile 0 sees every query tile, so within each L2 chunk of heads the low key tiles (the heaviest)
 // start first; the blocks of a chunk share its heads' Q, dO and dQ in L2.
-template <int KEYS>
+template <int KEYS, bool WINDOW>
 __device__ __forceinline__ block_work work_of(const kernel_params& p) {
     const backward_args& a = p.args;
     // A "head" here is a (batch, key/value head, split of its group): the splits of one key/value head are adjacent.
@@ -155,7 +155,7 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p) {
     // Causal: query tiles that end before the block's first key see none of its keys. Sliding window: nor do those
     // that start past its last key + window - 1 (the last query that keeps that key; 64 bits, then clipped).
     const int first = a.causal ? (kv_tile * KEYS) / BQ : 0;
-    const int end = a.window > 0
+    const int end = WINDOW
                         ? int(std::min<int64_t>(p.q_tiles, (int64_t(kv_tile) * KEYS + KEYS - 2 + a.window) / BQ + 1))
                         : p.q_tiles;
     const int split = int(bh % a.group_split), kv_head = int(bh / a.group_split % a.kv_heads);
@@ -173,24 +173,33 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p) {
             part};
 }
 
+// The end of a block's query tiles: without a window every tile up to q_tiles (read from the parameters, as the
+// kernels without a window always did, so that their code is unchanged).
+template <bool WINDOW>
+__device__ __forceinline__ int end_q_tile_of(const kernel_params& p, const block_work& w) {
+    return WINDOW ? w.end_q_tile : p.q_tiles;
+}
+
 // A step of a block's walk: its query head and tile. The walk goes over the block's query tiles [first_q_tile,
 // end_q_tile) of one head, then of the next.
 struct walk_position {
     int head, q_tile;
-    __device__ __forceinline__ void next(const kernel_params&, const block_work& w) {
-        if (++q_tile == w.end_q_tile) {
+    template <bool WINDOW>
+    __device__ __forceinline__ void next(const kernel_params& p, const block_work& w) {
+        if (++q_tile == end_q_tile_of<WINDOW>(p, w)) {
             q_tile = w.first_q_tile;
             ++head;
         }
     }
 };
 // Where a block's walk starts: the query head and tile of its step0.
+template <bool WINDOW>
 __device__ __forceinline__ walk_position start_of(const kernel_params& p, const block_work& w) {
-    const int per_head = w.end_q_tile - w.first_q_tile;
+    const int per_head = end_q_tile_of<WINDOW>(p, w) - w.first_q_tile;
     return {w.first_head + w.step0 / per_head, w.first_q_tile + w.step0 % per_head};
 }
 
-template <typename T, int D>
+template <typename T, int D, bool WINDOW>
 __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
                                               const CUtensorMap& map_q, const CUtensorMap& map_k,
                                               const CUtensorMap& map_v, const CUtensorMap& map_do,
@@ -207,7 +216,7 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
             tma::load_4d(st.v[c][dp], &map_v, dp * 64, kv0 + 64 * c, w.kv_head, w.batch, st.kv_full);
         }
     pipeline::cursor<STAGES> at;
-    walk_position walk = start_of(p, w);
+    walk_position walk = start_of<WINDOW>(p, w);
     auto& [head, i] = walk;
     for (int step = w.step0; step < w.step1; ++step) {
         st.ring.wait_empty(at);
@@ -220,20 +229,20 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
         tma::load_4d(st.lse[at.stage], &map_lse, i * BQ, head, w.batch, 0, full);
         tma::load_4d(st.delta[at.stage], &map_delta, i * BQ, head, w.batch, 0, full);
         at.advance();
-        walk.next(p, w);
+        walk.template next<WINDOW>(p, w);
     }
 }
 
 // One producer warp issues every dQ reduce-add, so a consumer only stores its share, fences and arrives. Per step
 // and slice it waits for the staged buffer and adds its two 64 x 32 boxes into dq_accum; once they have been read,
 // the buffer goes back to its consumer for the step after next.
-template <typename T, int D>
+template <typename T, int D, bool WINDOW>
 __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
                                          const CUtensorMap& map_dq) {
     const bool issuer = (threadIdx.x & 31) == 0;
     if (issuer) tma::prefetch_map(&map_dq);
     const int steps = w.step1 - w.step0;
-    walk_position walk = start_of(p, w);
+    walk_position walk = start_of<WINDOW>(p, w);
     auto& [head, i] = walk;
 #pragma unroll 1  // unrolled, its copies spill at the producers' 24 registers
     for (int step = 0; step < steps; ++step) {
@@ -254,7 +263,7 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
             for (int slice = 0; slice < DQ_SLICES<D>; ++slice)
                 sync::named_arrive(barrier_id::dq_free(slice, buf), DQ_HANDOFF_THREADS);
         }
-        walk.next(p, w);
+        walk.template next<WINDOW>(p, w);
     }
     if (issuer) tma::store_wait_read();  // the staging outlives the last reads
 }
@@ -313,7 +322,7 @@ __device__ __forceinline__ void exponentiate_scores(float (&d)[32], const float*
 
 // COMPUTES_DQ: whether this warpgroup issues a dQ product. A template parameter, not a branch on the warpgroup
 // index: ptxas serialises every wgmma of a kernel that issues one in a warpgroup-divergent branch (C7520).
-template <typename T, int D, bool COMPUTES_DQ>
+template <typename T, int D, bool COMPUTES_DQ, bool WINDOW>
 __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_params& p, const block_work& w,
                                         const CUtensorMap& map_dk, const CUtensorMap& map_dv) {
     using k_major64 = wgmma::operand_tile<T, 64, major::k>;  // 64 rows x 64 deep
@@ -401,7 +410,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
     sync::wait(st.kv_full, 0);
     if constexpr (K_IN_REGISTERS<D>)
         rt::load_swizzled(k_rows, 0, [&](int col) { return reinterpret_cast<const uint8_t*>(st.k[slice][col / 64]); });
-    walk_position walk = start_of(p, w);  // (its head goes unread here)
+    walk_position walk = start_of<WINDOW>(p, w);  // (its head goes unread here)
     int& i = walk.q_tile;
     for (const int steps = w.step1 - w.step0; step < steps; ++step) {
         const int64_t q0 = int64_t(i) * BQ;
@@ -426,7 +435,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         const int ahead = a.causal && key0 + 63 > q0 ? int(key0 - q0) + top - col0 : INT_MIN;
         // Sliding window: steps where some query drops some of this warpgroup's keys (key <= query - window) take
         // a copy with that mask too; key0 - q0 + window is in [-128, 63] there, so 32 bits.
-        if (a.window > 0 && key0 + a.window <= q0 + 63)
+        if (WINDOW && key0 + a.window <= q0 + 63)
             exponentiate_scores(s.d, st.lse[stage], c, true, ahead, keys_left, true,
                                 int(key0 - q0) + a.window + top - col0);
         else if (ahead != INT_MIN || key_tail)
@@ -489,7 +498,7 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
         wgmma::pin(dk.d);
         finish_step(stage);
         at.advance();
-        walk.next(p, w);
+        walk.template next<WINDOW>(p, w);
     }
 
     publish_dq();
@@ -564,13 +573,13 @@ __device__ __forceinline__ void consume(shared_state<T, D>& st, const kernel_par
 // (128-255) boxes, into the fp32 accumulator, and hands the stage back to the producer once the reduce-adds have read
 // it; so neither role waits for them. After the last step it tells the roles their staging has been read.
 constexpr int DQ_WIDE_THREADS = CONSUMERS * warpgroup::threads + 32;
-template <typename T>
+template <typename T, bool WINDOW>
 __device__ __forceinline__ void write_dq_wide(shared_state<T, 256>& st, const kernel_params& p, const block_work& w,
                                               const CUtensorMap& map_dq) {
     const bool issuer = (threadIdx.x & 31) == 0;
     if (issuer) tma::prefetch_map(&map_dq);
     pipeline::cursor<STAGES> at;
-    walk_position walk = start_of(p, w);
+    walk_position walk = start_of<WINDOW>(p, w);
     auto& [head, i] = walk;
 #pragma unroll 1
     for (int step = w.step0; step < w.step1; ++step) {
@@ -587,7 +596,7 @@ __device__ __forceinline__ void write_dq_wide(shared_state<T, 256>& st, const ke
         }
         __syncwarp();
         at.advance();
-        walk.next(p, w);
+        walk.template next<WINDOW>(p, w);
     }
     sync::named_sync(barrier_id::dq_written_wide, DQ_WIDE_THREADS);  // (waits only for the roles to get there)
 }
@@ -601,7 +610,7 @@ __device__ __forceinline__ void write_dq_wide(shared_state<T, 256>& st, const ke
 // the accumulator (write_dq_wide). Bulk reduce-adds, not `red.global.add.v2` from registers: those measured 246-279
 // TFLOP/s (H100, S >= 2048), 8192 single-address atomics a step and block.
 // A template parameter, not a branch on the warpgroup index (see consume).
-template <typename T, int ROLE>
+template <typename T, int ROLE, bool WINDOW>
 __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const kernel_params& p, const block_work& w,
                                              const CUtensorMap& map_dk, const CUtensorMap& map_dv) {
     constexpr int HALF = 128, KEYS = BK_OF<256>;
@@ -628,7 +637,7 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
     const bool key_tail = key0 + KEYS > a.kv_len;
 
     sync::wait(st.kv_full, 0);
-    walk_position walk = start_of(p, w);  // (its head goes unread here: the writer warp adds dQ)
+    walk_position walk = start_of<WINDOW>(p, w);  // (its head goes unread here: the writer warp adds dQ)
     int& i = walk.q_tile;
     for (int step = w.step0; step < w.step1; ++step) {
         const int64_t q0 = int64_t(i) * BQ;
@@ -674,7 +683,7 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
             const int col0 = rt::column(0);
             const int ahead = a.causal && key0 + 63 > q0 ? int(key0 - q0) + top - col0 : INT_MIN;
             // Sliding window: keys at or below query - window too (see consume).
-            if (a.window > 0 && key0 + a.window <= q0 + 63)
+            if (WINDOW && key0 + a.window <= q0 + 63)
                 exponentiate_scores(x.d, st.lse[stage], c, true, ahead, keys_left, true,
                                     int(key0 - q0) + a.window + top - col0);
             else
@@ -735,7 +744,7 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
             sync::named_arrive(barrier_id::dq_staged_wide(stage), DQ_WIDE_THREADS);  // the writer adds it (write_dq_wide)
         }
         at.advance();
-        walk.next(p, w);
+        walk.template next<WINDOW>(p, w);
     }
 
     // dK (times scale) and dV -> the input dtype, staged where this role staged its dQ (role 0 in stage 0's Q boxes,
@@ -767,7 +776,8 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
     }
 }
 
-template <typename T, int D>
+// WINDOW: the launch's window is > 0 (a sliding window); without one the kernel has none of the window's code.
+template <typename T, int D, bool WINDOW>
 __global__ void __launch_bounds__(THREADS, 1)
     backward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                     const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
@@ -801,28 +811,28 @@ __global__ void __launch_bounds__(THREADS, 1)
         // of it (asking for more blocks the consumers forever). The producers only wait and issue copies, while
         // the consumers' dK and dV accumulators need every register of theirs.
         warpgroup::decrease_registers<PRODUCER_REGISTERS>();
-        const block_work w = work_of<BK_OF<D>>(p);
-        if (threadIdx.x == 0) produce_tiles<T, D>(st, p, w, map_q, map_k, map_v, map_do, map_lse, map_delta);
+        const block_work w = work_of<BK_OF<D>, WINDOW>(p);
+        if (threadIdx.x == 0) produce_tiles<T, D, WINDOW>(st, p, w, map_q, map_k, map_v, map_do, map_lse, map_delta);
         if (threadIdx.x / 32 == 2) {
             if constexpr (D == 256)
-                write_dq_wide<T>(st, p, w, map_dq);
+                write_dq_wide<T, WINDOW>(st, p, w, map_dq);
             else
-                write_dq<T, D>(st, p, w, map_dq);
+                write_dq<T, D, WINDOW>(st, p, w, map_dq);
         }
     } else {
         warpgroup::increase_registers<CONSUMER_REGISTERS>();
-        const block_work w = work_of<BK_OF<D>>(p);
+        const block_work w = work_of<BK_OF<D>, WINDOW>(p);
         if constexpr (D == 256) {
             if (warpgroup::index() == 1)
-                consume_wide<T, 0>(st, p, w, map_dk, map_dv);
+                consume_wide<T, 0, WINDOW>(st, p, w, map_dk, map_dv);
             else
-                consume_wide<T, 1>(st, p, w, map_dk, map_dv);
+                consume_wide<T, 1, WINDOW>(st, p, w, map_dk, map_dv);
         } else {
             // D = 128: both warpgroups compute half of dQ's columns; D = 64: warpgroup 0 all of them.
             if (D == 128 || warpgroup::index() == 1)
-                consume<T, D, true>(st, p, w, map_dk, map_dv);
+                consume<T, D, true, WINDOW>(st, p, w, map_dk, map_dv);
             else
-                consume<T, D, false>(st, p, w, map_dk, map_dv);
+                consume<T, D, false, WINDOW>(st, p, w, map_dk, map_dv);
         }
     }
 }
@@ -841,7 +851,12 @@ static_assert(smem_bytes_of<__nv_bfloat16, 256> <= 227 * 1024, "the D = 256 stat
 
 template <typename T, int D>
 cudaError_t launch(const backward_args& a, cudaStream_t stream) {
-    if (cudaError_t e = opt_in_shared_memory<backward_kernel<T, D>>(smem_bytes_of<T, D>); e != cudaSuccess) return e;
+    const bool window = a.window > 0 && a.window < a.kv_len;  // a window >= kv_len keeps every causal key
+    const auto kernel = window ? backward_kernel<T, D, true> : backward_kernel<T, D, false>;
+    if (cudaError_t e = window ? opt_in_shared_memory<backward_kernel<T, D, true>>(smem_bytes_of<T, D>)
+                               : opt_in_shared_memory<backward_kernel<T, D, false>>(smem_bytes_of<T, D>);
+        e != cudaSuccess)
+        return e;
     constexpr CUtensorMapDataType type = tma::element_type<T>();
     const int64_t dq_stride[3] = {a.q_heads * a.q_len * D, a.q_len * D, D};
     CUtensorMap maps[9];
@@ -860,7 +875,7 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
         return cudaErrorInvalidValue;
     kernel_params p;
     p.args = a;
-    if (a.window >= a.kv_len) p.args.window = 0;  // every causal row's keys fit such a window: plain causal
+    if (!window) p.args.window = 0;
     p.q_tiles = int((a.q_len + BQ - 1) / BQ);
     p.kv_tiles = int((a.kv_len + BK_OF<D> - 1) / BK_OF<D>);
     p.group = int(a.q_heads / a.kv_heads);
@@ -874,7 +889,7 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
     p.parts = a.split_parts;
     const int64_t units = int64_t(p.kv_tiles) * a.batch * out_heads;
     const int64_t blocks = a.split_parts ? a.split_from + (units - a.split_from) * a.split_parts : units;
-    return launch_kernel(backward_kernel<T, D>, dim3(unsigned(blocks)), dim3(THREADS), smem_bytes_of<T, D>, stream, 1,
+    return launch_kernel(kernel, dim3(unsigned(blocks)), dim3(THREADS), smem_bytes_of<T, D>, stream, 1,
                          maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], maps[7], maps[8], p);
 }
 

@@ -11,7 +11,7 @@
 // in-kernel: TMA zero-fills rows past the end, the softmax masks keys past kv_len, and the O store is clipped.
 // A causal sliding window (args.window = W: query i keeps keys i - W < j <= i) skips the key blocks before the tile's
 // first row's window and masks keys at or below row - W; a warp whose rows' windows have not all begun takes the
-// softmax with block maxima (rows with no key yet keep m = -inf; see exact_until).
+// softmax with block maxima (rows with no key yet keep m = -inf; see `exact`).
 #include "forward.h"
 #include "../../kittens/kittens.cuh"
 #include "layout.cuh"
@@ -121,11 +121,11 @@ __device__ __forceinline__ work_item item_of(const kernel_params& p, int ticket)
 // With a sliding window the tile's first row keeps keys from row0 - window + 1 on, and every later row from further
 // on, so the blocks before that key's are skipped (padding rows, row0 < 0, start at block 0; in 32 bits: row0 >=
 // window there, and window < kv_len < 2^31 once launch has normalised it). Split tiles have no window.
-template <int KEYS>
+template <int KEYS, bool WINDOW>
 __device__ __forceinline__ int2 key_blocks_of(const kernel_params& p, const work_item& it, const block_work& w) {
     if (it.part < 0) {
         const int window = p.args.window;
-        return {window > 0 && w.row0 >= window ? (w.row0 - window + 1) / KEYS : 0, w.kv_blocks};
+        return {WINDOW && w.row0 >= window ? int(unsigned(w.row0 - window + 1) / KEYS) : 0, w.kv_blocks};
     }
     return {it.part * w.kv_blocks / p.split.parts, (it.part + 1) * w.kv_blocks / p.split.parts};
 }
@@ -157,7 +157,7 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p, int linear
     return {q_tile, int(bh % a.q_heads), int(bh / a.q_heads), kv_blocks, row0};
 }
 
-template <typename T, int D, int C>
+template <typename T, int D, int C, bool WINDOW>
 __device__ __forceinline__ void produce(shared_state<T, D, C>& st, const kernel_params& p, const CUtensorMap& map_q,
                                         const CUtensorMap& map_k, const CUtensorMap& map_v) {
     tma::prefetch_map(&map_q);
@@ -186,7 +186,7 @@ __device__ __forceinline__ void produce(shared_state<T, D, C>& st, const kernel_
         constexpr int BM = config<D, C>::BM;
         const work_item it = item_of(p, t);
         const block_work w = work_of<BM, BN>(p, it.tile);
-        const int2 blocks = key_blocks_of<BN>(p, it, w);
+        const int2 blocks = key_blocks_of<BN, WINDOW>(p, it, w);
         const int kv_head = w.head / p.kv_group;
         // 64-row slices above row 0 (causal padding) are not loaded: their rows are masked whole.
         constexpr uint32_t slice_bytes = shared_state<T, D, C>::q_bytes / (BM / 64);
@@ -282,7 +282,7 @@ __device__ __forceinline__ bool merge_parts(shared_state<T, D, C>& st, const ker
     return true;
 }
 
-template <typename T, int D, int C>
+template <typename T, int D, int C, bool WINDOW>
 __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const kernel_params& p, const block_work& w,
                                              const work_item& it, int qb, int& pending, pipeline::cursor<STAGES>& at_k,
                                              pipeline::cursor<STAGES>& at_v, const CUtensorMap& map_o) {
@@ -324,7 +324,7 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     auto mask = [&](int j) {
         const int64_t key0 = int64_t(j) * BN;
         // Sliding window (causal): some row of this slice drops keys of this block at or below row - window.
-        const bool window_cut = a.window > 0 && key0 + a.window <= row0 + 63;
+        const bool window_cut = WINDOW && key0 + a.window <= row0 + 63;
         if (key0 + BN > a.kv_len || (a.causal && key0 + BN - 1 > row0) || window_cut) {
             // Keys past kv_len and (causal) past the row are masked: each element is one compare of its
             // rt::column_offset against its row's last kept offset, in 32 bits (lengths < 2^31; row0 - key0 is
@@ -473,17 +473,14 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     auto hand_over = [&] { sync::named_arrive(turn_barrier<C>((slice + 1) % CONSUMERS), turn_threads); };
 
     // The item's key blocks: the tile's, or its part's.
-    const int2 blocks = key_blocks_of<BN>(p, it, w);
+    const int2 blocks = key_blocks_of<BN, WINDOW>(p, it, w);
     // With a sliding window a row's first kept key can lie past the tile's first block, so a row can enter a block
     // with no key yet (m = -inf). softmax_against_max would take such a row's exponents against 0, where a block of
     // scores far below 0 underflows to l = 0 (and far above it goes the slow way), so until the warp's last row has
-    // its first key (its block included) the warp takes softmax(j), whose block maxima handle rows with no key. One
-    // compare per block; without a window (and for padding rows) only the first block, as before.
-    int exact_until = blocks.x;
-    if (a.window > 0) {
-        const int64_t warp_last_row = row0 + (rt::top_row() | 15);  // top_row: 16 warp + lane / 4
-        if (warp_last_row >= a.window) exact_until = max(exact_until, int((warp_last_row - a.window + 1) / BN));
-    }
+    // its first key (its block included) the warp takes softmax(j), whose block maxima handle rows with no key:
+    // block j is such a block while j BN + window <= the warp's last row + 1 (its first key, last row - window + 1,
+    // is at or past j BN). Worked out again for each block from values the loop holds anyway (kept in a register of
+    // its own, it spilled in the three-warpgroup kernel). Without a window only the first block, as before.
     // First block: scores, softmax, P.
     st.k_ring.wait_full(at_k);
     my_turn();
@@ -514,7 +511,8 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
         wgmma::wait<1>();  // the scores (committed first) are done; P V may still run
         wgmma::pin(s.d);
         rt::row_vec alpha{1.0f, 1.0f};
-        const bool exact = j <= exact_until;  // a row of this warp may have no key yet (sliding window)
+        bool exact = false;  // a row of this warp may have no key yet (sliding window)
+        if constexpr (WINDOW) exact = int64_t(j) * BN + a.window <= row0 + (rt::top_row() | 15) + 1;  // 16 warp + lane/4
         if (exact || !softmax_against_max(j, alpha)) {
             // Overflowed (rare): this warp's scores of the block again (K's stage is still held), then the softmax
             // with its maxima. P V's registers are freed first (three warpgroups' 160 registers hold no more).
@@ -616,7 +614,7 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
     pending = qb;
 }
 
-template <typename T, int D, int C>
+template <typename T, int D, int C, bool WINDOW>
 __device__ __forceinline__ void consume(shared_state<T, D, C>& st, const kernel_params& p, const CUtensorMap& map_o) {
     constexpr int CONSUMERS = config<D, C>::CONSUMERS;
     // Warpgroup 0 takes the first turn: the last one hands it over.
@@ -629,7 +627,7 @@ __device__ __forceinline__ void consume(shared_state<T, D, C>& st, const kernel_
         const int t = st.q_tile_of[at_q.stage];
         if (t < 0) break;
         const work_item it = item_of(p, t);
-        consume_tile<T, D, C>(st, p, work_of<config<D, C>::BM, BN<D>>(p, it.tile), it, at_q.stage, pending, at_k,
+        consume_tile<T, D, C, WINDOW>(st, p, work_of<config<D, C>::BM, BN<D>>(p, it.tile), it, at_q.stage, pending, at_k,
                               at_v, map_o);
     }
     // Warpgroup 0 takes the last warpgroup's last hand-over.
@@ -637,7 +635,8 @@ __device__ __forceinline__ void consume(shared_state<T, D, C>& st, const kernel_
     if (warpgroup::thread() == 0) tma::store_wait();  // the last outputs are in global memory
 }
 
-template <typename T, int D, int C>
+// WINDOW: the launch's window is > 0 (a sliding window); without one the kernel has none of the window's code.
+template <typename T, int D, int C, bool WINDOW>
 __global__ void __launch_bounds__(config<D, C>::THREADS, 1)
     forward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                    const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_o,
@@ -656,10 +655,10 @@ __global__ void __launch_bounds__(config<D, C>::THREADS, 1)
     pdl::start();  // set up under the previous kernel's tail; from here on global memory
     if (warpgroup::index() == 0) {
         warpgroup::decrease_registers<PRODUCER_REGISTERS>();
-        if (threadIdx.x == 0) produce<T, D, C>(st, p, map_q, map_k, map_v);
+        if (threadIdx.x == 0) produce<T, D, C, WINDOW>(st, p, map_q, map_k, map_v);
     } else {
         warpgroup::increase_registers<config<D, C>::CONSUMER_REGISTERS>();
-        consume<T, D, C>(st, p, map_o);
+        consume<T, D, C, WINDOW>(st, p, map_o);
     }
 }
 
@@ -713,7 +712,12 @@ split_choice choose_split(const forward_args& a, bool dynamic) {
 
 template <typename T, int D, int C>
 cudaError_t launch(const forward_args& a, cudaStream_t stream) {
-    if (cudaError_t e = opt_in_shared_memory<forward_kernel<T, D, C>>(smem_bytes_of<T, D, C>); e != cudaSuccess) return e;
+    const bool window = a.window > 0 && a.window < a.kv_len;  // a window >= kv_len keeps every causal key
+    const auto kernel = window ? forward_kernel<T, D, C, true> : forward_kernel<T, D, C, false>;
+    if (cudaError_t e = window ? opt_in_shared_memory<forward_kernel<T, D, C, true>>(smem_bytes_of<T, D, C>)
+                               : opt_in_shared_memory<forward_kernel<T, D, C, false>>(smem_bytes_of<T, D, C>);
+        e != cudaSuccess)
+        return e;
     CUtensorMap map_q{}, map_k{}, map_v{}, map_o{};
     constexpr CUtensorMapDataType type = tma::element_type<T>();
     using layout::map_of;
@@ -724,7 +728,7 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
         return cudaErrorInvalidValue;
     kernel_params p;
     p.args = a;
-    if (a.window >= a.kv_len) p.args.window = 0;  // every causal row's keys fit such a window: plain causal
+    if (!window) p.args.window = 0;
     p.q_tiles = int((a.q_len + config<D, C>::BM - 1) / config<D, C>::BM);
     p.kv_group = int(a.q_heads / a.kv_heads);
     constexpr int BM = config<D, C>::BM;
@@ -748,7 +752,7 @@ cudaError_t launch(const forward_args& a, cudaStream_t stream) {
                         : int(a.batch * a.q_heads);
     const int64_t blocks = split.blocks;
     if (blocks <= 0) return cudaErrorInvalidValue;
-    return launch_kernel(forward_kernel<T, D, C>, dim3(unsigned(blocks)), dim3(config<D, C>::THREADS),
+    return launch_kernel(kernel, dim3(unsigned(blocks)), dim3(config<D, C>::THREADS),
                          smem_bytes_of<T, D, C>, stream, 1, map_q, map_k, map_v, map_o, p);
 }
 
