@@ -294,8 +294,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     q is (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) with Hkv dividing Hq (query head h reads key/value head
     h // (Hq // Hkv)); bf16 or fp16; D 64, 128 or 256; scale defaults to 1/sqrt(D); causal masks key j > query i and
     needs Sq == Sk. window (causal only; LitGPT's, Mistral's sliding window): query i keeps keys i - window < j <= i,
-    its own and window - 1 before it; None, or window >= Sk, is plain causal. Inputs are read in place when the last dim is contiguous and the other strides are multiples
-    of 8 elements (LitGPT's transposed views qualify); others are copied first. Returns o (B, Hq, Sq, D) in the
+    its own and window - 1 before it; None, or window >= Sk, is plain causal. Inputs are read in place when the
+    last dim is contiguous and the other strides are multiples of 8 elements (LitGPT's transposed views qualify);
+    others are copied first. Returns o (B, Hq, Sq, D) in the
     input dtype, a transposed view of a contiguous (B, Sq, Hq, D) buffer, and lse (B, Hq, Sq) in float32 (natural
     log), which the backward pass consumes.
     _max_blocks (tests only) caps the persistent grid, so that small shapes walk several tiles per block;
@@ -450,8 +451,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
                        _tail_split: bool | tuple[int, int] = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention_forward's o, by the tk kernels, from its o and lse.
 
-    Same arguments and layouts as attention_forward (window: the forward's); o and grad_o are (B, Hq, Sq, D), lse (B, Hq, Sq) float32.
-    dk and dv have k's (B, Hkv, Sk, D) shape, summed over each key/value head's query heads. All come back in the
+    Same arguments and layouts as attention_forward (window: the forward's); o and grad_o are (B, Hq, Sq, D), lse
+    (B, Hq, Sq) float32. dk and dv have k's (B, Hkv, Sk, D) shape, summed over each key/value head's query heads. All come back in the
     input dtype. The kernels: delta = rowsum(grad_o * o), whose pass also zeroes an fp32 dQ buffer; then one pass
     over key blocks that keeps dK and dV in registers and adds dQ into that buffer, which a last pass scales and
     rounds. Grouped K/V: a block walks every query head of its group and sums dK, dV in fp32, unless that grid is

@@ -512,7 +512,8 @@ __device__ __forceinline__ void consume_tile(shared_state<T, D, C>& st, const ke
         wgmma::pin(s.d);
         rt::row_vec alpha{1.0f, 1.0f};
         bool exact = false;  // a row of this warp may have no key yet (sliding window)
-        if constexpr (WINDOW) exact = int64_t(j) * BN + a.window <= row0 + (rt::top_row() | 15) + 1;  // 16 warp + lane/4
+        if constexpr (WINDOW)  // the warp's last row: top_row (16 warp + lane / 4) | 15
+            exact = int64_t(j) * BN + a.window <= row0 + (rt::top_row() | 15) + 1;
         if (exact || !softmax_against_max(j, alpha)) {
             // Overflowed (rare): this warp's scores of the block again (K's stage is still held), then the softmax
             // with its maxima. P V's registers are freed first (three warpgroups' 160 registers hold no more).
@@ -627,8 +628,8 @@ __device__ __forceinline__ void consume(shared_state<T, D, C>& st, const kernel_
         const int t = st.q_tile_of[at_q.stage];
         if (t < 0) break;
         const work_item it = item_of(p, t);
-        consume_tile<T, D, C, WINDOW>(st, p, work_of<config<D, C>::BM, BN<D>>(p, it.tile), it, at_q.stage, pending, at_k,
-                              at_v, map_o);
+        consume_tile<T, D, C, WINDOW>(st, p, work_of<config<D, C>::BM, BN<D>>(p, it.tile), it, at_q.stage, pending,
+                                      at_k, at_v, map_o);
     }
     // Warpgroup 0 takes the last warpgroup's last hand-over.
     if (warpgroup::index() == 1) sync::named_sync(turn_barrier<C>(0), 2 * warpgroup::threads);
