@@ -126,7 +126,8 @@ def _making_ops(mask: TensorProxy) -> list[BoundSymbol] | str:
 # Running them on the CPU
 
 
-def _torch_dtype(d):
+def torch_dtype_of(d):
+    """A torch dtype for a torch or Thunder dtype; None for anything else (the ops' other arguments)."""
     if isinstance(d, torch.dtype):
         return d
     if isinstance(d, thunder.dtypes.dtype):
@@ -135,7 +136,7 @@ def _torch_dtype(d):
 
 
 def _dtype_in(*values):
-    return next((d for d in map(_torch_dtype, values) if d is not None), None)
+    return next((d for d in map(torch_dtype_of, values) if d is not None), None)
 
 
 def _shape(args) -> tuple:
@@ -163,7 +164,7 @@ def _full(shape, value, dtype):
 
 
 def _like(a, value, kw):
-    return _full(tuple(a.shape), value, _torch_dtype(kw.get("dtype")) or a.dtype)
+    return _full(tuple(a.shape), value, torch_dtype_of(kw.get("dtype")) or a.dtype)
 
 
 def _key(key):
@@ -198,20 +199,20 @@ def _setitem_(a, key, value):
 
 
 _OPS = {
-    "full": lambda shape, value, **kw: _full(shape, value, _torch_dtype(kw.get("dtype"))),
-    "zeros": lambda *shape, **kw: _full(shape, 0, _torch_dtype(kw.get("dtype"))),
-    "ones": lambda *shape, **kw: _full(shape, 1, _torch_dtype(kw.get("dtype"))),
+    "full": lambda shape, value, **kw: _full(shape, value, torch_dtype_of(kw.get("dtype"))),
+    "zeros": lambda *shape, **kw: _full(shape, 0, torch_dtype_of(kw.get("dtype"))),
+    "ones": lambda *shape, **kw: _full(shape, 1, torch_dtype_of(kw.get("dtype"))),
     "full_like": lambda a, value, **kw: _like(a, value, kw),
     "zeros_like": lambda a, **kw: _like(a, 0, kw),
     "ones_like": lambda a, **kw: _like(a, 1, kw),
     "arange": lambda start, end=None, step=1, **kw: torch.arange(
-        *((start,) if end is None else (start, end, step)), dtype=_torch_dtype(kw.get("dtype"))),
+        *((start,) if end is None else (start, end, step)), dtype=torch_dtype_of(kw.get("dtype"))),
     "triu": lambda a, diagonal=0, **kw: torch.triu(a, diagonal),
     "tril": lambda a, diagonal=0, **kw: torch.tril(a, diagonal),
     "bool": lambda a: a.bool(),
     "float": lambda a: a.float(),
     "to": lambda a, *args, **kw: a.to(_dtype_in(*args, kw.get("dtype")) or a.dtype),
-    "convert_element_type": lambda a, dtype: a.to(_torch_dtype(dtype)),
+    "convert_element_type": lambda a, dtype: a.to(torch_dtype_of(dtype)),
     "type_as": lambda a, b: a.to(b.dtype),
     "masked_fill": lambda a, m, value: a.masked_fill(m, value),
     "where": lambda pred, a, b: torch.where(pred, a, b),

@@ -64,6 +64,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import from_trace, tracectx
 from thunder.core.transform_common import dce
 
+from thunder_tk.attention_masks import torch_dtype_of
 from thunder_tk.claim_rules import HALF_DTYPES, TensorMetadata
 
 # View ops as the torch executor runs them (their result is the same data in another shape).
@@ -647,19 +648,11 @@ def _gate_grad_region(bsyms: list[BoundSymbol], k: int, producer: dict[str, int]
     return view, dg, region, inputs, outputs
 
 
-def _probe_dtype(x):
-    if isinstance(x, torch.dtype):
-        return x
-    if isinstance(x, thunder.dtypes.dtype):
-        return thunder.dtypes.to_torch_dtype(x)
-    return None
-
-
 def _probe_op(name: str, args: list, kwargs: dict):
     """One of _GATE_GRAD_OPS on probe values, by its name: the same op whether the trace holds it as a prim, an ltorch
     symbol or the torch executor's (whose symbols cannot run outside a trace)."""
     if name in ("to", "convert_element_type"):
-        dtype = next((d for d in map(_probe_dtype, (*args[1:], kwargs.get("dtype"))) if d is not None), None)
+        dtype = next((d for d in map(torch_dtype_of, (*args[1:], kwargs.get("dtype"))) if d is not None), None)
         return args[0].to(dtype) if dtype is not None else args[0].clone()
     unary = {"clone": torch.clone, "neg": torch.neg, "exp": torch.exp, "reciprocal": torch.reciprocal,
              "sigmoid": torch.sigmoid, "silu": F.silu, "rsqrt": torch.rsqrt}
@@ -1003,7 +996,7 @@ def _probe_region_op(b: BoundSymbol, args: list, device):
     if name == "unsqueeze":
         return args[0].unsqueeze(args[1])
     if name == "full":
-        dtype = _probe_dtype(kw.get("dtype", args[3] if len(args) > 3 else None))
+        dtype = torch_dtype_of(kw.get("dtype", args[3] if len(args) > 3 else None))
         return torch.full(tuple(args[0]), args[1], dtype=dtype, device=device)
     if name == "pad":
         a, value, config = args[0], args[1], args[2]
