@@ -113,6 +113,27 @@ def jit_unsupported(config) -> str | None:
     return None
 
 
+def sliding_window_layers(config) -> int:
+    """How many of the model's layers LitGPT gives a sliding-window mask."""
+    if getattr(config, "sliding_window_size", None) is None:
+        return 0
+    indices = getattr(config, "sliding_window_indices", None)
+    return config.n_layer if indices is None else sum(1 for i in indices[: config.n_layer] if i)
+
+
+def jit_time_note(config, seq: int) -> str | None:
+    """A note for models that take long to jit, from the config alone; None otherwise. LitGPT 0.5.13 builds a
+    sliding-window layer's mask in `forward` with a Python loop over the positions, so Thunder traces `seq` indexed
+    writes a layer (with or without tk; tk then reads the finished mask as a pattern and drops its ops). Measured on
+    a 2-core CPU: 76 s for one shrunk layer at 512 positions, 396 s for two at 2048."""
+    layers = sliding_window_layers(config)
+    if not layers:
+        return None
+    return (f"note: LitGPT builds the sliding-window mask of {layers} layer{'s' if layers != 1 else ''} with a loop over "
+            f"the {seq} positions, which Thunder traces one write at a time: the first step's jit can take minutes "
+            "per such layer")
+
+
 def _from_name(Config, name: str, what: str):
     try:
         return Config.from_name(name)
