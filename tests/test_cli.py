@@ -128,14 +128,30 @@ def test_a_source_checkout_without_kernels_says_so(tmp_path):
     assert str(package) in reason and "run from another directory" in reason
 
 
-def test_explain_says_when_sdpa_cannot_take_a_declined_attention(tmp_path, capsys):
-    """Mistral's sliding window masks SDPA with a (1, 1, T, T) mask: tk declines masks, and Thunder's sdpa executor,
-    whose checker would accept it, fails on a mask broadcast over the batch; the plan says so without a GPU."""
-    config = tmp_path / "mistral.yaml"
-    config.write_text("model_name: Mistral-7B-v0.1\nmodel_config:\n  n_layer: 1\n  sliding_window_size: 16\n"
-                      "train:\n  micro_batch_size: 2\n  max_seq_length: 64\n")
+def _plan_attention_rows(tmp_path, yaml: str) -> list[dict]:
+    config = tmp_path / "model.yaml"
+    config.write_text(yaml)
     out = tmp_path / "plan.json"
     assert main(["explain", str(config), "--json", str(out)]) == 0
-    rows = [r for r in json.loads(out.read_text())["rows"] if r["symbol"] == "ltorch.scaled_dot_product_attention"]
-    assert rows and all("sdpa not used: its memory-efficient kernel needs one batch size for q, k, v and the mask "
-                        "(got 2, 2, 2, 1)" in r["reason"] for r in rows), [r["reason"] for r in rows]
+    return [r for r in json.loads(out.read_text())["rows"] if r["symbol"] == "ltorch.scaled_dot_product_attention"]
+
+
+def test_explain_plans_a_sliding_window_on_tk(tmp_path):
+    """Mistral's sliding window: LitGPT hands SDPA a (1, 1, T, T) mask, which tk reads as a window of 16 keys."""
+    rows = _plan_attention_rows(tmp_path, "model_name: Mistral-7B-v0.1\nmodel_config:\n  n_layer: 1\n"
+                                          "  sliding_window_size: 16\ntrain:\n  micro_batch_size: 2\n"
+                                          "  max_seq_length: 64\n")
+    assert rows and all(r["claimed_by_tk"] and "attn_mask read as causal within a window of 16 keys" in r["detail"]
+                        for r in rows), rows
+
+
+def test_explain_says_when_sdpa_cannot_take_a_declined_attention(tmp_path):
+    """Phi-3-mini's heads of 96 with a window shorter than the sequence: tk declines the head size, the window stays a
+    mask, and Thunder's sdpa executor, whose checker would accept it, fails on a mask broadcast over the batch; the
+    plan says so without a GPU."""
+    rows = _plan_attention_rows(tmp_path, "model_name: Phi-3-mini-4k-instruct\nmodel_config:\n  n_layer: 1\n"
+                                          "  sliding_window_size: 16\ntrain:\n  micro_batch_size: 2\n"
+                                          "  max_seq_length: 64\n")
+    assert rows and all("head_dim 96" in r["reason"] and "sdpa not used: its memory-efficient kernel needs one batch "
+                        "size for q, k, v and the mask (got 2, 2, 2, 1)" in r["reason"] for r in rows), \
+        [r["reason"] for r in rows]

@@ -17,7 +17,12 @@ from thunder_tk import tk  # noqa: E402
 SDPA = "ltorch.scaled_dot_product_attention"
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=ids)
+# Mathstral's mask takes Mistral's path at a longer window and Phi-3-mini's the fallback's, both also in
+# test_attention_masks.py: the CPU suite leaves them to the GPU family test (CI time).
+_CPU_FAMILIES = [f for f in FAMILIES if f.name not in ("Mathstral-7B-v0.1", "Phi-3-mini-128k-instruct")]
+
+
+@pytest.mark.parametrize("family", _CPU_FAMILIES, ids=ids)
 def test_family_trains_through_tk_as_accurately_as_eager(standin_tk_build, standin_nvfuser, family):
     jitted = train_and_compare(litgpt, family, "cpu", lambda m: thunder.jit(m, executors=[tk]))
     ran = tk_ops(jitted)
