@@ -41,7 +41,7 @@ class MaskPattern:
     causal: bool
     window: int | None = None  # causal only: keys a query sees, itself included (None: all keys up to itself)
 
-    def describe(self, kv_len: int) -> str:
+    def describe(self) -> str:
         if not self.causal:
             return "attn_mask keeps every key: run unmasked"
         if self.window is None:
@@ -55,18 +55,16 @@ class _Answer:
 
     q_len: int
     kv_len: int
-    pattern: MaskPattern | None
-    reason: str = ""
+    found: MaskPattern | str
 
 
 def pattern_of(mask: TensorProxy, q_len: int, kv_len: int) -> MaskPattern | str:
     """The pattern of `mask` as SDPA's attn_mask for q_len queries and kv_len keys, or why it is none of them."""
     answer = next((t for t in mask.tags if isinstance(t, _Answer) and (t.q_len, t.kv_len) == (q_len, kv_len)), None)
     if answer is None:
-        found = _recognise(mask, q_len, kv_len)
-        answer = _Answer(q_len, kv_len, *((found, "") if isinstance(found, MaskPattern) else (None, found)))
+        answer = _Answer(q_len, kv_len, _recognise(mask, q_len, kv_len))
         mask.tags.add(answer)
-    return answer.pattern if answer.pattern is not None else answer.reason
+    return answer.found
 
 
 # ------------------------------------------------------------------------------------------------
@@ -135,7 +133,8 @@ def torch_dtype_of(d):
     return None
 
 
-def _dtype_in(*values):
+def first_torch_dtype(*values):
+    """The first of `values` that is a torch or Thunder dtype, as a torch dtype; None if there is none."""
     return next((d for d in map(torch_dtype_of, values) if d is not None), None)
 
 
@@ -149,17 +148,19 @@ class _CannotEvaluate(Exception):
     pass
 
 
+def _refuse_above_limit(elements: int) -> None:
+    if elements > MAX_MASK_ELEMENTS:
+        raise _CannotEvaluate(f"attn_mask has {elements} elements, more than tk inspects ({MAX_MASK_ELEMENTS})")
+
+
 def _check_size(t: torch.Tensor) -> torch.Tensor:
-    if t.numel() > MAX_MASK_ELEMENTS:
-        raise _CannotEvaluate(f"attn_mask has {t.numel()} elements, more than tk inspects ({MAX_MASK_ELEMENTS})")
+    _refuse_above_limit(t.numel())
     return t
 
 
 def _full(shape, value, dtype):
     shape = _shape(shape if isinstance(shape, (tuple, list)) else (shape,))
-    if math.prod(shape) > MAX_MASK_ELEMENTS:
-        raise _CannotEvaluate(f"attn_mask has {math.prod(shape)} elements, more than tk inspects "
-                              f"({MAX_MASK_ELEMENTS})")
+    _refuse_above_limit(math.prod(shape))  # before allocating
     return torch.full(shape, value, dtype=dtype or torch.float32)
 
 
@@ -211,7 +212,7 @@ _OPS = {
     "tril": lambda a, diagonal=0, **kw: torch.tril(a, diagonal),
     "bool": lambda a: a.bool(),
     "float": lambda a: a.float(),
-    "to": lambda a, *args, **kw: a.to(_dtype_in(*args, kw.get("dtype")) or a.dtype),
+    "to": lambda a, *args, **kw: a.to(first_torch_dtype(*args, kw.get("dtype")) or a.dtype),
     "convert_element_type": lambda a, dtype: a.to(torch_dtype_of(dtype)),
     "type_as": lambda a, b: a.to(b.dtype),
     "masked_fill": lambda a, m, value: a.masked_fill(m, value),
@@ -399,8 +400,8 @@ def drop_unread_constants(trace):
         names = [p.name for p in b.flat_proxy_args if isinstance(p, TensorProxy)] + [p.name for p in b.flat_proxy_outs]
         for name in names[1:]:
             group[root(name)] = root(names[0])
-    dropped = set(constant)
-    read = {p.name for i, b in enumerate(bsyms) if i not in dropped for p in b.flat_proxy_args}
+    constants = set(constant)
+    read = {p.name for i, b in enumerate(bsyms) if i not in constants for p in b.flat_proxy_args}
     live = {root(name) for name in read if name in group}
     dropped = {i for i in constant if root(bsyms[i].flat_proxy_outs[0].name) not in live}
     if not dropped:

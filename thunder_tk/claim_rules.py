@@ -303,7 +303,7 @@ def sdpa_without_mask(args, kwargs) -> tuple[tuple, dict, str] | None:
     if isinstance(pattern, str) or pattern.window is not None:
         return None
     given["attn_mask"], given["is_causal"] = None, pattern.causal
-    return bound.args, bound.kwargs, pattern.describe(key.shape[2])
+    return bound.args, bound.kwargs, pattern.describe()
 
 
 # ------------------------------------------------------------------------------------------------

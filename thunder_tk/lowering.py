@@ -56,8 +56,8 @@ tk._lookasides[functional.attention_bwd_delta] = functional.attention_bwd_delta_
 
 # ------------------------------------------------------------------------------------------------
 # Attention: ltorch.scaled_dot_product_attention (the claim rule has already declined dropout, masks other than
-# constant all-keep or causal ones (attention_masks) and what the kernels cannot compute, so only q, k, v, is_causal
-# and scale reach the operators).
+# constant all-keep, causal or causal-window ones (attention_masks) and what the kernels cannot compute, so only q, k,
+# v, is_causal, scale and the window reach the operators).
 # - inference: tk_attention, the forward kernel returning o alone;
 # - training: tk_attention_forward returns (o, lse), and tk_attention_backward turns the saved (q, k, v, o, lse)
 #   and dO into (dq, dk, dv), dk and dv with the key/value heads. The executor uses this grad transform only
@@ -141,7 +141,7 @@ def _sdpa_flags(query, key, attn_mask, is_causal, scale
     pattern = attention_masks.pattern_of(attn_mask, q_len, kv_len)
     if isinstance(pattern, str):
         raise AssertionError(f"tk was asked to run an attention mask it declined: {pattern}")
-    return pattern.causal, scale, pattern.window, MaskRead(pattern.describe(kv_len))
+    return pattern.causal, scale, pattern.window, MaskRead(pattern.describe())
 
 
 def _sdpa_lowering(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):

@@ -64,7 +64,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import from_trace, tracectx
 from thunder.core.transform_common import dce
 
-from thunder_tk.attention_masks import torch_dtype_of
+from thunder_tk.attention_masks import first_torch_dtype, torch_dtype_of
 from thunder_tk.claim_rules import HALF_DTYPES, TensorMetadata
 
 # View ops as the torch executor runs them (their result is the same data in another shape).
@@ -652,7 +652,7 @@ def _probe_op(name: str, args: list, kwargs: dict):
     """One of _GATE_GRAD_OPS on probe values, by its name: the same op whether the trace holds it as a prim, an ltorch
     symbol or the torch executor's (whose symbols cannot run outside a trace)."""
     if name in ("to", "convert_element_type"):
-        dtype = next((d for d in map(torch_dtype_of, (*args[1:], kwargs.get("dtype"))) if d is not None), None)
+        dtype = first_torch_dtype(*args[1:], kwargs.get("dtype"))
         return args[0].to(dtype) if dtype is not None else args[0].clone()
     unary = {"clone": torch.clone, "neg": torch.neg, "exp": torch.exp, "reciprocal": torch.reciprocal,
              "sigmoid": torch.sigmoid, "silu": F.silu, "rsqrt": torch.rsqrt}
