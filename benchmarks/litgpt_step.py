@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import ClockSampler, bar_chart, print_table, profiled_kernels, write_results  # noqa: E402
 
+from thunder_tk.litgpt_models import vectorize_window_masks  # noqa: E402
 from thunder_tk.pretrain import LossModule, autocast_for, max_over_ranks, tracing_without_cyclic_gc  # noqa: E402
 from thunder_tk.pretrain_config import precision_of  # noqa: E402
 # Where a step's GPU time goes: kernels by what they compute (shared with `thunder-tk pretrain`'s profile).
@@ -46,6 +47,7 @@ def build(model_name: str, n_layer: int | None, seq: int, device: torch.device, 
     with device:
         model = GPT(cfg)
         model.max_seq_length = seq
+    vectorize_window_masks(model)  # sliding-window models: the mask in a few ops, not LitGPT's loop (every variant)
     return model.to(weights), cfg
 
 

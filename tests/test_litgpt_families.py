@@ -57,3 +57,85 @@ def test_thunder_cannot_trace_litgpts_mixture_of_experts():
     model, *_ = build(litgpt, MOE, "cpu", torch.float32)
     with pytest.raises(NotImplementedError, match="torch.where"):
         thunder.jit(model)(torch.zeros(1, 8, dtype=torch.long))
+
+
+# -- sliding-window masks built in a few ops (litgpt_models.vectorize_window_masks) -------------------------------
+
+
+def _loop_mask(seq, window, dtype):
+    """LitGPT 0.5.13's sliding-window mask as its forward builds it: -inf, then zeros written row by row."""
+    mask = torch.full((seq, seq), float("-inf"), dtype=dtype)
+    for i in range(seq):
+        mask[i, max(0, i - window + 1): i + 1] = 0.0
+    return mask.view(1, 1, seq, seq)
+
+
+@pytest.mark.parametrize("seq, window", [(1, 1), (7, 1), (33, 5), (64, 16), (16, 16), (17, 40)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_vectorized_window_mask_equals_litgpts_loop(seq, window, dtype):
+    from thunder_tk.litgpt_models import sliding_window_mask
+
+    got = sliding_window_mask(seq, window, dtype, "cpu")
+    assert got.dtype == dtype and got.shape == (1, 1, seq, seq)
+    assert torch.equal(got, _loop_mask(seq, window, dtype))
+
+
+def _window_families():
+    return _some("Mistral-7B-v0.1", "Gemma-3-1b-it", "Gemma-2-2b")  # Gemma 2: soft-capped scores take the mask
+
+
+def _jit_vectorized(model):
+    from thunder_tk.litgpt_models import vectorize_window_masks
+
+    assert vectorize_window_masks(model) == 1  # the shrunk families' one layer has a window
+    return thunder.jit(model, executors=[tk])
+
+
+@pytest.mark.parametrize("family", _window_families(), ids=ids)
+def test_vectorized_window_masks_train_as_litgpts_do(standin_tk_build, standin_nvfuser, family):
+    """The jitted model's mask comes from a few ops, not one write a position (eager and float64 keep LitGPT's
+    loop), with the same accuracy, and tk reads it as the same window."""
+    jitted = train_and_compare(litgpt, family, "cpu", _jit_vectorized)
+    assert family.claimed <= tk_ops(jitted), (family.name, sorted(family.claimed - tk_ops(jitted)))
+    first = thunder.last_traces(jitted)[0]  # the trace as Thunder first records it, before any pass
+    names = [str(b.sym.name) for b in first.bound_symbols]
+    assert not [n for n in names if "setitem" in n] and len(names) < 200, (len(names), sorted(set(names)))
+    if "tk_attention_forward" in family.claimed:
+        rows = [r for r in thunder_tk.explain(jitted).rows if r.symbol == SDPA]
+        window = family.overrides["sliding_window_size"]
+        assert rows and all(f"window of {window} keys" in r.detail for r in rows), [r.detail for r in rows]
+
+
+def test_the_vectorized_trace_does_not_grow_with_the_sequence(standin_tk_build, standin_nvfuser):
+    family = _some("Mistral-7B-v0.1")[0]
+    counts = []
+    for seq in (32, 128):
+        model, *_ = build(litgpt, family, "cpu", torch.bfloat16)
+        jitted = _jit_vectorized(model)
+        jitted(torch.zeros(1, seq, dtype=torch.long))
+        counts.append(len(thunder.last_traces(jitted)[0].bound_symbols))
+    assert counts[0] == counts[1], counts
+
+
+def test_vectorize_window_masks_counts_layers_and_keeps_kv_caches_out():
+    from thunder_tk.litgpt_models import vectorize_window_masks
+
+    gemma3 = _some("Gemma-3-1b-it")[0]
+    cfg = litgpt.Config.from_name(gemma3.name, **{**gemma3.overrides, "n_layer": 6})
+    model = litgpt.GPT(cfg)
+    assert vectorize_window_masks(model) == sum(cfg.sliding_window_indices[:6]) == 5
+    assert vectorize_window_masks(model) == 0  # done once
+    llama, *_ = build(litgpt, _some("Llama-3.2-1B")[0], "cpu", torch.float32)
+    assert vectorize_window_masks(llama) == 0
+
+    # A KV cache: refused before the change, and a changed layer given one later raises instead of attending
+    # without its window.
+    mistral = _some("Mistral-7B-v0.1")[0]
+    cached, changed, *_ = build(litgpt, mistral, "cpu", torch.float32)
+    cached.set_kv_cache(batch_size=1)
+    with pytest.raises(ValueError, match="transformer.h.0.attn: has a KV cache"):
+        vectorize_window_masks(cached)
+    vectorize_window_masks(changed)
+    changed.set_kv_cache(batch_size=1)
+    with pytest.raises(RuntimeError, match="KV-cache inference needs a model without that change"):
+        changed(torch.zeros(1, 4, dtype=torch.long), input_pos=torch.arange(4))

@@ -120,26 +120,24 @@ def test_a_model_thunder_cannot_trace_is_one_message_and_trains_without_jit(tmp_
     assert summary["steps"] == 1
 
 
-def test_a_sliding_window_model_says_its_jit_takes_long(tmp_path):
-    """LitGPT traces a sliding-window layer's mask one position at a time: pretrain says so before the first step."""
-    import io
+def test_a_sliding_window_model_trains_with_its_mask_built_in_a_few_ops(tmp_path, monkeypatch):
+    """pretrain builds sliding-window masks with litgpt_models.vectorize_window_masks (LitGPT's loop over positions
+    is traced a write at a time: minutes a layer at 2048), jitted or not, and the two train alike."""
+    import thunder_tk.pretrain as pretrain_module
+    from thunder_tk.litgpt_models import vectorize_window_masks
 
-    from thunder_tk.litgpt_models import jit_time_note, sliding_window_layers
-
-    window = {**MICRO, "out_dir": str(tmp_path), "model_config": {**MICRO["model_config"], "sliding_window_size": 8},
-              "train": {**MICRO["train"], "max_steps": 1}}
-    out = io.StringIO()
-    pretrain(load_config(None, window), checkpoints=False, stream=out)
-    assert "sliding-window mask of 1 layer with a loop over the 32 positions" in out.getvalue(), out.getvalue()
-    quiet = io.StringIO()
-    pretrain(load_config(None, {**window, "compiler": {"jit": False}}), checkpoints=False, stream=quiet)
-    assert "sliding-window" not in quiet.getvalue()
-
-    from litgpt.config import Config
-
-    gemma3 = Config.from_name("Gemma-3-1b-it")  # five sliding layers of every six
-    assert sliding_window_layers(gemma3) == sum(gemma3.sliding_window_indices) < gemma3.n_layer
-    assert jit_time_note(Config.from_name("Llama-3.2-1B"), 2048) is None
+    changed = []
+    monkeypatch.setattr(pretrain_module, "vectorize_window_masks", lambda m: changed.append(vectorize_window_masks(m)))
+    window = {**MICRO, "model_config": {**MICRO["model_config"], "sliding_window_size": 8},
+              "train": {**MICRO["train"], "max_steps": 2}}
+    losses = []
+    for jit in (True, False):
+        out = tmp_path / str(jit)
+        pretrain(load_config(None, {**window, "out_dir": str(out), "compiler": {"jit": jit}}), checkpoints=False)
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        losses.append([r["loss"] for r in rows if "loss" in r])
+    assert changed == [1, 1]
+    assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-4), losses
 
 
 def test_cli_reports_one_message(capsys):

@@ -113,25 +113,53 @@ def jit_unsupported(config) -> str | None:
     return None
 
 
-def sliding_window_layers(config) -> int:
-    """How many of the model's layers LitGPT gives a sliding-window mask."""
-    if getattr(config, "sliding_window_size", None) is None:
-        return 0
-    indices = getattr(config, "sliding_window_indices", None)
-    return config.n_layer if indices is None else sum(1 for i in indices[: config.n_layer] if i)
+def sliding_window_mask(seq: int, window: int, dtype, device):
+    """LitGPT's sliding-window attention mask for `seq` positions, (1, 1, seq, seq): 0 where query i keeps key j
+    (i - window < j <= i), -inf elsewhere, in `dtype`. The same values as the loop in LitGPT 0.5.13's
+    `CausalSelfAttention.forward`, from a handful of tensor ops."""
+    import torch
+
+    pos = torch.arange(seq, device=device)
+    behind = pos.unsqueeze(1) - pos  # query minus key
+    keep = (behind >= 0) & (behind < window)
+    return torch.full((seq, seq), float("-inf"), dtype=dtype, device=device).masked_fill(keep, 0.0).view(1, 1, seq, seq)
 
 
-def jit_time_note(config, seq: int) -> str | None:
-    """A note for models that take long to jit, from the config alone; None otherwise. LitGPT 0.5.13 builds a
-    sliding-window layer's mask in `forward` with a Python loop over the positions, so Thunder traces `seq` indexed
-    writes a layer (with or without tk; tk then reads the finished mask as a pattern and drops its ops). Measured on
-    a 2-core CPU: 76 s for one shrunk layer at 512 positions, 396 s for two at 2048."""
-    layers = sliding_window_layers(config)
-    if not layers:
-        return None
-    return (f"note: LitGPT builds the sliding-window mask of {layers} layer{'s' if layers != 1 else ''} with a loop over "
-            f"the {seq} positions, which Thunder traces one write at a time: the first step's jit can take minutes "
-            "per such layer")
+def _attention_with_window_mask(self, q, k, v, mask=None):
+    """A sliding-window layer's attention (after `vectorize_window_masks`): LitGPT's own, with the window's mask."""
+    if mask is not None:
+        raise RuntimeError(
+            "this layer's sliding-window mask was moved out of LitGPT's forward for training "
+            "(thunder_tk.litgpt_models.vectorize_window_masks); KV-cache inference needs a model without that change")
+    mask = sliding_window_mask(q.size(2), self.config.sliding_window_size, q.dtype, q.device)
+    return type(self).scaled_dot_product_attention(self, q, k, v, mask)
+
+
+def vectorize_window_masks(model) -> int:
+    """Make a LitGPT model's sliding-window layers build their mask in a few tensor ops; returns how many layers.
+
+    LitGPT 0.5.13 builds that mask in `CausalSelfAttention.forward` with a Python loop over the positions, which
+    thunder.jit (and torch.compile) trace one indexed write at a time: minutes per layer at 2048 positions, and, where
+    no executor drops them, thousands of ops in every forward. Each such layer here keeps its window but leaves
+    LitGPT's loop off (`apply_sliding_window_attention` False), and its `scaled_dot_product_attention` adds the same
+    mask (`sliding_window_mask`), which tk then reads as a causal window. Same values, so the same results. For
+    training and full-sequence forwards: the change leaves LitGPT's KV-cache path, so a layer with a KV cache is
+    refused here, and one given a cache later raises rather than attend without its window."""
+    import types
+
+    from litgpt.model import CausalSelfAttention
+
+    changed = 0
+    for name, module in model.named_modules():
+        if not (isinstance(module, CausalSelfAttention) and module.apply_sliding_window_attention):
+            continue
+        if module.kv_cache is not None:
+            raise ValueError(f"{name}: has a KV cache; vectorize_window_masks is for training and full-sequence "
+                             "forwards (LitGPT's KV-cache path needs its own window handling)")
+        module.apply_sliding_window_attention = False
+        module.scaled_dot_product_attention = types.MethodType(_attention_with_window_mask, module)
+        changed += 1
+    return changed
 
 
 def _from_name(Config, name: str, what: str):
@@ -142,11 +170,13 @@ def _from_name(Config, name: str, what: str):
 
 
 def build_meta_model(spec: ModelSpec, dtype):
-    """The model on the meta device (no memory), sized for spec.seq_len."""
+    """The model on the meta device (no memory), sized for spec.seq_len, its window masks built as pretrain builds
+    them (vectorize_window_masks)."""
     import torch
 
     GPT, _ = _litgpt()
     with torch.device("meta"):
         model = GPT(spec.config)
         model.max_seq_length = spec.seq_len
+    vectorize_window_masks(model)
     return model.to(dtype)

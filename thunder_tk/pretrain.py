@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from thunder_tk.litgpt_models import ConfigError, _litgpt, config_of, jit_time_note, jit_unsupported
+from thunder_tk.litgpt_models import ConfigError, _litgpt, config_of, jit_unsupported, vectorize_window_masks
 from thunder_tk.pretrain_config import PretrainConfig, precision_of, world_size_of
 from thunder_tk.step_profile import StepProfiler
 
@@ -534,6 +534,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     with torch.device(dist.device):
         model = GPT(cfg)
         model.max_seq_length = seq
+    vectorize_window_masks(model)  # LitGPT's loop over positions would be traced a write at a time
     model = model.to(getattr(torch, param_dtype))
     params_2d = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and "wte" not in n)
     if config.data.kind == "synthetic":
@@ -553,8 +554,6 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     checkpoint = load_checkpoint(out_dir, dist) if resume else None
     if resume and checkpoint is None and dist.main:
         stream.write(f"no checkpoint in {out_dir / 'checkpoints'}; starting from step 0\n")
-    if config.compiler.jit and dist.main and (note := jit_time_note(cfg, seq)):
-        stream.write(note + "\n")
     if checkpoint is not None and dist.world == 1:
         model.load_state_dict(checkpoint["model"])
 
