@@ -442,7 +442,7 @@ def more_rounds(rows: list[dict], built: list[Built], args) -> None:
     tokens = args.batch * args.seq * _world()
     per_round = {r["variant"]: [r["tokens_per_s"]] for r in rows if r["tokens_per_s"] is not None}
     n = len(built)
-    for rnd in range(1, args.rounds):
+    for rnd in range(1, args.rounds if n else 1):  # every variant failed: no rounds to run
         for v in built[rnd % n:] + built[:rnd % n]:
             seconds, _ = v.time_steps(args.steps)
             per_round[v.name].append(tokens / seconds)

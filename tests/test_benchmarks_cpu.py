@@ -376,6 +376,10 @@ def test_litgpt_step_a_failing_variant_costs_only_its_own_row(monkeypatch, tmp_p
     assert rows["thunder default"]["tokens_per_s"] is None and rows["eager"]["vs_thunder_default"] is None
     assert len(rows["eager"]["tokens_per_s_rounds"]) == 2 and rows["eager"]["tokens_per_s"] > 0
     assert "thunder default: failed, RuntimeError: query and dout" in capsys.readouterr().out
+    # Every variant failing (a model no variant can run): the rows say why, no rounds to run.
+    monkeypatch.setattr(sys, "argv", [a for a in sys.argv if a != "eager"])
+    bench.main()
+    assert [r["error"] for r in json.loads(out.read_text())["rows"]] == [rows["thunder default"]["error"]]
 
 
 def test_litgpt_step_only_takes_aliases_and_rejects_unknown_names():
