@@ -108,6 +108,18 @@ def build(litgpt, family: Family, device, dtype, seed: int = 0):
     return models[0], models[1], exact, cfg
 
 
+def jit_tk(model):
+    """thunder.jit(model, executors=[tk]), sliding-window masks built as pretrain builds them
+    (litgpt_models.vectorize_window_masks)."""
+    import thunder
+
+    from thunder_tk import tk
+    from thunder_tk.litgpt_models import vectorize_window_masks
+
+    vectorize_window_masks(model)
+    return thunder.jit(model, executors=[tk])
+
+
 def tk_ops(jitted) -> set[str]:
     """The tk ops in the jitted model's last forward and backward traces."""
     import thunder
@@ -158,3 +170,41 @@ def infer_and_compare(litgpt, family: Family, device, jit, batch: int = 2, seq: 
         got, want, x = jitted(idx), eager(idx), exact(idx)
     assert rel_err(got, x) < 2 * rel_err(want, x) + 1e-3, (family.name, rel_err(got, x), rel_err(want, x))
     return jitted
+
+
+def train_steps_and_compare(litgpt, family: Family, device, jit, steps: int = 8, batch: int = 2, seq: int = SEQ,
+                            lr: float = 3e-3) -> tuple[object, list[float]]:
+    """`steps` AdamW steps of the family's bf16 model through `jit(model)` beside eager bf16 and float64 with the
+    same weights, batch and targets (one fixed batch, so the loss falls fast and rounding has every chance to build
+    up). Asserts that the jitted losses are on average within twice eager's distance from float64's (plus 2e-3 of
+    the loss): what builds up over steps (a biased gradient, state carried from one step to the next) shows here
+    where one step's check passes. bf16 training itself drifts from float64 by 1-5% in these steps, so the check
+    finds errors above that (a 10% logit scale fails it, 2% does not). Returns the jitted model and its losses."""
+    import torch
+    import torch.nn.functional as F
+
+    model, eager, exact, cfg = build(litgpt, family, device, torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device)
+    targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device)
+    jitted = jit(model)
+    runs = [(jitted, model), (eager, eager), (exact, exact)]
+    optimizers = [torch.optim.AdamW(owner.parameters(), lr=lr) for _, owner in runs]
+    losses = [[], [], []]
+    for _ in range(steps):
+        for (m, _), opt, out in zip(runs, optimizers, losses):
+            loss = F.cross_entropy(m(idx).double().flatten(0, 1), targets.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(loss.item())
+    got, want, x = losses
+
+    def distance(a):
+        return sum(abs(u - v) for u, v in zip(a, x)) / steps
+
+    assert distance(got) <= 2 * distance(want) + 2e-3 * sum(x) / steps, (
+        family.name, f"mean distance from float64: jitted {distance(got):.2e}, eager {distance(want):.2e}",
+        "jitted", got, "eager", want, "float64", x)
+    assert x[-1] < 0.9 * x[0], (family.name, x)  # the steps did train
+    return jitted, got

@@ -85,10 +85,11 @@ def _window_families():
 
 
 def _jit_vectorized(model):
+    from litgpt_families import jit_tk
     from thunder_tk.litgpt_models import vectorize_window_masks
 
     assert vectorize_window_masks(model) == 1  # the shrunk families' one layer has a window
-    return thunder.jit(model, executors=[tk])
+    return jit_tk(model)
 
 
 @pytest.mark.parametrize("family", _window_families(), ids=ids)
@@ -139,3 +140,12 @@ def test_vectorize_window_masks_counts_layers_and_keeps_kv_caches_out():
     changed.set_kv_cache(batch_size=1)
     with pytest.raises(RuntimeError, match="KV-cache inference needs a model without that change"):
         changed(torch.zeros(1, 4, dtype=torch.long), input_pos=torch.arange(4))
+
+
+@pytest.mark.parametrize("family", _some("Llama-3.2-1B", "Gemma-3-1b-it"), ids=ids)
+def test_family_trains_for_steps_as_accurately_as_eager(standin_tk_build, standin_nvfuser, family):
+    """Several optimizer steps (tk's kernels standing in): the loss stays as close to float64 training as eager's."""
+    from litgpt_families import jit_tk, train_steps_and_compare
+
+    jitted, _ = train_steps_and_compare(litgpt, family, "cpu", jit_tk)
+    assert "tk_attention_forward" in tk_ops(jitted)
