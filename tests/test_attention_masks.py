@@ -244,3 +244,22 @@ def test_a_mask_above_the_size_limit_is_not_evaluated(standin_tk_build, standin_
     jf(q, k, v)
     row = attention_row(jf)
     assert not row.claimed_by_tk and f"more than tk inspects ({S * S - 1})" in row.reason, row.reason
+
+
+def test_a_mask_made_by_many_ops_says_how_to_make_it_in_a_few(standin_tk_build, standin_attention):
+    """LitGPT's per-position loop at 80 positions: tk reads the window, and explain names the cheaper way to build
+    it (thunder.jit spends minutes tracing that loop at 2048). The same mask from litgpt_models.sliding_window_mask
+    gets no such word."""
+    from thunder_tk.litgpt_models import sliding_window_mask
+
+    q, k, v = qkv(B=1, Hkv=1, Sq=80, Sk=80)
+    details = []
+    for make_mask in (lambda q: litgpt_window(q, 8), lambda q: sliding_window_mask(q.shape[2], 8, q.dtype, q.device)):
+        jf = thunder.jit(_sdpa_with(make_mask), executors=[tk])
+        jf(q, k, v)
+        row = attention_row(jf)
+        assert row.claimed_by_tk, row.reason
+        details.append(row.detail)
+    loop, vectorized = details
+    assert "causal within a window of 8 keys, from " in loop and "vectorize_window_masks(model)" in loop, loop
+    assert "causal within a window of 8 keys" in vectorized and "traced ops" not in vectorized, vectorized

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import thunder
 import torch
@@ -32,6 +32,9 @@ from thunder.core.trace import TraceProvenance, from_trace
 MAX_MASK_ELEMENTS = 1 << 26
 # Ops evaluated before giving up (a T-row loop writes T of them; 32768 rows at most are above the size limit anyway).
 MAX_MASK_OPS = 1 << 16
+# A mask made by more traced ops than this is worth a word in `describe`: LitGPT's per-position loop, one write a
+# position, is what made every such mask seen so far, and thunder.jit spends minutes tracing it at 2048 positions.
+MANY_MASK_OPS = 64
 
 
 @dataclass(frozen=True)
@@ -40,13 +43,19 @@ class MaskPattern:
 
     causal: bool
     window: int | None = None  # causal only: keys a query sees, itself included (None: all keys up to itself)
+    made_by: int = field(default=0, compare=False)  # how many traced ops made the mask (0: not from a trace)
 
     def describe(self) -> str:
         if not self.causal:
-            return "attn_mask keeps every key: run unmasked"
-        if self.window is None:
-            return "attn_mask read as causal"
-        return f"attn_mask read as causal within a window of {self.window} keys"
+            read = "attn_mask keeps every key: run unmasked"
+        elif self.window is None:
+            read = "attn_mask read as causal"
+        else:
+            read = f"attn_mask read as causal within a window of {self.window} keys"
+        if self.made_by > MANY_MASK_OPS:
+            read += (f", from {self.made_by} traced ops (for a LitGPT model, thunder_tk.litgpt_models."
+                     "vectorize_window_masks(model) makes the same mask in a few, and the jit takes seconds)")
+        return read
 
 
 @dataclass(frozen=True)
@@ -351,7 +360,10 @@ def _recognise(mask: TensorProxy, q_len: int, kv_len: int) -> MaskPattern | str:
     if isinstance(ops, str):
         return ops
     values = _values(ops, mask)
-    return values if isinstance(values, str) else classify(values, q_len, kv_len)
+    if isinstance(values, str):
+        return values
+    found = classify(values, q_len, kv_len)
+    return found if isinstance(found, str) else replace(found, made_by=len(ops))
 
 
 # ------------------------------------------------------------------------------------------------
