@@ -188,11 +188,11 @@ def train_steps_and_compare(litgpt, family: Family, device, jit, steps: int = 8,
     idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device)
     targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device)
     jitted = jit(model)
-    runs = [(jitted, model), (eager, eager), (exact, exact)]
-    optimizers = [torch.optim.AdamW(owner.parameters(), lr=lr) for _, owner in runs]
+    runs = [jitted, eager, exact]  # a jitted module's parameters are its model's
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr) for m in runs]
     losses = [[], [], []]
     for _ in range(steps):
-        for (m, _), opt, out in zip(runs, optimizers, losses):
+        for m, opt, out in zip(runs, optimizers, losses):
             loss = F.cross_entropy(m(idx).double().flatten(0, 1), targets.flatten())
             loss.backward()
             opt.step()

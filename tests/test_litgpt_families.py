@@ -62,22 +62,15 @@ def test_thunder_cannot_trace_litgpts_mixture_of_experts():
 # -- sliding-window masks built in a few ops (litgpt_models.vectorize_window_masks) -------------------------------
 
 
-def _loop_mask(seq, window, dtype):
-    """LitGPT 0.5.13's sliding-window mask as its forward builds it: -inf, then zeros written row by row."""
-    mask = torch.full((seq, seq), float("-inf"), dtype=dtype)
-    for i in range(seq):
-        mask[i, max(0, i - window + 1): i + 1] = 0.0
-    return mask.view(1, 1, seq, seq)
-
-
 @pytest.mark.parametrize("seq, window", [(1, 1), (7, 1), (33, 5), (64, 16), (16, 16), (17, 40)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_vectorized_window_mask_equals_litgpts_loop(seq, window, dtype):
+    from test_attention_masks import litgpt_window  # LitGPT's loop, as its forward writes the mask
     from thunder_tk.litgpt_models import sliding_window_mask
 
     got = sliding_window_mask(seq, window, dtype, "cpu")
     assert got.dtype == dtype and got.shape == (1, 1, seq, seq)
-    assert torch.equal(got, _loop_mask(seq, window, dtype))
+    assert torch.equal(got, litgpt_window(torch.empty(1, 1, seq, 1, dtype=dtype), window))
 
 
 def _window_families():
