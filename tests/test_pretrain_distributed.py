@@ -61,6 +61,20 @@ def test_two_process_fsdp_matches_one_process_and_resumes(tmp_path):
         assert bound == max(1, allowed // 2)
     shards = sorted(p.name for p in (tmp_path / "fsdp" / "checkpoints" / "step-00000004").iterdir())
     assert shards == ["rank0.pt", "rank1.pt"]
+    # The LitGPT checkpoint (out_dir/final): the ranks' shards put together, bit for bit, under LitGPT's keys, and
+    # the one-process run's weights to rounding.
+    import torch
+
+    exported = torch.load(tmp_path / "fsdp" / "final" / "lit_model.pth", weights_only=True)
+    single_weights = torch.load(tmp_path / "single" / "final" / "lit_model.pth", weights_only=True)
+    assert list(exported) == list(single_weights)
+    parts = [torch.load(tmp_path / "fsdp" / "checkpoints" / "step-00000004" / f"rank{r}.pt",
+                        weights_only=False)["model"] for r in (0, 1)]
+    for k, full in exported.items():
+        shard = f"model.{k}"
+        assert full.shape == single_weights[k].shape, k
+        assert torch.equal(full, torch.cat([parts[0][shard], parts[1][shard]])[: full.shape[0]]), k
+        torch.testing.assert_close(full, single_weights[k], rtol=1e-3, atol=1e-5)
 
     partial = _run(tmp_path, "resumed", 2, "--train.max_steps", "2")
     assert sorted(partial) == [1, 2]

@@ -79,7 +79,8 @@ def _cmd_pretrain(args) -> int:
 
     try:
         config = load_config(args.config, parse_overrides(args.overrides))
-        pretrain(config, resume=args.resume, checkpoints=not args.no_checkpoint)
+        resume = {"true": True, "false": False}.get(str(args.resume).lower(), args.resume)
+        pretrain(config, resume=resume, checkpoints=not args.no_checkpoint)
     except ConfigError as e:
         raise CLIError(str(e)) from None
     return 0
@@ -152,7 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("pretrain", help="pretrain a LitGPT model through Thunder with tk (CPU, one GPU or torchrun)",
                        description="Any config key can be overridden with --key.path value, e.g. --train.max_steps 20.")
     t.add_argument("--config", required=True, help="pretrain YAML (LitGPT schema), e.g. litgpt_configs/tiny.yaml")
-    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint in out_dir")
+    t.add_argument("--resume", nargs="?", const="auto", default=None, metavar="WHEN",
+                   help="continue from out_dir's checkpoints: alone or 'auto', the latest if any (else from step 0); "
+                        "'true', the latest or an error; a folder, that checkpoint (default: the config's resume)")
     t.add_argument("--no-checkpoint", action="store_true",
                    help="write no checkpoints (benchmark runs; a 7B model's are many GB per rank)")
     t.set_defaults(run=_cmd_pretrain)

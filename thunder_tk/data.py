@@ -48,6 +48,12 @@ class TextFiles:
         if self.tokens.numel() < seq_len + 2:
             raise ValueError(f"data.paths: {self.tokens.numel()} tokens, fewer than one sequence of {seq_len + 1}")
 
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples until the windows start over (sample i starts at i seq_len, modulo the windows)."""
+        windows = self.tokens.numel() - self.seq_len - 1
+        return -(-windows // self.seq_len)
+
     def sample(self, index: int) -> torch.Tensor:
         windows = self.tokens.numel() - self.seq_len - 1
         start = (index * self.seq_len) % windows

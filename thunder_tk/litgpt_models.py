@@ -162,6 +162,31 @@ def vectorize_window_masks(model) -> int:
     return changed
 
 
+def init_like_litgpt_pretrain(model, config) -> None:
+    """The initialisation `litgpt pretrain` gives a new model (GPT-NeoX's): every embedding and linear weight drawn
+    from N(0, 2 / (5 n_embd)) and their biases zeroed, then the output projections of attention and of the LLaMA-style
+    MLPs (LitGPT's LLaMAMLP and its subclasses) from N(0, (1 / (sqrt(n_embd) n_layer))^2). `GPT(config)` alone keeps
+    PyTorch's defaults (embeddings from N(0, 1)), which train another curve than LitGPT's."""
+    import math
+
+    import torch
+    from litgpt.model import CausalSelfAttention, LLaMAMLP
+
+    def normal(module, std):
+        torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+        if getattr(module, "bias", None) is not None:
+            torch.nn.init.zeros_(module.bias)
+
+    # One draw per weight, in the modules' order, as LitGPT's reset pass makes them: the same seed gives the same
+    # weights as `litgpt pretrain`.
+    projections = {id(m.proj) for m in model.modules() if isinstance(m, (LLaMAMLP, CausalSelfAttention))}
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Embedding, torch.nn.Linear)):
+                normal(module, 1 / math.sqrt(config.n_embd) / config.n_layer if id(module) in projections
+                       else math.sqrt(2.0 / 5 / config.n_embd))
+
+
 def _from_name(Config, name: str, what: str):
     try:
         return Config.from_name(name)

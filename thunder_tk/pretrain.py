@@ -23,7 +23,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from thunder_tk.litgpt_models import ConfigError, _litgpt, config_of, jit_unsupported, vectorize_window_masks
+from thunder_tk.litgpt_checkpoint import (checkpoint_model_config, full_state_dict, load_initial_weights, resolve_dir,
+                                          write_litgpt_checkpoint)
+from thunder_tk.litgpt_models import (ConfigError, _litgpt, config_of, init_like_litgpt_pretrain, jit_unsupported,
+                                      vectorize_window_masks)
 from thunder_tk.pretrain_config import PretrainConfig, precision_of, world_size_of
 from thunder_tk.step_profile import StepProfiler
 
@@ -409,7 +412,10 @@ class Dist:
 
 def model_config_of(config: PretrainConfig):
     _, Config = _litgpt()
-    cfg = config_of(Config, config.model_name, config.model_config)
+    model_config = config.model_config
+    if config.model_name is None and model_config is None and config.initial_checkpoint_dir is not None:
+        model_config = checkpoint_model_config(config.initial_checkpoint_dir)  # validate() saw that it has one
+    cfg = config_of(Config, config.model_name, model_config)
     if config.compiler.jit and (why := jit_unsupported(cfg)):
         raise ConfigError(f"{why}; `--compiler.jit false` trains it in eager PyTorch")
     seq = config.train.max_seq_length or min(cfg.block_size, 2048)
@@ -486,11 +492,28 @@ def save_checkpoint(out_dir: Path, dist: Dist, step: int, state: dict) -> Path:
     return folder
 
 
-def load_checkpoint(out_dir: Path, dist: Dist) -> dict | None:
-    latest = out_dir / "checkpoints" / "latest"
-    if not latest.exists():
+def load_checkpoint(out_dir: Path, dist: Dist, resume: bool | str = "auto") -> dict | None:
+    """The state to resume from: `resume` true (the latest checkpoint in out_dir; ConfigError if there is none),
+    "auto" (the latest, or None), a checkpoint folder, or false (None). A checkpoint written by another number of
+    processes is refused: Thunder FSDP's shards are per rank."""
+    if resume is False:
         return None
-    folder = out_dir / "checkpoints" / latest.read_text().strip()
+    if resume is True or resume == "auto":
+        latest = out_dir / "checkpoints" / "latest"
+        if not latest.exists():
+            if resume is True:
+                raise ConfigError(f"resume: true, but {out_dir / 'checkpoints'} holds no checkpoint (resume: auto "
+                                  "starts from step 0 where there is none)")
+            return None
+        folder = out_dir / "checkpoints" / latest.read_text().strip()
+    else:
+        folder = Path(resume)
+        if not folder.is_dir():
+            raise ConfigError(f"resume: {folder} is not a checkpoint folder")
+    ranks = sorted(folder.glob("rank*.pt"))
+    if len(ranks) != dist.world:
+        raise ConfigError(f"resume: {folder} holds {len(ranks)} rank file{'s' if len(ranks) != 1 else ''}, written "
+                          f"by that many processes; this run has {dist.world} (Thunder FSDP's shards are per rank)")
     return torch.load(folder / f"rank{dist.rank}.pt", map_location="cpu", weights_only=False)
 
 
@@ -511,8 +534,11 @@ class Progress:
         self.stream.flush()
 
 
-def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool = True, stream=None) -> dict:
+def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkpoints: bool = True,
+             stream=None) -> dict:
     """Train as `config` says; returns the summary that is also written to out_dir/summary.json.
+    resume: as the config's `resume` (true, "auto", a checkpoint folder, false), which it replaces where given.
+    At the end the model is written as a LitGPT checkpoint folder, out_dir/final (litgpt_checkpoint).
     checkpoints=False writes none (benchmark runs of large models, where a checkpoint is many GB per rank)."""
     from thunder_tk.data import SyntheticTokens, TextFiles, batch
 
@@ -534,14 +560,18 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     with torch.device(dist.device):
         model = GPT(cfg)
         model.max_seq_length = seq
+    init_like_litgpt_pretrain(model, cfg)  # every rank the same weights (same seed), as LitGPT's pretrain draws them
+    if config.train.tie_embeddings:
+        model.transformer.wte.weight = model.lm_head.weight
     vectorize_window_masks(model)  # LitGPT's loop over positions would be traced a write at a time
     model = model.to(getattr(torch, param_dtype))
     params_2d = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and "wte" not in n)
+    tokenizer_dir = resolve_dir(config.data.tokenizer_dir) if config.data.tokenizer_dir else None
     if config.data.kind == "synthetic":
         data = SyntheticTokens(cfg.padded_vocab_size, seq, config.seed)
     else:
         try:
-            data = TextFiles(config.data.paths, config.data.tokenizer_dir, seq)
+            data = TextFiles(config.data.paths, str(tokenizer_dir), seq)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(str(e)) from None
         if data.vocab_size > cfg.padded_vocab_size:
@@ -550,10 +580,19 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     t = config.train
     accum = t.global_batch_size // (t.micro_batch_size * dist.world)
     total_steps = t.max_steps if t.max_steps is not None else max(1, t.max_tokens // (t.global_batch_size * seq))
+    if t.lr_warmup_fraction:  # LitGPT's meaning: a fraction of an epoch (validate() allows it for text data only)
+        warmup_steps = min(total_steps, math.ceil(t.lr_warmup_fraction * data.samples_per_epoch / t.global_batch_size))
+    else:
+        warmup_steps = t.lr_warmup_steps or 0
 
-    checkpoint = load_checkpoint(out_dir, dist) if resume else None
-    if resume and checkpoint is None and dist.main:
+    resume = config.resume if resume is None else resume
+    checkpoint = load_checkpoint(out_dir, dist, resume)
+    if resume == "auto" and checkpoint is None and dist.main:
         stream.write(f"no checkpoint in {out_dir / 'checkpoints'}; starting from step 0\n")
+    if checkpoint is None and config.initial_checkpoint_dir is not None:
+        path = load_initial_weights(model, config.initial_checkpoint_dir, cfg)  # before FSDP shards the weights
+        if dist.main:
+            stream.write(f"initial weights from {path}\n")
     if checkpoint is not None and dist.world == 1:
         model.load_state_dict(checkpoint["model"])
 
@@ -596,7 +635,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     def save(at_step: int):
         save_checkpoint(out_dir, dist, at_step, {
             "model": state_of(), "optimizer": optimizer.state_dict(), "step": at_step, "samples": samples,
-            "rng": torch.get_rng_state(), "config": asdict(config),
+            "rng": torch.get_rng_state(), "config": asdict(config), "world": dist.world,
         })
 
     traced_eval = False
@@ -628,6 +667,21 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
     phase = HostPhases()
     allocator = AllocatorCounters(dist.device)
     system = OsCounters()
+
+    def log_validation(at_step: int, **extra) -> float:
+        val = evaluate()
+        if dist.main:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps({"step": at_step, "val_loss": val, **extra}) + "\n")
+        return val
+
+    if config.eval.initial_validation and step == first_step:
+        log_validation(step, initial=True)
+    # train.max_time: each step's host clock against the limit. Several processes must stop at the same step, so
+    # there the main rank's verdict is all-reduced and read one step later (reading it at once would wait for the
+    # step's work to end before the next is issued).
+    stopped_by_time = False
+    time_verdict = None
     with gc_clock.installed(), contextlib.closing(stalls):
         while step < total_steps:
             if step > first_step:  # never the run's first step, which traces and compiles (a resumed run's too)
@@ -638,7 +692,7 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
             phase.reset()
             if step > first_step:  # the first step traces and compiles for a minute
                 stalls.arm(step)
-            lr = learning_rate(step, total_steps, base_lr, t.lr_warmup_steps, t.min_lr)
+            lr = learning_rate(step, total_steps, base_lr, warmup_steps, t.min_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_sum = torch.zeros((), device=dist.device)
@@ -672,7 +726,15 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
                     torch.cuda.synchronize(dist.device)
                 steady_start = time.perf_counter()  # after compilation and the explain report
                 mark, mark_step = steady_start, step
-            if step % t.log_interval == 0 or step == total_steps:
+            if t.max_time is not None and step < total_steps:
+                over = time.perf_counter() - run_start > t.max_time
+                if dist.world == 1:
+                    stopped_by_time = over
+                else:
+                    if time_verdict is not None:
+                        stopped_by_time = float(time_verdict) > 0
+                    time_verdict = dist.all_reduce_sum(torch.tensor(float(over and dist.main), device=dist.device))
+            if step % t.log_interval == 0 or step == total_steps or stopped_by_time:
                 last_loss = float(dist.all_reduce_sum(loss_sum) / dist.world)
                 if dist.device.type == "cuda":
                     torch.cuda.synchronize(dist.device)
@@ -701,21 +763,31 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
                     progress.update(
                         f"step {step}/{total_steps} | loss {last_loss:.4f} | {tokens_per_s / 1e3:.1f}k tok/s"
                         + (f" | MFU {100 * mfu:.1f}%" if mfu is not None else "") + f" | lr {lr:.2e}",
-                        final=step == total_steps,
+                        final=step == total_steps or stopped_by_time,
                     )
             if config.eval.interval and step % config.eval.interval == 0:
-                val = evaluate()
-                if dist.main:
-                    with metrics_path.open("a") as f:
-                        f.write(json.dumps({"step": step, "val_loss": val}) + "\n")
+                log_validation(step)
             if checkpoints and t.save_interval and step % t.save_interval == 0 and step < total_steps:
-                save(step)
+                if not stopped_by_time:  # the run saves at its end below
+                    save(step)
+            if stopped_by_time:
+                if dist.main:
+                    stream.write(f"train.max_time: {t.max_time:g} s passed; stopping after step {step}\n")
+                break
     profiler.finish()  # the run ended inside the window
     if dist.device.type == "cuda":
         torch.cuda.synchronize(dist.device)
     loop_end = time.perf_counter()
+    final_val = log_validation(step, final=True) if config.eval.final_validation else None
     if checkpoints and (step > first_step or checkpoint is None):
         save(step)
+    if checkpoints:  # the model for the rest of LitGPT (generate, finetune, convert_from_litgpt)
+        weights = full_state_dict(model, net if dist.world > 1 else None, world=dist.world, main=dist.main)
+        if dist.main:
+            write_litgpt_checkpoint(out_dir / "final", weights, cfg, tokenizer_dir=tokenizer_dir,
+                                    hyperparameters=asdict(config))
+        del weights
+        dist.barrier()
     elapsed = time.perf_counter() - run_start
     # The profiled steps (THUNDER_TK_PROFILE_STEPS) are left out of the steady pace, with their wall time.
     steady_steps = step - first_step - 1 - profiler.done
@@ -726,6 +798,8 @@ def pretrain(config: PretrainConfig, *, resume: bool = False, checkpoints: bool 
                 if dist.device.type == "cuda" else None)
     summary = {
         "steps": step, "final_loss": last_loss, "tokens": samples * seq, "seconds": elapsed,
+        "stopped_by": "train.max_time" if stopped_by_time else None, "final_val_loss": final_val,
+        "litgpt_checkpoint": str(out_dir / "final") if checkpoints else None,
         "tokens_per_s": (step - first_step) * t.global_batch_size * seq / elapsed if step > first_step else 0.0,
         "tokens_per_s_after_first_step": steady,
         "tokens_per_s_per_device_after_first_step": steady / dist.world if steady else None,

@@ -23,15 +23,16 @@ class TrainArgs:
     max_tokens: int | None = None
     max_steps: int | None = None
     max_seq_length: int | None = None
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int | None = 0
     max_norm: float | None = 1.0
     min_lr: float = 0.0
     save_interval: int | None = None
     log_interval: int = 1
     epochs: int | None = None  # accepted for LitGPT compatibility; the token budget decides
-    tie_embeddings: bool | None = None
+    tie_embeddings: bool | None = None  # the embedding and the output layer share one weight, as in LitGPT
+    # Warm-up over this fraction of an epoch of the text data (LitGPT's meaning); instead of lr_warmup_steps
     lr_warmup_fraction: float | None = None
-    max_time: float | None = None
+    max_time: float | None = None  # seconds of training, after which the run stops (after a step) and saves
 
 
 @dataclass
@@ -84,10 +85,15 @@ class PretrainConfig:
     # LitGPT's choices: bf16-true (bf16 weights and compute), bf16-mixed (fp32 weights, bf16 autocast), 32-true;
     # null: bf16-true on a GPU, 32-true on a CPU (precision_of).
     precision: str | None = None
-    # LitGPT keys with no effect here, accepted so its configs load.
+    # A LitGPT checkpoint folder (lit_model.pth, model_config.yaml) whose weights the run starts from; relative
+    # paths are also looked for under checkpoints/, as LitGPT does. Its model_config.yaml gives the model where
+    # neither model_name nor model_config does.
     initial_checkpoint_dir: str | None = None
+    # Continue from out_dir's checkpoints: true (the latest; an error if there is none), "auto" (the latest if
+    # any), or a checkpoint folder (out_dir/checkpoints/step-XXXXXXXX). A resumed state replaces the initial one.
     resume: bool | str = False
-    tokenizer_dir: str | None = None
+    tokenizer_dir: str | None = None  # LitGPT's place for the tokenizer: the text data's, unless data names one
+    # LitGPT keys with no effect here, accepted so its configs load (metrics go to out_dir/metrics.jsonl).
     logger_name: str | None = None
     log: dict | None = None
 
@@ -222,6 +228,8 @@ def load_config(path: str | Path | None, overrides: dict | None = None) -> Pretr
             raise ConfigError(f"{path}: expected a mapping at the top level")
     config = _build(PretrainConfig, _merge(doc, overrides or {}))
     validate(config)
+    if config.tokenizer_dir is not None and config.data.tokenizer_dir is None:
+        config.data.tokenizer_dir = config.tokenizer_dir  # LitGPT's top-level key: the data's tokenizer
     return config
 
 
@@ -250,7 +258,14 @@ def world_size_of(config: PretrainConfig) -> int:
 def validate(config: PretrainConfig) -> None:
     t = config.train
     if config.model_name is None and config.model_config is None:
-        raise ConfigError("model_name: give model_name (a LitGPT config name) or model_config")
+        if config.initial_checkpoint_dir is None:
+            raise ConfigError("model_name: give model_name (a LitGPT config name), model_config, or an "
+                              "initial_checkpoint_dir with a model_config.yaml")
+        from thunder_tk.litgpt_checkpoint import CONFIG_FILE, checkpoint_model_config, resolve_dir
+
+        if checkpoint_model_config(config.initial_checkpoint_dir) is None:
+            raise ConfigError(f"model_name: give model_name or model_config ("
+                              f"{resolve_dir(config.initial_checkpoint_dir) / CONFIG_FILE} does not exist)")
     for key, value in (("train.global_batch_size", t.global_batch_size), ("train.micro_batch_size", t.micro_batch_size),
                        ("train.log_interval", t.log_interval), ("num_nodes", config.num_nodes)):
         if value < 1:
@@ -262,6 +277,24 @@ def validate(config: PretrainConfig) -> None:
             raise ConfigError(f"{key}: must be at least 1, got {value}")
     if t.max_steps is None and t.max_tokens is None:
         raise ConfigError("train.max_steps: give train.max_steps or train.max_tokens")
+    if t.lr_warmup_steps is not None and t.lr_warmup_steps < 0:
+        raise ConfigError(f"train.lr_warmup_steps: must be at least 0, got {t.lr_warmup_steps}")
+    if t.lr_warmup_fraction is not None:
+        if not 0 <= t.lr_warmup_fraction <= 1:
+            raise ConfigError(f"train.lr_warmup_fraction: must be between 0 and 1, got {t.lr_warmup_fraction}")
+        if t.lr_warmup_fraction and t.lr_warmup_steps:
+            raise ConfigError("train.lr_warmup_fraction: give it or train.lr_warmup_steps, not both")
+        if t.lr_warmup_fraction and config.data.kind == "synthetic":
+            raise ConfigError("train.lr_warmup_fraction: a fraction of an epoch, and the synthetic stream has no "
+                              "epochs; give train.lr_warmup_steps")
+    if t.max_time is not None and t.max_time <= 0:
+        raise ConfigError(f"train.max_time: must be above 0 seconds, got {t.max_time}")
+    if isinstance(config.resume, str) and config.resume != "auto" and not config.resume:
+        raise ConfigError("resume: expected true, false, 'auto' or a checkpoint folder, got ''")
+    if (config.tokenizer_dir is not None and config.data.tokenizer_dir is not None
+            and Path(config.tokenizer_dir) != Path(config.data.tokenizer_dir)):
+        raise ConfigError(f"tokenizer_dir: {config.tokenizer_dir} differs from data.tokenizer_dir "
+                          f"{config.data.tokenizer_dir}; give one")
     world = world_size_of(config)
     if t.global_batch_size % (t.micro_batch_size * world):
         raise ConfigError(
@@ -273,7 +306,7 @@ def validate(config: PretrainConfig) -> None:
     if config.data.kind == "text":
         if not config.data.paths:
             raise ConfigError("data.paths: text data needs at least one local file")
-        if not config.data.tokenizer_dir:
+        if not (config.data.tokenizer_dir or config.tokenizer_dir):
             raise ConfigError("data.tokenizer_dir: text data needs a local tokenizer directory")
     if config.precision is not None and config.precision not in PRECISIONS:
         raise ConfigError(f"precision: expected one of {', '.join(PRECISIONS)} (or null: bf16-true on a GPU, 32-true "

@@ -39,3 +39,16 @@ def test_llama_3_2_1b_two_layers(tmp_path, precision):
     assert all(r["claimed_by_tk"] for r in gemms if r["inputs"].startswith("bf16"))
     attention = [r for r in report["rows"] if r["symbol"] == "ltorch.scaled_dot_product_attention"]
     assert any(r["claimed_by_tk"] for r in attention), [r["reason"] for r in attention]
+    # out_dir/final: the trained weights under LitGPT's keys, bit for bit, which LitGPT's GPT loads and runs
+    import torch
+    from litgpt import GPT, Config as LitConfig
+
+    exported = torch.load(tmp_path / "final" / "lit_model.pth", weights_only=True)
+    trained = torch.load(tmp_path / "checkpoints" / "step-00000004" / "rank0.pt", weights_only=False)["model"]
+    assert list(exported) == list(trained) and all(torch.equal(exported[k], trained[k]) for k in trained)
+    with torch.device("cuda"):
+        model = GPT(LitConfig.from_file(tmp_path / "final" / "model_config.yaml"))
+    model.load_state_dict(exported, strict=True)
+    with torch.no_grad():
+        logits = model(torch.randint(model.config.padded_vocab_size, (1, 64), device="cuda"))
+    assert logits.shape == (1, 64, model.config.padded_vocab_size) and bool(logits.isfinite().all())
