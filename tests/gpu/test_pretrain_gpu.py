@@ -44,7 +44,8 @@ def test_llama_3_2_1b_two_layers(tmp_path, precision):
     from litgpt import GPT, Config as LitConfig
 
     exported = torch.load(tmp_path / "final" / "lit_model.pth", weights_only=True)
-    trained = torch.load(tmp_path / "checkpoints" / "step-00000004" / "rank0.pt", weights_only=False)["model"]
+    trained = torch.load(tmp_path / "checkpoints" / "step-00000004" / "rank0.pt", map_location="cpu",
+                         weights_only=False)["model"]
     assert list(exported) == list(trained) and all(torch.equal(exported[k], trained[k]) for k in trained)
     with torch.device("cuda"):
         model = GPT(LitConfig.from_file(tmp_path / "final" / "model_config.yaml"))
