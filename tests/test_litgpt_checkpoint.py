@@ -91,6 +91,21 @@ def test_the_final_folder_is_a_litgpt_checkpoint_that_litgpt_generates_from(tmp_
     hf = torch.load(tmp_path / "hf" / "model.pth", weights_only=True)
     assert torch.equal(hf["model.embed_tokens.weight"], exported["transformer.wte.weight"])
 
+    # `thunder-tk export`: a resume checkpoint as such a folder, offline (the last one: the final weights)
+    assert main(["export", str(out)]) == 0
+    assert f"LitGPT checkpoint: {out / 'step-00000002'}" in capsys.readouterr().out
+    again = torch.load(out / "step-00000002" / "lit_model.pth", weights_only=True)
+    assert list(again) == list(exported) and all(torch.equal(again[k], exported[k]) for k in exported)
+    assert (out / "step-00000002" / "tokenizer.json").is_file()
+    assert main(["export", str(out), "--step", "1", "--to", str(tmp_path / "first")]) == 0
+    first = torch.load(tmp_path / "first" / "lit_model.pth", weights_only=True)
+    GPT(config).load_state_dict(first, strict=True)
+    assert not torch.equal(first["lm_head.weight"], exported["lm_head.weight"])  # a step earlier
+    assert main(["export", str(out), "--step", "7"]) == 2
+    assert "--step 7: " in (err := capsys.readouterr().err) and "step-00000001, step-00000002" in err
+    assert main(["export", str(tmp_path / "tok")]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+
 
 def test_initial_checkpoint_dir_starts_from_its_weights_and_gives_the_model(tmp_path, monkeypatch):
     """A run from another run's final folder (looked for under checkpoints/ as LitGPT does, its model from the

@@ -18,7 +18,8 @@ MICRO = {
                      "n_head": 2, "n_query_groups": 2, "n_embd": 64, "head_size": 32, "bias": False,
                      "norm_class_name": "RMSNorm", "mlp_class_name": "LLaMAMLP", "intermediate_size": 128},
     "train": {"global_batch_size": 8, "micro_batch_size": 2, "max_seq_length": 32, "max_steps": 4,
-              "lr_warmup_steps": 1, "log_interval": 1, "save_interval": 2},
+              "lr_warmup_steps": 1, "log_interval": 1, "save_interval": 2,
+              "tie_embeddings": True},  # one weight in two modules, sharded once and exported under both names
 }
 
 
@@ -71,10 +72,18 @@ def test_two_process_fsdp_matches_one_process_and_resumes(tmp_path):
     parts = [torch.load(tmp_path / "fsdp" / "checkpoints" / "step-00000004" / f"rank{r}.pt",
                         weights_only=False)["model"] for r in (0, 1)]
     for k, full in exported.items():
-        shard = f"model.{k}"
+        # the tied embedding's one parameter is sharded (and saved) once, under the output layer's name
+        shard = f"model.{k}" if k != "transformer.wte.weight" else "model.lm_head.weight"
         assert full.shape == single_weights[k].shape, k
         assert torch.equal(full, torch.cat([parts[0][shard], parts[1][shard]])[: full.shape[0]]), k
         torch.testing.assert_close(full, single_weights[k], rtol=1e-3, atol=1e-5)
+    assert torch.equal(exported["transformer.wte.weight"], exported["lm_head.weight"])
+    # ... and `thunder-tk export` puts the same together offline from the ranks' files
+    from thunder_tk.litgpt_checkpoint import export_run_checkpoint
+
+    offline = torch.load(export_run_checkpoint(tmp_path / "fsdp", 4, tmp_path / "offline") / "lit_model.pth",
+                         weights_only=True)
+    assert list(offline) == list(exported) and all(torch.equal(offline[k], exported[k]) for k in exported)
 
     partial = _run(tmp_path, "resumed", 2, "--train.max_steps", "2")
     assert sorted(partial) == [1, 2]

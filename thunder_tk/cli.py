@@ -86,6 +86,18 @@ def _cmd_pretrain(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from thunder_tk.litgpt_checkpoint import export_run_checkpoint
+    from thunder_tk.litgpt_models import ConfigError
+
+    try:
+        folder = export_run_checkpoint(args.out_dir, args.step, args.to)
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
+    print(f"LitGPT checkpoint: {folder} (e.g. litgpt generate {folder})")
+    return 0
+
+
 def _cmd_info(args) -> int:
     import thunder
 
@@ -159,6 +171,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--no-checkpoint", action="store_true",
                    help="write no checkpoints (benchmark runs; a 7B model's are many GB per rank)")
     t.set_defaults(run=_cmd_pretrain)
+    x = sub.add_parser("export", help="a pretrain run's checkpoint as a LitGPT checkpoint folder (offline, CPU)",
+                       description="The run's final model is already in out_dir/final; this exports a resume "
+                                   "checkpoint (FSDP shards put together) for LitGPT's generate, chat, finetune, "
+                                   "evaluate and convert_from_litgpt.")
+    x.add_argument("out_dir", help="the pretrain run's out_dir")
+    x.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
+    x.add_argument("--to", help="the folder to write (default: out_dir/step-XXXXXXXX, as litgpt pretrain names it)")
+    x.set_defaults(run=_cmd_export)
     i = sub.add_parser("info", help="what this install contains")
     i.set_defaults(run=_cmd_info)
     return p
@@ -173,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         print(f"thunder-tk: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
         return 2
-    for name in ("n_layer", "batch", "seq"):
+    for name in ("n_layer", "batch", "seq", "step"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             print(f"thunder-tk: error: --{name.replace('_', '-')} must be at least 1, got {value}", file=sys.stderr)

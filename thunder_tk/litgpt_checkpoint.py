@@ -177,3 +177,66 @@ def load_initial_weights(model: torch.nn.Module, folder: str | Path, model_confi
     with torch.no_grad():
         model.load_state_dict(state, strict=True)
     return path
+
+
+def _run_checkpoint_folder(run_dir: Path, step: int | None) -> Path:
+    checkpoints = run_dir / "checkpoints"
+    if step is None:
+        latest = checkpoints / "latest"
+        if not latest.is_file():
+            raise ConfigError(f"{run_dir}: no checkpoint (no {latest}); is it a `thunder-tk pretrain` out_dir?")
+        return checkpoints / latest.read_text().strip()
+    folder = checkpoints / f"step-{step:08d}"
+    if not folder.is_dir():
+        have = sorted(p.name for p in checkpoints.glob("step-*")) if checkpoints.is_dir() else []
+        raise ConfigError(f"--step {step}: {run_dir} has no checkpoint of that step "
+                          f"(it has: {', '.join(have) or 'none'})")
+    return folder
+
+
+def export_run_checkpoint(run_dir: str | Path, step: int | None = None, dest: str | Path | None = None) -> Path:
+    """A `thunder-tk pretrain` resume checkpoint (the latest, or that of `step`) as a LitGPT checkpoint folder, on
+    the CPU and offline: the ranks' FSDP shards are concatenated and cut to the model's shapes (read from a model on
+    the meta device). `dest` defaults to `run_dir/step-XXXXXXXX`, where `litgpt pretrain` puts its own. Returns the
+    folder. The run's final model is exported by the run itself (`run_dir/final`)."""
+    from thunder_tk.litgpt_models import _litgpt, config_of
+
+    run_dir = Path(run_dir)
+    folder = _run_checkpoint_folder(run_dir, step)
+    ranks = sorted(folder.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
+    if not ranks:
+        raise ConfigError(f"{folder}: no rank files")
+    states = [torch.load(p, map_location="cpu", mmap=True, weights_only=False) for p in ranks]
+    first = states[0]
+    GPT, Config = _litgpt()
+    run_config = first.get("config") or {}
+    if "model_config" in first:
+        cfg = Config(**first["model_config"])
+    else:  # written before the model's config was kept beside the run's
+        cfg = config_of(Config, run_config.get("model_name"), run_config.get("model_config"))
+    with torch.device("meta"):
+        model = GPT(cfg)
+    if (run_config.get("train") or {}).get("tie_embeddings"):
+        model.transformer.wte.weight = model.lm_head.weight
+    expected = model.state_dict(keep_vars=True)
+    world = len(states)
+    out: dict[str, torch.Tensor] = {}
+    for key, meta in expected.items():
+        if world == 1:
+            out[key] = first["model"][key]
+            continue
+        name = f"model.{key}"  # pretrain's FSDP module holds the model as LossModule.model
+        if name not in first["model"]:  # a tied weight listed under its other name
+            partner = next((k for k, v in expected.items() if v is meta and f"model.{k}" in first["model"]), None)
+            if partner is None:
+                raise ConfigError(f"{folder}: no shard of {key}")
+            name = f"model.{partner}"
+        full = torch.cat([s["model"][name] for s in states], 0)
+        out[key] = full.narrow(0, 0, meta.shape[0]).reshape(meta.shape).clone()
+    step_done = int(first.get("step", 0))
+    dest = Path(dest) if dest is not None else run_dir / f"step-{step_done:08d}"
+    tokenizer = (run_config.get("data") or {}).get("tokenizer_dir")
+    tokenizer = resolve_dir(tokenizer) if tokenizer else None
+    write_litgpt_checkpoint(dest, out, cfg, tokenizer_dir=tokenizer if tokenizer and tokenizer.is_dir() else None,
+                            hyperparameters=run_config or None)
+    return dest

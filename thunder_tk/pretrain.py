@@ -636,6 +636,7 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
         save_checkpoint(out_dir, dist, at_step, {
             "model": state_of(), "optimizer": optimizer.state_dict(), "step": at_step, "samples": samples,
             "rng": torch.get_rng_state(), "config": asdict(config), "world": dist.world,
+            "model_config": asdict(cfg),  # for `thunder-tk export` (litgpt_checkpoint.export_run_checkpoint)
         })
 
     traced_eval = False
