@@ -571,7 +571,8 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
         data = SyntheticTokens(cfg.padded_vocab_size, seq, config.seed)
     else:
         try:
-            data = TextFiles(config.data.paths, str(tokenizer_dir), seq)
+            data = TextFiles(config.data.paths, str(tokenizer_dir), seq, config.data.val_fraction,
+                             config.data.val_paths or None)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(str(e)) from None
         if data.vocab_size > cfg.padded_vocab_size:
@@ -647,9 +648,9 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
         with torch.no_grad(), tracing_without_cyclic_gc(not traced_eval):  # the first call traces (no grad)
             traced_eval = True
             for i in range(config.eval.max_iters):
-                # Validation samples come from a range training never reaches.
-                first = (1 << 40) + (i * dist.world + dist.rank) * t.micro_batch_size
-                x, y = batch(data, list(range(first, first + t.micro_batch_size)), dist.device)
+                # Validation samples: text training never reads (data.validation)
+                first = (i * dist.world + dist.rank) * t.micro_batch_size
+                x, y = batch(data.validation, list(range(first, first + t.micro_batch_size)), dist.device)
                 with autocast_for(autocast_dtype, dist.device.type):
                     losses.append(net(x, y).float())
         value = dist.all_reduce_sum(torch.stack(losses).mean()) / dist.world

@@ -47,12 +47,58 @@ class EvalArgs:
 
 @dataclass
 class DataArgs:
-    """`synthetic` (default: a learnable token stream, no downloads) or `text` (local files, local tokenizer)."""
+    """`synthetic` (default: a learnable token stream, no downloads) or `text` (local files, local tokenizer).
+    LitGPT's form for its TextFiles module ({class_path: litgpt.data.TextFiles, init_args: {train_data_path,
+    val_data_path}}) is read as text (`_litgpt_data`)."""
 
     kind: str = "synthetic"
     paths: list[str] = field(default_factory=list)
     tokenizer_dir: str | None = None
-    val_fraction: float = 0.05
+    val_fraction: float = 0.05  # the text's last share, held out for validation (unless val_paths)
+    val_paths: list[str] = field(default_factory=list)  # validation text of its own
+
+
+# LitGPT's pretraining data modules other than TextFiles read prepared datasets (downloads, litdata shards).
+def _litgpt_data(value, key: str):
+    """A LitGPT `data` value (a module name, or {class_path, init_args}) as DataArgs' fields; other values as given."""
+    if isinstance(value, str):
+        if value in ("synthetic", "text"):
+            return {"kind": value}
+        name, init = value.rpartition(".")[2], {}
+    elif isinstance(value, dict) and "class_path" in value:
+        extra = sorted(set(value) - {"class_path", "init_args"})
+        if extra:
+            raise ConfigError(f"{key}.{extra[0]}: unknown key (expected class_path, init_args)")
+        name, init = str(value["class_path"]).rpartition(".")[2], value.get("init_args") or {}
+    else:
+        return value
+    if name != "TextFiles":
+        raise ConfigError(f"{key}: LitGPT's {name} data module reads a prepared dataset (downloaded, or litdata "
+                          f"shards), which thunder-tk pretrain does not; use data: synthetic, or local text: "
+                          f"{{kind: text, paths: [...]}} or {{class_path: litgpt.data.TextFiles, init_args: "
+                          f"{{train_data_path: <folder of .txt files>}}}}")
+    unknown = sorted(set(init) - {"train_data_path", "val_data_path", "seed", "num_workers"})
+    if unknown:
+        raise ConfigError(f"{key}.init_args.{unknown[0]}: not an argument of LitGPT's TextFiles")
+    if not init.get("train_data_path"):
+        raise ConfigError(f"{key}.init_args.train_data_path: LitGPT's TextFiles needs a folder of .txt files")
+
+    def texts(folder_key):
+        folder = Path(str(init[folder_key]))
+        files = sorted(str(p) for p in folder.glob("*.txt"))
+        if not files:
+            raise ConfigError(f"{key}.init_args.{folder_key}: no .txt files in {folder}")
+        return files
+
+    paths = texts("train_data_path")
+    if init.get("val_data_path"):
+        val_paths = texts("val_data_path")
+    else:  # LitGPT's rule: the first file is the validation text
+        if len(paths) < 2:
+            raise ConfigError(f"{key}.init_args.train_data_path: LitGPT's TextFiles without val_data_path holds the "
+                              f"first of at least two .txt files out for validation; {init['train_data_path']} has one")
+        val_paths, paths = paths[:1], paths[1:]
+    return {"kind": "text", "paths": paths, "val_paths": val_paths}
 
 
 @dataclass
@@ -124,8 +170,8 @@ def _coerce(value, tp, key: str):
         names = " or ".join(_type_name(a) for a in args if a is not type(None))
         raise ConfigError(f"{key}: expected {names}, got {value!r}")
     if dataclasses.is_dataclass(tp):
-        if isinstance(value, str) and tp is DataArgs:
-            value = {"kind": value}
+        if tp is DataArgs:
+            value = _litgpt_data(value, key)
         if isinstance(value, str) and tp is OptimizerArgs:
             value = {"class_path": value if "." in value else f"torch.optim.{value}"}
         if not isinstance(value, dict):
@@ -160,6 +206,11 @@ def _coerce(value, tp, key: str):
     return value
 
 
+# Keys older LitGPT pretrain configs kept under `train`, and where LitGPT 0.5 reads them.
+MOVED_TRAIN_KEYS = {"learning_rate": "optimizer.init_args.lr", "weight_decay": "optimizer.init_args.weight_decay",
+                    "beta1": "optimizer.init_args.betas", "beta2": "optimizer.init_args.betas"}
+
+
 def _build(cls, values: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
@@ -167,6 +218,9 @@ def _build(cls, values: dict, prefix: str = ""):
     for k, v in values.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in known:
+            if cls is TrainArgs and k in MOVED_TRAIN_KEYS:
+                raise ConfigError(f"{key}: unknown key (older LitGPT configs' place for it; LitGPT 0.5 and this "
+                                  f"command read {MOVED_TRAIN_KEYS[k]})")
             raise ConfigError(f"{key}: unknown key (expected one of {', '.join(sorted(known))})")
         kwargs[k] = _coerce(v, hints[k], key)
     return cls(**kwargs)
@@ -301,6 +355,8 @@ def validate(config: PretrainConfig) -> None:
             f"train.global_batch_size: {t.global_batch_size} is not a multiple of train.micro_batch_size "
             f"({t.micro_batch_size}) x {world} device{'s' if world > 1 else ''}"
         )
+    if not 0 <= config.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction: must be at least 0 and below 1, got {config.data.val_fraction}")
     if config.data.kind not in ("synthetic", "text"):
         raise ConfigError(f"data.kind: expected synthetic or text, got {config.data.kind!r}")
     if config.data.kind == "text":

@@ -1,7 +1,8 @@
 """`thunder-tk pretrain` and the rest of LitGPT: it starts from LitGPT checkpoint folders (`initial_checkpoint_dir`)
-and ends in one (`out_dir/final`) that LitGPT's own generate and conversion read; LitGPT's pretrain keys
-(`resume`, `tokenizer_dir`, `train.tie_embeddings`, `train.lr_warmup_fraction`, `train.max_time`,
-`eval.initial_validation`, `eval.final_validation`) do what LitGPT says they do, and its initialisation is drawn."""
+and ends in one (`out_dir/final`, and `thunder-tk export` for any checkpoint) that LitGPT's own generate and
+conversion read; LitGPT's pretrain keys (`resume`, `tokenizer_dir`, `data` as LitGPT's TextFiles,
+`train.tie_embeddings`, `train.lr_warmup_fraction`, `train.max_time`, `eval.initial_validation`,
+`eval.final_validation`) do what LitGPT says they do, and its initialisation is drawn."""
 
 import json
 import types
@@ -207,8 +208,8 @@ def test_lr_warmup_fraction_is_a_fraction_of_an_epoch(tmp_path, corpus):
     text, tok = corpus
     data = {"kind": "text", "paths": [str(text)], "tokenizer_dir": str(tok)}
     out = tmp_path / "run"
-    # 40 x 11 words + bos/eos = 442 tokens: 13 samples of 32 an epoch, 3.25 steps of 4; a fraction of 0.5 warms
-    # up over ceil(1.625) = 2 steps
+    # 40 x 11 words + bos/eos = 442 tokens, 34 held out for validation: 12 samples of 32 an epoch, 3 steps of 4;
+    # a fraction of 0.5 warms up over ceil(1.5) = 2 steps
     pretrain(load_config(None, _config(out, data=data, compiler=EAGER, optimizer={"init_args": {"lr": 1e-3}},
                                        train={"lr_warmup_steps": 0, "lr_warmup_fraction": 0.5, "max_steps": 4})))
     lrs = [r["lr"] for r in _rows(out)]
@@ -258,3 +259,45 @@ def test_weights_are_drawn_as_litgpt_pretrain_draws_them():
     a, b = theirs.state_dict(), ours.state_dict()
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert float(b["transformer.wte.weight"].std()) == pytest.approx((2 / 5 / 64) ** 0.5, rel=0.05)
+
+
+def test_litgpt_textfiles_data_and_held_out_validation(tmp_path, corpus):
+    """LitGPT's TextFiles form reads a folder's .txt files (the first held out for validation, as LitGPT does, or
+    val_data_path's); LitGPT's modules that read prepared datasets are refused by name; validation never reads the
+    training text."""
+    _, tok = corpus
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text(" ".join(["a dog ran far away"] * 20))
+    (folder / "b.txt").write_text(" ".join(["the cat sat on the mat"] * 20))
+    data = {"class_path": "litgpt.data.TextFiles", "init_args": {"train_data_path": str(folder)}}
+    config = load_config(None, _config(tmp_path / "out", data=data, tokenizer_dir=str(tok)))
+    assert (config.data.kind, config.data.paths, config.data.val_paths) == (
+        "text", [str(folder / "b.txt")], [str(folder / "a.txt")])
+    summary = pretrain(load_config(None, _config(tmp_path / "out", data=data, tokenizer_dir=str(tok),
+                                                 compiler=EAGER, eval={"final_validation": True})))
+    assert summary["final_val_loss"] is not None
+    from thunder_tk.data import TextFiles
+
+    words = TextFiles(config.data.paths, str(tok), 8, val_paths=config.data.val_paths)
+    from litgpt import Tokenizer
+
+    tokenizer = Tokenizer(tok)
+    assert "dog" in tokenizer.decode(words.validation.sample(0)) and "dog" not in tokenizer.decode(words.sample(0))
+    tail = TextFiles([str(folder / "b.txt"), str(folder / "a.txt")], str(tok), 8, val_fraction=0.2)
+    # (6 x 20 + 2) + (5 x 20 + 2) tokens with bos and eos, the last ceil(0.2 x 224) held out
+    assert (tail.tokens.numel(), tail.validation.tokens.numel()) == (224 - 45, 45)
+    assert "dog" in tokenizer.decode(tail.validation.sample(0))  # the last fifth: a.txt's words
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "b.txt").write_text("the cat")
+    with pytest.raises(ConfigError, match="data.init_args.train_data_path: LitGPT's TextFiles without val_data_path "
+                                          "holds the first of at least two .txt files out"):
+        load_config(None, _config(tmp_path, data={"class_path": "litgpt.data.TextFiles",
+                                                  "init_args": {"train_data_path": str(tmp_path / "one")}}))
+    with pytest.raises(ConfigError, match="data: LitGPT's TinyLlama data module reads a prepared dataset"):
+        load_config(None, _config(tmp_path, data="TinyLlama"))
+    with pytest.raises(ConfigError, match="data.init_args.shuffle: not an argument of LitGPT's TextFiles"):
+        load_config(None, _config(tmp_path, data={"class_path": "litgpt.data.TextFiles",
+                                                  "init_args": {"train_data_path": str(folder), "shuffle": True}}))
+    with pytest.raises(ConfigError, match="train.learning_rate: unknown key .*optimizer.init_args.lr"):
+        load_config(None, _config(tmp_path, train={"learning_rate": 4e-4}))
