@@ -169,7 +169,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="continue from out_dir's checkpoints: alone or 'auto', the latest if any (else from step 0); "
                         "'true', the latest or an error; a folder, that checkpoint (default: the config's resume)")
     t.add_argument("--no-checkpoint", action="store_true",
-                   help="write no checkpoints (benchmark runs; a 7B model's are many GB per rank)")
+                   help="write no checkpoints and no out_dir/final (benchmark runs; a 7B model's are many GB "
+                        "per rank)")
     t.set_defaults(run=_cmd_pretrain)
     x = sub.add_parser("export", help="a pretrain run's checkpoint as a LitGPT checkpoint folder (offline, CPU)",
                        description="The run's final model is already in out_dir/final; this exports a resume "
