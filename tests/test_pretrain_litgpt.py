@@ -301,3 +301,25 @@ def test_litgpt_textfiles_data_and_held_out_validation(tmp_path, corpus):
                                                   "init_args": {"train_data_path": str(folder), "shuffle": True}}))
     with pytest.raises(ConfigError, match="train.learning_rate: unknown key .*optimizer.init_args.lr"):
         load_config(None, _config(tmp_path, train={"learning_rate": 4e-4}))
+
+
+def test_a_continued_run_reads_the_initial_checkpoint_s_tokenizer(tmp_path, corpus):
+    """Text data with no tokenizer named reads the initial checkpoint's (a `litgpt download` folder holds the
+    model's), which the new final folder carries on; a folder without one, or without a tokenizer file, is one
+    message."""
+    text, tok = corpus
+    data = {"kind": "text", "paths": [str(text)]}
+    first = tmp_path / "first"
+    pretrain(load_config(None, _config(first, data={**data, "tokenizer_dir": str(tok)}, compiler=EAGER)))
+    second = tmp_path / "second"
+    pretrain(load_config(None, {"initial_checkpoint_dir": str(first / "final"), "out_dir": str(second),
+                                "train": TRAIN, "data": data, "compiler": EAGER}))
+    assert (second / "final" / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    (first / "final" / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match="data.tokenizer_dir: text data needs a tokenizer, and .* has no "
+                                          "tokenizer.json or tokenizer.model"):
+        pretrain(load_config(None, {"initial_checkpoint_dir": str(first / "final"), "out_dir": str(tmp_path / "x"),
+                                    "train": TRAIN, "data": data, "compiler": EAGER}))
+    with pytest.raises(ConfigError, match="has no tokenizer.json or tokenizer.model \\(LitGPT's Tokenizer"):
+        pretrain(load_config(None, _config(tmp_path / "y", data={**data, "tokenizer_dir": str(tmp_path)},
+                                           compiler=EAGER)))

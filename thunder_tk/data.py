@@ -78,6 +78,9 @@ class TextFiles(TokenWindows):
             raise FileNotFoundError(f"data.paths: {', '.join(missing)} not found")
         if not Path(tokenizer_dir).is_dir():
             raise FileNotFoundError(f"data.tokenizer_dir: {tokenizer_dir} is not a directory")
+        if not any((Path(tokenizer_dir) / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+            raise FileNotFoundError(f"data.tokenizer_dir: {tokenizer_dir} has no tokenizer.json or tokenizer.model "
+                                    "(LitGPT's Tokenizer reads one of them)")
         tokenizer = Tokenizer(tokenizer_dir)
 
         def tokens_of(files):

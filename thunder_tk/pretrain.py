@@ -566,10 +566,18 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
     vectorize_window_masks(model)  # LitGPT's loop over positions would be traced a write at a time
     model = model.to(getattr(torch, param_dtype))
     params_2d = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and "wte" not in n)
+    # The tokenizer: the config's, else the initial checkpoint's (a `litgpt download` folder holds the model's own)
     tokenizer_dir = resolve_dir(config.data.tokenizer_dir) if config.data.tokenizer_dir else None
+    if tokenizer_dir is None and config.initial_checkpoint_dir is not None:
+        initial = resolve_dir(config.initial_checkpoint_dir)
+        if any((initial / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+            tokenizer_dir = initial
     if config.data.kind == "synthetic":
         data = SyntheticTokens(cfg.padded_vocab_size, seq, config.seed)
     else:
+        if tokenizer_dir is None:
+            raise ConfigError(f"data.tokenizer_dir: text data needs a tokenizer, and "
+                              f"{resolve_dir(config.initial_checkpoint_dir)} has no tokenizer.json or tokenizer.model")
         try:
             data = TextFiles(config.data.paths, str(tokenizer_dir), seq, config.data.val_fraction,
                              config.data.val_paths or None)

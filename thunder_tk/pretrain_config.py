@@ -362,8 +362,9 @@ def validate(config: PretrainConfig) -> None:
     if config.data.kind == "text":
         if not config.data.paths:
             raise ConfigError("data.paths: text data needs at least one local file")
-        if not (config.data.tokenizer_dir or config.tokenizer_dir):
-            raise ConfigError("data.tokenizer_dir: text data needs a local tokenizer directory")
+        if not (config.data.tokenizer_dir or config.tokenizer_dir or config.initial_checkpoint_dir):
+            raise ConfigError("data.tokenizer_dir: text data needs a local tokenizer directory (or an "
+                              "initial_checkpoint_dir whose tokenizer it then reads)")
     if config.precision is not None and config.precision not in PRECISIONS:
         raise ConfigError(f"precision: expected one of {', '.join(PRECISIONS)} (or null: bf16-true on a GPU, 32-true "
                           f"on a CPU), got {config.precision!r}")
