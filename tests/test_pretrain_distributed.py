@@ -89,3 +89,11 @@ def test_two_process_fsdp_matches_one_process_and_resumes(tmp_path):
     assert sorted(partial) == [1, 2]
     resumed = _run(tmp_path, "resumed", 2, "--resume")
     assert [resumed[s] for s in (1, 2, 3, 4)] == [fsdp[s] for s in (1, 2, 3, 4)]
+
+    # train.max_time on two ranks: both stop after the same step (the main rank's verdict, all-reduced and read one
+    # step later), save and export, and neither waits on the other
+    timed = _run(tmp_path, "timed", 2, "--train.max_time", "1e-9", "--train.max_steps", "50")
+    assert sorted(timed) == [1, 2]
+    summary = json.loads((tmp_path / "timed" / "summary.json").read_text())
+    assert (summary["steps"], summary["stopped_by"]) == (2, "train.max_time")
+    assert (tmp_path / "timed" / "final" / "lit_model.pth").is_file()

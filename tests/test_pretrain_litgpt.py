@@ -323,3 +323,18 @@ def test_a_continued_run_reads_the_initial_checkpoint_s_tokenizer(tmp_path, corp
     with pytest.raises(ConfigError, match="has no tokenizer.json or tokenizer.model \\(LitGPT's Tokenizer"):
         pretrain(load_config(None, _config(tmp_path / "y", data={**data, "tokenizer_dir": str(tmp_path)},
                                            compiler=EAGER)))
+
+
+def test_exponent_numbers_as_litgpt_writes_them(tmp_path):
+    """PyYAML reads `3e-4` as a string (YAML 1.1 floats need a dot); LitGPT's configs and command lines write
+    numbers so, and they are read as numbers, in typed keys and in model_config and optimizer.init_args alike."""
+    from thunder_tk.pretrain_config import parse_overrides
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model_config:\n  name: micro\n  n_layer: 1\n  n_embd: 64\n  n_head: 2\n  norm_eps: 1e-5\n"
+                    "train:\n  max_steps: 2\n  min_lr: 4e-5\noptimizer:\n  class_path: torch.optim.AdamW\n"
+                    "  init_args:\n    lr: 3e-4\n    betas: [9e-1, 0.95]\n")
+    config = load_config(path, parse_overrides(["--train.max_time", "1e-9"]))
+    assert (config.train.min_lr, config.train.max_time) == (4e-5, 1e-9)
+    assert config.model_config["norm_eps"] == 1e-5
+    assert config.optimizer.init_args == {"lr": 3e-4, "betas": [0.9, 0.95]}

@@ -7,6 +7,7 @@ expected an integer, got 'four'"); the CLI prints it without a traceback.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +153,22 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp)).replace("typing.", "")
 
 
+# PyYAML reads YAML 1.1, whose floats need a dot: `lr: 3e-4` (as LitGPT's configs and command lines write it) comes
+# back as the string '3e-4'. Such strings are read as the numbers they are.
+_EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+
+
+def yaml_number(value):
+    """`value`, or the float a string like '3e-4' spells; mappings and lists element by element."""
+    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+        return float(value)
+    if isinstance(value, dict):
+        return {k: yaml_number(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [yaml_number(v) for v in value]
+    return value
+
+
 def _coerce(value, tp, key: str):
     """`value` as type `tp` (from the dataclass annotation), or ConfigError naming `key`."""
     origin = typing.get_origin(tp)
@@ -188,6 +205,7 @@ def _coerce(value, tp, key: str):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        value = yaml_number(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
@@ -202,7 +220,7 @@ def _coerce(value, tp, key: str):
     if tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return value
+        return yaml_number(value)  # model_config's and optimizer.init_args' fields, e.g. norm_eps: 1e-5
     return value
 
 
