@@ -743,7 +743,9 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
                 else:
                     if time_verdict is not None:
                         stopped_by_time = float(time_verdict) > 0
-                    time_verdict = dist.all_reduce_sum(torch.tensor(float(over and dist.main), device=dist.device))
+                    # made on the device by a fill (torch.tensor would copy from the host and wait for the stream)
+                    flag = torch.full((), float(over and dist.main), device=dist.device)
+                    time_verdict = dist.all_reduce_sum(flag)
             if step % t.log_interval == 0 or step == total_steps or stopped_by_time:
                 last_loss = float(dist.all_reduce_sum(loss_sum) / dist.world)
                 if dist.device.type == "cuda":
