@@ -35,6 +35,14 @@ def test_training_rows_cover_forward_and_backward_gemms(standin_nvfuser):
     backward = [r for r in rows if r.trace == "backward"]
     assert {r.symbol for r in backward} == {"ltorch.matmul"} and len(backward) == 3  # dX of layer 2, dW of both
     assert all(r.ran_by == "torch: matmul" for r in backward)
+    # Every call a step makes on the host, by who makes it: here the two linears and the GELU's fusion region
+    report = thunder_tk.explain(jm)
+    assert report.calls["forward"] == {"torch": 2, "fusion regions": 1}, report.calls
+    backward_calls = report.calls["backward"]
+    assert backward_calls["torch"] == 3 and backward_calls.get("fusion regions", 0) >= 1, backward_calls
+    text = str(report)
+    assert "forward: 3 calls a step on the host (torch 2, fusion regions 1)" in text, text
+    assert json.loads(report.to_json())["calls"] == report.calls
 
 
 def test_recompiles_report_only_the_last_traces(standin_nvfuser):

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import thunder
 from thunder.core.symbol import BoundSymbol
@@ -36,6 +36,9 @@ class Report:
     rows: list[Row]
     planned: bool = False  # True for a plan made without a GPU (thunder-tk explain)
     note: str = ""
+    # The calls each run of the traces makes on the host, by trace and by who runs them (`calls_of`): every one is a
+    # Python call, so a long model of small kernels can be paced by the host rather than by the GPU.
+    calls: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def claimed(self) -> list[Row]:
@@ -46,7 +49,8 @@ class Report:
         return [r for r in self.rows if not r.claimed_by_tk]
 
     def to_dict(self) -> dict:
-        return {"planned": self.planned, "note": self.note, "rows": [asdict(r) for r in self.rows]}
+        return {"planned": self.planned, "note": self.note, "rows": [asdict(r) for r in self.rows],
+                "calls": self.calls}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -72,9 +76,30 @@ class Report:
         out.append(f"{len(self.claimed)} of {n} claimable symbol{'s' if n != 1 else ''} run on tk kernels.")
         if not self.rows:
             out.append("No symbol that tk can claim appears in these traces.")
+        for label, by in self.calls.items():
+            parts = ", ".join(f"{who} {n}" for who, n in by.items())
+            out.append(f"{label}: {sum(by.values())} calls a step on the host ({parts})")
         if self.note:
             out.append(self.note)
         return "\n".join(out)
+
+
+# Trace bookkeeping that is not a call into an executor: deletions, unpacking, the return.
+_BOOKKEEPING = frozenset({"python_del", "python_return", "unpack_trivial", "unpack_sequence", "unpack_key",
+                          "unpack_attr", "clear_mutable_collection", "comment"})
+
+
+def calls_of(trace) -> dict[str, int]:
+    """A trace's top-level calls by who makes them: tk's ops, fusion regions (each one call of the fuser's compiled
+    function), and every other executor by name, most first; bookkeeping left out."""
+    by: dict[str, int] = {}
+    for bsym in trace.bound_symbols:
+        if bsym.sym.name in _BOOKKEEPING:
+            continue
+        ex = bsym.sym.executor
+        who = "fusion regions" if bsym.sym.is_fusion else (ex.name if ex is not None else "python")
+        by[who] = by.get(who, 0) + 1
+    return dict(sorted(by.items(), key=lambda kv: -kv[1]))
 
 
 def _runner(bsym: BoundSymbol) -> str:
@@ -217,7 +242,10 @@ def build_report(cd, cs, *, planned: bool = False, note: str = "") -> Report:
     rows += _norm_rows(forward, backward)
     order = {"forward": 0, "backward": 1}
     rows.sort(key=lambda r: order.get(r.trace, 2))
-    return Report(rows, planned=planned, note=note)
+    calls = {"forward": calls_of(forward)}
+    if backward is not None:
+        calls["backward"] = calls_of(backward)
+    return Report(rows, planned=planned, note=note, calls=calls)
 
 
 def explain(jitted) -> Report:
