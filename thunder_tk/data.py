@@ -64,6 +64,13 @@ class TokenWindows:
         return self.tokens[start : start + self.seq_len + 1]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # LitGPT's Tokenizer reads one of them
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
 class TextFiles(TokenWindows):
     """Local text files tokenized with a local LitGPT tokenizer directory, read as one stream of windows. Validation
     reads text training never does: `val_paths`' files, or else the stream's last `val_fraction` (at least one
@@ -78,7 +85,7 @@ class TextFiles(TokenWindows):
             raise FileNotFoundError(f"data.paths: {', '.join(missing)} not found")
         if not Path(tokenizer_dir).is_dir():
             raise FileNotFoundError(f"data.tokenizer_dir: {tokenizer_dir} is not a directory")
-        if not any((Path(tokenizer_dir) / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        if not has_tokenizer(tokenizer_dir):
             raise FileNotFoundError(f"data.tokenizer_dir: {tokenizer_dir} has no tokenizer.json or tokenizer.model "
                                     "(LitGPT's Tokenizer reads one of them)")
         tokenizer = Tokenizer(tokenizer_dir)

@@ -43,7 +43,8 @@ def resolve_dir(path: str | Path) -> Path:
     return path
 
 
-def _atomic(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
+    """`write(tmp)` then a rename onto `path`: a killed process leaves the previous file or the new one, never part."""
     tmp = path.with_name(f".{path.name}.tmp")
     write(tmp)
     os.replace(tmp, path)
@@ -104,16 +105,16 @@ def write_litgpt_checkpoint(folder: Path, state_dict: dict[str, torch.Tensor], m
     returns the checkpoint file's path."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic(folder / CHECKPOINT_FILE, lambda p: torch.save(state_dict, p))
+    atomic_write(folder / CHECKPOINT_FILE, lambda p: torch.save(state_dict, p))
     config = dataclasses.asdict(model_config) if dataclasses.is_dataclass(model_config) else dict(model_config)
-    _atomic(folder / CONFIG_FILE, lambda p: p.write_text(yaml.dump(config)))
+    atomic_write(folder / CONFIG_FILE, lambda p: p.write_text(yaml.dump(config)))
     if tokenizer_dir is not None:
         source = Path(tokenizer_dir)
         for name in TOKENIZER_FILES:
             if (source / name).is_file() and name != CONFIG_FILE:
-                _atomic(folder / name, lambda p, s=source / name: shutil.copyfile(s, p))
+                atomic_write(folder / name, lambda p, s=source / name: shutil.copyfile(s, p))
     if hyperparameters is not None:
-        _atomic(folder / HYPERPARAMETERS_FILE, lambda p: p.write_text(yaml.safe_dump(hyperparameters,
+        atomic_write(folder / HYPERPARAMETERS_FILE, lambda p: p.write_text(yaml.safe_dump(hyperparameters,
                                                                                      sort_keys=False)))
     return folder / CHECKPOINT_FILE
 
@@ -180,13 +181,16 @@ def load_initial_weights(model: torch.nn.Module, folder: str | Path, model_confi
 
 
 def _run_checkpoint_folder(run_dir: Path, step: int | None) -> Path:
+    from thunder_tk.pretrain import checkpoint_folder, latest_checkpoint
+
     checkpoints = run_dir / "checkpoints"
     if step is None:
-        latest = checkpoints / "latest"
-        if not latest.is_file():
-            raise ConfigError(f"{run_dir}: no checkpoint (no {latest}); is it a `thunder-tk pretrain` out_dir?")
-        return checkpoints / latest.read_text().strip()
-    folder = checkpoints / f"step-{step:08d}"
+        latest = latest_checkpoint(run_dir)
+        if latest is None:
+            raise ConfigError(f"{run_dir}: no checkpoint (no {checkpoints / 'latest'}); is it a `thunder-tk "
+                              "pretrain` out_dir?")
+        return latest
+    folder = checkpoint_folder(run_dir, step)
     if not folder.is_dir():
         have = sorted(p.name for p in checkpoints.glob("step-*")) if checkpoints.is_dir() else []
         raise ConfigError(f"--step {step}: {run_dir} has no checkpoint of that step "

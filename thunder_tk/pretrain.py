@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from thunder_tk.litgpt_checkpoint import (checkpoint_model_config, full_state_dict, load_initial_weights, resolve_dir,
-                                          write_litgpt_checkpoint)
+from thunder_tk.litgpt_checkpoint import (atomic_write, checkpoint_model_config, full_state_dict, load_initial_weights,
+                                          resolve_dir, write_litgpt_checkpoint)
 from thunder_tk.litgpt_models import (ConfigError, _litgpt, config_of, init_like_litgpt_pretrain, jit_unsupported,
                                       vectorize_window_masks)
 from thunder_tk.pretrain_config import PretrainConfig, precision_of, world_size_of
@@ -475,19 +475,23 @@ def flops_per_token(cfg, seq_len: int, params_2d: int) -> float:
 # Checkpoints: one file per rank in out_dir/checkpoints/step-XXXXXXXX/, `latest` names the newest complete one.
 
 
-def _atomic_write_bytes(path: Path, write):
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+def checkpoint_folder(out_dir: Path, step: int) -> Path:
+    return out_dir / "checkpoints" / f"step-{step:08d}"
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    """The newest complete checkpoint folder, or None."""
+    latest = out_dir / "checkpoints" / "latest"
+    return out_dir / "checkpoints" / latest.read_text().strip() if latest.is_file() else None
 
 
 def save_checkpoint(out_dir: Path, dist: Dist, step: int, state: dict) -> Path:
-    folder = out_dir / "checkpoints" / f"step-{step:08d}"
+    folder = checkpoint_folder(out_dir, step)
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic_write_bytes(folder / f"rank{dist.rank}.pt", lambda p: torch.save(state, p))
+    atomic_write(folder / f"rank{dist.rank}.pt", lambda p: torch.save(state, p))
     dist.barrier()
     if dist.main:
-        _atomic_write_bytes(out_dir / "checkpoints" / "latest", lambda p: p.write_text(folder.name + "\n"))
+        atomic_write(out_dir / "checkpoints" / "latest", lambda p: p.write_text(folder.name + "\n"))
     dist.barrier()
     return folder
 
@@ -499,18 +503,17 @@ def load_checkpoint(out_dir: Path, dist: Dist, resume: bool | str = "auto") -> d
     if resume is False:
         return None
     if resume is True or resume == "auto":
-        latest = out_dir / "checkpoints" / "latest"
-        if not latest.exists():
+        folder = latest_checkpoint(out_dir)
+        if folder is None:
             if resume is True:
                 raise ConfigError(f"resume: true, but {out_dir / 'checkpoints'} holds no checkpoint (resume: auto "
                                   "starts from step 0 where there is none)")
             return None
-        folder = out_dir / "checkpoints" / latest.read_text().strip()
     else:
         folder = Path(resume)
         if not folder.is_dir():
             raise ConfigError(f"resume: {folder} is not a checkpoint folder")
-    ranks = sorted(folder.glob("rank*.pt"))
+    ranks = list(folder.glob("rank*.pt"))
     if len(ranks) != dist.world:
         raise ConfigError(f"resume: {folder} holds {len(ranks)} rank file{'s' if len(ranks) != 1 else ''}, written "
                           f"by that many processes; this run has {dist.world} (Thunder FSDP's shards are per rank)")
@@ -540,7 +543,7 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
     resume: as the config's `resume` (true, "auto", a checkpoint folder, false), which it replaces where given.
     At the end the model is written as a LitGPT checkpoint folder, out_dir/final (litgpt_checkpoint).
     checkpoints=False writes none (benchmark runs of large models, where a checkpoint is many GB per rank)."""
-    from thunder_tk.data import SyntheticTokens, TextFiles, batch
+    from thunder_tk.data import SyntheticTokens, TextFiles, batch, has_tokenizer
 
     stream = stream or sys.stdout
     dist = Dist(config)
@@ -570,7 +573,7 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
     tokenizer_dir = resolve_dir(config.data.tokenizer_dir) if config.data.tokenizer_dir else None
     if tokenizer_dir is None and config.initial_checkpoint_dir is not None:
         initial = resolve_dir(config.initial_checkpoint_dir)
-        if any((initial / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        if has_tokenizer(initial):
             tokenizer_dir = initial
     if config.data.kind == "synthetic":
         data = SyntheticTokens(cfg.padded_vocab_size, seq, config.seed)
@@ -644,7 +647,7 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
     def save(at_step: int):
         save_checkpoint(out_dir, dist, at_step, {
             "model": state_of(), "optimizer": optimizer.state_dict(), "step": at_step, "samples": samples,
-            "rng": torch.get_rng_state(), "config": asdict(config), "world": dist.world,
+            "rng": torch.get_rng_state(), "config": asdict(config),
             "model_config": asdict(cfg),  # for `thunder-tk export` (litgpt_checkpoint.export_run_checkpoint)
         })
 

@@ -300,8 +300,6 @@ def load_config(path: str | Path | None, overrides: dict | None = None) -> Pretr
             raise ConfigError(f"{path}: expected a mapping at the top level")
     config = _build(PretrainConfig, _merge(doc, overrides or {}))
     validate(config)
-    if config.tokenizer_dir is not None and config.data.tokenizer_dir is None:
-        config.data.tokenizer_dir = config.tokenizer_dir  # LitGPT's top-level key: the data's tokenizer
     return config
 
 
@@ -328,6 +326,7 @@ def world_size_of(config: PretrainConfig) -> int:
 
 
 def validate(config: PretrainConfig) -> None:
+    """ConfigError naming the first key that cannot be used; LitGPT's top-level tokenizer_dir becomes the data's."""
     t = config.train
     if config.model_name is None and config.model_config is None:
         if config.initial_checkpoint_dir is None:
@@ -361,12 +360,14 @@ def validate(config: PretrainConfig) -> None:
                               "epochs; give train.lr_warmup_steps")
     if t.max_time is not None and t.max_time <= 0:
         raise ConfigError(f"train.max_time: must be above 0 seconds, got {t.max_time}")
-    if isinstance(config.resume, str) and config.resume != "auto" and not config.resume:
+    if config.resume == "":
         raise ConfigError("resume: expected true, false, 'auto' or a checkpoint folder, got ''")
-    if (config.tokenizer_dir is not None and config.data.tokenizer_dir is not None
-            and Path(config.tokenizer_dir) != Path(config.data.tokenizer_dir)):
-        raise ConfigError(f"tokenizer_dir: {config.tokenizer_dir} differs from data.tokenizer_dir "
-                          f"{config.data.tokenizer_dir}; give one")
+    if config.tokenizer_dir is not None:
+        if config.data.tokenizer_dir is None:
+            config.data.tokenizer_dir = config.tokenizer_dir  # LitGPT's top-level key: the data's tokenizer
+        elif Path(config.tokenizer_dir) != Path(config.data.tokenizer_dir):
+            raise ConfigError(f"tokenizer_dir: {config.tokenizer_dir} differs from data.tokenizer_dir "
+                              f"{config.data.tokenizer_dir}; give one")
     world = world_size_of(config)
     if t.global_batch_size % (t.micro_batch_size * world):
         raise ConfigError(
@@ -380,7 +381,7 @@ def validate(config: PretrainConfig) -> None:
     if config.data.kind == "text":
         if not config.data.paths:
             raise ConfigError("data.paths: text data needs at least one local file")
-        if not (config.data.tokenizer_dir or config.tokenizer_dir or config.initial_checkpoint_dir):
+        if not (config.data.tokenizer_dir or config.initial_checkpoint_dir):
             raise ConfigError("data.tokenizer_dir: text data needs a local tokenizer directory (or an "
                               "initial_checkpoint_dir whose tokenizer it then reads)")
     if config.precision is not None and config.precision not in PRECISIONS:
