@@ -107,6 +107,31 @@ def cse_within_regions(trace: TraceCtx, executor) -> TraceCtx:
     return new
 
 
+# Ops that compute nothing (each output a view of an input, or its metadata): a region of these alone is a compiled
+# call that does no arithmetic, and the same ops run as their own calls cost the host less.
+VIEW_OPS = frozenset({"reshape", "transpose", "squeeze", "unsqueeze", "broadcast_in_dim", "slice_prim",
+                      "shallow_copy", "split", "view", "expand", "permute"})
+
+
+def unfuse_view_regions(trace: TraceCtx, executor) -> TraceCtx:
+    """`executor`'s regions made of views alone, replaced by their ops, which the always-executors (torch) then run
+    one call each."""
+    bsyms, changed = [], False
+    for bsym in trace.bound_symbols:
+        if (bsym.sym.is_fusion and bsym.sym.executor is executor and bsym.subsymbols
+                and all(s.sym.name in VIEW_OPS for s in bsym.subsymbols)):
+            bsyms.extend(bsym.subsymbols)
+            changed = True
+        else:
+            bsyms.append(bsym)
+    if not changed:
+        return trace
+    new = from_trace(trace)
+    new.bound_symbols = bsyms
+    new.set_provenance(TraceProvenance("Regions of views alone run as their ops"))
+    return new
+
+
 class SharingTorchCompileExecutor(TorchCompileExecutor):
     """TorchCompileExecutor whose identical regions (`region_key`) share one compiled function."""
 
@@ -122,7 +147,7 @@ class SharingTorchCompileExecutor(TorchCompileExecutor):
         self._prefix = re.sub(r"\W", "_", str(name)) + "_"
 
     def fusion_pass(self, trace):
-        fused = cse_within_regions(super().fusion_pass(trace), self)
+        fused = unfuse_view_regions(cse_within_regions(super().fusion_pass(trace), self), self)
         # Named in an executor list beside tk (`thunder_tk.executors()`), this is the last fusion pass: tk's FSDP
         # schedule goes after it. As the baseline's fuser (no tk in the list) it leaves the fused order alone.
         cd = get_compile_data()
