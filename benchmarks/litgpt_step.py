@@ -67,8 +67,10 @@ def variants(fsdp: bool, device: torch.device, without: tuple[str, ...] = ()):
 
     import thunder_tk
 
-    def thunder_variant(executors, **options):
+    def thunder_variant(executors, graphs: bool = False, **options):
         def wrap(m):
+            if graphs:  # a transform per build: it holds the graphs it captures
+                options["transforms"] = [thunder_tk.CUDAGraphs()]
             jitted = thunder.jit(m, executors=executors, **options)
             if not fsdp:
                 return jitted
@@ -85,6 +87,12 @@ def variants(fsdp: bool, device: torch.device, without: tuple[str, ...] = ()):
         # Thunder's defaults with the torch.compile fuser standing in for nvFuser (which cannot load here)
         "thunder default": thunder_variant(thunder_tk.baseline_executors()),
         "thunder [tk]": thunder_variant([thunder_tk.tk]),
+        # the step's forward and backward each captured once and replayed as CUDA graphs (thunder_tk.CUDAGraphs):
+        # one host call each instead of one per op; the same for the baseline and for torch.compile
+        "thunder [tk] CUDA graphs": thunder_variant([thunder_tk.tk], graphs=True),
+        "thunder default CUDA graphs": thunder_variant(thunder_tk.baseline_executors(), graphs=True),
+        "torch.compile CUDA graphs": (lambda m: torch.compile(_fsdp2(m), mode="reduce-overhead")) if fsdp
+        else (lambda m: torch.compile(m, mode="reduce-overhead")),
         # tk with the loss's forward and backward kernels instead of the gradient from the forward's read
         "thunder [tk] loss kernels": thunder_variant([thunder_tk.tk], tk_cross_entropy_forward_grad=False),
         # tk with its GEMM claims off: the GEMMs on cuBLAS, everything else as in "thunder [tk]"
@@ -154,6 +162,9 @@ _VARIANT_ALIASES = {
     "torch.compile": ("compile", "torch_compile"),
     "thunder default": ("default", "thunder_default"),
     "thunder [tk]": ("tk", "thunder_tk"),
+    "thunder [tk] CUDA graphs": ("tk_graphs",),
+    "thunder default CUDA graphs": ("default_graphs",),
+    "torch.compile CUDA graphs": ("compile_graphs",),
     "thunder [tk] loss kernels": ("tk_loss_kernels",),
     "thunder [tk] cuBLAS GEMMs": ("tk_cublas_gemms",),
     "thunder [tk] dynamic GEMMs": ("tk_dynamic_gemms",),
@@ -247,6 +258,48 @@ def host_step(step, device: torch.device, gpu_step_ms: float) -> dict:
     return {"host_ms": host_ms, "gpu_step_ms": gpu_step_ms, "host_waited": bool(waited)}
 
 
+# Where the host's time goes, by the file a function is in (first match wins).
+_HOST_AREAS = (("thunder_tk", "/thunder_tk/"), ("thunder", "/thunder/"), ("inductor/dynamo", "/torch/_inductor/"),
+               ("inductor/dynamo", "/torch/_dynamo/"), ("autograd", "/torch/autograd/"), ("optimizer", "/torch/optim/"),
+               ("torch (other Python)", "/torch/"))
+
+
+def _host_area(file: str, function: str) -> str:
+    if file == "~":  # a builtin: C++ behind a Python call (torch ops, kernel launches, the extension's bindings)
+        return "builtins (C++: ops, launches)"
+    return next((area for area, part in _HOST_AREAS if part in file), "other")
+
+
+def host_profile_step(step, device: torch.device, top: int) -> dict:
+    """One step under Python's profiler: the host's time by area (thunder_tk, Thunder, inductor's compiled calls,
+    autograd, the optimizer, C++ builtins) and the `top` functions by their own time. Run it where the GPU keeps up
+    with the host (a short sequence, a small batch): at full size the host also waits on a full launch queue, inside
+    whichever launch found it full."""
+    import cProfile
+    import pstats
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
+    sync(device)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    step()
+    prof.disable()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    sync(device)
+    stats = pstats.Stats(prof).stats
+    areas: dict[str, float] = {}
+    ranked = []
+    for (file, line, function), (_, calls, own, cumulative, _) in stats.items():
+        area = _host_area(file, function)
+        areas[area] = areas.get(area, 0.0) + own * 1e3
+        ranked.append({"function": f"{os.path.basename(file)}:{line} {function}" if file != "~" else function,
+                       "area": area, "calls": calls, "own_ms": own * 1e3, "cumulative_ms": cumulative * 1e3})
+    ranked.sort(key=lambda r: -r["own_ms"])
+    return {"host_ms_profiled": host_ms, "areas_ms": dict(sorted(areas.items(), key=lambda kv: -kv[1])),
+            "top": ranked[:top]}
+
+
 def _site(frames: list[dict]) -> str:
     """Where an allocation was made: the innermost frame outside torch itself (a tk wrapper, a Thunder trace
     line, LitGPT), with its caller."""
@@ -319,6 +372,18 @@ def print_host(rows: list[dict]) -> None:
         h = r["host"]
         note = "  (the host waited for the GPU: a synchronisation in the step?)" if h["host_waited"] else ""
         print(f"  {r['variant']:<16} host {h['host_ms']:7.2f}   step {h['gpu_step_ms']:7.2f}{note}")
+
+
+def print_host_profiles(rows: list[dict]) -> None:
+    for r in rows:
+        h = r.get("host_profile")
+        if not h:
+            continue
+        print(f"\n{r['variant']}: one step under Python's profiler, {h['host_ms_profiled']:.1f} ms on the host: "
+              + ", ".join(f"{area} {ms:.1f}" for area, ms in h["areas_ms"].items()))
+        for t in h["top"]:
+            print(f"  {t['own_ms']:8.2f} ms own {t['cumulative_ms']:8.2f} cum {t['calls']:6d}x  {t['area']:<22} "
+                  f"{t['function'][:110]}")
 
 
 def print_profiles(rows: list[dict]) -> None:
@@ -421,6 +486,11 @@ def run(name, wrap, args, device: torch.device):
             row["host"] = host_step(step, device, seconds * 1e3)
         except Exception as e:  # noqa: BLE001
             row["host_error"] = f"{type(e).__name__}: {e}"
+    if args.host_profile:
+        try:  # a diagnostic, never at the cost of the timing
+            row["host_profile"] = host_profile_step(step, device, args.host_profile)
+        except Exception as e:  # noqa: BLE001
+            row["host_profile_error"] = f"{type(e).__name__}: {e}"
     if args.memory and cuda and name != "eager":
         try:  # like the profile: a diagnostic, never at the cost of the timing
             row["memory"] = memory_step(step, device, args.memory)
@@ -510,6 +580,9 @@ def main():
     p.add_argument("--host-time", action="store_true",
                    help="after timing, the host's own time for one step per variant (enqueued behind a GPU sleep, "
                         "so it never waits for the GPU), beside the timed step")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="after timing, one step per variant under Python's profiler: the host's time by area and the "
+                        "N functions with the most time of their own (meaningful where the GPU keeps up: small shapes)")
     p.add_argument("--memory", type=int, default=0, metavar="N",
                    help="after timing, record one step's allocations per variant and list the N largest allocation "
                         "sites live at the step's memory peak")
@@ -582,6 +655,7 @@ def main():
             print(f"{r['variant']}: failed, {r['error']}")
     print_profiles(rows)
     print_host(rows)
+    print_host_profiles(rows)
     print_memory(rows)
     write_results(a.json, "litgpt_step_fsdp" if a.fsdp else "litgpt_step",
                   [{**r, "world_size": _world(), "n_layer": a.n_layer, "seq": a.seq, "batch_per_gpu": a.batch,

@@ -163,23 +163,33 @@ def test_regions_compute_each_expression_once(monkeypatch):
     assert _repeated_expressions(thunder.last_backward_traces(unmerged)[-1], unmerged_fuser) != []
 
 
-def test_regions_of_views_alone_run_as_their_ops():
+def test_regions_of_views_alone_run_as_their_ops(monkeypatch):
     """A planned LitGPT step (sm_90 proxies, nothing run): no region of tk's fuser is made of views alone (those run
-    as plain view calls, cheaper on the host than a compiled call), and every tk op is still there."""
+    as plain view calls, cheaper on the host than a compiled call), and every tk op is still there. With the
+    feature off (THUNDER_TK_DISABLE=view_calls) such regions stay."""
     pytest.importorskip("litgpt")
-    from thunder_tk.fusion import VIEW_OPS
+    from thunder_tk.fusion import VIEW_CALLS, VIEW_OPS
     from thunder_tk.litgpt_models import build_meta_model, load_spec
     from thunder_tk.planning import trace_planned
     from thunder_tk.pretrain import LossModule
 
-    spec = load_spec("Llama-3.2-1B", n_layer=2, seq_len=256, micro_batch_size=1)
-    model = build_meta_model(spec, torch.bfloat16)
-    with torch.device("meta"):
-        x = torch.randint(spec.config.padded_vocab_size, (1, 256))
-    jitted = trace_planned(LossModule(model), [x, x.clone()])
-    traces = (thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1])
-    regions = [b for t in traces for b in t.bound_symbols if b.sym.is_fusion]
-    assert regions and not [b for b in regions if all(s.sym.name in VIEW_OPS for s in b.subsymbols)]
-    tk_ops = [b.sym.name for t in traces for b in t.bound_symbols if b.sym.executor is not None
-              and b.sym.executor.name == "tk"]
+    def planned():
+        spec = load_spec("Llama-3.2-1B", n_layer=2, seq_len=256, micro_batch_size=1)
+        model = build_meta_model(spec, torch.bfloat16)
+        with torch.device("meta"):
+            x = torch.randint(spec.config.padded_vocab_size, (1, 256))
+        jitted = trace_planned(LossModule(model), [x, x.clone()])
+        traces = (thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1])
+        regions = [b for t in traces for b in t.bound_symbols if b.sym.is_fusion]
+        views_alone = [b for b in regions if all(s.sym.name in VIEW_OPS for s in b.subsymbols)]
+        tk_ops = [b.sym.name for t in traces for b in t.bound_symbols if b.sym.executor is not None
+                  and b.sym.executor.name == "tk"]
+        return regions, views_alone, tk_ops
+
+    regions, views_alone, tk_ops = planned()
+    assert regions and not views_alone
     assert "tk_attention_forward" in tk_ops and "tk_attention_backward_qkv" in tk_ops and len(tk_ops) >= 40
+    monkeypatch.setenv("THUNDER_TK_DISABLE", VIEW_CALLS)
+    regions_kept, views_alone, tk_ops_kept = planned()
+    assert len(views_alone) >= 10 and len(regions_kept) == len(regions) + len(views_alone)
+    assert tk_ops_kept == tk_ops

@@ -90,6 +90,8 @@ def test_model_config_fields_replace_those_of_model_name(tmp_path):
         ({"compiler": {"executors": "tk"}}, "compiler.executors: expected a list"),
         ({"compiler": {"disable": ["gemms"]}}, "compiler.disable: unknown name 'gemms'"),
         ({"compiler": {"disable": "gemm"}}, "compiler.disable: expected a list"),
+        ({"compiler": {"cuda_graphs": True, "jit": False}}, "compiler.cuda_graphs: CUDA graphs are captured"),
+        ({"compiler": {"cuda_graphs": "yes"}}, "compiler.cuda_graphs: expected"),
         ({"bogus": 1}, "bogus: unknown key"),
         ({"precision": "16-mixed"}, "precision: expected one of bf16-true, bf16-mixed, 32-true"),
     ],

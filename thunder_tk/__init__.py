@@ -24,6 +24,7 @@ from thunder_tk.executor import tk, Decision
 from thunder_tk import lowering as _lowering  # noqa: F401  (registers the kernel operators)
 from thunder_tk.functional import attention_bwd_delta
 from thunder_tk.explain import explain, Report
+from thunder_tk.cuda_graphs import CUDAGraphs
 from thunder_tk._extension import build_info, compiled_kernels, unavailable_reason
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "explain",
     "Report",
     "Decision",
+    "CUDAGraphs",
     "attention_bwd_delta",
     "build_info",
     "compiled_kernels",

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 import thunder
 from thunder.core.symbol import BoundSymbol
 
+from thunder_tk.cuda_graphs import is_graph_call
 from thunder_tk.executor import Site, decisions_of, describe_inputs, latest_decisions_of, sites_of
 from thunder_tk.lowering import MaskRead
 from thunder_tk.pattern_fusion import QKV_GRAD, QKV_ROPE, SWIGLU, Declined
@@ -78,7 +79,8 @@ class Report:
             out.append("No symbol that tk can claim appears in these traces.")
         for label, by in self.calls.items():
             parts = ", ".join(f"{who} {n}" for who, n in by.items())
-            out.append(f"{label}: {sum(by.values())} calls a step on the host ({parts})")
+            total = sum(by.values())
+            out.append(f"{label}: {total} call{'s' if total != 1 else ''} a step on the host ({parts})")
         if self.note:
             out.append(self.note)
         return "\n".join(out)
@@ -97,9 +99,19 @@ def calls_of(trace) -> dict[str, int]:
         if bsym.sym.name in _BOOKKEEPING:
             continue
         ex = bsym.sym.executor
-        who = "fusion regions" if bsym.sym.is_fusion else (ex.name if ex is not None else "python")
+        who = ("CUDA graphs" if is_graph_call(bsym) else "fusion regions" if bsym.sym.is_fusion
+               else (ex.name if ex is not None else "python"))
         by[who] = by.get(who, 0) + 1
     return dict(sorted(by.items(), key=lambda kv: -kv[1]))
+
+
+def _calls(trace):
+    """The trace's top-level calls, those a CUDA graph replays in its place (cuda_graphs) included."""
+    for b in trace.bound_symbols:
+        if is_graph_call(b):
+            yield from (s for s in b.subsymbols if s.sym.name not in _BOOKKEEPING)
+        else:
+            yield b
 
 
 def _runner(bsym: BoundSymbol) -> str:
@@ -119,7 +131,7 @@ def _producers(trace, label: str, into: dict[Site, list[tuple[str, str]]], ops: 
                declined: dict[Site, dict[str, str]]) -> None:
     """Map each site whose result this trace computes to [(trace label, what computes it), ...], to the first
     bsym that computes it, and to the rewrites of pattern_fusion left undone on its results ({feature: why})."""
-    for bsym in trace.bound_symbols:
+    for bsym in _calls(trace):
         runner = _runner(bsym)
         inner = _walk(bsym.subsymbols) if bsym.sym.is_fusion else ()
         for b in (bsym, *inner):
@@ -185,12 +197,12 @@ def _norm_rows(forward, backward) -> list[Row]:
     kernels, and for each it found but left to the fuser, with why (a Declined tag on the norm's rstd)."""
     backward_ops = {}
     if backward is not None:
-        backward_ops = {b.args[2].name: b for b in backward.bound_symbols if b.sym.name == "tk_rms_norm_backward"}
+        backward_ops = {b.args[2].name: b for b in _calls(backward) if b.sym.name == "tk_rms_norm_backward"}
     rows = []
     for label, trace in (("forward", forward), ("backward", backward)):
         if trace is None:
             continue
-        for bsym in trace.bound_symbols:
+        for bsym in _calls(trace):
             if bsym.sym.name in _NORM_FORWARD_OPS:
                 rstd = bsym.output[1]
                 inputs = describe_inputs(bsym.args[:-1], {})

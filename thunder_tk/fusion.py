@@ -107,6 +107,8 @@ def cse_within_regions(trace: TraceCtx, executor) -> TraceCtx:
     return new
 
 
+# The feature name (tk_disable / THUNDER_TK_DISABLE) that keeps regions of views alone as compiled calls.
+VIEW_CALLS = "view_calls"
 # Ops that compute nothing (each output a view of an input, or its metadata): a region of these alone is a compiled
 # call that does no arithmetic, and the same ops run as their own calls cost the host less.
 VIEW_OPS = frozenset({"reshape", "transpose", "squeeze", "unsqueeze", "broadcast_in_dim", "slice_prim",
@@ -147,13 +149,17 @@ class SharingTorchCompileExecutor(TorchCompileExecutor):
         self._prefix = re.sub(r"\W", "_", str(name)) + "_"
 
     def fusion_pass(self, trace):
-        fused = unfuse_view_regions(cse_within_regions(super().fusion_pass(trace), self), self)
-        # Named in an executor list beside tk (`thunder_tk.executors()`), this is the last fusion pass: tk's FSDP
-        # schedule goes after it. As the baseline's fuser (no tk in the list) it leaves the fused order alone.
+        fused = cse_within_regions(super().fusion_pass(trace), self)
+        # Named in an executor list beside tk (`thunder_tk.executors()`), this is the last fusion pass: regions of
+        # views alone go back to plain calls, then tk's FSDP schedule. As the baseline's fuser (no tk in the list)
+        # it leaves the fused trace as Thunder's torch.compile executor makes it.
         cd = get_compile_data()
         if cd is not None and any(getattr(ex, "name", None) == "tk" for ex in cd.executors_list):
+            from thunder_tk import claim_rules
             from thunder_tk.fsdp_schedule import overlap_collectives
 
+            if VIEW_CALLS not in claim_rules.disabled_names():
+                fused = unfuse_view_regions(fused, self)
             fused = overlap_collectives(fused)
         return fused
 

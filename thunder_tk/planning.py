@@ -55,19 +55,22 @@ def trace_planned(
     device: str | torch.device = "cuda:0",
     capability: tuple[int, int] = _extension.SUPPORTED_CAPABILITY,
     autocast: torch.dtype | None = None,
+    transforms: Sequence = (),
 ):
     """Trace `module(*inputs)` (meta tensors) as if on `device`; returns the jitted module, whose
     `thunder.last_traces` / `last_backward_traces` hold the planned execution traces.
 
     The backward trace is planned too when any parameter requires grad. `autocast`: a dtype to trace under CUDA
     autocast to (mixed precision: fp32 parameters, Thunder casting the inputs of linears and attention).
+    `transforms`: Thunder transforms for `thunder.jit` (e.g. thunder_tk.CUDAGraphs: the graphs the step would be).
     """
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"plans are for CUDA devices, not {device}")
     for t in (*module.parameters(), *module.buffers(), *inputs):
         _mark(t, device)
-    jitted = thunder.jit(module, executors=list(executors) if executors is not None else [tk])
+    jitted = thunder.jit(module, executors=list(executors) if executors is not None else [tk],
+                         transforms=list(transforms))
     cd, cs = thunder.compile_data(jitted), thunder.compile_stats(jitted)
     with _extension.planning_for(capability), cuda_autocast(autocast):
         try:

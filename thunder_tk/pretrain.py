@@ -609,10 +609,19 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
         model.load_state_dict(checkpoint["model"])
 
     net = LossModule(model)
+    graphs = None  # compiler.cuda_graphs: the transform, which counts the graphs it captured
     if config.compiler.jit:
         import thunder
 
         options = {"tk_disable": list(config.compiler.disable)} if config.compiler.disable else {}
+        if config.compiler.cuda_graphs:
+            if dist.world > 1:
+                raise ConfigError("compiler.cuda_graphs: one process only (FSDP's collectives run between graphs on "
+                                  "streams of their own, not yet measured); leave it false under torchrun")
+            from thunder_tk.cuda_graphs import CUDAGraphs
+
+            graphs = CUDAGraphs()
+            options["transforms"] = [graphs]
         net = thunder.jit(net, executors=resolve_executors(config.compiler.executors), **options)
         if dist.world > 1:
             from thunder.distributed import fsdp
@@ -828,6 +837,8 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
         # The precision run (the config's, or what null picked for the device): weights and autocast dtypes.
         "precision": precision, "parameter_dtype": param_dtype, "autocast_dtype": autocast_dtype,
         "executors": list(config.compiler.executors) if config.compiler.jit else ["eager"],
+        # compiler.cuda_graphs: the graphs captured (none where every tensor is off the GPU); None: not asked for
+        "cuda_graphs_captured": graphs.graphs_captured if graphs is not None else None,
         # Largest per-rank peak of torch's allocator during training (setup excluded).
         "peak_memory_gib": peak_gib,
         # THUNDER_TK_CPU_AFFINITY=exclusive: how many CPUs rank 0 was bound to (None: the affinity left alone).

@@ -114,6 +114,9 @@ class CompilerArgs:
     jit: bool = True  # False: eager PyTorch, for comparisons
     # tk rules, families or features to turn off for this model (Thunder's tk_disable compile option), e.g. [gemm]
     disable: list[str] = field(default_factory=list)
+    # Capture the step's forward and backward as CUDA graphs and replay them (thunder_tk.CUDAGraphs): one host call
+    # each, for models whose op-by-op step the host cannot issue as fast as the GPU runs it. One process only.
+    cuda_graphs: bool = False
 
 
 @dataclass
@@ -391,6 +394,9 @@ def validate(config: PretrainConfig) -> None:
         raise ConfigError(f"optimizer.class_path: only torch.optim optimizers, got {config.optimizer.class_path!r}")
     if not config.compiler.executors and config.compiler.jit:
         raise ConfigError("compiler.executors: name at least one executor (e.g. [tk])")
+    if config.compiler.cuda_graphs and not config.compiler.jit:
+        raise ConfigError("compiler.cuda_graphs: CUDA graphs are captured from Thunder's traces; they need "
+                          "compiler.jit true")
     if config.compiler.disable:
         from thunder_tk.claim_rules import known_disable_names
 

@@ -53,3 +53,33 @@ def test_llama_3_2_1b_two_layers(tmp_path, precision):
     with torch.no_grad():
         logits = model(torch.randint(model.config.padded_vocab_size, (1, 64), device="cuda"))
     assert logits.shape == (1, 64, model.config.padded_vocab_size) and bool(logits.isfinite().all())
+
+
+def test_cuda_graphs_train_as_the_op_by_op_step(tmp_path):
+    """compiler.cuda_graphs: the step replayed from CUDA graphs gives the op-by-op run's losses, step by step (same
+    seed, data and kernels), with validation (a trace without gradients) in graphs of its own."""
+    from dataclasses import asdict
+
+    from litgpt import Config
+
+    cfg = asdict(Config.from_name("Llama-3.2-1B", n_layer=2))
+    cfg.pop("rope_n_elem", None)
+    losses, summaries = [], []
+    for graphs in (False, True):
+        out = tmp_path / ("graphs" if graphs else "plain")
+        config = load_config(None, {
+            "model_name": "Llama-3.2-1B", "model_config": cfg, "out_dir": str(out),
+            "train": {"global_batch_size": 4, "micro_batch_size": 2, "max_seq_length": 512, "max_steps": 5,
+                      "lr_warmup_steps": 1, "log_interval": 1, "save_interval": None},
+            "eval": {"interval": 3, "max_iters": 2, "final_validation": True},
+            "compiler": {"cuda_graphs": graphs},
+        })
+        summaries.append(pretrain(config))
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        losses.append(([r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]))
+    (plain, plain_val), (replayed, replayed_val) = losses
+    assert len(plain) == len(replayed) == 5 and len(plain_val) == len(replayed_val) >= 2
+    for a, b in zip(replayed + replayed_val, plain + plain_val):
+        assert abs(a - b) <= 2e-3 * abs(b), (replayed, plain, replayed_val, plain_val)
+    assert summaries[0]["cuda_graphs_captured"] is None
+    assert summaries[1]["cuda_graphs_captured"] >= 3  # forward, backward, validation's forward

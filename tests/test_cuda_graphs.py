@@ -1,0 +1,71 @@
+"""thunder_tk.CUDAGraphs without a GPU: the graphs it plans in a LitGPT step for an sm_90 device (one for the forward,
+one for the backward; parameters and the forward's saved tensors read in place), what `explain` says of them, and a
+CPU run, which it leaves op by op."""
+
+import pytest
+import thunder
+import torch
+
+import thunder_tk
+from thunder_tk.cuda_graphs import is_graph_call
+
+
+def _planned(transform, model_name="Llama-3.2-1B"):
+    pytest.importorskip("litgpt")
+    from thunder_tk.litgpt_models import build_meta_model, load_spec
+    from thunder_tk.planning import trace_planned
+    from thunder_tk.pretrain import LossModule
+
+    spec = load_spec(model_name, n_layer=2, seq_len=256, micro_batch_size=1)
+    model = build_meta_model(spec, torch.bfloat16)
+    with torch.device("meta"):
+        x = torch.randint(spec.config.padded_vocab_size, (1, 256))
+    return trace_planned(LossModule(model), [x, x.clone()], transforms=[transform])
+
+
+def test_a_planned_step_is_one_graph_forward_and_one_backward():
+    transform = thunder_tk.CUDAGraphs()
+    jitted = _planned(transform)
+    forward, backward = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+    for trace in (forward, backward):
+        graphs = [b for b in trace.bound_symbols if is_graph_call(b)]
+        assert len(graphs) == 1
+        # nothing but bookkeeping is left outside the graph
+        outside = {b.sym.name for b in trace.bound_symbols if not is_graph_call(b)}
+        assert outside <= {"unpack_trivial", "unpack_sequence", "clear_mutable_collection", "python_return",
+                           "python_del"}, outside
+    inside = {s.sym.name for t in (forward, backward) for b in t.bound_symbols if is_graph_call(b)
+              for s in b.subsymbols}
+    assert {"tk_linear_rope", "tk_attention_forward", "tk_attention_backward_qkv"} <= inside
+    (fw_name, (_, fw_static)), (bw_name, (_, bw_static)) = transform.cuda_graph_runner.python_callables.items()
+    # Read in place: the parameters (the forward's graph) and the forward's saved tensors (the backward's); copied in
+    # at each replay: the tokens and targets, and the loss's incoming gradient.
+    assert fw_static.count(False) == 2 and sum(fw_static) >= 2 * 9
+    assert bw_static.count(False) <= 2 and sum(bw_static) >= 20
+
+
+def test_explain_sees_through_the_graphs():
+    jitted = _planned(thunder_tk.CUDAGraphs())
+    report = thunder_tk.explain(jitted)
+    assert report.calls["forward"] == {"CUDA graphs": 1} and report.calls["backward"] == {"CUDA graphs": 1}
+    ran = {r.ran_by for r in report.rows if r.claimed_by_tk}
+    assert "tk: tk_attention_forward" in ran, ran  # each op under its own name, not the graph's
+    assert "forward: 1 call a step on the host (CUDA graphs 1)" in str(report)
+
+
+def test_a_cpu_run_stays_op_by_op_and_computes_the_same():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    want = model(x)
+    want.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    transform = thunder_tk.CUDAGraphs()
+    jitted = thunder.jit(model, executors=[thunder_tk.tk], transforms=[transform])
+    got = jitted(x)
+    got.sum().backward()
+    torch.testing.assert_close(got, want)
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g)
+    assert not any(is_graph_call(b) for b in thunder.last_traces(jitted)[-1].bound_symbols)
+    assert transform.graphs_captured == 0

@@ -1,0 +1,116 @@
+"""CUDA graphs of a jitted step: Thunder's CUDAGraphTransform, fitted to the traces tk runs.
+
+A deep model issues many short calls a step, and Thunder runs its trace in Python, one call at a time: with tk,
+Gemma 3's 26 layers make about 1350 host calls a step, and the GPU waits for the host. Captured once and then
+replayed, each stretch of the trace between collectives costs the host one call.
+
+    jitted = thunder.jit(model, executors=[tk], transforms=[thunder_tk.CUDAGraphs()])
+
+What this adds to Thunder's transform:
+- one memory pool for all of the function's graphs on a device (forward, backward, and an inference trace),
+  made at the first capture, so the transform can be built where no GPU is (plans, CPU runs);
+- collectives and their waits stay outside the graphs (FSDP's overlap runs on streams of its own);
+- the backward's inputs saved by the forward's graph are found by name, not by their position in the trace;
+- calls on tensors off the GPU stay outside the graphs (a capture would fix what they computed on the host).
+
+Semantics (Thunder's): a graph's outputs are the same tensors at every replay, so a result kept from one step to the
+next (the loss, say) is overwritten by the next step; copy it (`loss.detach().clone()`, or `.item()`) to keep it.
+Parameters are read in place; other inputs are copied into the graph's own buffers. Gradients are cloned out of the
+backward graph by autograd, which costs one gradient's memory beyond the graphs' pool. A new input shape, dtype or
+stride captures a new graph. Forward and backward must alternate (no two forwards before their backwards).
+"""
+
+from __future__ import annotations
+
+import torch
+from thunder.core import vjp_utils
+from thunder.core.proxies import ProxyTag, TensorProxy
+from thunder.core.trace import TraceCtx, TraceTag
+from thunder.distributed import prims as dist_prims
+from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
+
+# Calls that must run outside a graph: collectives and their waits (their own streams, peer memory, NCCL's queues).
+_COLLECTIVE_IDS = frozenset(dist_prims.PrimIDs)
+_COLLECTIVE_OPS = frozenset({"tk_all_gather", "tk_reduce_scatter"})
+
+GRAPH_PREFIX = "CUDAGraph"  # the name Thunder gives each graph's call in a trace: CUDAGraph1, CUDAGraph2, ...
+
+
+def is_graph_call(bsym) -> bool:
+    """Whether a trace's bound symbol replays a CUDA graph (of this transform or Thunder's)."""
+    return bsym.sym.is_fusion and bsym.sym.name.startswith(GRAPH_PREFIX)
+
+
+class _SharedPoolRunner(CUDAGraphRunner):
+    """Thunder's runner with one graph memory pool and capture stream per device, made at the first capture."""
+
+    def __init__(self):
+        super().__init__(share_mem_pool=False)
+
+    def build_cuda_graph(self, fn, args, static_args_mask):
+        if self.mem_pool is None:
+            devices = range(torch.cuda.device_count())
+            self.mem_pool = [torch.cuda.graph_pool_handle() for _ in devices]
+            self.stream = [torch.cuda.Stream(device=i) for i in devices]
+        return super().build_cuda_graph(fn, args, static_args_mask)
+
+
+def _tensors(bsym):
+    return [p for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs) if isinstance(p, TensorProxy)]
+
+
+def _on_cuda(t: TensorProxy) -> bool:
+    return t.device.devicetype.name == "CUDA"
+
+
+def _saved_for_backward_unpacked(trace: TraceCtx):
+    """The backward trace's proxies of the tensors the forward saved, in the forward's order."""
+    collections = next((b for b in trace.bound_symbols if b.sym.name == "unpack_sequence"
+                        and getattr(b.args[0], "name", None) == "saved_for_backward"), None)
+    if collections is None:
+        return None
+    tensors = collections.output[0]
+    return next((b.output for b in trace.bound_symbols if b.sym.name == "unpack_sequence" and b.args[0] is tensors),
+                None)
+
+
+class CUDAGraphs(CUDAGraphTransform):
+    """Thunder's CUDAGraphTransform for tk's traces (module docstring): pass it in `thunder.jit`'s `transforms`."""
+
+    name = "cuda graphs"
+
+    def __init__(self):
+        super().__init__(share_mem_pool=False)
+        self.cuda_graph_runner = _SharedPoolRunner()
+
+    def can_fuse(self, bsym) -> bool:
+        if bsym.sym.id in _COLLECTIVE_IDS or bsym.sym.name in _COLLECTIVE_OPS:
+            return False
+        # A graph replays only the GPU's work: what a capture computed on the host would stay as it was then.
+        if not all(_on_cuda(t) for t in _tensors(bsym)):
+            return False
+        return super().can_fuse(bsym)
+
+    def transform_trace_post_optimization(self, trace, **kwargs):
+        if not any(_on_cuda(t) for b in trace.bound_symbols for t in _tensors(b)):
+            return trace
+        if trace.siginfo().name == "backward_fn":
+            saved = _saved_for_backward_unpacked(trace)
+            if self.outputs_from_forward is not None and saved is not None \
+                    and len(saved) == len(self.outputs_from_forward):
+                for is_static, p in zip(self.outputs_from_forward, saved):
+                    if is_static and isinstance(p, TensorProxy):
+                        p.tags.add(ProxyTag.STATIC_MEMORY_LOCATION)
+            self.outputs_from_forward = None
+        new_trace = self.generate_fused_trace(trace, **kwargs)
+        if TraceTag.AUGMENTED_FORWARD in new_trace.tags:
+            # The forward graph's outputs keep their memory from replay to replay: the backward reads them in place.
+            from_graph = {o.name for b in new_trace.bound_symbols if is_graph_call(b) for o in b.flat_proxy_outs}
+            self.outputs_from_forward = [o.name in from_graph or ProxyTag.STATIC_MEMORY_LOCATION in o.tags
+                                         for o in vjp_utils.get_saved_for_backward_tensors(new_trace)]
+        return new_trace
+
+    @property
+    def graphs_captured(self) -> int:
+        """Graphs captured so far (one per region and input signature)."""
+        return len(self.cuda_graph_runner.cuda_graph_cache)
