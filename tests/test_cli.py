@@ -48,6 +48,17 @@ def test_explain_default_model_and_inference(capsys):
     assert "backward" not in text and "cross_entropy" not in text  # inference plans the model alone
 
 
+def test_explain_plans_the_step_as_cuda_graphs(tmp_path, capsys):
+    """--cuda-graphs: the host's calls a step are the graphs' replays; the rows still name tk's ops."""
+    out = tmp_path / "plan.json"
+    assert main(["explain", str(CONFIGS / "tiny.yaml"), "--cuda-graphs", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "forward: 1 call a step on the host (CUDA graphs 1)" in text
+    assert "backward: 1 call a step on the host (CUDA graphs 1)" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert any(r["ran_by"] == "tk: tk_attention_forward" for r in rows)
+
+
 @pytest.mark.gemm_size_policy
 def test_explain_decoding_leaves_small_gemms_to_cublas_and_says_why(tmp_path, capsys):
     out = tmp_path / "plan.json"

@@ -3,6 +3,7 @@
     thunder-tk explain                                  # the embedded default: Llama-3.2-1B, 2 layers
     thunder-tk explain litgpt_configs/tiny.yaml
     thunder-tk explain Llama-3.2-1B --n-layer 4 --seq 4096 --json plan.json
+    thunder-tk explain Gemma-3-1b-it --cuda-graphs          # the step as CUDA graphs: host calls per step
     thunder-tk info
 """
 
@@ -54,13 +55,17 @@ def _cmd_explain(args) -> int:
     if args.inference:
         meta_model.requires_grad_(False)
     tokens = torch.empty(spec.micro_batch_size, spec.seq_len, dtype=torch.int64, device="meta")
+    options = {"device": args.device, "autocast": autocast}
+    if args.cuda_graphs:
+        from thunder_tk.cuda_graphs import CUDAGraphs
+
+        options["transforms"] = [CUDAGraphs()]
     if args.inference:
-        report = plan(meta_model, [tokens], device=args.device, autocast=autocast)
+        report = plan(meta_model, [tokens], **options)
     else:  # training: the model with its loss, as `thunder-tk pretrain` jits it
         from thunder_tk.pretrain import LossModule
 
-        report = plan(LossModule(meta_model), [tokens, torch.empty_like(tokens)], device=args.device,
-                      autocast=autocast)
+        report = plan(LossModule(meta_model), [tokens, torch.empty_like(tokens)], **options)
     cfg = spec.config
     print(f"{spec.source}: {cfg.name or 'model'}, {cfg.n_layer} layers, hidden {cfg.n_embd}, {cfg.n_head} heads "
           f"(head_dim {cfg.head_size}, {cfg.n_query_groups} kv groups), batch {spec.micro_batch_size} x "
@@ -159,6 +164,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="weights and compute (bf16-mixed: fp32 weights under bf16 autocast; default: the YAML's "
                         "precision, else bf16)")
     e.add_argument("--inference", action="store_true", help="plan the forward pass only")
+    e.add_argument("--cuda-graphs", action="store_true",
+                   help="plan the step captured as CUDA graphs (thunder_tk.CUDAGraphs, pretrain's compiler.cuda_graphs): "
+                        "the host's calls a step then count graph replays")
     e.add_argument("--device", default="cuda:0")
     e.add_argument("--json", help="also write the report as JSON to this path")
     e.set_defaults(run=_cmd_explain)

@@ -615,9 +615,6 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
 
         options = {"tk_disable": list(config.compiler.disable)} if config.compiler.disable else {}
         if config.compiler.cuda_graphs:
-            if dist.world > 1:
-                raise ConfigError("compiler.cuda_graphs: one process only (FSDP's collectives run between graphs on "
-                                  "streams of their own, not yet measured); leave it false under torchrun")
             from thunder_tk.cuda_graphs import CUDAGraphs
 
             graphs = CUDAGraphs()

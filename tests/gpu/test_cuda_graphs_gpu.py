@@ -32,11 +32,17 @@ def test_replayed_steps_train_as_accurately_as_eager(standin_nvfuser, family):
     litgpt = pytest.importorskip("litgpt")
     transform = CUDAGraphs()
     jitted, _ = train_steps_and_compare(litgpt, family, "cuda", lambda m: _jit_graphs(m, transform), seq=300)
-    assert transform.graphs_captured == 2  # captured once each, then replayed
-    for t in (thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]):
-        assert sum(is_graph_call(b) for b in t.bound_symbols) == 1
+    # Each graph captured once, then replayed. Gemma's embedding scale is a CPU scalar, whose op stays outside: its
+    # backward is two graphs.
+    traces = (thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1])
+    graph_calls = [sum(is_graph_call(b) for b in t.bound_symbols) for t in traces]
+    assert graph_calls == ([1, 1] if family.name == "Llama-3.2-1B" else [1, 2])
+    assert transform.graphs_captured == sum(graph_calls)
     ran = _replayed_ops(jitted)
-    assert {"tk_attention_forward", "tk_attention_backward_qkv"} <= ran, sorted(ran)
+    # Gemma's q/k norms keep the rotary embedding's backward out of the attention's (family.claimed lists no
+    # tk_attention_backward_qkv for it)
+    want = {"tk_attention_forward"} | ({"tk_attention_backward_qkv"} if family.name == "Llama-3.2-1B" else set())
+    assert want <= ran, sorted(ran)
 
 
 def test_replayed_steps_read_each_batch_and_match_the_op_by_op_steps():
