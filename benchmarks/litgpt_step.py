@@ -602,9 +602,9 @@ def main():
     assert tuple(chosen)[:len(VARIANT_NAMES)] == VARIANT_NAMES, "VARIANT_NAMES must list variants()"
     # nvidia-smi's SM clock, power and temperature beside every timing round (nothing without nvidia-smi)
     with ClockSampler(period_ms=100) as clocks:
-        for name, wrap in chosen.items():
-            if a.only and name not in a.only:
-                continue
+        # in --only's order where given (a call cut short keeps the variants named first)
+        for name in (dict.fromkeys(a.only) if a.only else chosen):
+            wrap = chosen[name]
             try:
                 row, v = run(name, wrap, a, device)
             except Exception as e:  # noqa: BLE001

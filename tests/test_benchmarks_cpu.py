@@ -369,8 +369,10 @@ def test_litgpt_step_a_failing_variant_costs_only_its_own_row(monkeypatch, tmp_p
     out = tmp_path / "step.json"
     monkeypatch.setattr(sys, "argv", ["litgpt_step.py", "--device", "cpu", "--model", "pythia-14m", "--n-layer", "1",
                                       "--seq", "16", "--batch", "1", "--warmup", "1", "--steps", "1", "--rounds", "2",
-                                      "--only", "eager", "default", "--json", str(out)])
+                                      "--only", "default", "eager", "--json", str(out)])
     bench.main()
+    # run (and listed) in --only's order
+    assert [r["variant"] for r in json.loads(out.read_text())["rows"]] == ["thunder default", "eager"]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["thunder default"]["error"] == "RuntimeError: query and dout must have the same dtype"
     assert rows["thunder default"]["tokens_per_s"] is None and rows["eager"]["vs_thunder_default"] is None
