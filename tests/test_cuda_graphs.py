@@ -69,3 +69,40 @@ def test_a_cpu_run_stays_op_by_op_and_computes_the_same():
         torch.testing.assert_close(p.grad, g)
     assert not any(is_graph_call(b) for b in thunder.last_traces(jitted)[-1].bound_symbols)
     assert transform.graphs_captured == 0
+
+
+def test_graphs_plan_for_bf16_mixed_and_inference():
+    """Under bf16 autocast (fp32 weights, Thunder's casts) the step is still one graph each way; an inference trace
+    (no gradients) is one graph."""
+    pytest.importorskip("litgpt")
+    from thunder_tk.litgpt_models import build_meta_model, load_spec
+    from thunder_tk.planning import trace_planned
+    from thunder_tk.pretrain import LossModule
+
+    spec = load_spec("Llama-3.2-1B", n_layer=1, seq_len=128, micro_batch_size=1)
+    with torch.device("meta"):
+        x = torch.randint(spec.config.padded_vocab_size, (1, 128))
+    mixed = trace_planned(LossModule(build_meta_model(spec, torch.float32)), [x, x.clone()], autocast=torch.bfloat16,
+                          transforms=[thunder_tk.CUDAGraphs()])
+    for trace in (thunder.last_traces(mixed)[-1], thunder.last_backward_traces(mixed)[-1]):
+        assert sum(is_graph_call(b) for b in trace.bound_symbols) == 1
+    model = build_meta_model(spec, torch.bfloat16).requires_grad_(False)
+    inference = trace_planned(model, [x], transforms=[thunder_tk.CUDAGraphs()])
+    assert sum(is_graph_call(b) for b in thunder.last_traces(inference)[-1].bound_symbols) == 1
+    assert not thunder.last_backward_traces(inference)
+
+
+def test_a_failed_capture_names_the_region_and_its_calls(monkeypatch):
+    """A capture that fails (a call in the region waits on the host) is reported with what the region calls."""
+    transform = thunder_tk.CUDAGraphs()
+    _planned(transform)
+    runner = transform.cuda_graph_runner
+    name = next(iter(runner.python_callables))
+
+    def failing(self, fn, args, mask):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(type(runner), "build_cuda_graph", failing)
+    with pytest.raises(RuntimeError, match=rf"capturing {name} failed \(CUDA error: operation not permitted.*"
+                                           r"Its calls: .*tk_attention_forward"):
+        runner.call_cuda_graph(name, *[None] * len(runner.python_callables[name][1]))

@@ -42,10 +42,24 @@ def is_graph_call(bsym) -> bool:
 
 
 class _SharedPoolRunner(CUDAGraphRunner):
-    """Thunder's runner with one graph memory pool and capture stream per device, made at the first capture."""
+    """Thunder's runner with one graph memory pool and capture stream per device, made at the first capture, and a
+    failed capture reported with the region's calls."""
 
     def __init__(self):
         super().__init__(share_mem_pool=False)
+
+    def call_cuda_graph(self, fn_name, *args):
+        try:
+            return super().call_cuda_graph(fn_name, *args)
+        except RuntimeError as e:
+            if "captur" not in str(e).lower():
+                raise
+            bsyms = self.trace_symbols.get(fn_name, ((),))[0]
+            calls = sorted({str(b.sym.name) for b in bsyms} - {"python_del", "python_return"})
+            raise RuntimeError(
+                f"thunder_tk.CUDAGraphs: capturing {fn_name} failed ({str(e).splitlines()[0]}). A call in it waits "
+                f"for the GPU or reads a result on the host, which a CUDA graph cannot hold; jit without "
+                f"CUDAGraphs, or keep that call out of the step. Its calls: {', '.join(calls)}") from e
 
     def build_cuda_graph(self, fn, args, static_args_mask):
         if self.mem_pool is None:
