@@ -106,3 +106,62 @@ def test_a_failed_capture_names_the_region_and_its_calls(monkeypatch):
     with pytest.raises(RuntimeError, match=rf"capturing {name} failed \(CUDA error: operation not permitted.*"
                                            r"Its calls: .*tk_attention_forward"):
         runner.call_cuda_graph(name, *[None] * len(runner.python_callables[name][1]))
+
+
+class _ReplayOnCpu:
+    """Stands in for a CUDA graph on a CPU: replay runs the region again and writes its results into the buffers
+    of the first run, as a graph's kernels write into the addresses they were captured with."""
+
+    def __init__(self, fn, inputs):
+        self.fn, self.inputs = fn, inputs
+        self.outputs = fn(*inputs)
+
+    def replay(self):
+        for kept, fresh in zip(self.outputs, self.fn(*self.inputs)):
+            if isinstance(kept, torch.Tensor):
+                kept.copy_(fresh)
+
+
+@pytest.fixture
+def graphs_on_cpu(monkeypatch):
+    """CUDAGraphs capturing CPU traces into _ReplayOnCpu: the runner's buffer semantics, checked without a GPU."""
+    from thunder_tk import cuda_graphs
+
+    def build(self, fn, args, static_args_mask):
+        inputs = tuple(a if static or not isinstance(a, torch.Tensor) else torch.empty_like(a).copy_(a)
+                       for a, static in zip(args, static_args_mask))
+        graph = _ReplayOnCpu(fn, inputs)
+        return graph, inputs, graph.outputs
+
+    monkeypatch.setattr(cuda_graphs, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(cuda_graphs._SharedPoolRunner, "build_cuda_graph", build)
+
+
+def _mlp_pair():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    reference = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_kept_gradients_are_moved_before_the_next_backward(graphs_on_cpu, set_to_none):
+    """Fresh batches, gradient accumulation over two of them, and zero_grad(set_to_none=False) between steps: the
+    replayed step reads each batch and its gradients are eager's (nothing overwritten by the next replay or added
+    twice)."""
+    model, reference = _mlp_pair()
+    jitted = thunder.jit(model, executors=[thunder_tk.tk], transforms=[thunder_tk.CUDAGraphs()])
+    for step in range(3):
+        for micro in range(2):
+            x = torch.randn(4, 16)
+            jitted(x).square().sum().backward()
+            reference(x).square().sum().backward()
+        for p, want in zip(model.parameters(), _grads(reference)):
+            torch.testing.assert_close(p.grad, want)
+        model.zero_grad(set_to_none=set_to_none)
+        reference.zero_grad(set_to_none=set_to_none)
