@@ -193,3 +193,98 @@ def test_regions_of_views_alone_run_as_their_ops(monkeypatch):
     regions_kept, views_alone, tk_ops_kept = planned()
     assert len(views_alone) >= 10 and len(regions_kept) == len(regions) + len(views_alone)
     assert tk_ops_kept == tk_ops
+
+
+def _round_trip_region(source_dtype, middle, *, also_return_input=False):
+    """A trace whose two casts (source_dtype -> middle -> source_dtype) sit in one region of tk's fuser, and what
+    `_as_plain_calls` makes of that region."""
+    from thunder.core import dtypes, prims
+    from thunder.core.symbol import BoundSymbol, Symbol
+    from thunder.core.utils import consumers
+
+    from thunder_tk import tk
+    from thunder_tk.fusion import _as_plain_calls
+
+    def f(x):
+        back = prims.convert_element_type(prims.convert_element_type(x, getattr(dtypes, middle)), source_dtype)
+        return (back, x) if also_return_input else back
+
+    trace = thunder.trace(inline_trace=False)(f, torch.randn(4, dtype=thunder.torch.to_torch_dtype(source_dtype)))
+    casts = [b for b in trace.bound_symbols if b.sym.name == "convert_element_type"]
+    region = BoundSymbol(Symbol("region", meta=None, is_fusion=True, executor=tk.default_fuser()),
+                         args=tuple(casts[0].args[:1]), kwargs={}, output=casts[1].output, subsymbols=casts)
+    trace.bound_symbols = [region if b is casts[0] else b for b in trace.bound_symbols if b is not casts[1]]
+    return _as_plain_calls(region, consumers(trace)), casts
+
+
+@pytest.mark.parametrize("source, middle", [("bfloat16", "float32"), ("float16", "float32"), ("float32", "float64")])
+def test_a_cast_to_a_wider_dtype_and_back_is_its_input(source, middle):
+    from thunder.core import dtypes
+
+    calls, casts = _round_trip_region(getattr(dtypes, source), middle)
+    assert [c.sym.name for c in calls] == ["shallow_copy"]  # torch runs it as the input itself
+    assert calls[0].args[0] is casts[0].args[0] and calls[0].output is casts[1].output
+
+
+@pytest.mark.parametrize("source, middle", [("bfloat16", "float16"), ("float32", "bfloat16"), ("float16", "bfloat16")])
+def test_a_cast_that_rounds_stays_compiled(source, middle):
+    from thunder.core import dtypes
+
+    assert _round_trip_region(getattr(dtypes, source), middle)[0] is None
+
+
+def test_a_round_trip_whose_input_lives_on_stays_two_tensors():
+    from thunder.core import dtypes
+
+    assert _round_trip_region(dtypes.bfloat16, "float32", also_return_input=True)[0] is None
+
+
+class RoundTrip(torch.nn.Module):
+    """Two products with a cast to fp32 and back between them: a region of tk's fuser that computes nothing."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a = torch.nn.Linear(width, width, bias=False)
+        self.b = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, x):
+        return self.b(self.a(x).float().to(x.dtype))
+
+
+def test_a_round_trip_region_runs_as_its_input():
+    """Beside tk, the fuser's region that casts bf16 to fp32 and back runs as the tensor itself (torch's
+    shallow_copy), and the step computes what eager does."""
+    torch.manual_seed(0)
+    model = RoundTrip(32).to(torch.bfloat16)
+    fuser = _fuser("test_round_trip")
+    jitted = thunder.jit(model, executors=[thunder_tk.tk, fuser])
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    out = jitted(x)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    forward = thunder.last_traces(jitted)[-1]
+    assert not [b for b in forward.bound_symbols if b.sym.is_fusion], forward
+    assert [b.sym.name for b in forward.bound_symbols if b.sym.name == "shallow_copy"] == ["shallow_copy"]
+
+
+def test_gemmas_norm_weight_gradients_skip_their_round_trip_regions(monkeypatch):
+    """Gemma 3's backward (planned): tk's norm kernel writes the weight gradient in bf16, which the trace casts to
+    fp32 and back, each pair a region of its own; those now run as the tensor itself (with view_calls off, they
+    stay compiled regions)."""
+    pytest.importorskip("litgpt")
+    from thunder_tk.fusion import VIEW_CALLS
+    from thunder_tk.litgpt_models import build_meta_model, load_spec
+    from thunder_tk.planning import trace_planned
+    from thunder_tk.pretrain import LossModule
+
+    def casts_alone():
+        spec = load_spec("Gemma-3-1b-it", n_layer=2, seq_len=256, micro_batch_size=1)
+        model = build_meta_model(spec, torch.bfloat16)
+        with torch.device("meta"):
+            x = torch.randint(spec.config.padded_vocab_size, (1, 256))
+        backward = thunder.last_backward_traces(trace_planned(LossModule(model), [x, x.clone()]))[-1]
+        return [b for b in backward.bound_symbols if b.sym.is_fusion
+                and [s.sym.name for s in b.subsymbols] == ["convert_element_type"] * 2]
+
+    assert not casts_alone()
+    monkeypatch.setenv("THUNDER_TK_DISABLE", VIEW_CALLS)
+    assert len(casts_alone()) >= 6

@@ -21,12 +21,14 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
 from itertools import filterfalse
 
+from thunder.core import dtypes, prims
 from thunder.core.compile_data import get_compile_data
 from thunder.core.proxies import NumberProxy, Proxy, TensorProxy, Variable, unvariableify, variableify
 from thunder.core.pytree import tree_map
 from thunder.core.symbol import BoundSymbol, Symbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 from thunder.core.transform_common import cse_single_bsym, dce, replace_redundant_inputs
+from thunder.core.utils import consumers
 from thunder.executors.passes import update_fusion_call_ctx
 from thunder.executors.torch_compile import TorchCompileExecutor, make_compiled
 from thunder.executors.utils import Region
@@ -114,15 +116,51 @@ VIEW_CALLS = "view_calls"
 VIEW_OPS = frozenset({"reshape", "transpose", "squeeze", "unsqueeze", "broadcast_in_dim", "slice_prim",
                       "shallow_copy", "split", "view", "expand", "permute"})
 
+# dtype -> the dtypes that hold every one of its values: a cast there and back returns the input, bit for bit.
+_EXACTLY_WIDER = {dtypes.bfloat16: (dtypes.float32, dtypes.float64), dtypes.float16: (dtypes.float32, dtypes.float64),
+                  dtypes.float32: (dtypes.float64,)}
+
+
+def _as_plain_calls(region: BoundSymbol, readers) -> list[BoundSymbol] | None:
+    """The region's ops as plain calls where it computes nothing: views, and casts to a wider dtype and straight
+    back, which return their input (a round trip of RMSNorm's weight gradient, bf16 -> fp32 -> bf16, in Gemma's
+    backward), or None. A round trip is dropped only where the region alone reads its input: the result then is
+    that tensor itself, with nothing else holding it."""
+    subs = list(region.subsymbols)
+    produced_by = {variableify(o): i for i, b in enumerate(subs) for o in b.flat_proxy_outs}
+    outputs = {variableify(o) for o in region.flat_proxy_outs}
+    dropped, plain = set(), {}
+    for i, b in enumerate(subs):
+        if b.sym.name != "convert_element_type":
+            continue
+        mid = b.args[0]
+        j = produced_by.get(variableify(mid)) if isinstance(mid, TensorProxy) else None
+        if j is None or subs[j].sym.name != "convert_element_type" or variableify(mid) in outputs:
+            continue
+        source = subs[j].args[0]
+        if not isinstance(source, TensorProxy) or b.output.dtype != source.dtype \
+                or mid.dtype not in _EXACTLY_WIDER.get(source.dtype, ()):
+            continue
+        if sum(variableify(mid) in {variableify(a) for a in s.flat_proxy_args} for s in subs) != 1:
+            continue  # the wide value is read by another op of the region
+        if [r for r in readers.get(source, ()) if r is not region] or variableify(source) in outputs:
+            continue  # the input lives on beside the result: keep them two tensors
+        dropped.add(j)
+        plain[i] = prims.shallow_copy.bind(source, output=b.output)
+    kept = [plain.get(i, b) for i, b in enumerate(subs) if i not in dropped]
+    return kept if all(b.sym.name in VIEW_OPS for b in kept) else None
+
 
 def unfuse_view_regions(trace: TraceCtx, executor) -> TraceCtx:
-    """`executor`'s regions made of views alone, replaced by their ops, which the always-executors (torch) then run
-    one call each."""
+    """`executor`'s regions that compute nothing (_as_plain_calls), replaced by their ops, which the always-executors
+    (torch) then run one call each."""
+    readers = consumers(trace)
     bsyms, changed = [], False
     for bsym in trace.bound_symbols:
-        if (bsym.sym.is_fusion and bsym.sym.executor is executor and bsym.subsymbols
-                and all(s.sym.name in VIEW_OPS for s in bsym.subsymbols)):
-            bsyms.extend(bsym.subsymbols)
+        calls = (_as_plain_calls(bsym, readers) if bsym.sym.is_fusion and bsym.sym.executor is executor
+                 and bsym.subsymbols else None)
+        if calls is not None:
+            bsyms.extend(calls)
             changed = True
         else:
             bsyms.append(bsym)
@@ -130,7 +168,7 @@ def unfuse_view_regions(trace: TraceCtx, executor) -> TraceCtx:
         return trace
     new = from_trace(trace)
     new.bound_symbols = bsyms
-    new.set_provenance(TraceProvenance("Regions of views alone run as their ops"))
+    new.set_provenance(TraceProvenance("Regions that compute nothing run as their ops"))
     return new
 
 
