@@ -16,10 +16,10 @@ def _planned(transform, model_name="Llama-3.2-1B"):
     from thunder_tk.planning import trace_planned
     from thunder_tk.pretrain import LossModule
 
-    spec = load_spec(model_name, n_layer=2, seq_len=256, micro_batch_size=1)
+    spec = load_spec(model_name, n_layer=1, seq_len=128, micro_batch_size=1)
     model = build_meta_model(spec, torch.bfloat16)
     with torch.device("meta"):
-        x = torch.randint(spec.config.padded_vocab_size, (1, 256))
+        x = torch.randint(spec.config.padded_vocab_size, (1, 128))
     return trace_planned(LossModule(model), [x, x.clone()], transforms=[transform])
 
 
@@ -40,8 +40,8 @@ def test_a_planned_step_is_one_graph_forward_and_one_backward():
     (fw_name, (_, fw_static)), (bw_name, (_, bw_static)) = transform.cuda_graph_runner.python_callables.items()
     # Read in place: the parameters (the forward's graph) and the forward's saved tensors (the backward's); copied in
     # at each replay: the tokens and targets, and the loss's incoming gradient.
-    assert fw_static.count(False) == 2 and sum(fw_static) >= 2 * 9
-    assert bw_static.count(False) <= 2 and sum(bw_static) >= 20
+    assert fw_static.count(False) == 2 and sum(fw_static) >= 9
+    assert bw_static.count(False) <= 2 and sum(bw_static) >= 10
 
 
 def test_explain_sees_through_the_graphs():

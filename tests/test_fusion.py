@@ -277,14 +277,14 @@ def test_gemmas_norm_weight_gradients_skip_their_round_trip_regions(monkeypatch)
     from thunder_tk.pretrain import LossModule
 
     def casts_alone():
-        spec = load_spec("Gemma-3-1b-it", n_layer=2, seq_len=256, micro_batch_size=1)
+        spec = load_spec("Gemma-3-1b-it", n_layer=1, seq_len=128, micro_batch_size=1)
         model = build_meta_model(spec, torch.bfloat16)
         with torch.device("meta"):
-            x = torch.randint(spec.config.padded_vocab_size, (1, 256))
+            x = torch.randint(spec.config.padded_vocab_size, (1, 128))
         backward = thunder.last_backward_traces(trace_planned(LossModule(model), [x, x.clone()]))[-1]
         return [b for b in backward.bound_symbols if b.sym.is_fusion
                 and [s.sym.name for s in b.subsymbols] == ["convert_element_type"] * 2]
 
     assert not casts_alone()
     monkeypatch.setenv("THUNDER_TK_DISABLE", VIEW_CALLS)
-    assert len(casts_alone()) >= 6
+    assert len(casts_alone()) >= 3
