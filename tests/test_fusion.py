@@ -163,23 +163,29 @@ def test_regions_compute_each_expression_once(monkeypatch):
     assert _repeated_expressions(thunder.last_backward_traces(unmerged)[-1], unmerged_fuser) != []
 
 
-def test_regions_of_views_alone_run_as_their_ops(monkeypatch):
-    """A planned LitGPT step (sm_90 proxies, nothing run): no region of tk's fuser is made of views alone (those run
-    as plain view calls, cheaper on the host than a compiled call), and every tk op is still there. With the
-    feature off (THUNDER_TK_DISABLE=view_calls) such regions stay."""
+def _planned_step(model_name: str, n_layer: int, seq: int):
+    """The planned forward and backward traces (sm_90 proxies, nothing run) of a LitGPT model's training step."""
     pytest.importorskip("litgpt")
-    from thunder_tk.fusion import VIEW_CALLS, VIEW_OPS
     from thunder_tk.litgpt_models import build_meta_model, load_spec
     from thunder_tk.planning import trace_planned
     from thunder_tk.pretrain import LossModule
 
+    spec = load_spec(model_name, n_layer=n_layer, seq_len=seq, micro_batch_size=1)
+    model = build_meta_model(spec, torch.bfloat16)
+    with torch.device("meta"):
+        x = torch.randint(spec.config.padded_vocab_size, (1, seq))
+    jitted = trace_planned(LossModule(model), [x, x.clone()])
+    return thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+
+
+def test_regions_of_views_alone_run_as_their_ops(monkeypatch):
+    """A planned LitGPT step: no region of tk's fuser is made of views alone (those run as plain view calls, cheaper
+    on the host than a compiled call), and every tk op is still there. With the feature off
+    (THUNDER_TK_DISABLE=view_calls) such regions stay."""
+    from thunder_tk.fusion import VIEW_CALLS, VIEW_OPS
+
     def planned():
-        spec = load_spec("Llama-3.2-1B", n_layer=2, seq_len=256, micro_batch_size=1)
-        model = build_meta_model(spec, torch.bfloat16)
-        with torch.device("meta"):
-            x = torch.randint(spec.config.padded_vocab_size, (1, 256))
-        jitted = trace_planned(LossModule(model), [x, x.clone()])
-        traces = (thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1])
+        traces = _planned_step("Llama-3.2-1B", 2, 256)
         regions = [b for t in traces for b in t.bound_symbols if b.sym.is_fusion]
         views_alone = [b for b in regions if all(s.sym.name in VIEW_OPS for s in b.subsymbols)]
         tk_ops = [b.sym.name for t in traces for b in t.bound_symbols if b.sym.executor is not None
@@ -270,18 +276,10 @@ def test_gemmas_norm_weight_gradients_skip_their_round_trip_regions(monkeypatch)
     """Gemma 3's backward (planned): tk's norm kernel writes the weight gradient in bf16, which the trace casts to
     fp32 and back, each pair a region of its own; those now run as the tensor itself (with view_calls off, they
     stay compiled regions)."""
-    pytest.importorskip("litgpt")
     from thunder_tk.fusion import VIEW_CALLS
-    from thunder_tk.litgpt_models import build_meta_model, load_spec
-    from thunder_tk.planning import trace_planned
-    from thunder_tk.pretrain import LossModule
 
     def casts_alone():
-        spec = load_spec("Gemma-3-1b-it", n_layer=1, seq_len=128, micro_batch_size=1)
-        model = build_meta_model(spec, torch.bfloat16)
-        with torch.device("meta"):
-            x = torch.randint(spec.config.padded_vocab_size, (1, 128))
-        backward = thunder.last_backward_traces(trace_planned(LossModule(model), [x, x.clone()]))[-1]
+        _, backward = _planned_step("Gemma-3-1b-it", 1, 128)
         return [b for b in backward.bound_symbols if b.sym.is_fusion
                 and [s.sym.name for s in b.subsymbols] == ["convert_element_type"] * 2]
 
