@@ -26,12 +26,13 @@ import torch
 from thunder.core import vjp_utils
 from thunder.core.proxies import ProxyTag, TensorProxy
 from thunder.core.trace import TraceCtx, TraceTag
-from thunder.distributed import prims as dist_prims
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
 
+from thunder_tk.executor import COLLECTIVE_IDS
+from thunder_tk.lowering import tk_all_gather, tk_reduce_scatter
+
 # Calls that must run outside a graph: collectives and their waits (their own streams, peer memory, NCCL's queues).
-_COLLECTIVE_IDS = frozenset(dist_prims.PrimIDs)
-_COLLECTIVE_OPS = frozenset({"tk_all_gather", "tk_reduce_scatter"})
+_COLLECTIVE_OPS = frozenset({tk_all_gather.name, tk_reduce_scatter.name})
 
 GRAPH_PREFIX = "CUDAGraph"  # the name Thunder gives each graph's call in a trace: CUDAGraph1, CUDAGraph2, ...
 
@@ -98,7 +99,7 @@ class CUDAGraphs(CUDAGraphTransform):
         self.cuda_graph_runner = _SharedPoolRunner()
 
     def can_fuse(self, bsym) -> bool:
-        if bsym.sym.id in _COLLECTIVE_IDS or bsym.sym.name in _COLLECTIVE_OPS:
+        if bsym.sym.id in COLLECTIVE_IDS or bsym.sym.name in _COLLECTIVE_OPS:
             return False
         # A graph replays only the GPU's work: what a capture computed on the host would stay as it was then.
         if not all(_on_cuda(t) for t in _tensors(bsym)):

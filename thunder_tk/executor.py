@@ -41,7 +41,7 @@ ATTENTION_FALLBACKS = ("cudnn", "sdpa")
 _SPECIALISED_FUSERS = ("torchcompile_cat", "torchcompile_xentropy")
 
 # Thunder's distributed prims never go into a fusion region (async work handles break torch.compile).
-_COLLECTIVE_IDS = frozenset(dist_prims.PrimIDs)
+COLLECTIVE_IDS = frozenset(dist_prims.PrimIDs)
 
 
 def _sdpa_shape_problem(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None
@@ -144,7 +144,7 @@ class TKExecutor(FusionExecutor):
         # Collectives inside a torch.compile region break (async work handles); GEMMs and attention are
         # ours or cuBLAS/cuDNN calls, and splitting regions at them keeps compile times short. CUDA tensors only:
         # on CPU (smoke runs, tests) compiling costs far more than it saves.
-        excluded = _COLLECTIVE_IDS | set(self._rules)
+        excluded = COLLECTIVE_IDS | set(self._rules)
         fuser._implmap = {op: ImplInfo(checker=cuda_device_checker) for op in pytorch_ex.implmap if op not in excluded}
         return fuser
 
@@ -242,7 +242,7 @@ class TKExecutor(FusionExecutor):
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         if bsym.sym.id in self._rules:
             return self.can_execute(bsym)
-        if bsym.sym.executor is self or bsym.sym.id in _COLLECTIVE_IDS:
+        if bsym.sym.executor is self or bsym.sym.id in COLLECTIVE_IDS:
             return False
         fuser = self._fuser_in_use()
         return fuser is not None and fuser.can_fuse(bsym)

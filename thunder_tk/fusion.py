@@ -109,7 +109,7 @@ def cse_within_regions(trace: TraceCtx, executor) -> TraceCtx:
     return new
 
 
-# The feature name (tk_disable / THUNDER_TK_DISABLE) that keeps regions of views alone as compiled calls.
+# The feature name (tk_disable / THUNDER_TK_DISABLE) that keeps regions computing nothing as compiled calls.
 VIEW_CALLS = "view_calls"
 # Ops that compute nothing (each output a view of an input, or its metadata): a region of these alone is a compiled
 # call that does no arithmetic, and the same ops run as their own calls cost the host less.
@@ -151,7 +151,7 @@ def _as_plain_calls(region: BoundSymbol, readers) -> list[BoundSymbol] | None:
     return kept if all(b.sym.name in VIEW_OPS for b in kept) else None
 
 
-def unfuse_view_regions(trace: TraceCtx, executor) -> TraceCtx:
+def unfuse_regions_computing_nothing(trace: TraceCtx, executor) -> TraceCtx:
     """`executor`'s regions that compute nothing (_as_plain_calls), replaced by their ops, which the always-executors
     (torch) then run one call each."""
     readers = consumers(trace)
@@ -188,8 +188,8 @@ class SharingTorchCompileExecutor(TorchCompileExecutor):
 
     def fusion_pass(self, trace):
         fused = cse_within_regions(super().fusion_pass(trace), self)
-        # Named in an executor list beside tk (`thunder_tk.executors()`), this is the last fusion pass: regions of
-        # views alone go back to plain calls, then tk's FSDP schedule. As the baseline's fuser (no tk in the list)
+        # Named in an executor list beside tk (`thunder_tk.executors()`), this is the last fusion pass: regions that
+        # compute nothing go back to plain calls, then tk's FSDP schedule. As the baseline's fuser (no tk in the list)
         # it leaves the fused trace as Thunder's torch.compile executor makes it.
         cd = get_compile_data()
         if cd is not None and any(getattr(ex, "name", None) == "tk" for ex in cd.executors_list):
@@ -197,7 +197,7 @@ class SharingTorchCompileExecutor(TorchCompileExecutor):
             from thunder_tk.fsdp_schedule import overlap_collectives
 
             if VIEW_CALLS not in claim_rules.disabled_names():
-                fused = unfuse_view_regions(fused, self)
+                fused = unfuse_regions_computing_nothing(fused, self)
             fused = overlap_collectives(fused)
         return fused
 

@@ -397,7 +397,7 @@ def validate(config: PretrainConfig) -> None:
     if config.compiler.cuda_graphs and not config.compiler.jit:
         raise ConfigError("compiler.cuda_graphs: CUDA graphs are captured from Thunder's traces; they need "
                           "compiler.jit true")
-    if config.compiler.cuda_graphs and world_size_of(config) > 1:
+    if config.compiler.cuda_graphs and world > 1:
         raise ConfigError("compiler.cuda_graphs: one process only for now (FSDP's collectives run between the graphs "
                           "on streams of their own, which is not yet measured); set devices: 1 or cuda_graphs: false")
     if config.compiler.disable:
