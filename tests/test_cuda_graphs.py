@@ -149,11 +149,30 @@ def _grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def test_gradients_are_the_graph_buffers_without_a_copy(graphs_on_cpu):
+    """A plain loop (zero_grad(set_to_none=True)): each .grad is the backward graph's buffer, not a clone, and holds
+    that step's gradient of that step's batch."""
+    model, reference = _mlp_pair()
+    transform = thunder_tk.CUDAGraphs()
+    jitted = thunder.jit(model, executors=[thunder_tk.tk], transforms=[transform])
+    for step in range(3):
+        x = torch.randn(4, 16)
+        jitted(x).square().sum().backward()
+        reference(x).square().sum().backward()
+        for p, want in zip(model.parameters(), _grads(reference)):
+            torch.testing.assert_close(p.grad, want)
+        buffers = {o.untyped_storage().data_ptr() for entry in transform.cuda_graph_runner.cuda_graph_cache.values()
+                   for o in entry[2] if isinstance(o, torch.Tensor)}
+        assert all(p.grad.untyped_storage().data_ptr() in buffers for p in model.parameters()), step
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    assert transform.graphs_captured == 2
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_kept_gradients_are_moved_before_the_next_backward(graphs_on_cpu, set_to_none):
-    """Fresh batches, gradient accumulation over two of them, and zero_grad(set_to_none=False) between steps: the
-    replayed step reads each batch and its gradients are eager's (nothing overwritten by the next replay or added
-    twice)."""
+    """Gradient accumulation over two batches, and zero_grad(set_to_none=False) between steps: a .grad still kept
+    when the backward replays is moved out of the graph's buffer first, so nothing is overwritten or added twice."""
     model, reference = _mlp_pair()
     jitted = thunder.jit(model, executors=[thunder_tk.tk], transforms=[thunder_tk.CUDAGraphs()])
     for step in range(3):

@@ -15,9 +15,12 @@ What this adds to Thunder's transform:
 
 Semantics (Thunder's): a graph's outputs are the same tensors at every replay, so a result kept from one step to the
 next (the loss, say) is overwritten by the next step; copy it (`loss.detach().clone()`, or `.item()`) to keep it.
-Parameters are read in place; other inputs are copied into the graph's own buffers. Gradients are cloned out of the
-backward graph by autograd, which costs one gradient's memory beyond the graphs' pool. A new input shape, dtype or
-stride captures a new graph. Forward and backward must alternate (no two forwards before their backwards).
+Parameters are read in place; other inputs are copied into the graph's own buffers. A parameter's `.grad` is the
+backward graph's own buffer, with no copy, until the next backward: that replay first moves a `.grad` still kept
+(gradient accumulation, `zero_grad(set_to_none=False)`) to memory of its own. Gradients taken by
+`torch.autograd.grad`, or references to a `.grad` kept elsewhere, are the graph's buffers, and the next backward
+overwrites them. A new input shape, dtype or stride captures a new graph. Forward and backward must alternate (no
+two forwards before their backwards).
 """
 
 from __future__ import annotations
@@ -43,15 +46,22 @@ def is_graph_call(bsym) -> bool:
 
 
 class _SharedPoolRunner(CUDAGraphRunner):
-    """Thunder's runner with one graph memory pool and capture stream per device, made at the first capture, and a
-    failed capture reported with the region's calls."""
+    """Thunder's runner with one graph memory pool and capture stream per device, made at the first capture;
+    gradients handed to autograd without a copy; a failed capture reported with the region's calls."""
 
     def __init__(self):
         super().__init__(share_mem_pool=False)
+        self.gradient_graphs: set[str] = set()  # the backward's graphs (CUDAGraphs marks them)
+        self._output_storages: dict[str, set[int]] = {}  # a backward graph's output buffers, by storage address
+        self._parameters: dict[int, torch.nn.Parameter] = {}  # every graph's parameter inputs
 
     def call_cuda_graph(self, fn_name, *args):
+        backward = fn_name in self.gradient_graphs
+        if backward:
+            self._move_kept_gradients(fn_name)
+        captured = len(self.cuda_graph_cache)
         try:
-            return super().call_cuda_graph(fn_name, *args)
+            outputs = super().call_cuda_graph(fn_name, *args)
         except RuntimeError as e:
             if "captur" not in str(e).lower():
                 raise
@@ -61,6 +71,28 @@ class _SharedPoolRunner(CUDAGraphRunner):
                 f"thunder_tk.CUDAGraphs: capturing {fn_name} failed ({str(e).splitlines()[0]}). A call in it waits "
                 f"for the GPU or reads a result on the host, which a CUDA graph cannot hold; jit without "
                 f"CUDAGraphs, or keep that call out of the step. Its calls: {', '.join(calls)}") from e
+        if len(self.cuda_graph_cache) != captured:  # a new capture: note its parameters and output buffers
+            self._parameters.update((id(a), a) for a in args if isinstance(a, torch.nn.Parameter))
+            if backward:
+                self._output_storages.setdefault(fn_name, set()).update(
+                    o.untyped_storage().data_ptr() for o in outputs if isinstance(o, torch.Tensor))
+        if not backward:
+            return outputs
+        # Autograd keeps a gradient that nothing else holds as the parameter's .grad, and clones one that something
+        # does (the graph's own output): aliases hand it the graph's buffers without a copy or a second gradient's
+        # memory. Such a .grad is the graph's buffer until the next backward replay, which first moves any .grad
+        # still kept (accumulation, zero_grad(set_to_none=False)) to memory of its own (_move_kept_gradients).
+        aliases = [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
+        return tuple(aliases) if isinstance(outputs, tuple) else aliases
+
+    def _move_kept_gradients(self, fn_name: str) -> None:
+        buffers = self._output_storages.get(fn_name)
+        if not buffers:
+            return
+        for p in self._parameters.values():
+            g = p.grad
+            if g is not None and g.untyped_storage().data_ptr() in buffers:
+                p.grad = g.clone()
 
     def build_cuda_graph(self, fn, args, static_args_mask):
         if self.mem_pool is None:
@@ -118,6 +150,9 @@ class CUDAGraphs(CUDAGraphTransform):
                         p.tags.add(ProxyTag.STATIC_MEMORY_LOCATION)
             self.outputs_from_forward = None
         new_trace = self.generate_fused_trace(trace, **kwargs)
+        if trace.siginfo().name == "backward_fn":
+            self.cuda_graph_runner.gradient_graphs.update(b.sym.name for b in new_trace.bound_symbols
+                                                          if is_graph_call(b))
         if TraceTag.AUGMENTED_FORWARD in new_trace.tags:
             # The forward graph's outputs keep their memory from replay to replay: the backward reads them in place.
             from_graph = {o.name for b in new_trace.bound_symbols if is_graph_call(b) for o in b.flat_proxy_outs}

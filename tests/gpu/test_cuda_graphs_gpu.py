@@ -47,7 +47,8 @@ def test_replayed_steps_train_as_accurately_as_eager(standin_nvfuser, family):
 
 def test_replayed_steps_read_each_batch_and_match_the_op_by_op_steps():
     """Four steps on four fresh batches, with the real fuser (torch.compile regions captured inside the graphs):
-    the replayed losses, gradients and updated weights equal those of the same model run op by op."""
+    the replayed losses, gradients and updated weights equal those of the same model run op by op, and each
+    parameter's .grad is the backward graph's buffer (no copy)."""
     litgpt = pytest.importorskip("litgpt")
     family = next(f for f in FAMILIES if f.name == "Llama-3.2-1B")
     model, plain_model, _, cfg = build(litgpt, family, "cuda", torch.bfloat16)
@@ -64,6 +65,10 @@ def test_replayed_steps_read_each_batch_and_match_the_op_by_op_steps():
             loss = torch.nn.functional.cross_entropy(m(idx).float().flatten(0, 1), targets.flatten())
             loss.backward()
             grads.append([p.grad.float().clone() for p in m.parameters()])
+            if m is runs[0]:  # each .grad is the backward graph's buffer, not a copy of it
+                buffers = {o.untyped_storage().data_ptr() for entry in transform.cuda_graph_runner.cuda_graph_cache
+                           .values() for o in entry[2] if isinstance(o, torch.Tensor)}
+                assert all(p.grad.untyped_storage().data_ptr() in buffers for p in m.parameters()), step
             opt.step()
             opt.zero_grad(set_to_none=True)
             out.append(loss.item())
