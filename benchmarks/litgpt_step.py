@@ -67,10 +67,10 @@ def variants(fsdp: bool, device: torch.device, without: tuple[str, ...] = ()):
 
     import thunder_tk
 
-    def thunder_variant(executors, graphs: bool = False, **options):
+    def thunder_variant(executors, graphs: bool = False, copy_gradients: bool = False, **options):
         def wrap(m):
             if graphs:  # a transform per build: it holds the graphs it captures
-                options["transforms"] = [thunder_tk.CUDAGraphs()]
+                options["transforms"] = [thunder_tk.CUDAGraphs(copy_gradients=copy_gradients)]
             jitted = thunder.jit(m, executors=executors, **options)
             if not fsdp:
                 return jitted
@@ -91,6 +91,9 @@ def variants(fsdp: bool, device: torch.device, without: tuple[str, ...] = ()):
         # one host call each instead of one per op; the same for the baseline and for torch.compile
         "thunder [tk] CUDA graphs": thunder_variant([thunder_tk.tk], graphs=True),
         "thunder default CUDA graphs": thunder_variant(thunder_tk.baseline_executors(), graphs=True),
+        # tk's graphs with each gradient copied out of the backward graph (autograd's clone), not handed out as is
+        "thunder [tk] CUDA graphs, gradients copied": thunder_variant([thunder_tk.tk], graphs=True,
+                                                                      copy_gradients=True),
         "torch.compile CUDA graphs": (lambda m: torch.compile(_fsdp2(m), mode="reduce-overhead")) if fsdp
         else (lambda m: torch.compile(m, mode="reduce-overhead")),
         # tk with the loss's forward and backward kernels instead of the gradient from the forward's read
@@ -164,6 +167,7 @@ _VARIANT_ALIASES = {
     "thunder [tk]": ("tk", "thunder_tk"),
     "thunder [tk] CUDA graphs": ("tk_graphs",),
     "thunder default CUDA graphs": ("default_graphs",),
+    "thunder [tk] CUDA graphs, gradients copied": ("tk_graphs_copied",),
     "torch.compile CUDA graphs": ("compile_graphs",),
     "thunder [tk] loss kernels": ("tk_loss_kernels",),
     "thunder [tk] cuBLAS GEMMs": ("tk_cublas_gemms",),

@@ -110,13 +110,20 @@ def test_a_failed_capture_names_the_region_and_its_calls(monkeypatch):
 
 class _ReplayOnCpu:
     """Stands in for a CUDA graph on a CPU: replay runs the region again and writes its results into the buffers
-    of the first run, as a graph's kernels write into the addresses they were captured with."""
+    of the first run, as a graph's kernels write into the addresses they were captured with. Graphs share one pool,
+    so a graph may have its temporaries where a graph captured after it keeps its outputs: replay poisons those
+    (`captured`, the pool's graphs in capture order)."""
 
-    def __init__(self, fn, inputs):
-        self.fn, self.inputs = fn, inputs
+    def __init__(self, fn, inputs, captured: list):
+        self.fn, self.inputs, self.captured = fn, inputs, captured
         self.outputs = fn(*inputs)
+        captured.append(self)
 
     def replay(self):
+        for later in self.captured[self.captured.index(self) + 1:]:
+            for o in later.outputs:
+                if isinstance(o, torch.Tensor) and o.is_floating_point():
+                    o.fill_(float("nan"))
         for kept, fresh in zip(self.outputs, self.fn(*self.inputs)):
             if isinstance(kept, torch.Tensor):
                 kept.copy_(fresh)
@@ -127,10 +134,12 @@ def graphs_on_cpu(monkeypatch):
     """CUDAGraphs capturing CPU traces into _ReplayOnCpu: the runner's buffer semantics, checked without a GPU."""
     from thunder_tk import cuda_graphs
 
+    pools = {}
+
     def build(self, fn, args, static_args_mask):
         inputs = tuple(a if static or not isinstance(a, torch.Tensor) else torch.empty_like(a).copy_(a)
                        for a, static in zip(args, static_args_mask))
-        graph = _ReplayOnCpu(fn, inputs)
+        graph = _ReplayOnCpu(fn, inputs, pools.setdefault(id(self), []))
         return graph, inputs, graph.outputs
 
     monkeypatch.setattr(cuda_graphs, "_on_cuda", lambda t: True)
@@ -149,11 +158,12 @@ def _grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
 
-def test_gradients_are_the_graph_buffers_without_a_copy(graphs_on_cpu):
-    """A plain loop (zero_grad(set_to_none=True)): each .grad is the backward graph's buffer, not a clone, and holds
-    that step's gradient of that step's batch."""
+@pytest.mark.parametrize("copy_gradients", [False, True])
+def test_gradients_are_the_graph_buffers_without_a_copy(graphs_on_cpu, copy_gradients):
+    """A plain loop (zero_grad(set_to_none=True)): each .grad is the backward graph's buffer, not a clone (a clone
+    with copy_gradients=True), and holds that step's gradient of that step's batch."""
     model, reference = _mlp_pair()
-    transform = thunder_tk.CUDAGraphs()
+    transform = thunder_tk.CUDAGraphs(copy_gradients=copy_gradients)
     jitted = thunder.jit(model, executors=[thunder_tk.tk], transforms=[transform])
     for step in range(3):
         x = torch.randn(4, 16)
@@ -163,16 +173,18 @@ def test_gradients_are_the_graph_buffers_without_a_copy(graphs_on_cpu):
             torch.testing.assert_close(p.grad, want)
         buffers = {o.untyped_storage().data_ptr() for entry in transform.cuda_graph_runner.cuda_graph_cache.values()
                    for o in entry[2] if isinstance(o, torch.Tensor)}
-        assert all(p.grad.untyped_storage().data_ptr() in buffers for p in model.parameters()), step
+        in_buffers = [p.grad.untyped_storage().data_ptr() in buffers for p in model.parameters()]
+        assert in_buffers == [not copy_gradients] * len(in_buffers), step
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
     assert transform.graphs_captured == 2
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_kept_gradients_are_moved_before_the_next_backward(graphs_on_cpu, set_to_none):
+def test_kept_gradients_are_moved_before_the_next_replay(graphs_on_cpu, set_to_none):
     """Gradient accumulation over two batches, and zero_grad(set_to_none=False) between steps: a .grad still kept
-    when the backward replays is moved out of the graph's buffer first, so nothing is overwritten or added twice."""
+    when a graph replays (the next forward, whose temporaries may share the backward's buffers) is moved out of the
+    graph's buffer first, so nothing is overwritten or added twice."""
     model, reference = _mlp_pair()
     jitted = thunder.jit(model, executors=[thunder_tk.tk], transforms=[thunder_tk.CUDAGraphs()])
     for step in range(3):
@@ -184,3 +196,18 @@ def test_kept_gradients_are_moved_before_the_next_backward(graphs_on_cpu, set_to
             torch.testing.assert_close(p.grad, want)
         model.zero_grad(set_to_none=set_to_none)
         reference.zero_grad(set_to_none=set_to_none)
+
+
+def test_an_input_gradient_is_not_a_graph_buffer(graphs_on_cpu):
+    """Only parameters' gradients are handed out as the graph's buffers (the runner moves those): an input's .grad
+    is autograd's copy, and keeps its value through later replays."""
+    model, reference = _mlp_pair()
+    jitted = thunder.jit(model, executors=[thunder_tk.tk], transforms=[thunder_tk.CUDAGraphs()])
+    x = torch.randn(4, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    jitted(x).square().sum().backward()
+    reference(x_ref).square().sum().backward()
+    kept = x.grad
+    for _ in range(2):  # later replays write the graphs' buffers again
+        jitted(torch.randn(4, 16, requires_grad=True)).square().sum().backward()
+    torch.testing.assert_close(kept, x_ref.grad)

@@ -16,17 +16,19 @@ What this adds to Thunder's transform:
 Semantics (Thunder's): a graph's outputs are the same tensors at every replay, so a result kept from one step to the
 next (the loss, say) is overwritten by the next step; copy it (`loss.detach().clone()`, or `.item()`) to keep it.
 Parameters are read in place; other inputs are copied into the graph's own buffers. A parameter's `.grad` is the
-backward graph's own buffer, with no copy, until the next backward: that replay first moves a `.grad` still kept
-(gradient accumulation, `zero_grad(set_to_none=False)`) to memory of its own. Gradients taken by
-`torch.autograd.grad`, or references to a `.grad` kept elsewhere, are the graph's buffers, and the next backward
-overwrites them. A new input shape, dtype or stride captures a new graph. Forward and backward must alternate (no
-two forwards before their backwards).
+backward graph's own buffer, with no copy: the graphs of a function share one memory pool, so before any of them
+replays again (the next forward included), a `.grad` still kept (gradient accumulation, `zero_grad(set_to_none=False)`)
+is moved to memory of its own. Gradients of other inputs are cloned by autograd as before; so are parameters' with
+`CUDAGraphs(copy_gradients=True)`, which costs a gradient's memory and a copy per parameter a step. Gradients returned by
+`torch.autograd.grad`, or references to a `.grad` kept elsewhere, are the graph's buffers until the next replay. A new
+input shape, dtype or stride captures a new graph. Forward and backward must alternate (no two forwards before their
+backwards).
 """
 
 from __future__ import annotations
 
 import torch
-from thunder.core import vjp_utils
+from thunder.core import prims, vjp_utils
 from thunder.core.proxies import ProxyTag, TensorProxy
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
@@ -51,14 +53,19 @@ class _SharedPoolRunner(CUDAGraphRunner):
 
     def __init__(self):
         super().__init__(share_mem_pool=False)
-        self.gradient_graphs: set[str] = set()  # the backward's graphs (CUDAGraphs marks them)
-        self._output_storages: dict[str, set[int]] = {}  # a backward graph's output buffers, by storage address
-        self._parameters: dict[int, torch.nn.Parameter] = {}  # every graph's parameter inputs
+        # Names of the backward's values that are a parameter's gradient (CUDAGraphs finds them in the traces).
+        self.parameter_gradients: set[str] = set()
+        self.parameters: dict[int, torch.nn.Parameter] = {}  # the jitted module's, and every graph's parameter inputs
+        self._aliased: dict[str, tuple[int, ...]] = {}  # per graph: positions of its outputs handed out as aliases
+        self._buffers: set[int] = set()  # storages of those outputs
+        self._handed_out = False  # aliases handed out since the last replay
 
     def call_cuda_graph(self, fn_name, *args):
-        backward = fn_name in self.gradient_graphs
-        if backward:
-            self._move_kept_gradients(fn_name)
+        # Graphs captured into one pool reuse each other's free memory: a graph captured before the backward's
+        # (the forward) may write its temporaries where the backward's outputs are. So a .grad still in a backward
+        # buffer moves out before any replay, not only the backward's.
+        if self._handed_out:
+            self._move_kept_gradients()
         captured = len(self.cuda_graph_cache)
         try:
             outputs = super().call_cuda_graph(fn_name, *args)
@@ -71,28 +78,30 @@ class _SharedPoolRunner(CUDAGraphRunner):
                 f"thunder_tk.CUDAGraphs: capturing {fn_name} failed ({str(e).splitlines()[0]}). A call in it waits "
                 f"for the GPU or reads a result on the host, which a CUDA graph cannot hold; jit without "
                 f"CUDAGraphs, or keep that call out of the step. Its calls: {', '.join(calls)}") from e
-        if len(self.cuda_graph_cache) != captured:  # a new capture: note its parameters and output buffers
-            self._parameters.update((id(a), a) for a in args if isinstance(a, torch.nn.Parameter))
-            if backward:
-                self._output_storages.setdefault(fn_name, set()).update(
-                    o.untyped_storage().data_ptr() for o in outputs if isinstance(o, torch.Tensor))
-        if not backward:
+        if len(self.cuda_graph_cache) != captured:  # a new capture: note its parameters and gradient buffers
+            self.parameters.update((id(a), a) for a in args if isinstance(a, torch.nn.Parameter))
+            names = [getattr(o, "name", None) for o in self.trace_symbols[fn_name][2]]
+            self._aliased[fn_name] = tuple(i for i, (n, o) in enumerate(zip(names, outputs))
+                                           if n in self.parameter_gradients and isinstance(o, torch.Tensor))
+            self._buffers.update(outputs[i].untyped_storage().data_ptr() for i in self._aliased[fn_name])
+        aliased = self._aliased.get(fn_name)
+        if not aliased:
             return outputs
         # Autograd keeps a gradient that nothing else holds as the parameter's .grad, and clones one that something
-        # does (the graph's own output): aliases hand it the graph's buffers without a copy or a second gradient's
-        # memory. Such a .grad is the graph's buffer until the next backward replay, which first moves any .grad
-        # still kept (accumulation, zero_grad(set_to_none=False)) to memory of its own (_move_kept_gradients).
-        aliases = [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
-        return tuple(aliases) if isinstance(outputs, tuple) else aliases
+        # does (the graph keeps its outputs): an alias hands it the graph's buffer without a copy or a second
+        # gradient's memory.
+        self._handed_out = True
+        handed = list(outputs)
+        for i in aliased:
+            handed[i] = outputs[i].detach()
+        return tuple(handed) if isinstance(outputs, tuple) else handed
 
-    def _move_kept_gradients(self, fn_name: str) -> None:
-        buffers = self._output_storages.get(fn_name)
-        if not buffers:
-            return
-        for p in self._parameters.values():
+    def _move_kept_gradients(self) -> None:
+        for p in self.parameters.values():
             g = p.grad
-            if g is not None and g.untyped_storage().data_ptr() in buffers:
+            if g is not None and g.untyped_storage().data_ptr() in self._buffers:
                 p.grad = g.clone()
+        self._handed_out = False
 
     def build_cuda_graph(self, fn, args, static_args_mask):
         if self.mem_pool is None:
@@ -121,14 +130,31 @@ def _saved_for_backward_unpacked(trace: TraceCtx):
                 None)
 
 
+def _parameter_gradients(backward: TraceCtx, parameter_args: list[bool] | None) -> set[str]:
+    """Names of the backward's returned values that are parameters' gradients alone: the backward returns the
+    gradient of each forward argument at its position. A value also returned for an argument that is not a
+    parameter (an input's .grad, which nothing moves) is left out; so is everything where the shapes disagree."""
+    ret = backward.bound_symbols[-1] if backward.bound_symbols else None
+    if parameter_args is None or ret is None or ret.sym.id != prims.PrimIDs.RETURN:
+        return set()
+    values = ret.args[0] if len(ret.args) == 1 and isinstance(ret.args[0], (tuple, list)) else ret.args
+    if len(values) != len(parameter_args):
+        return set()
+    names = {v.name for v, is_parameter in zip(values, parameter_args) if is_parameter and isinstance(v, TensorProxy)}
+    return names - {v.name for v, is_parameter in zip(values, parameter_args)
+                    if not is_parameter and isinstance(v, TensorProxy)}
+
+
 class CUDAGraphs(CUDAGraphTransform):
     """Thunder's CUDAGraphTransform for tk's traces (module docstring): pass it in `thunder.jit`'s `transforms`."""
 
     name = "cuda graphs"
 
-    def __init__(self):
+    def __init__(self, *, copy_gradients: bool = False):
         super().__init__(share_mem_pool=False)
         self.cuda_graph_runner = _SharedPoolRunner()
+        self.copy_gradients = copy_gradients
+        self.parameter_args: list[bool] | None = None  # per argument of the last forward: a parameter?
 
     def can_fuse(self, bsym) -> bool:
         if bsym.sym.id in COLLECTIVE_IDS or bsym.sym.name in _COLLECTIVE_OPS:
@@ -138,9 +164,20 @@ class CUDAGraphs(CUDAGraphTransform):
             return False
         return super().can_fuse(bsym)
 
+    def transform_module(self, model) -> None:
+        # The module's parameters, whose .grad may be a backward graph's buffer (also those no graph reads).
+        self.cuda_graph_runner.parameters.update((id(p), p) for p in model.parameters())
+
     def transform_trace_post_optimization(self, trace, **kwargs):
         if not any(_on_cuda(t) for b in trace.bound_symbols for t in _tensors(b)):
             return trace
+        if TraceTag.AUGMENTED_FORWARD in trace.tags:
+            # The backward returns one gradient per forward argument, in order; Thunder tags parameters' proxies.
+            self.parameter_args = [isinstance(a, TensorProxy) and ProxyTag.STATIC_MEMORY_LOCATION in a.tags
+                                   for a in trace.args]
+        if trace.siginfo().name == "backward_fn" and not self.copy_gradients:
+            self.cuda_graph_runner.parameter_gradients.update(_parameter_gradients(trace, self.parameter_args))
+            self.parameter_args = None
         if trace.siginfo().name == "backward_fn":
             saved = _saved_for_backward_unpacked(trace)
             if self.outputs_from_forward is not None and saved is not None \
@@ -150,9 +187,6 @@ class CUDAGraphs(CUDAGraphTransform):
                         p.tags.add(ProxyTag.STATIC_MEMORY_LOCATION)
             self.outputs_from_forward = None
         new_trace = self.generate_fused_trace(trace, **kwargs)
-        if trace.siginfo().name == "backward_fn":
-            self.cuda_graph_runner.gradient_graphs.update(b.sym.name for b in new_trace.bound_symbols
-                                                          if is_graph_call(b))
         if TraceTag.AUGMENTED_FORWARD in new_trace.tags:
             # The forward graph's outputs keep their memory from replay to replay: the backward reads them in place.
             from_graph = {o.name for b in new_trace.bound_symbols if is_graph_call(b) for o in b.flat_proxy_outs}
