@@ -47,7 +47,7 @@ GEMM_SIZE_POLICY = "gemm_size_policy"
 DISABLE_FEATURES = frozenset({"cross_entropy_forward_grad", "cross_entropy_gradient_over_logits", GEMM_SIZE_POLICY,
                               "attention_grouped_kv", "collective_schedule", "gemm_swiglu", "gemm_swiglu_grad",
                               "attention_qkv_grad", "gemm_rope", "gemm_sum", "rms_norm", "cast_merge",
-                              "gemm_fp32_out", "view_calls"})
+                              "gemm_fp32_out", "view_calls", "direct_regions"})
 
 
 def _env_names() -> set[str]:

@@ -33,6 +33,8 @@ from thunder.executors.passes import update_fusion_call_ctx
 from thunder.executors.torch_compile import TorchCompileExecutor, make_compiled
 from thunder.executors.utils import Region
 
+from thunder_tk.direct_regions import DIRECT_REGIONS, DirectRegion, can_call_directly, region_function
+
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -201,17 +203,30 @@ class SharingTorchCompileExecutor(TorchCompileExecutor):
             fused = overlap_collectives(fused)
         return fused
 
+    def _calls_directly(self, cd, inputs, outputs) -> bool:
+        """Beside tk (as view_calls), a region is compiled without dynamo (direct_regions) where it can be; the
+        baseline's fuser stays Thunder's torch.compile executor."""
+        if self.mode is not None or cd is None or not can_call_directly(inputs, outputs):
+            return False
+        if not any(getattr(ex, "name", None) == "tk" for ex in cd.executors_list):
+            return False
+        from thunder_tk import claim_rules
+
+        return DIRECT_REGIONS not in claim_rules.disabled_names()
+
     def fuse(self, region: Region, fusion_counter: int) -> BoundSymbol:
         inputs = [unvariableify(x) for x in region.inputs]
         outputs = [unvariableify(x) for x in region.outputs]
         # make_compiled reads this option of the current jit: regions compiled under another setting differ.
         cd = get_compile_data()
         fullgraph = cd.compile_options.get("torch_compile_fullgraph") if cd is not None else None
-        key = (region_key(region.bound_symbols, inputs, outputs), fullgraph)
+        direct = self._calls_directly(cd, inputs, outputs)
+        key = (region_key(region.bound_symbols, inputs, outputs), fullgraph, direct)
         compiled = self._compiled.get(key)
         if compiled is None:
-            # torch.compile is lazy: dynamo and inductor run at the first call, once per distinct key.
-            compiled = make_compiled(region.bound_symbols, inputs, outputs, mode=self.mode)
+            # Both are lazy: tracing and inductor run at the first call, once per distinct key.
+            compiled = DirectRegion(region_function(region.bound_symbols, inputs, outputs)) if direct \
+                else make_compiled(region.bound_symbols, inputs, outputs, mode=self.mode)
             self._compiled[key] = compiled
             self.functions_compiled += 1
             if len(self._compiled) > self.CAPACITY:
