@@ -692,3 +692,20 @@ def test_rms_norm_benchmark_parses_and_its_peers_are_the_references():
         dx, dw = bench.training_step(bench.add_rms_norm, x.clone().requires_grad_(), res,
                                      w.clone().requires_grad_(), dy, dres, 1e-5)
         assert rel(dx, want_dx) < tol and rel(dw, want_dw) < tol
+
+
+def test_region_calls_times_both_ways_and_writes_json(monkeypatch, tmp_path, capsys):
+    """benchmarks/region_calls.py with one tiny region in place of a LitGPT step's (compiling a step's regions on a
+    CPU takes minutes): a row per region with both host times, and the JSON."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import region_calls
+
+    region = (lambda a, b: [torch.relu(a * 2 + b)], (torch.randn(4, 8), torch.randn(4, 8)))
+    monkeypatch.setattr(region_calls, "regions_of_a_step", lambda device, n_layer: [region])
+    out = tmp_path / "calls.json"
+    region_calls.main(["--device", "cpu", "--calls", "5", "--rounds", "2", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["direct_us"] > 0 and rows[0]["torch_compile_us"] > 0
+    assert "saved a call" in capsys.readouterr().out
