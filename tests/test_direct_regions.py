@@ -107,3 +107,23 @@ def test_a_region_with_a_number_keeps_torch_compile():
     out = next(b for b in trace.bound_symbols if b.sym.name == "mul").output
     assert can_call_directly([x], [out])
     assert not can_call_directly([x, s], [out])
+
+
+def test_a_region_this_path_cannot_compile_falls_back_to_torch_compile(monkeypatch):
+    """What make_fx or inductor's direct compile cannot take runs through torch.compile, with a warning and the
+    reason kept; its results are the function's."""
+    import torch.fx.experimental.proxy_tensor as proxy_tensor
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no tracing here")
+
+    monkeypatch.setattr(proxy_tensor, "make_fx", refuse)
+    region = DirectRegion(_region)
+    a, b = torch.randn(8, 16), torch.randn(8, 16)
+    with pytest.warns(UserWarning, match="no tracing here"):
+        out = region(a, b)
+    assert region.fallback_reason == "RuntimeError: no tracing here" and region.compiled == 0
+    for x in (a, torch.randn(16, 8).t()):  # torch.compile's guards take other strides
+        for got, want in zip(region(x, b), _region(x, b)):
+            torch.testing.assert_close(got, want)
+    torch.testing.assert_close(out[0], _region(a, b)[0])

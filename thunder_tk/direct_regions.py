@@ -12,11 +12,13 @@ itself (`size_asserts`) before running anything; a call that fails that check co
 and from then on each call picks its version by its inputs' strides. Where `size_asserts` is off, every call does.
 
 Regions with an input or output that is not a tensor (a number the trace passes at run time) keep torch.compile,
-whose guards see the number's value; so do regions of a fuser with a torch.compile `mode`.
+whose guards see the number's value; so do regions of a fuser with a torch.compile `mode`. A region that this path
+cannot trace or compile falls back to torch.compile, with a warning naming the error (`fallback_reason`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -74,6 +76,7 @@ class DirectRegion:
         self._versions: dict[tuple, Callable] = {}
         self._first: Callable | None = None
         self.compiled = 0  # versions compiled (for tests and reports)
+        self.fallback_reason: str | None = None  # why the region runs through torch.compile instead, if it does
 
     def __call__(self, *args):
         grad = torch.is_grad_enabled()
@@ -89,6 +92,8 @@ class DirectRegion:
                 torch.set_autocast_enabled(d, on)
 
     def _call(self, args):
+        if self.fallback_reason is not None:
+            return self._first(*args)
         if len(self._versions) == 1 and _size_asserts():
             try:
                 return self._first(*args)
@@ -106,8 +111,16 @@ class DirectRegion:
             from torch._inductor import compile as inductor_compile
             from torch.fx.experimental.proxy_tensor import make_fx
 
-            graph = make_fx(self._fn, tracing_mode="fake")(*args)
-            compiled = self._versions[key] = inductor_compile(graph, list(args))
+            try:
+                graph = make_fx(self._fn, tracing_mode="fake")(*args)
+                compiled = inductor_compile(graph, list(args))
+            except Exception as e:  # noqa: BLE001 - whatever this path cannot do, torch.compile may
+                self.fallback_reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                warnings.warn(f"thunder_tk: a fusion region runs through torch.compile, not called directly "
+                              f"({self.fallback_reason})", stacklevel=2)
+                self._first = torch.compile(self._fn, fullgraph=True)  # its guards cover every stride
+                return self._first
+            self._versions[key] = compiled
             self.compiled += 1
             if self._first is None:
                 self._first = compiled
