@@ -182,6 +182,16 @@ VARIANT_NAMES = tuple(_VARIANT_ALIASES)
 _ALIASES = {alias: name for name, aliases in _VARIANT_ALIASES.items() for alias in aliases}
 
 
+def repeats_labelled(names: list[str]) -> list[tuple[str, str]]:
+    """(variant, row label) in order: a variant's second run is labelled "<name> #2", its third "#3"."""
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append((n, n if seen[n] == 1 else f"{n} #{seen[n]}"))
+    return out
+
+
 def variant_names(given: list[str] | None) -> list[str] | None:
     """--only's names as the variants are called (aliases resolved); an unknown name is an error, not a run
     that silently measures nothing."""
@@ -606,17 +616,19 @@ def main():
     assert tuple(chosen)[:len(VARIANT_NAMES)] == VARIANT_NAMES, "VARIANT_NAMES must list variants()"
     # nvidia-smi's SM clock, power and temperature beside every timing round (nothing without nvidia-smi)
     with ClockSampler(period_ms=100) as clocks:
-        # in --only's order where given (a call cut short keeps the variants named first)
-        for name in (dict.fromkeys(a.only) if a.only else chosen):
+        # in --only's order where given (a call cut short keeps the variants named first); a variant named again is
+        # built and timed again, as "<name> #2": e.g. tk before and after torch.compile in one process
+        for name, label in repeats_labelled(a.only or list(chosen)):
             wrap = chosen[name]
             try:
                 row, v = run(name, wrap, a, device)
+                row["variant"] = v.name = label
             except Exception as e:  # noqa: BLE001
                 if _world() > 1:  # the other ranks would wait for this one in a collective
                     raise
                 # One variant that cannot run (e.g. Thunder's own SDPA backward at bf16-mixed) must not cost the
                 # others' figures: its row says why, with no timing.
-                row, v = {"variant": name, "tokens_per_s": None, "tokens_per_s_per_gpu": None, "peak_gib": None,
+                row, v = {"variant": label, "tokens_per_s": None, "tokens_per_s_per_gpu": None, "peak_gib": None,
                           "loss": None, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}, None
                 print(f"{name}: FAILED ({row['error']})", flush=True)
             rows.append(row)

@@ -369,14 +369,15 @@ def test_litgpt_step_a_failing_variant_costs_only_its_own_row(monkeypatch, tmp_p
     out = tmp_path / "step.json"
     monkeypatch.setattr(sys, "argv", ["litgpt_step.py", "--device", "cpu", "--model", "pythia-14m", "--n-layer", "1",
                                       "--seq", "16", "--batch", "1", "--warmup", "1", "--steps", "1", "--rounds", "2",
-                                      "--only", "default", "eager", "--json", str(out)])
+                                      "--only", "default", "eager", "eager", "--json", str(out)])
     bench.main()
-    # run (and listed) in --only's order
-    assert [r["variant"] for r in json.loads(out.read_text())["rows"]] == ["thunder default", "eager"]
+    # run (and listed) in --only's order; a variant named twice is built and timed twice
+    assert [r["variant"] for r in json.loads(out.read_text())["rows"]] == ["thunder default", "eager", "eager #2"]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["thunder default"]["error"] == "RuntimeError: query and dout must have the same dtype"
     assert rows["thunder default"]["tokens_per_s"] is None and rows["eager"]["vs_thunder_default"] is None
     assert len(rows["eager"]["tokens_per_s_rounds"]) == 2 and rows["eager"]["tokens_per_s"] > 0
+    assert len(rows["eager #2"]["tokens_per_s_rounds"]) == 2 and rows["eager #2"]["tokens_per_s"] > 0
     assert "thunder default: failed, RuntimeError: query and dout" in capsys.readouterr().out
     # Every variant failing (a model no variant can run): the rows say why, no rounds to run.
     monkeypatch.setattr(sys, "argv", [a for a in sys.argv if a != "eager"])
@@ -393,6 +394,10 @@ def test_litgpt_step_only_takes_aliases_and_rejects_unknown_names():
     assert bench.variant_names(None) is None
     assert bench.variant_names(["tk", "thunder-default", "compile", "eager", "thunder [tk]"]) == [
         "thunder [tk]", "thunder default", "torch.compile", "eager", "thunder [tk]"]
+    # a variant named again runs again, under a row label of its own (tk before and after torch.compile)
+    assert bench.repeats_labelled(["thunder [tk]", "torch.compile", "thunder [tk]", "thunder [tk]"]) == [
+        ("thunder [tk]", "thunder [tk]"), ("torch.compile", "torch.compile"), ("thunder [tk]", "thunder [tk] #2"),
+        ("thunder [tk]", "thunder [tk] #3")]
     with pytest.raises(SystemExit, match="unknown variant"):
         bench.variant_names(["thunder_defualt"])
     # tk with tk_disable names off, for an A/B in one run
