@@ -175,10 +175,10 @@ class CUDAGraphs(CUDAGraphTransform):
             # The backward returns one gradient per forward argument, in order; Thunder tags parameters' proxies.
             self.parameter_args = [isinstance(a, TensorProxy) and ProxyTag.STATIC_MEMORY_LOCATION in a.tags
                                    for a in trace.args]
-        if trace.siginfo().name == "backward_fn" and not self.copy_gradients:
-            self.cuda_graph_runner.parameter_gradients.update(_parameter_gradients(trace, self.parameter_args))
-            self.parameter_args = None
         if trace.siginfo().name == "backward_fn":
+            if not self.copy_gradients:
+                self.cuda_graph_runner.parameter_gradients.update(_parameter_gradients(trace, self.parameter_args))
+            self.parameter_args = None
             saved = _saved_for_backward_unpacked(trace)
             if self.outputs_from_forward is not None and saved is not None \
                     and len(saved) == len(self.outputs_from_forward):

@@ -9,7 +9,8 @@ inductor (`torch._inductor.compile`: AOTAutograd, then inductor's code), and eac
 What dynamo's guards did that is left: strides. Thunder's cache does not tell apart inputs that differ only in
 strides, and inductor's code is compiled for the strides it saw. Inductor checks its inputs' sizes and strides
 itself (`size_asserts`) before running anything; a call that fails that check compiles a version for its strides,
-and from then on each call picks its version by its inputs' strides. Where `size_asserts` is off, every call does.
+and from then on each call picks its version by its inputs' strides. Where the first version was compiled with
+`size_asserts` off, every call does.
 
 Regions with an input or output that is not a tensor (a number the trace passes at run time) keep torch.compile,
 whose guards see the number's value; so do regions of a fuser with a torch.compile `mode`. A region that this path
@@ -75,6 +76,8 @@ class DirectRegion:
         self._fn = fn
         self._versions: dict[tuple, Callable] = {}
         self._first: Callable | None = None
+        # Whether the first version's code checks its inputs' sizes and strides (size_asserts when it was compiled).
+        self._first_checks_inputs = False
         self.compiled = 0  # versions compiled (for tests and reports)
         self.fallback_reason: str | None = None  # why the region runs through torch.compile instead, if it does
 
@@ -94,7 +97,7 @@ class DirectRegion:
     def _call(self, args):
         if self.fallback_reason is not None:
             return self._first(*args)
-        if len(self._versions) == 1 and _size_asserts():
+        if len(self._versions) == 1 and self._first_checks_inputs:
             try:
                 return self._first(*args)
             except AssertionError:
@@ -108,7 +111,7 @@ class DirectRegion:
         key = _strides(args)
         compiled = self._versions.get(key)
         if compiled is None:
-            from torch._inductor import compile as inductor_compile
+            from torch._inductor import compile as inductor_compile, config
             from torch.fx.experimental.proxy_tensor import make_fx
 
             try:
@@ -123,11 +126,5 @@ class DirectRegion:
             self._versions[key] = compiled
             self.compiled += 1
             if self._first is None:
-                self._first = compiled
+                self._first, self._first_checks_inputs = compiled, bool(config.size_asserts)
         return compiled
-
-
-def _size_asserts() -> bool:
-    from torch._inductor import config
-
-    return bool(config.size_asserts)

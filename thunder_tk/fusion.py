@@ -174,6 +174,11 @@ def unfuse_regions_computing_nothing(trace: TraceCtx, executor) -> TraceCtx:
     return new
 
 
+def _beside_tk(cd) -> bool:
+    """Whether the jit being compiled (its compile data) lists tk: tk's fuser then does more than Thunder's."""
+    return cd is not None and any(getattr(ex, "name", None) == "tk" for ex in cd.executors_list)
+
+
 class SharingTorchCompileExecutor(TorchCompileExecutor):
     """TorchCompileExecutor whose identical regions (`region_key`) share one compiled function."""
 
@@ -194,7 +199,7 @@ class SharingTorchCompileExecutor(TorchCompileExecutor):
         # compute nothing go back to plain calls, then tk's FSDP schedule. As the baseline's fuser (no tk in the list)
         # it leaves the fused trace as Thunder's torch.compile executor makes it.
         cd = get_compile_data()
-        if cd is not None and any(getattr(ex, "name", None) == "tk" for ex in cd.executors_list):
+        if _beside_tk(cd):
             from thunder_tk import claim_rules
             from thunder_tk.fsdp_schedule import overlap_collectives
 
@@ -206,9 +211,7 @@ class SharingTorchCompileExecutor(TorchCompileExecutor):
     def _calls_directly(self, cd, inputs, outputs) -> bool:
         """Beside tk (as view_calls), a region is compiled without dynamo (direct_regions) where it can be; the
         baseline's fuser stays Thunder's torch.compile executor."""
-        if self.mode is not None or cd is None or not can_call_directly(inputs, outputs):
-            return False
-        if not any(getattr(ex, "name", None) == "tk" for ex in cd.executors_list):
+        if self.mode is not None or not _beside_tk(cd) or not can_call_directly(inputs, outputs):
             return False
         from thunder_tk import claim_rules
 
