@@ -442,6 +442,8 @@ void cross_entropy_forward_grad(std::uintptr_t logits, std::uintptr_t target, st
 // only passes the tensors. Launches on one channel must run in order whatever stream they are issued on: a
 // synchronous call runs on the caller's stream, an asynchronous one on the channel's stream, and each launch
 // waits for the previous one (an event) when the stream changes. Work handles are indices into a ring of events.
+// Under CUDA-graph capture the waits stay inside one capture (a capture may not wait for work outside it); a
+// graph's replays are ordered against the channel's other launches by graph_replay.
 class P2PChannel {
   public:
     static constexpr int ring = 256;
@@ -537,6 +539,19 @@ class P2PChannel {
         check_launch(cudaStreamWaitEvent(as_stream(stream), done_[handle], 0), "wait");
     }
 
+    // A CUDA graph holding launches of this channel replays on `stream` (not capturing). Called before the replay:
+    // the replay waits for the channel's last launch outside any graph. Called after it: the channel's next launch
+    // waits for the replay. (Inside the graph its launches are ordered by the edges captured with them.)
+    void graph_replay(std::uintptr_t stream_handle) {
+        cudaStream_t stream = as_stream(stream_handle);
+        if (capture_of(stream) != 0) throw std::invalid_argument("P2PChannel.graph_replay: the stream is capturing");
+        if (last_stream_ != nullptr && last_stream_ != stream && last_capture_ == 0)
+            wait_for_last(stream, "graph_replay");
+        last_stream_ = stream;
+        last_ = -1;
+        last_capture_ = 0;
+    }
+
   private:
     bool use_copy_engine(bool wanted, std::uintptr_t caller) const {
         if (!wanted) return false;
@@ -551,26 +566,40 @@ class P2PChannel {
             throw std::invalid_argument("P2PChannel: sender_warps must be 1..15 (of a block's 16 warps)");
     }
 
+    // The previous launch ran on another stream than `s`: make `s` wait for it. A synchronous launch records no
+    // event of its own, so record one on its stream now (it also covers later work there: later, never earlier).
+    void wait_for_last(cudaStream_t s, const char* what) {
+        if (last_ < 0) {
+            last_ = next_;
+            next_ = (next_ + 1) % ring;
+            check_launch(cudaEventRecord(done_[last_], last_stream_), what);
+        }
+        check_launch(cudaStreamWaitEvent(s, done_[last_], 0), what);
+    }
+
+    // The capture sequence `s` belongs to (0: none).
+    static unsigned long long capture_of(cudaStream_t s) {
+        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+        unsigned long long id = 0;
+        check_launch(cudaStreamGetCaptureInfo(s, &status, &id), "capture query");
+        return status == cudaStreamCaptureStatusActive ? id : 0;
+    }
+
     template <class Launch> int ordered(std::uintptr_t caller_handle, bool async, const char* what, Launch launch) {
         cudaStream_t caller = reinterpret_cast<cudaStream_t>(caller_handle);
         cudaStream_t s = async ? comm_ : caller;
+        const unsigned long long capture = capture_of(caller);  // the channel's stream joins it below
         if (async) {
             check_launch(cudaEventRecord(inputs_ready_, caller), what);
             check_launch(cudaStreamWaitEvent(comm_, inputs_ready_, 0), what);
         }
-        if (last_stream_ != nullptr && last_stream_ != s) {
-            // The previous launch ran on another stream: order after it. A synchronous launch records no event
-            // of its own, so record one on its stream now (it also covers later work there: later, never earlier).
-            if (last_ < 0) {
-                last_ = next_;
-                next_ = (next_ + 1) % ring;
-                check_launch(cudaEventRecord(done_[last_], last_stream_), what);
-            }
-            check_launch(cudaStreamWaitEvent(s, done_[last_], 0), what);
-        }
+        // Across a capture's boundary there is nothing to wait for here: a capture runs nothing, and its replays
+        // are ordered by graph_replay.
+        if (last_stream_ != nullptr && last_stream_ != s && last_capture_ == capture) wait_for_last(s, what);
         check_launch(launch(s), what);
         last_stream_ = s;
         last_ = -1;
+        last_capture_ = capture;
         if (!async) return -1;  // the caller's stream is already ordered after it
         const int i = next_;
         next_ = (next_ + 1) % ring;
@@ -585,6 +614,7 @@ class P2PChannel {
     cudaEvent_t inputs_ready_ = nullptr;
     std::array<cudaEvent_t, ring> done_{};
     int next_ = 0, last_ = -1;
+    unsigned long long last_capture_ = 0;  // the capture the last launch was recorded into (0: none)
 };
 
 // The selftests' 16-bit kernels take bf16 or fp16 by tk::dtype code.
@@ -867,7 +897,8 @@ PYBIND11_MODULE(_C, m) {
              "Set up the copy-engine path on a second symmetric buffer (every rank, before its first use).")
         .def_static("copy_engine_layout", &P2PChannel::copy_engine_layout, py::arg("world"), py::arg("slots"),
                     py::arg("buffer_bytes"), "Byte offsets of the copy-engine buffer's flags and slot sizes.")
-        .def("wait", &P2PChannel::wait, py::arg("handle"), py::arg("stream"));
+        .def("wait", &P2PChannel::wait, py::arg("handle"), py::arg("stream"))
+        .def("graph_replay", &P2PChannel::graph_replay, py::arg("stream"));
 
     register_selftests(m);
 }

@@ -211,3 +211,92 @@ def test_an_input_gradient_is_not_a_graph_buffer(graphs_on_cpu):
     for _ in range(2):  # later replays write the graphs' buffers again
         jitted(torch.randn(4, 16, requires_grad=True)).square().sum().backward()
     torch.testing.assert_close(kept, x_ref.grad)
+
+
+def _gathered_trace():
+    """A forward under FSDP as it runs on GPUs, built by hand (tk declines collectives on CPU): two parameters
+    gathered by tk, each read by a linear after its wait, and an NCCL gather of the result with its wait."""
+    import thunder.torch as ltorch
+    from thunder.core import prims
+    from thunder.core.proxies import FutureTensorProxy, TensorProxy
+    from thunder.core.trace import TraceCtx, tracectx
+    from thunder.executors.torchex import all_gather_prim_impl, wait_prim_impl
+
+    from thunder_tk.lowering import tk_all_gather
+
+    trace = TraceCtx()
+    with tracectx(trace):
+        def tensor(name, shape):
+            return TensorProxy(name, shape=shape, device=thunder.devices.Device("cuda:0"),
+                               dtype=thunder.dtypes.bfloat16)
+
+        p, q, x = tensor("p", (2, 4)), tensor("q", (2, 4)), tensor("x", (2, 4))
+        trace.args = (p, q, x)
+        f1, f2 = (FutureTensorProxy(name=n, like=tensor(f"u{n}", (4, 4))) for n in ("f1", "f2"))
+        f3 = FutureTensorProxy(name="f3", like=tensor("u3", (4, 4)))
+        w1, w2, y, z, out = (tensor(n, s) for n, s in (("w1", (4, 4)), ("w2", (4, 4)), ("y", (2, 4)),
+                                                          ("z", (2, 4)), ("out", (4, 4))))
+        trace.bound_symbols = [
+            *(prims.unpack_trivial.bind(t, name=t.name, output=t) for t in (p, q, x)),
+            tk_all_gather.bind(p, None, True, None, output=f1),
+            tk_all_gather.bind(q, None, True, None, output=f2),
+            wait_prim_impl.bind(f1, output=w1),
+            ltorch.linear.bind(x, w1, None, output=y),
+            wait_prim_impl.bind(f2, output=w2),
+            ltorch.linear.bind(y, w2, None, output=z),
+            all_gather_prim_impl.bind(z, None, True, None, output=f3),
+            wait_prim_impl.bind(f3, output=out),
+            prims.python_return.bind(out, output=None),
+        ]
+    return trace
+
+
+def _calls(trace) -> tuple[list[list[str]], list[str]]:
+    """Names of the calls inside each graph, and of those outside (bookkeeping left out)."""
+    graphs = [[s.sym.name for s in b.subsymbols if s.sym.name not in ("python_del", "python_return")]
+              for b in trace.bound_symbols if is_graph_call(b)]
+    outside = [b.sym.name for b in trace.bound_symbols
+               if not is_graph_call(b) and b.sym.name not in ("unpack_trivial", "python_return", "python_del")]
+    return graphs, outside
+
+
+def test_tk_collectives_are_captured_with_their_waits(monkeypatch):
+    """Under FSDP tk's gathers and their waits go into the graph with the compute (their launches are capturable),
+    and the graph's replay is ordered against the channels' other launches; NCCL's gather and its wait stay out."""
+    from thunder_tk import collectives
+
+    transform = thunder_tk.CUDAGraphs()
+    graphs, outside = _calls(transform._fused_with_collectives(_gathered_trace()))
+    assert graphs == [["tk_all_gather", "tk_all_gather", "torch_wait_prim_impl", "linear", "torch_wait_prim_impl",
+                       "linear"]]
+    assert outside == ["torch_all_gather_prim_impl", "torch_wait_prim_impl"]
+    runner = transform.cuda_graph_runner
+    (name,) = runner.with_collectives
+    assert set(runner.python_callables) == {name}
+    events = []
+    monkeypatch.setattr(collectives, "graph_replay", lambda device: events.append("order"))
+    monkeypatch.setattr(runner, "_call", lambda fn_name, args: events.append(fn_name))
+    runner.call_cuda_graph(name)
+    assert events == ["order", name, "order"]
+
+
+def test_a_collective_planned_apart_from_its_wait_stays_out(monkeypatch):
+    """A graph may not hold a collective whose wait is elsewhere (the capture's stream would not be joined, and the
+    Work would cross into the trace): such a pair runs outside the graphs, and the plan is redone without it."""
+    from thunder_tk.cuda_graphs import CUDAGraphs
+
+    decide = CUDAGraphs._captured_collective
+    monkeypatch.setattr(CUDAGraphs, "_captured_collective", lambda self, b: decide(self, b) and not (
+        b.sym.name == "torch_wait_prim_impl" and b.flat_proxy_args[0].name == "f2"))
+    from thunder.core.proxies import FutureTensorProxy
+
+    transform = thunder_tk.CUDAGraphs()
+    fused = transform._fused_with_collectives(_gathered_trace())
+    _, outside = _calls(fused)
+    assert outside.count("tk_all_gather") >= 1 and "f2" in transform._kept_out
+    gather_q = next(b for b in fused.bound_symbols if b.sym.name == "tk_all_gather" and b.args[0].name == "q")
+    assert not is_graph_call(gather_q)
+    graphs = [b for b in fused.bound_symbols if is_graph_call(b)]
+    assert not any(isinstance(p, FutureTensorProxy) for b in graphs for p in (*b.flat_proxy_args, *b.flat_proxy_outs))
+    # the first plan's graphs are forgotten
+    assert set(transform.cuda_graph_runner.python_callables) == {b.sym.name for b in graphs}

@@ -92,7 +92,6 @@ def test_model_config_fields_replace_those_of_model_name(tmp_path):
         ({"compiler": {"disable": "gemm"}}, "compiler.disable: expected a list"),
         ({"compiler": {"cuda_graphs": True, "jit": False}}, "compiler.cuda_graphs: CUDA graphs are captured"),
         ({"compiler": {"cuda_graphs": "yes"}}, "compiler.cuda_graphs: expected"),
-        ({"compiler": {"cuda_graphs": True}, "devices": 2}, "compiler.cuda_graphs: one process only for now"),
         ({"bogus": 1}, "bogus: unknown key"),
         ({"precision": "16-mixed"}, "precision: expected one of bf16-true, bf16-mixed, 32-true"),
     ],

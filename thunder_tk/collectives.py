@@ -429,9 +429,21 @@ class Channel:
     # caller's stream waits for in Work.wait(). The binding keeps the channel's launches in order across both.
 
     def _work(self, handle: int, tensors: tuple[torch.Tensor, ...]) -> "Work":
-        for t in tensors:  # the caller may free them while the channel's stream still reads or writes them
+        # The caller may free the tensors while the channel's stream still reads or writes them. Under CUDA-graph
+        # capture the Work keeps them until wait() instead: the allocator keeps a recorded stream's memory out of
+        # reuse for the rest of the capture, which would hold every gathered weight of a captured step at once.
+        if torch.cuda.is_current_stream_capturing():
+            return Work(self, handle, tensors)
+        for t in tensors:
             t.record_stream(self.stream)
         return Work(self, handle)
+
+    def graph_replay(self) -> None:
+        """Around the replay of a CUDA graph that holds launches of this channel, on the current stream: before it,
+        the replay waits for the channel's last launch outside a graph; after it, the channel's next launch waits for
+        the replay. Raises the error a launch recorded, as a call would."""
+        self.raise_if_failed()
+        self._kernels.graph_replay(_current_stream(self._index))
 
     def all_gather(self, a: torch.Tensor, *, async_op: bool = False, out: torch.Tensor | None = None):
         """Concatenation of every rank's `a` along dim 0. Returns the tensor, or (Work, tensor) if async."""
@@ -500,15 +512,17 @@ _current_stream = torch._C._cuda_getCurrentRawStream  # (device index) -> cudaSt
 class Work:
     """What an async tk collective returns beside its tensor; Thunder's `wait` calls `wait()` on it."""
 
-    __slots__ = ("_channel", "_handle")
+    __slots__ = ("_channel", "_handle", "_tensors")
 
-    def __init__(self, channel: Channel, handle: int):
+    def __init__(self, channel: Channel, handle: int, tensors: tuple[torch.Tensor, ...] = ()):
         self._channel = channel
         self._handle = handle
+        self._tensors = tensors  # kept until wait() (under graph capture; see Channel._work)
 
     def wait(self, timeout=None) -> bool:
         """Make the current stream wait for the collective (no host synchronisation); raise if it failed."""
         self._channel._kernels.wait(self._handle, _current_stream(self._channel._index))
+        self._tensors = ()  # freed after the wait: their memory's next use is ordered after the collective
         self._channel.raise_if_failed()
         return True
 
@@ -524,6 +538,14 @@ def channel(group, device: torch.device) -> Channel:
     if ch is None:
         ch = _channels[key] = Channel(group, torch.device("cuda", key[1]))
     return ch
+
+
+def graph_replay(device: torch.device | None) -> None:
+    """Channel.graph_replay for every channel made on `device` (None: the current device)."""
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    for (_, i), ch in _channels.items():
+        if i == index:
+            ch.graph_replay()
 
 
 def _default_group(group):

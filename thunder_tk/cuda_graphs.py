@@ -9,7 +9,10 @@ replayed, each stretch of the trace between collectives costs the host one call.
 What this adds to Thunder's transform:
 - one memory pool for all of the function's graphs on a device (forward, backward, and an inference trace),
   made at the first capture, so the transform can be built where no GPU is (plans, CPU runs);
-- collectives and their waits stay outside the graphs (FSDP's overlap runs on streams of its own);
+- under FSDP, tk's collectives and their waits are captured with the compute around them (the channel's stream
+  joins the capture, so the overlap is kept), and a gathered weight is a temporary of the graph as it was of the
+  op-by-op step; other collectives (NCCL's) stay outside, their results copied into the graph's input buffers.
+  A collective is captured only with its wait in the same graph;
 - the backward's inputs saved by the forward's graph are found by name, not by their position in the trace;
 - calls on tensors off the GPU stay outside the graphs (a capture would fix what they computed on the host).
 
@@ -29,15 +32,21 @@ from __future__ import annotations
 
 import torch
 from thunder.core import prims, vjp_utils
-from thunder.core.proxies import ProxyTag, TensorProxy
+from thunder.core.proxies import FutureTensorProxy, ProxyTag, TensorProxy
 from thunder.core.trace import TraceCtx, TraceTag
+from thunder.executors import torchex
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
 
 from thunder_tk.executor import COLLECTIVE_IDS
 from thunder_tk.lowering import tk_all_gather, tk_reduce_scatter
 
-# Calls that must run outside a graph: collectives and their waits (their own streams, peer memory, NCCL's queues).
-_COLLECTIVE_OPS = frozenset({tk_all_gather.name, tk_reduce_scatter.name})
+# tk's collectives: captured into a graph with their waits (their launches are capturable; see the module docstring).
+# Every other distributed op runs outside the graphs (NCCL's queues and watchdog; FSDP's bucket bookkeeping): the
+# distributed prims, and the torch executor's ops for them.
+_TK_COLLECTIVES = frozenset({tk_all_gather.name, tk_reduce_scatter.name})
+_WAIT = "torch_wait_prim_impl"
+_TORCH_DISTRIBUTED = frozenset(info.symbol.name for pid, info in torchex.ex.implmap.items()
+                               if pid in COLLECTIVE_IDS and getattr(info, "symbol", None) is not None)
 
 GRAPH_PREFIX = "CUDAGraph"  # the name Thunder gives each graph's call in a trace: CUDAGraph1, CUDAGraph2, ...
 
@@ -59,6 +68,20 @@ class _SharedPoolRunner(CUDAGraphRunner):
         self._aliased: dict[str, tuple[int, ...]] = {}  # per graph: positions of its outputs handed out as aliases
         self._buffers: set[int] = set()  # storages of those outputs
         self._handed_out = False  # aliases handed out since the last replay
+        self.with_collectives: set[str] = set()  # graphs that launch tk collectives
+
+    def make_cuda_graph_callable_from_symbols(self, bsyms, inputs, outputs, static_inputs_mask=None):
+        fn, fn_name = super().make_cuda_graph_callable_from_symbols(bsyms, inputs, outputs, static_inputs_mask)
+        if any(b.sym.name in _TK_COLLECTIVES for b in bsyms):
+            self.with_collectives.add(fn_name)
+        return fn, fn_name
+
+    def forget(self, names) -> None:
+        """Drop graphs planned but not used (a plan redone); none of them was captured."""
+        for name in names:
+            self.python_callables.pop(name, None)
+            self.trace_symbols.pop(name, None)
+            self.with_collectives.discard(name)
 
     def call_cuda_graph(self, fn_name, *args):
         # Graphs captured into one pool reuse each other's free memory: a graph captured before the backward's
@@ -66,6 +89,22 @@ class _SharedPoolRunner(CUDAGraphRunner):
         # buffer moves out before any replay, not only the backward's.
         if self._handed_out:
             self._move_kept_gradients()
+        if fn_name in self.with_collectives:
+            return self._call_with_collectives(fn_name, args)
+        return self._call(fn_name, args)
+
+    def _call_with_collectives(self, fn_name, args):
+        # The channels order their launches across streams by events, which cannot reach into a graph: the replay
+        # waits for their last launch outside it, and their next launch waits for the replay.
+        from thunder_tk import collectives
+
+        device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+        collectives.graph_replay(device)
+        outputs = self._call(fn_name, args)
+        collectives.graph_replay(device)
+        return outputs
+
+    def _call(self, fn_name, args):
         captured = len(self.cuda_graph_cache)
         try:
             outputs = super().call_cuda_graph(fn_name, *args)
@@ -155,14 +194,34 @@ class CUDAGraphs(CUDAGraphTransform):
         self.cuda_graph_runner = _SharedPoolRunner()
         self.copy_gradients = copy_gradients
         self.parameter_args: list[bool] | None = None  # per argument of the last forward: a parameter?
+        self._tk_futures: set[str] = set()  # the trace being planned: futures of tk's collectives
+        self._kept_out: set[str] = set()  # of those, the ones whose collective and wait must stay outside
 
     def can_fuse(self, bsym) -> bool:
-        if bsym.sym.id in COLLECTIVE_IDS or bsym.sym.name in _COLLECTIVE_OPS:
+        if bsym.sym.name in _TK_COLLECTIVES or bsym.sym.name == _WAIT:
+            if not self._captured_collective(bsym):
+                return False
+        elif bsym.sym.id in COLLECTIVE_IDS or bsym.sym.name in _TORCH_DISTRIBUTED:
+            return False
+        if any(isinstance(p, FutureTensorProxy) and p.name in self._kept_out
+               for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs)):
             return False
         # A graph replays only the GPU's work: what a capture computed on the host would stay as it was then.
         if not all(_on_cuda(t) for t in _tensors(bsym)):
             return False
         return super().can_fuse(bsym)
+
+    def _captured_collective(self, bsym) -> bool:
+        """Whether a tk collective or a wait may go into a graph: a synchronous tk collective may; an asynchronous
+        one and its wait together, unless a plan put them apart (_fused_with_collectives). No other wait may."""
+        if bsym.sym.name == _WAIT:
+            future = bsym.flat_proxy_args[0] if bsym.flat_proxy_args else None
+        else:
+            future = bsym.flat_proxy_outs[0] if bsym.flat_proxy_outs else None
+            if not isinstance(future, FutureTensorProxy):
+                return True
+        return isinstance(future, FutureTensorProxy) and future.name in self._tk_futures \
+            and future.name not in self._kept_out
 
     def transform_module(self, model) -> None:
         # The module's parameters, whose .grad may be a backward graph's buffer (also those no graph reads).
@@ -186,13 +245,33 @@ class CUDAGraphs(CUDAGraphTransform):
                     if is_static and isinstance(p, TensorProxy):
                         p.tags.add(ProxyTag.STATIC_MEMORY_LOCATION)
             self.outputs_from_forward = None
-        new_trace = self.generate_fused_trace(trace, **kwargs)
+        new_trace = self._fused_with_collectives(trace, **kwargs)
         if TraceTag.AUGMENTED_FORWARD in new_trace.tags:
             # The forward graph's outputs keep their memory from replay to replay: the backward reads them in place.
             from_graph = {o.name for b in new_trace.bound_symbols if is_graph_call(b) for o in b.flat_proxy_outs}
             self.outputs_from_forward = [o.name in from_graph or ProxyTag.STATIC_MEMORY_LOCATION in o.tags
                                          for o in vjp_utils.get_saved_for_backward_tensors(new_trace)]
         return new_trace
+
+    def _fused_with_collectives(self, trace, **kwargs):
+        """The trace's graphs, with each tk collective captured in the graph that also holds its wait. Where a
+        plan puts the two in different graphs (or one outside), the pair stays out and the trace is planned again."""
+        self._tk_futures = {b.flat_proxy_outs[0].name for b in trace.bound_symbols
+                            if b.sym.name in _TK_COLLECTIVES and b.flat_proxy_outs
+                            and isinstance(b.flat_proxy_outs[0], FutureTensorProxy)}
+        self._kept_out = set()
+        runner = self.cuda_graph_runner
+        while True:
+            planned = set(runner.python_callables)
+            fused = self.generate_fused_trace(trace, **kwargs)
+            crossing = {p.name for b in fused.bound_symbols if is_graph_call(b)
+                        for p in (*b.flat_proxy_args, *b.flat_proxy_outs) if isinstance(p, FutureTensorProxy)}
+            if not crossing:
+                return fused
+            if crossing <= self._kept_out:  # cannot happen: whatever touches a kept-out future stays out
+                raise RuntimeError(f"thunder_tk.CUDAGraphs: futures {sorted(crossing)} still cross a graph's edge")
+            runner.forget(set(runner.python_callables) - planned)
+            self._kept_out |= crossing
 
     @property
     def graphs_captured(self) -> int:

@@ -115,7 +115,8 @@ class CompilerArgs:
     # tk rules, families or features to turn off for this model (Thunder's tk_disable compile option), e.g. [gemm]
     disable: list[str] = field(default_factory=list)
     # Capture the step's forward and backward as CUDA graphs and replay them (thunder_tk.CUDAGraphs): one host call
-    # each, for models whose op-by-op step the host cannot issue as fast as the GPU runs it. One process only.
+    # each, for models whose op-by-op step the host cannot issue as fast as the GPU runs it. Under FSDP tk's
+    # collectives are captured with the compute (other collectives run between the graphs).
     cuda_graphs: bool = False
 
 
@@ -397,9 +398,6 @@ def validate(config: PretrainConfig) -> None:
     if config.compiler.cuda_graphs and not config.compiler.jit:
         raise ConfigError("compiler.cuda_graphs: CUDA graphs are captured from Thunder's traces; they need "
                           "compiler.jit true")
-    if config.compiler.cuda_graphs and world > 1:
-        raise ConfigError("compiler.cuda_graphs: one process only for now (FSDP's collectives run between the graphs "
-                          "on streams of their own, which is not yet measured); set devices: 1 or cuda_graphs: false")
     if config.compiler.disable:
         from thunder_tk.claim_rules import known_disable_names
 

@@ -1,6 +1,6 @@
 """Checks of tk's collectives that need several GPUs; run by test_collectives_multi_gpu.py under torchrun:
 
-    torchrun --nproc_per_node 2 tests/gpu/collectives_worker.py kernels|timeout|thunder
+    torchrun --nproc_per_node 2 tests/gpu/collectives_worker.py kernels|timeout|thunder|thunder_graphs
 
 Every rank asserts; a failing rank exits nonzero, which fails the torchrun and the test.
 """
@@ -384,6 +384,62 @@ def case_thunder(device) -> None:
         assert abs(a - b) <= 1e-3 * abs(a) + 1e-6, (losses["torch"], losses["tk"])
     log(f"ok: FSDP 30 steps, losses with NCCL {losses['torch'][0]:.5f}..{losses['torch'][-1]:.5f}, "
         f"with tk {losses['tk'][0]:.5f}..{losses['tk'][-1]:.5f}")
+
+
+def case_thunder_graphs(device) -> None:
+    """Thunder FSDP with executors=[tk] captured as CUDA graphs (thunder_tk.CUDAGraphs), ZeRO-2 and ZeRO-3, two
+    micro-batches a step: tk's collectives and their waits run inside the graphs (none outside), and the losses and
+    the parameters after every step are those of the op-by-op step."""
+    import thunder
+    from thunder.distributed import FSDPType, fsdp
+
+    import thunder_tk
+    from thunder_tk import tk
+    from thunder_tk.cuda_graphs import is_graph_call
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from models import Block
+
+    def collectives_in(trace) -> tuple[int, int]:
+        """tk collectives inside graphs and outside them."""
+        names = ("tk_all_gather", "tk_reduce_scatter")
+        inside = sum(s.sym.name in names for b in trace.bound_symbols if is_graph_call(b) for s in b.subsymbols)
+        outside = sum(b.sym.name in names for b in trace.bound_symbols)
+        return inside, outside
+
+    for strategy in (FSDPType.ZERO2, FSDPType.ZERO3):
+        runs = {}
+        for mode in ("op by op", "graphs"):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(Block(256, 4), Block(256, 4)).to(device, torch.bfloat16)
+            transforms = [thunder_tk.CUDAGraphs()] if mode == "graphs" else []
+            jm = fsdp(thunder.jit(model, executors=[tk], transforms=transforms), sharding_strategy=strategy)
+            opt = torch.optim.AdamW(jm.parameters(), lr=1e-3)
+            g = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
+            losses, params = [], []
+            torch.cuda.reset_peak_memory_stats(device)
+            for _ in range(8):
+                for _micro in range(2):
+                    x = torch.randn(2, 128, 256, device=device, dtype=torch.bfloat16, generator=g)
+                    loss = jm(x).float().pow(2).mean()
+                    loss.backward()
+                    losses.append(loss.item())
+                opt.step()
+                opt.zero_grad()
+                params.append(torch.cat([p.detach().float().flatten() for p in jm.parameters()]))
+            fw, bw = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
+            runs[mode] = losses, params, collectives_in(fw), collectives_in(bw), \
+                torch.cuda.max_memory_allocated(device) / 2**20
+        (want, want_p, *_), (got, got_p, fw_in, bw_in, peak) = runs["op by op"], runs["graphs"]
+        assert fw_in[0] > 0 and fw_in[1] == 0, f"forward: tk collectives inside/outside the graphs {fw_in}"
+        assert bw_in[0] > 0 and bw_in[1] == 0, f"backward: tk collectives inside/outside the graphs {bw_in}"
+        for a, b in zip(want, got):
+            assert abs(a - b) <= 1e-3 * abs(a) + 1e-6, (strategy, want, got)
+        for step, (a, b) in enumerate(zip(want_p, got_p)):
+            assert (a - b).abs().max().item() <= 1e-2 * a.abs().max().item(), (strategy, step)
+        log(f"ok: FSDP {strategy.name} in CUDA graphs, 8 steps of 2 micro-batches: losses "
+            f"{got[0]:.5f}..{got[-1]:.5f} as op by op; collectives in the graphs: forward {fw_in[0]}, backward "
+            f"{bw_in[0]}; peak {peak:.0f} MiB (op by op {runs['op by op'][4]:.0f})")
 
 
 def main() -> None:
