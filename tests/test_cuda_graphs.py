@@ -215,7 +215,8 @@ def test_an_input_gradient_is_not_a_graph_buffer(graphs_on_cpu):
 
 def _gathered_trace():
     """A forward under FSDP as it runs on GPUs, built by hand (tk declines collectives on CPU): two parameters
-    gathered by tk, each read by a linear after its wait, and an NCCL gather of the result with its wait."""
+    gathered by tk, each read by a linear after its wait, and an NCCL gather of the result with its wait. Unpacking
+    cuts a graph, so the plan moves it to the top first (else each gather would be cut from its wait)."""
     import thunder.torch as ltorch
     from thunder.core import prims
     from thunder.core.proxies import FutureTensorProxy, TensorProxy
@@ -236,10 +237,13 @@ def _gathered_trace():
         f3 = FutureTensorProxy(name="f3", like=tensor("u3", (4, 4)))
         w1, w2, y, z, out = (tensor(n, s) for n, s in (("w1", (4, 4)), ("w2", (4, 4)), ("y", (2, 4)),
                                                           ("z", (2, 4)), ("out", (4, 4))))
-        trace.bound_symbols = [
-            *(prims.unpack_trivial.bind(t, name=t.name, output=t) for t in (p, q, x)),
+        unpack = {t.name: prims.unpack_trivial.bind(t, name=t.name, output=t) for t in (p, q, x)}
+        trace.bound_symbols = [  # each gather just after its parameter's unpacking, as FSDP's schedule puts it
+            unpack["p"],
             tk_all_gather.bind(p, None, True, None, output=f1),
+            unpack["q"],
             tk_all_gather.bind(q, None, True, None, output=f2),
+            unpack["x"],
             wait_prim_impl.bind(f1, output=w1),
             ltorch.linear.bind(x, w1, None, output=y),
             wait_prim_impl.bind(f2, output=w2),

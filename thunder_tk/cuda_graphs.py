@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from thunder.core import prims, vjp_utils
 from thunder.core.proxies import FutureTensorProxy, ProxyTag, TensorProxy
-from thunder.core.trace import TraceCtx, TraceTag
+from thunder.core.trace import TraceCtx, TraceTag, from_trace
 from thunder.executors import torchex
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
 
@@ -169,6 +169,29 @@ def _saved_for_backward_unpacked(trace: TraceCtx):
                 None)
 
 
+_UNPACKS = frozenset({prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE, prims.PrimIDs.UNPACK_KEY,
+                      prims.PrimIDs.UNPACK_EMPTY_DICT})
+
+
+def _unpacks_first(trace: TraceCtx) -> TraceCtx:
+    """The trace with its unpacking of arguments moved to the top, in order. Graphs are cut at what they cannot hold,
+    unpacking included: FSDP's schedule issues each parameter's all-gather just after its unpacking, which would cut
+    every gather from its wait."""
+    ready = {a.name for a in trace.args if hasattr(a, "name")}
+    first, rest = [], []
+    for b in trace.bound_symbols:
+        if b.sym.id in _UNPACKS and all(p.name in ready for p in b.flat_proxy_args):
+            first.append(b)
+            ready.update(p.name for p in b.flat_proxy_outs)
+        else:
+            rest.append(b)
+    if len(first) + len(rest) == len(trace.bound_symbols) and trace.bound_symbols[:len(first)] == first:
+        return trace
+    moved = from_trace(trace)
+    moved.bound_symbols = first + rest
+    return moved
+
+
 def _parameter_gradients(backward: TraceCtx, parameter_args: list[bool] | None) -> set[str]:
     """Names of the backward's returned values that are parameters' gradients alone: the backward returns the
     gradient of each forward argument at its position. A value also returned for an argument that is not a
@@ -260,6 +283,8 @@ class CUDAGraphs(CUDAGraphTransform):
                             if b.sym.name in _TK_COLLECTIVES and b.flat_proxy_outs
                             and isinstance(b.flat_proxy_outs[0], FutureTensorProxy)}
         self._kept_out = set()
+        if self._tk_futures:
+            trace = _unpacks_first(trace)
         runner = self.cuda_graph_runner
         while True:
             planned = set(runner.python_callables)
