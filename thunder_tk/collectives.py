@@ -10,6 +10,11 @@ Calls are stream-ordered like NCCL's: the channel's stream waits for the caller'
 peer that never arrives makes the kernel stop after the channel's timeout; the next `wait()` or call on that
 channel raises `CollectiveTimeoutError` naming the op and the peer.
 
+Calls can be captured into CUDA graphs (thunder_tk.CUDAGraphs does so under FSDP): the kernels keep their flags'
+sequence numbers in GPU memory, the channel's stream joins the capture through the events above, and a Work made
+under capture keeps its tensors until `wait()` (a stream recorded on a tensor would keep its memory out of reuse
+for the rest of the capture). `graph_replay()` orders a graph's replay against the channel's launches outside it.
+
 Environment knobs (read when a channel is made; making one checks that every rank of the group has the same
 settings, but for the timeout and the copy engines' summing blocks and signalling, and raises ValueError on every
 rank alike, naming the variable and which ranks have which value):
