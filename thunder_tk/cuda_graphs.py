@@ -185,7 +185,7 @@ def _unpacks_first(trace: TraceCtx) -> TraceCtx:
             ready.update(p.name for p in b.flat_proxy_outs)
         else:
             rest.append(b)
-    if len(first) + len(rest) == len(trace.bound_symbols) and trace.bound_symbols[:len(first)] == first:
+    if all(a is b for a, b in zip(trace.bound_symbols, first)):  # already at the top
         return trace
     moved = from_trace(trace)
     moved.bound_symbols = first + rest
