@@ -1,0 +1,67 @@
+"""Run by tests/test_cuda_graphs.py under torchrun (two gloo ranks): Thunder FSDP of two transformer blocks on CPU,
+jitted with executors=[tk] and thunder_tk.CUDAGraphs, against the same without graphs. The graphs are stood in for
+(the CPU tensors count as on the GPU, a replay runs the region again into the first run's buffers) and torch's
+gloo collectives play tk's, so the plan is the one a GPU run makes of FSDP's real traces. Rank 0 writes, by
+variant, the losses, the gradients' norms and the collectives inside and outside the graphs, as JSON to argv[2]."""
+
+import sys
+
+import thunder
+import torch
+from thunder.distributed import FSDPType, fsdp
+
+import thunder_tk
+from thunder_tk import collectives, cuda_graphs
+from models import Block
+from test_cuda_graphs import _ReplayOnCpu
+from workers import run_variants
+
+PLAYED = frozenset({"torch_all_gather_prim_impl", "torch_reduce_scatter_prim_impl"})
+
+
+def stand_in_for_gpu_graphs() -> None:
+    cuda_graphs._on_cuda = lambda t: True
+    cuda_graphs._TK_COLLECTIVES = PLAYED
+    cuda_graphs._TORCH_DISTRIBUTED = cuda_graphs._TORCH_DISTRIBUTED - PLAYED - {cuda_graphs._WAIT}
+    collectives.graph_replay = lambda device: None
+    captured = []
+
+    def build(self, fn, args, static_args_mask):
+        inputs = tuple(a if static or not isinstance(a, torch.Tensor) else a.clone()
+                       for a, static in zip(args, static_args_mask))
+        graph = _ReplayOnCpu(fn, inputs, captured)
+        return graph, inputs, graph.outputs
+
+    cuda_graphs._SharedPoolRunner.build_cuda_graph = build
+
+
+def collectives_in(trace) -> list[int]:
+    inside = sum(s.sym.name in PLAYED for b in trace.bound_symbols if cuda_graphs.is_graph_call(b)
+                 for s in b.subsymbols)
+    return [inside, sum(b.sym.name in PLAYED for b in trace.bound_symbols)]
+
+
+def run(variant: str) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(64, 2), Block(64, 2))
+    transforms = [thunder_tk.CUDAGraphs()] if variant.startswith("graphs") else []
+    strategy = FSDPType.ZERO3 if variant.endswith("zero3") else FSDPType.ZERO2
+    net = fsdp(thunder.jit(model, executors=[thunder_tk.tk], transforms=transforms), device=torch.device("cpu"),
+               sharding_strategy=strategy)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    losses = []
+    for _ in range(3):
+        loss = net(torch.randn(2, 16, 64, generator=g)).pow(2).mean()
+        loss.backward()
+        losses.append(float(loss))
+        grads = {n: float(p.grad.double().norm()) for n, p in net.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    fw, bw = thunder.last_traces(net)[-1], thunder.last_backward_traces(net)[-1]
+    return {"losses": losses, "grads": grads, "forward": collectives_in(fw), "backward": collectives_in(bw)}
+
+
+if __name__ == "__main__":
+    stand_in_for_gpu_graphs()
+    run_variants(run, sys.argv[1], sys.argv[2])
