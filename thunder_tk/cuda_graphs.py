@@ -236,15 +236,14 @@ class CUDAGraphs(CUDAGraphTransform):
 
     def _captured_collective(self, bsym) -> bool:
         """Whether a tk collective or a wait may go into a graph: a synchronous tk collective may; an asynchronous
-        one and its wait together, unless a plan put them apart (_fused_with_collectives). No other wait may."""
+        one and its wait together (can_fuse keeps out a pair a plan put apart). No other wait may."""
         if bsym.sym.name == _WAIT:
             future = bsym.flat_proxy_args[0] if bsym.flat_proxy_args else None
         else:
             future = bsym.flat_proxy_outs[0] if bsym.flat_proxy_outs else None
             if not isinstance(future, FutureTensorProxy):
                 return True
-        return isinstance(future, FutureTensorProxy) and future.name in self._tk_futures \
-            and future.name not in self._kept_out
+        return isinstance(future, FutureTensorProxy) and future.name in self._tk_futures
 
     def transform_module(self, model) -> None:
         # The module's parameters, whose .grad may be a backward graph's buffer (also those no graph reads).
