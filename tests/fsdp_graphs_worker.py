@@ -22,6 +22,7 @@ PLAYED = frozenset({"torch_all_gather_prim_impl", "torch_reduce_scatter_prim_imp
 def stand_in_for_gpu_graphs() -> None:
     cuda_graphs._on_cuda = lambda t: True
     cuda_graphs._TK_COLLECTIVES = PLAYED
+    cuda_graphs._TK_REDUCE_SCATTERS = frozenset({"torch_reduce_scatter_prim_impl"})
     cuda_graphs._TORCH_DISTRIBUTED = cuda_graphs._TORCH_DISTRIBUTED - PLAYED - {cuda_graphs._WAIT}
     collectives.graph_replay = lambda device: None
     captured = []
@@ -41,7 +42,21 @@ def collectives_in(trace) -> list[int]:
     return [inside, sum(b.sym.name in PLAYED for b in trace.bound_symbols)]
 
 
+def waits_before_last_scatter(trace) -> int:
+    """Waits inside the backward's graph that come before its last reduce-scatter."""
+    (graph,) = [b for b in trace.bound_symbols if cuda_graphs.is_graph_call(b)]
+    names = [s.sym.name for s in graph.subsymbols]
+    last = max(i for i, n in enumerate(names) if n == "torch_reduce_scatter_prim_impl")
+    return sum(n == cuda_graphs._WAIT for n in names[:last])
+
+
 def run(variant: str) -> dict:
+    import os
+
+    if variant.endswith("window"):  # a budget of 4 KiB: each reduce-scatter waited for before the next
+        os.environ["THUNDER_TK_GRAPH_REDUCE_SCATTER_MB"] = "0.004"
+    else:
+        os.environ.pop("THUNDER_TK_GRAPH_REDUCE_SCATTER_MB", None)
     torch.manual_seed(0)
     model = torch.nn.Sequential(Block(64, 2), Block(64, 2))
     transforms = [thunder_tk.CUDAGraphs()] if variant.startswith("graphs") else []
@@ -59,7 +74,8 @@ def run(variant: str) -> dict:
         opt.step()
         opt.zero_grad()
     fw, bw = thunder.last_traces(net)[-1], thunder.last_backward_traces(net)[-1]
-    return {"losses": losses, "grads": grads, "forward": collectives_in(fw), "backward": collectives_in(bw)}
+    return {"losses": losses, "grads": grads, "forward": collectives_in(fw), "backward": collectives_in(bw),
+            "early_waits": waits_before_last_scatter(bw) if transforms else None}
 
 
 if __name__ == "__main__":

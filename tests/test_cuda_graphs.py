@@ -318,11 +318,67 @@ def test_fsdp_steps_in_graphs_hold_their_collectives(tmp_path):
     from workers import run_two_ranks
 
     runs = run_two_ranks(Path(__file__).with_name("fsdp_graphs_worker.py"),
-                         ["plain", "graphs", "plain-zero3", "graphs-zero3"], tmp_path)
-    for plain, graphs in (("plain", "graphs"), ("plain-zero3", "graphs-zero3")):
+                         ["plain", "graphs", "plain-zero3", "graphs-zero3", "graphs-window"], tmp_path)
+    # Within the reduce-scatters' budget the backward's waits stay at its end; past it, they move up.
+    assert runs["graphs"]["early_waits"] == 0 and runs["graphs-window"]["early_waits"] > 0
+    for plain, graphs in (("plain", "graphs"), ("plain-zero3", "graphs-zero3"), ("plain", "graphs-window")):
         want, got = runs[plain], runs[graphs]
         assert got["forward"][0] > 0 and got["forward"][1] == 0, got["forward"]
         assert got["backward"][0] > 0 and got["backward"][1] == 0, got["backward"]
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-6)
         for name, norm in want["grads"].items():
             assert got["grads"][name] == pytest.approx(norm, rel=1e-6), name
+
+
+def _scattered_trace():
+    """A backward under FSDP as it runs on GPUs, built by hand: four 1 MiB gradients, each reduce-scattered by tk as
+    soon as it is computed, every wait at the end (FSDP's schedule)."""
+    import thunder.torch as ltorch
+    from thunder.core import prims
+    from thunder.core.proxies import FutureTensorProxy, TensorProxy
+    from thunder.core.trace import TraceCtx, tracectx
+    from thunder.executors.torchex import wait_prim_impl
+
+    from thunder_tk.lowering import tk_reduce_scatter
+
+    trace = TraceCtx()
+    with tracectx(trace):
+        def tensor(name, shape):
+            return TensorProxy(name, shape=shape, device=thunder.devices.Device("cuda:0"),
+                               dtype=thunder.dtypes.bfloat16)
+
+        x = tensor("x", (512, 1024))
+        trace.args = (x,)
+        bsyms, waited = [prims.unpack_trivial.bind(x, name="x", output=x)], []
+        for i in range(1, 5):
+            g, f = tensor(f"g{i}", (512, 1024)), FutureTensorProxy(name=f"f{i}", like=tensor(f"s{i}", (256, 1024)))
+            bsyms += [ltorch.neg.bind(x, output=g), tk_reduce_scatter.bind(g, None, None, True, None, output=f)]
+        for i in range(1, 5):
+            waited.append(tensor(f"w{i}", (256, 1024)))
+            bsyms.append(wait_prim_impl.bind(bsyms[2 * i].output, output=waited[-1]))
+        bsyms.append(prims.python_return.bind(tuple(waited), output=None))
+        trace.bound_symbols = bsyms
+    return trace
+
+
+def _graph_order(trace) -> list[str]:
+    (graph,) = [b for b in trace.bound_symbols if is_graph_call(b)]
+    return [f"wait {s.flat_proxy_args[0].name}" if s.sym.name == "torch_wait_prim_impl" else
+            f"scatter {s.flat_proxy_outs[0].name}" if s.sym.name == "tk_reduce_scatter" else s.sym.name
+            for s in graph.subsymbols if s.sym.name not in ("python_del", "python_return")]
+
+
+def test_captured_reduce_scatters_are_waited_for_within_a_budget(monkeypatch):
+    """Inside a capture a reduce-scatter's input is held until its wait: the plan waits for the oldest ones before a
+    reduce-scatter that would take the unwaited inputs past THUNDER_TK_GRAPH_REDUCE_SCATTER_MB (op by op and within
+    the budget, the trace's order is kept)."""
+    default = _graph_order(thunder_tk.CUDAGraphs()._fused_with_collectives(_scattered_trace()))
+    assert default == ["neg", "scatter f1", "neg", "scatter f2", "neg", "scatter f3", "neg", "scatter f4",
+                       "wait f1", "wait f2", "wait f3", "wait f4"]
+    monkeypatch.setenv("THUNDER_TK_GRAPH_REDUCE_SCATTER_MB", "2.5")
+    within = _graph_order(thunder_tk.CUDAGraphs()._fused_with_collectives(_scattered_trace()))
+    assert within == ["neg", "scatter f1", "neg", "scatter f2", "neg", "wait f1", "scatter f3", "neg", "wait f2",
+                      "scatter f4", "wait f3", "wait f4"]
+    monkeypatch.setenv("THUNDER_TK_GRAPH_REDUCE_SCATTER_MB", "lots")
+    with pytest.raises(ValueError, match="THUNDER_TK_GRAPH_REDUCE_SCATTER_MB='lots' is not a number"):
+        thunder_tk.CUDAGraphs()._fused_with_collectives(_scattered_trace())

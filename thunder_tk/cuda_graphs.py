@@ -12,7 +12,9 @@ What this adds to Thunder's transform:
 - under FSDP, tk's collectives and their waits are captured with the compute around them (the channel's stream
   joins the capture, so the overlap is kept), and a gathered weight is a temporary of the graph as it was of the
   op-by-op step; other collectives (NCCL's) stay outside, their results copied into the graph's input buffers.
-  A collective is captured only with its wait in the same graph;
+  A collective is captured only with its wait in the same graph. In a captured backward, reduce-scatters are waited
+  for (oldest first) before their unwaited inputs pass THUNDER_TK_GRAPH_REDUCE_SCATTER_MB (default 1024): a capture
+  holds a collective's input until its wait, where op by op it is freed once read;
 - the backward's inputs saved by the forward's graph are found by name, not by their position in the trace;
 - calls on tensors off the GPU stay outside the graphs (a capture would fix what they computed on the host).
 
@@ -30,6 +32,8 @@ backwards).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from thunder.core import prims, vjp_utils
 from thunder.core.proxies import FutureTensorProxy, ProxyTag, TensorProxy
@@ -44,6 +48,7 @@ from thunder_tk.lowering import tk_all_gather, tk_reduce_scatter
 # Every other distributed op runs outside the graphs (NCCL's queues and watchdog; FSDP's bucket bookkeeping): the
 # distributed prims, and the torch executor's ops for them.
 _TK_COLLECTIVES = frozenset({tk_all_gather.name, tk_reduce_scatter.name})
+_TK_REDUCE_SCATTERS = frozenset({tk_reduce_scatter.name})
 _WAIT = "torch_wait_prim_impl"
 _TORCH_DISTRIBUTED = frozenset(info.symbol.name for pid, info in torchex.ex.implmap.items()
                                if pid in COLLECTIVE_IDS and getattr(info, "symbol", None) is not None)
@@ -192,6 +197,60 @@ def _unpacks_first(trace: TraceCtx) -> TraceCtx:
     return moved
 
 
+REDUCE_SCATTER_BUDGET_ENV = "THUNDER_TK_GRAPH_REDUCE_SCATTER_MB"
+REDUCE_SCATTER_BUDGET_MB = 1024
+
+
+def _reduce_scatter_budget() -> int:
+    """Bytes of reduce-scatter inputs a captured backward may hold unwaited (THUNDER_TK_GRAPH_REDUCE_SCATTER_MB)."""
+    raw = os.environ.get(REDUCE_SCATTER_BUDGET_ENV, "").strip()
+    try:
+        mb = float(raw) if raw else REDUCE_SCATTER_BUDGET_MB
+    except ValueError:
+        raise ValueError(f"{REDUCE_SCATTER_BUDGET_ENV}={raw!r} is not a number") from None
+    return int(mb * 2**20)
+
+
+def _reduce_scatter_waits_within(trace: TraceCtx, budget: int) -> TraceCtx:
+    """The trace with tk reduce-scatters' waits moved up, so that the inputs of those issued and not yet waited for
+    stay within `budget` bytes: before a reduce-scatter that would pass it, the oldest ones are waited for.
+
+    Op by op, a reduce-scatter's input (an unsharded gradient) returns to the allocator once the collective has read
+    it. Inside a capture the collective's Work keeps it until its wait, and FSDP's schedule waits at the backward's end,
+    so every unsharded gradient would be held at once. A wait only orders the compute stream after the collective;
+    waiting for older ones keeps the newer ones overlapping the compute."""
+    bsyms = list(trace.bound_symbols)
+    waits = {b.flat_proxy_args[0].name: b for b in bsyms
+             if b.sym.name == _WAIT and b.flat_proxy_args and isinstance(b.flat_proxy_args[0], FutureTensorProxy)}
+    out, pending, held, moved = [], [], 0, set()  # pending: (future's name, input bytes), oldest first
+    for b in bsyms:
+        if b.sym.name == _WAIT and b.flat_proxy_args and b.flat_proxy_args[0].name in moved:
+            continue  # waited for earlier
+        future = b.flat_proxy_outs[0] if b.sym.name in _TK_REDUCE_SCATTERS and b.flat_proxy_outs else None
+        if isinstance(future, FutureTensorProxy) and future.name in waits:
+            a = b.flat_proxy_args[0]
+            size = a.numel * a.dtype.bytes if isinstance(a.numel, int) else 0
+            while pending and held + size > budget:
+                name, s = pending.pop(0)
+                held -= s
+                out.append(waits[name])
+                moved.add(name)
+            pending.append((future.name, size))
+            held += size
+        elif b.sym.name == _WAIT and b.flat_proxy_args:
+            for i, (name, s) in enumerate(pending):
+                if name == b.flat_proxy_args[0].name:  # waited for where the trace waits
+                    del pending[i]
+                    held -= s
+                    break
+        out.append(b)
+    if not moved:
+        return trace
+    waited = from_trace(trace)
+    waited.bound_symbols = out
+    return waited
+
+
 def _parameter_gradients(backward: TraceCtx, parameter_args: list[bool] | None) -> set[str]:
     """Names of the backward's returned values that are parameters' gradients alone: the backward returns the
     gradient of each forward argument at its position. A value also returned for an argument that is not a
@@ -283,7 +342,7 @@ class CUDAGraphs(CUDAGraphTransform):
                             and isinstance(b.flat_proxy_outs[0], FutureTensorProxy)}
         self._kept_out = set()
         if self._tk_futures:
-            trace = _unpacks_first(trace)
+            trace = _reduce_scatter_waits_within(_unpacks_first(trace), _reduce_scatter_budget())
         runner = self.cuda_graph_runner
         while True:
             planned = set(runner.python_callables)
