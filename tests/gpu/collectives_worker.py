@@ -389,7 +389,9 @@ def case_thunder(device) -> None:
 def case_thunder_graphs(device) -> None:
     """Thunder FSDP with executors=[tk] captured as CUDA graphs (thunder_tk.CUDAGraphs), ZeRO-2 and ZeRO-3, two
     micro-batches a step: tk's collectives and their waits run inside the graphs (none outside), and the losses and
-    the parameters after every step are those of the op-by-op step."""
+    the parameters after every step are those of the op-by-op step. Also with a reduce-scatter budget of 64 KiB
+    (THUNDER_TK_GRAPH_REDUCE_SCATTER_MB: the backward's graph waits for older reduce-scatters early), and with tk's
+    collectives turned off (NCCL's outside the graphs, the graphs between them)."""
     import thunder
     from thunder.distributed import FSDPType, fsdp
 
@@ -400,20 +402,34 @@ def case_thunder_graphs(device) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from models import Block
 
-    def collectives_in(trace) -> tuple[int, int]:
-        """tk collectives inside graphs and outside them."""
-        names = ("tk_all_gather", "tk_reduce_scatter")
+    tk_names = ("tk_all_gather", "tk_reduce_scatter")
+    nccl_names = ("torch_all_gather_prim_impl", "torch_reduce_scatter_prim_impl")
+
+    def collectives_in(trace, names=tk_names) -> tuple[int, int]:
+        """Collectives inside graphs and outside them."""
         inside = sum(s.sym.name in names for b in trace.bound_symbols if is_graph_call(b) for s in b.subsymbols)
         outside = sum(b.sym.name in names for b in trace.bound_symbols)
         return inside, outside
 
+    def early_waits(trace) -> int:
+        """Waits inside the backward's graph before its last reduce-scatter."""
+        names = [s.sym.name for b in trace.bound_symbols if is_graph_call(b) for s in b.subsymbols]
+        last = max((i for i, n in enumerate(names) if n == "tk_reduce_scatter"), default=0)
+        return sum(n == "torch_wait_prim_impl" for n in names[:last])
+
+    budget_env = "THUNDER_TK_GRAPH_REDUCE_SCATTER_MB"
     for strategy in (FSDPType.ZERO2, FSDPType.ZERO3):
         runs = {}
-        for mode in ("op by op", "graphs"):
+        for mode in ("op by op", "graphs", "graphs, 64 KiB of reduce-scatters", "graphs, NCCL"):
             torch.manual_seed(0)
             model = torch.nn.Sequential(Block(256, 4), Block(256, 4)).to(device, torch.bfloat16)
-            transforms = [thunder_tk.CUDAGraphs()] if mode == "graphs" else []
-            jm = fsdp(thunder.jit(model, executors=[tk], transforms=transforms), sharding_strategy=strategy)
+            transforms = [thunder_tk.CUDAGraphs()] if mode.startswith("graphs") else []
+            options = {"tk_disable": "collective"} if mode.endswith("NCCL") else {}
+            if "KiB" in mode:
+                os.environ[budget_env] = "0.0625"
+            else:
+                os.environ.pop(budget_env, None)
+            jm = fsdp(thunder.jit(model, executors=[tk], transforms=transforms, **options), sharding_strategy=strategy)
             opt = torch.optim.AdamW(jm.parameters(), lr=1e-3)
             g = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
             losses, params = [], []
@@ -428,18 +444,28 @@ def case_thunder_graphs(device) -> None:
                 opt.zero_grad()
                 params.append(torch.cat([p.detach().float().flatten() for p in jm.parameters()]))
             fw, bw = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
-            runs[mode] = losses, params, collectives_in(fw), collectives_in(bw), \
-                torch.cuda.max_memory_allocated(device) / 2**20
-        (want, want_p, *_), (got, got_p, fw_in, bw_in, peak) = runs["op by op"], runs["graphs"]
-        assert fw_in[0] > 0 and fw_in[1] == 0, f"forward: tk collectives inside/outside the graphs {fw_in}"
-        assert bw_in[0] > 0 and bw_in[1] == 0, f"backward: tk collectives inside/outside the graphs {bw_in}"
-        for a, b in zip(want, got):
-            assert abs(a - b) <= 1e-3 * abs(a) + 1e-6, (strategy, want, got)
-        for step, (a, b) in enumerate(zip(want_p, got_p)):
-            assert (a - b).abs().max().item() <= 1e-2 * a.abs().max().item(), (strategy, step)
-        log(f"ok: FSDP {strategy.name} in CUDA graphs, 8 steps of 2 micro-batches: losses "
-            f"{got[0]:.5f}..{got[-1]:.5f} as op by op; collectives in the graphs: forward {fw_in[0]}, backward "
-            f"{bw_in[0]}; peak {peak:.0f} MiB (op by op {runs['op by op'][4]:.0f})")
+            names = nccl_names if mode.endswith("NCCL") else tk_names
+            runs[mode] = losses, params, collectives_in(fw, names), collectives_in(bw, names), \
+                torch.cuda.max_memory_allocated(device) / 2**20, early_waits(bw)
+        os.environ.pop(budget_env, None)
+        want, want_p = runs["op by op"][:2]
+        for mode in ("graphs", "graphs, 64 KiB of reduce-scatters", "graphs, NCCL"):
+            got, got_p, fw_in, bw_in, peak, waits = runs[mode]
+            if mode.endswith("NCCL"):  # NCCL's collectives stay outside the graphs
+                assert fw_in[0] == 0 and fw_in[1] > 0, f"{mode}, forward: NCCL inside/outside the graphs {fw_in}"
+                assert bw_in[0] == 0 and bw_in[1] > 0, f"{mode}, backward: NCCL inside/outside the graphs {bw_in}"
+            else:
+                assert fw_in[0] > 0 and fw_in[1] == 0, f"{mode}, forward: tk collectives inside/outside {fw_in}"
+                assert bw_in[0] > 0 and bw_in[1] == 0, f"{mode}, backward: tk collectives inside/outside {bw_in}"
+            if "KiB" in mode:  # each block's gradients pass 64 KiB: the waits move up
+                assert waits > 0, f"{mode}: no wait before the last reduce-scatter"
+            for a, b in zip(want, got):
+                assert abs(a - b) <= 1e-3 * abs(a) + 1e-6, (strategy, mode, want, got)
+            for step, (a, b) in enumerate(zip(want_p, got_p)):
+                assert (a - b).abs().max().item() <= 1e-2 * a.abs().max().item(), (strategy, mode, step)
+            log(f"ok: FSDP {strategy.name} in CUDA graphs ({mode}), 8 steps of 2 micro-batches: losses "
+                f"{got[0]:.5f}..{got[-1]:.5f} as op by op; collectives in the graphs: forward {fw_in[0]}, backward "
+                f"{bw_in[0]}, waits moved up {waits}; peak {peak:.0f} MiB (op by op {runs['op by op'][4]:.0f})")
 
 
 def main() -> None:
