@@ -72,11 +72,13 @@ def variants(fsdp: bool, device: torch.device, without: tuple[str, ...] = ()):
             if graphs:  # a transform per build: it holds the graphs it captures
                 options["transforms"] = [thunder_tk.CUDAGraphs(copy_gradients=copy_gradients)]
             jitted = thunder.jit(m, executors=executors, **options)
-            if not fsdp:
-                return jitted
-            from thunder.distributed import fsdp as thunder_fsdp
+            if fsdp:
+                from thunder.distributed import fsdp as thunder_fsdp
 
-            return thunder_fsdp(jitted, device=device)
+                jitted = thunder_fsdp(jitted, device=device)
+            if graphs:  # for the row's account of the graphs' memory
+                jitted.tk_cuda_graphs = options["transforms"][0]
+            return jitted
 
         return wrap
 
@@ -430,6 +432,7 @@ class Built:
     def __init__(self, name, wrap, args, device: torch.device):
         self.name, self.device, self.cuda = name, device, device.type == "cuda"
         self.base_gib = torch.cuda.memory_allocated(device) / 2**30 if self.cuda else 0.0
+        self.base_reserved_gib = torch.cuda.memory_reserved(device) / 2**30 if self.cuda else 0.0
         torch.manual_seed(0)
         # LitGPT's precisions, as `thunder-tk pretrain` runs them (bf16-mixed: fp32 weights, the step's forward
         # under bf16 autocast, which each variant's compiler traces as casts)
@@ -481,15 +484,27 @@ def run(name, wrap, args, device: torch.device):
     v = Built(name, wrap, args, device)
     cuda = v.cuda
     if cuda:
+        # The warmup's cached blocks are not the step's (a graph's capture runs its region op by op first): dropped,
+        # and one more step caches what a step needs, so the reserved peak below is the step's.
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        v.step()
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     seconds, loss = v.time_steps(args.steps)
     step = v.step
     tokens = args.batch * args.seq * _world()
-    # What this variant holds at its peak: earlier variants kept for more rounds are not its memory.
+    # What this variant holds at its peak: earlier variants kept for more rounds are not its memory. A CUDA graph's
+    # temporaries live in the free part of its pool, which the allocated peak does not count and the reserved does.
     peak = max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30 - v.base_gib, device) if cuda else None
+    reserved = max_over_ranks(torch.cuda.max_memory_reserved(device) / 2**30 - v.base_reserved_gib, device) \
+        if cuda else None
     row = {"variant": name, "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / _world(),
-           "peak_gib": peak, "loss": float(loss.detach().float().mean()), "_windows": v.windows}
+           "peak_gib": peak, "reserved_gib": reserved, "loss": float(loss.detach().float().mean()),
+           "_windows": v.windows}
+    graphs = getattr(v.net, "tk_cuda_graphs", None)
+    if graphs is not None and cuda:
+        row["graphs_memory_gib"] = {k: max_over_ranks(b / 2**30, device) for k, b in graphs.memory().items()}
     if args.profile and cuda and name != "eager":
         try:  # a profiler failure must not cost the timing above
             row["profile"] = profile_step(step, device, args.profile, args.profile_launch_order)
@@ -629,7 +644,8 @@ def main():
                 # One variant that cannot run (e.g. Thunder's own SDPA backward at bf16-mixed) must not cost the
                 # others' figures: its row says why, with no timing.
                 row, v = {"variant": label, "tokens_per_s": None, "tokens_per_s_per_gpu": None, "peak_gib": None,
-                          "loss": None, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}, None
+                          "reserved_gib": None, "loss": None,
+                          "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}, None
                 print(f"{name}: FAILED ({row['error']})", flush=True)
             rows.append(row)
             if a.rounds > 1 and v is not None:
@@ -664,8 +680,12 @@ def main():
     timing = f"median of {a.rounds} rounds in turns" if a.rounds > 1 else "one pass per variant"
     print(f"{a.model}, {a.n_layer} layers, {where} x {a.seq} tokens, {a.precision}, fused AdamW; {a.steps} steps, "
           f"{timing}")
-    print_table(rows, ["variant", "tokens_per_s", "tokens_per_s_per_gpu", "peak_gib", "vs_thunder_default",
-                       "vs_torch_compile"])
+    print_table(rows, ["variant", "tokens_per_s", "tokens_per_s_per_gpu", "peak_gib", "reserved_gib",
+                       "vs_thunder_default", "vs_torch_compile"])
+    for r in rows:
+        if r.get("graphs_memory_gib"):
+            print(f"{r['variant']}: graphs' memory (GiB) " + ", ".join(f"{k} {x:.2f}"
+                                                                       for k, x in r["graphs_memory_gib"].items()))
     for r in rows:
         if r.get("error"):
             print(f"{r['variant']}: failed, {r['error']}")

@@ -183,6 +183,23 @@ def test_gradients_are_the_graph_buffers_without_a_copy(graphs_on_cpu, copy_grad
     assert transform.graphs_captured == 2
 
 
+def test_memory_counts_the_graphs_outputs_and_input_copies(graphs_on_cpu):
+    """CUDAGraphs.memory: the outputs the graphs keep (each storage once: the gradients handed out are among them)
+    and the buffers the batch is copied into; no pool on a CPU."""
+    model, _ = _mlp_pair()
+    transform = thunder_tk.CUDAGraphs()
+    jitted = thunder.jit(model, executors=[thunder_tk.tk], transforms=[transform])
+    assert transform.memory() == {"pool": 0, "pool_allocated": 0, "outputs": 0, "input_copies": 0}
+    x = torch.randn(4, 16)
+    jitted(x).square().sum().backward()
+    memory = transform.memory()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    # The backward's outputs hold every parameter's gradient; the forward's, at least its (4, 8) output.
+    assert memory["outputs"] >= weights + 4 * 8 * 4, memory
+    assert memory["input_copies"] >= x.numel() * x.element_size(), memory
+    assert memory["pool"] == memory["pool_allocated"] == 0
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_kept_gradients_are_moved_before_the_next_replay(graphs_on_cpu, set_to_none):
     """Gradient accumulation over two batches, and zero_grad(set_to_none=False) between steps: a .grad still kept

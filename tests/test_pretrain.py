@@ -370,7 +370,8 @@ def test_baseline_executors_without_checkpoints(tmp_path, capsys):
     assert not (tmp_path / "checkpoints").exists()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["executors"] == ["default"] and summary["tokens_per_s_per_device_after_first_step"] > 0
-    assert summary["peak_memory_gib"] is None and summary["mfu_after_first_step"] is None  # CPU
+    assert summary["peak_memory_gib"] is None and summary["peak_reserved_gib"] is None  # CPU
+    assert summary["mfu_after_first_step"] is None and summary["cuda_graphs_memory_gib"] is None
     # Two steps after the first, one logging interval each: the median pace is at most the slowest interval's.
     pace, slowest = summary["step_seconds_median_after_first_step"], summary["step_seconds_max_after_first_step"]
     assert 0 < pace <= slowest

@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.utils._pytree import tree_leaves
 from thunder.core import prims, vjp_utils
 from thunder.core.proxies import FutureTensorProxy, ProxyTag, TensorProxy
 from thunder.core.trace import TraceCtx, TraceTag, from_trace
@@ -146,6 +147,26 @@ class _SharedPoolRunner(CUDAGraphRunner):
             if g is not None and g.untyped_storage().data_ptr() in self._buffers:
                 p.grad = g.clone()
         self._handed_out = False
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the captured graphs hold (all devices): see CUDAGraphs.memory."""
+        outputs, copies = {}, {}
+        for key, (_graph, static_inputs, static_outputs) in self.cuda_graph_cache.items():
+            for t in tree_leaves(static_outputs):
+                if isinstance(t, torch.Tensor):
+                    outputs[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            for t, static in zip(static_inputs, key[1]):
+                if isinstance(t, torch.Tensor) and not static:
+                    copies[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        pool = pool_allocated = 0
+        if self.mem_pool is not None and torch.cuda.is_available():
+            handles = {tuple(h) for h in self.mem_pool}
+            for segment in torch.cuda.memory_snapshot():
+                if tuple(segment.get("segment_pool_id", ())) in handles:
+                    pool += segment["total_size"]
+                    pool_allocated += segment["allocated_size"]
+        return {"pool": pool, "pool_allocated": pool_allocated, "outputs": sum(outputs.values()),
+                "input_copies": sum(copies.values())}
 
     def build_cuda_graph(self, fn, args, static_args_mask):
         if self.mem_pool is None:
@@ -355,6 +376,17 @@ class CUDAGraphs(CUDAGraphTransform):
                 raise RuntimeError(f"thunder_tk.CUDAGraphs: futures {sorted(crossing)} still cross a graph's edge")
             runner.forget(set(runner.python_callables) - planned)
             self._kept_out |= crossing
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the captured graphs hold on the GPUs, for a memory budget that counts them:
+        - `pool`: the graphs' memory pool, reserved for good. During a replay the graphs' temporaries live in its
+          free part, which `torch.cuda.memory_allocated` (and so `max_memory_allocated`) does not count;
+          `torch.cuda.memory_reserved` does;
+        - `pool_allocated`: the part of it held by tensors (the graphs' outputs, among them the saved tensors the
+          forward hands to the backward, and the gradients it hands out);
+        - `outputs`: the graphs' outputs, kept from one replay to the next;
+        - `input_copies`: the buffers that inputs other than parameters and the forward's outputs are copied into."""
+        return self.cuda_graph_runner.memory()
 
     @property
     def graphs_captured(self) -> int:

@@ -815,8 +815,12 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
     steady = (steady_steps * t.global_batch_size * seq / (loop_end - steady_start - profiler.spent_s)
               if steady_steps > 0 else None)
     pace, slowest = (statistics.median(paces), max(paces)) if paces else (None, None)
-    peak_gib = (dist.max_over_ranks(torch.cuda.max_memory_allocated(dist.device) / 2**30)
-                if dist.device.type == "cuda" else None)
+    on_gpu = dist.device.type == "cuda"
+    peak_gib = dist.max_over_ranks(torch.cuda.max_memory_allocated(dist.device) / 2**30) if on_gpu else None
+    # The allocated peak leaves out where CUDA graphs keep their temporaries (their pool's free part); reserved has it.
+    reserved_gib = dist.max_over_ranks(torch.cuda.max_memory_reserved(dist.device) / 2**30) if on_gpu else None
+    graphs_gib = ({k: dist.max_over_ranks(b / 2**30) for k, b in graphs.memory().items()}
+                  if graphs is not None and on_gpu else None)
     summary = {
         "steps": step, "final_loss": last_loss, "tokens": samples * seq, "seconds": elapsed,
         "stopped_by": "train.max_time" if stopped_by_time else None, "final_val_loss": final_val,
@@ -836,8 +840,11 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
         "executors": list(config.compiler.executors) if config.compiler.jit else ["eager"],
         # compiler.cuda_graphs: the graphs captured (none where every tensor is off the GPU); None: not asked for
         "cuda_graphs_captured": graphs.graphs_captured if graphs is not None else None,
-        # Largest per-rank peak of torch's allocator during training (setup excluded).
+        # Largest per-rank peak of torch's allocator during training (setup excluded): allocated, and reserved (the
+        # allocator's cache and the CUDA graphs' pool included); with graphs, what they hold (CUDAGraphs.memory).
         "peak_memory_gib": peak_gib,
+        "peak_reserved_gib": reserved_gib,
+        "cuda_graphs_memory_gib": graphs_gib,
         # THUNDER_TK_CPU_AFFINITY=exclusive: how many CPUs rank 0 was bound to (None: the affinity left alone).
         "cpus_bound": len(dist.cpus) if dist.cpus is not None else None,
         # FSDP_KERNEL_SETTINGS this run set (several GPUs, the environment silent on them).
