@@ -35,6 +35,11 @@ rank alike, naming the variable and which ranks have which value):
   source, and no timeout: a rank that never reaches a collective leaves its peers waiting, as with NCCL.
   THUNDER_TK_COLLECTIVE_CE_SIGNAL (default write): how it raises a peer's flag, "write" (a stream write into
   the peer's memory) or "copy" (a local stream write and a 4-byte copy to the peer).
+- THUNDER_TK_COLLECTIVE_KEEP (default record; this rank's alone): how an asynchronous collective's tensors return
+  to the allocator. "record": the caller frees them, their reuse ordered after the collective by a stream recorded
+  on them (a freed block then waits for the channel's stream to pass that point, and the allocator may take new
+  memory meanwhile); "wait": the Work keeps them until `wait()`, after which the caller's stream may reuse them at
+  once (what capture always does; NCCL's TORCH_NCCL_AVOID_RECORD_STREAMS is the same choice).
 """
 
 from __future__ import annotations
@@ -349,6 +354,10 @@ class Channel:
         self.world = group.size()
         self.rank = group.rank()
         self.config = config
+        keep = _env_word("THUNDER_TK_COLLECTIVE_KEEP", "record")
+        if keep not in ("record", "wait"):
+            raise ValueError(f"THUNDER_TK_COLLECTIVE_KEEP={keep!r}: expected record or wait")
+        self._keep_until_wait = keep == "wait"
         peers = max(1, self.world - 1)
         # Pairs need a block per peer; with two ranks they are what the plain layout does anyway.
         self.pairs = config.pairs and self.world >= 3
@@ -437,7 +446,7 @@ class Channel:
         # The caller may free the tensors while the channel's stream still reads or writes them. Under CUDA-graph
         # capture the Work keeps them until wait() instead: the allocator keeps a recorded stream's memory out of
         # reuse for the rest of the capture, which would hold every gathered weight of a captured step at once.
-        if torch.cuda.is_current_stream_capturing():
+        if self._keep_until_wait or torch.cuda.is_current_stream_capturing():
             return Work(self, handle, tensors)
         for t in tensors:
             t.record_stream(self.stream)
@@ -522,7 +531,15 @@ class Work:
     def __init__(self, channel: Channel, handle: int, tensors: tuple[torch.Tensor, ...] = ()):
         self._channel = channel
         self._handle = handle
-        self._tensors = tensors  # kept until wait() (under graph capture; see Channel._work)
+        self._tensors = tensors  # kept until wait() (under graph capture, or THUNDER_TK_COLLECTIVE_KEEP=wait)
+
+    def __del__(self):
+        # Dropped without wait(): the tensors return to the allocator once the channel's stream is past them.
+        try:
+            for t in self._tensors:
+                t.record_stream(self._channel.stream)
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
 
     def wait(self, timeout=None) -> bool:
         """Make the current stream wait for the collective (no host synchronisation); raise if it failed."""
