@@ -54,9 +54,9 @@ def run(variant: str) -> dict:
     import os
 
     if variant.endswith("window"):  # a budget of 4 KiB: each reduce-scatter waited for before the next
-        os.environ["THUNDER_TK_GRAPH_REDUCE_SCATTER_MB"] = "0.004"
+        os.environ["THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB"] = "0.004"
     else:
-        os.environ.pop("THUNDER_TK_GRAPH_REDUCE_SCATTER_MB", None)
+        os.environ.pop("THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB", None)
     torch.manual_seed(0)
     model = torch.nn.Sequential(Block(64, 2), Block(64, 2))
     transforms = [thunder_tk.CUDAGraphs()] if variant.startswith("graphs") else []

@@ -387,15 +387,15 @@ def _graph_order(trace) -> list[str]:
 
 def test_captured_reduce_scatters_are_waited_for_within_a_budget(monkeypatch):
     """Inside a capture a reduce-scatter's input is held until its wait: the plan waits for the oldest ones before a
-    reduce-scatter that would take the unwaited inputs past THUNDER_TK_GRAPH_REDUCE_SCATTER_MB (op by op and within
+    reduce-scatter that would take the unwaited inputs past THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB (op by op and within
     the budget, the trace's order is kept)."""
     default = _graph_order(thunder_tk.CUDAGraphs()._fused_with_collectives(_scattered_trace()))
     assert default == ["neg", "scatter f1", "neg", "scatter f2", "neg", "scatter f3", "neg", "scatter f4",
                        "wait f1", "wait f2", "wait f3", "wait f4"]
-    monkeypatch.setenv("THUNDER_TK_GRAPH_REDUCE_SCATTER_MB", "2.5")
+    monkeypatch.setenv("THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB", "2.5")
     within = _graph_order(thunder_tk.CUDAGraphs()._fused_with_collectives(_scattered_trace()))
     assert within == ["neg", "scatter f1", "neg", "scatter f2", "neg", "wait f1", "scatter f3", "neg", "wait f2",
                       "scatter f4", "wait f3", "wait f4"]
-    monkeypatch.setenv("THUNDER_TK_GRAPH_REDUCE_SCATTER_MB", "lots")
-    with pytest.raises(ValueError, match="THUNDER_TK_GRAPH_REDUCE_SCATTER_MB='lots' is not a number"):
+    monkeypatch.setenv("THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB", "lots")
+    with pytest.raises(ValueError, match="THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB='lots' is not a number"):
         thunder_tk.CUDAGraphs()._fused_with_collectives(_scattered_trace())

@@ -13,7 +13,7 @@ What this adds to Thunder's transform:
   joins the capture, so the overlap is kept), and a gathered weight is a temporary of the graph as it was of the
   op-by-op step; other collectives (NCCL's) stay outside, their results copied into the graph's input buffers.
   A collective is captured only with its wait in the same graph. In a captured backward, reduce-scatters are waited
-  for (oldest first) before their unwaited inputs pass THUNDER_TK_GRAPH_REDUCE_SCATTER_MB (default 1024): a capture
+  for (oldest first) before their unwaited inputs pass THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB (default 1024): a capture
   holds a collective's input until its wait, where op by op it is freed once read;
 - the backward's inputs saved by the forward's graph are found by name, not by their position in the trace;
 - calls on tensors off the GPU stay outside the graphs (a capture would fix what they computed on the host).
@@ -218,12 +218,12 @@ def _unpacks_first(trace: TraceCtx) -> TraceCtx:
     return moved
 
 
-REDUCE_SCATTER_BUDGET_ENV = "THUNDER_TK_GRAPH_REDUCE_SCATTER_MB"
+REDUCE_SCATTER_BUDGET_ENV = "THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB"
 REDUCE_SCATTER_BUDGET_MB = 1024
 
 
 def _reduce_scatter_budget() -> int:
-    """Bytes of reduce-scatter inputs a captured backward may hold unwaited (THUNDER_TK_GRAPH_REDUCE_SCATTER_MB)."""
+    """Bytes of reduce-scatter inputs a captured backward may hold unwaited (THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB)."""
     raw = os.environ.get(REDUCE_SCATTER_BUDGET_ENV, "").strip()
     try:
         mb = float(raw) if raw else REDUCE_SCATTER_BUDGET_MB

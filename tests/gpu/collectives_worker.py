@@ -390,7 +390,7 @@ def case_thunder_graphs(device) -> None:
     """Thunder FSDP with executors=[tk] captured as CUDA graphs (thunder_tk.CUDAGraphs), ZeRO-2 and ZeRO-3, two
     micro-batches a step: tk's collectives and their waits run inside the graphs (none outside), and the losses and
     the parameters after every step are those of the op-by-op step. Also with a reduce-scatter budget of 64 KiB
-    (THUNDER_TK_GRAPH_REDUCE_SCATTER_MB: the backward's graph waits for older reduce-scatters early), and with tk's
+    (THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB: the backward's graph waits for older reduce-scatters early), and with tk's
     collectives turned off (NCCL's outside the graphs, the graphs between them)."""
     import thunder
     from thunder.distributed import FSDPType, fsdp
@@ -417,7 +417,7 @@ def case_thunder_graphs(device) -> None:
         last = max((i for i, n in enumerate(names) if n == "tk_reduce_scatter"), default=0)
         return sum(n == "torch_wait_prim_impl" for n in names[:last])
 
-    budget_env = "THUNDER_TK_GRAPH_REDUCE_SCATTER_MB"
+    budget_env = "THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB"
     for strategy in (FSDPType.ZERO2, FSDPType.ZERO3):
         runs = {}
         for mode in ("op by op", "graphs", "graphs, 64 KiB of reduce-scatters", "graphs, NCCL"):
