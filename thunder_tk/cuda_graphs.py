@@ -32,8 +32,6 @@ backwards).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.utils._pytree import tree_leaves
 from thunder.core import prims, vjp_utils
@@ -224,12 +222,9 @@ REDUCE_SCATTER_BUDGET_MB = 1024
 
 def _reduce_scatter_budget() -> int:
     """Bytes of reduce-scatter inputs a captured backward may hold unwaited (THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB)."""
-    raw = os.environ.get(REDUCE_SCATTER_BUDGET_ENV, "").strip()
-    try:
-        mb = float(raw) if raw else REDUCE_SCATTER_BUDGET_MB
-    except ValueError:
-        raise ValueError(f"{REDUCE_SCATTER_BUDGET_ENV}={raw!r} is not a number") from None
-    return int(mb * 2**20)
+    from thunder_tk.collectives import _env_number
+
+    return int(_env_number(REDUCE_SCATTER_BUDGET_ENV, REDUCE_SCATTER_BUDGET_MB, float) * 2**20)
 
 
 def _reduce_scatter_waits_within(trace: TraceCtx, budget: int) -> TraceCtx:
