@@ -126,3 +126,32 @@ def test_disabled_or_without_waits_the_trace_is_left_alone(monkeypatch):
     trace = _synthetic_trace(False)
     monkeypatch.setenv("THUNDER_TK_DISABLE", "collective_schedule")
     assert overlap_collectives(trace) is trace
+
+
+def _scatter_order(trace) -> list[str]:
+    return [f"wait {b.flat_proxy_args[0].name}" if b.sym.name == "torch_wait_prim_impl" else
+            f"scatter {b.flat_proxy_outs[0].name}" if b.sym.name == "tk_reduce_scatter" else b.sym.name
+            for b in trace.bound_symbols if b.sym.name in ("neg", "torch_wait_prim_impl", "tk_reduce_scatter")]
+
+
+def test_reduce_scatters_are_waited_for_within_the_budget_when_kept_until_wait(monkeypatch):
+    """tk's collectives keep their tensors until their waits (THUNDER_TK_COLLECTIVE_KEEP=wait, the default), so the
+    schedule waits for the oldest reduce-scatters before a new one would take the unwaited inputs (1 MiB each here)
+    past THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB; with `record` the waits stay at the end."""
+    from test_cuda_graphs import _scattered_trace
+
+    from thunder_tk.fsdp_schedule import overlap_collectives
+
+    at_end = ["neg", "scatter f1", "neg", "scatter f2", "neg", "scatter f3", "neg", "scatter f4",
+              "wait f1", "wait f2", "wait f3", "wait f4"]
+    assert _scatter_order(overlap_collectives(_scattered_trace())) == at_end  # 4 MiB, within the default 1024
+    monkeypatch.setenv("THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB", "2.5")
+    within = overlap_collectives(_scattered_trace())
+    assert _scatter_order(within) == ["neg", "scatter f1", "neg", "scatter f2", "neg", "wait f1", "scatter f3", "neg",
+                                      "wait f2", "scatter f4", "wait f3", "wait f4"]
+    assert _scatter_order(overlap_collectives(within)) == _scatter_order(within)  # applied again: no change
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_KEEP", "record")
+    assert _scatter_order(overlap_collectives(_scattered_trace())) == at_end
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_KEEP", "later")
+    with pytest.raises(ValueError, match="THUNDER_TK_COLLECTIVE_KEEP='later': expected wait or record"):
+        overlap_collectives(_scattered_trace())

@@ -35,11 +35,13 @@ rank alike, naming the variable and which ranks have which value):
   source, and no timeout: a rank that never reaches a collective leaves its peers waiting, as with NCCL.
   THUNDER_TK_COLLECTIVE_CE_SIGNAL (default write): how it raises a peer's flag, "write" (a stream write into
   the peer's memory) or "copy" (a local stream write and a 4-byte copy to the peer).
-- THUNDER_TK_COLLECTIVE_KEEP (default record; this rank's alone): how an asynchronous collective's tensors return
-  to the allocator. "record": the caller frees them, their reuse ordered after the collective by a stream recorded
-  on them (a freed block then waits for the channel's stream to pass that point, and the allocator may take new
-  memory meanwhile); "wait": the Work keeps them until `wait()`, after which the caller's stream may reuse them at
-  once (what capture always does; NCCL's TORCH_NCCL_AVOID_RECORD_STREAMS is the same choice).
+- THUNDER_TK_COLLECTIVE_KEEP (default wait; this rank's alone): how an asynchronous collective's tensors return
+  to the allocator. "wait": the Work keeps them until `wait()`, after which the caller's stream may reuse them at
+  once (what capture always does; NCCL's TORCH_NCCL_AVOID_RECORD_STREAMS is the same choice; tk's FSDP schedule then
+  waits for reduce-scatters early enough to bound what they keep, fsdp_schedule.py); "record": the caller frees
+  them, their reuse ordered after the collective by a stream recorded on them (a freed block then waits for the
+  channel's stream to pass that point, and the allocator takes new memory meanwhile: under FSDP at 16 layers of
+  Llama-3.2-1B, 30.7 GiB reserved against 18.6 with "wait", benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -74,6 +76,14 @@ class CollectiveTimeoutError(CollectiveError):
 def _env_word(name: str, default: str) -> str:
     """A lower-case word from the environment; unset or blank gives `default`."""
     return os.environ.get(name, "").strip().lower() or default
+
+
+def keeps_until_wait() -> bool:
+    """Whether an async collective's Work keeps its tensors until wait() (THUNDER_TK_COLLECTIVE_KEEP)."""
+    keep = _env_word("THUNDER_TK_COLLECTIVE_KEEP", "wait")
+    if keep not in ("record", "wait"):
+        raise ValueError(f"THUNDER_TK_COLLECTIVE_KEEP={keep!r}: expected wait or record")
+    return keep == "wait"
 
 
 def _env_number(name: str, default, parse=int):
@@ -354,10 +364,7 @@ class Channel:
         self.world = group.size()
         self.rank = group.rank()
         self.config = config
-        keep = _env_word("THUNDER_TK_COLLECTIVE_KEEP", "record")
-        if keep not in ("record", "wait"):
-            raise ValueError(f"THUNDER_TK_COLLECTIVE_KEEP={keep!r}: expected record or wait")
-        self._keep_until_wait = keep == "wait"
+        self._keep_until_wait = keeps_until_wait()
         peers = max(1, self.world - 1)
         # Pairs need a block per peer; with two ranks they are what the plain layout does anyway.
         self.pairs = config.pairs and self.world >= 3

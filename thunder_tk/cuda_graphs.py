@@ -14,7 +14,7 @@ What this adds to Thunder's transform:
   op-by-op step; other collectives (NCCL's) stay outside, their results copied into the graph's input buffers.
   A collective is captured only with its wait in the same graph. In a captured backward, reduce-scatters are waited
   for (oldest first) before their unwaited inputs pass THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB (default 1024): a capture
-  holds a collective's input until its wait, where op by op it is freed once read;
+  holds a collective's input until its wait (fsdp_schedule.py);
 - the backward's inputs saved by the forward's graph are found by name, not by their position in the trace;
 - calls on tensors off the GPU stay outside the graphs (a capture would fix what they computed on the host).
 
@@ -41,6 +41,7 @@ from thunder.executors import torchex
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
 
 from thunder_tk.executor import COLLECTIVE_IDS
+from thunder_tk.fsdp_schedule import reduce_scatter_budget, reduce_scatter_waits_within
 from thunder_tk.lowering import tk_all_gather, tk_reduce_scatter
 
 # tk's collectives: captured into a graph with their waits (their launches are capturable; see the module docstring).
@@ -216,57 +217,6 @@ def _unpacks_first(trace: TraceCtx) -> TraceCtx:
     return moved
 
 
-REDUCE_SCATTER_BUDGET_ENV = "THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB"
-REDUCE_SCATTER_BUDGET_MB = 1024
-
-
-def _reduce_scatter_budget() -> int:
-    """Bytes of reduce-scatter inputs a captured backward may hold unwaited (THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB)."""
-    from thunder_tk.collectives import _env_number
-
-    return int(_env_number(REDUCE_SCATTER_BUDGET_ENV, REDUCE_SCATTER_BUDGET_MB, float) * 2**20)
-
-
-def _reduce_scatter_waits_within(trace: TraceCtx, budget: int) -> TraceCtx:
-    """The trace with tk reduce-scatters' waits moved up, so that the inputs of those issued and not yet waited for
-    stay within `budget` bytes: before a reduce-scatter that would pass it, the oldest ones are waited for.
-
-    Op by op, a reduce-scatter's input (an unsharded gradient) returns to the allocator once the collective has read
-    it. Inside a capture the collective's Work keeps it until its wait, and FSDP's schedule waits at the backward's end,
-    so every unsharded gradient would be held at once. A wait only orders the compute stream after the collective;
-    waiting for older ones keeps the newer ones overlapping the compute."""
-    bsyms = list(trace.bound_symbols)
-    waits = {b.flat_proxy_args[0].name: b for b in bsyms
-             if b.sym.name == _WAIT and b.flat_proxy_args and isinstance(b.flat_proxy_args[0], FutureTensorProxy)}
-    out, pending, held, moved = [], [], 0, set()  # pending: (future's name, input bytes), oldest first
-    for b in bsyms:
-        if b.sym.name == _WAIT and b.flat_proxy_args and b.flat_proxy_args[0].name in moved:
-            continue  # waited for earlier
-        future = b.flat_proxy_outs[0] if b.sym.name in _TK_REDUCE_SCATTERS and b.flat_proxy_outs else None
-        if isinstance(future, FutureTensorProxy) and future.name in waits:
-            a = b.flat_proxy_args[0]
-            size = a.numel * a.dtype.bytes if isinstance(a.numel, int) else 0
-            while pending and held + size > budget:
-                name, s = pending.pop(0)
-                held -= s
-                out.append(waits[name])
-                moved.add(name)
-            pending.append((future.name, size))
-            held += size
-        elif b.sym.name == _WAIT and b.flat_proxy_args:
-            for i, (name, s) in enumerate(pending):
-                if name == b.flat_proxy_args[0].name:  # waited for where the trace waits
-                    del pending[i]
-                    held -= s
-                    break
-        out.append(b)
-    if not moved:
-        return trace
-    waited = from_trace(trace)
-    waited.bound_symbols = out
-    return waited
-
-
 def _parameter_gradients(backward: TraceCtx, parameter_args: list[bool] | None) -> set[str]:
     """Names of the backward's returned values that are parameters' gradients alone: the backward returns the
     gradient of each forward argument at its position. A value also returned for an argument that is not a
@@ -358,7 +308,8 @@ class CUDAGraphs(CUDAGraphTransform):
                             and isinstance(b.flat_proxy_outs[0], FutureTensorProxy)}
         self._kept_out = set()
         if self._tk_futures:
-            trace = _reduce_scatter_waits_within(_unpacks_first(trace), _reduce_scatter_budget())
+            trace = reduce_scatter_waits_within(_unpacks_first(trace), reduce_scatter_budget(),
+                                                _TK_REDUCE_SCATTERS)
         runner = self.cuda_graph_runner
         while True:
             planned = set(runner.python_callables)

@@ -16,11 +16,18 @@ still follows its producers and every rank, running the same trace, issues its c
 Under ZeRO-3 (parameters gathered again in the backward) an all-gather goes out only when nothing else can run,
 just before its wait: memory before overlap.
 `THUNDER_TK_DISABLE=collective_schedule` (or `tk_disable=`) keeps the fuser's order.
+
+Where tk's collectives keep their tensors until their waits (THUNDER_TK_COLLECTIVE_KEEP=wait, the default, and
+always inside a CUDA-graph capture), a reduce-scatter's input (an unsharded gradient) lives until its wait, and the
+waits come at the backward's end: before a reduce-scatter that would take the inputs of those issued and not yet
+waited for past THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB (default 1024), the oldest ones are waited for. A wait only
+orders the compute stream after its collective, long done by then; the newer ones still overlap the compute.
 """
 
 from __future__ import annotations
 
 from thunder.core import prims
+from thunder.core.proxies import FutureTensorProxy
 from thunder.core.trace import from_trace
 from thunder.core.transforms import TOPOSORT_ORDER, bsym_list_to_dag, toposort_bsym_dag
 
@@ -34,7 +41,67 @@ _WAIT = "torch_wait_prim_impl"
 _ISSUE, _FEED, _OTHER, _WAITING, _REGATHER, _LAST = range(6)
 
 
+REDUCE_SCATTER_BUDGET_ENV = "THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB"
+REDUCE_SCATTER_BUDGET_MB = 1024
+_TK_REDUCE_SCATTERS = frozenset({"tk_reduce_scatter"})
+
+
+def reduce_scatter_budget() -> int:
+    """Bytes of reduce-scatter inputs that may be issued and not yet waited for (the module's last paragraph)."""
+    from thunder_tk.collectives import _env_number
+
+    return int(_env_number(REDUCE_SCATTER_BUDGET_ENV, REDUCE_SCATTER_BUDGET_MB, float) * 2**20)
+
+
+def reduce_scatter_waits_within(trace, budget: int, reduce_scatters=_TK_REDUCE_SCATTERS):
+    """The trace with the waits of the reduce-scatters named moved up, so that the inputs of those issued and not
+    yet waited for stay within `budget` bytes: before a reduce-scatter that would pass it, the oldest ones are
+    waited for. Applying it twice changes nothing more."""
+    bsyms = list(trace.bound_symbols)
+    waits = {b.flat_proxy_args[0].name: b for b in bsyms
+             if b.sym.name == _WAIT and b.flat_proxy_args and isinstance(b.flat_proxy_args[0], FutureTensorProxy)}
+    out, pending, held, moved = [], [], 0, set()  # pending: (future's name, input bytes), oldest first
+    for b in bsyms:
+        if b.sym.name == _WAIT and b.flat_proxy_args and b.flat_proxy_args[0].name in moved:
+            continue  # waited for earlier
+        future = b.flat_proxy_outs[0] if b.sym.name in reduce_scatters and b.flat_proxy_outs else None
+        if isinstance(future, FutureTensorProxy) and future.name in waits:
+            a = b.flat_proxy_args[0]
+            size = a.numel * a.dtype.bytes if isinstance(a.numel, int) else 0
+            while pending and held + size > budget:
+                name, s = pending.pop(0)
+                held -= s
+                out.append(waits[name])
+                moved.add(name)
+            pending.append((future.name, size))
+            held += size
+        elif b.sym.name == _WAIT and b.flat_proxy_args:
+            for i, (name, s) in enumerate(pending):
+                if name == b.flat_proxy_args[0].name:  # waited for where the trace waits
+                    del pending[i]
+                    held -= s
+                    break
+        out.append(b)
+    if not moved:
+        return trace
+    waited = from_trace(trace)
+    waited.bound_symbols = out
+    waited.set_provenance("tk: reduce-scatters waited for within THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB")
+    return waited
+
+
 def overlap_collectives(trace):
+    """The trace re-sorted as the module says (and its reduce-scatters waited for within the budget where the
+    collectives keep their tensors until their waits), or the trace itself where it has no waits on collectives."""
+    from thunder_tk import collectives
+
+    scheduled = _overlapped(trace)
+    if collectives.keeps_until_wait() and any(b.sym.name in _TK_REDUCE_SCATTERS for b in scheduled.bound_symbols):
+        scheduled = reduce_scatter_waits_within(scheduled, reduce_scatter_budget())
+    return scheduled
+
+
+def _overlapped(trace):
     """The trace re-sorted as the module says, or the trace itself where it has no waits on collectives (or has
     deletions already: the sort needs the plain dataflow)."""
     from thunder_tk import claim_rules
