@@ -141,7 +141,8 @@ class _SharedPoolRunner(CUDAGraphRunner):
                 f"for the GPU or reads a result on the host, which a CUDA graph cannot hold; jit without "
                 f"CUDAGraphs, or keep that call out of the step. Its calls: {', '.join(calls)}") from e
         if len(self.cuda_graph_cache) != captured:  # a new capture: note its parameters and gradient buffers
-            self._note_saved_only(fn_name, args, outputs)
+            static_inputs = list(self.cuda_graph_cache.values())[-1][1]  # the entry just captured (dicts keep order)
+            self._note_saved_only(fn_name, (*args, *static_inputs), outputs)
             self.parameters.update((id(a), a) for a in args if isinstance(a, torch.nn.Parameter))
             names = [getattr(o, "name", None) for o in self.trace_symbols[fn_name][2]]
             self._aliased[fn_name] = tuple(i for i, (n, o) in enumerate(zip(names, outputs))
@@ -186,15 +187,16 @@ class _SharedPoolRunner(CUDAGraphRunner):
         return {"pool": pool, "pool_allocated": pool_allocated, "outputs": sum(outputs.values()),
                 "input_copies": sum(copies.values()), "saved_reused": self.freed_saved_bytes}
 
-    def _note_saved_only(self, fn_name, args, outputs) -> None:
+    def _note_saved_only(self, fn_name, inputs, outputs) -> None:
         """After a forward graph's capture: the storages of its outputs that are only saved for the backward (not
-        shared with another output or an input), which the backward's graph may reuse after their last read."""
+        shared with another output, an input or a buffer an input is copied into), which the backward's graph may
+        reuse after their last read."""
         positions = self.saved_only.get(fn_name)
         if not positions or not self.reuse_saved:
             return
         flat = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
         kept = {_storage(t) for i, t in enumerate(flat) if i not in positions and isinstance(t, torch.Tensor)}
-        kept |= {_storage(a) for a in args if isinstance(a, torch.Tensor)}
+        kept |= {_storage(a) for a in inputs if isinstance(a, torch.Tensor)}
         for i in positions:
             t = flat[i] if i < len(flat) else None
             if isinstance(t, torch.Tensor) and _storage(t) not in kept:
