@@ -67,10 +67,12 @@ def variants(fsdp: bool, device: torch.device, without: tuple[str, ...] = ()):
 
     import thunder_tk
 
-    def thunder_variant(executors, graphs: bool = False, copy_gradients: bool = False, **options):
+    def thunder_variant(executors, graphs: bool = False, copy_gradients: bool = False, reuse_saved: bool = True,
+                        **options):
         def wrap(m):
             if graphs:  # a transform per build: it holds the graphs it captures
-                options["transforms"] = [thunder_tk.CUDAGraphs(copy_gradients=copy_gradients)]
+                options["transforms"] = [thunder_tk.CUDAGraphs(copy_gradients=copy_gradients,
+                                                               reuse_saved=reuse_saved)]
             jitted = thunder.jit(m, executors=executors, **options)
             if fsdp:
                 from thunder.distributed import fsdp as thunder_fsdp
@@ -96,6 +98,8 @@ def variants(fsdp: bool, device: torch.device, without: tuple[str, ...] = ()):
         # tk's graphs with each gradient copied out of the backward graph (autograd's clone), not handed out as is
         "thunder [tk] CUDA graphs, gradients copied": thunder_variant([thunder_tk.tk], graphs=True,
                                                                       copy_gradients=True),
+        # tk's graphs with every saved tensor kept by the forward's graph (no reuse of their memory in the backward's)
+        "thunder [tk] CUDA graphs, saved kept": thunder_variant([thunder_tk.tk], graphs=True, reuse_saved=False),
         "torch.compile CUDA graphs": (lambda m: torch.compile(_fsdp2(m), mode="reduce-overhead")) if fsdp
         else (lambda m: torch.compile(m, mode="reduce-overhead")),
         # tk with the loss's forward and backward kernels instead of the gradient from the forward's read
@@ -170,6 +174,7 @@ _VARIANT_ALIASES = {
     "thunder [tk] CUDA graphs": ("tk_graphs",),
     "thunder default CUDA graphs": ("default_graphs",),
     "thunder [tk] CUDA graphs, gradients copied": ("tk_graphs_copied",),
+    "thunder [tk] CUDA graphs, saved kept": ("tk_graphs_saved_kept",),
     "torch.compile CUDA graphs": ("compile_graphs",),
     "thunder [tk] loss kernels": ("tk_loss_kernels",),
     "thunder [tk] cuBLAS GEMMs": ("tk_cublas_gemms",),

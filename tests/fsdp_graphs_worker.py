@@ -13,7 +13,7 @@ from thunder.distributed import FSDPType, fsdp
 import thunder_tk
 from thunder_tk import collectives, cuda_graphs
 from models import Block
-from test_cuda_graphs import _ReplayOnCpu
+from test_cuda_graphs import cpu_capture
 from workers import run_variants
 
 PLAYED = frozenset({"torch_all_gather_prim_impl", "torch_reduce_scatter_prim_impl"})
@@ -25,15 +25,7 @@ def stand_in_for_gpu_graphs() -> None:
     cuda_graphs._TK_REDUCE_SCATTERS = frozenset({"torch_reduce_scatter_prim_impl"})
     cuda_graphs._TORCH_DISTRIBUTED = cuda_graphs._TORCH_DISTRIBUTED - PLAYED - {cuda_graphs._WAIT}
     collectives.graph_replay = lambda device: None
-    captured = []
-
-    def build(self, fn, args, static_args_mask):
-        inputs = tuple(a if static or not isinstance(a, torch.Tensor) else a.clone()
-                       for a, static in zip(args, static_args_mask))
-        graph = _ReplayOnCpu(fn, inputs, captured)
-        return graph, inputs, graph.outputs
-
-    cuda_graphs._SharedPoolRunner.build_cuda_graph = build
+    cuda_graphs._SharedPoolRunner._capture, cuda_graphs._free_storage = cpu_capture()
 
 
 def collectives_in(trace) -> list[int]:
@@ -74,8 +66,9 @@ def run(variant: str) -> dict:
         opt.step()
         opt.zero_grad()
     fw, bw = thunder.last_traces(net)[-1], thunder.last_backward_traces(net)[-1]
+    freed = transforms[0].cuda_graph_runner.freed_saved_bytes if transforms else None
     return {"losses": losses, "grads": grads, "forward": collectives_in(fw), "backward": collectives_in(bw),
-            "early_waits": waits_before_last_scatter(bw) if transforms else None}
+            "early_waits": waits_before_last_scatter(bw) if transforms else None, "freed_saved_bytes": freed}
 
 
 if __name__ == "__main__":

@@ -132,21 +132,39 @@ class _ReplayOnCpu:
                 kept.copy_(fresh)
 
 
+def cpu_capture():
+    """Stand-ins for the runner's capture and for freeing a storage in it, on a CPU: a capture is a _ReplayOnCpu of
+    the region to capture; memory freed in a capture holds the graph's later temporaries on a GPU, so each replay
+    overwrites it with NaN bytes where the region frees it (the capture's own run computes nothing on a GPU)."""
+    pools, capturing = {}, []
+
+    def capture(self, fn, capture_fn, args, static_args_mask):
+        inputs = tuple(a if static or not isinstance(a, torch.Tensor) else torch.empty_like(a).copy_(a)
+                       for a, static in zip(args, static_args_mask))
+        capturing.append(True)
+        try:
+            graph = _ReplayOnCpu(capture_fn, inputs, pools.setdefault(id(self), []))
+        finally:
+            capturing.pop()
+        return graph, inputs, graph.outputs
+
+    def poison(storage):
+        if not capturing:
+            torch.empty(0, dtype=torch.uint8).set_(storage).fill_(255)
+        return True
+
+    return capture, poison
+
+
 @pytest.fixture
 def graphs_on_cpu(monkeypatch):
     """CUDAGraphs capturing CPU traces into _ReplayOnCpu: the runner's buffer semantics, checked without a GPU."""
     from thunder_tk import cuda_graphs
 
-    pools = {}
-
-    def build(self, fn, args, static_args_mask):
-        inputs = tuple(a if static or not isinstance(a, torch.Tensor) else torch.empty_like(a).copy_(a)
-                       for a, static in zip(args, static_args_mask))
-        graph = _ReplayOnCpu(fn, inputs, pools.setdefault(id(self), []))
-        return graph, inputs, graph.outputs
-
+    capture, poison = cpu_capture()
     monkeypatch.setattr(cuda_graphs, "_on_cuda", lambda t: True)
-    monkeypatch.setattr(cuda_graphs._SharedPoolRunner, "build_cuda_graph", build)
+    monkeypatch.setattr(cuda_graphs._SharedPoolRunner, "_capture", capture)
+    monkeypatch.setattr(cuda_graphs, "_free_storage", poison)
 
 
 def _mlp_pair():
@@ -183,13 +201,53 @@ def test_gradients_are_the_graph_buffers_without_a_copy(graphs_on_cpu, copy_grad
     assert transform.graphs_captured == 2
 
 
+class _SavedViews(torch.nn.Module):
+    """Saved tensors that are views of one another (halves of one product, as q, k and v of a qkv projection) and
+    an output that is also saved (exp's result), which the caller reads after the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        a, b = self.up(x).chunk(2, dim=-1)
+        y = self.down(torch.nn.functional.gelu(a) * b)
+        return y, torch.exp(y)
+
+
+def test_the_backward_graph_reuses_the_saved_tensors_memory(graphs_on_cpu):
+    """The backward's graph frees each tensor the forward's graph only saved for it after its last read (freed
+    memory is poisoned here, as a GPU's later temporaries would overwrite it): the gradients stay exact over steps,
+    and so does an output the caller reads after the backward."""
+    torch.manual_seed(0)
+    model, reference = _SavedViews(), _SavedViews()
+    reference.load_state_dict(model.state_dict())
+    transform = thunder_tk.CUDAGraphs()
+    jitted = thunder.jit(model, executors=[thunder_tk.tk], transforms=[transform])
+    for step in range(3):
+        x = torch.randn(4, 16)
+        y, e = jitted(x)
+        y_ref, e_ref = reference(x)
+        (y.square().sum() + e.sum()).backward()
+        (y_ref.square().sum() + e_ref.sum()).backward()
+        torch.testing.assert_close(e, e_ref)  # returned and saved: kept
+        for p, want in zip(model.parameters(), _grads(reference)):
+            torch.testing.assert_close(p.grad, want)
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    assert transform.cuda_graph_runner.freed_saved_bytes > 0
+    assert transform.memory()["saved_reused"] == transform.cuda_graph_runner.freed_saved_bytes
+    assert transform.graphs_captured == 2
+
+
 def test_memory_counts_the_graphs_outputs_and_input_copies(graphs_on_cpu):
     """CUDAGraphs.memory: the outputs the graphs keep (each storage once: the gradients handed out are among them)
     and the buffers the batch is copied into; no pool on a CPU."""
     model, _ = _mlp_pair()
     transform = thunder_tk.CUDAGraphs()
     jitted = thunder.jit(model, executors=[thunder_tk.tk], transforms=[transform])
-    assert transform.memory() == {"pool": 0, "pool_allocated": 0, "outputs": 0, "input_copies": 0}
+    assert transform.memory() == {"pool": 0, "pool_allocated": 0, "outputs": 0, "input_copies": 0,
+                                  "saved_reused": 0}
     x = torch.randn(4, 16)
     jitted(x).square().sum().backward()
     memory = transform.memory()
@@ -329,7 +387,8 @@ def test_a_collective_planned_apart_from_its_wait_stays_out(monkeypatch):
 def test_fsdp_steps_in_graphs_hold_their_collectives(tmp_path):
     """FSDP's real traces (two gloo ranks, their collectives playing tk's, the graphs stood in for on CPU): the
     forward's gathers and the backward's reduce-scatters all go into the graphs with their waits, ZeRO-2 and ZeRO-3,
-    and three steps give the losses and gradients of the step without graphs."""
+    and three steps give the losses and gradients of the step without graphs, the backward's graph reusing the
+    memory of the tensors the forward saved for it (poisoned here once freed)."""
     from pathlib import Path
 
     from workers import run_two_ranks
@@ -345,6 +404,7 @@ def test_fsdp_steps_in_graphs_hold_their_collectives(tmp_path):
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-6)
         for name, norm in want["grads"].items():
             assert got["grads"][name] == pytest.approx(norm, rel=1e-6), name
+        assert got["freed_saved_bytes"] > 0, graphs
 
 
 def _scattered_trace():

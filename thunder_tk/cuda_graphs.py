@@ -16,6 +16,12 @@ What this adds to Thunder's transform:
   for (oldest first) before their unwaited inputs pass THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB (default 1024): a capture
   holds a collective's input until its wait (fsdp_schedule.py);
 - the backward's inputs saved by the forward's graph are found by name, not by their position in the trace;
+- the backward's graph reuses the memory of the tensors the forward's graph saved for it once it has read them, as
+  the op-by-op step does (the graphs' pool would otherwise hold every saved tensor and every temporary of the
+  backward at once): where one backward graph alone reads them, a run of its region finds the last call touching each
+  saved tensor's storage (views included) and the capture frees that storage there. Saved tensors the caller also
+  gets back, storages a collective touches and a region's outputs are kept. A pool with memory freed this way takes
+  no later capture (a new shape's graphs get a new pool). `CUDAGraphs(reuse_saved=False)` keeps them all;
 - calls on tensors off the GPU stay outside the graphs (a capture would fix what they computed on the host).
 
 Semantics (Thunder's): a graph's outputs are the same tensors at every replay, so a result kept from one step to the
@@ -35,6 +41,8 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves
 from thunder.core import prims, vjp_utils
+from thunder.core.pytree import tree_flatten
+from thunder.core.symbol import Symbol
 from thunder.core.proxies import FutureTensorProxy, ProxyTag, TensorProxy
 from thunder.core.trace import TraceCtx, TraceTag, from_trace
 from thunder.executors import torchex
@@ -74,6 +82,16 @@ class _SharedPoolRunner(CUDAGraphRunner):
         self._buffers: set[int] = set()  # storages of those outputs
         self._handed_out = False  # aliases handed out since the last replay
         self.with_collectives: set[str] = set()  # graphs that launch tk collectives
+        # The backward's graph reuses the memory of tensors the forward's graph saved for it (_freeing_region).
+        self.reuse_saved = True
+        self.saved_only: dict[str, tuple[int, ...]] = {}  # forward graphs: outputs only saved for the backward
+        self.sole_readers: set[str] = set()  # backward graphs that alone read the backward's saved tensors
+        self._freeable: dict[int, torch.UntypedStorage] = {}  # by data pointer: captured saved-only outputs' storages
+        self._closed: set[int] = set()  # devices whose pool had saved tensors freed in it: next capture, a new pool
+        self._pools: list = []  # every pool made, for memory()
+        self._building: str | None = None  # the graph being captured
+        self.freed_saved_bytes = 0  # memory of saved tensors the backward's graphs reuse
+        self._freed: set[int] = set()  # their data pointers
 
     def make_cuda_graph_callable_from_symbols(self, bsyms, inputs, outputs, static_inputs_mask=None):
         fn, fn_name = super().make_cuda_graph_callable_from_symbols(bsyms, inputs, outputs, static_inputs_mask)
@@ -111,6 +129,7 @@ class _SharedPoolRunner(CUDAGraphRunner):
 
     def _call(self, fn_name, args):
         captured = len(self.cuda_graph_cache)
+        self._building = fn_name
         try:
             outputs = super().call_cuda_graph(fn_name, *args)
         except RuntimeError as e:
@@ -123,6 +142,8 @@ class _SharedPoolRunner(CUDAGraphRunner):
                 f"for the GPU or reads a result on the host, which a CUDA graph cannot hold; jit without "
                 f"CUDAGraphs, or keep that call out of the step. Its calls: {', '.join(calls)}") from e
         if len(self.cuda_graph_cache) != captured:  # a new capture: note its parameters and gradient buffers
+            static_inputs = list(self.cuda_graph_cache.values())[-1][1]  # the entry just captured (dicts keep order)
+            self._note_saved_only(fn_name, (*args, *static_inputs), outputs)
             self.parameters.update((id(a), a) for a in args if isinstance(a, torch.nn.Parameter))
             names = [getattr(o, "name", None) for o in self.trace_symbols[fn_name][2]]
             self._aliased[fn_name] = tuple(i for i, (n, o) in enumerate(zip(names, outputs))
@@ -152,27 +173,145 @@ class _SharedPoolRunner(CUDAGraphRunner):
         outputs, copies = {}, {}
         for key, (_graph, static_inputs, static_outputs) in self.cuda_graph_cache.items():
             for t in tree_leaves(static_outputs):
-                if isinstance(t, torch.Tensor):
-                    outputs[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                if isinstance(t, torch.Tensor) and _storage(t) not in self._freed:
+                    outputs[_storage(t)] = t.untyped_storage().nbytes()
             for t, static in zip(static_inputs, key[1]):
                 if isinstance(t, torch.Tensor) and not static:
                     copies[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         pool = pool_allocated = 0
-        if self.mem_pool is not None and torch.cuda.is_available():
-            handles = {tuple(h) for h in self.mem_pool}
+        if self._pools and torch.cuda.is_available():
+            handles = {tuple(h) for h in self._pools}
             for segment in torch.cuda.memory_snapshot():
                 if tuple(segment.get("segment_pool_id", ())) in handles:
                     pool += segment["total_size"]
                     pool_allocated += segment["allocated_size"]
         return {"pool": pool, "pool_allocated": pool_allocated, "outputs": sum(outputs.values()),
-                "input_copies": sum(copies.values())}
+                "input_copies": sum(copies.values()), "saved_reused": self.freed_saved_bytes}
+
+    def _note_saved_only(self, fn_name, inputs, outputs) -> None:
+        """After a forward graph's capture: the storages of its outputs that are only saved for the backward (not
+        shared with another output, an input or a buffer an input is copied into), which the backward's graph may
+        reuse after their last read."""
+        positions = self.saved_only.get(fn_name)
+        if not positions or not self.reuse_saved:
+            return
+        flat = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        kept = {_storage(t) for i, t in enumerate(flat) if i not in positions and isinstance(t, torch.Tensor)}
+        kept |= {_storage(a) for a in inputs if isinstance(a, torch.Tensor)}
+        for i in positions:
+            t = flat[i] if i < len(flat) else None
+            if isinstance(t, torch.Tensor) and _storage(t) not in kept:
+                self._freeable[_storage(t)] = t.untyped_storage()
+
+    def _freeing_region(self, fn_name, fn, args):
+        """The region to capture for a backward graph that alone reads the forward's saved tensors: it frees each
+        saved-only storage the forward's graph allocated right after the last call that touches a tensor on it, so
+        the capture's later allocations reuse that memory, as op by op. Which calls touch which storage (views
+        included) is found by running the region once with a note after each call. A storage a collective touches,
+        or that a region's output lives on, is kept. `fn` itself where there is nothing to free."""
+        if not self.reuse_saved or fn_name not in self.sole_readers:
+            return fn
+        targets = {_storage(a): a.untyped_storage() for a in args
+                   if isinstance(a, torch.Tensor) and _storage(a) in self._freeable}
+        if not targets:
+            return fn
+        bsyms, inputs, outputs = self.trace_symbols[fn_name]
+        calls = [b for b in bsyms if b.sym.id != prims.PrimIDs.RETURN]
+        touched: list[set[int]] = [set() for _ in calls]
+
+        def note(k, *tensors):
+            touched[k].update(_storage(t) for t in tensors if isinstance(t, torch.Tensor))
+
+        noted = []
+        for k, b in enumerate(calls):
+            noted.append(b)
+            if b.sym.id != prims.PrimIDs.DEL:  # a deletion reads nothing (and its names are gone after it)
+                noted.append(_NOTE.bind(k, *_tensors(b), output=None, _call_ctx={_NOTE.name: note}))
+        results = self.make_python_callable_from_symbols(f"{fn_name}_noted", noted, inputs, outputs)(*args)
+        keep = {_storage(t) for t in tree_leaves(results) if isinstance(t, torch.Tensor)}
+        keep |= {p for k, b in enumerate(calls) if b.sym.name in _TK_COLLECTIVES for p in touched[k]}
+        last: dict[int, int] = {}
+        for k, ptrs in enumerate(touched):
+            for p in ptrs:
+                last[p] = k
+        plan: dict[int, list] = {}  # call index (-1: before the first) -> storages to free after it
+        for p, storage in targets.items():
+            if p not in keep:
+                plan.setdefault(last.get(p, -1), []).append(storage)
+        if not plan:
+            return fn
+
+        def free(*storages):  # runs once, in the capture (a replay runs no Python)
+            for storage in storages:
+                first = self._freeable.pop(storage.data_ptr(), None) is not None
+                if _free_storage(storage) and first:
+                    self.freed_saved_bytes += storage.nbytes()
+                    self._freed.add(storage.data_ptr())
+
+        freeing = [_FREE.bind(*plan[-1], output=None, _call_ctx={_FREE.name: free})] if -1 in plan else []
+        for k, b in enumerate(calls):
+            freeing.append(b)
+            if k in plan:
+                freeing.append(_FREE.bind(*plan[k], output=None, _call_ctx={_FREE.name: free}))
+        return self.make_python_callable_from_symbols(f"{fn_name}_freeing", freeing, inputs, outputs)
 
     def build_cuda_graph(self, fn, args, static_args_mask):
+        capture_fn = self._freeing_region(self._building, fn, args)
+        return self._capture(fn, capture_fn, args, static_args_mask)
+
+    def _capture(self, fn, capture_fn, args, static_args_mask):
+        """Warm `fn` up on the device's capture stream, then capture `capture_fn` (the same work) into the pool."""
+        device = next(a.device.index for a in args if isinstance(a, torch.Tensor) and a.is_cuda)
         if self.mem_pool is None:
-            devices = range(torch.cuda.device_count())
-            self.mem_pool = [torch.cuda.graph_pool_handle() for _ in devices]
-            self.stream = [torch.cuda.Stream(device=i) for i in devices]
-        return super().build_cuda_graph(fn, args, static_args_mask)
+            count = torch.cuda.device_count()
+            self.mem_pool = [torch.cuda.graph_pool_handle() for _ in range(count)]
+            self._pools.extend(self.mem_pool)
+            self.stream = [torch.cuda.Stream(device=i) for i in range(count)]
+        if device in self._closed:
+            # Its saved tensors' memory is free to the allocator but written by each forward's replay: a capture
+            # into this pool could place its own tensors there.
+            self.mem_pool[device] = torch.cuda.graph_pool_handle()
+            self._pools.append(self.mem_pool[device])
+            self._closed.discard(device)
+        static_inputs = tuple(a if static or not isinstance(a, torch.Tensor) else torch.empty_like(a).copy_(a)
+                              for a, static in zip(args, static_args_mask))
+        stream = self.stream[device]
+        torch.cuda.synchronize()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # the first runs allocate their workspaces (cuBLAS, inductor) outside
+            for _ in range(3):
+                fn(*static_inputs)
+        stream.synchronize()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        freed = self.freed_saved_bytes
+        with torch.cuda.graph(graph, stream=stream, pool=self.mem_pool[device]):
+            static_outputs = capture_fn(*static_inputs)
+        if self.freed_saved_bytes != freed:
+            self._closed.add(device)
+        return graph, static_inputs, static_outputs
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _free_storage(storage: torch.UntypedStorage) -> bool:
+    """Return a storage's memory to the allocator while its tensors live on (they no longer own it): inside a
+    capture, to the graphs' pool for the capture's later allocations. False (kept) where torch cannot: memory not
+    from its caching allocator, or a torch without these (private) entry points."""
+    cdata = storage._cdata
+    if not (_CAN_FREE and torch._C._has_Standard_Deleter(cdata)):
+        return False
+    torch._C._free_And_Remove_DeleterFn(cdata)
+    return True
+
+
+_CAN_FREE = hasattr(torch._C, "_free_And_Remove_DeleterFn") and hasattr(torch._C, "_has_Standard_Deleter")
+
+
+_NOTE = Symbol(name="tk_graph_note", meta=None)
+_FREE = Symbol(name="tk_graph_free", meta=None)
 
 
 def _tensors(bsym):
@@ -237,10 +376,11 @@ class CUDAGraphs(CUDAGraphTransform):
 
     name = "cuda graphs"
 
-    def __init__(self, *, copy_gradients: bool = False):
+    def __init__(self, *, copy_gradients: bool = False, reuse_saved: bool = True):
         super().__init__(share_mem_pool=False)
         self.cuda_graph_runner = _SharedPoolRunner()
         self.copy_gradients = copy_gradients
+        self.cuda_graph_runner.reuse_saved = reuse_saved
         self.parameter_args: list[bool] | None = None  # per argument of the last forward: a parameter?
         self._tk_futures: set[str] = set()  # the trace being planned: futures of tk's collectives
         self._kept_out: set[str] = set()  # of those, the ones whose collective and wait must stay outside
@@ -298,7 +438,34 @@ class CUDAGraphs(CUDAGraphTransform):
             from_graph = {o.name for b in new_trace.bound_symbols if is_graph_call(b) for o in b.flat_proxy_outs}
             self.outputs_from_forward = [o.name in from_graph or ProxyTag.STATIC_MEMORY_LOCATION in o.tags
                                          for o in vjp_utils.get_saved_for_backward_tensors(new_trace)]
+            self._note_saved_only_outputs(new_trace)
+        elif trace.siginfo().name == "backward_fn":
+            self._note_sole_reader(new_trace)
         return new_trace
+
+    def _note_saved_only_outputs(self, forward: TraceCtx) -> None:
+        """Per forward graph: the positions of its outputs that the forward only saves for the backward (not
+        returned to the caller, who may read them after the backward)."""
+        runner = self.cuda_graph_runner
+        saved = {p.name for p in vjp_utils.get_saved_for_backward_tensors(forward) if isinstance(p, TensorProxy)}
+        saved -= {p.name for p in tree_flatten(forward.output[0])[0] if isinstance(p, TensorProxy)}
+        for b in forward.bound_symbols:
+            if is_graph_call(b) and b.sym.name in runner.trace_symbols:
+                outs = runner.trace_symbols[b.sym.name][2]
+                runner.saved_only[b.sym.name] = tuple(i for i, o in enumerate(outs)
+                                                      if getattr(o, "name", None) in saved)
+
+    def _note_sole_reader(self, backward: TraceCtx) -> None:
+        """The backward graph that alone reads the forward's saved tensors, if one does: only there may their memory
+        be reused after their last read (a read outside it, or in a second graph, comes after it or apart from it)."""
+        saved = _saved_for_backward_unpacked(backward)
+        if saved is None:
+            return
+        names = {p.name for p in saved if isinstance(p, TensorProxy)}
+        readers = [b for b in backward.bound_symbols if b.sym.id != prims.PrimIDs.DEL
+                   and any(getattr(p, "name", None) in names for p in b.flat_proxy_args)]
+        if len(readers) == 1 and is_graph_call(readers[0]):
+            self.cuda_graph_runner.sole_readers.add(readers[0].sym.name)
 
     def _fused_with_collectives(self, trace, **kwargs):
         """The trace's graphs, with each tk collective captured in the graph that also holds its wait. Where a
@@ -330,7 +497,8 @@ class CUDAGraphs(CUDAGraphTransform):
           `torch.cuda.memory_reserved` does;
         - `pool_allocated`: the part of it held by tensors (the graphs' outputs, among them the saved tensors the
           forward hands to the backward, and the gradients it hands out);
-        - `outputs`: the graphs' outputs, kept from one replay to the next;
+        - `outputs`: the graphs' outputs, kept from one replay to the next (but for `saved_reused`);
+        - `saved_reused`: the saved tensors whose memory the backward's graph reuses after reading them;
         - `input_copies`: the buffers that inputs other than parameters and the forward's outputs are copied into."""
         return self.cuda_graph_runner.memory()
 

@@ -83,3 +83,32 @@ def test_replayed_steps_read_each_batch_and_match_the_op_by_op_steps():
     for p, q in zip(runs[0].parameters(), runs[1].parameters()):
         assert (p.float() - q.float()).abs().max() <= 2e-2 * q.float().abs().max().clamp_min(1e-3)
     assert "tk_linear_rope" in _replayed_ops(runs[0])
+
+
+def test_the_backward_graph_reuses_the_saved_tensors_memory():
+    """The backward's graph frees each saved tensor's storage after its last read (tk's views of the qkv output and
+    the loss's gradient written over the logits among them): the same losses and gradients over fresh batches as
+    with every saved tensor kept, and a smaller pool."""
+    litgpt = pytest.importorskip("litgpt")
+    family = next(f for f in FAMILIES if f.name == "Llama-3.2-1B")
+    model, kept_model, _, cfg = build(litgpt, family, "cuda", torch.bfloat16)
+    transforms = [CUDAGraphs(), CUDAGraphs(reuse_saved=False)]
+    runs = [_jit_graphs(model, transforms[0]), _jit_graphs(kept_model, transforms[1])]
+    gen = torch.Generator().manual_seed(7)
+    for step in range(3):
+        idx = torch.randint(0, cfg.vocab_size, (2, 300), generator=gen).cuda()
+        targets = torch.randint(0, cfg.vocab_size, (2, 300), generator=gen).cuda()
+        losses, grads = [], []
+        for m in runs:
+            loss = torch.nn.functional.cross_entropy(m(idx).float().flatten(0, 1), targets.flatten())
+            loss.backward()
+            losses.append(loss.item())
+            grads.append([p.grad.float().clone() for p in m.parameters()])
+            m.zero_grad(set_to_none=True)
+        assert abs(losses[0] - losses[1]) <= 1e-3 * abs(losses[1]), (step, losses)
+        for g, h in zip(*grads):
+            assert (g - h).abs().max() <= 1e-2 * h.abs().max().clamp_min(1e-6), step
+    reused, kept = (t.memory() for t in transforms)
+    assert transforms[0].cuda_graph_runner.freed_saved_bytes > 0
+    assert transforms[1].cuda_graph_runner.freed_saved_bytes == 0
+    assert reused["pool"] < kept["pool"], (reused, kept)
