@@ -83,3 +83,11 @@ def test_cuda_graphs_train_as_the_op_by_op_step(tmp_path):
         assert abs(a - b) <= 2e-3 * abs(b), (replayed, plain, replayed_val, plain_val)
     assert summaries[0]["cuda_graphs_captured"] is None
     assert summaries[1]["cuda_graphs_captured"] >= 3  # forward, backward, validation's forward
+    # The reserved peak counts the graphs' pool; the graphs report what it holds and what the backward reused.
+    plain_summary, graphs_summary = summaries
+    assert plain_summary["cuda_graphs_memory_gib"] is None
+    assert 0 < plain_summary["peak_memory_gib"] <= plain_summary["peak_reserved_gib"]
+    held = graphs_summary["cuda_graphs_memory_gib"]
+    assert set(held) >= {"pool", "pool_allocated", "outputs", "input_copies", "saved_reused"}, held
+    assert 0 < held["pool_allocated"] <= held["pool"] <= graphs_summary["peak_reserved_gib"], graphs_summary
+    assert held["saved_reused"] > 0, held
