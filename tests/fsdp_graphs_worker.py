@@ -13,6 +13,7 @@ from thunder.distributed import FSDPType, fsdp
 import thunder_tk
 from thunder_tk import collectives, cuda_graphs
 from models import Block
+from trace_counts import collectives_in, waits_before_last
 from test_cuda_graphs import cpu_capture
 from workers import run_variants
 
@@ -26,20 +27,6 @@ def stand_in_for_gpu_graphs() -> None:
     cuda_graphs._TORCH_DISTRIBUTED = cuda_graphs._TORCH_DISTRIBUTED - PLAYED - {cuda_graphs._WAIT}
     collectives.graph_replay = lambda device: None
     cuda_graphs._SharedPoolRunner._capture, cuda_graphs._free_storage = cpu_capture()
-
-
-def collectives_in(trace) -> list[int]:
-    inside = sum(s.sym.name in PLAYED for b in trace.bound_symbols if cuda_graphs.is_graph_call(b)
-                 for s in b.subsymbols)
-    return [inside, sum(b.sym.name in PLAYED for b in trace.bound_symbols)]
-
-
-def waits_before_last_scatter(trace) -> int:
-    """Waits inside the backward's graph that come before its last reduce-scatter."""
-    (graph,) = [b for b in trace.bound_symbols if cuda_graphs.is_graph_call(b)]
-    names = [s.sym.name for s in graph.subsymbols]
-    last = max(i for i, n in enumerate(names) if n == "torch_reduce_scatter_prim_impl")
-    return sum(n == cuda_graphs._WAIT for n in names[:last])
 
 
 def run(variant: str) -> dict:
@@ -67,8 +54,9 @@ def run(variant: str) -> dict:
         opt.zero_grad()
     fw, bw = thunder.last_traces(net)[-1], thunder.last_backward_traces(net)[-1]
     freed = transforms[0].cuda_graph_runner.freed_saved_bytes if transforms else None
-    return {"losses": losses, "grads": grads, "forward": collectives_in(fw), "backward": collectives_in(bw),
-            "early_waits": waits_before_last_scatter(bw) if transforms else None, "freed_saved_bytes": freed}
+    return {"losses": losses, "grads": grads, "forward": collectives_in(fw, PLAYED),
+            "backward": collectives_in(bw, PLAYED), "freed_saved_bytes": freed,
+            "early_waits": waits_before_last(bw, "torch_reduce_scatter_prim_impl") if transforms else None}
 
 
 if __name__ == "__main__":

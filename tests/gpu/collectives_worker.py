@@ -397,25 +397,13 @@ def case_thunder_graphs(device) -> None:
 
     import thunder_tk
     from thunder_tk import tk
-    from thunder_tk.cuda_graphs import is_graph_call
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from models import Block
+    from trace_counts import collectives_in, waits_before_last
 
     tk_names = ("tk_all_gather", "tk_reduce_scatter")
     nccl_names = ("torch_all_gather_prim_impl", "torch_reduce_scatter_prim_impl")
-
-    def collectives_in(trace, names=tk_names) -> tuple[int, int]:
-        """Collectives inside graphs and outside them."""
-        inside = sum(s.sym.name in names for b in trace.bound_symbols if is_graph_call(b) for s in b.subsymbols)
-        outside = sum(b.sym.name in names for b in trace.bound_symbols)
-        return inside, outside
-
-    def early_waits(trace) -> int:
-        """Waits inside the backward's graph before its last reduce-scatter."""
-        names = [s.sym.name for b in trace.bound_symbols if is_graph_call(b) for s in b.subsymbols]
-        last = max((i for i, n in enumerate(names) if n == "tk_reduce_scatter"), default=0)
-        return sum(n == "torch_wait_prim_impl" for n in names[:last])
 
     budget_env = "THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB"
     for strategy in (FSDPType.ZERO2, FSDPType.ZERO3):
@@ -446,7 +434,7 @@ def case_thunder_graphs(device) -> None:
             fw, bw = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
             names = nccl_names if mode.endswith("NCCL") else tk_names
             runs[mode] = losses, params, collectives_in(fw, names), collectives_in(bw, names), \
-                torch.cuda.max_memory_allocated(device) / 2**20, early_waits(bw)
+                torch.cuda.max_memory_allocated(device) / 2**20, waits_before_last(bw, "tk_reduce_scatter")
         os.environ.pop(budget_env, None)
         want, want_p = runs["op by op"][:2]
         for mode in ("graphs", "graphs, 64 KiB of reduce-scatters", "graphs, NCCL"):
