@@ -28,6 +28,17 @@ def last_gemm(trace) -> int:
                                                                                 "tk_matmul"))
 
 
+def not_python(traces) -> list[str]:
+    """Provenances of the traces whose printed program is not Python."""
+    bad = []
+    for trace in traces:
+        try:
+            compile(str(trace), "trace", "exec")
+        except SyntaxError:
+            bad.append(repr(trace.get_provenance()))
+    return bad
+
+
 def run(variant: str) -> dict:
     torch.manual_seed(0)
     cfg = Config(name="s", block_size=64, vocab_size=128, padded_vocab_size=128, n_layer=3, n_head=2,
@@ -54,6 +65,7 @@ def run(variant: str) -> dict:
         "backward_reduce_scatters": positions(bw, "reduce_scatter"), "backward_last_gemm": last_gemm(bw),
         "backward_waits": positions(bw, "wait"),
         "backward_gathers": [(i, b.args[0].name) for i, b in enumerate(bw.bound_symbols) if "all_gather" in b.sym.name],
+        "traces_not_python": not_python(thunder.last_traces(net) + thunder.last_backward_traces(net)),
     }
 
 

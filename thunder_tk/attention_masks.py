@@ -26,7 +26,8 @@ from thunder.core.compile_data import _compile_data
 from thunder.core.proxies import NumberProxy, Proxy, TensorProxy, pyval
 from thunder.core.pytree import tree_map
 from thunder.core.symbol import BoundSymbol
-from thunder.core.trace import TraceProvenance, from_trace
+
+from thunder_tk.trace_edits import with_bound_symbols
 
 # Largest mask evaluated (elements): 8192 x 8192 in a few hundred MB of transient CPU memory at most.
 MAX_MASK_ELEMENTS = 1 << 26
@@ -418,7 +419,5 @@ def drop_unread_constants(trace):
     dropped = {i for i in constant if root(bsyms[i].flat_proxy_outs[0].name) not in live}
     if not dropped:
         return trace
-    new = from_trace(trace)
-    new.bound_symbols = [b for i, b in enumerate(bsyms) if i not in dropped]
-    new.set_provenance(TraceProvenance(f"Unread constant tensors dropped ({len(dropped)} ops)"))
-    return new
+    return with_bound_symbols(trace, [b for i, b in enumerate(bsyms) if i not in dropped],
+                              f"tk: unread constant tensors dropped ({len(dropped)} ops)")

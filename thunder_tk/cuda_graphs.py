@@ -44,13 +44,14 @@ from thunder.core import prims, vjp_utils
 from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import Symbol
 from thunder.core.proxies import FutureTensorProxy, ProxyTag, TensorProxy
-from thunder.core.trace import TraceCtx, TraceTag, from_trace
+from thunder.core.trace import TraceCtx, TraceTag
 from thunder.executors import torchex
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
 
 from thunder_tk.executor import COLLECTIVE_IDS
 from thunder_tk.fsdp_schedule import reduce_scatter_budget, reduce_scatter_waits_within
 from thunder_tk.lowering import tk_all_gather, tk_reduce_scatter
+from thunder_tk.trace_edits import with_bound_symbols
 
 # tk's collectives: captured into a graph with their waits (their launches are capturable; see the module docstring).
 # Every other distributed op runs outside the graphs (NCCL's queues and watchdog; FSDP's bucket bookkeeping): the
@@ -351,9 +352,7 @@ def _unpacks_first(trace: TraceCtx) -> TraceCtx:
             rest.append(b)
     if all(a is b for a, b in zip(trace.bound_symbols, first)):  # already at the top
         return trace
-    moved = from_trace(trace)
-    moved.bound_symbols = first + rest
-    return moved
+    return with_bound_symbols(trace, first + rest, "tk: arguments unpacked first, so that CUDA graphs are not cut there")
 
 
 def _parameter_gradients(backward: TraceCtx, parameter_args: list[bool] | None) -> set[str]:

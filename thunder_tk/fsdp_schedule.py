@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from thunder.core import prims
 from thunder.core.proxies import FutureTensorProxy
-from thunder.core.trace import from_trace
 from thunder.core.transforms import TOPOSORT_ORDER, bsym_list_to_dag, toposort_bsym_dag
+
+from thunder_tk.trace_edits import with_bound_symbols
 
 COLLECTIVE_SCHEDULE = "collective_schedule"
 """THUNDER_TK_DISABLE name that keeps the fuser's order of collectives and waits."""
@@ -84,10 +85,7 @@ def reduce_scatter_waits_within(trace, budget: int, reduce_scatters=_TK_REDUCE_S
         out.append(b)
     if not moved:
         return trace
-    waited = from_trace(trace)
-    waited.bound_symbols = out
-    waited.set_provenance("tk: reduce-scatters waited for within THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB")
-    return waited
+    return with_bound_symbols(trace, out, "tk: reduce-scatters waited for within THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB")
 
 
 def overlap_collectives(trace):
@@ -173,7 +171,5 @@ def _overlapped(trace):
     ordered = toposort_bsym_dag(roots, TOPOSORT_ORDER.TOP_DOWN, selector=select)
     if len(ordered) != len(bsyms):  # a node the dataflow does not reach: leave the trace as it was
         return trace
-    out = from_trace(trace)
-    out.bound_symbols = ordered
-    out.set_provenance("tk: FSDP collectives issued in the order of need, waits just before their readers")
-    return out
+    return with_bound_symbols(trace, ordered,
+                              "tk: FSDP collectives issued in the order of need, waits just before their readers")

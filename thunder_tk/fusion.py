@@ -26,13 +26,14 @@ from thunder.core.compile_data import get_compile_data
 from thunder.core.proxies import NumberProxy, Proxy, TensorProxy, Variable, unvariableify, variableify
 from thunder.core.pytree import tree_map
 from thunder.core.symbol import BoundSymbol, Symbol
-from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
+from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import cse_single_bsym, dce, replace_redundant_inputs
 from thunder.core.utils import consumers
 from thunder.executors.passes import update_fusion_call_ctx
 from thunder.executors.torch_compile import TorchCompileExecutor, make_compiled
 from thunder.executors.utils import Region
 
+from thunder_tk.trace_edits import provenance, with_bound_symbols
 from thunder_tk.direct_regions import DIRECT_REGIONS, DirectRegion, can_call_directly, region_function
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -104,10 +105,9 @@ def cse_within_regions(trace: TraceCtx, executor) -> TraceCtx:
                              output=_unique(tree_map(swap, tuple(bsym.output)))))
     if not merged and all(len(a.subsymbols) == len(b.subsymbols) for a, b in zip(trace.bound_symbols, bsyms)):
         return trace
-    new = from_trace(trace)
-    new.bound_symbols = bsyms
-    new = update_fusion_call_ctx(dce(new))  # compile each region from its merged program
-    new.set_provenance(TraceProvenance("Repeated expressions merged inside torch.compile regions"))
+    what = "tk: repeated expressions merged inside torch.compile regions"
+    new = update_fusion_call_ctx(dce(with_bound_symbols(trace, bsyms, what)))  # each region from its merged program
+    new.set_provenance(provenance(what))
     return new
 
 
@@ -168,10 +168,7 @@ def unfuse_regions_computing_nothing(trace: TraceCtx, executor) -> TraceCtx:
             bsyms.append(bsym)
     if not changed:
         return trace
-    new = from_trace(trace)
-    new.bound_symbols = bsyms
-    new.set_provenance(TraceProvenance("Regions that compute nothing run as their ops"))
-    return new
+    return with_bound_symbols(trace, bsyms, "tk: regions that compute nothing run as their ops")
 
 
 def _beside_tk(cd) -> bool:

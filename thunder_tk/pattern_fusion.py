@@ -64,6 +64,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import from_trace, tracectx
 from thunder.core.transform_common import dce
 
+from thunder_tk import trace_edits
 from thunder_tk.attention_masks import first_torch_dtype, torch_dtype_of
 from thunder_tk.claim_rules import HALF_DTYPES, TensorMetadata
 
@@ -135,7 +136,7 @@ def _rewritten(out, bsyms: list, provenance: str):
         elif b is not None:
             flat.append(b)
     out.bound_symbols = flat
-    out.set_provenance(provenance)
+    out.set_provenance(trace_edits.provenance(provenance))
     return dce(out)
 
 
@@ -172,10 +173,7 @@ def merge_repeated_casts(trace):
         bsyms.append(b)
     if not swaps:
         return trace
-    out = from_trace(trace)
-    out.bound_symbols = bsyms
-    out.set_provenance("tk: repeated casts of one tensor read from the first")
-    return out
+    return trace_edits.with_bound_symbols(trace, bsyms, "tk: repeated casts of one tensor read from the first")
 
 
 def fold_row_scaling(trace):
@@ -272,7 +270,7 @@ def write_gradient_over_logits(trace):
             b = bsyms[i]
             bsyms[i] = tk_cross_entropy_forward_grad_over_logits.bind(*b.args, output=b.output)
     out.bound_symbols = bsyms
-    out.set_provenance("tk: the cross-entropy's gradient written over the logits nothing else reads")
+    out.set_provenance(trace_edits.provenance("tk: the cross-entropy's gradient written over the logits nothing else reads"))
     return out
 
 
