@@ -33,8 +33,8 @@ from thunder.executors.passes import update_fusion_call_ctx
 from thunder.executors.torch_compile import TorchCompileExecutor, make_compiled
 from thunder.executors.utils import Region
 
-from thunder_tk.trace_edits import provenance, with_bound_symbols
 from thunder_tk.direct_regions import DIRECT_REGIONS, DirectRegion, can_call_directly, region_function
+from thunder_tk.trace_edits import provenance, with_bound_symbols
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
