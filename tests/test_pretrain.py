@@ -230,6 +230,12 @@ def test_tiny_config_end_to_end(tmp_path, capsys, monkeypatch):
     assert losses[12] < losses[1]  # it learns the synthetic stream
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 12 and summary["device"] == "cpu"
+    # Step 10's evaluation traces and compiles a trace of its own: timed apart, and not part of the training pace,
+    # which stays near the median step's (the evaluation alone takes longer than any step after the first).
+    assert summary["evaluation_seconds"] > summary["step_seconds_max_after_first_step"], summary
+    per_step = summary["global_batch_size"] * summary["seq_len"] / summary["step_seconds_median_after_first_step"]
+    assert summary["tokens_per_s_after_first_step"] > 0.5 * per_step, summary
+    assert ", evaluation " in out and summary["checkpoint_seconds"] == 0.0  # no save_interval: saved at the end
     assert summary["tk_environment"]["THUNDER_TK_COLLECTIVE_ENGINE"] == "auto"
     assert all(k.startswith("THUNDER_TK_") for k in summary["tk_environment"])
     explain = (tmp_path / "explain.txt").read_text()

@@ -676,9 +676,25 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
     first_step = step
     run_start = steady_start = time.perf_counter()
     # Seconds per step over each logging interval after the first step (log points synchronise). Their median is
-    # the steady pace, which the odd slow interval (a host stall, an evaluation, a checkpoint) does not move; the
-    # mean over the run takes those in.
+    # the steady pace, which the odd slow interval (a host stall) does not move; the mean over the run takes those
+    # in. Evaluations and checkpoints during training are timed apart (`aside`) and left out of both: they are not
+    # training, and the first evaluation traces and compiles a trace of its own.
     paces: list[float] = []
+    aside = {"evaluation": 0.0, "checkpoint": 0.0}
+
+    @contextlib.contextmanager
+    def set_aside(what: str):
+        nonlocal mark
+        if dist.device.type == "cuda":
+            torch.cuda.synchronize(dist.device)  # the step's own work ends inside the step's time
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            aside[what] += spent
+            mark += spent  # the current logging interval's pace without it
+
     mark, mark_step = 0.0, None  # the last log point after the first step (time, step); none yet
     last_loss = float("nan")
     interval_profiled = False  # a profiled step in the current logging interval
@@ -787,10 +803,12 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
                         final=step == total_steps or stopped_by_time,
                     )
             if config.eval.interval and step % config.eval.interval == 0:
-                log_validation(step)
+                with set_aside("evaluation"):
+                    log_validation(step)
             if checkpoints and t.save_interval and step % t.save_interval == 0 and step < total_steps:
                 if not stopped_by_time:  # the run saves at its end below
-                    save(step)
+                    with set_aside("checkpoint"):
+                        save(step)
             if stopped_by_time:
                 if dist.main:
                     stream.write(f"train.max_time: {t.max_time:g} s passed; stopping after step {step}\n")
@@ -810,10 +828,11 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
         del weights
         dist.barrier()
     elapsed = time.perf_counter() - run_start
-    # The profiled steps (THUNDER_TK_PROFILE_STEPS) are left out of the steady pace, with their wall time.
+    # The profiled steps (THUNDER_TK_PROFILE_STEPS) are left out of the steady pace, with their wall time, and so
+    # are the evaluations and checkpoints after the first step.
     steady_steps = step - first_step - 1 - profiler.done
-    steady = (steady_steps * t.global_batch_size * seq / (loop_end - steady_start - profiler.spent_s)
-              if steady_steps > 0 else None)
+    steady_seconds = loop_end - steady_start - profiler.spent_s - sum(aside.values())
+    steady = steady_steps * t.global_batch_size * seq / steady_seconds if steady_steps > 0 else None
     pace, slowest = (statistics.median(paces), max(paces)) if paces else (None, None)
     on_gpu = dist.device.type == "cuda"
     peak_gib = dist.max_over_ranks(torch.cuda.max_memory_allocated(dist.device) / 2**30) if on_gpu else None
@@ -826,6 +845,7 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
         "stopped_by": "train.max_time" if stopped_by_time else None, "final_val_loss": final_val,
         "litgpt_checkpoint": str(out_dir / "final") if checkpoints else None,
         "tokens_per_s": (step - first_step) * t.global_batch_size * seq / elapsed if step > first_step else 0.0,
+        # Training alone after the first step: profiled steps, evaluations and checkpoints left out.
         "tokens_per_s_after_first_step": steady,
         "tokens_per_s_per_device_after_first_step": steady / dist.world if steady else None,
         "mfu_after_first_step": fpt * steady / dist.world / peak if steady and peak else None,
@@ -833,6 +853,8 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
         "step_seconds_median_after_first_step": pace,
         "step_seconds_max_after_first_step": slowest,
         "tokens_per_s_per_device_median_step": t.global_batch_size * seq / pace / dist.world if pace else None,
+        # Seconds the training loop spent evaluating and writing checkpoints (the final ones after it not counted).
+        "evaluation_seconds": aside["evaluation"], "checkpoint_seconds": aside["checkpoint"],
         "device": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu",
         "world_size": dist.world, "seq_len": seq, "global_batch_size": t.global_batch_size,
         # The precision run (the config's, or what null picked for the device): weights and autocast dtypes.
@@ -858,6 +880,7 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
         stream.write(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, {elapsed:.1f} s"
                      + (f", {steady / 1e3:.1f}k tok/s after the first (compiling) step" if steady else "")
                      + (f" (median step {pace:.3f} s, slowest {slowest:.3f} s)" if pace else "")
+                     + "".join(f", {what} {sec:.1f} s" for what, sec in aside.items() if sec)
                      + f"; outputs in {out_dir}\n")
     return summary
 
