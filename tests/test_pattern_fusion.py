@@ -98,9 +98,13 @@ def test_wide_rows_fold_the_scaling_into_the_gemms(standin_tk_build, reduction):
     scaled = [b for b in bwd_trace.bound_symbols if b.sym.name == "tk_scale_rows"]
     assert len(scaled) == 2 and all(tuple(b.output.shape) == (16, HIDDEN) for b in scaled), scaled
     assert_matches_reference(model, loss, x_grad, grads, x, targets)
-    (row,) = [r for r in thunder_tk.explain(jm).rows if r.symbol == "ltorch.cross_entropy"]
+    rows = thunder_tk.explain(jm).rows
+    (row,) = [r for r in rows if r.symbol == "ltorch.cross_entropy"]
     assert row.ran_by == "tk: tk_cross_entropy_forward_grad_over_logits"
     assert row.detail == "loss and gradient from one read of the logits; the gradient written over them"
+    # Both of the lm_head's backward products are reported as the GEMM launches, not as the scaling moved onto them.
+    products = [r.ran_by for r in rows if r.trace == "backward" and r.symbol.endswith("matmul")]
+    assert products == ["tk: tk_matmul"] * 2, products
 
 
 def test_narrow_rows_keep_the_backward_kernel(standin_tk_build, monkeypatch):

@@ -178,6 +178,7 @@ def merge_repeated_casts(trace):
 
 def fold_row_scaling(trace):
     """The trace with each tk_scale_rows whose result only feeds GEMMs moved onto those GEMMs' small operands."""
+    from thunder_tk.executor import sites_of
     from thunder_tk.lowering import tk_scale_rows
 
     bsyms = list(trace.bound_symbols)
@@ -202,6 +203,7 @@ def fold_row_scaling(trace):
                 a, w = m.args
                 if kind == "dx":
                     y = TensorProxy(like=m.output)
+                    y.tags.update(sites_of(m.output))  # explain names the product's launch, not the scaling
                     bsyms[j] = [m.from_bsym(output=y), tk_scale_rows.bind(y, g, output=m.output)]
                 else:
                     w_scaled = TensorProxy(like=w)
