@@ -25,6 +25,15 @@ def test_explain_yaml_plans_without_a_gpu(tmp_path, capsys):
     assert loss["inputs"].startswith("bf16[1024, ") and loss["claimed_by_tk"], loss
 
 
+def test_explain_takes_the_yaml_as_pretrain_does(capsys):
+    """`--config` names the model as `thunder-tk pretrain --config` does; given twice, one message says so."""
+    assert main(["explain", "--config", str(CONFIGS / "tiny.yaml"), "--inference"]) == 0
+    assert "tiny, 2 layers, hidden 256" in capsys.readouterr().out
+    assert main(["explain", "Llama-3.2-1B", "--config", str(CONFIGS / "tiny.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "give the model once" in err and "Traceback" not in err
+
+
 def test_explain_plans_a_yaml_at_its_precision(tmp_path, capsys):
     """A pretrain YAML's precision is what `explain` plans (bf16-mixed: fp32 weights, Thunder's autocast hands the
     linears and the attention bf16 inputs, and the norms stay fp32); --dtype overrides it; an unknown one is named."""

@@ -1,7 +1,7 @@
 """`thunder-tk`: inspect how tk would run a LitGPT model, and what this install contains.
 
     thunder-tk explain                                  # the embedded default: Llama-3.2-1B, 2 layers
-    thunder-tk explain litgpt_configs/tiny.yaml
+    thunder-tk explain litgpt_configs/tiny.yaml         # or --config litgpt_configs/tiny.yaml, as pretrain takes it
     thunder-tk explain Llama-3.2-1B --n-layer 4 --seq 4096 --json plan.json
     thunder-tk explain Gemma-3-1b-it --cuda-graphs          # the step as CUDA graphs: host calls per step
     thunder-tk info
@@ -37,8 +37,11 @@ def _cmd_explain(args) -> int:
     from thunder_tk.litgpt_models import ConfigError, build_meta_model, jit_unsupported, load_spec
     from thunder_tk.planning import plan
 
-    model = args.model or DEFAULT_MODEL
-    n_layer = args.n_layer if args.n_layer is not None else (DEFAULT_N_LAYER if args.model is None else None)
+    if args.model is not None and args.config is not None:
+        raise CLIError(f"explain: give the model once, as {args.model!r} or as --config {args.config!r}")
+    chosen = args.model if args.model is not None else args.config
+    model = chosen or DEFAULT_MODEL
+    n_layer = args.n_layer if args.n_layer is not None else (DEFAULT_N_LAYER if chosen is None else None)
     try:
         spec = load_spec(model, n_layer=n_layer, micro_batch_size=args.batch, seq_len=args.seq)
     except ConfigError as e:
@@ -157,6 +160,7 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain", help="plan a LitGPT model's routing (no GPU needed)")
     e.add_argument("model", nargs="?", help=f"LitGPT config name or pretrain YAML (default {DEFAULT_MODEL}, "
                                             f"{DEFAULT_N_LAYER} layers)")
+    e.add_argument("--config", help="the same as MODEL, as `thunder-tk pretrain --config` takes it")
     e.add_argument("--n-layer", type=int, help="override the number of layers")
     e.add_argument("--batch", type=int, help="micro-batch size (default: train.micro_batch_size or 1)")
     e.add_argument("--seq", type=int, help="sequence length (default: train.max_seq_length or min(block_size, 2048))")
