@@ -16,7 +16,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder_tk.cuda_graphs import is_graph_call
 from thunder_tk.executor import Site, decisions_of, describe_inputs, latest_decisions_of, sites_of
 from thunder_tk.lowering import MaskRead
-from thunder_tk.pattern_fusion import QKV_GRAD, QKV_ROPE, SWIGLU, Declined
+from thunder_tk.pattern_fusion import QKV_GRAD, QKV_ROPE, SWIGLU, Declined, Folded
 from thunder_tk.rms_norm_fusion import RMS_NORM
 
 
@@ -175,6 +175,9 @@ def _detail(op: BoundSymbol | None, backward_by: str, cd, declined: dict[str, st
         return f"SwiGLU's products not in one launch: {declined[SWIGLU]}"
     if op.sym.name == "tk_matmul_sum":
         return "summed with the other product of an add in one launch"
+    folded = [t.description for p in op.flat_proxy_outs for t in p.tags if isinstance(t, Folded)]
+    if folded:
+        return "; ".join(folded)
     if op.sym.name.startswith("tk_cross_entropy_forward_grad"):
         over = op.sym.name.endswith("_over_logits")
         return "loss and gradient from one read of the logits" + ("; the gradient written over them" if over else "")

@@ -204,9 +204,11 @@ def fold_row_scaling(trace):
                 if kind == "dx":
                     y = TensorProxy(like=m.output)
                     y.tags.update(sites_of(m.output))  # explain names the product's launch, not the scaling
+                    y.tags.add(Folded("the loss gradient's row scaling applied to its output rows"))
                     bsyms[j] = [m.from_bsym(output=y), tk_scale_rows.bind(y, g, output=m.output)]
                 else:
                     w_scaled = TensorProxy(like=w)
+                    m.output.tags.add(Folded("the loss gradient's row scaling applied to its other operand's rows"))
                     bsyms[j] = [tk_scale_rows.bind(w, g, output=w_scaled), m.from_bsym(args=(a, w_scaled))]
     return _rewritten(out, bsyms, "tk: the cross-entropy gradient's row scaling moved onto the lm_head's GEMMs")
 
@@ -937,6 +939,13 @@ QKV_GRAD = "attention_qkv_grad"
 """THUNDER_TK_DISABLE name that keeps the rotary embedding's backward and the concatenation of dq, dk and dv into the
 qkv projection's gradient with the fuser, after tk's attention backward."""
 QKV_GRAD_KERNEL = "attention_rope_grad"
+
+
+@dataclass(frozen=True)
+class Folded:
+    """A tag on a tk op's result that a rewrite here gave more work: what the launch's row in `explain` adds."""
+
+    description: str
 
 
 @dataclass(frozen=True)
