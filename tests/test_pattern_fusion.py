@@ -607,3 +607,16 @@ def test_fp32_output_switch_names_a_bad_value(standin_tk_build, monkeypatch):
     monkeypatch.setenv(pattern_fusion.GEMM_FP32_OUT_ENV, "yes")
     with pytest.raises(ValueError, match="THUNDER_TK_GEMM_FP32_OUT must be 0 or 1"):
         run_swiglu(SwiGLU().to(bf16))
+
+
+def test_rewritten_traces_say_which_rewrite_made_them():
+    """A rewrite's trace is labelled after dead-code removal (which labels its own), as a comment that prints as
+    Python."""
+    from thunder.core.trace import from_trace
+
+    jf = thunder.jit(lambda x: (x * 2).sin())
+    jf(torch.randn(3))
+    trace = thunder.last_traces(jf)[-1]
+    source = str(pattern_fusion._rewritten(from_trace(trace), list(trace.bound_symbols), "tk: a test rewrite"))
+    assert source.splitlines()[0] == "# Constructed by tk: a test rewrite"
+    compile(source, "trace", "exec")

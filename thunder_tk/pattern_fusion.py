@@ -136,8 +136,9 @@ def _rewritten(out, bsyms: list, provenance: str):
         elif b is not None:
             flat.append(b)
     out.bound_symbols = flat
-    out.set_provenance(trace_edits.provenance(provenance))
-    return dce(out)
+    cleaned = dce(out)
+    cleaned.set_provenance(trace_edits.provenance(provenance))  # after dce, which sets its own
+    return cleaned
 
 
 CAST_MERGE = "cast_merge"
