@@ -149,7 +149,7 @@ class _SharedPoolRunner(CUDAGraphRunner):
             names = [getattr(o, "name", None) for o in self.trace_symbols[fn_name][2]]
             self._aliased[fn_name] = tuple(i for i, (n, o) in enumerate(zip(names, outputs))
                                            if n in self.parameter_gradients and isinstance(o, torch.Tensor))
-            self._buffers.update(outputs[i].untyped_storage().data_ptr() for i in self._aliased[fn_name])
+            self._buffers.update(_storage(outputs[i]) for i in self._aliased[fn_name])
         aliased = self._aliased.get(fn_name)
         if not aliased:
             return outputs
@@ -165,7 +165,7 @@ class _SharedPoolRunner(CUDAGraphRunner):
     def _move_kept_gradients(self) -> None:
         for p in self.parameters.values():
             g = p.grad
-            if g is not None and g.untyped_storage().data_ptr() in self._buffers:
+            if g is not None and _storage(g) in self._buffers:
                 p.grad = g.clone()
         self._handed_out = False
 
@@ -178,7 +178,7 @@ class _SharedPoolRunner(CUDAGraphRunner):
                     outputs[_storage(t)] = t.untyped_storage().nbytes()
             for t, static in zip(static_inputs, key[1]):
                 if isinstance(t, torch.Tensor) and not static:
-                    copies[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    copies[_storage(t)] = t.untyped_storage().nbytes()
         pool = pool_allocated = 0
         if self._pools and torch.cuda.is_available():
             handles = {tuple(h) for h in self._pools}
