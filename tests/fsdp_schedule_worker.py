@@ -11,6 +11,7 @@ from litgpt import GPT, Config
 from thunder.distributed import FSDPType, fsdp
 
 from thunder_tk.pretrain import LossModule, resolve_executors
+from trace_counts import traces_not_python
 from workers import run_variants
 
 
@@ -26,17 +27,6 @@ def first_gemm(trace) -> int:
 def last_gemm(trace) -> int:
     return max(i for i, b in enumerate(trace.bound_symbols) if b.sym.name in ("linear", "matmul", "tk_linear",
                                                                                 "tk_matmul"))
-
-
-def not_python(traces) -> list[str]:
-    """Provenances of the traces whose printed program is not Python."""
-    bad = []
-    for trace in traces:
-        try:
-            compile(str(trace), "trace", "exec")
-        except SyntaxError:
-            bad.append(repr(trace.get_provenance()))
-    return bad
 
 
 def run(variant: str) -> dict:
@@ -65,7 +55,7 @@ def run(variant: str) -> dict:
         "backward_reduce_scatters": positions(bw, "reduce_scatter"), "backward_last_gemm": last_gemm(bw),
         "backward_waits": positions(bw, "wait"),
         "backward_gathers": [(i, b.args[0].name) for i, b in enumerate(bw.bound_symbols) if "all_gather" in b.sym.name],
-        "traces_not_python": not_python(thunder.last_traces(net) + thunder.last_backward_traces(net)),
+        "traces_not_python": traces_not_python(thunder.last_traces(net) + thunder.last_backward_traces(net)),
     }
 
 
