@@ -855,7 +855,7 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
         "tokens_per_s_per_device_median_step": t.global_batch_size * seq / pace / dist.world if pace else None,
         # Seconds the training loop spent evaluating and writing checkpoints (the final ones after it not counted).
         "evaluation_seconds": aside["evaluation"], "checkpoint_seconds": aside["checkpoint"],
-        "device": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name(dist.device) if on_gpu else "cpu",
         "world_size": dist.world, "seq_len": seq, "global_batch_size": t.global_batch_size,
         # The precision run (the config's, or what null picked for the device): weights and autocast dtypes.
         "precision": precision, "parameter_dtype": param_dtype, "autocast_dtype": autocast_dtype,
