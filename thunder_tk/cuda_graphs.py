@@ -284,6 +284,10 @@ class _SharedPoolRunner(CUDAGraphRunner):
                 fn(*static_inputs)
         stream.synchronize()
         torch.cuda.current_stream().wait_stream(stream)
+        # The warm-up's temporaries are cached on the capture stream, whose blocks no later step allocates from (a
+        # replay allocates nothing; the step's other ops run on the caller's stream): returned to the device, or they
+        # would stay reserved beside the pool for good, and be reserved with it while the capture fills it.
+        torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         freed = self.freed_saved_bytes
         with torch.cuda.graph(graph, stream=stream, pool=self.mem_pool[device]):
