@@ -556,9 +556,7 @@ class P2PChannel {
     bool use_copy_engine(bool wanted, std::uintptr_t caller) const {
         if (!wanted) return false;
         if (!copy_engine_) throw std::invalid_argument("P2PChannel: no copy engine attached");
-        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-        check_launch(cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(caller), &status), "capture query");
-        return status == cudaStreamCaptureStatusNone;
+        return capture_status(reinterpret_cast<cudaStream_t>(caller)) == cudaStreamCaptureStatusNone;
     }
 
     static void check_sender_warps(int warps) {
@@ -577,12 +575,20 @@ class P2PChannel {
         check_launch(cudaStreamWaitEvent(s, done_[last_], 0), what);
     }
 
+    // Whether `s` is capturing (an invalidated capture counts: nothing may be launched outside it), and into which
+    // capture sequence.
+    static cudaStreamCaptureStatus capture_status(cudaStream_t s, unsigned long long* id = nullptr) {
+        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+        unsigned long long sequence = 0;
+        check_launch(cudaStreamGetCaptureInfo(s, &status, &sequence), "capture query");
+        if (id != nullptr) *id = sequence;
+        return status;
+    }
+
     // The capture sequence `s` belongs to (0: none).
     static unsigned long long capture_of(cudaStream_t s) {
-        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
         unsigned long long id = 0;
-        check_launch(cudaStreamGetCaptureInfo(s, &status, &id), "capture query");
-        return status == cudaStreamCaptureStatusActive ? id : 0;
+        return capture_status(s, &id) == cudaStreamCaptureStatusActive ? id : 0;
     }
 
     template <class Launch> int ordered(std::uintptr_t caller_handle, bool async, const char* what, Launch launch) {
