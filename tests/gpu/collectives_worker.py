@@ -262,6 +262,28 @@ def case_copy_engine(device) -> None:
         assert torch.equal(got, expect), f"async mixed call {i} wrong"
     log("ok: 200 calls mixing SM kernels and copy engines on one channel, sync and async")
 
+    # Under CUDA-graph capture a copy-engine channel launches its SM kernels (the copy engines' flags carry host-side
+    # sequence numbers, which a replay would not advance): captured once, replayed with fresh inputs.
+    x_in = torch.zeros(3000, device=device, dtype=torch.bfloat16)
+    y_in = torch.zeros(3000 * w, device=device, dtype=torch.float32)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    torch.cuda.synchronize(device)
+    with torch.cuda.graph(graph, stream=side):
+        gathered = ch.all_gather(x_in)
+        scattered = ch.reduce_scatter(y_in)
+    for i in range(5):
+        x_in.fill_(float(r + i))
+        y_in.fill_(float(r + 2 * i))
+        ch.graph_replay()
+        graph.replay()
+        ch.graph_replay()
+        expect = torch.cat([torch.full((3000,), float(q + i), device=device, dtype=torch.bfloat16) for q in range(w)])
+        assert torch.equal(gathered, expect), f"captured all_gather on a copy-engine channel, replay {i}"
+        total = float(sum(q + 2 * i for q in range(w)))
+        assert torch.equal(scattered, torch.full((3000,), total, device=device)), f"captured reduce_scatter, replay {i}"
+    assert torch.equal(ch.all_gather(x_in), expect)  # the copy engines again, after the replays
+    log("ok: copy-engine channel captured in a CUDA graph: SM kernels, 5 replays with fresh inputs")
+
     # Async with compute in between, and 1 GiB through the default copy buffer.
     big = collectives.Channel(dist.group.WORLD, device, dataclasses.replace(base, copy_buffer_bytes=256 << 20))
     check_async_all_gather(big, device, g)

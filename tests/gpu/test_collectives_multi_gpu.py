@@ -48,6 +48,7 @@ def test_all_gather_and_reduce_scatter_match_nccl():
 
 def test_copy_engine_collectives_match_nccl():
     out = torchrun("copy_engine")
+    assert "ok: copy-engine channel captured in a CUDA graph" in out
     assert "ok: copy engine async with compute, and 1 GiB" in out
 
 
