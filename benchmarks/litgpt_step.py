@@ -438,6 +438,9 @@ class Built:
         self.name, self.device, self.cuda = name, device, device.type == "cuda"
         self.base_gib = torch.cuda.memory_allocated(device) / 2**30 if self.cuda else 0.0
         self.base_reserved_gib = torch.cuda.memory_reserved(device) / 2**30 if self.cuda else 0.0
+        # Free space inside segments that earlier variants' tensors (kept for more rounds) still hold, which the
+        # cache cannot return: this variant may allocate there, and the reserved peak below then reads that much low.
+        self.shared_free_gib = self.base_reserved_gib - self.base_gib
         torch.manual_seed(0)
         # LitGPT's precisions, as `thunder-tk pretrain` runs them (bf16-mixed: fp32 weights, the step's forward
         # under bf16 autocast, which each variant's compiler traces as casts)
@@ -507,6 +510,9 @@ def run(name, wrap, args, device: torch.device):
     row = {"variant": name, "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / _world(),
            "peak_gib": peak, "reserved_gib": reserved, "loss": float(loss.detach().float().mean()),
            "_windows": v.windows}
+    shared = max_over_ranks(v.shared_free_gib, device) if cuda else 0.0
+    if shared > 1 / 64:  # the variant's own reserved peak lies between reserved_gib and this
+        row["reserved_gib_upper"] = reserved + shared
     graphs = getattr(v.net, "tk_cuda_graphs", None)
     if graphs is not None and cuda:
         row["graphs_memory_gib"] = {k: max_over_ranks(b / 2**30, device) for k, b in graphs.memory().items()}
@@ -691,6 +697,11 @@ def main():
         if r.get("graphs_memory_gib"):
             print(f"{r['variant']}: graphs' memory (GiB) " + ", ".join(f"{k} {x:.2f}"
                                                                        for k, x in r["graphs_memory_gib"].items()))
+    for r in rows:
+        if r.get("reserved_gib_upper") is not None:
+            print(f"{r['variant']}: reserved {r['reserved_gib']:.2f}-{r['reserved_gib_upper']:.2f} GiB: it may have "
+                  "taken free space in segments that the variants built before it hold (kept for more rounds); "
+                  "named first, or with --rounds 1, it reads its own")
     for r in rows:
         if r.get("error"):
             print(f"{r['variant']}: failed, {r['error']}")
