@@ -370,7 +370,27 @@ def memory_step(step, device: torch.device, top: int) -> dict:
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     trace = snap["device_traces"][device.index or 0]
-    return {"before_step_gib": base / 2**30, **live_at_peak(trace, top)}
+    return {"before_step_gib": base / 2**30, **live_at_peak(trace, top),
+            "segments": segments_by_pool(snap["segments"], device.index or 0)}
+
+
+def segments_by_pool(segments: list[dict], device_index: int) -> list[dict]:
+    """The allocator's reserved memory by pool (the default one, or a private one: CUDA graphs') and by the stream
+    whose allocations each segment serves, with what tensors hold of it. Segments are only returned by
+    empty_cache, so after a step this is where its reserved peak lies."""
+    groups: dict[tuple, dict] = {}
+    for seg in segments:
+        if seg.get("device", 0) != device_index:
+            continue
+        pool = tuple(seg.get("segment_pool_id") or (0, 0))
+        key = ("default" if pool == (0, 0) else f"private {pool[0]}.{pool[1]}", seg.get("stream", 0))
+        g = groups.setdefault(key, {"segments": 0, "reserved": 0, "allocated": 0})
+        g["segments"] += 1
+        g["reserved"] += seg["total_size"]
+        g["allocated"] += seg["allocated_size"]
+    return [{"pool": pool, "stream": "default" if stream == 0 else hex(stream), "segments": g["segments"],
+             "reserved_gib": g["reserved"] / 2**30, "allocated_gib": g["allocated"] / 2**30}
+            for (pool, stream), g in sorted(groups.items(), key=lambda kv: -kv[1]["reserved"])]
 
 
 def print_memory(rows: list[dict]) -> None:
@@ -382,6 +402,10 @@ def print_memory(rows: list[dict]) -> None:
               f"above it; live at that peak:")
         print_table([{"MiB": f"{t['mib']:.1f}", "blocks": t["blocks"], "allocated at": t["site"][:150]}
                      for t in m["top"]], ["MiB", "blocks", "allocated at"])
+        if m.get("segments"):
+            print(f"{r['variant']}: reserved memory after the step by pool and stream (GiB)")
+            print_table([{**g, "reserved_gib": f"{g['reserved_gib']:.2f}", "allocated_gib": f"{g['allocated_gib']:.2f}"}
+                         for g in m["segments"]], ["pool", "stream", "segments", "reserved_gib", "allocated_gib"])
 
 
 def print_host(rows: list[dict]) -> None:
@@ -625,7 +649,7 @@ def main():
                         "N functions with the most time of their own (meaningful where the GPU keeps up: small shapes)")
     p.add_argument("--memory", type=int, default=0, metavar="N",
                    help="after timing, record one step's allocations per variant and list the N largest allocation "
-                        "sites live at the step's memory peak")
+                        "sites live at the step's memory peak, and the reserved memory by pool and stream")
     a = p.parse_args()
     a.only = variant_names(a.only)
     device = torch.device(a.device)

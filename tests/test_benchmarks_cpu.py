@@ -347,9 +347,22 @@ def test_litgpt_step_memory_replay_finds_what_is_live_at_the_peak(capsys):
     assert got["peak_mib"] == 174
     assert [(t["mib"], t["blocks"]) for t in got["top"]] == [(110, 2), (64, 1)]
     assert got["top"][0]["site"] == "gemm (ops.py:7) <- backward_fn (thunder.backward_fn_3:9)"
-    bench.print_memory([{"variant": "thunder [tk]", "memory": {"before_step_gib": 1.5, **got}}, {"variant": "eager"}])
+    gib = 2**30
+    segments = [  # a snapshot's segments: the default pool on two streams, a CUDA graphs' private pool, another GPU
+        {"device": 0, "segment_pool_id": (0, 0), "stream": 0, "total_size": 2 * gib, "allocated_size": gib},
+        {"device": 0, "segment_pool_id": (0, 0), "stream": 0, "total_size": gib, "allocated_size": 0},
+        {"device": 0, "segment_pool_id": (0, 0), "stream": 0x7f00, "total_size": gib // 2, "allocated_size": 0},
+        {"device": 0, "segment_pool_id": (1, 3), "stream": 0x7f00, "total_size": 4 * gib, "allocated_size": gib},
+        {"device": 1, "segment_pool_id": (0, 0), "stream": 0, "total_size": 8 * gib, "allocated_size": 0},
+    ]
+    census = bench.segments_by_pool(segments, 0)
+    assert [(g["pool"], g["stream"], g["segments"], g["reserved_gib"], g["allocated_gib"]) for g in census] == [
+        ("private 1.3", "0x7f00", 1, 4.0, 1.0), ("default", "default", 2, 3.0, 1.0), ("default", "0x7f00", 1, 0.5, 0.0)]
+    bench.print_memory([{"variant": "thunder [tk]", "memory": {"before_step_gib": 1.5, **got, "segments": census}},
+                        {"variant": "eager"}])
     out = capsys.readouterr().out
     assert "thunder [tk]: 1.50 GiB before the step, peak 174 MiB" in out and "attention_backward" in out
+    assert "reserved memory after the step by pool and stream" in out and "private 1.3" in out
 
 
 def test_litgpt_step_a_failing_variant_costs_only_its_own_row(monkeypatch, tmp_path, capsys):
