@@ -97,3 +97,29 @@ def test_two_process_fsdp_matches_one_process_and_resumes(tmp_path):
     summary = json.loads((tmp_path / "timed" / "summary.json").read_text())
     assert (summary["steps"], summary["stopped_by"]) == (2, "train.max_time")
     assert (tmp_path / "timed" / "final" / "lit_model.pth").is_file()
+
+
+def test_two_nodes_through_torchrun_rendezvous(tmp_path):
+    """num_nodes: 2 with one process a node, started as on two machines (two torchrun launches, --nnodes 2 and each
+    its --node_rank, meeting at one rendezvous address; here both on this host, sharing out_dir as a shared file
+    system would): the same losses as one process, and a resumable checkpoint with both ranks' shards."""
+    single = _run(tmp_path, "single", 1)
+    cfg = tmp_path / "nodes.yaml"
+    cfg.write_text(yaml.safe_dump({**MICRO, "devices": 1, "num_nodes": 2, "out_dir": str(tmp_path / "nodes")}))
+    port = _free_port()
+    launches = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank",
+         str(node), "--master_addr", "127.0.0.1", "--master_port", str(port),
+         "-m", "thunder_tk.cli", "pretrain", "--config", str(cfg)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    results = [p.communicate(timeout=300) for p in launches]
+    for p, (_, err) in zip(launches, results):
+        assert p.returncode == 0, err[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "nodes" / "metrics.jsonl").read_text().splitlines()]
+    losses = {row["step"]: row["loss"] for row in rows if "loss" in row}
+    for step in (1, 2, 3, 4):
+        assert losses[step] == pytest.approx(single[step], rel=1e-4)
+    summary = json.loads((tmp_path / "nodes" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    shards = sorted(p.name for p in (tmp_path / "nodes" / "checkpoints" / "step-00000004").iterdir())
+    assert shards == ["rank0.pt", "rank1.pt"]
