@@ -44,8 +44,15 @@ def _run(tmp_path: Path, name: str, nproc: int, *extra: str, env: dict | None = 
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
 
 
-def test_two_process_fsdp_matches_one_process_and_resumes(tmp_path):
-    single = _run(tmp_path, "single", 1)
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """The one-process run both tests compare with: its out_dir's parent and its losses by step."""
+    root = tmp_path_factory.mktemp("one_process")
+    return root, _run(root, "single", 1)
+
+
+def test_two_process_fsdp_matches_one_process_and_resumes(tmp_path, single_run):
+    single_root, single = single_run
     # Each rank on its own share of the CPUs (THUNDER_TK_CPU_AFFINITY): the same losses, the binding recorded.
     fsdp = _run(tmp_path, "fsdp", 2, env={"THUNDER_TK_CPU_AFFINITY": "exclusive"})
     for step in (1, 2, 3, 4):
@@ -55,7 +62,7 @@ def test_two_process_fsdp_matches_one_process_and_resumes(tmp_path):
 
     expected = {k: v for k, v in FSDP_KERNEL_SETTINGS.items() if k not in os.environ}
     assert json.loads((tmp_path / "fsdp" / "summary.json").read_text())["kernel_settings"] == expected
-    assert json.loads((tmp_path / "single" / "summary.json").read_text())["kernel_settings"] == {}
+    assert json.loads((single_root / "single" / "summary.json").read_text())["kernel_settings"] == {}
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     if allowed:
         bound = json.loads((tmp_path / "fsdp" / "summary.json").read_text())["cpus_bound"]
@@ -67,7 +74,7 @@ def test_two_process_fsdp_matches_one_process_and_resumes(tmp_path):
     import torch
 
     exported = torch.load(tmp_path / "fsdp" / "final" / "lit_model.pth", weights_only=True)
-    single_weights = torch.load(tmp_path / "single" / "final" / "lit_model.pth", weights_only=True)
+    single_weights = torch.load(single_root / "single" / "final" / "lit_model.pth", weights_only=True)
     assert list(exported) == list(single_weights)
     parts = [torch.load(tmp_path / "fsdp" / "checkpoints" / "step-00000004" / f"rank{r}.pt",
                         weights_only=False)["model"] for r in (0, 1)]
@@ -99,11 +106,11 @@ def test_two_process_fsdp_matches_one_process_and_resumes(tmp_path):
     assert (tmp_path / "timed" / "final" / "lit_model.pth").is_file()
 
 
-def test_two_nodes_through_torchrun_rendezvous(tmp_path):
+def test_two_nodes_through_torchrun_rendezvous(tmp_path, single_run):
     """num_nodes: 2 with one process a node, started as on two machines (two torchrun launches, --nnodes 2 and each
     its --node_rank, meeting at one rendezvous address; here both on this host, sharing out_dir as a shared file
     system would): the same losses as one process, and a resumable checkpoint with both ranks' shards."""
-    single = _run(tmp_path, "single", 1)
+    _, single = single_run
     cfg = tmp_path / "nodes.yaml"
     cfg.write_text(yaml.safe_dump({**MICRO, "devices": 1, "num_nodes": 2, "out_dir": str(tmp_path / "nodes")}))
     port = _free_port()
