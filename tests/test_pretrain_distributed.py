@@ -40,7 +40,12 @@ def _run(tmp_path: Path, name: str, nproc: int, *extra: str, env: dict | None = 
                "-m", "thunder_tk.cli", "pretrain", "--config", str(cfg), *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return _losses(tmp_path / name)
+
+
+def _losses(out_dir: Path) -> dict[int, float]:
+    """A run's training losses by step, from its metrics.jsonl."""
+    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
 
 
@@ -122,8 +127,7 @@ def test_two_nodes_through_torchrun_rendezvous(tmp_path, single_run):
     results = [p.communicate(timeout=300) for p in launches]
     for p, (_, err) in zip(launches, results):
         assert p.returncode == 0, err[-3000:]
-    rows = [json.loads(x) for x in (tmp_path / "nodes" / "metrics.jsonl").read_text().splitlines()]
-    losses = {row["step"]: row["loss"] for row in rows if "loss" in row}
+    losses = _losses(tmp_path / "nodes")
     for step in (1, 2, 3, 4):
         assert losses[step] == pytest.approx(single[step], rel=1e-4)
     summary = json.loads((tmp_path / "nodes" / "summary.json").read_text())
