@@ -20,10 +20,13 @@ what=${1:-all}
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 OUT_ABS=$(cd "$OUT" && pwd)
+# A report left in $OUT by an earlier run must not pass for this run's (a cut test step may write none).
+rm -f "$OUT_ABS/gpu_tests.xml" "$OUT_ABS/dist_tests.xml"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 summary=()
 # DEADLINE=<seconds>: no step runs past that many seconds of this script (a step is cut short by `timeout`, or
 # skipped with under 15 s left), so the summary and the packed logs still come back inside the device tool's limit.
+# A cut pytest step still prints what failed so far and writes its XML (tests/conftest.py turns SIGTERM into an interrupt).
 # A cut step shows as CUT in the summary (its own timeout or DEADLINE's; the build, `info` and the SASS listing
 # take their share of DEADLINE first); FAIL means the step itself failed.
 step() { local name=$1; shift; local t0=$SECONDS

@@ -31,6 +31,25 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+def pytest_configure(config):
+    """SIGTERM (`timeout` ending a GPU step in gpu_run.sh) stops the run as Ctrl-C does: pytest then prints what failed
+    so far and writes its junit XML, where a plain SIGTERM left neither. `timeout` signals the process and its group,
+    so the same signal may come twice: only the first counts. xdist workers keep the default (their controller
+    reports)."""
+    import os
+    import signal
+    import threading
+
+    if os.environ.get("PYTEST_XDIST_WORKER") or threading.current_thread() is not threading.main_thread():
+        return
+
+    def interrupt(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt(f"signal {signum} (SIGTERM)")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 @pytest.fixture(autouse=True)
 def gpu_test_watchdog(request):
     """A GPU test that runs past THUNDER_TK_TEST_TIMEOUT seconds (default 240; 0: no limit) ends the process with every

@@ -1,5 +1,6 @@
 """The GPU suite's watchdog (conftest.gpu_test_watchdog): a GPU test past THUNDER_TK_TEST_TIMEOUT ends the pytest process
-with the tracebacks of its threads, naming the test, instead of holding the GPU host until the suite's timeout."""
+with the tracebacks of its threads, naming the test, instead of holding the GPU host until the suite's timeout. And a
+run ended by SIGTERM (conftest.pytest_configure; gpu_run.sh's `timeout`) still reports what failed so far."""
 
 import os
 import subprocess
@@ -55,3 +56,42 @@ def test_other_tests_and_a_zero_limit_are_left_alone(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     done, _ = run_suite(tmp_path, quick.replace("@pytest.mark.gpu", ""), "1")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_a_run_ended_by_sigterm_reports_its_failures_and_writes_its_junit_xml(tmp_path):
+    """As `timeout` ends a step: SIGTERM to the process and then to its group (twice). The failure before the
+    signal is printed and in the XML; the stuck test is named as interrupted."""
+    import signal
+
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("suite_conftest", {str(TESTS / "conftest.py")!r})
+        suite = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(suite)
+        pytest_configure = suite.pytest_configure
+    """))
+    (tmp_path / "test_cut.py").write_text(textwrap.dedent("""
+        import time
+
+        def test_fails_first():
+            assert 1 + 1 == 3
+
+        def test_still_running():
+            open("started", "w").close()
+            time.sleep(60)
+    """))
+    xml = tmp_path / "report.xml"
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
+                             f"--junitxml={xml}", str(tmp_path / "test_cut.py")], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "KeyboardInterrupt" in out and "SIGTERM" in out, out[-2000:]
+    assert "assert (1 + 1) == 3" in out and "1 failed" in out, out[-2000:]
+    report = xml.read_text()
+    assert 'failures="1"' in report and "test_fails_first" in report, report
