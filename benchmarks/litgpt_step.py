@@ -357,21 +357,31 @@ def live_at_peak(trace: list[dict], top: int) -> dict:
             "top": [{"site": site, "mib": b / 2**20, "blocks": n} for site, (b, n) in ranked]}
 
 
-def memory_step(step, device: torch.device, top: int) -> dict:
+def memory_step(step, device: torch.device, top: int, resident: int = 0) -> dict:
     """One step with the allocator recording Python stacks: memory allocated before the step, the peak the step
-    added on top of it, and the `top` allocation sites live at that peak."""
+    added on top of it, and the `top` allocation sites live at that peak; with `resident`, also the `resident`
+    largest sites of what each pool still holds after the step (meaningful where recording began before the build)."""
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
-    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    # Where recording runs since the build (resident), the trace also holds the build's and earlier steps' events:
+    # only this step's count (entries carry their time, in microseconds since the epoch).
+    start_us = time.time() * 1e6
+    if not resident:
+        torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     try:
         step()
         torch.cuda.synchronize(device)
         snap = torch.cuda.memory._snapshot()
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        if not resident:
+            torch.cuda.memory._record_memory_history(enabled=None)
     trace = snap["device_traces"][device.index or 0]
-    return {"before_step_gib": base / 2**30, **live_at_peak(trace, top),
-            "segments": segments_by_pool(snap["segments"], device.index or 0)}
+    trace = [e for e in trace if e.get("time_us", start_us) >= start_us] or trace  # a clock that disagrees: all
+    out = {"before_step_gib": base / 2**30, **live_at_peak(trace, top),
+           "segments": segments_by_pool(snap["segments"], device.index or 0)}
+    if resident:
+        out["resident"] = resident_by_site(snap["segments"], device.index or 0, resident)
+    return out
 
 
 def segments_by_pool(segments: list[dict], device_index: int) -> list[dict]:
@@ -393,6 +403,30 @@ def segments_by_pool(segments: list[dict], device_index: int) -> list[dict]:
             for (pool, stream), g in sorted(groups.items(), key=lambda kv: -kv[1]["reserved"])]
 
 
+def resident_by_site(segments: list[dict], device_index: int, top: int) -> list[dict]:
+    """What holds memory after the step: the snapshot's live blocks by pool and allocation site, the `top` largest
+    sites of each pool. A block carries its site only where the allocator recorded history when it was made
+    (--memory-resident records from before the variant is built); others count as "(before recording)"."""
+    sites: dict[tuple[str, str], list] = {}
+    for seg in segments:
+        if seg.get("device", 0) != device_index:
+            continue
+        pool = tuple(seg.get("segment_pool_id") or (0, 0))
+        pool_name = "default" if pool == (0, 0) else f"private {pool[0]}.{pool[1]}"
+        for block in seg.get("blocks", ()):
+            if block.get("state") != "active_allocated":
+                continue
+            frames = block.get("frames") or []
+            entry = sites.setdefault((pool_name, _site(frames) if frames else "(before recording)"), [0, 0])
+            entry[0] += block["size"]
+            entry[1] += 1
+    out = []
+    for pool_name in sorted({p for p, _ in sites}, key=lambda p: -sum(b for (q, _), (b, _) in sites.items() if q == p)):
+        ranked = sorted(((site, b, n) for (q, site), (b, n) in sites.items() if q == pool_name), key=lambda t: -t[1])
+        out += [{"pool": pool_name, "site": site, "mib": b / 2**20, "blocks": n} for site, b, n in ranked[:top]]
+    return out
+
+
 def print_memory(rows: list[dict]) -> None:
     for r in rows:
         m = r.get("memory")
@@ -406,6 +440,10 @@ def print_memory(rows: list[dict]) -> None:
             print(f"{r['variant']}: reserved memory after the step by pool and stream (GiB)")
             print_table([{**g, "reserved_gib": f"{g['reserved_gib']:.2f}", "allocated_gib": f"{g['allocated_gib']:.2f}"}
                          for g in m["segments"]], ["pool", "stream", "segments", "reserved_gib", "allocated_gib"])
+        if m.get("resident"):
+            print(f"{r['variant']}: allocated after the step, by pool and allocation site (history from the build)")
+            print_table([{**t, "mib": f"{t['mib']:.1f}", "site": t["site"][:140]} for t in m["resident"]],
+                        ["pool", "mib", "blocks", "site"])
 
 
 def print_host(rows: list[dict]) -> None:
@@ -513,6 +551,20 @@ class Built:
 def run(name, wrap, args, device: torch.device):
     """Builds a variant, times its first round and measures its peak memory, then runs the diagnostics asked for.
     Returns the row and the built variant (for more rounds)."""
+    resident = getattr(args, "memory_resident", 0) if device.type == "cuda" and name != "eager" else 0
+    if not resident:
+        return _run(name, wrap, args, device, 0)
+    # From before the build: every block the variant keeps then carries its allocation site.
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        row, v = _run(name, wrap, args, device, resident)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    row["timed_while_recording"] = True
+    return row, v
+
+
+def _run(name, wrap, args, device: torch.device, resident: int):
     v = Built(name, wrap, args, device)
     cuda = v.cuda
     if cuda:
@@ -555,9 +607,9 @@ def run(name, wrap, args, device: torch.device):
             row["host_profile"] = host_profile_step(step, device, args.host_profile)
         except Exception as e:  # noqa: BLE001
             row["host_profile_error"] = f"{type(e).__name__}: {e}"
-    if args.memory and cuda and name != "eager":
+    if (args.memory or resident) and cuda and name != "eager":
         try:  # like the profile: a diagnostic, never at the cost of the timing
-            row["memory"] = memory_step(step, device, args.memory)
+            row["memory"] = memory_step(step, device, args.memory or 5, resident or 0)
         except Exception as e:  # noqa: BLE001
             row["memory_error"] = f"{type(e).__name__}: {e}"
     if name == "thunder [tk]":
@@ -650,6 +702,10 @@ def main():
     p.add_argument("--memory", type=int, default=0, metavar="N",
                    help="after timing, record one step's allocations per variant and list the N largest allocation "
                         "sites live at the step's memory peak, and the reserved memory by pool and stream")
+    p.add_argument("--memory-resident", type=int, default=0, metavar="N",
+                   help="with the allocator recording from before each variant is built: the N largest allocation "
+                        "sites of what each pool (default, CUDA graphs') still holds after a step. Recording slows "
+                        "the build and the timed steps: the row is marked timed_while_recording")
     a = p.parse_args()
     a.only = variant_names(a.only)
     device = torch.device(a.device)

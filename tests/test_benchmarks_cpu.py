@@ -364,6 +364,24 @@ def test_litgpt_step_memory_replay_finds_what_is_live_at_the_peak(capsys):
     assert "thunder [tk]: 1.50 GiB before the step, peak 174 MiB" in out and "attention_backward" in out
     assert "reserved memory after the step by pool and stream" in out and "private 1.3" in out
 
+    # What each pool still holds after the step, by allocation site (--memory-resident): live blocks only, the
+    # pool holding most first; blocks made before recording began are named so.
+    def block(size_mib, state="active_allocated", name=None):
+        frames = [torch_frame, {"filename": "/x/thunder_tk/cuda_graphs.py", "line": 3, "name": name}] if name else []
+        return {"size": size_mib * mib, "state": state, "frames": frames}
+
+    segments[0]["blocks"] = [block(300, name="_move_kept_gradients"), block(200, name="_move_kept_gradients"),
+                             block(100), block(400, state="inactive")]
+    segments[3]["blocks"] = [block(900, name="capture"), block(50, name="replay")]
+    segments[4]["blocks"] = [block(5000, name="other_gpu")]
+    resident = bench.resident_by_site(segments, 0, top=1)
+    assert [(r["pool"], r["mib"], r["blocks"]) for r in resident] == [("private 1.3", 900, 1), ("default", 500, 2)]
+    assert resident[1]["site"] == "_move_kept_gradients (cuda_graphs.py:3)"
+    assert [r["site"] for r in bench.resident_by_site(segments, 0, top=3) if r["pool"] == "default"][-1] == \
+        "(before recording)"
+    bench.print_memory([{"variant": "tk graphs", "memory": {"before_step_gib": 1.5, **got, "resident": resident}}])
+    assert "allocated after the step, by pool and allocation site" in capsys.readouterr().out
+
 
 def test_litgpt_step_a_failing_variant_costs_only_its_own_row(monkeypatch, tmp_path, capsys):
     """A variant whose build or first step raises (Thunder's own SDPA backward did at bf16-mixed) gets a row with
