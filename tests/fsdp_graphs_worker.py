@@ -4,6 +4,7 @@ jitted with executors=[tk] and thunder_tk.CUDAGraphs, against the same without g
 gloo collectives play tk's, so the plan is the one a GPU run makes of FSDP's real traces. Rank 0 writes, by
 variant, the losses, the gradients' norms and the collectives inside and outside the graphs, as JSON to argv[2]."""
 
+import gc
 import sys
 
 import thunder
@@ -36,6 +37,8 @@ def run(variant: str) -> dict:
         os.environ["THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB"] = "0.004"
     else:
         os.environ.pop("THUNDER_TK_REDUCE_SCATTER_INFLIGHT_MB", None)
+    gc.collect()  # the Parameters earlier variants leave (the graphs' CPU stand-ins keep theirs) are not this one's
+    earlier = {id(o) for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)}
     torch.manual_seed(0)
     model = torch.nn.Sequential(Block(64, 2), Block(64, 2))
     transforms = [thunder_tk.CUDAGraphs()] if variant.startswith("graphs") else []
@@ -53,10 +56,17 @@ def run(variant: str) -> dict:
         opt.step()
         opt.zero_grad()
     fw, bw = thunder.last_traces(net)[-1], thunder.last_backward_traces(net)[-1]
+    # Parameters with memory that are not the FSDP module's (its shards): the unsharded originals, if anything
+    # still holds them (the graphs' runner did, a whole model's worth).
+    mine = {id(p) for p in net.parameters()}
+    gc.collect()
+    stray = sum(o.untyped_storage().nbytes() for o in gc.get_objects()
+                if isinstance(o, torch.nn.Parameter) and id(o) not in mine | earlier and o.device.type != "meta")
     freed = transforms[0].cuda_graph_runner.freed_saved_bytes if transforms else None
     return {"losses": losses, "grads": grads, "forward": collectives_in(fw, PLAYED),
             "backward": collectives_in(bw, PLAYED), "freed_saved_bytes": freed,
-            "early_waits": waits_before_last(bw, "torch_reduce_scatter_prim_impl") if transforms else None}
+            "early_waits": waits_before_last(bw, "torch_reduce_scatter_prim_impl") if transforms else None,
+            "stray_parameter_bytes": stray}
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ backwards).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils._pytree import tree_leaves
 from thunder.core import prims, vjp_utils
@@ -78,7 +80,11 @@ class _SharedPoolRunner(CUDAGraphRunner):
         super().__init__(share_mem_pool=False)
         # Names of the backward's values that are a parameter's gradient (CUDAGraphs finds them in the traces).
         self.parameter_gradients: set[str] = set()
-        self.parameters: dict[int, torch.nn.Parameter] = {}  # the jitted module's, and every graph's parameter inputs
+        # Every graph's parameter inputs, held weakly, and the jitted modules (weakly: their parameters are read when
+        # needed). Strong references would keep parameters that a later transform replaces alive: FSDP swaps the
+        # jitted module's for shards, and the unsharded originals were kept (2.79 GiB a GPU at Llama-3.2-1B's size).
+        self.parameters: weakref.WeakValueDictionary[int, torch.nn.Parameter] = weakref.WeakValueDictionary()
+        self.modules: list[weakref.ref] = []
         self._aliased: dict[str, tuple[int, ...]] = {}  # per graph: positions of its outputs handed out as aliases
         self._buffers: set[int] = set()  # storages of those outputs
         self._handed_out = False  # aliases handed out since the last replay
@@ -162,8 +168,18 @@ class _SharedPoolRunner(CUDAGraphRunner):
             handed[i] = outputs[i].detach()
         return tuple(handed) if isinstance(outputs, tuple) else handed
 
+    def current_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters whose .grad may be a graph's buffer: the jitted modules' present ones (after FSDP, the
+        shards) and every graph's parameter inputs."""
+        found = dict(self.parameters.items())
+        for ref in self.modules:
+            module = ref()
+            if module is not None:
+                found.update((id(p), p) for p in module.parameters())
+        return list(found.values())
+
     def _move_kept_gradients(self) -> None:
-        for p in self.parameters.values():
+        for p in self.current_parameters():
             g = p.grad
             if g is not None and _storage(g) in self._buffers:
                 p.grad = g.clone()
@@ -414,8 +430,9 @@ class CUDAGraphs(CUDAGraphTransform):
         return isinstance(future, FutureTensorProxy) and future.name in self._tk_futures
 
     def transform_module(self, model) -> None:
-        # The module's parameters, whose .grad may be a backward graph's buffer (also those no graph reads).
-        self.cuda_graph_runner.parameters.update((id(p), p) for p in model.parameters())
+        # The module's parameters, whose .grad may be a backward graph's buffer (also those no graph reads), are
+        # read from it when needed: a later transform (FSDP) may replace them.
+        self.cuda_graph_runner.modules.append(weakref.ref(model))
 
     def transform_trace_post_optimization(self, trace, **kwargs):
         if not any(_on_cuda(t) for b in trace.bound_symbols for t in _tensors(b)):
