@@ -35,12 +35,12 @@ def pytest_configure(config):
     """SIGTERM (`timeout` ending a GPU step in gpu_run.sh) stops the run as Ctrl-C does: pytest then prints what failed
     so far and writes its junit XML, where a plain SIGTERM left neither. `timeout` signals the process and its group,
     so the same signal may come twice: only the first counts. xdist workers keep the default (their controller
-    reports)."""
-    import os
+    reports). A worker is known by its config's workerinput, not by PYTEST_XDIST_WORKER: a pytest that a worker's test
+    starts inherits that variable and is no worker."""
     import signal
     import threading
 
-    if os.environ.get("PYTEST_XDIST_WORKER") or threading.current_thread() is not threading.main_thread():
+    if hasattr(config, "workerinput") or threading.current_thread() is not threading.main_thread():
         return
 
     def interrupt(signum, frame):
