@@ -31,15 +31,97 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+# Test files whose tests start several processes (torchrun ranks, `thunder-tk pretrain` runs), the costliest first.
+# xdist's loadfile hands files out by test count, most first, which left these few-test files to the end of a run,
+# where a worker with two tests to go takes the next file as well: on two CPUs both distributed files ran one after
+# the other on one worker while the other worker sat idle (about 150 s of CI's wall time). They go out first instead.
+# Only the order of the files changes; a name that no longer matches a file is ignored.
+COSTLY_FILES_FIRST = ("test_pretrain_distributed.py", "test_rms_norm_fsdp.py", "test_fsdp_schedule.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with COSTLY_FILES_FIRST handed out before the other files (which keep xdist's order)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    try:
+        from xdist.scheduler import LoadFileScheduling
+    except ImportError:
+        return None
+    if not callable(getattr(LoadFileScheduling, "_assign_work_unit", None)):
+        return None  # an xdist whose scheduler is built otherwise: its own order
+
+    class CostlyFilesFirst(LoadFileScheduling):
+        _ordered = False
+
+        def _assign_work_unit(self, node):
+            if not self._ordered:  # the first assignment: the work queue (file -> tests) is complete
+                self._ordered = True
+                rank = {name: i for i, name in enumerate(COSTLY_FILES_FIRST)}
+                costly = sorted((s for s in self.workqueue if s.rsplit("/", 1)[-1] in rank),
+                                key=lambda s: rank[s.rsplit("/", 1)[-1]])
+                for scope in reversed(costly):
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return CostlyFilesFirst(config, log)
+
+
+def _one_share_of_the_cpus_each(config):
+    """An xdist worker's torch runs its ops on its share of the CPUs (the CPUs over the workers, at least one), and the
+    processes its tests start inherit that share through OMP_NUM_THREADS (torchrun sets 1 for several ranks, not
+    for one). With every worker's ops on all the CPUs, each worker's OpenMP threads waited on those the other
+    workers kept busy: on two CPUs, a one-layer model's step of 15 ms took a second in the suite. A value of
+    OMP_NUM_THREADS given by the environment is kept."""
+    import os
+
+    if not hasattr(config, "workerinput") or "OMP_NUM_THREADS" in os.environ:
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cpus // int(config.workerinput.get("workercount", 1)))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _inductor_isa_probe_once(config):
+    """Inductor probes each vector ISA the CPU reports before its first CPU compile in a process: it builds a kernel
+    for it and loads it in a fresh Python that imports torch (a few seconds a process, each of the suite's
+    torchrun ranks and `thunder-tk pretrain` runs). The test process probes once; where every ISA the CPU reports
+    passed, its subprocesses are told so (TORCHINDUCTOR_VEC_ISA_OK=1, with which inductor takes the reported ISAs
+    without the probe: the same ones). The xdist controller runs no tests and skips it."""
+    import os
+    import platform
+    import sys
+
+    controller = getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
+    if (controller or os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is not None or not sys.platform.startswith("linux")
+            or platform.machine() != "x86_64"):
+        return
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        reported = cpu_vec_isa.x86_isa_checker()
+        candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+                      if all(flag in reported for flag in str(isa).split())]
+        if candidates and cpu_vec_isa.valid_vec_isa_list() == candidates:
+            os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
+    except Exception:  # another torch's inductor: its subprocesses probe for themselves
+        pass
+
+
 def pytest_configure(config):
     """SIGTERM (`timeout` ending a GPU step in gpu_run.sh) stops the run as Ctrl-C does: pytest then prints what failed
     so far and writes its junit XML, where a plain SIGTERM left neither. `timeout` signals the process and its group,
     so the same signal may come twice: only the first counts. xdist workers keep the default (their controller
     reports). A worker is known by its config's workerinput, not by PYTEST_XDIST_WORKER: a pytest that a worker's test
-    starts inherits that variable and is no worker."""
+    starts inherits that variable and is no worker. (First: a worker's share of the CPUs, and inductor's ISA probe
+    once for the processes the tests start.)"""
     import signal
     import threading
 
+    _one_share_of_the_cpus_each(config)
+    _inductor_isa_probe_once(config)
     if hasattr(config, "workerinput") or threading.current_thread() is not threading.main_thread():
         return
 
