@@ -57,7 +57,8 @@ def test_pretrain_compare_runs_both_variants(tmp_path):
     out = tmp_path / "compare.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "pretrain_compare.py"), "--config",
            str(ROOT / "litgpt_configs" / "tiny.yaml"), "--work", str(tmp_path / "work"), "--json", str(out),
-           "--", "--train.max_steps", "2", "--train.global_batch_size", "2", "--train.micro_batch_size", "2"]
+           "--", "--train.max_steps", "2", "--train.global_batch_size", "2", "--train.micro_batch_size", "2",
+           "--model_config.n_layer", "1"]  # the comparison's plumbing, not the model: one layer to trace, not two
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
