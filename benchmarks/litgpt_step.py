@@ -6,7 +6,8 @@ Model: LitGPT's Llama-3.2-1B config (fewer layers with --n-layer, stated in the 
 AdamW, cross-entropy of the bf16 logits averaged in fp32 (pretrain.LossModule), sequence 2048. Each variant: warm-up
 steps, then timed steps. With --rounds R > 1 the variants stay built and are timed R times in turns, each round in a
 rotated order, and each gets the median: the GPU's clock drifts over a run, and one pass per variant had them 2-3%
-apart from run to run.
+apart from run to run. The "... tk AdamW" variants update with thunder_tk.optim.AdamW (tk's multi-tensor kernel)
+instead of torch's fused AdamW, same learning rate; each row names its optimizer ("optimizer").
 
     python benchmarks/litgpt_step.py --n-layer 4 --json out/litgpt_step.json --png out/litgpt_step.png
 
@@ -123,6 +124,12 @@ def variants(fsdp: bool, device: torch.device, without: tuple[str, ...] = ()):
         # both apart: tk's step before either SwiGLU fusion
         "thunder [tk] SwiGLU both apart": thunder_variant([thunder_tk.tk], tk_disable=["gemm_swiglu",
                                                                                       "gemm_swiglu_grad"]),
+        # the optimizer's update on tk's AdamW kernel (thunder_tk.optim.AdamW) instead of torch's fused AdamW: with
+        # tk's step, Thunder's default one and torch.compile's
+        "thunder [tk] tk AdamW": with_tk_adamw(thunder_variant([thunder_tk.tk])),
+        "thunder default tk AdamW": with_tk_adamw(thunder_variant(thunder_tk.baseline_executors())),
+        "torch.compile tk AdamW": with_tk_adamw((lambda m: torch.compile(_fsdp2(m))) if fsdp
+                                                else (lambda m: torch.compile(m))),
         # tk with any rules, families or features off (tk_disable), named on the command line: an A/B in one run
         **{name: thunder_variant([thunder_tk.tk], tk_disable=list(switched_off(name))) for name in without},
     }
@@ -164,6 +171,45 @@ def with_environment(wrap, **env):
     return around_steps(wrap, environment)
 
 
+LR = 1e-4  # every variant's optimizer's
+TK_ADAMW = "tk AdamW"
+
+
+def torch_adamw(params, device: torch.device):
+    """The step's optimizer unless a variant picks another: torch's fused AdamW (its default path off a GPU)."""
+    return torch.optim.AdamW(params, lr=LR, fused=device.type == "cuda")
+
+
+def optimizer_name(wrap, device: torch.device) -> str:
+    """The name of the optimizer a variant's steps update with (each row's "optimizer")."""
+    return getattr(wrap, "optimizer_name", None) or ("torch fused AdamW" if device.type == "cuda" else "torch AdamW")
+
+
+def with_optimizer(wrap, name: str, make):
+    """A variant whose steps update with `make(params, device)` (named `name` in its row) instead of torch_adamw.
+    A new wrap, so that a shared one (torch.compile itself) is left as it is; its around_step goes with it."""
+
+    def wrapped(m):
+        return wrap(m)
+
+    if hasattr(wrap, "around_step"):
+        wrapped.around_step = wrap.around_step
+    wrapped.make_optimizer, wrapped.optimizer_name = make, name
+    return wrapped
+
+
+def with_tk_adamw(wrap):
+    """A variant whose steps update with thunder_tk.optim.AdamW (tk's kernel where the parameters allow, torch's path
+    for the rest: its `routes`), same learning rate."""
+
+    def make(params, device: torch.device):
+        from thunder_tk.optim import AdamW
+
+        return AdamW(params, lr=LR)
+
+    return with_optimizer(wrap, TK_ADAMW, make)
+
+
 # Every variant of variants(), in order, with its spellings without spaces or brackets, which survive shell word
 # splitting (gpu_run.sh's LITGPT_ARGS).
 _VARIANT_ALIASES = {
@@ -184,6 +230,9 @@ _VARIANT_ALIASES = {
     "thunder [tk] SwiGLU apart": ("tk_swiglu_apart",),
     "thunder [tk] SwiGLU backward apart": ("tk_swiglu_bwd_apart",),
     "thunder [tk] SwiGLU both apart": ("tk_swiglu_both_apart",),
+    "thunder [tk] tk AdamW": ("tk_adamw",),
+    "thunder default tk AdamW": ("default_tk_adamw",),
+    "torch.compile tk AdamW": ("compile_tk_adamw",),
 }
 VARIANT_NAMES = tuple(_VARIANT_ALIASES)
 _ALIASES = {alias: name for name, aliases in _VARIANT_ALIASES.items() for alias in aliases}
@@ -509,7 +558,10 @@ class Built:
         _, weights, autocast = precision_of(args.precision, device.type)
         model, cfg = build(args.model, args.n_layer, args.seq, device, getattr(torch, weights))
         self.net = net = wrap(LossModule(model))
-        opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4, fused=self.cuda)
+        # torch's fused AdamW unless the variant picks its optimizer (with_optimizer)
+        make_optimizer = getattr(wrap, "make_optimizer", torch_adamw)
+        self.optimizer_name = optimizer_name(wrap, device)
+        self.opt = opt = make_optimizer([p for p in net.parameters() if p.requires_grad], device)
         rank = torch.distributed.get_rank() if _world() > 1 else 0
         gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch
         x = torch.randint(cfg.padded_vocab_size, (args.batch, args.seq), generator=gen).to(device)
@@ -585,7 +637,13 @@ def _run(name, wrap, args, device: torch.device, resident: int):
         if cuda else None
     row = {"variant": name, "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / _world(),
            "peak_gib": peak, "reserved_gib": reserved, "loss": float(loss.detach().float().mean()),
-           "_windows": v.windows}
+           "optimizer": v.optimizer_name, "_windows": v.windows}
+    routes = getattr(v.opt, "routes", None)
+    if isinstance(routes, dict):  # thunder_tk.optim.AdamW's last step: tensors on tk's kernel, on torch's path, why
+        reasons: dict[str, int] = {}
+        for *_, why in routes.get("declined", ()):
+            reasons[why] = reasons.get(why, 0) + 1
+        row["optimizer_routes"] = {"tk": routes.get("tk", 0), "torch": routes.get("torch", 0), "declined": reasons}
     shared = max_over_ranks(v.shared_free_gib, device) if cuda else 0.0
     if shared > 1 / 64:  # the variant's own reserved peak lies between reserved_gib and this
         row["reserved_gib_upper"] = reserved + shared
@@ -682,7 +740,7 @@ def main():
     p.add_argument("--rounds", type=int, default=1,
                    help="time every variant this many times in turns (variants stay built), median per variant")
     p.add_argument("--only", nargs="*", help=f"variants to run: {', '.join(VARIANT_NAMES)} (or without spaces: "
-                                             f"eager, compile, default, tk), and tk with tk_disable names off: "
+                                             f"{', '.join(sorted(_ALIASES))}), and tk with tk_disable names off: "
                                              f"{_WITHOUT_ALIAS}<name>[+<name>...], e.g. {_WITHOUT_ALIAS}gemm_sum")
     p.add_argument("--fsdp", action="store_true", help="shard over the torchrun processes (one GPU each)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the code paths")
@@ -735,7 +793,7 @@ def main():
                 # One variant that cannot run (e.g. Thunder's own SDPA backward at bf16-mixed) must not cost the
                 # others' figures: its row says why, with no timing.
                 row, v = {"variant": label, "tokens_per_s": None, "tokens_per_s_per_gpu": None, "peak_gib": None,
-                          "reserved_gib": None, "loss": None,
+                          "reserved_gib": None, "loss": None, "optimizer": optimizer_name(wrap, device),
                           "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}, None
                 print(f"{name}: FAILED ({row['error']})", flush=True)
             rows.append(row)
@@ -769,7 +827,9 @@ def main():
         r["vs_torch_compile"] = r["tokens_per_s"] / base["torch.compile"] if timed and "torch.compile" in base else None
     where = f"FSDP over {_world()} GPUs, batch {a.batch} per GPU" if a.fsdp else f"batch {a.batch}"
     timing = f"median of {a.rounds} rounds in turns" if a.rounds > 1 else "one pass per variant"
-    print(f"{a.model}, {a.n_layer} layers, {where} x {a.seq} tokens, {a.precision}, fused AdamW; {a.steps} steps, "
+    optimizers = "fused AdamW" + (" (tk AdamW where named)" if any(r.get("optimizer") == TK_ADAMW for r in rows)
+                                  else "")
+    print(f"{a.model}, {a.n_layer} layers, {where} x {a.seq} tokens, {a.precision}, {optimizers}; {a.steps} steps, "
           f"{timing}")
     print_table(rows, ["variant", "tokens_per_s", "tokens_per_s_per_gpu", "peak_gib", "reserved_gib",
                        "vs_thunder_default", "vs_torch_compile"])

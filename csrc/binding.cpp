@@ -23,6 +23,7 @@
 #include "kernels/gemm/gemm.h"
 #include "kernels/loss/cross_entropy.h"
 #include "kernels/norm/rms_norm.h"
+#include "kernels/optim/adamw.h"
 #include "kernels/selftest/kittens_selftest.h"
 #include "kittens/launch.h"
 
@@ -343,6 +344,38 @@ void embedding_backward(std::uintptr_t grad, int64_t grad_stride, std::uintptr_t
     args.dtype = dtype;
     launch_if_supported(tk::embedding::backward_unsupported(args), "embedding_backward",
                         [&] { return tk::embedding::launch_backward(args, as_stream(stream)); });
+}
+
+// AdamW's update over lists of tensors (optim/adamw.h): entry i of each list belongs together.
+void adamw(const std::vector<std::uintptr_t>& params, const std::vector<std::uintptr_t>& grads,
+           const std::vector<std::uintptr_t>& exp_avgs, const std::vector<std::uintptr_t>& exp_avg_sqs,
+           const std::vector<int64_t>& numels, int dtype, double lr, double beta1, double beta2, double eps,
+           double weight_decay, double step, bool maximize, std::uintptr_t stream) {
+    const std::size_t n = params.size();
+    if (grads.size() != n || exp_avgs.size() != n || exp_avg_sqs.size() != n || numels.size() != n)
+        throw std::invalid_argument("thunder_tk adamw: params, grads, exp_avgs, exp_avg_sqs and numels differ in length");
+    if (n > static_cast<std::size_t>(1) << 30) throw std::invalid_argument("thunder_tk adamw: too many tensors");
+    std::vector<void*> p(n), m(n), v(n);
+    std::vector<const void*> g(n);
+    for (std::size_t i = 0; i < n; ++i) {
+        p[i] = reinterpret_cast<void*>(params[i]);
+        g[i] = as_ptr<void>(grads[i]);
+        m[i] = reinterpret_cast<void*>(exp_avgs[i]);
+        v[i] = reinterpret_cast<void*>(exp_avg_sqs[i]);
+    }
+    tk::optim::adamw_args args{};
+    args.params = p.data();
+    args.grads = g.data();
+    args.exp_avgs = m.data();
+    args.exp_avg_sqs = v.data();
+    args.numels = numels.data();
+    args.count = static_cast<int>(n);
+    args.dtype = dtype;
+    // As torch's fused kernel takes them: doubles rounded to float once.
+    args.hyper = {static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2),
+                  static_cast<float>(eps), static_cast<float>(weight_decay), static_cast<float>(step), maximize};
+    launch_if_supported(tk::optim::adamw_unsupported(args), "adamw",
+                        [&] { return tk::optim::launch_adamw(args, as_stream(stream)); });
 }
 
 // RMSNorm over rows of n elements (norm/rms_norm.h), optionally after adding a residual; rstd saved in fp32.
@@ -704,7 +737,7 @@ void register_selftests(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_fp32", "gemm_rope", "gemm_sum", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter", "rms_norm"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"adamw", "all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_fp32", "gemm_rope", "gemm_sum", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter", "rms_norm"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -842,6 +875,12 @@ PYBIND11_MODULE(_C, m) {
           "rows (tokens, dim; row stride grad_stride) of the tokens that name it, from their ids sorted stably "
           "(int64) and the sort's permutation (int64); the padding_idx row (negative: none) and rows no token names "
           "zero; enqueued on `stream`.");
+    m.def("adamw", &adamw, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+          py::arg("numels"), py::arg("dtype"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+          py::arg("weight_decay"), py::arg("step"), py::arg("maximize"), py::arg("stream"),
+          "AdamW (decoupled weight decay, no AMSGrad) in place over lists of dense tensors of one dtype, entry i of "
+          "each list the same size and layout: torch's fused AdamW's arithmetic in fp32; `step` counted before the "
+          "update (1 on the first); enqueued on `stream`, 256 entries a launch.");
     m.def("rms_norm_forward", &rms_norm_forward, py::arg("x"), py::arg("x_stride"), py::arg("residual"),
           py::arg("residual_stride"), py::arg("sum"), py::arg("sum_stride"), py::arg("weight"), py::arg("y"),
           py::arg("y_stride"), py::arg("rstd"), py::arg("rstd_stride"), py::arg("rows"), py::arg("n"), py::arg("eps"),

@@ -180,6 +180,11 @@ if bench_wanted embedding; then  # not in the default set: the embedding's weigh
     --json "$OUT/embedding_backward.json" --png "$OUT/embedding_backward.png"
   cat "$OUT/bench_embedding.log"
 fi
+if bench_wanted adamw; then  # not in the default set: the optimizer's update, tk against torch's fused and foreach AdamW (ADAMW_ARGS)
+  step bench_adamw timeout ${ADAMW_TIMEOUT:-400} python3 benchmarks/adamw.py ${ADAMW_ARGS:-} \
+    --json "$OUT/adamw.json" --png "$OUT/adamw.png"
+  cat "$OUT/bench_adamw.log"
+fi
 if bench_wanted delta; then
   step bench_delta python3 benchmarks/attention_bwd_delta.py ${BENCH_ARGS:-} --json "$OUT/attention_bwd_delta.json" --png "$OUT/attention_bwd_delta.png"
   cat "$OUT/bench_delta.log"

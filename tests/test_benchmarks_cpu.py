@@ -746,3 +746,204 @@ def test_region_calls_times_both_ways_and_writes_json(monkeypatch, tmp_path, cap
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 1 and rows[0]["direct_us"] > 0 and rows[0]["torch_compile_us"] > 0
     assert "saved a call" in capsys.readouterr().out
+
+
+def _adamw_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("adamw_bench", ROOT / "benchmarks" / "adamw.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # no CUDA work at import time
+    return bench
+
+
+def test_adamw_benchmark_parses_builds_its_cases_and_counts_bytes(tmp_path, capsys):
+    """benchmarks/adamw.py's CPU parts: the command line, the model's parameter shapes from LitGPT's config on the
+    meta device (Llama-3.2-1B: 115 tensors, 1.498 B parameters), the small tensors, the bytes an update moves
+    (7 x the element size per element), a row's figures and the JSON; without a GPU it exits with a message."""
+    import torch
+
+    r = run_bench("adamw.py", "--help")
+    assert r.returncode == 0 and "--dtypes" in r.stdout and "--chart" in r.stdout and "--no-graphs" in r.stdout, \
+        r.stderr[-3000:]
+    r = run_bench("adamw.py", "--small-min", "100", "--small-max", "10")
+    assert r.returncode == 1 and "--small-max >= --small-min" in r.stderr, r.stderr[-3000:]
+    if not torch.cuda.is_available():
+        r = run_bench("adamw.py", "--shapes", "small")
+        assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr, r.stderr[-3000:]
+    bench = _adamw_bench()
+    a = bench.arguments([])
+    assert (a.shapes, a.dtypes, a.model, a.n_layer, a.rounds, a.json, a.png) == (
+        ["model", "small"], ["bf16", "fp32"], "Llama-3.2-1B", None, 5, "out/adamw.json", None)
+    assert (a.small_count, a.small_min, a.small_max, a.no_graphs, a.no_check) == (2000, 4096, 65536, False, False)
+    assert bench.arguments(["--chart", "x.png"]).png == "x.png"  # --chart is --png
+
+    shapes = bench.model_shapes("Llama-3.2-1B")
+    assert len(shapes) == 115 and bench.numel(shapes) == 1_498_482_688
+    assert (128256, 2048) in shapes and (2048,) in shapes
+    assert len(bench.model_shapes("Llama-3.2-1B", n_layer=2)) == 3 + 2 * 7
+    small = bench.small_shapes(2000, 4096, 65536)
+    assert len(small) == 2000 and all(len(s) == 1 and 4096 <= s[0] <= 65536 for s in small)
+    assert small == bench.small_shapes(2000, 4096, 65536) != bench.small_shapes(2000, 4096, 65536, seed=1)
+    assert bench.bytes_moved([(2, 3), (5,)], "bf16") == 7 * 2 * 11
+    assert bench.bytes_moved([(2, 3), (5,)], "fp32") == 7 * 4 * 11
+    assert round(bench.bytes_moved(shapes, "bf16") / 1e9, 1) == 21.0  # the 21 GB torch's fused AdamW moves a step
+
+    a = bench.arguments(["--shapes", "small", "model", "--dtypes", "fp32", "--small-count", "3", "--model",
+                         "pythia-14m", "--n-layer", "1", "--json", str(tmp_path / "adamw.json")])
+    cases = bench.cases(a)
+    assert [c["shape"] for c in cases] == ["3 small fp32", "pythia-14m (1 layers) fp32"]
+    assert [(c["case"], c["dtype"], c["precision"], c["model"]) for c in cases] == [
+        ("small", "fp32", "bf16-mixed", None), ("model", "fp32", "bf16-mixed", "pythia-14m")]
+
+    times = {"tk": [1.0, 2.0, 1.5], "tk AdamW": [2.0, 2.0, 2.0], "fused": [3.0, 3.0, 3.0], "fused AdamW": [4.0] * 3,
+             "foreach AdamW": [8.0] * 3, "tk graph": [1.0] * 3, "fused graph": [2.5] * 3}
+    check = {"elements": 10, "differing": {"params": 1, "exp_avg": 0, "exp_avg_sq": 2}, "total_differing": 3,
+             "max_abs_diff": {"params": 1e-3, "exp_avg": 0.0, "exp_avg_sq": 2e-6}, "groups": 1}
+    row = bench.summarize(cases[1], times, [], check=check, tk_adamw_routes={"tk": 16, "torch": 0, "declined": {}})
+    moved = bench.bytes_moved(cases[1]["shapes"], "fp32")
+    assert row["tensors"] == len(cases[1]["shapes"]) and row["gb_moved"] == moved / 1e9 and "shapes" not in row
+    assert row["tk ms"] == 1.5 and row["tk GB/s"] == pytest.approx(moved / 1.5e-3 / 1e9)
+    assert row["fused / tk"] == 2.0 and row["fused AdamW / tk AdamW"] == 2.0
+    assert row["foreach AdamW / tk AdamW"] == 4.0 and row["fused graph / tk graph"] == 2.5
+    assert row["ms_rounds"] == times and row["step"] == bench.STEP and row["hyper"] == bench.HYPER
+    del times["tk graph"], times["fused graph"]  # --no-graphs
+    bare = bench.summarize(cases[0], times, [], check=None)
+    assert bare["tk graph ms"] is None and bare["fused graph / tk graph"] is None
+    failed = {"shape": "x fp32", "dtype": "fp32", "error": "OutOfMemoryError: CUDA out of memory"}
+    bench.finish(a, [row, bare, failed])
+    out = capsys.readouterr().out
+    assert "ms per update" in out and "peer / tk" in out and "x fp32: FAILED (OutOfMemoryError" in out
+    assert "3 of 3 x 10 elements differ (params 1, exp_avg 0, exp_avg_sq 2" in out
+    assert "3 small fp32: not checked" in out
+    assert out.strip().splitlines()[-1].startswith("fused/tk pythia-14m (1 layers) fp32 2.00x, 3 small fp32 2.00x")
+    saved = json.loads((tmp_path / "adamw.json").read_text())
+    assert saved["benchmark"] == "adamw" and "torch" in saved["environment"]
+    assert [r["shape"] for r in saved["rows"]] == ["pythia-14m (1 layers) fp32", "3 small fp32", "x fp32"]
+    assert saved["rows"][0]["check"]["total_differing"] == 3 and saved["rows"][0]["tk_adamw_routes"]["tk"] == 16
+
+
+def test_adamw_benchmark_check_and_case_plumbing_on_cpu(monkeypatch):
+    """The check counts what differs between two updates of the same inputs (each on its own copy, in groups within
+    the budget), and a case runs its ways over one set of tensors on a CPU, with torch's fused update standing in
+    for tk's and the timing stood in for: the optimizers update the benchmark's tensors, tk's AdamW routes each
+    parameter (here all to torch: not on a GPU), and the row carries the check."""
+    import torch
+
+    bench = _adamw_bench()
+    cpu = torch.device("cpu")
+    shapes = [(37,), (5, 8), (3,), (64,)]
+    for budget, groups in ((1e9, 1), (1.0, 4)):
+        lists = bench.make_state(shapes, torch.float32, cpu)
+        assert all((v >= 0).all() for v in lists[3])
+        before = [t.clone() for t in lists[0]]
+        got = bench.check(bench.fused_update(10, cpu), bench.fused_update(10, cpu), *lists, budget)
+        assert got["groups"] == groups and got["elements"] == 37 + 40 + 3 + 64
+        assert got["total_differing"] == 0 and got["max_abs_diff"] == {k: 0.0 for k in bench.STATE}
+        assert not any(torch.equal(a, b) for a, b in zip(before, lists[0]))  # "mine" updated the tensors in place
+    # another step count: other bias corrections, so other parameters; the moments do not depend on it
+    lists = bench.make_state(shapes, torch.float32, cpu)
+    got = bench.check(bench.fused_update(10, cpu), bench.fused_update(11, cpu), *lists, 1e9)
+    assert got["differing"]["params"] > 0 and got["differing"]["exp_avg"] == got["differing"]["exp_avg_sq"] == 0
+    assert got["max_abs_diff"]["params"] > 0
+    nan = float("nan")
+    assert bench.differing(torch.tensor([1.0, nan, 3.0]), torch.tensor([1.0, nan, 4.0])) == (1, 1.0)  # NaN = NaN
+    assert bench.differing(torch.tensor([1.0, nan]), torch.tensor([1.0, 2.0])) == (1, float("inf"))
+
+    monkeypatch.setattr(bench, "tk_update", lambda step: bench.fused_update(step, cpu))
+    timed = []
+
+    def in_turns(fns, rounds, warmup_ms, rep_ms):
+        for fn in fns.values():
+            fn()
+        timed.append(list(fns))
+        return {name: [1.0 + i for i in range(rounds)] for name in fns}
+
+    monkeypatch.setattr(bench, "interleaved_times", in_turns)
+    a = bench.arguments(["--shapes", "small", "--dtypes", "bf16", "--small-count", "40", "--small-min", "1",
+                         "--small-max", "300", "--rounds", "3"])
+    (case,) = bench.cases(a)
+    with bench.ClockSampler() as clocks:
+        row = bench.measure(case, a, clocks, cpu)
+    assert timed == [bench.WAYS]  # no graphs off a GPU
+    assert row["tk ms"] == 2.0 and row["fused / tk"] == 1.0 and row["peak_gib"] is None
+    assert row["check"]["total_differing"] == 0 and row["check"]["elements"] == bench.numel(case["shapes"])
+    assert row["tk_adamw_routes"] == {"tk": 0, "torch": 40,
+                                      "declined": {"the parameter is on cpu, not a CUDA device": 40}}
+
+
+def test_litgpt_step_tk_adamw_variants_pick_their_optimizer(monkeypatch, tmp_path, capsys):
+    """The "... tk AdamW" variants: their aliases resolve, their wraps make thunder_tk.optim.AdamW (same learning rate)
+    while every other variant keeps torch's AdamW, the wrap's other settings (around_step) stay with it, and each
+    row names its optimizer, a tk AdamW row with its routes."""
+    import contextlib
+    import importlib.util
+
+    import torch
+
+    import thunder_tk.optim
+
+    spec = importlib.util.spec_from_file_location("litgpt_step_bench_adamw", ROOT / "benchmarks" / "litgpt_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    names = ["thunder [tk] tk AdamW", "thunder default tk AdamW", "torch.compile tk AdamW"]
+    assert bench.variant_names(["tk_adamw", "default_tk_adamw", "compile-tk-adamw"]) == names
+    assert all(n in bench.VARIANT_NAMES for n in names)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    built = bench.variants(False, cpu, ())
+    assert tuple(built)[:len(bench.VARIANT_NAMES)] == bench.VARIANT_NAMES
+    assert [n for n, w in built.items() if hasattr(w, "make_optimizer")] == names
+    assert all(bench.optimizer_name(built[n], cpu) == "tk AdamW" for n in names)
+    weight = torch.nn.Parameter(torch.zeros(2))
+    for n in names:
+        opt = built[n].make_optimizer([weight], cpu)
+        assert type(opt) is thunder_tk.optim.AdamW and opt.param_groups[0]["lr"] == bench.LR == 1e-4
+    assert bench.optimizer_name(built["thunder [tk]"], cuda) == "torch fused AdamW"
+    assert bench.optimizer_name(built["torch.compile"], cpu) == "torch AdamW"
+    assert not hasattr(torch.compile, "make_optimizer")  # the shared torch.compile is not the variant's wrap
+
+    inside, seen = [], []
+
+    @contextlib.contextmanager
+    def setting():
+        inside.append(True)
+        yield
+        inside.pop()
+
+    class Spy(torch.nn.Module):  # notes whether its forward ran inside the setting
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, y):
+            seen.append(bool(inside))
+            return self.inner(x, y)
+
+    import argparse
+
+    wrap = bench.with_tk_adamw(bench.around_steps(lambda m: Spy(m), setting))
+    args = argparse.Namespace(model="pythia-14m", n_layer=1, seq=16, batch=1, warmup=1, precision="bf16-true")
+    v = bench.Built("spy", wrap, args, cpu)
+    v.time_steps(1)
+    assert seen == [True, True] and not inside
+    assert type(v.opt) is thunder_tk.optim.AdamW and v.opt.param_groups[0]["lr"] == bench.LR == 1e-4
+    assert v.optimizer_name == "tk AdamW" and v.opt.routes["tk"] == 0 and v.opt.routes["torch"] > 0  # off a GPU
+    plain = bench.Built("plain", lambda m: m, args, cpu)
+    assert type(plain.opt) is torch.optim.AdamW and plain.optimizer_name == "torch AdamW"
+
+    real = bench.variants
+    monkeypatch.setattr(bench, "variants",
+                        lambda *a: {**real(*a), "thunder [tk] tk AdamW": bench.with_tk_adamw(lambda m: m)})
+    out = tmp_path / "step.json"
+    monkeypatch.setattr(sys, "argv", ["litgpt_step.py", "--device", "cpu", "--model", "pythia-14m", "--n-layer", "1",
+                                      "--seq", "16", "--batch", "1", "--warmup", "1", "--steps", "1",
+                                      "--only", "eager", "tk_adamw", "--json", str(out)])
+    bench.main()
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["eager"]["optimizer"] == "torch AdamW" and "optimizer_routes" not in rows["eager"]
+    tk_row = rows["thunder [tk] tk AdamW"]
+    assert tk_row["optimizer"] == "tk AdamW" and tk_row["tokens_per_s"] > 0
+    assert tk_row["optimizer_routes"]["tk"] == 0 and tk_row["optimizer_routes"]["torch"] > 0
+    assert list(tk_row["optimizer_routes"]["declined"]) == ["the parameter is on cpu, not a CUDA device"]
+    assert tk_row["loss"] == pytest.approx(rows["eager"]["loss"])  # the same model and batch
+    assert "fused AdamW (tk AdamW where named)" in capsys.readouterr().out

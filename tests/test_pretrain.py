@@ -85,7 +85,7 @@ def test_model_config_fields_replace_those_of_model_name(tmp_path):
         ({"train": {"max_steps": 0}}, "train.max_steps: must be at least 1"),
         ({"data": {"kind": "web"}}, "data.kind: expected synthetic or text"),
         ({"data": {"kind": "text"}}, "data.paths: text data needs at least one local file"),
-        ({"optimizer": {"class_path": "os.system"}}, "optimizer.class_path: only torch.optim optimizers"),
+        ({"optimizer": {"class_path": "os.system"}}, "optimizer.class_path: only torch.optim optimizers and thunder_tk.optim.AdamW"),
         ({"devices": "many"}, "devices: expected an integer or 'auto'"),
         ({"compiler": {"executors": "tk"}}, "compiler.executors: expected a list"),
         ({"compiler": {"disable": ["gemms"]}}, "compiler.disable: unknown name 'gemms'"),

@@ -24,7 +24,7 @@ from thunder_tk import _extension, attention_masks, ops
 from thunder_tk.functional import attention_bwd_delta_symbol
 
 # Kernels this version's csrc/ provides (a GPU test checks the build reports exactly these).
-KERNELS_IN_SOURCE = frozenset({"all_gather", "attention_backward", "attention_bwd_delta", "attention_forward",
+KERNELS_IN_SOURCE = frozenset({"adamw", "all_gather", "attention_backward", "attention_bwd_delta", "attention_forward",
                                "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward",
                                "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_fp32", "gemm_rope",
                                "gemm_sum", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter", "rms_norm"})

@@ -1449,3 +1449,69 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
         raise ValueError(f"reduction must be one of {CROSS_ENTROPY_REDUCTIONS}; got {reduction!r}")
     rows, _ = cross_entropy_forward(logits, target, ignore_index)
     return reduce_cross_entropy(rows, target, ignore_index, reduction, logits.dtype)
+
+
+# AdamW's update (thunder_tk.optim.AdamW is the optimizer around it)
+
+ADAMW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def adamw_unsupported(param, grad, exp_avg, exp_avg_sq) -> str | None:
+    """Why adamw_step cannot update this parameter with these tensors (metadata only), or None: the kernel reads
+    the four as flat arrays of one dtype, so they must be plain dense contiguous tensors, alike and on one CUDA
+    device."""
+    if param.dtype not in ADAMW_DTYPES:
+        return f"dtype {param.dtype} not in {{bfloat16, float16, float32}}"
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.layout != torch.strided:
+            return f"{name} is {t.layout}, not dense"
+        if t.dtype != param.dtype:
+            return f"{name} is {t.dtype}, the parameter {param.dtype}"
+        if tuple(t.shape) != tuple(param.shape):
+            return f"{name} {tuple(t.shape)} is not shaped like the parameter {tuple(param.shape)}"
+        if t.device != param.device:
+            return f"{name} is on {t.device}, the parameter on {param.device}"
+    if param.device.type != "cuda":
+        return f"the parameter is on {param.device}, not a CUDA device"
+    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous (strides {tuple(t.stride())})"
+    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):  # e.g. FSDP2's DTensor: no flat local storage
+            return f"{name} is a {type(t).__name__}, not a plain tensor"
+    return None
+
+
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, step: int | float, lr: float, beta1: float, beta2: float,
+               eps: float, weight_decay: float, maximize: bool = False) -> None:
+    """One AdamW update in place over lists of parameters, their gradients and moment buffers (entry i of each list
+    belongs together), all of one dtype on one device: what torch.optim.AdamW(fused=True) computes in torch 2.11,
+    operation for operation in fp32 (decoupled weight decay, no AMSGrad), with `step` the count after this step's increment (1 on
+    the first). One pass over the tensors, 256 of them a launch, enqueued on the device's current stream."""
+    if not step >= 1:
+        raise ValueError(f"adamw_step: step must be at least 1 (counted before the update); got {step}")
+    lists = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs))
+    if len({len(x) for x in lists}) != 1:
+        raise ValueError("adamw_step: params, grads, exp_avgs and exp_avg_sqs differ in length "
+                         f"({', '.join(str(len(x)) for x in lists)})")
+    if not lists[0]:
+        return
+    device, dtype = lists[0][0].device, lists[0][0].dtype
+    for i, (p, g, m, v) in enumerate(zip(*lists)):
+        if (reason := adamw_unsupported(p, g, m, v)) is not None:
+            raise ValueError(f"adamw_step: entry {i}: {reason}")
+        if p.device != device or p.dtype != dtype:
+            raise ValueError(f"adamw_step: entry {i} is {p.dtype} on {p.device}, entry 0 {dtype} on {device}")
+    _adamw_launch(_require_kernels(device), *lists, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                  weight_decay=weight_decay, maximize=maximize)
+
+
+def _adamw_launch(ext, params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay,
+                  maximize) -> None:
+    """adamw_step's launch, for callers that checked the entries already (thunder_tk.optim.AdamW, every step)."""
+    device = params[0].device
+    with _on(device):
+        ext.adamw([p.data_ptr() for p in params], [g.data_ptr() for g in grads], [m.data_ptr() for m in exp_avgs],
+                  [v.data_ptr() for v in exp_avg_sqs], [p.numel() for p in params], _DTYPE_CODES[params[0].dtype],
+                  float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(step), bool(maximize),
+                  _stream_handle(device))

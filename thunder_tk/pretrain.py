@@ -862,6 +862,9 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
         "executors": list(config.compiler.executors) if config.compiler.jit else ["eager"],
         # compiler.cuda_graphs: the graphs captured (none where every tensor is off the GPU); None: not asked for
         "cuda_graphs_captured": graphs.graphs_captured if graphs is not None else None,
+        # The optimizer, and for thunder_tk.optim.AdamW which tensors its last step updated on tk's kernel and which
+        # took torch's path, with the first reason
+        "optimizer": optimizer_report(optimizer, config.optimizer.class_path),
         # Largest per-rank peak of torch's allocator during training (setup excluded): allocated, and reserved (the
         # allocator's cache and the CUDA graphs' pool included); with graphs, what they hold (CUDAGraphs.memory).
         "peak_memory_gib": peak_gib,
@@ -883,6 +886,17 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
                      + "".join(f", {what} {sec:.1f} s" for what, sec in aside.items() if sec)
                      + f"; outputs in {out_dir}\n")
     return summary
+
+
+def optimizer_report(optimizer, class_path: str) -> dict:
+    """The summary's account of the optimizer: its class, and for thunder_tk.optim.AdamW its last step's routes."""
+    report = {"class_path": class_path}
+    routes = getattr(optimizer, "routes", None)
+    if isinstance(routes, dict):
+        declined = routes.get("declined", [])
+        report.update(tensors_on_tk=routes.get("tk", 0), tensors_on_torch=routes.get("torch", 0),
+                      first_reason=declined[0][3] if declined else None)
+    return report
 
 
 def clip_gradients(params, max_norm: float, dist: Dist) -> None:

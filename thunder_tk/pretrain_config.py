@@ -102,6 +102,10 @@ def _litgpt_data(value, key: str):
     return {"kind": "text", "paths": paths, "val_paths": val_paths}
 
 
+# Where optimizer.class_path may name a class: torch's, and tk's AdamW (its update on tk's kernel).
+OPTIMIZER_MODULES = ("torch.optim.", "thunder_tk.optim.")
+
+
 @dataclass
 class OptimizerArgs:
     class_path: str = "torch.optim.AdamW"
@@ -391,8 +395,9 @@ def validate(config: PretrainConfig) -> None:
     if config.precision is not None and config.precision not in PRECISIONS:
         raise ConfigError(f"precision: expected one of {', '.join(PRECISIONS)} (or null: bf16-true on a GPU, 32-true "
                           f"on a CPU), got {config.precision!r}")
-    if not config.optimizer.class_path.startswith("torch.optim."):
-        raise ConfigError(f"optimizer.class_path: only torch.optim optimizers, got {config.optimizer.class_path!r}")
+    if not config.optimizer.class_path.startswith(OPTIMIZER_MODULES):
+        raise ConfigError(f"optimizer.class_path: only torch.optim optimizers and thunder_tk.optim.AdamW, got "
+                          f"{config.optimizer.class_path!r}")
     if not config.compiler.executors and config.compiler.jit:
         raise ConfigError("compiler.executors: name at least one executor (e.g. [tk])")
     if config.compiler.cuda_graphs and not config.compiler.jit:

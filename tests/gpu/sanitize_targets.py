@@ -344,6 +344,37 @@ def cross_entropy_forward_grad():
     print("cross-entropy forward+grad sanitize targets ran")
 
 
+# AdamW over lists of tensors: bf16, fp16 and fp32, sizes around a 16-byte vector and a chunk (4096 16-bit or 2048
+# fp32 elements) and an empty one, entries with one or all four tensors off 16 bytes (element by element) and 300
+# entries in one call (two launches); then the optimizer, one parameter declined (transposed) to torch's path.
+def adamw():
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        numels = [1, 7, 9, 2049, 4097, 0, 20000]
+        lists = [[torch.randn(n, device="cuda").to(dtype) for n in numels] for _ in range(4)]
+        for offsets in ((1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (1, 3, 2, 5)):
+            for lst, off in zip(lists, offsets):
+                lst.append(torch.randn(off + 4099, device="cuda").to(dtype)[off:])
+        for v in lists[3]:
+            v.abs_()  # second moments are >= 0
+        ops.adamw_step(*lists, step=3, maximize=dtype == torch.float16, **hyper)
+    numels = [(i * 37) % 3000 for i in range(300)]
+    lists = [[torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in numels] for _ in range(4)]
+    ops.adamw_step(*lists, step=1, **hyper)
+    from thunder_tk.optim import AdamW
+
+    params = [torch.nn.Parameter(torch.randn(*shape, device="cuda", dtype=torch.bfloat16))
+              for shape in ((300, 70), (4097,), (9,))]
+    params.append(torch.nn.Parameter(torch.randn(48, 32, device="cuda", dtype=torch.bfloat16).t()))
+    opt = AdamW(params, lr=1e-3)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    torch.cuda.synchronize()
+    print("adamw sanitize targets ran")
+
+
 # Different kernels back to back with no synchronisation, each reading the last one's output, launched
 # programmatically dependent (as every section's launches are, by default) and then in plain stream order.
 def dependent_launch():
@@ -370,7 +401,7 @@ def dependent_launch():
 
 SECTIONS = [attention_bwd_delta, gemm, gemm_skinny, gemm_swiglu, tile_library, attention_forward, attention_backward,
             attention_window, attention_qkv_grad, gemm_rope, gemm_sum, gemm_fp32_out, embedding_backward, rms_norm, cross_entropy,
-            cross_entropy_forward_grad, dependent_launch]
+            cross_entropy_forward_grad, adamw, dependent_launch]
 
 if __name__ == "__main__":
     only = {x.strip() for x in os.environ.get("SANITIZE_ONLY", "").split(",") if x.strip()}

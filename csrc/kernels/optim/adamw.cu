@@ -1,0 +1,261 @@
+// AdamW over many tensors in one launch. torch's fused AdamW (multi_tensor_apply) moves 8 bytes of each tensor per
+// thread and iteration, one iteration in flight, in 72 launches of 320 blocks for Llama-3.2-1B's 1.5 B parameters:
+// about 2.3 TB/s on an H200 (9.1 ms of a 112 ms training step). Here each thread has 16-byte loads of all four
+// tensors in flight, twice over, on a grid that fills the GPU and walks the tensors' chunks in order; the table of
+// tensors is the kernel's parameter, so nothing is copied to the GPU first and a launch can be captured in a graph.
+#include "adamw.h"
+#include "../../kittens/kittens.cuh"
+
+#include <algorithm>
+#include <cstdlib>
+
+namespace tk::optim {
+namespace {
+
+constexpr int THREADS = 256;
+constexpr int BATCH = 256;  // tensors per launch: their table is the kernel's parameter (12.4 KB of the 32 KB allowed)
+
+struct batch {
+    void* param[BATCH];
+    const void* grad[BATCH];
+    void* exp_avg[BATCH];
+    void* exp_avg_sq[BATCH];
+    int64_t numel[BATCH];
+    int64_t chunk_end[BATCH];     // chunks of tensors 0..i together
+    uint32_t vector[BATCH / 32];  // bit i: all four tensors of entry i start on 16-byte boundaries
+    int count;
+    adamw_hyper h;
+};
+
+// torch's FusedAdamMathFunctor (ADAMW mode, no AMSGrad, no gradient scale) operation for operation, fma where it
+// has fma, in fp32: the same bits as torch 2.11's torch.optim.AdamW(fused=True) for the same inputs (older torch
+// computed parts of it in double).
+struct update {
+    float lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt;
+    bool maximize;
+
+    __device__ __forceinline__ void operator()(float& param, float grad, float& exp_avg, float& exp_avg_sq) const {
+        if (maximize) grad = -grad;
+        if (weight_decay != 0) param -= lr * weight_decay * param;
+        exp_avg = fmaf(beta1, exp_avg, fmaf(-beta1, grad, grad));
+        exp_avg_sq = fmaf(beta2, exp_avg_sq, fmaf(-beta2, grad * grad, grad * grad));
+        const float denom = (sqrtf(exp_avg_sq) / bias_correction2_sqrt) + eps;
+        param -= step_size * exp_avg / denom;
+    }
+};
+
+template <typename T>
+__device__ __forceinline__ void update_one(const update& u, T* p, const T* g, T* m, T* v) {
+    float fp = to_float(*p), fm = to_float(*m), fv = to_float(*v);
+    u(fp, to_float(*g), fm, fv);
+    *p = T(fp);
+    *m = T(fm);
+    *v = T(fv);
+}
+
+// Where chunk c lies: its tensor's four pointers advanced to the chunk, its element count, and whether the
+// 16-byte path applies. `t` is the tensor of an earlier chunk (chunks are taken in increasing order).
+template <typename T, int CHUNK>
+struct chunk_ref {
+    T* p;
+    const T* g;
+    T* m;
+    T* v;
+    int n;
+    bool vector;
+
+    __device__ __forceinline__ chunk_ref(const batch& b, int64_t c, int& t) {
+        while (c >= b.chunk_end[t]) ++t;
+        const int64_t start = (c - (t > 0 ? b.chunk_end[t - 1] : 0)) * CHUNK;
+        n = static_cast<int>(std::min<int64_t>(CHUNK, b.numel[t] - start));
+        p = static_cast<T*>(b.param[t]) + start;
+        g = static_cast<const T*>(b.grad[t]) + start;
+        m = static_cast<T*>(b.exp_avg[t]) + start;
+        v = static_cast<T*>(b.exp_avg_sq[t]) + start;
+        vector = (b.vector[t / 32] >> (t % 32)) & 1u;
+    }
+};
+
+template <typename T, int U>
+struct chunk_regs {
+    packed<T, vec16_elems<T>> p[U], g[U], m[U], v[U];
+};
+
+template <typename T, int U, int CHUNK>
+__device__ __forceinline__ void load_chunk(const chunk_ref<T, CHUNK>& r, chunk_regs<T, U>& x) {
+    constexpr int V = vec16_elems<T>;
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+        const int i = threadIdx.x + k * THREADS;
+        if (i < r.n / V) {
+            x.p[k] = load_packed<T, V>(r.p + i * V);
+            x.g[k] = load_packed<T, V>(r.g + i * V);
+            x.m[k] = load_packed<T, V>(r.m + i * V);
+            x.v[k] = load_packed<T, V>(r.v + i * V);
+        }
+    }
+}
+
+template <typename T, int U, int CHUNK>
+__device__ __forceinline__ void update_chunk(const update& u, const chunk_ref<T, CHUNK>& r, chunk_regs<T, U>& x) {
+    constexpr int V = vec16_elems<T>;
+    const int vecs = r.n / V;
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+        const int i = threadIdx.x + k * THREADS;
+        if (i < vecs) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                float fp = to_float(x.p[k].v[j]), fm = to_float(x.m[k].v[j]), fv = to_float(x.v[k].v[j]);
+                u(fp, to_float(x.g[k].v[j]), fm, fv);
+                x.p[k].v[j] = T(fp);
+                x.m[k].v[j] = T(fm);
+                x.v[k].v[j] = T(fv);
+            }
+            *reinterpret_cast<packed<T, V>*>(r.p + i * V) = x.p[k];
+            *reinterpret_cast<packed<T, V>*>(r.m + i * V) = x.m[k];
+            *reinterpret_cast<packed<T, V>*>(r.v + i * V) = x.v[k];
+        }
+    }
+    const int tail = vecs * V + static_cast<int>(threadIdx.x);  // the tensor's last n % V elements
+    if (tail < r.n) update_one(u, r.p + tail, r.g + tail, r.m + tail, r.v + tail);
+}
+
+template <typename T, int CHUNK>
+__device__ __forceinline__ void update_scalar(const update& u, const chunk_ref<T, CHUNK>& r) {
+    for (int i = threadIdx.x; i < r.n; i += THREADS) update_one(u, r.p + i, r.g + i, r.m + i, r.v + i);
+}
+
+__device__ __forceinline__ update make_update(const adamw_hyper& h) {
+    update u;
+    u.lr = h.lr;
+    u.beta1 = h.beta1;
+    u.beta2 = h.beta2;
+    u.eps = h.eps;
+    u.weight_decay = h.weight_decay;
+    u.maximize = h.maximize;
+    // As torch: the bias corrections from the float step count, by powf and sqrtf.
+    const float bias_correction1 = 1 - powf(h.beta1, h.step);
+    u.bias_correction2_sqrt = sqrtf(1 - powf(h.beta2, h.step));
+    u.step_size = h.lr / bias_correction1;
+    return u;
+}
+
+// U vectors a thread per chunk; PIPELINE: the next chunk's loads are issued before this one's arithmetic.
+template <typename T, int U, int MIN_BLOCKS, bool PIPELINE>
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) adamw_kernel(const __grid_constant__ batch b) {
+    constexpr int CHUNK = THREADS * U * vec16_elems<T>;
+    const update u = make_update(b.h);
+    pdl::start();
+    const int64_t chunks = b.chunk_end[b.count - 1];
+    int t = 0;
+    if constexpr (!PIPELINE) {
+        for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+            const chunk_ref<T, CHUNK> r(b, c, t);
+            if (r.vector) {
+                chunk_regs<T, U> x;
+                load_chunk(r, x);
+                update_chunk(u, r, x);
+            } else {
+                update_scalar(u, r);
+            }
+        }
+    } else {
+        int64_t c = blockIdx.x;
+        if (c >= chunks) return;
+        chunk_ref<T, CHUNK> r(b, c, t);
+        chunk_regs<T, U> x;
+        if (r.vector) load_chunk(r, x);
+        while (true) {
+            const int64_t next = c + gridDim.x;
+            const bool more = next < chunks;
+            chunk_ref<T, CHUNK> rn = r;
+            chunk_regs<T, U> xn;
+            if (more) {
+                rn = chunk_ref<T, CHUNK>(b, next, t);
+                if (rn.vector) load_chunk(rn, xn);
+            }
+            if (r.vector) update_chunk(u, r, x);
+            else update_scalar(u, r);
+            if (!more) break;
+            c = next;
+            r = rn;
+            x = xn;
+        }
+    }
+}
+
+template <typename T, int U, int MIN_BLOCKS, bool PIPELINE>
+cudaError_t launch_variant(const adamw_args& a, cudaStream_t stream) {
+    constexpr int CHUNK = THREADS * U * vec16_elems<T>;
+    constexpr auto kernel = adamw_kernel<T, U, MIN_BLOCKS, PIPELINE>;
+    int grid_cap = resident_blocks<kernel>(THREADS, 0);
+    if (grid_cap <= 0) grid_cap = 8 * multiprocessor_count();
+    batch b;
+    for (int first = 0; first < a.count; first += BATCH) {
+        b.count = std::min(BATCH, a.count - first);
+        b.h = a.hyper;
+        std::fill(b.vector, b.vector + BATCH / 32, 0u);
+        int64_t chunks = 0;
+        for (int i = 0; i < b.count; ++i) {
+            const int e = first + i;
+            b.param[i] = a.params[e];
+            b.grad[i] = a.grads[e];
+            b.exp_avg[i] = a.exp_avgs[e];
+            b.exp_avg_sq[i] = a.exp_avg_sqs[e];
+            b.numel[i] = a.numels[e];
+            chunks += (a.numels[e] + CHUNK - 1) / CHUNK;
+            b.chunk_end[i] = chunks;
+            if (is_aligned(a.params[e], 16) && is_aligned(a.grads[e], 16) && is_aligned(a.exp_avgs[e], 16) &&
+                is_aligned(a.exp_avg_sqs[e], 16))
+                b.vector[i / 32] |= 1u << (i % 32);
+        }
+        if (chunks == 0) continue;
+        const unsigned grid = static_cast<unsigned>(std::min<int64_t>(chunks, grid_cap));
+        const cudaError_t e = launch_kernel(kernel, dim3(grid), dim3(THREADS), 0, stream, 1, b);
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
+
+template <typename T>
+cudaError_t launch_typed(const adamw_args& a, cudaStream_t stream) {
+    const char* knob = std::getenv("THUNDER_TK_ADAMW_VARIANT");
+    switch (knob != nullptr ? std::atoi(knob) : 0) {
+        case 1: return launch_variant<T, 2, 1, false>(a, stream);
+        case 2: return launch_variant<T, 1, 5, false>(a, stream);
+        case 3: return launch_variant<T, 1, 6, false>(a, stream);
+        case 4: return launch_variant<T, 1, 3, true>(a, stream);
+        default: return launch_variant<T, 1, 4, false>(a, stream);
+    }
+}
+
+}  // namespace
+
+const char* adamw_unsupported(const adamw_args& a) {
+    if (a.dtype != int(dtype::bf16) && a.dtype != int(dtype::fp16) && a.dtype != int(dtype::fp32))
+        return "dtype must be bfloat16, float16 or float32";
+    if (a.count < 0) return "the tensor count must not be negative";
+    if (a.count > 0 && (a.params == nullptr || a.grads == nullptr || a.exp_avgs == nullptr ||
+                        a.exp_avg_sqs == nullptr || a.numels == nullptr))
+        return "the tensor lists are needed";
+    for (int i = 0; i < a.count; ++i) {
+        if (a.numels[i] < 0) return "element counts must not be negative";
+        if (a.numels[i] > 0 && (a.params[i] == nullptr || a.grads[i] == nullptr || a.exp_avgs[i] == nullptr ||
+                                a.exp_avg_sqs[i] == nullptr))
+            return "a tensor with elements has a null pointer";
+    }
+    if (!(a.hyper.step >= 1)) return "the step count must be at least 1 (it is counted before the update)";
+    return nullptr;
+}
+
+cudaError_t launch_adamw(const adamw_args& a, cudaStream_t stream) {
+    if (adamw_unsupported(a) != nullptr) return cudaErrorInvalidValue;
+    switch (dtype(a.dtype)) {
+        case dtype::bf16: return launch_typed<__nv_bfloat16>(a, stream);
+        case dtype::fp16: return launch_typed<__half>(a, stream);
+        default: return launch_typed<float>(a, stream);
+    }
+}
+
+}  // namespace tk::optim

@@ -1,0 +1,436 @@
+"""thunder_tk.optim.AdamW and ops.adamw_step on a machine without a GPU (nothing is launched).
+
+On the CPU every parameter takes torch's own AdamW, so the optimizer must be torch.optim.AdamW bit for bit: weight
+decay 0 and 0.1, maximize, AMSGrad, foreach, two groups with their own learning rates, a learning rate changed
+between steps, a parameter without a gradient (skipped, no state), a closure. Its state_dict is torch's, both ways
+(a checkpoint of either continues in the other, bit for bit), and loading one saved by a fused or capturable torch
+AdamW leaves this class's settings (fused None, capturable False, step counts float32 on the CPU). `routes` names
+every parameter torch took and why. ops.adamw_step's checks name the problem before any kernel is needed: most
+with CPU tensors; the two that CPU tensors cannot reach (the checks ask for a CUDA device before the layout and the
+step count) with FakeTensors on "cuda" (metadata only: no GPU, no memory). The compiled module's own checks are
+tested where it is built without a GPU (CI)."""
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from thunder_tk import _extension, ops
+from thunder_tk.optim import AdamW
+
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")
+
+SHAPES = [(5, 7), (13,), (), (3, 4, 2)]
+
+
+def make_params(seed, shapes=SHAPES, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def clone_params(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def set_grads(pairs, g, skip=()):
+    """The same random gradient on both parameters of each pair (none on the pairs whose index is in `skip`)."""
+    for i, (a, b) in enumerate(pairs):
+        if i in skip:
+            a.grad = b.grad = None
+            continue
+        grad = torch.randn(a.shape, generator=g).to(a.dtype)
+        a.grad, b.grad = grad.clone(), grad.clone()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bits (torch.equal would take -0.0 for 0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.detach().contiguous().view(ints), b.detach().contiguous().view(ints))
+
+
+def assert_same_optimizers(ours, theirs, ours_params, their_params, label=""):
+    """Parameters, every state tensor and the step counts bit for bit, the same state keys, equal group settings."""
+    for i, (p, q) in enumerate(zip(ours_params, their_params)):
+        assert same_bits(p, q), f"{label} param {i}: {(p.double() - q.double()).abs().max().item():.3g} off torch"
+        sp, sq = ours.state.get(p, {}), theirs.state.get(q, {})
+        assert sorted(sp) == sorted(sq), f"{label} param {i}: state keys {sorted(sp)} vs torch's {sorted(sq)}"
+        for key in sp:
+            assert same_bits(sp[key], sq[key]), f"{label} param {i}: state {key} differs from torch's"
+            assert sp[key].device == sq[key].device, f"{label} param {i}: {key} on {sp[key].device}"
+    for ga, gb in zip(ours.param_groups, theirs.param_groups):
+        assert {k: v for k, v in ga.items() if k != "params"} == {k: v for k, v in gb.items() if k != "params"}
+
+
+def saved(state_dict):
+    """A state_dict as a checkpoint brings it back (torch.save, torch.load): no tensor shared with the optimizer."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+def two_groups(params, lrs=(None, 5e-3)):
+    """Parameters 0, 1 in one group (the default lr unless given) and the rest in another."""
+    groups = [{"params": params[:2]}, {"params": params[2:]}]
+    for group, lr in zip(groups, lrs):
+        if lr is not None:
+            group["lr"] = lr
+    return groups
+
+
+CONFIGS = {
+    "wd0": dict(weight_decay=0.0),
+    "wd0.1": dict(weight_decay=0.1),
+    "maximize": dict(weight_decay=0.1, maximize=True),
+    "amsgrad": dict(weight_decay=0.1, amsgrad=True),
+    "betas_eps": dict(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05),
+    "foreach": dict(weight_decay=0.1, foreach=True),
+    "foreach_amsgrad_maximize": dict(amsgrad=True, maximize=True, foreach=True),
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_matches_torch_bit_for_bit(config):
+    """Five steps of two groups (lr 2e-3 and 5e-3, then both halved after step 3), parameter 1 without a gradient
+    throughout (no state), parameter 3 without one at step 2 (its step count then lags), a bf16 parameter among the
+    fp32 ones: parameters, states and step counts as torch.optim.AdamW's, bit for bit, after every step."""
+    ours_params = make_params(0) + make_params(1, [(6,)], torch.bfloat16)
+    their_params = clone_params(ours_params)
+    ours = AdamW(two_groups(ours_params), lr=2e-3, **config)
+    theirs = torch.optim.AdamW(two_groups(their_params), lr=2e-3, **config)
+    g = torch.Generator().manual_seed(2)
+    for step in range(1, 6):
+        if step == 4:
+            for opt in (ours, theirs):
+                for group in opt.param_groups:
+                    group["lr"] *= 0.5
+        set_grads(list(zip(ours_params, their_params)), g, skip={1} | ({3} if step == 2 else set()))
+        ours.step()
+        theirs.step()
+        assert_same_optimizers(ours, theirs, ours_params, their_params, f"step {step}")
+    assert ours_params[1] not in ours.state, "a parameter that never had a gradient got state"
+    assert float(ours.state[ours_params[3]]["step"]) == 4 and float(ours.state[ours_params[0]]["step"]) == 5
+    assert ours.routes["tk"] == 0 and ours.routes["torch"] == 4
+
+
+def test_kernels_false_and_tensor_lr_match_torch():
+    """kernels=False and a tensor learning rate (both torch's path on any device) as torch.optim.AdamW."""
+    for kwargs in (dict(kernels=False), dict(lr=torch.tensor(3e-3))):
+        ours_params = make_params(3)
+        their_params = clone_params(ours_params)
+        ours = AdamW(ours_params, weight_decay=0.1, **kwargs)
+        theirs = torch.optim.AdamW(their_params, weight_decay=0.1,
+                                   **{k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()
+                                      if k != "kernels"})
+        g = torch.Generator().manual_seed(4)
+        for step in range(3):
+            set_grads(list(zip(ours_params, their_params)), g)
+            ours.step()
+            theirs.step()
+        assert_same_optimizers(ours, theirs, ours_params, their_params, str(kwargs))
+
+
+def test_closure_is_run_with_grad_and_its_loss_returned():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(16, 6), torch.randn(16, 2)
+
+    def closure_for(m, opt):
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()  # fails if step() ran the closure under no_grad
+            return loss
+        return closure
+
+    ours = AdamW(model.parameters(), lr=1e-2)
+    theirs = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    for _ in range(3):
+        want = torch.nn.functional.mse_loss(model(x), y).item()
+        loss = ours.step(closure_for(model, ours))
+        their_loss = theirs.step(closure_for(twin, theirs))
+        assert torch.is_tensor(loss) and loss.item() == want and same_bits(loss, their_loss)
+    assert_same_optimizers(ours, theirs, list(model.parameters()), list(twin.parameters()))
+    assert ours.step() is None  # no closure, no loss
+
+
+def train(opt, params, g, steps, skip=()):
+    """`steps` steps of random gradients (a generator for each, so two runs can be given the same ones)."""
+    for _ in range(steps):
+        for i, p in enumerate(params):
+            p.grad = None if i in skip else torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+def test_state_dict_round_trips_both_ways(amsgrad):
+    """A checkpoint of ours loads into torch.optim.AdamW and one of torch's into ours, each then continuing bit for
+    bit with an optimizer that never stopped; the two state_dicts are alike key for key."""
+    start = make_params(5)
+    kw = dict(lr=3e-3, weight_decay=0.1, amsgrad=amsgrad)
+    for first, second in ((AdamW, torch.optim.AdamW), (torch.optim.AdamW, AdamW)):
+        a_params, b_params, ref_params = clone_params(start), clone_params(start), clone_params(start)
+        a = first(two_groups(a_params), **kw)
+        ref = torch.optim.AdamW(two_groups(ref_params), **kw)
+        train(a, a_params, torch.Generator().manual_seed(6), 3, skip={2})
+        train(ref, ref_params, torch.Generator().manual_seed(6), 3, skip={2})
+        sd, ref_sd = a.state_dict(), ref.state_dict()
+        assert sd["param_groups"] == ref_sd["param_groups"]
+        assert sorted(sd["state"]) == sorted(ref_sd["state"]) == [0, 1, 3]
+        for i in sd["state"]:
+            assert sorted(sd["state"][i]) == sorted(ref_sd["state"][i])
+            assert all(same_bits(sd["state"][i][k], ref_sd["state"][i][k]) for k in sd["state"][i])
+
+        b = second(two_groups(b_params), lr=1.0, weight_decay=0.0, amsgrad=amsgrad)  # settings from the checkpoint
+        for p, q in zip(b_params, a_params):
+            p.data.copy_(q.data)
+        b.load_state_dict(saved(sd))
+        assert b.param_groups[0]["lr"] == 3e-3 and b.param_groups[1]["weight_decay"] == 0.1
+        g_b, g_ref = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+        for _ in range(3):
+            train(b, b_params, g_b, 1)
+            train(ref, ref_params, g_ref, 1)
+            assert_same_optimizers(b, ref, b_params, ref_params, f"{first.__module__} -> {second.__module__}")
+
+
+def test_load_state_dict_keeps_this_class_settings():
+    """A state saved by a fused and capturable torch AdamW (flags set by hand, step counts saved as float64) loads
+    with fused None, capturable and differentiable False, and every step count a float32 tensor on the CPU; it
+    then continues as torch's default AdamW would from the same checkpoint."""
+    params = make_params(8)
+    donor = torch.optim.AdamW(params, lr=2e-3, weight_decay=0.1)
+    train(donor, params, torch.Generator().manual_seed(9), 2)
+    sd = saved(donor.state_dict())
+    plain = copy.deepcopy(sd)
+    for group in sd["param_groups"]:
+        group["fused"], group["capturable"], group["differentiable"] = True, True, True
+    for state in sd["state"].values():
+        state["step"] = state["step"].double()
+
+    ours_params, their_params = clone_params(params), clone_params(params)
+    ours = AdamW(ours_params)
+    ours.load_state_dict(sd)
+    for group in ours.param_groups:
+        assert group["fused"] is None and group["capturable"] is False and group["differentiable"] is False
+    assert len(ours.state) == len(params)
+    for state in ours.state.values():
+        assert state["step"].device.type == "cpu" and state["step"].dtype == torch.float32
+        assert state["step"].item() == 2
+    theirs = torch.optim.AdamW(their_params)
+    theirs.load_state_dict(plain)
+    g_ours, g_theirs = torch.Generator().manual_seed(10), torch.Generator().manual_seed(10)
+    for _ in range(2):
+        train(ours, ours_params, g_ours, 1)
+        train(theirs, their_params, g_theirs, 1)
+        assert_same_optimizers(ours, theirs, ours_params, their_params)
+
+
+def test_routes_name_every_parameter_torch_took_and_why():
+    """On the CPU nothing goes to the kernel: each parameter with a gradient is declined with its group, position,
+    shape and reason (the CPU, its dtype, AMSGrad, kernels=False); a parameter without a gradient is not listed."""
+    a, b, c = make_params(11, [(3, 4), (5,), (2,)])
+    d = torch.nn.Parameter(torch.randn(7, dtype=torch.float64))
+    e = torch.nn.Parameter(torch.randn(2, 3).to(torch.bfloat16))
+    opt = AdamW([{"params": [a, b, d]}, {"params": [e, c]}])
+    for p in (a, d, e, c):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.routes["tk"] == 0 and opt.routes["torch"] == 4
+    declined = opt.routes["declined"]
+    assert [entry[:3] for entry in declined] == [(0, 0, (3, 4)), (0, 2, (7,)), (1, 0, (2, 3)), (1, 1, (2,))]
+    for group, position, shape, reason in declined:
+        if shape == (7,):
+            assert "float64" in reason, reason
+        else:
+            assert "cpu" in reason.lower(), reason
+
+    b.grad = torch.ones_like(b)
+    a.grad = None
+    opt.step()  # the routes are the last step's
+    assert [entry[:3] for entry in opt.routes["declined"]] == [(0, 1, (5,)), (0, 2, (7,)), (1, 0, (2, 3)),
+                                                                (1, 1, (2,))]
+
+    for kwargs, words in ((dict(amsgrad=True), "amsgrad"), (dict(kernels=False), "kernels=False"),
+                          (dict(lr=torch.tensor(1e-3)), "tensor")):
+        p = torch.nn.Parameter(torch.randn(4))
+        p.grad = torch.ones(4)
+        opt = AdamW([p], **kwargs)
+        opt.step()
+        assert opt.routes["tk"] == 0 and opt.routes["torch"] == 1
+        assert [(i, j, s) for i, j, s, _ in opt.routes["declined"]] == [(0, 0, (4,))]
+        assert words in opt.routes["declined"][0][3], opt.routes
+
+
+def test_deep_copy_and_pickle_keep_working():
+    """torch.optim.AdamW survives copy.deepcopy and pickling (its state is defaults, state and param_groups); so must
+    this class, kernels=False included."""
+    import pickle
+
+    p = torch.nn.Parameter(torch.randn(3))
+    p.grad = torch.ones(3)
+    opt = AdamW([p], kernels=False)
+    opt.step()
+    for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        q = clone.param_groups[0]["params"][0]
+        q.grad = torch.ones(3)
+        clone.step()
+        assert clone.kernels is False and clone.routes["torch"] == 1
+
+
+def test_sparse_gradients_raise():
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    p.grad = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2, 3), (4, 3))
+    with pytest.raises(RuntimeError, match="sparse"):
+        AdamW([p]).step()
+
+
+@pytest.mark.parametrize("kwarg", ["capturable", "differentiable"])
+def test_torch_only_arguments_are_refused(kwarg):
+    with pytest.raises(ValueError, match="capturable and differentiable are not supported"):
+        AdamW([torch.nn.Parameter(torch.randn(2))], **{kwarg: True})
+
+
+@pytest.mark.parametrize("fused", [None, False, True])
+def test_fused_is_accepted_and_changes_nothing(fused):
+    """A config written for torch.optim.AdamW(fused=True) needs only its class changed; the group keeps fused None
+    (this class's path), so its state_dict and results stay those of torch's default path on the CPU."""
+    p = torch.nn.Parameter(torch.randn(3))
+    q = torch.nn.Parameter(p.detach().clone())
+    ours, theirs = AdamW([p], fused=fused), torch.optim.AdamW([q])
+    for _ in range(2):
+        p.grad, q.grad = torch.ones(3), torch.ones(3)
+        ours.step()
+        theirs.step()
+    assert_same_optimizers(ours, theirs, [p], [q])
+
+
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+
+
+def quad(*tensors):
+    """adamw_step's four lists, one entry per tensor given (each entry's four tensors the given one's clones)."""
+    return ([t for t in tensors], [t.clone() for t in tensors], [t.clone() for t in tensors],
+            [t.clone() for t in tensors])
+
+
+def test_adamw_step_errors_name_the_problem_cpu_tensors():
+    x = torch.randn(3, 4)
+    P, G, M, V = quad(x, x.clone())
+    with pytest.raises(ValueError, match=r"params, grads, exp_avgs and exp_avg_sqs differ in length \(2, 1, 2, 2\)"):
+        ops.adamw_step(P, G[:1], M, V, step=1, **HYPER)
+    with pytest.raises(ValueError, match=r"differ in length \(2, 2, 2, 3\)"):
+        ops.adamw_step(P, G, M, V + [x], step=1, **HYPER)
+    # An entry's own checks come before the device's: the entry with the problem is the first.
+    with pytest.raises(ValueError, match=r"entry 0: grad is torch.float16, the parameter torch.float32"):
+        ops.adamw_step(P, [G[0].half(), G[1]], M, V, step=1, **HYPER)
+    with pytest.raises(ValueError, match=r"entry 0: exp_avg_sq \(4, 3\) is not shaped like the parameter \(3, 4\)"):
+        ops.adamw_step(P, G, M, [V[0].reshape(4, 3), V[1]], step=1, **HYPER)
+    with pytest.raises(ValueError, match=r"entry 0: exp_avg \(12,\) is not shaped like the parameter \(3, 4\)"):
+        ops.adamw_step(P, G, [M[0].reshape(-1), M[1]], V, step=1, **HYPER)
+    with pytest.raises(ValueError, match=r"entry 0: dtype torch.float64 not in \{bfloat16, float16, float32\}"):
+        ops.adamw_step(*quad(x.double()), step=1, **HYPER)
+    with pytest.raises(ValueError, match=r"entry 0: dtype torch.int32 not in"):
+        ops.adamw_step(*quad(x.int()), step=1, **HYPER)
+    with pytest.raises(ValueError, match=r"entry 0: the parameter is on cpu, not a CUDA device"):
+        ops.adamw_step(P, G, M, V, step=1, **HYPER)
+    with pytest.raises(ValueError, match=r"entry 0: grad is on meta, the parameter on cpu"):
+        ops.adamw_step(P, [G[0].to("meta"), G[1]], M, V, step=1, **HYPER)
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2, 4), (3, 4))
+    with pytest.raises(ValueError, match=r"entry 0: grad is torch.sparse_coo, not dense"):
+        ops.adamw_step(P[:1], [sparse], M[:1], V[:1], step=1, **HYPER)
+    # A transposed (non-contiguous) CPU tensor is refused too, but for the device: the layout is checked after it
+    # (its own message: the FakeTensor test below). The step count comes first, even for empty lists.
+    with pytest.raises(ValueError, match=r"entry 0: the parameter is on cpu"):
+        ops.adamw_step(*quad(x.t()), step=1, **HYPER)
+    for step in (0, -1, float("nan")):
+        with pytest.raises(ValueError, match=r"step must be at least 1"):
+            ops.adamw_step(P, G, M, V, step=step, **HYPER)
+        with pytest.raises(ValueError, match=r"step must be at least 1"):
+            ops.adamw_step([], [], [], [], step=step, **HYPER)
+    assert ops.adamw_step([], [], [], [], step=1, **HYPER) is None  # nothing to do
+
+
+def test_adamw_step_layout_and_step_errors_on_fake_cuda_tensors():
+    """The checks past the device's: contiguity of each of the four tensors, then tensor subclasses (the kernel
+    needs a plain tensor's flat storage: FSDP2's DTensor, and these FakeTensors, are declined), and the step count
+    (counted before the update: at least 1), on FakeTensors on "cuda"."""
+    with FakeTensorMode():
+        x = torch.empty(3, 4, device="cuda")
+        P, G, M, V = quad(x, x)
+        assert ops.adamw_unsupported(P[0], G[0], M[0], V[0]) == "param is a FakeTensor, not a plain tensor"
+        t = torch.empty(4, 3, device="cuda").t()
+        for name, lists in (("param", ([t], [t.contiguous()], [t.contiguous()], [t.contiguous()])),
+                            ("grad", ([x], [t], [x], [x])),
+                            ("exp_avg", ([x], [x], [t], [x])),
+                            ("exp_avg_sq", ([x], [x], [x], [t]))):
+            with pytest.raises(ValueError, match=rf"entry 0: {name} is not contiguous \(strides \(1, 3\)\)"):
+                ops.adamw_step(*lists, step=1, **HYPER)
+        with pytest.raises(ValueError, match=r"entry 0: param is a FakeTensor, not a plain tensor"):
+            ops.adamw_step(P, G, M, V, step=1, **HYPER)
+        for step in (0, 0.5, -1, math.nan):
+            with pytest.raises(ValueError, match=rf"step must be at least 1 \(counted before the update\); got {step}"):
+                ops.adamw_step(P, G, M, V, step=step, **HYPER)
+
+
+def test_optimizer_declines_fake_cuda_tensors_by_layout():
+    """adamw_unsupported's reasons for the optimizer's routes, for tensors on "cuda" (FakeTensors: metadata only)."""
+    with FakeTensorMode():
+        x = torch.empty(6, 2, device="cuda", dtype=torch.bfloat16)
+        assert ops.adamw_unsupported(x, x, x, x) == "param is a FakeTensor, not a plain tensor"
+        assert "not contiguous" in ops.adamw_unsupported(x[:, :1], x[:, :1], x[:, :1], x[:, :1])
+        assert ops.adamw_unsupported(x, x.float(), x, x) == "grad is torch.float32, the parameter torch.bfloat16"
+        assert ops.adamw_unsupported(x.double(), x.double(), x.double(), x.double()).startswith("dtype torch.float64")
+        assert ops.adamw_unsupported(x, x, x, x.cpu()) == "exp_avg_sq is on cpu, the parameter on cuda:0"
+        assert ops.adamw_unsupported(x, x, x.view(3, 4), x).startswith("exp_avg (3, 4) is not shaped like")
+
+
+# The compiled module's own checks (tk::optim::adamw_unsupported and the binding's), where it is built and there is
+# no GPU (CI): no address is read; a call the checks pass fails at the launch for want of a device, except one with
+# no elements at all, which launches nothing.
+A, B, C, D = 1 << 12, 2 << 12, 3 << 12, 4 << 12  # 16-byte aligned addresses, never read
+
+
+@pytest.fixture
+def ext():
+    module = _extension.extension()
+    if module is None:
+        pytest.skip(f"kernels not built: {_extension.unavailable_reason()}")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU would run the launch on these made-up addresses")
+    if not hasattr(module, "adamw"):
+        pytest.skip("this build has no adamw")
+    return module
+
+
+def ext_adamw(ext, **changes):
+    args = dict(params=[A], grads=[B], exp_avgs=[C], exp_avg_sqs=[D], numels=[4096], dtype=0, lr=1e-3, beta1=0.9,
+                beta2=0.999, eps=1e-8, weight_decay=0.1, step=1.0, maximize=False, stream=0)
+    args.update(changes)
+    return ext.adamw(**args)
+
+
+def test_compiled_checks(ext):
+    with pytest.raises(RuntimeError, match="launching adamw failed"):
+        ext_adamw(ext)
+    with pytest.raises(RuntimeError, match="launching adamw failed"):  # unaligned, fp32, several entries
+        ext_adamw(ext, params=[A + 4, A], grads=[B, B], exp_avgs=[C, C], exp_avg_sqs=[D, D], numels=[7, 0], dtype=2)
+    ext_adamw(ext, params=[0, 0], grads=[0, 0], exp_avgs=[0, 0], exp_avg_sqs=[0, 0], numels=[0, 0])  # no elements
+    ext_adamw(ext, params=[], grads=[], exp_avgs=[], exp_avg_sqs=[], numels=[])
+    with pytest.raises(ValueError, match="thunder_tk adamw: dtype must be bfloat16, float16 or float32"):
+        ext_adamw(ext, dtype=3)
+    with pytest.raises(ValueError, match="thunder_tk adamw: the step count must be at least 1"):
+        ext_adamw(ext, step=0.0)
+    with pytest.raises(ValueError, match="thunder_tk adamw: the step count must be at least 1"):
+        ext_adamw(ext, step=math.nan)
+    with pytest.raises(ValueError, match="thunder_tk adamw: element counts must not be negative"):
+        ext_adamw(ext, numels=[-1])
+    with pytest.raises(ValueError, match="thunder_tk adamw: a tensor with elements has a null pointer"):
+        ext_adamw(ext, grads=[0])
+    with pytest.raises(ValueError, match="thunder_tk adamw: params, grads, exp_avgs, exp_avg_sqs and numels differ"):
+        ext_adamw(ext, numels=[1, 2])
