@@ -1,13 +1,12 @@
 // AdamW over many tensors in one launch. torch's fused AdamW (multi_tensor_apply) moves 8 bytes of each tensor per
-// thread and iteration, one iteration in flight, in 72 launches of 320 blocks for Llama-3.2-1B's 1.5 B parameters:
-// about 2.3 TB/s on an H200 (9.1 ms of a 112 ms training step). Here each thread has 16-byte loads of all four
-// tensors in flight, twice over, on a grid that fills the GPU and walks the tensors' chunks in order; the table of
-// tensors is the kernel's parameter, so nothing is copied to the GPU first and a launch can be captured in a graph.
+// thread and iteration, in 72 launches of at most 320 blocks of 512 threads for Llama-3.2-1B's 1.5 B parameters:
+// 2.7 TB/s on an H200 in bf16 (7.8 ms). Here each thread has a 16-byte load of all four tensors in flight, on a grid
+// of four 256-thread blocks an SM that walks the tensors' chunks in order; the table of tensors is the kernel's
+// parameter, so nothing is copied to the GPU first and a launch can be captured in a graph.
 #include "adamw.h"
 #include "../../kittens/kittens.cuh"
 
 #include <algorithm>
-#include <cstdlib>
 
 namespace tk::optim {
 namespace {
@@ -76,48 +75,44 @@ struct chunk_ref {
     }
 };
 
-template <typename T, int U>
+// A block's unit of work: one 16-byte vector of each tensor a thread.
+template <typename T> constexpr int chunk_elems = THREADS * vec16_elems<T>;
+
+template <typename T>
 struct chunk_regs {
-    packed<T, vec16_elems<T>> p[U], g[U], m[U], v[U];
+    packed<T, vec16_elems<T>> p, g, m, v;
 };
 
-template <typename T, int U, int CHUNK>
-__device__ __forceinline__ void load_chunk(const chunk_ref<T, CHUNK>& r, chunk_regs<T, U>& x) {
+template <typename T, int CHUNK>
+__device__ __forceinline__ void load_chunk(const chunk_ref<T, CHUNK>& r, chunk_regs<T>& x) {
     constexpr int V = vec16_elems<T>;
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-        const int i = threadIdx.x + k * THREADS;
-        if (i < r.n / V) {
-            x.p[k] = load_packed<T, V>(r.p + i * V);
-            x.g[k] = load_packed<T, V>(r.g + i * V);
-            x.m[k] = load_packed<T, V>(r.m + i * V);
-            x.v[k] = load_packed<T, V>(r.v + i * V);
-        }
+    const int i = threadIdx.x;
+    if (i < r.n / V) {
+        x.p = load_packed<T, V>(r.p + i * V);
+        x.g = load_packed<T, V>(r.g + i * V);
+        x.m = load_packed<T, V>(r.m + i * V);
+        x.v = load_packed<T, V>(r.v + i * V);
     }
 }
 
-template <typename T, int U, int CHUNK>
-__device__ __forceinline__ void update_chunk(const update& u, const chunk_ref<T, CHUNK>& r, chunk_regs<T, U>& x) {
+template <typename T, int CHUNK>
+__device__ __forceinline__ void update_chunk(const update& u, const chunk_ref<T, CHUNK>& r, chunk_regs<T>& x) {
     constexpr int V = vec16_elems<T>;
-    const int vecs = r.n / V;
+    const int vecs = r.n / V, i = threadIdx.x;
+    if (i < vecs) {
 #pragma unroll
-    for (int k = 0; k < U; ++k) {
-        const int i = threadIdx.x + k * THREADS;
-        if (i < vecs) {
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-                float fp = to_float(x.p[k].v[j]), fm = to_float(x.m[k].v[j]), fv = to_float(x.v[k].v[j]);
-                u(fp, to_float(x.g[k].v[j]), fm, fv);
-                x.p[k].v[j] = T(fp);
-                x.m[k].v[j] = T(fm);
-                x.v[k].v[j] = T(fv);
-            }
-            *reinterpret_cast<packed<T, V>*>(r.p + i * V) = x.p[k];
-            *reinterpret_cast<packed<T, V>*>(r.m + i * V) = x.m[k];
-            *reinterpret_cast<packed<T, V>*>(r.v + i * V) = x.v[k];
+        for (int j = 0; j < V; ++j) {
+            float fp = to_float(x.p.v[j]), fm = to_float(x.m.v[j]), fv = to_float(x.v.v[j]);
+            u(fp, to_float(x.g.v[j]), fm, fv);
+            x.p.v[j] = T(fp);
+            x.m.v[j] = T(fm);
+            x.v.v[j] = T(fv);
         }
+        *reinterpret_cast<packed<T, V>*>(r.p + i * V) = x.p;
+        *reinterpret_cast<packed<T, V>*>(r.m + i * V) = x.m;
+        *reinterpret_cast<packed<T, V>*>(r.v + i * V) = x.v;
     }
-    const int tail = vecs * V + static_cast<int>(threadIdx.x);  // the tensor's last n % V elements
+    const int tail = vecs * V + i;  // the tensor's last n % V elements
     if (tail < r.n) update_one(u, r.p + tail, r.g + tail, r.m + tail, r.v + tail);
 }
 
@@ -141,54 +136,32 @@ __device__ __forceinline__ update make_update(const adamw_hyper& h) {
     return u;
 }
 
-// U vectors a thread per chunk; PIPELINE: the next chunk's loads are issued before this one's arithmetic.
-template <typename T, int U, int MIN_BLOCKS, bool PIPELINE>
-__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) adamw_kernel(const __grid_constant__ batch b) {
-    constexpr int CHUNK = THREADS * U * vec16_elems<T>;
+// One 16-byte vector of each tensor a thread per chunk, four blocks an SM (64 registers): on an H200 this moved
+// Llama-3.2-1B's update at 3.6-3.8 TB/s in bf16, where two vectors a thread (116 registers, two blocks an SM), five
+// or six blocks an SM (spilling) and the next chunk's loads issued before this one's arithmetic were 6-60% slower.
+template <typename T>
+__global__ void __launch_bounds__(THREADS, 4) adamw_kernel(const __grid_constant__ batch b) {
+    constexpr int CHUNK = chunk_elems<T>;
     const update u = make_update(b.h);
     pdl::start();
     const int64_t chunks = b.chunk_end[b.count - 1];
     int t = 0;
-    if constexpr (!PIPELINE) {
-        for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
-            const chunk_ref<T, CHUNK> r(b, c, t);
-            if (r.vector) {
-                chunk_regs<T, U> x;
-                load_chunk(r, x);
-                update_chunk(u, r, x);
-            } else {
-                update_scalar(u, r);
-            }
-        }
-    } else {
-        int64_t c = blockIdx.x;
-        if (c >= chunks) return;
-        chunk_ref<T, CHUNK> r(b, c, t);
-        chunk_regs<T, U> x;
-        if (r.vector) load_chunk(r, x);
-        while (true) {
-            const int64_t next = c + gridDim.x;
-            const bool more = next < chunks;
-            chunk_ref<T, CHUNK> rn = r;
-            chunk_regs<T, U> xn;
-            if (more) {
-                rn = chunk_ref<T, CHUNK>(b, next, t);
-                if (rn.vector) load_chunk(rn, xn);
-            }
-            if (r.vector) update_chunk(u, r, x);
-            else update_scalar(u, r);
-            if (!more) break;
-            c = next;
-            r = rn;
-            x = xn;
+    for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+        const chunk_ref<T, CHUNK> r(b, c, t);
+        if (r.vector) {
+            chunk_regs<T> x;
+            load_chunk(r, x);
+            update_chunk(u, r, x);
+        } else {
+            update_scalar(u, r);
         }
     }
 }
 
-template <typename T, int U, int MIN_BLOCKS, bool PIPELINE>
-cudaError_t launch_variant(const adamw_args& a, cudaStream_t stream) {
-    constexpr int CHUNK = THREADS * U * vec16_elems<T>;
-    constexpr auto kernel = adamw_kernel<T, U, MIN_BLOCKS, PIPELINE>;
+template <typename T>
+cudaError_t launch_typed(const adamw_args& a, cudaStream_t stream) {
+    constexpr int CHUNK = chunk_elems<T>;
+    constexpr auto kernel = adamw_kernel<T>;
     int grid_cap = resident_blocks<kernel>(THREADS, 0);
     if (grid_cap <= 0) grid_cap = 8 * multiprocessor_count();
     batch b;
@@ -216,18 +189,6 @@ cudaError_t launch_variant(const adamw_args& a, cudaStream_t stream) {
         if (e != cudaSuccess) return e;
     }
     return cudaSuccess;
-}
-
-template <typename T>
-cudaError_t launch_typed(const adamw_args& a, cudaStream_t stream) {
-    const char* knob = std::getenv("THUNDER_TK_ADAMW_VARIANT");
-    switch (knob != nullptr ? std::atoi(knob) : 0) {
-        case 1: return launch_variant<T, 2, 1, false>(a, stream);
-        case 2: return launch_variant<T, 1, 5, false>(a, stream);
-        case 3: return launch_variant<T, 1, 6, false>(a, stream);
-        case 4: return launch_variant<T, 1, 3, true>(a, stream);
-        default: return launch_variant<T, 1, 4, false>(a, stream);
-    }
 }
 
 }  // namespace
