@@ -37,6 +37,24 @@ def test_shipped_configs_load(name):
     assert config.compiler.executors == ["tk"]
 
 
+@pytest.mark.parametrize("name", ["llama-3.2-1b.yaml", "tinyllama-1.1b.yaml"])
+def test_one_gpu_configs_make_tk_adamw(name):
+    """The one-GPU configs name thunder_tk.optim.AdamW with torch's arguments (fused included); on a CPU every
+    parameter takes torch's path, with the reason."""
+    from thunder_tk.optim import AdamW
+    from thunder_tk.pretrain import build_optimizer, optimizer_report
+
+    config = load_config(CONFIGS / name)
+    p = torch.nn.Parameter(torch.ones(3))
+    optimizer = build_optimizer(config.optimizer, [p])
+    assert type(optimizer) is AdamW and optimizer.param_groups[0]["betas"] == (0.9, 0.95)
+    p.grad = torch.ones(3)
+    optimizer.step()
+    assert optimizer_report(optimizer, config.optimizer.class_path) == {
+        "class_path": "thunder_tk.optim.AdamW", "tensors_on_tk": 0, "tensors_on_torch": 1,
+        "first_reason": "the parameter is on cpu, not a CUDA device"}
+
+
 def test_eight_gpu_config_needs_eight_processes(tmp_path):
     config = load_config(CONFIGS / "llama-2-7b.yaml", {"devices": 8})
     assert config.devices == 8 and config.train.micro_batch_size == 1

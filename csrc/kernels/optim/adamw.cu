@@ -136,9 +136,9 @@ __device__ __forceinline__ update make_update(const adamw_hyper& h) {
     return u;
 }
 
-// One 16-byte vector of each tensor a thread per chunk, four blocks an SM (64 registers): on an H200 this moved
-// Llama-3.2-1B's update at 3.6-3.8 TB/s in bf16, where two vectors a thread (116 registers, two blocks an SM), five
-// or six blocks an SM (spilling) and the next chunk's loads issued before this one's arithmetic were 6-60% slower.
+// One 16-byte vector of each tensor a thread per chunk, four blocks an SM: on an H200 this moved Llama-3.2-1B's
+// update at 3.6-3.9 TB/s in bf16, where two vectors a thread (116 registers, two blocks an SM) were 11-16% slower,
+// the next chunk's loads issued before this one's arithmetic 5-35%, and five or six blocks an SM (spilling) 58-153%.
 template <typename T>
 __global__ void __launch_bounds__(THREADS, 4) adamw_kernel(const __grid_constant__ batch b) {
     constexpr int CHUNK = chunk_elems<T>;
