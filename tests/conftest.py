@@ -228,6 +228,22 @@ def kernels_not_built(monkeypatch):
 
 
 @pytest.fixture
+def extension_without_gpu():
+    """The compiled module, where it is built and there is no GPU (CI): its argument checks run on made-up
+    addresses, which no launch then reads (a launch fails for want of a device)."""
+    import torch
+
+    from thunder_tk import _extension
+
+    module = _extension.extension()
+    if module is None:
+        pytest.skip(f"kernels not built: {_extension.unavailable_reason()}")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU would run the launch on these made-up addresses")
+    return module
+
+
+@pytest.fixture
 def kernels_built(monkeypatch):
     """As if the compiled module were present (for judging rules; nothing is launched)."""
     from thunder_tk import _extension

@@ -476,16 +476,13 @@ def test_litgpt_step_variant_environment_is_set_only_during_its_steps(monkeypatc
     assert bench.variant_names(["tk_dynamic_gemms"]) == ["thunder [tk] dynamic GEMMs"]
 
 
-def test_litgpt_step_plain_launch_order_variant_runs_its_steps_inside_the_setting():
-    import argparse
+def spying_setting():
+    """A context manager for a variant's steps and a module wrapper that notes, per forward, whether it ran inside
+    it: (setting, Spy, inside, seen)."""
     import contextlib
-    import importlib.util
 
     import torch
 
-    spec = importlib.util.spec_from_file_location("litgpt_step_bench_around", ROOT / "benchmarks" / "litgpt_step.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     inside, seen = [], []
 
     @contextlib.contextmanager
@@ -494,7 +491,7 @@ def test_litgpt_step_plain_launch_order_variant_runs_its_steps_inside_the_settin
         yield
         inside.pop()
 
-    class Spy(torch.nn.Module):  # notes whether its forward ran inside the setting
+    class Spy(torch.nn.Module):
         def __init__(self, inner):
             super().__init__()
             self.inner = inner
@@ -502,6 +499,20 @@ def test_litgpt_step_plain_launch_order_variant_runs_its_steps_inside_the_settin
         def forward(self, x, y):
             seen.append(bool(inside))
             return self.inner(x, y)
+
+    return setting, Spy, inside, seen
+
+
+def test_litgpt_step_plain_launch_order_variant_runs_its_steps_inside_the_setting():
+    import argparse
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("litgpt_step_bench_around", ROOT / "benchmarks" / "litgpt_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    setting, Spy, inside, seen = spying_setting()
 
     wrap = bench.around_steps(lambda m: Spy(m), setting)
     args = argparse.Namespace(model="pythia-14m", n_layer=1, seq=16, batch=1, warmup=1, precision="bf16-true")
@@ -876,7 +887,6 @@ def test_litgpt_step_tk_adamw_variants_pick_their_optimizer(monkeypatch, tmp_pat
     """The "... tk AdamW" variants: their aliases resolve, their wraps make thunder_tk.optim.AdamW (same learning rate)
     while every other variant keeps torch's AdamW, the wrap's other settings (around_step) stay with it, and each
     row names its optimizer, a tk AdamW row with its routes."""
-    import contextlib
     import importlib.util
 
     import torch
@@ -902,22 +912,7 @@ def test_litgpt_step_tk_adamw_variants_pick_their_optimizer(monkeypatch, tmp_pat
     assert bench.optimizer_name(built["torch.compile"], cpu) == "torch AdamW"
     assert not hasattr(torch.compile, "make_optimizer")  # the shared torch.compile is not the variant's wrap
 
-    inside, seen = [], []
-
-    @contextlib.contextmanager
-    def setting():
-        inside.append(True)
-        yield
-        inside.pop()
-
-    class Spy(torch.nn.Module):  # notes whether its forward ran inside the setting
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x, y):
-            seen.append(bool(inside))
-            return self.inner(x, y)
+    setting, Spy, inside, seen = spying_setting()
 
     import argparse
 

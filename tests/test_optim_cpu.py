@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from thunder_tk import _extension, ops
+from optim_twins import same_grads, twins
+from thunder_tk import ops
 from thunder_tk.optim import AdamW
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")
@@ -31,18 +32,12 @@ def make_params(seed, shapes=SHAPES, dtype=torch.float32):
     return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
 
 
-def clone_params(params):
-    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+clone_params = twins
 
 
 def set_grads(pairs, g, skip=()):
     """The same random gradient on both parameters of each pair (none on the pairs whose index is in `skip`)."""
-    for i, (a, b) in enumerate(pairs):
-        if i in skip:
-            a.grad = b.grad = None
-            continue
-        grad = torch.randn(a.shape, generator=g).to(a.dtype)
-        a.grad, b.grad = grad.clone(), grad.clone()
+    same_grads(pairs, lambda a: torch.randn(a.shape, generator=g).to(a.dtype), skip)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -397,15 +392,10 @@ A, B, C, D = 1 << 12, 2 << 12, 3 << 12, 4 << 12  # 16-byte aligned addresses, ne
 
 
 @pytest.fixture
-def ext():
-    module = _extension.extension()
-    if module is None:
-        pytest.skip(f"kernels not built: {_extension.unavailable_reason()}")
-    if torch.cuda.is_available():
-        pytest.skip("a GPU would run the launch on these made-up addresses")
-    if not hasattr(module, "adamw"):
+def ext(extension_without_gpu):
+    if not hasattr(extension_without_gpu, "adamw"):
         pytest.skip("this build has no adamw")
-    return module
+    return extension_without_gpu
 
 
 def ext_adamw(ext, **changes):

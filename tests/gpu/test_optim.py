@@ -21,6 +21,7 @@ import math
 import pytest
 import torch
 
+from optim_twins import same_grads, twins
 from thunder_tk import ops
 from thunder_tk.optim import AdamW as TkAdamW
 
@@ -458,18 +459,9 @@ def params_like(specs, seed):
     return [torch.nn.Parameter(torch.randn(shape, device=DEVICE, generator=g).to(dtype)) for shape, dtype in specs]
 
 
-def twins(params):
-    return [torch.nn.Parameter(p.detach().clone()) for p in params]
-
-
 def give_grads(pairs, g, skip=()):
     """The same random gradient, in each parameter's layout, on both parameters of each pair but those in `skip`."""
-    for i, (a, b) in enumerate(pairs):
-        if i in skip:
-            a.grad = b.grad = None
-            continue
-        grad = torch.empty_like(a).copy_(torch.randn(a.shape, device=DEVICE, generator=g))
-        a.grad, b.grad = grad.clone(), grad.clone()
+    same_grads(pairs, lambda a: torch.empty_like(a).copy_(torch.randn(a.shape, device=DEVICE, generator=g)), skip)
 
 
 def test_three_dtypes_in_one_group():
