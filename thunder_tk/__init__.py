@@ -5,6 +5,7 @@
     jitted = thunder.jit(model, executors=[tk])
     ...
     print(thunder_tk.explain(jitted))
+    optimizer = thunder_tk.optim.AdamW(model.parameters())  # torch's AdamW, its update on tk's kernel
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from thunder_tk import lowering as _lowering  # noqa: F401  (registers the kerne
 from thunder_tk.functional import attention_bwd_delta
 from thunder_tk.explain import explain, Report
 from thunder_tk.cuda_graphs import CUDAGraphs
+from thunder_tk import optim  # noqa: F401  (thunder_tk.optim.AdamW after `import thunder_tk`)
 from thunder_tk._extension import build_info, compiled_kernels, unavailable_reason
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "Report",
     "Decision",
     "CUDAGraphs",
+    "optim",
     "attention_bwd_delta",
     "build_info",
     "compiled_kernels",
