@@ -221,14 +221,6 @@ def optimizers(ps, gs, ms, vs, step: int, device) -> dict:
             "foreach AdamW": made(torch.optim.AdamW, False, foreach=True)}
 
 
-def routes_of(opt) -> dict:
-    """thunder_tk.optim.AdamW's last step: tensors on tk's kernel and on torch's path, and why (reason: count)."""
-    reasons: dict[str, int] = {}
-    for *_, why in opt.routes["declined"]:
-        reasons[why] = reasons.get(why, 0) + 1
-    return {"tk": opt.routes["tk"], "torch": opt.routes["torch"], "declined": reasons}
-
-
 def summarize(case: dict, times: dict[str, list[float]], direct: list[str], **extra) -> dict:
     """A case's row: ms per update (median over rounds) and GB/s per way, the ratios, and `extra` as is."""
     moved = bytes_moved(case["shapes"], case["dtype"])
@@ -267,7 +259,7 @@ def measure(case: dict, a, clocks: ClockSampler, device: torch.device = torch.de
            "foreach AdamW": opts["foreach AdamW"].step}
     for fn in fns.values():  # once each before timing: lazy set-up, and tk AdamW's routes
         fn()
-    routes = routes_of(opts["tk AdamW"])
+    routes = opts["tk AdamW"].route_counts()
     direct = []
     if not a.no_graphs and cuda:
         for name, way in GRAPHED.items():

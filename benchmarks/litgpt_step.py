@@ -638,12 +638,8 @@ def _run(name, wrap, args, device: torch.device, resident: int):
     row = {"variant": name, "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / _world(),
            "peak_gib": peak, "reserved_gib": reserved, "loss": float(loss.detach().float().mean()),
            "optimizer": v.optimizer_name, "_windows": v.windows}
-    routes = getattr(v.opt, "routes", None)
-    if isinstance(routes, dict):  # thunder_tk.optim.AdamW's last step: tensors on tk's kernel, on torch's path, why
-        reasons: dict[str, int] = {}
-        for *_, why in routes.get("declined", ()):
-            reasons[why] = reasons.get(why, 0) + 1
-        row["optimizer_routes"] = {"tk": routes.get("tk", 0), "torch": routes.get("torch", 0), "declined": reasons}
+    if hasattr(v.opt, "route_counts"):  # thunder_tk.optim.AdamW's last step: tensors on tk's kernel, on torch's path, why
+        row["optimizer_routes"] = v.opt.route_counts()
     shared = max_over_ranks(v.shared_free_gib, device) if cuda else 0.0
     if shared > 1 / 64:  # the variant's own reserved peak lies between reserved_gib and this
         row["reserved_gib_upper"] = reserved + shared

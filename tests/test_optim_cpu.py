@@ -250,6 +250,9 @@ def test_routes_name_every_parameter_torch_took_and_why():
     opt.step()  # the routes are the last step's
     assert [entry[:3] for entry in opt.routes["declined"]] == [(0, 1, (5,)), (0, 2, (7,)), (1, 0, (2, 3)),
                                                                 (1, 1, (2,))]
+    reasons = [entry[3] for entry in opt.routes["declined"]]
+    assert opt.route_counts() == {"tk": 0, "torch": 4, "declined": {r: reasons.count(r) for r in reasons}}
+    assert list(opt.route_counts()["declined"]) == list(dict.fromkeys(reasons))  # in the order first met
 
     for kwargs, words in ((dict(amsgrad=True), "amsgrad"), (dict(kernels=False), "kernels=False"),
                           (dict(lr=torch.tensor(1e-3)), "tensor")):

@@ -1474,11 +1474,12 @@ def adamw_unsupported(param, grad, exp_avg, exp_avg_sq) -> str | None:
             return f"{name} is on {t.device}, the parameter on {param.device}"
     if param.device.type != "cuda":
         return f"the parameter is on {param.device}, not a CUDA device"
-    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+    four = (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
+    for name, t in four:
         if not t.is_contiguous():
             return f"{name} is not contiguous (strides {tuple(t.stride())})"
-    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):  # e.g. FSDP2's DTensor: no flat local storage
+    for name, t in four:
+        if type(t) not in _PLAIN_TENSORS:  # e.g. FSDP2's DTensor: no flat local storage
             return f"{name} is a {type(t).__name__}, not a plain tensor"
     return None
 

@@ -113,6 +113,14 @@ class AdamW(torch.optim.AdamW):
             return "tensor hyperparameters are not supported by the kernel"
         return None
 
+    def route_counts(self) -> dict:
+        """The last step's routes counted: {"tk": tensors on tk's kernel, "torch": tensors on torch's path,
+        "declined": {reason: tensors}}, the reasons in the order first met."""
+        declined: dict[str, int] = {}
+        for *_, reason in self.routes["declined"]:
+            declined[reason] = declined.get(reason, 0) + 1
+        return {"tk": self.routes["tk"], "torch": self.routes["torch"], "declined": declined}
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

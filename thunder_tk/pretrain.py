@@ -891,11 +891,10 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
 def optimizer_report(optimizer, class_path: str) -> dict:
     """The summary's account of the optimizer: its class, and for thunder_tk.optim.AdamW its last step's routes."""
     report = {"class_path": class_path}
-    routes = getattr(optimizer, "routes", None)
-    if isinstance(routes, dict):
-        declined = routes.get("declined", [])
-        report.update(tensors_on_tk=routes.get("tk", 0), tensors_on_torch=routes.get("torch", 0),
-                      first_reason=declined[0][3] if declined else None)
+    if hasattr(optimizer, "route_counts"):
+        counts = optimizer.route_counts()
+        report.update(tensors_on_tk=counts["tk"], tensors_on_torch=counts["torch"],
+                      first_reason=next(iter(counts["declined"]), None))
     return report
 
 
