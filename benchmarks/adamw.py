@@ -17,6 +17,11 @@ The ways, all on the same tensors (each updates them in place; their values do n
                  size of exp_avg_sq)
   tk graph, fused graph (unless --no-graphs): tk and fused captured once into a CUDA graph and replayed: the GPU's
                  time alone, without the host's launch path (the step count is the captured one)
+  clip + tk AdamW, clip + fused AdamW (unless --max-norm 0): the update after clipping by the global gradient norm,
+                 as LitGPT's pretrain clips (train.max_norm, 1.0): tk AdamW's clip_grad_norm_ (one read of every
+                 gradient by tk's sq_norm kernel; the scaling inside the update) and torch.nn.utils.clip_grad_norm_
+                 (foreach: a read of every gradient for the norm, a read and a write to scale it) before the fused
+                 AdamW's step. Reported in ms and as a ratio only (they move more than the update's bytes).
 The optimizers' states are the benchmark's tensors (no copies), at step count 10 before their first update.
 
 Before timing, once per case, tk's update is checked against torch's fused one on the same inputs (step 10, the
@@ -62,10 +67,12 @@ BYTES_PER_ELEMENT = 7  # element sizes an update moves per element: param r+w, g
 SHAPES = {"model": "LitGPT --model's parameters", "small": "--small-count small 1-D tensors"}
 WAYS = ["tk", "tk AdamW", "fused", "fused AdamW", "foreach AdamW"]
 GRAPHED = {"tk graph": "tk", "fused graph": "fused"}
+CLIPPED = ["clip + tk AdamW", "clip + fused AdamW"]
 # ratio column -> (peer, tk): the peer's time over tk's, each pair at the same level (lists, optimizers, graphs)
 RATIOS = {"fused / tk": ("fused", "tk"), "fused AdamW / tk AdamW": ("fused AdamW", "tk AdamW"),
           "foreach AdamW / tk AdamW": ("foreach AdamW", "tk AdamW"),
-          "fused graph / tk graph": ("fused graph", "tk graph")}
+          "fused graph / tk graph": ("fused graph", "tk graph"),
+          "clip + fused AdamW / clip + tk AdamW": ("clip + fused AdamW", "clip + tk AdamW")}
 STATE = ("params", "exp_avg", "exp_avg_sq")  # what an update writes, as the check names it
 
 
@@ -80,6 +87,8 @@ def arguments(argv=None):
         p.add_argument("--small-max", type=int, default=65536)
         p.add_argument("--no-graphs", action="store_true", help="without the CUDA-graph replays of tk and fused")
         p.add_argument("--no-check", action="store_true", help="without the check of tk against torch's fused")
+        p.add_argument("--max-norm", type=float, default=1.0,
+                       help="the clipped ways' max_norm (LitGPT's train.max_norm); 0: without the clipped ways")
         p.add_argument("--check-budget-gb", type=float, default=24.0,
                        help="the check's copies of torch's side, at most this much at a time")
 
@@ -221,6 +230,22 @@ def optimizers(ps, gs, ms, vs, step: int, device) -> dict:
             "foreach AdamW": made(torch.optim.AdamW, False, foreach=True)}
 
 
+def clipped_ways(opts: dict, ps: list, max_norm: float) -> dict:
+    """The clipped updates: each optimizer's step after clipping by the global norm, tk AdamW's own way and
+    torch's (which scales the gradients in place: their norm settles at max_norm, the timing unaffected)."""
+    tk_adamw, fused_adamw = opts["tk AdamW"], opts["fused AdamW"]
+
+    def tk_clipped():
+        tk_adamw.clip_grad_norm_(max_norm)
+        tk_adamw.step()
+
+    def torch_clipped():
+        torch.nn.utils.clip_grad_norm_(ps, max_norm)
+        fused_adamw.step()
+
+    return {"clip + tk AdamW": tk_clipped, "clip + fused AdamW": torch_clipped}
+
+
 def summarize(case: dict, times: dict[str, list[float]], direct: list[str], **extra) -> dict:
     """A case's row: ms per update (median over rounds) and GB/s per way, the ratios, and `extra` as is."""
     moved = bytes_moved(case["shapes"], case["dtype"])
@@ -230,6 +255,8 @@ def summarize(case: dict, times: dict[str, list[float]], direct: list[str], **ex
     for w in [*WAYS, *GRAPHED]:
         row[f"{w} ms"] = ms.get(w)
         row[f"{w} GB/s"] = moved / (ms[w] * 1e-3) / 1e9 if w in ms else None
+    for w in CLIPPED:
+        row[f"{w} ms"] = ms.get(w)
     for name, (peer, mine) in RATIOS.items():
         row[name] = ms[peer] / ms[mine] if peer in ms and mine in ms else None
     row["timed by direct calls"] = ", ".join(direct) or "-"
@@ -260,6 +287,10 @@ def measure(case: dict, a, clocks: ClockSampler, device: torch.device = torch.de
     for fn in fns.values():  # once each before timing: lazy set-up, and tk AdamW's routes
         fn()
     routes = opts["tk AdamW"].route_counts()
+    if a.max_norm > 0:  # after the warm-up calls, so that the graphs below capture the plain updates
+        fns.update(clipped_ways(opts, ps, a.max_norm))
+        for name in CLIPPED:
+            fns[name]()
     direct = []
     if not a.no_graphs and cuda:
         for name, way in GRAPHED.items():
@@ -292,10 +323,11 @@ def finish(a, rows: list[dict]) -> None:
     """The tables, the check's lines, the JSON, the chart (--png) and a one-line summary last."""
     timed = [r for r in rows if not r.get("error")]
     ways = [w for w in [*WAYS, *GRAPHED] if any(r.get(f"{w} ms") is not None for r in timed)]
+    clipped = [w for w in CLIPPED if any(r.get(f"{w} ms") is not None for r in timed)]
     ratios = [k for k in RATIOS if any(r.get(k) is not None for r in timed)]
     if timed:
         print("ms per update")
-        print_table(timed, ["shape", "tensors", "gb_moved", *[f"{w} ms" for w in ways]])
+        print_table(timed, ["shape", "tensors", "gb_moved", *[f"{w} ms" for w in ways + clipped]])
         print("\nGB/s (7 x element size per element)")
         print_table(timed, ["shape", *[f"{w} GB/s" for w in ways]])
         print("\npeer / tk (above 1: tk faster)")

@@ -7,7 +7,10 @@ AdamW, cross-entropy of the bf16 logits averaged in fp32 (pretrain.LossModule), 
 steps, then timed steps. With --rounds R > 1 the variants stay built and are timed R times in turns, each round in a
 rotated order, and each gets the median: the GPU's clock drifts over a run, and one pass per variant had them 2-3%
 apart from run to run. The "... tk AdamW" variants update with thunder_tk.optim.AdamW (tk's multi-tensor kernel)
-instead of torch's fused AdamW, same learning rate; each row names its optimizer ("optimizer").
+instead of torch's fused AdamW, same learning rate; each row names its optimizer ("optimizer"). --max-norm N clips
+the gradients by their global norm before each update, as LitGPT's pretrain does (`train.max_norm`, 1.0 there):
+torch.nn.utils.clip_grad_norm_ (foreach) before torch's AdamW, tk AdamW's clip_grad_norm_ (the norm by tk's kernel,
+the scaling inside the update) before tk's.
 
     python benchmarks/litgpt_step.py --n-layer 4 --json out/litgpt_step.json --png out/litgpt_step.png
 
@@ -183,6 +186,23 @@ def torch_adamw(params, device: torch.device):
 def optimizer_name(wrap, device: torch.device) -> str:
     """The name of the optimizer a variant's steps update with (each row's "optimizer")."""
     return getattr(wrap, "optimizer_name", None) or ("torch fused AdamW" if device.type == "cuda" else "torch AdamW")
+
+
+def clipping(opt, max_norm: float | None):
+    """What clips the gradients before `opt.step()` by their global norm, as LitGPT's pretrain does: nothing without
+    max_norm; else `thunder-tk pretrain`'s clip_gradients (thunder_tk.optim.AdamW's clip_grad_norm_, the scaling
+    folded into its update; torch's foreach norms and multiply for torch's AdamW), or torch.nn.utils.clip_grad_norm_
+    for FSDP2's DTensors."""
+    if max_norm is None:
+        return lambda: None
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if any(type(p).__name__ == "DTensor" for p in params):  # FSDP2's: torch's clip sums over the mesh itself
+        return lambda: torch.nn.utils.clip_grad_norm_(params, max_norm)
+    from thunder_tk.pretrain import clip_gradients
+
+    # thunder.distributed.fsdp's shards are plain tensors: their squared norms summed over the ranks
+    group = torch.distributed.group.WORLD if _world() > 1 else None
+    return lambda: clip_gradients(params, max_norm, opt, group)
 
 
 def with_optimizer(wrap, name: str, make):
@@ -568,12 +588,14 @@ class Built:
         y = torch.randint(cfg.padded_vocab_size, (args.batch, args.seq), generator=gen).to(device)
 
         around = getattr(wrap, "around_step", contextlib.nullcontext)
+        clip = clipping(opt, getattr(args, "max_norm", None))
 
         def step():
             with around():
                 with autocast_for(autocast, device.type):
                     loss = net(x, y)
                 loss.backward()
+                clip()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             return loss
@@ -726,6 +748,9 @@ def add_model_arguments(p: argparse.ArgumentParser, *, n_layer: int = 4, warmup:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--precision", choices=("bf16-true", "bf16-mixed"), default="bf16-true",
                    help="LitGPT's: bf16 weights and compute, or fp32 weights with the forward under bf16 autocast")
+    p.add_argument("--max-norm", type=float, default=None,
+                   help="clip the gradients by their global norm before each update (LitGPT's train.max_norm, 1.0 "
+                        "in its pretrain configs); default: no clipping")
     p.add_argument("--warmup", type=int, default=warmup)
 
 
@@ -825,8 +850,9 @@ def main():
     timing = f"median of {a.rounds} rounds in turns" if a.rounds > 1 else "one pass per variant"
     optimizers = "fused AdamW" + (" (tk AdamW where named)" if any(r.get("optimizer") == TK_ADAMW for r in rows)
                                   else "")
-    print(f"{a.model}, {a.n_layer} layers, {where} x {a.seq} tokens, {a.precision}, {optimizers}; {a.steps} steps, "
-          f"{timing}")
+    clipped = f", gradients clipped to norm {a.max_norm:g}" if a.max_norm is not None else ""
+    print(f"{a.model}, {a.n_layer} layers, {where} x {a.seq} tokens, {a.precision}, {optimizers}{clipped}; "
+          f"{a.steps} steps, {timing}")
     print_table(rows, ["variant", "tokens_per_s", "tokens_per_s_per_gpu", "peak_gib", "reserved_gib",
                        "vs_thunder_default", "vs_torch_compile"])
     for r in rows:
@@ -847,7 +873,7 @@ def main():
     print_memory(rows)
     write_results(a.json, "litgpt_step_fsdp" if a.fsdp else "litgpt_step",
                   [{**r, "world_size": _world(), "n_layer": a.n_layer, "seq": a.seq, "batch_per_gpu": a.batch,
-                    "precision": a.precision,
+                    "precision": a.precision, "max_norm": a.max_norm,
                     "steps": a.steps, "rounds": a.rounds} for r in rows])
     if a.fsdp:
         torch.distributed.destroy_process_group()

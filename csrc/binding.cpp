@@ -24,6 +24,7 @@
 #include "kernels/loss/cross_entropy.h"
 #include "kernels/norm/rms_norm.h"
 #include "kernels/optim/adamw.h"
+#include "kernels/optim/grad_norm.h"
 #include "kernels/selftest/kittens_selftest.h"
 #include "kittens/launch.h"
 
@@ -350,7 +351,8 @@ void embedding_backward(std::uintptr_t grad, int64_t grad_stride, std::uintptr_t
 void adamw(const std::vector<std::uintptr_t>& params, const std::vector<std::uintptr_t>& grads,
            const std::vector<std::uintptr_t>& exp_avgs, const std::vector<std::uintptr_t>& exp_avg_sqs,
            const std::vector<int64_t>& numels, int dtype, double lr, double beta1, double beta2, double eps,
-           double weight_decay, double step, bool maximize, std::uintptr_t stream) {
+           double weight_decay, double step, bool maximize, std::uintptr_t clip_sq_norm, double clip_max_norm,
+           std::uintptr_t stream) {
     const std::size_t n = params.size();
     if (grads.size() != n || exp_avgs.size() != n || exp_avg_sqs.size() != n || numels.size() != n)
         throw std::invalid_argument("thunder_tk adamw: params, grads, exp_avgs, exp_avg_sqs and numels differ in length");
@@ -373,9 +375,32 @@ void adamw(const std::vector<std::uintptr_t>& params, const std::vector<std::uin
     args.dtype = dtype;
     // As torch's fused kernel takes them: doubles rounded to float once.
     args.hyper = {static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2),
-                  static_cast<float>(eps), static_cast<float>(weight_decay), static_cast<float>(step), maximize};
+                  static_cast<float>(eps), static_cast<float>(weight_decay), static_cast<float>(step), maximize,
+                  as_ptr<float>(clip_sq_norm), static_cast<float>(clip_max_norm)};
     launch_if_supported(tk::optim::adamw_unsupported(args), "adamw",
                         [&] { return tk::optim::launch_adamw(args, as_stream(stream)); });
+}
+
+// The sum of squares of every element of a list of dense tensors of one dtype (optim/grad_norm.h), into `out`.
+void sq_norm(const std::vector<std::uintptr_t>& tensors, const std::vector<int64_t>& numels, int dtype,
+             std::uintptr_t workspace, int64_t workspace_size, std::uintptr_t out, bool accumulate,
+             std::uintptr_t stream) {
+    if (numels.size() != tensors.size())
+        throw std::invalid_argument("thunder_tk sq_norm: tensors and numels differ in length");
+    if (tensors.size() > static_cast<std::size_t>(1) << 30) throw std::invalid_argument("thunder_tk sq_norm: too many tensors");
+    std::vector<const void*> t(tensors.size());
+    for (std::size_t i = 0; i < tensors.size(); ++i) t[i] = as_ptr<void>(tensors[i]);
+    tk::optim::sq_norm_args args{};
+    args.tensors = t.data();
+    args.numels = numels.data();
+    args.count = static_cast<int>(t.size());
+    args.dtype = dtype;
+    args.partials = reinterpret_cast<float*>(workspace);
+    args.partials_size = workspace_size;
+    args.out = reinterpret_cast<float*>(out);
+    args.accumulate = accumulate;
+    launch_if_supported(tk::optim::sq_norm_unsupported(args), "sq_norm",
+                        [&] { return tk::optim::launch_sq_norm(args, as_stream(stream)); });
 }
 
 // RMSNorm over rows of n elements (norm/rms_norm.h), optionally after adding a residual; rstd saved in fp32.
@@ -737,7 +762,7 @@ void register_selftests(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "thunder_tk CUDA kernels (sm_90a). Called through thunder_tk.ops, which validates arguments.";
 
-    m.def("kernels", [] { return std::vector<std::string>{"adamw", "all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_fp32", "gemm_rope", "gemm_sum", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter", "rms_norm"}; },
+    m.def("kernels", [] { return std::vector<std::string>{"adamw", "all_gather", "attention_backward", "attention_bwd_delta", "attention_forward", "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward", "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_fp32", "gemm_rope", "gemm_sum", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter", "rms_norm", "sq_norm"}; },
           "Names of the kernels compiled into this build.");
     m.def("cuda_runtime_version", [] {
         int v = 0;
@@ -877,10 +902,20 @@ PYBIND11_MODULE(_C, m) {
           "zero; enqueued on `stream`.");
     m.def("adamw", &adamw, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
           py::arg("numels"), py::arg("dtype"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-          py::arg("weight_decay"), py::arg("step"), py::arg("maximize"), py::arg("stream"),
+          py::arg("weight_decay"), py::arg("step"), py::arg("maximize"), py::arg("clip_sq_norm"),
+          py::arg("clip_max_norm"), py::arg("stream"),
           "AdamW (decoupled weight decay, no AMSGrad) in place over lists of dense tensors of one dtype, entry i of "
           "each list the same size and layout: torch's fused AdamW's arithmetic in fp32; `step` counted before the "
-          "update (1 on the first); enqueued on `stream`, 256 entries a launch.");
+          "update (1 on the first); enqueued on `stream`, 256 entries a launch. A non-zero `clip_sq_norm` (one fp32 "
+          "on the device, sq_norm's) clips the gradients by that norm and `clip_max_norm` first, as "
+          "torch.nn.utils.clip_grad_norm_ does, without writing them.");
+    m.def("sq_norm", &sq_norm, py::arg("tensors"), py::arg("numels"), py::arg("dtype"), py::arg("workspace"),
+          py::arg("workspace_size"), py::arg("out"), py::arg("accumulate"), py::arg("stream"),
+          "The sum of squares of every element of a list of dense tensors of one dtype, in fp32, written to `out` "
+          "(one fp32 on the device; added to it where `accumulate`); `workspace` holds sq_norm_workspace(count) "
+          "fp32. The same bits on every call on one GPU; enqueued on `stream`.");
+    m.def("sq_norm_workspace", &tk::optim::sq_norm_workspace, py::arg("count"),
+          "fp32 elements of workspace that sq_norm over `count` tensors needs.");
     m.def("rms_norm_forward", &rms_norm_forward, py::arg("x"), py::arg("x_stride"), py::arg("residual"),
           py::arg("residual_stride"), py::arg("sum"), py::arg("sum_stride"), py::arg("weight"), py::arg("y"),
           py::arg("y_stride"), py::arg("rstd"), py::arg("rstd_stride"), py::arg("rows"), py::arg("n"), py::arg("eps"),

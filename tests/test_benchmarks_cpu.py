@@ -787,6 +787,7 @@ def test_adamw_benchmark_parses_builds_its_cases_and_counts_bytes(tmp_path, caps
     assert (a.shapes, a.dtypes, a.model, a.n_layer, a.rounds, a.json, a.png) == (
         ["model", "small"], ["bf16", "fp32"], "Llama-3.2-1B", None, 5, "out/adamw.json", None)
     assert (a.small_count, a.small_min, a.small_max, a.no_graphs, a.no_check) == (2000, 4096, 65536, False, False)
+    assert a.max_norm == 1.0 and bench.arguments(["--max-norm", "0"]).max_norm == 0.0
     assert bench.arguments(["--chart", "x.png"]).png == "x.png"  # --chart is --png
 
     shapes = bench.model_shapes("Llama-3.2-1B")
@@ -807,8 +808,22 @@ def test_adamw_benchmark_parses_builds_its_cases_and_counts_bytes(tmp_path, caps
     assert [(c["case"], c["dtype"], c["precision"], c["model"]) for c in cases] == [
         ("small", "fp32", "bf16-mixed", None), ("model", "fp32", "bf16-mixed", "pythia-14m")]
 
+    # The clipped ways run on CPU tensors (torch's paths inside tk AdamW): each clips and updates every parameter.
+    ps = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(2)]
+    gs, ms, vs = ([torch.randn(5, 3).abs() for _ in ps] for _ in range(3))
+    opts = bench.optimizers(ps, gs, ms, vs, bench.STEP, torch.device("cpu"))
+    before = [p.detach().clone() for p in ps]
+    ways = bench.clipped_ways(opts, ps, 1e-3)
+    assert list(ways) == bench.CLIPPED
+    ways["clip + tk AdamW"]()
+    assert opts["tk AdamW"].routes["torch"] == 2 and not torch.equal(ps[0], before[0])
+    ways["clip + fused AdamW"]()
+    total = torch.cat([p.grad.flatten() for p in ps]).norm()
+    assert total.item() == pytest.approx(1e-3, rel=1e-3)  # torch's clip scaled the gradients in place
+
     times = {"tk": [1.0, 2.0, 1.5], "tk AdamW": [2.0, 2.0, 2.0], "fused": [3.0, 3.0, 3.0], "fused AdamW": [4.0] * 3,
-             "foreach AdamW": [8.0] * 3, "tk graph": [1.0] * 3, "fused graph": [2.5] * 3}
+             "foreach AdamW": [8.0] * 3, "tk graph": [1.0] * 3, "fused graph": [2.5] * 3,
+             "clip + tk AdamW": [2.5] * 3, "clip + fused AdamW": [5.5] * 3}
     check = {"elements": 10, "differing": {"params": 1, "exp_avg": 0, "exp_avg_sq": 2}, "total_differing": 3,
              "max_abs_diff": {"params": 1e-3, "exp_avg": 0.0, "exp_avg_sq": 2e-6}, "groups": 1}
     row = bench.summarize(cases[1], times, [], check=check, tk_adamw_routes={"tk": 16, "torch": 0, "declined": {}})
@@ -817,8 +832,10 @@ def test_adamw_benchmark_parses_builds_its_cases_and_counts_bytes(tmp_path, caps
     assert row["tk ms"] == 1.5 and row["tk GB/s"] == pytest.approx(moved / 1.5e-3 / 1e9)
     assert row["fused / tk"] == 2.0 and row["fused AdamW / tk AdamW"] == 2.0
     assert row["foreach AdamW / tk AdamW"] == 4.0 and row["fused graph / tk graph"] == 2.5
+    assert row["clip + tk AdamW ms"] == 2.5 and row["clip + fused AdamW / clip + tk AdamW"] == 2.2
+    assert "clip + tk AdamW GB/s" not in row  # they move more than the update's bytes
     assert row["ms_rounds"] == times and row["step"] == bench.STEP and row["hyper"] == bench.HYPER
-    del times["tk graph"], times["fused graph"]  # --no-graphs
+    del times["tk graph"], times["fused graph"], times["clip + tk AdamW"], times["clip + fused AdamW"]
     bare = bench.summarize(cases[0], times, [], check=None)
     assert bare["tk graph ms"] is None and bare["fused graph / tk graph"] is None
     failed = {"shape": "x fp32", "dtype": "fp32", "error": "OutOfMemoryError: CUDA out of memory"}
@@ -876,7 +893,8 @@ def test_adamw_benchmark_check_and_case_plumbing_on_cpu(monkeypatch):
     (case,) = bench.cases(a)
     with bench.ClockSampler() as clocks:
         row = bench.measure(case, a, clocks, cpu)
-    assert timed == [bench.WAYS]  # no graphs off a GPU
+    assert timed == [bench.WAYS + bench.CLIPPED]  # no graphs off a GPU
+    assert row["clip + fused AdamW / clip + tk AdamW"] == 1.0
     assert row["tk ms"] == 2.0 and row["fused / tk"] == 1.0 and row["peak_gib"] is None
     assert row["check"]["total_differing"] == 0 and row["check"]["elements"] == bench.numel(case["shapes"])
     assert row["tk_adamw_routes"] == {"tk": 0, "torch": 40,
@@ -942,3 +960,38 @@ def test_litgpt_step_tk_adamw_variants_pick_their_optimizer(monkeypatch, tmp_pat
     assert list(tk_row["optimizer_routes"]["declined"]) == ["the parameter is on cpu, not a CUDA device"]
     assert tk_row["loss"] == pytest.approx(rows["eager"]["loss"])  # the same model and batch
     assert "fused AdamW (tk AdamW where named)" in capsys.readouterr().out
+
+
+def test_litgpt_step_max_norm_clips_each_optimizer_its_way(monkeypatch, tmp_path, capsys):
+    """--max-norm: no clipping without it; tk AdamW clips with its own clip_grad_norm_ (the gradients left as they
+    are, the clip pending for its step), torch's AdamW with pretrain's clip_gradients (the gradients scaled in place
+    to the norm); a run says so in its header and its rows."""
+    import importlib.util
+
+    import torch
+
+    import thunder_tk.optim
+
+    spec = importlib.util.spec_from_file_location("litgpt_step_bench_clip", ROOT / "benchmarks" / "litgpt_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    p = torch.nn.Parameter(torch.zeros(4))
+    for make in (thunder_tk.optim.AdamW, torch.optim.AdamW):
+        opt = make([p])
+        p.grad = torch.full((4,), 3.0)
+        bench.clipping(opt, None)()
+        assert torch.equal(p.grad, torch.full((4,), 3.0))
+        bench.clipping(opt, 0.5)()
+        if make is thunder_tk.optim.AdamW:
+            assert torch.equal(p.grad, torch.full((4,), 3.0)) and opt._clip is not None
+        else:
+            assert p.grad.norm().item() == pytest.approx(0.5, rel=1e-5)
+
+    out = tmp_path / "step.json"
+    monkeypatch.setattr(sys, "argv", ["litgpt_step.py", "--device", "cpu", "--model", "pythia-14m", "--n-layer", "1",
+                                      "--seq", "16", "--batch", "1", "--warmup", "1", "--steps", "1", "--max-norm",
+                                      "0.01", "--only", "eager", "--json", str(out)])
+    bench.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["max_norm"] == 0.01 and rows[0]["tokens_per_s"] > 0
+    assert "gradients clipped to norm 0.01" in capsys.readouterr().out

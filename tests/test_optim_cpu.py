@@ -403,7 +403,8 @@ def ext(extension_without_gpu):
 
 def ext_adamw(ext, **changes):
     args = dict(params=[A], grads=[B], exp_avgs=[C], exp_avg_sqs=[D], numels=[4096], dtype=0, lr=1e-3, beta1=0.9,
-                beta2=0.999, eps=1e-8, weight_decay=0.1, step=1.0, maximize=False, stream=0)
+                beta2=0.999, eps=1e-8, weight_decay=0.1, step=1.0, maximize=False, clip_sq_norm=0, clip_max_norm=0.0,
+                stream=0)
     args.update(changes)
     return ext.adamw(**args)
 
@@ -427,3 +428,164 @@ def test_compiled_checks(ext):
         ext_adamw(ext, grads=[0])
     with pytest.raises(ValueError, match="thunder_tk adamw: params, grads, exp_avgs, exp_avg_sqs and numels differ"):
         ext_adamw(ext, numels=[1, 2])
+    with pytest.raises(RuntimeError, match="launching adamw failed"):  # clipped: the norm read on the device
+        ext_adamw(ext, clip_sq_norm=A, clip_max_norm=1.0)
+
+
+def ext_sq_norm(ext, **changes):
+    args = dict(tensors=[A, B], numels=[4096, 7], dtype=0, workspace=C, workspace_size=ext.sq_norm_workspace(2),
+                out=D, accumulate=False, stream=0)
+    args.update(changes)
+    return ext.sq_norm(**args)
+
+
+def test_compiled_sq_norm_checks(ext):
+    assert ext.sq_norm_workspace(0) == 0
+    assert 0 < ext.sq_norm_workspace(1) == ext.sq_norm_workspace(256) < ext.sq_norm_workspace(257)
+    with pytest.raises(RuntimeError, match="launching sq_norm failed"):
+        ext_sq_norm(ext)
+    with pytest.raises(RuntimeError, match="launching sq_norm failed"):  # nothing to read: the sum (0) still written
+        ext_sq_norm(ext, tensors=[], numels=[], workspace=0, workspace_size=0)
+    with pytest.raises(ValueError, match="thunder_tk sq_norm: dtype must be bfloat16, float16 or float32"):
+        ext_sq_norm(ext, dtype=3)
+    with pytest.raises(ValueError, match="thunder_tk sq_norm: the workspace is smaller than sq_norm_workspace"):
+        ext_sq_norm(ext, workspace_size=ext.sq_norm_workspace(2) - 1)
+    with pytest.raises(ValueError, match="thunder_tk sq_norm: the output is needed"):
+        ext_sq_norm(ext, out=0)
+    with pytest.raises(ValueError, match="thunder_tk sq_norm: the workspace is needed"):
+        ext_sq_norm(ext, workspace=0)
+    with pytest.raises(ValueError, match="thunder_tk sq_norm: element counts must not be negative"):
+        ext_sq_norm(ext, numels=[5, -1])
+    with pytest.raises(ValueError, match="thunder_tk sq_norm: a tensor with elements has a null pointer"):
+        ext_sq_norm(ext, tensors=[A, 0])
+    with pytest.raises(ValueError, match="thunder_tk sq_norm: tensors and numels differ in length"):
+        ext_sq_norm(ext, numels=[1])
+
+
+# -- clipping by the global norm (AdamW.clip_grad_norm_): on the CPU, torch's foreach norms and torch's path ------
+
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s factor from a norm, its expression as written there."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+@pytest.mark.parametrize("max_norm", [1e-2, 1e6], ids=["clipped", "under-max-norm"])
+def test_clip_grad_norm_then_step_as_torch(max_norm):
+    """Three steps of two groups, fp32 and bf16 parameters and one without a gradient: clip_grad_norm_ returns the
+    gradients' norm (as torch.nn.utils.clip_grad_norm_'s, and float64's), and the step is torch.optim.AdamW's bit for
+    bit after the gradients were multiplied by torch's clip factor for that norm; the gradients stay as they were.
+    Under max_norm (factor 1) also as torch's plain clip_grad_norm_ and step, bit for bit."""
+    ours_params = make_params(20) + make_params(21, [(6,)], torch.bfloat16)
+    their_params = clone_params(ours_params)
+    ours = AdamW(two_groups(ours_params), lr=2e-3, weight_decay=0.1)
+    theirs = torch.optim.AdamW(two_groups(their_params), lr=2e-3, weight_decay=0.1)
+    g = torch.Generator().manual_seed(22)
+    for step in range(1, 4):
+        set_grads(list(zip(ours_params, their_params)), g, skip={1})
+        grads = [None if p.grad is None else p.grad.clone() for p in ours_params]
+        norm = ours.clip_grad_norm_(max_norm)
+        want = math.sqrt(sum(float(x.double().square().sum()) for x in grads if x is not None))
+        assert norm.dtype == torch.float32 and norm.shape == () and abs(norm.item() - want) <= 1e-6 * want
+        if max_norm > 1:
+            their_norm = torch.nn.utils.clip_grad_norm_(their_params, max_norm)
+            assert abs(their_norm.item() - want) <= 1e-2 * want  # torch's norm of the bf16 gradient is bf16
+        else:
+            torch._foreach_mul_([q.grad for q in their_params if q.grad is not None], clip_factor(norm, max_norm))
+        ours.step()
+        theirs.step()
+        assert_same_optimizers(ours, theirs, ours_params, their_params, f"step {step}")
+        for p, x in zip(ours_params, grads):
+            assert (p.grad is None and x is None) or same_bits(p.grad, x)
+
+
+def test_clip_is_used_by_one_step_and_dropped_by_zero_grad():
+    """The step after clip_grad_norm_ is clipped, the one after it not; zero_grad() (a batch's gradients thrown
+    away) drops a clip not yet applied; a second clip_grad_norm_ replaces the first."""
+    p = torch.nn.Parameter(torch.randn(5))
+    q = torch.nn.Parameter(p.detach().clone())
+    ours, theirs = AdamW([p], lr=1e-2), torch.optim.AdamW([q], lr=1e-2)
+
+    def grads(value):
+        p.grad, q.grad = torch.full((5,), value), torch.full((5,), value)
+
+    grads(3.0)
+    norm = ours.clip_grad_norm_(1e-3)
+    q.grad.mul_(clip_factor(norm, 1e-3))
+    ours.step()
+    theirs.step()
+    grads(3.0)
+    ours.step()  # no clip pending: unclipped
+    theirs.step()
+    assert_same_optimizers(ours, theirs, [p], [q])
+    ours.clip_grad_norm_(1e-3)
+    ours.zero_grad()
+    theirs.zero_grad()
+    assert p.grad is None
+    grads(2.0)
+    ours.step()
+    theirs.step()
+    assert_same_optimizers(ours, theirs, [p], [q])
+    grads(2.0)
+    ours.clip_grad_norm_(1e-3)
+    norm = ours.clip_grad_norm_(0.5)  # replaces the first
+    q.grad.mul_(clip_factor(norm, 0.5))
+    ours.step()
+    theirs.step()
+    assert_same_optimizers(ours, theirs, [p], [q])
+
+
+def test_clip_grad_norm_edges_and_errors():
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = AdamW([p])
+    norm = opt.clip_grad_norm_(1.0)  # no gradients: norm 0, as torch's, and nothing pending
+    assert norm.item() == 0.0 and opt._clip is None
+    for bad in (0, -1.0, math.nan, True, "1", None):
+        with pytest.raises(ValueError, match="clip_grad_norm_: max_norm must be a positive number"):
+            opt.clip_grad_norm_(bad)
+    p.grad = torch.ones(4)
+    assert opt.clip_grad_norm_(math.inf).item() == 2.0  # max_norm inf: the norm, factor 1
+    p.grad = torch.tensor([1.0, math.inf, 0.0, 0.0])
+    assert opt.clip_grad_norm_(1.0).item() == math.inf  # non-finite norms carry through, as torch's default
+    p.grad = torch.ones(4)
+    opt.clip_grad_norm_(1.0)
+    with pytest.raises(ValueError, match="a closure recomputes the gradients that clip_grad_norm_ measured"):
+        opt.step(lambda: None)
+    p.grad = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2), (4,))
+    with pytest.raises(RuntimeError, match="clip_grad_norm_ does not support sparse gradients"):
+        opt.clip_grad_norm_(1.0)
+
+
+def test_clip_grad_norm_over_a_process_group():
+    """process_group: the squared norm summed over the group's ranks (one gloo rank here: the same norm)."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        p = torch.nn.Parameter(torch.randn(6))
+        p.grad = torch.full((6,), 2.0)
+        opt = AdamW([p])
+        assert opt.clip_grad_norm_(1.0, process_group=dist.group.WORLD).item() == pytest.approx(math.sqrt(24))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sq_norm_and_clip_argument_errors_cpu_tensors():
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match=r"sq_norm: entry 0 is on cpu, not a CUDA device"):
+        ops.sq_norm([x])
+    with pytest.raises(ValueError, match=r"sq_norm: entry 0 is dtype torch.int32 not in"):  # before the device
+        ops.sq_norm([x.int(), x])
+    with FakeTensorMode():  # past the device's check: metadata only
+        y = torch.empty(4, 6, device="cuda")
+        assert ops.sq_norm_unsupported(y) == "a FakeTensor, not a plain tensor"
+        assert not ops.sq_norm_list_alike([y])
+    with pytest.raises(ValueError, match=r"no tensors and no `out`"):
+        ops.sq_norm([])
+    P, G, M, V = quad(x)
+    with pytest.raises(ValueError, match="adamw_step: grad_sq_norm and max_norm go together"):
+        ops.adamw_step(P, G, M, V, step=1, max_norm=1.0, **HYPER)
+    with pytest.raises(ValueError, match="adamw_step: max_norm must be a positive number; got 0"):
+        ops.adamw_step(P, G, M, V, step=1, grad_sq_norm=torch.ones(()), max_norm=0, **HYPER)
+    with pytest.raises(ValueError, match="adamw_step: grad_sq_norm must be a one-element float32 tensor"):
+        ops.adamw_step(P, G, M, V, step=1, grad_sq_norm=torch.ones(2), max_norm=1.0, **HYPER)

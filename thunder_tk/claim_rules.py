@@ -27,7 +27,8 @@ from thunder_tk.functional import attention_bwd_delta_symbol
 KERNELS_IN_SOURCE = frozenset({"adamw", "all_gather", "attention_backward", "attention_bwd_delta", "attention_forward",
                                "attention_rope_grad", "cross_entropy_backward", "cross_entropy_forward",
                                "cross_entropy_forward_grad", "embedding_backward", "gemm", "gemm_fp32", "gemm_rope",
-                               "gemm_sum", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter", "rms_norm"})
+                               "gemm_sum", "gemm_swiglu", "gemm_swiglu_grad", "reduce_scatter", "rms_norm",
+                               "sq_norm"})
 
 DISABLE_ENV = "THUNDER_TK_DISABLE"
 """Comma-separated rule names or families tk must not claim (e.g. ``collective`` or ``ltorch.linear``)."""

@@ -1485,15 +1485,23 @@ def adamw_unsupported(param, grad, exp_avg, exp_avg_sq) -> str | None:
 
 
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, step: int | float, lr: float, beta1: float, beta2: float,
-               eps: float, weight_decay: float, maximize: bool = False) -> None:
+               eps: float, weight_decay: float, maximize: bool = False, grad_sq_norm: torch.Tensor | None = None,
+               max_norm: float | None = None) -> None:
     """One AdamW update in place over lists of parameters, their gradients and moment buffers (entry i of each list
     belongs together), all of one dtype on one device: what torch.optim.AdamW(fused=True) computes in torch 2.11,
     operation for operation in fp32 (decoupled weight decay, no AMSGrad), with `step` the count after this step's
     increment (1 on the first). One pass over the tensors, 256 of them a launch, enqueued on the device's current
-    stream."""
+    stream.
+
+    With `grad_sq_norm` (a one-element float32 tensor on the device: the squared global norm, e.g. sq_norm's over
+    every gradient) and `max_norm`, the update reads each gradient clipped as torch.nn.utils.clip_grad_norm_(...,
+    max_norm) leaves it for that norm: multiplied by min(1, max_norm / (norm + 1e-6)) in its dtype. The gradients
+    are not written. The norm is read on the device: nothing waits for it."""
     if not step >= 1:
         raise ValueError(f"adamw_step: step must be at least 1 (counted before the update); got {step}")
     lists = (list(params), list(grads), list(exp_avgs), list(exp_avg_sqs))
+    if (why := _clip_unsupported(grad_sq_norm, max_norm, lists[0][0].device if lists[0] else None)) is not None:
+        raise ValueError(f"adamw_step: {why}")
     if len({len(x) for x in lists}) != 1:
         raise ValueError("adamw_step: params, grads, exp_avgs and exp_avg_sqs differ in length "
                          f"({', '.join(str(len(x)) for x in lists)})")
@@ -1507,7 +1515,22 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, step: int | float, lr: f
             if p.device != device or p.dtype != dtype:
                 raise ValueError(f"adamw_step: entry {i} is {p.dtype} on {p.device}, entry 0 {dtype} on {device}")
     _adamw_launch(_require_kernels(lists[0][0].device), *lists, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                  weight_decay=weight_decay, maximize=maximize)
+                  weight_decay=weight_decay, maximize=maximize, grad_sq_norm=grad_sq_norm, max_norm=max_norm)
+
+
+def _clip_unsupported(grad_sq_norm, max_norm, device) -> str | None:
+    """Why adamw_step cannot clip by this squared norm and max_norm, or None (also when neither is given)."""
+    if grad_sq_norm is None and max_norm is None:
+        return None
+    if grad_sq_norm is None or max_norm is None:
+        return "grad_sq_norm and max_norm go together"
+    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
+        return f"max_norm must be a positive number; got {max_norm!r}"
+    if not isinstance(grad_sq_norm, torch.Tensor) or grad_sq_norm.dtype != torch.float32 or grad_sq_norm.numel() != 1:
+        return "grad_sq_norm must be a one-element float32 tensor"
+    if device is not None and grad_sq_norm.device != device:
+        return f"grad_sq_norm is on {grad_sq_norm.device}, the parameters on {device}"
+    return None
 
 
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -1534,7 +1557,7 @@ def adamw_lists_alike(params, grads, exp_avgs, exp_avg_sqs) -> bool:
 
 
 def _adamw_launch(ext, params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay,
-                  maximize) -> None:
+                  maximize, grad_sq_norm=None, max_norm=None) -> None:
     """adamw_step's launch, for callers that checked the entries already (thunder_tk.optim.AdamW, every step)."""
     device = params[0].device
     with _on(device):
@@ -1542,4 +1565,75 @@ def _adamw_launch(ext, params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1,
         ext.adamw(list(map(ptrs, params)), list(map(ptrs, grads)), list(map(ptrs, exp_avgs)),
                   list(map(ptrs, exp_avg_sqs)), list(map(torch.Tensor.numel, params)), _DTYPE_CODES[params[0].dtype],
                   float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(step), bool(maximize),
+                  0 if grad_sq_norm is None else grad_sq_norm.data_ptr(), 0.0 if max_norm is None else float(max_norm),
                   _stream_handle(device))
+
+
+# The squared global norm of many tensors (clipping by norm; thunder_tk.optim.AdamW.clip_grad_norm_)
+
+def sq_norm_unsupported(t) -> str | None:
+    """Why sq_norm cannot read this tensor (metadata only), or None: the kernel reads it as a flat array."""
+    if type(t) not in _PLAIN_TENSORS:
+        return f"a {type(t).__name__}, not a plain tensor"
+    if t.layout != torch.strided:
+        return f"{t.layout}, not dense"
+    if t.dtype not in ADAMW_DTYPES:
+        return f"dtype {t.dtype} not in {{bfloat16, float16, float32}}"
+    if t.device.type != "cuda":
+        return f"on {t.device}, not a CUDA device"
+    if not t.is_contiguous():
+        return f"not contiguous (strides {tuple(t.stride())})"
+    return None
+
+
+def sq_norm_list_alike(tensors) -> bool:
+    """Whether every tensor passes sq_norm_unsupported and all are on one device, checked in bulk."""
+    if not tensors:
+        return True
+    return (set(map(type, tensors)) <= _PLAIN_TENSORS and set(map(_layout_of, tensors)) == {torch.strided}
+            and set(map(_dtype_of, tensors)) <= set(ADAMW_DTYPES) and len(set(map(_device_of, tensors))) == 1
+            and tensors[0].device.type == "cuda" and all(map(torch.Tensor.is_contiguous, tensors)))
+
+
+def sq_norm(tensors, *, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """The sum of squares of every element of `tensors`, in fp32, as a 0-d tensor on their device: the square of
+    their global L2 norm (what clipping by norm needs; squares of shards add up across ranks). The tensors are dense
+    and contiguous, bfloat16, float16 or float32 (mixed), on one CUDA device. The same bits on every call on one
+    GPU (no atomics). `out` (a one-element float32 tensor on the device) receives the sum, or adds it to its value
+    where `accumulate`. Enqueued on the device's current stream: nothing waits."""
+    tensors = list(tensors)
+    if not sq_norm_list_alike(tensors):
+        for i, t in enumerate(tensors):
+            if (reason := sq_norm_unsupported(t)) is not None:
+                raise ValueError(f"sq_norm: entry {i} is {reason}")
+            if t.device != tensors[0].device:
+                raise ValueError(f"sq_norm: entry {i} is on {t.device}, entry 0 on {tensors[0].device}")
+    if out is None:
+        if not tensors:
+            raise ValueError("sq_norm: no tensors and no `out` to say which device the sum belongs on")
+        out = torch.empty((), dtype=torch.float32, device=tensors[0].device)  # written, not added to
+        accumulate = False
+    elif out.dtype != torch.float32 or out.numel() != 1 or (tensors and out.device != tensors[0].device):
+        raise ValueError("sq_norm: out must be a one-element float32 tensor on the tensors' device")
+    if not tensors:
+        if not accumulate:
+            out.zero_()
+        return out
+    _sq_norm_launch(_require_kernels(out.device), tensors, out, accumulate)
+    return out
+
+
+def _sq_norm_launch(ext, tensors, out: torch.Tensor, accumulate: bool) -> None:
+    """sq_norm's launches for checked tensors: one per dtype, each adding to what the one before wrote."""
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    device = out.device
+    with _on(device):
+        stream = _stream_handle(device)
+        for dtype, group in by_dtype.items():
+            size = ext.sq_norm_workspace(len(group))
+            workspace = torch.empty(size, dtype=torch.float32, device=device)
+            ext.sq_norm(list(map(torch.Tensor.data_ptr, group)), list(map(torch.Tensor.numel, group)),
+                        _DTYPE_CODES[dtype], workspace.data_ptr(), size, out.data_ptr(), accumulate, stream)
+            accumulate = True

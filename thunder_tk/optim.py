@@ -9,6 +9,11 @@ computing what torch's fused AdamW computes (torch 2.11's, operation for operati
 cannot take (off an sm_90 GPU, other dtypes, non-contiguous tensors, tensor subclasses such as FSDP2's DTensor,
 AMSGrad, a tensor learning rate) take torch's own implementation in the same step; `routes` says which went where
 and why.
+
+Clipping by the global gradient norm (LitGPT's `train.max_norm`) is `clip_grad_norm_` on the optimizer: torch's
+torch.nn.utils.clip_grad_norm_ reads every gradient for the norm, then reads and writes every gradient again to
+scale it, before the update reads it a third time; here the norm is one read-only pass (tk's sq_norm kernel) and the
+scaling happens inside the update's own read.
 """
 
 from __future__ import annotations
@@ -44,9 +49,13 @@ class AdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize, foreach=foreach)
         self.kernels = bool(kernels)
-        self._reset_routes()
+        self._reset_transient()
 
-    def _reset_routes(self) -> None:
+    def _reset_transient(self) -> None:
+        """What is neither state nor settings: routes, step-count buffers, a pending clip."""
+        # clip_grad_norm_'s squared norm (0-d fp32 on the first gradient's device) and max_norm, for the next step
+        self._clip: tuple[torch.Tensor, float] | None = None
+        self._clip_on: dict = {}  # device -> the squared norm, or the clip factor, there
         # The last step's routes: tensors updated by tk's kernel and by torch, and why each of the latter was.
         self.routes: dict = {"tk": 0, "torch": 0, "declined": []}
         self._device_reasons: dict = {}
@@ -70,7 +79,7 @@ class AdamW(torch.optim.AdamW):
         kernels = state.pop("kernels", True)
         super().__setstate__(state)
         self.kernels = kernels
-        self._reset_routes()
+        self._reset_transient()
         self._pack_steps()
 
     def load_state_dict(self, state_dict) -> None:
@@ -122,14 +131,88 @@ class AdamW(torch.optim.AdamW):
         return {"tk": self.routes["tk"], "torch": self.routes["torch"], "declined": declined}
 
     @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, *, process_group=None) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_(parameters, max_norm) over this optimizer's parameters, for its next
+        step(): returns the gradients' global L2 norm (a 0-d float32 tensor on the first gradient's device; nothing
+        waits for it), and that step reads each gradient multiplied by min(1, max_norm / (norm + 1e-6)) in its
+        dtype, as torch's in-place multiply would leave it. The gradients themselves are not written, so `p.grad`
+        keeps its unclipped values. The norm is summed in fp32 by tk's sq_norm kernel (torch's foreach norms for
+        gradients the kernel does not read); `process_group`: the parameters are shards over its ranks (FSDP), and
+        their squared norms are summed across them first. zero_grad() drops a clip not yet applied; a second call
+        replaces it. Only the L2 norm; non-finite norms are not raised (torch's default), they propagate."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+            raise ValueError(f"clip_grad_norm_: max_norm must be a positive number; got {max_norm!r}")
+        self._clip, self._clip_on = None, {}
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        if any(g.is_sparse for g in grads):
+            raise RuntimeError("clip_grad_norm_ does not support sparse gradients")
+        by_device: dict = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        total = None
+        for device, device_grads in by_device.items():
+            part = self._sq_norm_on(device, device_grads)
+            total = part if total is None else total + part.to(total.device)
+        if process_group is not None:
+            torch.distributed.all_reduce(total, group=process_group)
+        self._clip = (total, float(max_norm))
+        return total.sqrt()
+
+    def _sq_norm_on(self, device: torch.device, grads: list) -> torch.Tensor:
+        """The squared norm of one device's gradients, 0-d fp32 there: tk's kernel for those it reads, torch's
+        foreach norms for the rest."""
+        if self.kernels and device.type == "cuda" and self._device_reason(device) is None:
+            if ops.sq_norm_list_alike(grads):
+                on_kernel, rest = grads, []
+            else:
+                on_kernel = [g for g in grads if ops.sq_norm_unsupported(g) is None]
+                rest = [g for g in grads if ops.sq_norm_unsupported(g) is not None]
+        else:
+            on_kernel, rest = [], grads
+        total = ops.sq_norm(on_kernel) if on_kernel else None
+        if rest:
+            norms = torch._foreach_norm(rest, 2.0, dtype=torch.float32)
+            part = torch.stack(norms).square().sum()
+            total = part if total is None else total.add_(part)
+        return total
+
+    def _clip_factor(self, device: torch.device) -> torch.Tensor:
+        """The pending clip's factor on `device`, as torch.nn.utils.clip_grad_norm_ computes it from the norm (for
+        the gradients on torch's path; the kernel computes the same from the squared norm)."""
+        key = ("factor", device)
+        if key not in self._clip_on:
+            total, max_norm = self._clip
+            self._clip_on[key] = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1.0).to(device)
+        return self._clip_on[key]
+
+    def _clip_sq_norm(self, device: torch.device) -> torch.Tensor:
+        """The pending clip's squared norm on `device` (the kernel's argument)."""
+        key = ("sq_norm", device)
+        if key not in self._clip_on:
+            self._clip_on[key] = self._clip[0].to(device)
+        return self._clip_on[key]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._clip, self._clip_on = None, {}  # the gradients it was measured on are gone
+        super().zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
+            if self._clip is not None:
+                raise ValueError("AdamW.step: a closure recomputes the gradients that clip_grad_norm_ measured; "
+                                 "clip inside the closure's caller instead, or step without a closure")
             with torch.enable_grad():
                 loss = closure()
         routes = {"tk": 0, "torch": 0, "declined": []}
-        for index, group in enumerate(self.param_groups):
-            self._update_group(index, group, routes)
+        try:
+            for index, group in enumerate(self.param_groups):
+                self._update_group(index, group, routes)
+        finally:
+            self._clip, self._clip_on = None, {}  # one clip, one step
         self.routes = routes
         return loss
 
@@ -188,6 +271,8 @@ class AdamW(torch.optim.AdamW):
             routes["tk"] += len(lists[0])
         if slow[0]:
             beta1, beta2 = group["betas"]
+            if self._clip is not None:  # clipped copies: the gradients stay as they are, as on the kernel's path
+                slow[1][:] = [g.mul(self._clip_factor(g.device)) for g in slow[1]]
             _torch_adamw(*slow, foreach=group["foreach"], capturable=False,
                          differentiable=bool(group.get("differentiable")), fused=None, grad_scale=None, found_inf=None,
                          has_complex=has_complex, amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
@@ -202,13 +287,15 @@ class AdamW(torch.optim.AdamW):
         by_count: dict = {}
         for i, c in enumerate(counts):
             by_count.setdefault(c, []).append(i)
-        ext = ops._require_kernels(params[0].device)
+        device = params[0].device
+        ext = ops._require_kernels(device)
         beta1, beta2 = group["betas"]
+        clip = {} if self._clip is None else {"grad_sq_norm": self._clip_sq_norm(device), "max_norm": self._clip[1]}
         for count, idx in by_count.items():
             pick = (lambda lst: lst) if len(idx) == len(params) else (lambda lst: [lst[i] for i in idx])
             ops._adamw_launch(ext, pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), step=count,
                               lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                              weight_decay=group["weight_decay"], maximize=group["maximize"])
+                              weight_decay=group["weight_decay"], maximize=group["maximize"], **clip)
         # Counted once the updates are enqueued (a refused launch counts none).
         if buffer is not None:
             buffer.add_(1)

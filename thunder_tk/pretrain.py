@@ -399,6 +399,15 @@ class Dist:
 
             dist.barrier()
 
+    @property
+    def group(self):
+        """The process group of every rank (whose shards make up the model), or None in one process."""
+        if self.world == 1:
+            return None
+        import torch.distributed as dist
+
+        return dist.group.WORLD
+
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
             import torch.distributed as dist
@@ -743,7 +752,7 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
                         loss_sum += loss.detach().float()
             if t.max_norm is not None:
                 with phase("clip"):
-                    clip_gradients(params, t.max_norm, dist)
+                    clip_gradients(params, t.max_norm, optimizer, dist.group)
             with phase("optimizer"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -898,16 +907,25 @@ def optimizer_report(optimizer, class_path: str) -> dict:
     return report
 
 
-def clip_gradients(params, max_norm: float, dist: Dist) -> None:
-    """Clip by the global gradient norm (summed over shards when parameters are sharded)."""
+def clip_gradients(params, max_norm: float, optimizer=None, process_group=None) -> torch.Tensor | None:
+    """Clip by the global gradient norm as torch.nn.utils.clip_grad_norm_ does, the squared norms summed over
+    `process_group`'s ranks where the parameters are its shards (thunder.distributed.fsdp's are plain tensors, which
+    torch's function would take for whole ones). thunder_tk.optim.AdamW folds the scaling into its next update (its
+    clip_grad_norm_: one read of the gradients, none written); otherwise fp32 norms by torch's foreach kernels and an
+    in-place multiply. Returns the norm on the device (nothing waits for it), or None without gradients."""
+    from thunder_tk.optim import AdamW as TkAdamW
+
+    if isinstance(optimizer, TkAdamW):
+        return optimizer.clip_grad_norm_(max_norm, process_group=process_group)
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return
-    sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
-    norm = dist.all_reduce_sum(sq).sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(scale.to(g.dtype))
+        return None
+    sq = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+    if process_group is not None:
+        torch.distributed.all_reduce(sq, group=process_group)
+    norm = sq.sqrt()
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
 
 
 def write_explain(net, out_dir: Path) -> None:

@@ -77,6 +77,20 @@ template <int N> struct lanes {
 };
 using warp = lanes<32>;
 
+// The sum of `v` over a block of THREADS threads, in a fixed order (warps, then their sums in warp order), in every
+// thread. `slots` is THREADS / 32 floats of shared memory, free again once every thread has returned.
+template <int THREADS>
+__device__ __forceinline__ float block_sum(float v, float (&slots)[THREADS / 32]) {
+    static_assert(THREADS % 32 == 0 && THREADS <= 1024, "a block of whole warps");
+    v = warp::sum(v);
+    if ((threadIdx.x & 31) == 0) slots[threadIdx.x / 32] = v;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) total += slots[w];
+    return total;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Host-side helpers shared by launchers.
 int multiprocessor_count();  // of the current device, cached per device

@@ -375,6 +375,39 @@ def adamw():
     print("adamw sanitize targets ran")
 
 
+# Clipping by the global norm: ops.sq_norm over three dtypes in one call, sizes around a 16-byte vector and a
+# chunk (8192 16-bit or 4096 fp32 elements), tensors off 16 bytes, 300 tensors (two launches and the partials of
+# both), an empty list; the clipped AdamW update reading the norm on the device; then the optimizer's
+# clip_grad_norm_ and step with a parameter declined to torch's path.
+def grad_clip():
+    lists = {dtype: [torch.randn(n, device="cuda").to(dtype) for n in (1, 7, 9, 4097, 8192, 8193, 0, 20000)]
+             for dtype in (torch.bfloat16, torch.float16, torch.float32)}
+    for dtype, lst in lists.items():
+        lst.append(torch.randn(4099, device="cuda").to(dtype)[1:])
+    sq = ops.sq_norm([t for lst in lists.values() for t in lst])
+    ops.sq_norm([t for lst in lists.values() for t in lst], out=sq, accumulate=True)
+    ops.sq_norm([torch.randn((i * 37) % 3000, device="cuda", dtype=torch.bfloat16) for i in range(300)], out=sq)
+    ops.sq_norm([], out=sq)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    for dtype, grads in lists.items():
+        quad = [grads] + [[torch.randn_like(g).abs() for g in grads] for _ in range(3)]
+        ops.adamw_step(quad[1], quad[0], quad[2], quad[3], step=2, grad_sq_norm=ops.sq_norm(grads), max_norm=0.5,
+                       **hyper)
+    from thunder_tk.optim import AdamW
+
+    params = [torch.nn.Parameter(torch.randn(*shape, device="cuda", dtype=torch.bfloat16))
+              for shape in ((300, 70), (4097,), (9,))]
+    params.append(torch.nn.Parameter(torch.randn(48, 32, device="cuda", dtype=torch.bfloat16).t()))
+    opt = AdamW(params, lr=1e-3)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+    torch.cuda.synchronize()
+    print("grad_clip sanitize targets ran")
+
+
 # Different kernels back to back with no synchronisation, each reading the last one's output, launched
 # programmatically dependent (as every section's launches are, by default) and then in plain stream order.
 def dependent_launch():
@@ -401,7 +434,7 @@ def dependent_launch():
 
 SECTIONS = [attention_bwd_delta, gemm, gemm_skinny, gemm_swiglu, tile_library, attention_forward, attention_backward,
             attention_window, attention_qkv_grad, gemm_rope, gemm_sum, gemm_fp32_out, embedding_backward, rms_norm, cross_entropy,
-            cross_entropy_forward_grad, adamw, dependent_launch]
+            cross_entropy_forward_grad, adamw, grad_clip, dependent_launch]
 
 if __name__ == "__main__":
     only = {x.strip() for x in os.environ.get("SANITIZE_ONLY", "").split(",") if x.strip()}

@@ -593,3 +593,227 @@ def test_state_dict_between_ours_and_torch_fused():
             ours_params, their_params = (src_params, dst_params) if ours is src else (dst_params, src_params)
             assert ours.routes["tk"] == len(specs) and not ours.routes["declined"], ours.routes
             assert_same_training(ours, theirs, ours_params, their_params, f"{direction}, step {step}")
+
+
+# -- clipping by the global norm: ops.sq_norm, adamw_step's clip, AdamW.clip_grad_norm_ ----------------------------
+# sq_norm's chunk: 256 threads x 4 16-byte vectors, 8192 16-bit or 4096 fp32 elements.
+SQ_NUMELS = NUMELS + [4096, 4097, 8191, 8192, 8193, 3 * 8192 + 5]
+
+
+def sq_norm_float64(tensors) -> float:
+    """The sum of squares in float64: exact for 16-bit inputs up to the sum's own rounding."""
+    return sum(float(t.detach().double().square().sum()) for t in tensors)
+
+
+def assert_sq_norm_near(got: torch.Tensor, tensors, label="") -> None:
+    """Within 1e-5 of the float64 sum, relatively: each thread adds at most a few hundred squares here, each
+    fp32 addition off by at most 2^-24 of the running sum, and the partials add up in a few levels."""
+    want = sq_norm_float64(tensors)
+    assert got.dtype == torch.float32 and got.shape == () and got.device.type == "cuda", (got.dtype, got.shape)
+    assert abs(got.item() - want) <= 1e-5 * want, f"{label}: {got.item()!r}, float64 {want!r}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_sq_norm_every_size(dtype):
+    """Every size of SQ_NUMELS (around a 16-byte vector, an AdamW chunk and a sq_norm chunk, many chunks, empty) in
+    one call, six more off 16 bytes (element by element): the float64 sum, into an `out` poisoned with NaN; then
+    added to what `out` holds (accumulate); the same bits on three more calls."""
+    _, G, _, _ = entries(SQ_NUMELS, dtype, seed=200, grad_scale=3.0)
+    tensors = G + [placed(g, off)[1] for g, off in zip(G[:6], (1, 3, 1, 5, 2, 7))]
+    assert any(t.data_ptr() % 16 for t in tensors)
+    out = torch.full((), math.nan, device=DEVICE)
+    assert ops.sq_norm(tensors, out=out) is out
+    assert_sq_norm_near(out, tensors, f"{dtype}")
+    first = out.clone()
+    for _ in range(3):
+        assert_same_bits([("sum", ops.sq_norm(tensors), first)], what="the first call")
+    ops.sq_norm(tensors[:5], out=out, accumulate=True)
+    assert_sq_norm_near(out, tensors + tensors[:5], f"{dtype}, accumulated")
+
+
+def test_sq_norm_many_tensors_three_dtypes():
+    """600 tensors (three launches for each dtype) of bf16, fp16 and fp32 in turn, of random sizes with some empty
+    and some of many chunks: one sum, as float64's; repeatable bit for bit."""
+    sizes = torch.Generator().manual_seed(7)
+    numels = torch.randint(0, 9000, (600,), generator=sizes).tolist()
+    for i in range(0, 600, 89):
+        numels[i] = 100_000
+    g = generator(210)
+    tensors = [torch.randn(n, device=DEVICE, generator=g).to(DTYPES[i % 3]) for i, n in enumerate(numels)]
+    got = ops.sq_norm(tensors)
+    assert_sq_norm_near(got, tensors, "600 tensors")
+    assert_same_bits([("sum", ops.sq_norm(tensors), got)], what="the first call")
+
+
+def test_sq_norm_edges_and_errors():
+    """No elements: 0 (into a poisoned `out` too); an infinity or a NaN carries through; one element; errors name
+    the entry and its problem."""
+    e = torch.empty(0, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.full((), math.nan, device=DEVICE)
+    assert ops.sq_norm([e, e], out=out).item() == 0.0
+    out.fill_(math.nan)
+    assert ops.sq_norm([], out=out).item() == 0.0
+    assert ops.sq_norm([torch.tensor([3.0], device=DEVICE)]).item() == 9.0
+    x = torch.randn(10000, device=DEVICE, dtype=torch.bfloat16)
+    x[4321] = math.inf
+    assert ops.sq_norm([torch.ones(5, device=DEVICE), x]).item() == math.inf
+    x[17] = math.nan
+    assert math.isnan(ops.sq_norm([x]).item())
+    y = torch.randn(4, 6, device=DEVICE)
+    with pytest.raises(ValueError, match=r"sq_norm: entry 1 is not contiguous \(strides \(1, 6\)\)"):
+        ops.sq_norm([y, y.t()])
+    with pytest.raises(ValueError, match=r"sq_norm: entry 0 is dtype torch.float64 not in"):
+        ops.sq_norm([y.double()])
+    with pytest.raises(ValueError, match=r"sq_norm: entry 1 is on cpu, not a CUDA device"):
+        ops.sq_norm([y, y.cpu()])
+    with pytest.raises(ValueError, match=r"out must be a one-element float32 tensor"):
+        ops.sq_norm([y], out=torch.zeros((), device=DEVICE, dtype=torch.float64))
+
+
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s factor from a norm, its expression as written there."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_adamw_step_clipped_every_size(dtype):
+    """adamw_step with grad_sq_norm and max_norm over every size of NUMELS and tensors off 16 bytes: bit for bit as
+    torch's fused AdamW on gradients multiplied in place by torch's clip factor for that norm (clipping on: max_norm
+    a third of the norm; and off: max_norm above it, the factor 1); the gradients keep their bits."""
+    P, G, M, V = entries(NUMELS, dtype, seed=220)
+    for i, off in enumerate((1, 2, 3)):  # the first three gradients off 16 bytes (element by element)
+        G[i] = placed(G[i], off)[1]
+    sq = ops.sq_norm(G)
+    for max_norm, label in ((sq.sqrt().item() / 3, "clipped"), (sq.sqrt().item() * 2, "under max_norm")):
+        run = [[t.clone() for t in X] for X in (P, M, V)]
+        grads_before = [g.clone() for g in G]
+        scaled = [g.clone().mul_(clip_factor(sq.sqrt(), max_norm)) for g in G]
+        want = [[t.clone() for t in X] for X in (P, M, V)]
+        torch_fused(want[0], scaled, want[1], want[2], step=3, **HYPER)
+        ops.adamw_step(run[0], G, run[1], run[2], step=3, grad_sq_norm=sq, max_norm=max_norm, **HYPER)
+        torch.cuda.synchronize()
+        assert_same_bits([(f"{label} grad {i}", g, b) for i, (g, b) in enumerate(zip(G, grads_before))],
+                         what="the gradients as they were")
+        assert_same_bits([(f"{label} {name} {i}", a, b) for name, X, Y in zip(("param", "exp_avg", "exp_avg_sq"),
+                                                                              run, want)
+                          for i, (a, b) in enumerate(zip(X, Y))], what="torch's fused AdamW on clipped gradients")
+        if label == "under max_norm":  # the factor is 1: the unclipped update's bits
+            plain = [[t.clone() for t in X] for X in (P, M, V)]
+            ops.adamw_step(plain[0], G, plain[1], plain[2], step=3, **HYPER)
+            assert_same_bits([(f"{name} {i}", a, b) for name, X, Y in zip(("param", "m", "v"), run, plain)
+                              for i, (a, b) in enumerate(zip(X, Y))], what="the update without clipping")
+
+
+def test_adamw_step_clip_argument_errors():
+    x = torch.randn(8, device=DEVICE)
+    sq = torch.ones((), device=DEVICE)
+    with pytest.raises(ValueError, match="grad_sq_norm and max_norm go together"):
+        ops.adamw_step([x], [x], [x], [x], step=1, grad_sq_norm=sq, **HYPER)
+    with pytest.raises(ValueError, match="max_norm must be a positive number; got -1.0"):
+        ops.adamw_step([x], [x], [x], [x], step=1, grad_sq_norm=sq, max_norm=-1.0, **HYPER)
+    with pytest.raises(ValueError, match="grad_sq_norm must be a one-element float32 tensor"):
+        ops.adamw_step([x], [x], [x], [x], step=1, grad_sq_norm=sq.double(), max_norm=1.0, **HYPER)
+    with pytest.raises(ValueError, match=r"grad_sq_norm is on cpu, the parameters on cuda:\d"):
+        ops.adamw_step([x], [x], [x], [x], step=1, grad_sq_norm=sq.cpu(), max_norm=1.0, **HYPER)
+
+
+def test_norm_and_clipped_update_captured_in_a_cuda_graph():
+    """sq_norm (its workspace allocated inside the capture) and the clipped update captured together and replayed
+    on new gradients written into the captured ones: each replay as the same two calls made eagerly."""
+    numels = [9, 4097, 65537] + [100] * 297
+    P, G, M, V = entries(numels, torch.bfloat16, seed=230)
+    eager = [[t.clone() for t in X] for X in (P, M, V)]
+    sq = torch.zeros((), device=DEVICE)
+    ops.sq_norm(G, out=sq)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.sq_norm(G, out=sq)
+        ops.adamw_step(P, G, M, V, step=3, grad_sq_norm=sq, max_norm=20.0, **HYPER)
+    g = generator(231)
+    for _ in range(2):
+        for t in G:
+            t.copy_(torch.randn(t.shape, device=DEVICE, generator=g) * 2)
+        graph.replay()
+        eager_sq = ops.sq_norm(G)
+        ops.adamw_step(eager[0], G, eager[1], eager[2], step=3, grad_sq_norm=eager_sq, max_norm=20.0, **HYPER)
+        torch.cuda.synchronize()
+        assert_same_bits([("sq_norm", sq, eager_sq)] +
+                         [(f"list {k} entry {i}", a, b) for k, (X, Y) in enumerate(zip((P, M, V), eager))
+                          for i, (a, b) in enumerate(zip(X, Y))], what="the eager launches")
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e4], ids=["clipped", "under-max-norm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_optimizer_clip_grad_norm_as_torch(dtype, max_norm):
+    """Four steps of the MLP with clip_grad_norm_ before each: the norm as float64's of the gradients; the step bit
+    for bit as torch.optim.AdamW(fused=True) after the gradients were multiplied by torch's clip factor for that
+    norm (clip_grad_norm_'s own last step); our gradients untouched; the clip used once (a second step without a
+    new clip_grad_norm_ is unclipped) and dropped by zero_grad."""
+    model = mlp(dtype, 1)
+    twin = copy.deepcopy(model)
+    ours = TkAdamW(decay_groups(model), lr=3e-3)
+    theirs = torch.optim.AdamW(decay_groups(twin), lr=3e-3, fused=True)
+    for step in range(1, 5):
+        backward(model, 10 + step)
+        copy_grads(model, twin)
+        grads = [p.grad.clone() for p in model.parameters()]
+        norm = ours.clip_grad_norm_(max_norm)
+        assert_sq_norm_near(norm.square(), grads, f"step {step}")
+        factor = clip_factor(norm, max_norm)
+        assert (factor.item() < 1) == (max_norm < 1)
+        torch._foreach_mul_([q.grad for q in twin.parameters()], factor)
+        ours.step()
+        theirs.step()
+        assert_same_training(ours, theirs, list(model.parameters()), list(twin.parameters()), f"step {step}")
+        assert_same_bits([(f"grad {i}", p.grad, g) for i, (p, g) in enumerate(zip(model.parameters(), grads))],
+                         what="the gradients before the step")
+    # The clip was the last step's: this step is unclipped, as torch's on the unscaled gradients.
+    copy_grads(model, twin)
+    ours.step()
+    theirs.step()
+    assert_same_training(ours, theirs, list(model.parameters()), list(twin.parameters()), "a step without a clip")
+    # zero_grad drops a clip not yet applied.
+    ours.clip_grad_norm_(1e-6)
+    ours.zero_grad()
+    theirs.zero_grad()
+    backward(model, 20)
+    copy_grads(model, twin)
+    ours.step()
+    theirs.step()
+    assert_same_training(ours, theirs, list(model.parameters()), list(twin.parameters()), "after zero_grad")
+
+
+def test_optimizer_clip_with_declined_parameters():
+    """Clipping with a transposed (non-contiguous) and a float64 parameter beside kernel ones: their squares summed
+    by torch's foreach norms into the same norm, their update on torch's path reading clipped copies, every
+    gradient left as it was; all bit for bit as torch's AdamW (fused for the kernel's, default for the others)
+    after the gradients were multiplied by the clip factor."""
+    g = generator(240)
+    transposed = torch.nn.Parameter(torch.randn(48, 32, device=DEVICE, generator=g).to(torch.bfloat16).t())
+    fast = params_like([((32, 48), torch.bfloat16), ((100,), torch.float32)], 241)
+    wide = torch.nn.Parameter(torch.randn(7, device=DEVICE, generator=g, dtype=torch.float64))
+    ours_params = [fast[0], transposed, wide, fast[1]]
+    their_fast, their_slow = twins(fast), [torch.nn.Parameter(transposed.detach().clone()), twins([wide])[0]]
+    ours = TkAdamW(ours_params, lr=1e-2, weight_decay=0.1)
+    fused = torch.optim.AdamW(their_fast, lr=1e-2, weight_decay=0.1, fused=True)
+    plain = torch.optim.AdamW(their_slow, lr=1e-2, weight_decay=0.1)
+    for step in range(1, 4):
+        give_grads([(fast[0], their_fast[0]), (transposed, their_slow[0]), (wide, their_slow[1]),
+                    (fast[1], their_fast[1])], g)
+        grads = [p.grad.clone() for p in ours_params]
+        norm = ours.clip_grad_norm_(1.0)
+        assert_sq_norm_near(norm.square(), grads, f"step {step}")
+        factor = clip_factor(norm, 1.0)
+        assert factor.item() < 1
+        for q in their_fast + their_slow:
+            q.grad.mul_(factor)
+        ours.step()
+        fused.step()
+        plain.step()
+        assert ours.routes["tk"] == 2 and ours.routes["torch"] == 2
+        assert_same_training(ours, fused, fast, their_fast, f"step {step}, kernel")
+        assert_same_training(ours, plain, [transposed, wide], their_slow, f"step {step}, declined",
+                             what="torch.optim.AdamW (default)")
+        assert_same_bits([(f"grad {i}", p.grad, q) for i, (p, q) in enumerate(zip(ours_params, grads))],
+                         what="the gradients before the step")

@@ -31,7 +31,14 @@ struct batch {
 // computed parts of it in double).
 struct update {
     float lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt;
-    bool maximize;
+    float clip_coef;  // the gradients' factor where clipping (clip)
+    bool maximize, clip;
+
+    // A gradient as the update reads it: clipped as torch's `grad.mul_(clip_coef)` leaves it in T.
+    template <typename T>
+    __device__ __forceinline__ float grad(T g) const {
+        return clip ? to_float(T(to_float(g) * clip_coef)) : to_float(g);
+    }
 
     __device__ __forceinline__ void operator()(float& param, float grad, float& exp_avg, float& exp_avg_sq) const {
         if (maximize) grad = -grad;
@@ -46,7 +53,7 @@ struct update {
 template <typename T>
 __device__ __forceinline__ void update_one(const update& u, T* p, const T* g, T* m, T* v) {
     float fp = to_float(*p), fm = to_float(*m), fv = to_float(*v);
-    u(fp, to_float(*g), fm, fv);
+    u(fp, u.grad(*g), fm, fv);
     *p = T(fp);
     *m = T(fm);
     *v = T(fv);
@@ -103,7 +110,7 @@ __device__ __forceinline__ void update_chunk(const update& u, const chunk_ref<T,
 #pragma unroll
         for (int j = 0; j < V; ++j) {
             float fp = to_float(x.p.v[j]), fm = to_float(x.m.v[j]), fv = to_float(x.v.v[j]);
-            u(fp, to_float(x.g.v[j]), fm, fv);
+            u(fp, u.grad(x.g.v[j]), fm, fv);
             x.p.v[j] = T(fp);
             x.m.v[j] = T(fm);
             x.v.v[j] = T(fv);
@@ -133,17 +140,32 @@ __device__ __forceinline__ update make_update(const adamw_hyper& h) {
     const float bias_correction1 = 1 - powf(h.beta1, h.step);
     u.bias_correction2_sqrt = sqrtf(1 - powf(h.beta2, h.step));
     u.step_size = h.lr / bias_correction1;
+    u.clip = false;
+    u.clip_coef = 1.f;
     return u;
+}
+
+// torch.nn.utils.clip_grad_norm_'s factor from the squared norm, its operations in its order: the norm, plus
+// 1e-6, its reciprocal times max_norm (Python's `max_norm / tensor`), clamped to at most 1 (NaN stays NaN). Read
+// after the grid before (which wrote the norm) is done.
+__device__ __forceinline__ float clip_coefficient(const adamw_hyper& h) {
+    const float coef = (1.f / (sqrtf(*h.clip_sq_norm) + 1e-6f)) * h.clip_max_norm;
+    return coef > 1.f ? 1.f : coef;
 }
 
 // One 16-byte vector of each tensor a thread per chunk, four blocks an SM: on an H200 this moved Llama-3.2-1B's
 // update at 3.6-3.9 TB/s in bf16, where two vectors a thread (116 registers, two blocks an SM) were 11-16% slower,
 // the next chunk's loads issued before this one's arithmetic 5-35%, and five or six blocks an SM (spilling) 58-153%.
-template <typename T>
+// CLIP: the gradients clipped by the norm (a constant, so that the kernel without clipping keeps its code).
+template <typename T, bool CLIP>
 __global__ void __launch_bounds__(THREADS, 4) adamw_kernel(const __grid_constant__ batch b) {
     constexpr int CHUNK = chunk_elems<T>;
-    const update u = make_update(b.h);
+    update u = make_update(b.h);
     pdl::start();
+    if constexpr (CLIP) {
+        u.clip = true;
+        u.clip_coef = clip_coefficient(b.h);
+    }
     const int64_t chunks = b.chunk_end[b.count - 1];
     int t = 0;
     for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
@@ -158,10 +180,10 @@ __global__ void __launch_bounds__(THREADS, 4) adamw_kernel(const __grid_constant
     }
 }
 
-template <typename T>
+template <typename T, bool CLIP>
 cudaError_t launch_typed(const adamw_args& a, cudaStream_t stream) {
     constexpr int CHUNK = chunk_elems<T>;
-    constexpr auto kernel = adamw_kernel<T>;
+    constexpr auto kernel = adamw_kernel<T, CLIP>;
     int grid_cap = resident_blocks<kernel>(THREADS, 0);
     if (grid_cap <= 0) grid_cap = 8 * multiprocessor_count();
     batch b;
@@ -212,10 +234,12 @@ const char* adamw_unsupported(const adamw_args& a) {
 
 cudaError_t launch_adamw(const adamw_args& a, cudaStream_t stream) {
     if (adamw_unsupported(a) != nullptr) return cudaErrorInvalidValue;
+    const bool clip = a.hyper.clip_sq_norm != nullptr;
     switch (dtype(a.dtype)) {
-        case dtype::bf16: return launch_typed<__nv_bfloat16>(a, stream);
-        case dtype::fp16: return launch_typed<__half>(a, stream);
-        default: return launch_typed<float>(a, stream);
+        case dtype::bf16: return clip ? launch_typed<__nv_bfloat16, true>(a, stream)
+                                      : launch_typed<__nv_bfloat16, false>(a, stream);
+        case dtype::fp16: return clip ? launch_typed<__half, true>(a, stream) : launch_typed<__half, false>(a, stream);
+        default: return clip ? launch_typed<float, true>(a, stream) : launch_typed<float, false>(a, stream);
     }
 }
 

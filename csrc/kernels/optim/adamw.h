@@ -11,6 +11,12 @@ struct adamw_hyper {
     float lr, beta1, beta2, eps, weight_decay;
     float step;     // this step's count after its increment (1 on the first), as torch's float32 step state
     bool maximize;  // ascend the gradient
+    // Clipping by the global norm, as torch.nn.utils.clip_grad_norm_ followed by the step: where `clip_sq_norm`
+    // (one float on the device, the squared norm of all gradients: sq_norm's) is given, each gradient is first
+    // multiplied by min(1, max_norm / (norm + 1e-6)) and rounded to its dtype, as torch's in-place multiply
+    // leaves it. The gradients themselves are not written.
+    const float* clip_sq_norm;  // nullptr: no clipping
+    float clip_max_norm;
 };
 
 // Entry i of every list belongs together: a parameter, its gradient and its two moment buffers, all dense with
