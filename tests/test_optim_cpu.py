@@ -471,11 +471,11 @@ def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("max_norm", [1e-2, 1e6], ids=["clipped", "under-max-norm"])
 def test_clip_grad_norm_then_step_as_torch(max_norm):
-    """Three steps of two groups, fp32 and bf16 parameters and one without a gradient: clip_grad_norm_ returns the
-    gradients' norm (as torch.nn.utils.clip_grad_norm_'s, and float64's), and the step is torch.optim.AdamW's bit for
-    bit after the gradients were multiplied by torch's clip factor for that norm; the gradients stay as they were.
-    Under max_norm (factor 1) also as torch's plain clip_grad_norm_ and step, bit for bit."""
-    ours_params = make_params(20) + make_params(21, [(6,)], torch.bfloat16)
+    """Three steps of two groups, fp32, bf16 and float64 parameters and one without a gradient: clip_grad_norm_
+    returns the gradients' norm (as torch.nn.utils.clip_grad_norm_'s, and float64's), and the step is
+    torch.optim.AdamW's bit for bit after the gradients were multiplied by torch's clip factor for that norm; the
+    gradients stay as they were. Under max_norm (factor 1) also as torch's plain clip_grad_norm_ and step."""
+    ours_params = make_params(20) + make_params(21, [(6,)], torch.bfloat16) + make_params(23, [(4,)], torch.float64)
     their_params = clone_params(ours_params)
     ours = AdamW(two_groups(ours_params), lr=2e-3, weight_decay=0.1)
     theirs = torch.optim.AdamW(two_groups(their_params), lr=2e-3, weight_decay=0.1)

@@ -23,7 +23,20 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from thunder_tk import ops
 
-__all__ = ["AdamW"]
+__all__ = ["AdamW", "sq_norm_by_torch"]
+
+
+def sq_norm_by_torch(tensors: list) -> torch.Tensor:
+    """The sum of squares of every element of `tensors` (one device, any dtypes), a 0-d float32 tensor there: torch's
+    foreach norms in fp32 for 16- and 32-bit floats, each tensor's own norm in its dtype for the others (float64)."""
+    narrow = [t for t in tensors if t.dtype in ops.ADAMW_DTYPES]
+    wide = [t for t in tensors if t.dtype not in ops.ADAMW_DTYPES]
+    parts = []
+    if narrow:
+        parts.append(torch.stack(torch._foreach_norm(narrow, 2.0, dtype=torch.float32)).square().sum())
+    if wide:
+        parts.append(torch.stack([torch.linalg.vector_norm(t).square() for t in wide]).sum().float())
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
 class AdamW(torch.optim.AdamW):
@@ -173,8 +186,7 @@ class AdamW(torch.optim.AdamW):
             on_kernel, rest = [], grads
         total = ops.sq_norm(on_kernel) if on_kernel else None
         if rest:
-            norms = torch._foreach_norm(rest, 2.0, dtype=torch.float32)
-            part = torch.stack(norms).square().sum()
+            part = sq_norm_by_torch(rest)
             total = part if total is None else total.add_(part)
         return total
 

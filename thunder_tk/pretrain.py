@@ -913,14 +913,14 @@ def clip_gradients(params, max_norm: float, optimizer=None, process_group=None) 
     torch's function would take for whole ones). thunder_tk.optim.AdamW folds the scaling into its next update (its
     clip_grad_norm_: one read of the gradients, none written); otherwise fp32 norms by torch's foreach kernels and an
     in-place multiply. Returns the norm on the device (nothing waits for it), or None without gradients."""
-    from thunder_tk.optim import AdamW as TkAdamW
+    from thunder_tk.optim import AdamW as TkAdamW, sq_norm_by_torch
 
     if isinstance(optimizer, TkAdamW):
         return optimizer.clip_grad_norm_(max_norm, process_group=process_group)
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return None
-    sq = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+    sq = sq_norm_by_torch(grads)
     if process_group is not None:
         torch.distributed.all_reduce(sq, group=process_group)
     norm = sq.sqrt()

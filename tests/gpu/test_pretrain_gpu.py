@@ -96,8 +96,8 @@ def test_cuda_graphs_train_as_the_op_by_op_step(tmp_path):
 def test_tk_adamw_with_clipping_trains_as_torch_adamw(tmp_path):
     """train.max_norm with thunder_tk.optim.AdamW (clip_grad_norm_: the norm by tk's sq_norm kernel, the scaling in
     its update) against torch's fused AdamW (pretrain's foreach clip): the same model, data and seed, a max_norm small
-    enough to clip every step, five steps: every parameter on tk's kernel, and the losses of the two runs within 1%
-    (the clip factors differ in their last bits: the norms are summed in different orders)."""
+    enough to clip every step, five steps: every parameter on tk's kernel, and the losses of the two runs within
+    0.1% (the clip factors differ in their last bits: the norms are summed in different orders)."""
     from dataclasses import asdict
 
     from litgpt import Config
@@ -117,8 +117,8 @@ def test_tk_adamw_with_clipping_trains_as_torch_adamw(tmp_path):
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         losses.append([r["loss"] for r in rows if "loss" in r])
     tk, torch_ = losses
-    assert len(tk) == len(torch_) == 5 and tk[-1] < tk[0], losses
+    assert len(tk) == len(torch_) == 5, losses
     for a, b in zip(tk, torch_):
-        assert abs(a - b) <= 1e-2 * abs(b), losses
+        assert abs(a - b) <= 1e-3 * abs(b), losses
     report = summaries[0]["optimizer"]
     assert report["tensors_on_tk"] > 0 and report["tensors_on_torch"] == 0, report

@@ -34,7 +34,8 @@ struct update {
     float clip_coef;  // the gradients' factor where clipping (clip)
     bool maximize, clip;
 
-    // A gradient as the update reads it: clipped as torch's `grad.mul_(clip_coef)` leaves it in T.
+    // A gradient as the update reads it: clipped as torch's `grad.mul_(factor)` on the GPU leaves it, the product of
+    // the gradient and the factor in T (clip_coef is T's already) rounded to T.
     template <typename T>
     __device__ __forceinline__ float grad(T g) const {
         return clip ? to_float(T(to_float(g) * clip_coef)) : to_float(g);
@@ -164,7 +165,7 @@ __global__ void __launch_bounds__(THREADS, 4) adamw_kernel(const __grid_constant
     pdl::start();
     if constexpr (CLIP) {
         u.clip = true;
-        u.clip_coef = clip_coefficient(b.h);
+        u.clip_coef = to_float(T(clip_coefficient(b.h)));  // torch's multiply takes the factor in the tensor's dtype
     }
     const int64_t chunks = b.chunk_end[b.count - 1];
     int t = 0;

@@ -13,8 +13,8 @@ struct adamw_hyper {
     bool maximize;  // ascend the gradient
     // Clipping by the global norm, as torch.nn.utils.clip_grad_norm_ followed by the step: where `clip_sq_norm`
     // (one float on the device, the squared norm of all gradients: sq_norm's) is given, each gradient is first
-    // multiplied by min(1, max_norm / (norm + 1e-6)) and rounded to its dtype, as torch's in-place multiply
-    // leaves it. The gradients themselves are not written.
+    // multiplied by min(1, max_norm / (norm + 1e-6)) as torch's in-place multiply by a factor on the GPU computes
+    // it: the factor rounded to the gradient's dtype, the product rounded to it. The gradients are not written.
     const float* clip_sq_norm;  // nullptr: no clipping
     float clip_max_norm;
 };
