@@ -20,6 +20,8 @@ MICRO = {
     "train": {"global_batch_size": 8, "micro_batch_size": 2, "max_seq_length": 32, "max_steps": 4,
               "lr_warmup_steps": 1, "log_interval": 1, "save_interval": 2,
               "tie_embeddings": True},  # one weight in two modules, sharded once and exported under both names
+    # tk's AdamW (torch's path on the CPU) and its clip_grad_norm_, the squared norms summed over the ranks' shards
+    "optimizer": {"class_path": "thunder_tk.optim.AdamW", "init_args": {"lr": 1e-3}},
 }
 
 
@@ -49,6 +51,12 @@ def _losses(out_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
 
 
+def _grad_norms(out_dir: Path) -> dict[int, float]:
+    """A run's gradient norms (before clipping) by step, from its metrics.jsonl."""
+    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["grad_norm"] for row in rows if "loss" in row}
+
+
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory) -> tuple[Path, dict[int, float]]:
     """The one-process run both tests compare with: its out_dir's parent and its losses by step."""
@@ -62,6 +70,11 @@ def test_two_process_fsdp_matches_one_process_and_resumes(tmp_path, single_run):
     fsdp = _run(tmp_path, "fsdp", 2, env={"THUNDER_TK_CPU_AFFINITY": "exclusive"})
     for step in (1, 2, 3, 4):
         assert fsdp[step] == pytest.approx(single[step], rel=1e-4)
+    # The global gradient norm that clipping used: the two ranks' shards together give the one process's.
+    norms, single_norms = _grad_norms(tmp_path / "fsdp"), _grad_norms(single_root / "single")
+    assert all(single_norms[s] > 0 for s in (1, 2, 3, 4)), single_norms
+    for step in (1, 2, 3, 4):
+        assert norms[step] == pytest.approx(single_norms[step], rel=1e-4)
     # Several processes: tk's kernel settings for FSDP, where the environment leaves them unset.
     from thunder_tk.pretrain import FSDP_KERNEL_SETTINGS
 

@@ -750,9 +750,10 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
                     with phase("backward"):
                         loss.backward()
                         loss_sum += loss.detach().float()
+            grad_norm = None
             if t.max_norm is not None:
                 with phase("clip"):
-                    clip_gradients(params, t.max_norm, optimizer, dist.group)
+                    grad_norm = clip_gradients(params, t.max_norm, optimizer, dist.group)
             with phase("optimizer"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -796,7 +797,9 @@ def pretrain(config: PretrainConfig, *, resume: bool | str | None = None, checkp
                 # host_seconds: this step until its work was issued (near step_seconds: the host set the pace),
                 # host_phases: that time by phase; gc_*: the cyclic collector, the allocator's counters and the
                 # operating system's (`system`), since the previous log point (this rank's).
-                record = {"step": step, "loss": last_loss, "lr": lr, "tokens": samples * seq,
+                record = {"step": step, "loss": last_loss, "lr": lr,
+                          # the gradients' global norm before clipping (train.max_norm; all ranks' shards together)
+                          "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": samples * seq,
                           "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / dist.world,
                           "mfu": mfu, "step_seconds": seconds, "host_seconds": enqueued - step_start,
                           "host_phases": phase.rounded(), "gc_seconds": gc_seconds,
