@@ -361,6 +361,14 @@ def adamw():
     numels = [(i * 37) % 3000 for i in range(300)]
     lists = [[torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in numels] for _ in range(4)]
     ops.adamw_step(*lists, step=1, **hyper)
+    optimizer_steps(clip=False)
+    torch.cuda.synchronize()
+    print("adamw sanitize targets ran")
+
+
+def optimizer_steps(clip: bool) -> None:
+    """Two steps of thunder_tk.optim.AdamW, bf16 parameters of three sizes on the kernel and a transposed one
+    declined to torch's path; clip_grad_norm_ before each where `clip`."""
     from thunder_tk.optim import AdamW
 
     params = [torch.nn.Parameter(torch.randn(*shape, device="cuda", dtype=torch.bfloat16))
@@ -370,9 +378,9 @@ def adamw():
     for _ in range(2):
         for p in params:
             p.grad = torch.randn_like(p)
+        if clip:
+            opt.clip_grad_norm_(1.0)
         opt.step()
-    torch.cuda.synchronize()
-    print("adamw sanitize targets ran")
 
 
 # Clipping by the global norm: ops.sq_norm over three dtypes in one call, sizes around a 16-byte vector and a
@@ -393,17 +401,7 @@ def grad_clip():
         quad = [grads] + [[torch.randn_like(g).abs() for g in grads] for _ in range(3)]
         ops.adamw_step(quad[1], quad[0], quad[2], quad[3], step=2, grad_sq_norm=ops.sq_norm(grads), max_norm=0.5,
                        **hyper)
-    from thunder_tk.optim import AdamW
-
-    params = [torch.nn.Parameter(torch.randn(*shape, device="cuda", dtype=torch.bfloat16))
-              for shape in ((300, 70), (4097,), (9,))]
-    params.append(torch.nn.Parameter(torch.randn(48, 32, device="cuda", dtype=torch.bfloat16).t()))
-    opt = AdamW(params, lr=1e-3)
-    for _ in range(2):
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt.clip_grad_norm_(1.0)
-        opt.step()
+    optimizer_steps(clip=True)
     torch.cuda.synchronize()
     print("grad_clip sanitize targets ran")
 

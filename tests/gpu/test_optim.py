@@ -500,24 +500,40 @@ def test_step_counts_that_differ_within_a_group():
     assert [float(ours.state[p]["step"]) for p in ours_params] == [5.0, 4.0, 4.0, 5.0]
 
 
+class with_declined:
+    """Parameters of which two go to torch's path: a bf16 matrix and a vector of `vector_dtype` on the kernel, a
+    transposed (non-contiguous) bf16 parameter and a float64 one between them; ours on tk's AdamW, their twins on
+    torch's fused AdamW (the kernel's) and default AdamW (the others), lr 1e-2, weight decay 0.1."""
+
+    def __init__(self, seed: int, vector_dtype: torch.dtype):
+        self.g = g = generator(seed)
+        self.transposed = torch.nn.Parameter(torch.randn(48, 32, device=DEVICE, generator=g).to(torch.bfloat16).t())
+        assert not self.transposed.is_contiguous()
+        self.fast = params_like([((32, 48), torch.bfloat16), ((100,), vector_dtype)], seed + 1)
+        self.wide = torch.nn.Parameter(torch.randn(7, device=DEVICE, generator=g, dtype=torch.float64))
+        self.ours_params = [self.fast[0], self.transposed, self.wide, self.fast[1]]
+        self.their_fast = twins(self.fast)
+        self.their_slow = [torch.nn.Parameter(self.transposed.detach().clone()), twins([self.wide])[0]]
+        assert self.their_slow[0].stride() == self.transposed.stride()
+        self.ours = TkAdamW(self.ours_params, lr=1e-2, weight_decay=0.1)
+        self.fused = torch.optim.AdamW(self.their_fast, lr=1e-2, weight_decay=0.1, fused=True)
+        self.plain = torch.optim.AdamW(self.their_slow, lr=1e-2, weight_decay=0.1)
+
+    def give_grads(self) -> None:
+        """The same new gradients on ours and their twins."""
+        give_grads([(self.fast[0], self.their_fast[0]), (self.transposed, self.their_slow[0]),
+                    (self.wide, self.their_slow[1]), (self.fast[1], self.their_fast[1])], self.g)
+
+
 def test_declined_parameters_take_torch_s_path():
     """A transposed parameter (non-contiguous, its gradient and moments alike) and a float64 one go to torch's own
     AdamW with their reasons, updated as torch.optim.AdamW (its default, foreach path) updates them; the others stay
     on the kernel, as torch's fused AdamW."""
-    g = generator(90)
-    transposed = torch.nn.Parameter(torch.randn(48, 32, device=DEVICE, generator=g).to(torch.bfloat16).t())
-    assert not transposed.is_contiguous()
-    fast = params_like([((32, 48), torch.bfloat16), ((100,), torch.bfloat16)], 91)
-    wide = torch.nn.Parameter(torch.randn(7, device=DEVICE, generator=g, dtype=torch.float64))
-    ours_params = [fast[0], transposed, wide, fast[1]]
-    their_fast, their_slow = twins(fast), [torch.nn.Parameter(transposed.detach().clone()), twins([wide])[0]]
-    assert their_slow[0].stride() == transposed.stride()
-    ours = TkAdamW(ours_params, lr=1e-2, weight_decay=0.1)
-    fused = torch.optim.AdamW(their_fast, lr=1e-2, weight_decay=0.1, fused=True)
-    plain = torch.optim.AdamW(their_slow, lr=1e-2, weight_decay=0.1)
+    case = with_declined(90, torch.bfloat16)
+    fast, transposed, wide, their_fast, their_slow, ours, fused, plain = (
+        case.fast, case.transposed, case.wide, case.their_fast, case.their_slow, case.ours, case.fused, case.plain)
     for step in range(1, 4):
-        give_grads([(fast[0], their_fast[0]), (transposed, their_slow[0]), (wide, their_slow[1]),
-                    (fast[1], their_fast[1])], g)
+        case.give_grads()
         ours.step()
         fused.step()
         plain.step()
@@ -789,18 +805,12 @@ def test_optimizer_clip_with_declined_parameters():
     by torch's foreach norms into the same norm, their update on torch's path reading clipped copies, every
     gradient left as it was; all bit for bit as torch's AdamW (fused for the kernel's, default for the others)
     after the gradients were multiplied by the clip factor."""
-    g = generator(240)
-    transposed = torch.nn.Parameter(torch.randn(48, 32, device=DEVICE, generator=g).to(torch.bfloat16).t())
-    fast = params_like([((32, 48), torch.bfloat16), ((100,), torch.float32)], 241)
-    wide = torch.nn.Parameter(torch.randn(7, device=DEVICE, generator=g, dtype=torch.float64))
-    ours_params = [fast[0], transposed, wide, fast[1]]
-    their_fast, their_slow = twins(fast), [torch.nn.Parameter(transposed.detach().clone()), twins([wide])[0]]
-    ours = TkAdamW(ours_params, lr=1e-2, weight_decay=0.1)
-    fused = torch.optim.AdamW(their_fast, lr=1e-2, weight_decay=0.1, fused=True)
-    plain = torch.optim.AdamW(their_slow, lr=1e-2, weight_decay=0.1)
+    case = with_declined(240, torch.float32)
+    fast, transposed, wide, their_fast, their_slow, ours, fused, plain = (
+        case.fast, case.transposed, case.wide, case.their_fast, case.their_slow, case.ours, case.fused, case.plain)
+    ours_params = case.ours_params
     for step in range(1, 4):
-        give_grads([(fast[0], their_fast[0]), (transposed, their_slow[0]), (wide, their_slow[1]),
-                    (fast[1], their_fast[1])], g)
+        case.give_grads()
         grads = [p.grad.clone() for p in ours_params]
         norm = ours.clip_grad_norm_(1.0)
         assert_sq_norm_near(norm.square(), grads, f"step {step}")
