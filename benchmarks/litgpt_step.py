@@ -9,8 +9,9 @@ rotated order, and each gets the median: the GPU's clock drifts over a run, and 
 apart from run to run. The "... tk AdamW" variants update with thunder_tk.optim.AdamW (tk's multi-tensor kernel)
 instead of torch's fused AdamW, same learning rate; each row names its optimizer ("optimizer"). --max-norm N clips
 the gradients by their global norm before each update, as LitGPT's pretrain does (`train.max_norm`, 1.0 there):
-torch.nn.utils.clip_grad_norm_ (foreach) before torch's AdamW, tk AdamW's clip_grad_norm_ (the norm by tk's kernel,
-the scaling inside the update) before tk's.
+`thunder-tk pretrain`'s clip (foreach fp32 norms, an in-place multiply; torch.nn.utils.clip_grad_norm_ for FSDP2's
+DTensors) before torch's AdamW, tk AdamW's clip_grad_norm_ (the norm by tk's kernel, the scaling inside the update)
+before tk's.
 
     python benchmarks/litgpt_step.py --n-layer 4 --json out/litgpt_step.json --png out/litgpt_step.png
 

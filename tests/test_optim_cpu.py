@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from optim_twins import same_grads, twins
+from optim_twins import same_grads, torch_clip_factor as clip_factor, twins
 from thunder_tk import ops
 from thunder_tk.optim import AdamW
 
@@ -463,11 +463,6 @@ def test_compiled_sq_norm_checks(ext):
 
 
 # -- clipping by the global norm (AdamW.clip_grad_norm_): on the CPU, torch's foreach norms and torch's path ------
-
-def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_'s factor from a norm, its expression as written there."""
-    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-
 
 @pytest.mark.parametrize("max_norm", [1e-2, 1e6], ids=["clipped", "under-max-norm"])
 def test_clip_grad_norm_then_step_as_torch(max_norm):

@@ -1524,8 +1524,8 @@ def _clip_unsupported(grad_sq_norm, max_norm, device) -> str | None:
         return None
     if grad_sq_norm is None or max_norm is None:
         return "grad_sq_norm and max_norm go together"
-    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
-        return f"max_norm must be a positive number; got {max_norm!r}"
+    if (why := max_norm_unsupported(max_norm)) is not None:
+        return why
     if not isinstance(grad_sq_norm, torch.Tensor) or grad_sq_norm.dtype != torch.float32 or grad_sq_norm.numel() != 1:
         return "grad_sq_norm must be a one-element float32 tensor"
     if device is not None and grad_sq_norm.device != device:
@@ -1533,8 +1533,23 @@ def _clip_unsupported(grad_sq_norm, max_norm, device) -> str | None:
     return None
 
 
+def max_norm_unsupported(max_norm) -> str | None:
+    """Why `max_norm` cannot bound a gradient norm (clipping), or None: a positive number."""
+    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
+        return f"max_norm must be a positive number; got {max_norm!r}"
+    return None
+
+
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _dtype_of, _device_of, _layout_of = (operator.attrgetter(a) for a in ("dtype", "device", "layout"))
+
+
+def _flat_on_one_gpu(tensors) -> bool:
+    """Whether every tensor (a non-empty list) is a plain, dense, contiguous tensor, all on one CUDA device, in
+    bulk: what the multi-tensor kernels (AdamW, sq_norm) need to read each as a flat array."""
+    return (set(map(type, tensors)) <= _PLAIN_TENSORS and set(map(_layout_of, tensors)) == {torch.strided}
+            and len(set(map(_device_of, tensors))) == 1 and tensors[0].device.type == "cuda"
+            and all(map(torch.Tensor.is_contiguous, tensors)))
 
 
 def adamw_lists_alike(params, grads, exp_avgs, exp_avg_sqs) -> bool:
@@ -1548,10 +1563,7 @@ def adamw_lists_alike(params, grads, exp_avgs, exp_avg_sqs) -> bool:
     if first.dtype not in ADAMW_DTYPES or first.device.type != "cuda":
         return False
     size = torch.Tensor.size  # compared pair by pair: lists of sizes kept alive cost several times more
-    return (set(map(type, everything)) <= _PLAIN_TENSORS and set(map(_dtype_of, everything)) == {first.dtype}
-            and set(map(_device_of, everything)) == {first.device}
-            and set(map(_layout_of, everything)) == {torch.strided}
-            and all(map(torch.Tensor.is_contiguous, everything))
+    return (set(map(_dtype_of, everything)) == {first.dtype} and _flat_on_one_gpu(everything)
             and all(all(map(operator.eq, map(size, params), map(size, other)))
                     for other in (grads, exp_avgs, exp_avg_sqs)))
 
@@ -1590,9 +1602,7 @@ def sq_norm_list_alike(tensors) -> bool:
     """Whether every tensor passes sq_norm_unsupported and all are on one device, checked in bulk."""
     if not tensors:
         return True
-    return (set(map(type, tensors)) <= _PLAIN_TENSORS and set(map(_layout_of, tensors)) == {torch.strided}
-            and set(map(_dtype_of, tensors)) <= set(ADAMW_DTYPES) and len(set(map(_device_of, tensors))) == 1
-            and tensors[0].device.type == "cuda" and all(map(torch.Tensor.is_contiguous, tensors)))
+    return set(map(_dtype_of, tensors)) <= set(ADAMW_DTYPES) and _flat_on_one_gpu(tensors)
 
 
 def sq_norm(tensors, *, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:

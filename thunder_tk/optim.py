@@ -23,7 +23,13 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from thunder_tk import ops
 
-__all__ = ["AdamW", "sq_norm_by_torch"]
+__all__ = ["AdamW", "clip_factor", "sq_norm_by_torch"]
+
+
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s factor for a norm, its operations in its order: min(1, max_norm / (norm +
+    1e-6)), on the norm's device (tk's AdamW kernel computes the same from the squared norm)."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 def sq_norm_by_torch(tensors: list) -> torch.Tensor:
@@ -153,8 +159,8 @@ class AdamW(torch.optim.AdamW):
         gradients the kernel does not read); `process_group`: the parameters are shards over its ranks (FSDP), and
         their squared norms are summed across them first. zero_grad() drops a clip not yet applied; a second call
         replaces it. Only the L2 norm; non-finite norms are not raised (torch's default), they propagate."""
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-            raise ValueError(f"clip_grad_norm_: max_norm must be a positive number; got {max_norm!r}")
+        if (why := ops.max_norm_unsupported(max_norm)) is not None:
+            raise ValueError(f"clip_grad_norm_: {why}")
         self._clip, self._clip_on = None, {}
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
@@ -176,14 +182,14 @@ class AdamW(torch.optim.AdamW):
     def _sq_norm_on(self, device: torch.device, grads: list) -> torch.Tensor:
         """The squared norm of one device's gradients, 0-d fp32 there: tk's kernel for those it reads, torch's
         foreach norms for the rest."""
-        if self.kernels and device.type == "cuda" and self._device_reason(device) is None:
-            if ops.sq_norm_list_alike(grads):
-                on_kernel, rest = grads, []
-            else:
-                on_kernel = [g for g in grads if ops.sq_norm_unsupported(g) is None]
-                rest = [g for g in grads if ops.sq_norm_unsupported(g) is not None]
-        else:
+        if not (self.kernels and device.type == "cuda" and self._device_reason(device) is None):
             on_kernel, rest = [], grads
+        elif ops.sq_norm_list_alike(grads):
+            on_kernel, rest = grads, []
+        else:
+            on_kernel, rest = [], []
+            for g in grads:
+                (rest if ops.sq_norm_unsupported(g) else on_kernel).append(g)
         total = ops.sq_norm(on_kernel) if on_kernel else None
         if rest:
             part = sq_norm_by_torch(rest)
@@ -191,12 +197,11 @@ class AdamW(torch.optim.AdamW):
         return total
 
     def _clip_factor(self, device: torch.device) -> torch.Tensor:
-        """The pending clip's factor on `device`, as torch.nn.utils.clip_grad_norm_ computes it from the norm (for
-        the gradients on torch's path; the kernel computes the same from the squared norm)."""
+        """The pending clip's factor on `device` (clip_factor: for the gradients on torch's path)."""
         key = ("factor", device)
         if key not in self._clip_on:
             total, max_norm = self._clip
-            self._clip_on[key] = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1.0).to(device)
+            self._clip_on[key] = clip_factor(total.sqrt(), max_norm).to(device)
         return self._clip_on[key]
 
     def _clip_sq_norm(self, device: torch.device) -> torch.Tensor:

@@ -916,7 +916,7 @@ def clip_gradients(params, max_norm: float, optimizer=None, process_group=None) 
     torch's function would take for whole ones). thunder_tk.optim.AdamW folds the scaling into its next update (its
     clip_grad_norm_: one read of the gradients, none written); otherwise fp32 norms by torch's foreach kernels and an
     in-place multiply. Returns the norm on the device (nothing waits for it), or None without gradients."""
-    from thunder_tk.optim import AdamW as TkAdamW, sq_norm_by_torch
+    from thunder_tk.optim import AdamW as TkAdamW, clip_factor, sq_norm_by_torch
 
     if isinstance(optimizer, TkAdamW):
         return optimizer.clip_grad_norm_(max_norm, process_group=process_group)
@@ -927,7 +927,7 @@ def clip_gradients(params, max_norm: float, optimizer=None, process_group=None) 
     if process_group is not None:
         torch.distributed.all_reduce(sq, group=process_group)
     norm = sq.sqrt()
-    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    torch._foreach_mul_(grads, clip_factor(norm, max_norm))
     return norm
 
 

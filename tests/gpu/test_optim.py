@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from optim_twins import same_grads, twins
+from optim_twins import same_grads, torch_clip_factor as clip_factor, twins
 from thunder_tk import ops
 from thunder_tk.optim import AdamW as TkAdamW
 
@@ -684,11 +684,6 @@ def test_sq_norm_edges_and_errors():
         ops.sq_norm([y, y.cpu()])
     with pytest.raises(ValueError, match=r"out must be a one-element float32 tensor"):
         ops.sq_norm([y], out=torch.zeros((), device=DEVICE, dtype=torch.float64))
-
-
-def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_'s factor from a norm, its expression as written there."""
-    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
