@@ -751,6 +751,17 @@ void register_selftests(py::module_& m) {
         py::arg("dst"), py::arg("src"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("stride"),
         py::arg("row0"), py::arg("col0"), py::arg("stream"));
     s.def(
+        "block_sum",
+        [](std::uintptr_t in, std::uintptr_t out, int blocks, int threads, std::uintptr_t stream) {
+            if (threads != 32 && threads != 256 && threads != 1024)
+                throw std::invalid_argument("threads must be 32, 256 or 1024");
+            if (blocks <= 0) throw std::invalid_argument("blocks must be positive");
+            check_launch(tk::selftest::block_sum(as_ptr<float>(in), reinterpret_cast<float*>(out), blocks, threads,
+                                                 as_stream(stream)),
+                         "selftest.block_sum");
+        },
+        py::arg("inp"), py::arg("out"), py::arg("blocks"), py::arg("threads"), py::arg("stream"));
+    s.def(
         "failed_launch",
         [](std::uintptr_t stream) {
             check_launch(tk::selftest::failed_launch(as_stream(stream)), "selftest.failed_launch");

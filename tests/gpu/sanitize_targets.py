@@ -98,7 +98,7 @@ def gemm_swiglu():
 
 
 # Tile-library unit kernels: register tiles and shared vectors, wgmma with A in registers, ldmatrix into an A
-# fragment, TMA reduce-store.
+# fragment, TMA reduce-store, the block-wide sum.
 def tile_library():
     from thunder_tk import _extension
 
@@ -117,6 +117,9 @@ def tile_library():
     dst = torch.randn(100, 72, device="cuda")
     src = torch.randn(64, 32, device="cuda")
     _st.reduce_add(dst.data_ptr(), src.data_ptr(), 2, 100, 68, 72, 60, 40, _s)
+    sums = torch.randn(3, 1024, device="cuda")
+    summed = torch.empty_like(sums)
+    _st.block_sum(sums.data_ptr(), summed.data_ptr(), 3, 1024, _s)  # racecheck: the slots' reuse
     torch.cuda.synchronize()
     print("tile-library sanitize targets ran")
 

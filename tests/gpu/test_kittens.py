@@ -1,6 +1,7 @@
 """Unit tests of the tile library's primitives (csrc/kittens/) on single-warpgroup kernels, against torch:
 register-tile row reductions and broadcasts, shared vectors, the fp32 -> 16-bit register A operand and wgmma
-with A in registers (both B majors), stmatrix and ldmatrix through swizzled panels, and the TMA reduce-store.
+with A in registers (both B majors), stmatrix and ldmatrix through swizzled panels, the TMA reduce-store and the
+block-wide sum.
 Outputs are poisoned with NaN first."""
 
 import pytest
@@ -101,9 +102,28 @@ def test_tma_reduce_store_adds_in_place(dtype, rows, cols, row0, col0):
     assert torch.equal(dst[outside], before[outside])  # nothing written outside the box or the tensor
 
 
+@pytest.mark.parametrize("threads", [32, 256, 1024])
+def test_block_sum_gives_every_thread_the_sum_in_a_fixed_order(threads):
+    blocks = 37
+    x = torch.randn(blocks, threads, device="cuda") * torch.logspace(-3, 3, threads, device="cuda")
+    out = poisoned(blocks, threads)
+    selftest().block_sum(x.data_ptr(), out.data_ptr(), blocks, threads, stream())
+    torch.cuda.synchronize()
+    assert not out.isnan().any()  # NaN: a thread's second sum (slots reused) was not the first's negation
+    assert torch.equal(out, out[:, :1].expand_as(out))  # every thread of a block has the same total
+    ref = x.double().sum(1)
+    assert ((out[:, 0].double() - ref).abs() <= 1e-5 * x.double().abs().sum(1)).all()
+    again = poisoned(blocks, threads)
+    selftest().block_sum(x.data_ptr(), again.data_ptr(), blocks, threads, stream())
+    torch.cuda.synchronize()
+    assert torch.equal(again, out)  # the same bits on every call
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="cols must be"):
         selftest().row_softmax(0, 0, 0, 0, 100, stream())
+    with pytest.raises(ValueError, match="threads must be"):
+        selftest().block_sum(0, 0, 1, 100, stream())
     with pytest.raises(ValueError, match="dtype must be"):
         selftest().reduce_add(0, 0, 1, 64, 64, 64, 0, 0, stream())
     with pytest.raises(ValueError, match="multiple of 16 bytes"):  # an unaligned TMA store is an illegal instruction

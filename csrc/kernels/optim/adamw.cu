@@ -5,6 +5,7 @@
 // parameter, so nothing is copied to the GPU first and a launch can be captured in a graph.
 #include "adamw.h"
 #include "../../kittens/kittens.cuh"
+#include "../../kittens/multi_tensor.cuh"
 
 #include <algorithm>
 
@@ -19,10 +20,7 @@ struct batch {
     const void* grad[BATCH];
     void* exp_avg[BATCH];
     void* exp_avg_sq[BATCH];
-    int64_t numel[BATCH];
-    int64_t chunk_end[BATCH];     // chunks of tensors 0..i together
-    uint32_t vector[BATCH / 32];  // bit i: all four tensors of entry i start on 16-byte boundaries
-    int count;
+    chunk_index<BATCH> index;  // aligned: all four tensors of an entry start on 16-byte boundaries
     adamw_hyper h;
 };
 
@@ -72,14 +70,13 @@ struct chunk_ref {
     bool vector;
 
     __device__ __forceinline__ chunk_ref(const batch& b, int64_t c, int& t) {
-        while (c >= b.chunk_end[t]) ++t;
-        const int64_t start = (c - (t > 0 ? b.chunk_end[t - 1] : 0)) * CHUNK;
-        n = static_cast<int>(std::min<int64_t>(CHUNK, b.numel[t] - start));
-        p = static_cast<T*>(b.param[t]) + start;
-        g = static_cast<const T*>(b.grad[t]) + start;
-        m = static_cast<T*>(b.exp_avg[t]) + start;
-        v = static_cast<T*>(b.exp_avg_sq[t]) + start;
-        vector = (b.vector[t / 32] >> (t % 32)) & 1u;
+        const auto at = b.index.template locate<CHUNK>(c, t);
+        n = at.n;
+        vector = at.aligned;
+        p = static_cast<T*>(b.param[t]) + at.start;
+        g = static_cast<const T*>(b.grad[t]) + at.start;
+        m = static_cast<T*>(b.exp_avg[t]) + at.start;
+        v = static_cast<T*>(b.exp_avg_sq[t]) + at.start;
     }
 };
 
@@ -167,7 +164,7 @@ __global__ void __launch_bounds__(THREADS, 4) adamw_kernel(const __grid_constant
         u.clip = true;
         u.clip_coef = to_float(T(clip_coefficient(b.h)));  // torch's multiply takes the factor in the tensor's dtype
     }
-    const int64_t chunks = b.chunk_end[b.count - 1];
+    const int64_t chunks = b.index.chunks();
     int t = 0;
     for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
         const chunk_ref<T, CHUNK> r(b, c, t);
@@ -188,30 +185,24 @@ cudaError_t launch_typed(const adamw_args& a, cudaStream_t stream) {
     int grid_cap = resident_blocks<kernel>(THREADS, 0);
     if (grid_cap <= 0) grid_cap = 8 * multiprocessor_count();
     batch b;
-    for (int first = 0; first < a.count; first += BATCH) {
-        b.count = std::min(BATCH, a.count - first);
-        b.h = a.hyper;
-        std::fill(b.vector, b.vector + BATCH / 32, 0u);
-        int64_t chunks = 0;
-        for (int i = 0; i < b.count; ++i) {
+    b.h = a.hyper;
+    return for_each_batch<BATCH>(a.count, [&](int first, int count) {
+        b.index.clear();
+        for (int i = 0; i < count; ++i) {
             const int e = first + i;
             b.param[i] = a.params[e];
             b.grad[i] = a.grads[e];
             b.exp_avg[i] = a.exp_avgs[e];
             b.exp_avg_sq[i] = a.exp_avg_sqs[e];
-            b.numel[i] = a.numels[e];
-            chunks += (a.numels[e] + CHUNK - 1) / CHUNK;
-            b.chunk_end[i] = chunks;
-            if (is_aligned(a.params[e], 16) && is_aligned(a.grads[e], 16) && is_aligned(a.exp_avgs[e], 16) &&
-                is_aligned(a.exp_avg_sqs[e], 16))
-                b.vector[i / 32] |= 1u << (i % 32);
+            b.index.add(a.numels[e], CHUNK,
+                        is_aligned(a.params[e], 16) && is_aligned(a.grads[e], 16) && is_aligned(a.exp_avgs[e], 16) &&
+                            is_aligned(a.exp_avg_sqs[e], 16));
         }
-        if (chunks == 0) continue;
+        const int64_t chunks = b.index.chunks();
+        if (chunks == 0) return cudaSuccess;
         const unsigned grid = static_cast<unsigned>(std::min<int64_t>(chunks, grid_cap));
-        const cudaError_t e = launch_kernel(kernel, dim3(grid), dim3(THREADS), 0, stream, 1, b);
-        if (e != cudaSuccess) return e;
-    }
-    return cudaSuccess;
+        return launch_kernel(kernel, dim3(grid), dim3(THREADS), 0, stream, 1, b);
+    });
 }
 
 }  // namespace

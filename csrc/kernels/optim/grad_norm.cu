@@ -4,6 +4,7 @@
 // parameter, as in adamw.cu, so a launch can be captured in a graph.
 #include "grad_norm.h"
 #include "../../kittens/kittens.cuh"
+#include "../../kittens/multi_tensor.cuh"
 
 #include <algorithm>
 
@@ -18,11 +19,8 @@ constexpr int FINISH_THREADS = 1024;
 
 struct batch {
     const void* tensor[BATCH];
-    int64_t numel[BATCH];
-    int64_t chunk_end[BATCH];     // chunks of tensors 0..i together
-    uint32_t vector[BATCH / 32];  // bit i: tensor i starts on a 16-byte boundary
-    int count;
-    float* partials;              // this launch's: one per block
+    chunk_index<BATCH> index;  // aligned: the tensor starts on a 16-byte boundary
+    float* partials;           // this launch's: one per block
 };
 
 template <typename T> constexpr int chunk_elems = THREADS * UNROLL * vec16_elems<T>;
@@ -32,14 +30,13 @@ __global__ void __launch_bounds__(THREADS) sq_norm_kernel(const __grid_constant_
     constexpr int V = vec16_elems<T>, CHUNK = chunk_elems<T>;
     pdl::start();
     float acc = 0.f;
-    const int64_t chunks = b.chunk_end[b.count - 1];
+    const int64_t chunks = b.index.chunks();
     int t = 0;  // chunks are taken in increasing order, so the tensor index only moves forward
     for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
-        while (c >= b.chunk_end[t]) ++t;
-        const int64_t start = (c - (t > 0 ? b.chunk_end[t - 1] : 0)) * CHUNK;
-        const int n = static_cast<int>(std::min<int64_t>(CHUNK, b.numel[t] - start));
-        const T* x = static_cast<const T*>(b.tensor[t]) + start;
-        if (n == CHUNK && ((b.vector[t / 32] >> (t % 32)) & 1u)) {
+        const auto at = b.index.template locate<CHUNK>(c, t);
+        const int n = at.n;
+        const T* x = static_cast<const T*>(b.tensor[t]) + at.start;
+        if (n == CHUNK && at.aligned) {
             packed<T, V> r[UNROLL];
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) r[u] = load_packed<T, V>(x + (u * THREADS + threadIdx.x) * V);
@@ -81,25 +78,20 @@ cudaError_t launch_typed(const sq_norm_args& a, cudaStream_t stream) {
     grid_cap = std::min(grid_cap, MAX_GRID);
     batch b;
     int64_t written = 0;  // partials so far, packed one launch after another
-    for (int first = 0; first < a.count; first += BATCH) {
-        b.count = std::min(BATCH, a.count - first);
-        std::fill(b.vector, b.vector + BATCH / 32, 0u);
-        int64_t chunks = 0;
-        for (int i = 0; i < b.count; ++i) {
-            const int e = first + i;
-            b.tensor[i] = a.tensors[e];
-            b.numel[i] = a.numels[e];
-            chunks += (a.numels[e] + CHUNK - 1) / CHUNK;
-            b.chunk_end[i] = chunks;
-            if (is_aligned(a.tensors[e], 16)) b.vector[i / 32] |= 1u << (i % 32);
+    const cudaError_t e = for_each_batch<BATCH>(a.count, [&](int first, int count) {
+        b.index.clear();
+        for (int i = 0; i < count; ++i) {
+            b.tensor[i] = a.tensors[first + i];
+            b.index.add(a.numels[first + i], CHUNK, is_aligned(a.tensors[first + i], 16));
         }
-        if (chunks == 0) continue;
+        const int64_t chunks = b.index.chunks();
+        if (chunks == 0) return cudaSuccess;
         const int grid = static_cast<int>(std::min<int64_t>(chunks, grid_cap));
         b.partials = a.partials + written;
         written += grid;
-        const cudaError_t e = launch_kernel(kernel, dim3(grid), dim3(THREADS), 0, stream, 1, b);
-        if (e != cudaSuccess) return e;
-    }
+        return launch_kernel(kernel, dim3(grid), dim3(THREADS), 0, stream, 1, b);
+    });
+    if (e != cudaSuccess) return e;
     return launch_kernel(sq_norm_finish, dim3(1), dim3(FINISH_THREADS), 0, stream, 1,
                          static_cast<const float*>(a.partials), written, a.out, a.accumulate);
 }

@@ -180,6 +180,18 @@ cudaError_t dispatch_n(const float* a, const void* b, float* out, int n, bool b_
     }
 }
 
+// Two sums a block with one set of slots, the second of the input's negation, written by every thread: the
+// slots are free again once every thread has returned (the second sum's result checks the first's reuse).
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) block_sum_kernel(const float* in, float* out) {
+    __shared__ float slots[THREADS / 32];
+    const int64_t i = int64_t(blockIdx.x) * THREADS + threadIdx.x;
+    const float first = tk::block_sum<THREADS>(in[i], slots);
+    __syncthreads();
+    const float second = tk::block_sum<THREADS>(-in[i], slots);
+    out[i] = first == -second ? first : __int_as_float(0x7fc00001);  // a NaN that no sum gives
+}
+
 // failed_launch's kernel: never runs (its launch asks for more threads a block than a block may have).
 __global__ void oversized_block_kernel(int* out) {
     pdl::start();
@@ -187,6 +199,17 @@ __global__ void oversized_block_kernel(int* out) {
 }
 
 }  // namespace
+
+cudaError_t block_sum(const float* in, float* out, int blocks, int threads, cudaStream_t stream) {
+    if (blocks <= 0) return cudaErrorInvalidValue;
+    switch (threads) {
+        case 32: block_sum_kernel<32><<<blocks, 32, 0, stream>>>(in, out); break;
+        case 256: block_sum_kernel<256><<<blocks, 256, 0, stream>>>(in, out); break;
+        case 1024: block_sum_kernel<1024><<<blocks, 1024, 0, stream>>>(in, out); break;
+        default: return cudaErrorInvalidValue;
+    }
+    return cudaGetLastError();
+}
 
 cudaError_t failed_launch(cudaStream_t stream) {
     return launch_kernel(oversized_block_kernel, dim3(1), dim3(2048), 0, stream, 1, static_cast<int*>(nullptr));

@@ -33,6 +33,10 @@ cudaError_t store_matrices(const float* in, void* out, int cols, int dtype, cuda
 // the fragment layout; cols 64 or 128.
 cudaError_t load_matrices(const void* in, void* out, int cols, int dtype, cudaStream_t stream);
 
+// out[b * threads + i] = block_sum<threads> over in[b * threads ... (b + 1) * threads), as thread i of block b
+// returns it: `blocks` blocks of `threads` threads (32, 256 or 1024), each summing twice with one set of slots.
+cudaError_t block_sum(const float* in, float* out, int blocks, int threads, cudaStream_t stream);
+
 // A launch that fails: a kernel enqueued by tk::launch_kernel with 2048 threads a block (the limit is 1024), so that
 // the tests can check what a failed tk launch leaves behind. Returns the launch's error; nothing runs.
 cudaError_t failed_launch(cudaStream_t stream);
