@@ -584,3 +584,149 @@ def test_sq_norm_and_clip_argument_errors_cpu_tensors():
         ops.adamw_step(P, G, M, V, step=1, grad_sq_norm=torch.ones(()), max_norm=0, **HYPER)
     with pytest.raises(ValueError, match="adamw_step: grad_sq_norm must be a one-element float32 tensor"):
         ops.adamw_step(P, G, M, V, step=1, grad_sq_norm=torch.ones(2), max_norm=1.0, **HYPER)
+
+
+# The kernel route on the CPU, with a stand-in for the launch: CPU tensors pass the device checks, and the stand-in
+# finds the tensors behind the addresses it is handed and updates them by torch's single-tensor AdamW, so that the
+# optimizer's host path (the full one and the kept plan) is checked for handing the right tensors, step counts and
+# settings to the kernel, bit for bit against torch.optim.AdamW.
+class KernelStandIn:
+    def __init__(self, monkeypatch, optimizer):
+        import thunder_tk.optim as optim_module
+
+        self.optimizer, self.launches, self.planned = optimizer, [], []
+        monkeypatch.setattr(ops, "_require_kernels", lambda device: self)
+        monkeypatch.setattr(ops, "_adamw_launch_ptrs", self.launch)
+        adamw_unsupported = ops.adamw_unsupported
+
+        def unsupported_but_for_the_cpu(p, g, m, v):  # the checks past the device's: contiguity
+            reason = adamw_unsupported(p, g, m, v)
+            if reason != f"the parameter is on {p.device}, not a CUDA device":
+                return reason
+            for name, t in (("param", p), ("grad", g), ("exp_avg", m), ("exp_avg_sq", v)):
+                if not t.is_contiguous():
+                    return f"{name} is not contiguous (strides {tuple(t.stride())})"
+            return None
+
+        def lists_alike(params, grads, exp_avgs, exp_avg_sqs):
+            everything = [*params, *grads, *exp_avgs, *exp_avg_sqs]
+            return len({t.dtype for t in everything}) == 1 and all(
+                unsupported_but_for_the_cpu(*four) is None for four in zip(params, grads, exp_avgs, exp_avg_sqs))
+
+        monkeypatch.setattr(ops, "adamw_unsupported", unsupported_but_for_the_cpu)
+        monkeypatch.setattr(ops, "adamw_lists_alike", lists_alike)
+        monkeypatch.setattr(optim_module, "_is_cuda", lambda t: True)
+        monkeypatch.setattr(AdamW, "_device_reason", lambda opt, device: None)
+        planned_update = AdamW._planned_update
+
+        def spy(opt, index, group):
+            used = planned_update(opt, index, group)
+            self.planned.append(used)
+            return used
+
+        monkeypatch.setattr(AdamW, "_planned_update", spy)
+
+    def tensors_by_address(self):
+        found = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p, {})
+                for t in (p, p.grad, state.get("exp_avg"), state.get("exp_avg_sq")):
+                    if t is not None:
+                        found.setdefault(t.data_ptr(), []).append(t)
+        return found
+
+    def launch(self, ext, device, dtype, params, grads, exp_avgs, exp_avg_sqs, numels, *, step, lr, beta1, beta2,
+               eps, weight_decay, maximize, grad_sq_norm=None, max_norm=None):
+        assert ext is self
+        self.launches.append(dict(count=len(params), step=step, lr=lr, clipped=grad_sq_norm is not None))
+        found = self.tensors_by_address()
+        pick = [[found[a][0] for a in addresses] for addresses in (params, grads, exp_avgs, exp_avg_sqs)]
+        assert numels == [t.numel() for t in pick[0]] and all(t.dtype == dtype for lst in pick for t in lst)
+        gs = pick[1]
+        if grad_sq_norm is not None:
+            gs = [g * clip_factor(grad_sq_norm.sqrt(), max_norm) for g in gs]
+        _torch_single_tensor_adamw(pick[0], gs, pick[2], pick[3], step, lr, beta1, beta2, eps, weight_decay, maximize)
+
+
+def _torch_single_tensor_adamw(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay,
+                               maximize):
+    from torch.optim.adamw import adamw
+
+    steps = [torch.tensor(float(step) - 1) for _ in params]  # counted up inside, as the optimizer's own
+    adamw([p.detach() for p in params], grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, capturable=False,
+          differentiable=False, fused=None, grad_scale=None, found_inf=None, has_complex=False, amsgrad=False,
+          beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
+
+
+def test_kept_plan_hands_the_kernel_what_the_full_path_would(monkeypatch):
+    """A group whose every parameter went to the kernel keeps a plan: later steps check the fresh gradients in full
+    and the parameters and moments for having been replaced, and take one launch with the kept addresses. Each
+    change a plan cannot carry sends that step down the full path (which plans again where it can): a parameter's
+    storage replaced, a moment buffer replaced, a gradient missing, a non-contiguous gradient (declined to torch,
+    by name), a load_state_dict. Every step bit for bit as torch.optim.AdamW, learning-rate changes included."""
+    shapes = [(5, 7), (13,), (3, 4, 2), (1,)]
+    ours_params = make_params(21, shapes)
+    their_params = clone_params(ours_params)
+    ours = AdamW(ours_params, lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(their_params, lr=1e-2, weight_decay=0.1)
+    kernel = KernelStandIn(monkeypatch, ours)
+    g = torch.Generator().manual_seed(5)
+    pairs = list(zip(ours_params, their_params))
+
+    def step(skip=(), expect_planned=None, expect_tk=len(shapes)):
+        set_grads(pairs, g, skip)
+        kernel.planned.clear()
+        ours.step()
+        theirs.step()
+        assert_same_optimizers(ours, theirs, ours_params, their_params)
+        if expect_planned is not None:
+            assert kernel.planned == [expect_planned]
+        assert ours.routes["tk"] == expect_tk, ours.routes
+
+    step(expect_planned=False)  # the first step plans
+    for _ in range(2):
+        step(expect_planned=True)
+    assert kernel.launches[-1] == dict(count=4, step=3.0, lr=1e-2, clipped=False)
+    for group in (*ours.param_groups, *theirs.param_groups):
+        group["lr"] = 3e-3  # a scheduler's change is read every step
+    step(expect_planned=True)
+    assert kernel.launches[-1]["lr"] == 3e-3
+
+    ours_params[1].data = ours_params[1].data.clone()  # new storage behind the same Parameter
+    step(expect_planned=False)
+    step(expect_planned=True)
+    state = ours.state[ours_params[2]]
+    state["exp_avg"] = state["exp_avg"].clone()
+    step(expect_planned=False)
+    step(expect_planned=True)
+
+    step(skip=(0,), expect_planned=False, expect_tk=3)  # a parameter without a gradient: no plan
+    launches = len(kernel.launches)
+    step(expect_planned=False)  # counts differ now: one launch per count
+    assert [launch["step"] for launch in kernel.launches[launches:]] == [9.0, 10.0]
+    step(expect_planned=True)
+
+    set_grads(pairs, g)
+    ours_params[0].grad = torch.randn(7, 5, generator=g).t()  # (5, 7) with strides (1, 5): not contiguous
+    their_params[0].grad = ours_params[0].grad.clone()
+    ours.step()
+    theirs.step()
+    assert_same_optimizers(ours, theirs, ours_params, their_params)
+    assert ours.routes["tk"] == 3 and "grad is not contiguous" in ours.routes["declined"][0][3]
+
+    step(expect_planned=False)
+    step(expect_planned=True)
+    set_grads(pairs, g)
+    norm = ours.clip_grad_norm_(0.5)
+    for q in their_params:
+        q.grad.mul_(clip_factor(norm, 0.5))
+    kernel.planned.clear()
+    ours.step()
+    theirs.step()
+    assert kernel.planned == [True] and kernel.launches[-1]["clipped"]
+    assert_same_optimizers(ours, theirs, ours_params, their_params)
+
+    ours.load_state_dict(saved(ours.state_dict()))
+    step(expect_planned=False)  # a loaded state is planned afresh
+    step(expect_planned=True)

@@ -1571,12 +1571,21 @@ def adamw_lists_alike(params, grads, exp_avgs, exp_avg_sqs) -> bool:
 def _adamw_launch(ext, params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay,
                   maximize, grad_sq_norm=None, max_norm=None) -> None:
     """adamw_step's launch, for callers that checked the entries already (thunder_tk.optim.AdamW, every step)."""
-    device = params[0].device
+    ptrs = torch.Tensor.data_ptr
+    _adamw_launch_ptrs(ext, params[0].device, params[0].dtype, list(map(ptrs, params)), list(map(ptrs, grads)),
+                       list(map(ptrs, exp_avgs)), list(map(ptrs, exp_avg_sqs)), list(map(torch.Tensor.numel, params)),
+                       step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                       maximize=maximize, grad_sq_norm=grad_sq_norm, max_norm=max_norm)
+
+
+def _adamw_launch_ptrs(ext, device: torch.device, dtype: torch.dtype, params, grads, exp_avgs, exp_avg_sqs, numels,
+                       *, step, lr, beta1, beta2, eps, weight_decay, maximize, grad_sq_norm=None,
+                       max_norm=None) -> None:
+    """_adamw_launch from the tensors' addresses and element counts (lists of ints): what thunder_tk.optim.AdamW's
+    kept plan hands over, reading only the gradients' addresses afresh."""
     with _on(device):
-        ptrs = torch.Tensor.data_ptr
-        ext.adamw(list(map(ptrs, params)), list(map(ptrs, grads)), list(map(ptrs, exp_avgs)),
-                  list(map(ptrs, exp_avg_sqs)), list(map(torch.Tensor.numel, params)), _DTYPE_CODES[params[0].dtype],
-                  float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(step), bool(maximize),
+        ext.adamw(params, grads, exp_avgs, exp_avg_sqs, numels, _DTYPE_CODES[dtype], float(lr), float(beta1),
+                  float(beta2), float(eps), float(weight_decay), float(step), bool(maximize),
                   0 if grad_sq_norm is None else grad_sq_norm.data_ptr(), 0.0 if max_norm is None else float(max_norm),
                   _stream_handle(device))
 
@@ -1635,9 +1644,12 @@ def sq_norm(tensors, *, out: torch.Tensor | None = None, accumulate: bool = Fals
 
 def _sq_norm_launch(ext, tensors, out: torch.Tensor, accumulate: bool) -> None:
     """sq_norm's launches for checked tensors: one per dtype, each adding to what the one before wrote."""
-    by_dtype: dict = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
+    if len(set(map(_dtype_of, tensors))) == 1:
+        by_dtype = {tensors[0].dtype: tensors}  # the usual case, without a loop over the tensors
+    else:
+        by_dtype = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
     device = out.device
     with _on(device):
         stream = _stream_handle(device)

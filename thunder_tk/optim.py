@@ -18,6 +18,10 @@ scaling happens inside the update's own read.
 
 from __future__ import annotations
 
+import itertools
+import operator
+from dataclasses import dataclass
+
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
@@ -43,6 +47,36 @@ def sq_norm_by_torch(tensors: list) -> torch.Tensor:
     if wide:
         parts.append(torch.stack([torch.linalg.vector_norm(t).square() for t in wide]).sum().float())
     return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+_grad_of = operator.attrgetter("grad")
+_exp_avg_of, _exp_avg_sq_of, _step_of = (operator.itemgetter(k) for k in ("exp_avg", "exp_avg_sq", "step"))
+_data_ptr, _numel, _is_contiguous = torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous
+_dtype_of, _layout_of, _is_cuda, _is_sparse = (operator.attrgetter(a) for a in ("dtype", "layout", "is_cuda",
+                                                                                 "is_sparse"))
+
+
+def _all_same(a: list, b: list) -> bool:
+    """Whether two lists hold the same objects in the same order."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+@dataclass
+class _KernelPlan:
+    """What a group's update on the kernel keeps from one step to the next: the step whose every parameter had a
+    gradient and went to the kernel in bulk (one dtype and device). The parameters and moment buffers are held (so
+    that an object replaced is seen as such), with their addresses and sizes; each step re-reads those addresses
+    and the parameters' dtype and contiguity, and checks the gradients (new tensors every step) in full. Anything
+    else makes the step take the full path, which names a reason for every tensor it sends elsewhere."""
+    params: list
+    exp_avgs: list
+    exp_avg_sqs: list
+    steps: torch.Tensor  # the buffer whose views are the group's step counts, in order
+    addresses: tuple[list, list, list]  # params', exp_avgs', exp_avg_sqs'
+    numels: list
+    dtype: torch.dtype
+    device: torch.device
+    device_index: int  # as Tensor.get_device gives it
 
 
 class AdamW(torch.optim.AdamW):
@@ -81,6 +115,9 @@ class AdamW(torch.optim.AdamW):
         # Step counts made together are 0-d views of one CPU buffer, so that a step advances them all with one add
         # (a CPU add per tensor costs about 1.5 us): buffer id -> (the views' ids in order, the buffer).
         self._step_buffers: dict = {}
+        # Group index -> _KernelPlan: the per-tensor checks of the parameters and their state, which cost more host
+        # time than torch's whole fused step on models of many small tensors, done once (see _planned_update).
+        self._plans: dict[int, _KernelPlan] = {}
 
     def _step_views(self, values) -> list:
         """Fresh step-count tensors holding `values`, each a 0-d float32 view of one new CPU buffer."""
@@ -162,14 +199,17 @@ class AdamW(torch.optim.AdamW):
         if (why := ops.max_norm_unsupported(max_norm)) is not None:
             raise ValueError(f"clip_grad_norm_: {why}")
         self._clip, self._clip_on = None, {}
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        grads = [g for group in self.param_groups for g in map(_grad_of, group["params"]) if g is not None]
         if not grads:
             return torch.zeros(())
-        if any(g.is_sparse for g in grads):
+        if any(map(_is_sparse, grads)):
             raise RuntimeError("clip_grad_norm_ does not support sparse gradients")
-        by_device: dict = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
+        if all(map(_is_cuda, grads)) and len(set(map(torch.Tensor.get_device, grads))) == 1:
+            by_device = {grads[0].device: grads}  # the usual case, found in bulk
+        else:
+            by_device = {}
+            for g in grads:
+                by_device.setdefault(g.device, []).append(g)
         total = None
         for device, device_grads in by_device.items():
             part = self._sq_norm_on(device, device_grads)
@@ -190,7 +230,10 @@ class AdamW(torch.optim.AdamW):
             on_kernel, rest = [], []
             for g in grads:
                 (rest if ops.sq_norm_unsupported(g) else on_kernel).append(g)
-        total = ops.sq_norm(on_kernel) if on_kernel else None
+        total = None
+        if on_kernel:  # checked above: the launch itself
+            total = torch.empty((), dtype=torch.float32, device=device)
+            ops._sq_norm_launch(ops._require_kernels(device), on_kernel, total, accumulate=False)
         if rest:
             part = sq_norm_by_torch(rest)
             total = part if total is None else total.add_(part)
@@ -234,6 +277,10 @@ class AdamW(torch.optim.AdamW):
         return loss
 
     def _update_group(self, index: int, group: dict, routes: dict) -> None:
+        if self._planned_update(index, group):
+            routes["tk"] += len(group["params"])
+            return
+        self._plans.pop(index, None)
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
@@ -259,6 +306,7 @@ class AdamW(torch.optim.AdamW):
                 and self._device_reason(params[0].device) is None and not any(t.is_cuda for t in steps)):
             self._on_kernel(params, grads, exp_avgs, exp_avg_sqs, steps, group)
             routes["tk"] += len(params)
+            self._make_plan(index, group, params, exp_avgs, exp_avg_sqs, steps)
             return
         fast: dict = {}  # (device, dtype) -> ([param], [grad], [exp_avg], [exp_avg_sq], [step])
         slow = ([], [], [], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
@@ -296,23 +344,78 @@ class AdamW(torch.optim.AdamW):
                          weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
             routes["torch"] += len(slow[0])
 
-    def _on_kernel(self, params, grads, exp_avgs, exp_avg_sqs, steps, group: dict) -> None:
+    def _make_plan(self, index: int, group: dict, params, exp_avgs, exp_avg_sqs, steps) -> None:
+        """Keeps the group's plan after a step that took every parameter to the kernel in bulk (and whose step
+        counts are one buffer's views)."""
+        buffer = self._whole_buffer(steps)
+        if buffer is None or len(params) != len(group["params"]):
+            return
+        self._plans[index] = _KernelPlan(
+            params=list(params), exp_avgs=list(exp_avgs), exp_avg_sqs=list(exp_avg_sqs), steps=buffer,
+            addresses=tuple(list(map(_data_ptr, x)) for x in (params, exp_avgs, exp_avg_sqs)),
+            numels=list(map(_numel, params)), dtype=params[0].dtype, device=params[0].device,
+            device_index=params[0].get_device())
+
+    def _planned_update(self, index: int, group: dict) -> bool:
+        """The group's update by its plan, where every check still holds; False (nothing done) where one does not
+        or there is no plan. About a third of the full path's host time a tensor: the gradients are checked as the
+        full path checks them, the parameters and moments only for having been replaced or moved."""
+        plan = self._plans.get(index)
+        if plan is None or self._group_reason(group) is not None:
+            return False
+        params = group["params"]
+        if not _all_same(params, plan.params):
+            return False
+        grads = list(map(_grad_of, params))
+        if not all(map(operator.is_not, grads, itertools.repeat(None))):
+            return False
+        try:
+            states = list(map(self.state.__getitem__, params))
+            exp_avgs, exp_avg_sqs = list(map(_exp_avg_of, states)), list(map(_exp_avg_sq_of, states))
+            steps = list(map(_step_of, states))
+        except KeyError:
+            return False
+        if not (_all_same(exp_avgs, plan.exp_avgs) and _all_same(exp_avg_sqs, plan.exp_avg_sqs)
+                and self._whole_buffer(steps) is plan.steps):
+            return False
+        addresses = tuple(list(map(_data_ptr, x)) for x in (params, exp_avgs, exp_avg_sqs))
+        if addresses != plan.addresses or set(map(_dtype_of, params)) != {plan.dtype} or not all(
+                map(_is_contiguous, params)):
+            return False
+        if not (set(map(type, grads)) <= ops._PLAIN_TENSORS and set(map(_layout_of, grads)) == {torch.strided}
+                and set(map(_dtype_of, grads)) == {plan.dtype} and all(map(_is_cuda, grads))
+                and set(map(torch.Tensor.get_device, grads)) == {plan.device_index} and all(map(_is_contiguous, grads))
+                and list(map(_numel, grads)) == plan.numels):
+            return False
+        self._on_kernel(params, grads, exp_avgs, exp_avg_sqs, steps, group, plan=plan)
+        return True
+
+    def _on_kernel(self, params, grads, exp_avgs, exp_avg_sqs, steps, group: dict, plan=None) -> None:
         """The update of checked tensors of one dtype and device: a launch per distinct step count (a parameter
         that first had a gradient later counts fewer steps), then the counts advanced."""
-        buffer = self._whole_buffer(steps)
-        counts = ((buffer if buffer is not None else torch.stack(steps)) + 1).tolist()  # CPU: no synchronisation
-        by_count: dict = {}
-        for i, c in enumerate(counts):
-            by_count.setdefault(c, []).append(i)
+        buffer = plan.steps if plan is not None else self._whole_buffer(steps)
         device = params[0].device
         ext = ops._require_kernels(device)
         beta1, beta2 = group["betas"]
-        clip = {} if self._clip is None else {"grad_sq_norm": self._clip_sq_norm(device), "max_norm": self._clip[1]}
-        for count, idx in by_count.items():
-            pick = (lambda lst: lst) if len(idx) == len(params) else (lambda lst: [lst[i] for i in idx])
-            ops._adamw_launch(ext, pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), step=count,
-                              lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                              weight_decay=group["weight_decay"], maximize=group["maximize"], **clip)
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                     maximize=group["maximize"])
+        if self._clip is not None:
+            hyper.update(grad_sq_norm=self._clip_sq_norm(device), max_norm=self._clip[1])
+        counts = (buffer if buffer is not None else torch.stack(steps)) + 1  # float32 on the CPU: no waiting
+        low, high = counts.aminmax()
+        if low == high:  # the usual case: every count alike, one pass (grouping tensor by tensor costs host time)
+            if plan is not None:
+                ops._adamw_launch_ptrs(ext, device, plan.dtype, plan.addresses[0], list(map(_data_ptr, grads)),
+                                       plan.addresses[1], plan.addresses[2], plan.numels, step=float(low), **hyper)
+            else:
+                ops._adamw_launch(ext, params, grads, exp_avgs, exp_avg_sqs, step=float(low), **hyper)
+        else:
+            by_count: dict = {}
+            for i, c in enumerate(counts.tolist()):
+                by_count.setdefault(c, []).append(i)
+            for count, idx in by_count.items():
+                ops._adamw_launch(ext, *([lst[i] for i in idx] for lst in (params, grads, exp_avgs, exp_avg_sqs)),
+                                  step=count, **hyper)
         # Counted once the updates are enqueued (a refused launch counts none).
         if buffer is not None:
             buffer.add_(1)

@@ -453,6 +453,53 @@ def test_mlp_trains_as_torch_fused(dtype):
         assert_same_training(ours, theirs, list(model.parameters()), list(twin.parameters()), f"step {step}")
 
 
+def test_kept_plan_follows_replaced_storage_and_state():
+    """After a step that took every parameter to the kernel, the group's plan is reused while nothing it keeps has
+    changed, and dropped where something has: a parameter's storage replaced (`.data =`, the old storage freed), a
+    moment buffer replaced in the state, a fresh gradient of another layout. Each step bit for bit as torch's fused
+    AdamW, and the old storage untouched."""
+    specs = [((300, 70), torch.bfloat16), ((4097,), torch.bfloat16), ((9,), torch.bfloat16)]
+    ours_params = params_like(specs, 90)
+    their_params = twins(ours_params)
+    ours = TkAdamW(ours_params, lr=2e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(their_params, lr=2e-2, weight_decay=0.1, fused=True)
+    g = generator(91)
+    pairs = list(zip(ours_params, their_params))
+
+    def step(label, planned_after=True):
+        ours.step()
+        theirs.step()
+        assert ours.routes["tk"] + ours.routes["torch"] == len(specs)
+        assert_same_training(ours, theirs, ours_params, their_params, label)
+        assert (0 in ours._plans) == planned_after, (label, ours._plans.keys())
+
+    for i in range(3):
+        give_grads(pairs, g)
+        step(f"step {i + 1}")
+    old = ours_params[0].data
+    kept = old.clone()
+    ours_params[0].data = old.clone()
+    give_grads(pairs, g)
+    step("after .data replaced")
+    assert torch.equal(old, kept)  # the old storage (still held here) was not written
+    del old
+    give_grads(pairs, g)
+    step("after .data replaced, planned again")
+    state = ours.state[ours_params[1]]
+    state["exp_avg_sq"] = state["exp_avg_sq"].clone()
+    give_grads(pairs, g)
+    step("after a moment buffer replaced")
+    give_grads(pairs, g)
+    step("planned again")
+    give_grads(pairs, g)  # last: torch's default path (not fused) takes the strided one
+    ours_params[2].grad = torch.empty(18, device=DEVICE, dtype=torch.bfloat16)[::2].copy_(their_params[2].grad)
+    ours.step()
+    theirs.step()
+    assert ours.routes["tk"] == 2 and "not contiguous" in ours.routes["declined"][0][3], ours.routes
+    assert 0 not in ours._plans
+    assert_same_training(ours, theirs, ours_params[:2], their_params[:2], "with a strided gradient declined")
+
+
 def params_like(specs, seed):
     """nn.Parameters on the GPU: (shape, dtype) each, N(0, 1)."""
     g = generator(seed)
