@@ -56,6 +56,14 @@ VARIANTS = {
     "tk, exclusive cores": ("[tk]", {"THUNDER_TK_CPU_AFFINITY": "exclusive"}),
     "thunder default, exclusive cores": ("[default]", {"THUNDER_TK_CPU_AFFINITY": "exclusive"}),
 }
+# Variants whose config differs beyond the executors: name -> overrides placed after the run's own (the optimizer
+# class: torch.optim.AdamW and thunder_tk.optim.AdamW read and write the same state, with the same bits).
+CONFIG_VARIANTS = {
+    "tk, torch AdamW": ("[tk]", {}, ["--optimizer.class_path", "torch.optim.AdamW"]),
+    "tk, tk AdamW": ("[tk]", {}, ["--optimizer.class_path", "thunder_tk.optim.AdamW"]),
+    "thunder default, torch AdamW": ("[default]", {}, ["--optimizer.class_path", "torch.optim.AdamW"]),
+}
+VARIANTS.update({name: (executors, env) for name, (executors, env, _) in CONFIG_VARIANTS.items()})
 DEFAULT_VARIANTS = ("tk", "thunder default")
 # Thunder (inductor_cat_cudnn executors), Llama-2-7B FSDP on 8x H100, bs 1, seq 4096: tokens/s per GPU
 # (lightning-thunder issue #940; shared/docs/performance-anchors.md)
@@ -193,7 +201,8 @@ def main():
     rows = []
     for name in a.only:
         executors, env = VARIANTS[name]
-        rows.append(run_variant(name, executors, env, a, overrides))
+        extra = CONFIG_VARIANTS[name][2] if name in CONFIG_VARIANTS else []
+        rows.append(run_variant(name, executors, env, a, [*overrides, *extra]))
         print(json.dumps(rows[-1]), flush=True)
     ok = {r["variant"]: r for r in rows if "tokens_per_s_per_gpu" in r}
     base = ok.get("thunder default")
