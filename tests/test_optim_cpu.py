@@ -730,3 +730,27 @@ def test_kept_plan_hands_the_kernel_what_the_full_path_would(monkeypatch):
     ours.load_state_dict(saved(ours.state_dict()))
     step(expect_planned=False)  # a loaded state is planned afresh
     step(expect_planned=True)
+
+
+def test_hand_set_step_counts_are_packed_for_the_plan(monkeypatch):
+    """A state set by hand (each step count its own tensor, as benchmarks and converters write it) is planned too:
+    its counts become views of one buffer, their values kept, and the next step takes the plan."""
+    ours_params = make_params(31, [(4, 3), (6,)])
+    their_params = clone_params(ours_params)
+    ours = AdamW(ours_params, lr=1e-2)
+    theirs = torch.optim.AdamW(their_params, lr=1e-2)
+    kernel = KernelStandIn(monkeypatch, ours)
+    for opt, params in ((ours, ours_params), (theirs, their_params)):
+        for i, p in enumerate(params):
+            opt.state[p] = {"step": torch.tensor(float(7 + i)), "exp_avg": torch.full_like(p, 0.01 * (i + 1)),
+                            "exp_avg_sq": torch.full_like(p, 1e-4)}
+    g = torch.Generator().manual_seed(32)
+    for planned in (False, True):
+        set_grads(list(zip(ours_params, their_params)), g)
+        kernel.planned.clear()
+        ours.step()
+        theirs.step()
+        assert kernel.planned == [planned]
+        assert_same_optimizers(ours, theirs, ours_params, their_params)
+    steps = [ours.state[p]["step"] for p in ours_params]
+    assert [float(s) for s in steps] == [9.0, 10.0] and steps[0]._base is steps[1]._base is not None

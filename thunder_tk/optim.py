@@ -306,7 +306,7 @@ class AdamW(torch.optim.AdamW):
                 and self._device_reason(params[0].device) is None and not any(t.is_cuda for t in steps)):
             self._on_kernel(params, grads, exp_avgs, exp_avg_sqs, steps, group)
             routes["tk"] += len(params)
-            self._make_plan(index, group, params, exp_avgs, exp_avg_sqs, steps)
+            self._make_plan(index, group, params, states, exp_avgs, exp_avg_sqs, steps)
             return
         fast: dict = {}  # (device, dtype) -> ([param], [grad], [exp_avg], [exp_avg_sq], [step])
         slow = ([], [], [], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
@@ -344,12 +344,17 @@ class AdamW(torch.optim.AdamW):
                          weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
             routes["torch"] += len(slow[0])
 
-    def _make_plan(self, index: int, group: dict, params, exp_avgs, exp_avg_sqs, steps) -> None:
-        """Keeps the group's plan after a step that took every parameter to the kernel in bulk (and whose step
-        counts are one buffer's views)."""
-        buffer = self._whole_buffer(steps)
-        if buffer is None or len(params) != len(group["params"]):
+    def _make_plan(self, index: int, group: dict, params, states, exp_avgs, exp_avg_sqs, steps) -> None:
+        """Keeps the group's plan after a step that took every parameter to the kernel in bulk. Step counts made
+        elsewhere (a state set by hand, not loaded) become views of one buffer first, as a loaded state's do."""
+        if len(params) != len(group["params"]):
             return
+        buffer = self._whole_buffer(steps)
+        if buffer is None:
+            steps = self._step_views([float(s) for s in steps])
+            for state, view in zip(states, steps):
+                state["step"] = view
+            buffer = self._whole_buffer(steps)
         self._plans[index] = _KernelPlan(
             params=list(params), exp_avgs=list(exp_avgs), exp_avg_sqs=list(exp_avg_sqs), steps=buffer,
             addresses=tuple(list(map(_data_ptr, x)) for x in (params, exp_avgs, exp_avg_sqs)),
