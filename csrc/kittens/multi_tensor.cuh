@@ -3,11 +3,11 @@
 // Each tensor is cut into chunks of a kernel-chosen element count; chunks are numbered across the tensors in order,
 // and a persistent grid takes them in increasing order, so a block finds a chunk's tensor by walking forward from
 // the previous one. `chunk_index` is that numbering; a kernel's table holds one beside its own pointer arrays.
+// Plain C++ apart from the host/device qualifiers, so that tests/cpp/multi_tensor_check.cpp walks it on the host.
 #pragma once
 
-#include "common.cuh"
-
 #include <algorithm>
+#include <cstdint>
 
 namespace tk {
 
@@ -47,15 +47,15 @@ struct chunk_index {
     }
 };
 
-// Calls `launch(first, count)` for each run of up to N consecutive entries of `total`, stopping at the first
-// failure.
-template <int N, typename Launch>
-cudaError_t for_each_batch(int total, Launch&& launch) {
+// Calls `launch(first, count)` for each run of up to N consecutive entries of `total`, in order, and returns the
+// first result that is not `ok` (the later runs not called), else `ok`.
+template <int N, typename Status, typename Launch>
+Status for_each_batch(int total, Status ok, Launch&& launch) {
     for (int first = 0; first < total; first += N) {
-        const cudaError_t e = launch(first, std::min(N, total - first));
-        if (e != cudaSuccess) return e;
+        const Status status = launch(first, std::min(N, total - first));
+        if (status != ok) return status;
     }
-    return cudaSuccess;
+    return ok;
 }
 
 }  // namespace tk

@@ -186,7 +186,7 @@ cudaError_t launch_typed(const adamw_args& a, cudaStream_t stream) {
     if (grid_cap <= 0) grid_cap = 8 * multiprocessor_count();
     batch b;
     b.h = a.hyper;
-    return for_each_batch<BATCH>(a.count, [&](int first, int count) {
+    return for_each_batch<BATCH>(a.count, cudaSuccess, [&](int first, int count) -> cudaError_t {
         b.index.clear();
         for (int i = 0; i < count; ++i) {
             const int e = first + i;

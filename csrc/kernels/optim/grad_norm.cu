@@ -78,7 +78,7 @@ cudaError_t launch_typed(const sq_norm_args& a, cudaStream_t stream) {
     grid_cap = std::min(grid_cap, MAX_GRID);
     batch b;
     int64_t written = 0;  // partials so far, packed one launch after another
-    const cudaError_t e = for_each_batch<BATCH>(a.count, [&](int first, int count) {
+    const cudaError_t e = for_each_batch<BATCH>(a.count, cudaSuccess, [&](int first, int count) -> cudaError_t {
         b.index.clear();
         for (int i = 0; i < count; ++i) {
             b.tensor[i] = a.tensors[first + i];
