@@ -66,7 +66,8 @@ class _KernelPlan:
     """What a group's update on the kernel keeps from one step to the next: the step whose every parameter had a
     gradient and went to the kernel in bulk (one dtype and device). The parameters and moment buffers are held (so
     that an object replaced is seen as such), with their addresses and sizes; each step re-reads those addresses
-    and the parameters' dtype and contiguity, and checks the gradients (new tensors every step) in full. Anything
+    and the parameters' dtype and contiguity, and checks the gradients (new tensors every step) as the kernel needs
+    them (_planned_update). Anything
     else makes the step take the full path, which names a reason for every tensor it sends elsewhere."""
     params: list
     exp_avgs: list
@@ -363,8 +364,9 @@ class AdamW(torch.optim.AdamW):
 
     def _planned_update(self, index: int, group: dict) -> bool:
         """The group's update by its plan, where every check still holds; False (nothing done) where one does not
-        or there is no plan. About a third of the full path's host time a tensor: the gradients are checked as the
-        full path checks them, the parameters and moments only for having been replaced or moved."""
+        or there is no plan. About a third of the full path's host time a tensor: the gradients are checked for
+        type, layout, dtype, device, contiguity and element count (their shapes are the parameters', as the `.grad`
+        setter requires), the parameters and moments only for having been replaced or moved."""
         plan = self._plans.get(index)
         if plan is None or self._group_reason(group) is not None:
             return False
