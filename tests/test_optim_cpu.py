@@ -592,8 +592,6 @@ def test_sq_norm_and_clip_argument_errors_cpu_tensors():
 # settings to the kernel, bit for bit against torch.optim.AdamW.
 class KernelStandIn:
     def __init__(self, monkeypatch, optimizer):
-        import thunder_tk.optim as optim_module
-
         self.optimizer, self.launches, self.planned = optimizer, [], []
         monkeypatch.setattr(ops, "_require_kernels", lambda device: self)
         monkeypatch.setattr(ops, "_adamw_launch_ptrs", self.launch)
@@ -615,7 +613,7 @@ class KernelStandIn:
 
         monkeypatch.setattr(ops, "adamw_unsupported", unsupported_but_for_the_cpu)
         monkeypatch.setattr(ops, "adamw_lists_alike", lists_alike)
-        monkeypatch.setattr(optim_module, "_is_cuda", lambda t: True)
+        monkeypatch.setattr(ops, "_is_cuda", lambda t: True)  # the bulk checks' device test
         monkeypatch.setattr(AdamW, "_device_reason", lambda opt, device: None)
         planned_update = AdamW._planned_update
 

@@ -1541,15 +1541,20 @@ def max_norm_unsupported(max_norm) -> str | None:
 
 
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
-_dtype_of, _device_of, _layout_of = (operator.attrgetter(a) for a in ("dtype", "device", "layout"))
+_dtype_of, _layout_of, _is_cuda = (operator.attrgetter(a) for a in ("dtype", "layout", "is_cuda"))
+
+
+def _on_one_gpu(tensors) -> bool:
+    """Whether every tensor (a non-empty list) is on one CUDA device, in bulk: `is_cuda` and `get_device` are plain
+    values, where `Tensor.device` builds an object per tensor (about 90 ns against 35)."""
+    return all(map(_is_cuda, tensors)) and len(set(map(torch.Tensor.get_device, tensors))) == 1
 
 
 def _flat_on_one_gpu(tensors) -> bool:
     """Whether every tensor (a non-empty list) is a plain, dense, contiguous tensor, all on one CUDA device, in
     bulk: what the multi-tensor kernels (AdamW, sq_norm) need to read each as a flat array."""
     return (set(map(type, tensors)) <= _PLAIN_TENSORS and set(map(_layout_of, tensors)) == {torch.strided}
-            and len(set(map(_device_of, tensors))) == 1 and tensors[0].device.type == "cuda"
-            and all(map(torch.Tensor.is_contiguous, tensors)))
+            and _on_one_gpu(tensors) and all(map(torch.Tensor.is_contiguous, tensors)))
 
 
 def adamw_lists_alike(params, grads, exp_avgs, exp_avg_sqs) -> bool:

@@ -52,8 +52,7 @@ def sq_norm_by_torch(tensors: list) -> torch.Tensor:
 _grad_of = operator.attrgetter("grad")
 _exp_avg_of, _exp_avg_sq_of, _step_of = (operator.itemgetter(k) for k in ("exp_avg", "exp_avg_sq", "step"))
 _data_ptr, _numel, _is_contiguous = torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous
-_dtype_of, _layout_of, _is_cuda, _is_sparse = (operator.attrgetter(a) for a in ("dtype", "layout", "is_cuda",
-                                                                                 "is_sparse"))
+_dtype_of, _is_sparse = operator.attrgetter("dtype"), operator.attrgetter("is_sparse")
 
 
 def _all_same(a: list, b: list) -> bool:
@@ -205,7 +204,7 @@ class AdamW(torch.optim.AdamW):
             return torch.zeros(())
         if any(map(_is_sparse, grads)):
             raise RuntimeError("clip_grad_norm_ does not support sparse gradients")
-        if all(map(_is_cuda, grads)) and len(set(map(torch.Tensor.get_device, grads))) == 1:
+        if ops._on_one_gpu(grads):
             by_device = {grads[0].device: grads}  # the usual case, found in bulk
         else:
             by_device = {}
@@ -389,10 +388,8 @@ class AdamW(torch.optim.AdamW):
         if addresses != plan.addresses or set(map(_dtype_of, params)) != {plan.dtype} or not all(
                 map(_is_contiguous, params)):
             return False
-        if not (set(map(type, grads)) <= ops._PLAIN_TENSORS and set(map(_layout_of, grads)) == {torch.strided}
-                and set(map(_dtype_of, grads)) == {plan.dtype} and all(map(_is_cuda, grads))
-                and set(map(torch.Tensor.get_device, grads)) == {plan.device_index} and all(map(_is_contiguous, grads))
-                and list(map(_numel, grads)) == plan.numels):
+        if not (ops._flat_on_one_gpu(grads) and grads[0].get_device() == plan.device_index
+                and set(map(_dtype_of, grads)) == {plan.dtype} and list(map(_numel, grads)) == plan.numels):
             return False
         self._on_kernel(params, grads, exp_avgs, exp_avg_sqs, steps, group, plan=plan)
         return True
