@@ -347,6 +347,18 @@ void embedding_backward(std::uintptr_t grad, int64_t grad_stride, std::uintptr_t
                         [&] { return tk::embedding::launch_backward(args, as_stream(stream)); });
 }
 
+// A list of device addresses as the pointer array a multi-tensor kernel's arguments point to (their `int count`
+// bounds its length).
+template <typename T>
+std::vector<T*> pointer_list(const std::vector<std::uintptr_t>& addresses, const char* kernel) {
+    if (addresses.size() > static_cast<std::size_t>(1) << 30)
+        throw std::invalid_argument(std::string("thunder_tk ") + kernel + ": too many tensors");
+    std::vector<T*> pointers(addresses.size());
+    std::transform(addresses.begin(), addresses.end(), pointers.begin(),
+                   [](std::uintptr_t a) { return reinterpret_cast<T*>(a); });
+    return pointers;
+}
+
 // AdamW's update over lists of tensors (optim/adamw.h): entry i of each list belongs together.
 void adamw(const std::vector<std::uintptr_t>& params, const std::vector<std::uintptr_t>& grads,
            const std::vector<std::uintptr_t>& exp_avgs, const std::vector<std::uintptr_t>& exp_avg_sqs,
@@ -356,15 +368,9 @@ void adamw(const std::vector<std::uintptr_t>& params, const std::vector<std::uin
     const std::size_t n = params.size();
     if (grads.size() != n || exp_avgs.size() != n || exp_avg_sqs.size() != n || numels.size() != n)
         throw std::invalid_argument("thunder_tk adamw: params, grads, exp_avgs, exp_avg_sqs and numels differ in length");
-    if (n > static_cast<std::size_t>(1) << 30) throw std::invalid_argument("thunder_tk adamw: too many tensors");
-    std::vector<void*> p(n), m(n), v(n);
-    std::vector<const void*> g(n);
-    for (std::size_t i = 0; i < n; ++i) {
-        p[i] = reinterpret_cast<void*>(params[i]);
-        g[i] = as_ptr<void>(grads[i]);
-        m[i] = reinterpret_cast<void*>(exp_avgs[i]);
-        v[i] = reinterpret_cast<void*>(exp_avg_sqs[i]);
-    }
+    const std::vector<void*> p = pointer_list<void>(params, "adamw"), m = pointer_list<void>(exp_avgs, "adamw"),
+                             v = pointer_list<void>(exp_avg_sqs, "adamw");
+    const std::vector<const void*> g = pointer_list<const void>(grads, "adamw");
     tk::optim::adamw_args args{};
     args.params = p.data();
     args.grads = g.data();
@@ -387,9 +393,7 @@ void sq_norm(const std::vector<std::uintptr_t>& tensors, const std::vector<int64
              std::uintptr_t stream) {
     if (numels.size() != tensors.size())
         throw std::invalid_argument("thunder_tk sq_norm: tensors and numels differ in length");
-    if (tensors.size() > static_cast<std::size_t>(1) << 30) throw std::invalid_argument("thunder_tk sq_norm: too many tensors");
-    std::vector<const void*> t(tensors.size());
-    for (std::size_t i = 0; i < tensors.size(); ++i) t[i] = as_ptr<void>(tensors[i]);
+    const std::vector<const void*> t = pointer_list<const void>(tensors, "sq_norm");
     tk::optim::sq_norm_args args{};
     args.tensors = t.data();
     args.numels = numels.data();
