@@ -21,7 +21,9 @@ OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 OUT_ABS=$(cd "$OUT" && pwd)
 # A report left in $OUT by an earlier run must not pass for this run's (a cut test step may write none).
-rm -f "$OUT_ABS/gpu_tests.xml" "$OUT_ABS/dist_tests.xml"
+rm -f "$OUT_ABS/gpu_tests.xml" "$OUT_ABS/dist_tests.xml" "$OUT_ABS/failures.log"
+# Each failing test's report, written as it fails (tests/conftest.py), so a call cut before pytest's summary keeps it.
+export THUNDER_TK_FAILURE_LOG="$OUT_ABS/failures.log"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 summary=()
 # DEADLINE=<seconds>: no step runs past that many seconds of this script (a step is cut short by `timeout`, or
@@ -193,6 +195,7 @@ fi
 # .git, as on the device hosts, or uncommitted changes).
 echo; echo "== $(cat "$OUT/gpu.txt") | commit ${THUNDER_TK_COMMIT:-$(git describe --always --dirty --abbrev=7 2>/dev/null || echo ?)}"
 grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 1
+[ -s "$OUT/failures.log" ] && { echo "failed (failures.log):"; grep "^FAILED " "$OUT/failures.log" | head -n 20; }
 [ -f "$OUT/sass.txt" ] && echo "sass: $(tr -s ' \n' ' ' < "$OUT/sass.txt")"
 grep -E "registers|spill" "$OUT/build.log" 2>/dev/null | sort | uniq -c | sort -rn | head -n 4
 printf '%s\n' "${summary[@]}"

@@ -120,6 +120,8 @@ def pytest_configure(config):
     import signal
     import threading
 
+    global _config
+    _config = config
     _one_share_of_the_cpus_each(config)
     _inductor_isa_probe_once(config)
     if hasattr(config, "workerinput") or threading.current_thread() is not threading.main_thread():
@@ -130,6 +132,30 @@ def pytest_configure(config):
         raise KeyboardInterrupt(f"signal {signum} (SIGTERM)")
 
     signal.signal(signal.SIGTERM, interrupt)
+
+
+_config = None
+
+
+def pytest_runtest_logreport(report):
+    """A failure's report the moment it happens, not only in the summary at the end of the run: on the terminal, and
+    appended to the file THUNDER_TK_FAILURE_LOG names (gpu_run.sh's failures.log). A GPU call stopped at the device
+    tool's time limit, before pytest's summary, then still says what failed and why (the first whole-suite call of
+    2026-12-01 lost a failure's text that way). The xdist controller reports its workers' failures; workers write
+    nothing."""
+    import os
+
+    if not report.failed or _config is None or hasattr(_config, "workerinput"):
+        return
+    text = f"FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n"
+    reporter = _config.pluginmanager.getplugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("")
+        reporter.write_line(text)
+    path = os.environ.get("THUNDER_TK_FAILURE_LOG")
+    if path:
+        with open(path, "a") as log:
+            log.write(text + "\n")
 
 
 @pytest.fixture(autouse=True)

@@ -95,3 +95,36 @@ def test_a_run_ended_by_sigterm_reports_its_failures_and_writes_its_junit_xml(tm
     assert "assert (1 + 1) == 3" in out and "1 failed" in out, out[-2000:]
     report = xml.read_text()
     assert 'failures="1"' in report and "test_fails_first" in report, report
+
+
+def test_a_failure_is_reported_and_logged_as_it_happens(tmp_path):
+    """conftest.pytest_runtest_logreport: a failure's text is on the terminal and in THUNDER_TK_FAILURE_LOG before the
+    next test starts (so a GPU call cut at the device tool's limit keeps it), once, beside pytest's own summary."""
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("suite_conftest", {str(TESTS / "conftest.py")!r})
+        suite = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(suite)
+        pytest_runtest_logreport = suite.pytest_runtest_logreport
+
+        def pytest_configure(config):
+            suite._config = config
+    """))
+    (tmp_path / "test_cut.py").write_text(textwrap.dedent("""
+        import os
+
+        def test_fails_first():
+            assert 1 + 1 == 3
+
+        def test_sees_the_failure_logged():
+            text = open(os.environ["THUNDER_TK_FAILURE_LOG"]).read()
+            assert "FAILED test_cut.py::test_fails_first (call)" in text and "assert (1 + 1) == 3" in text, text
+    """))
+    log = tmp_path / "failures.log"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
+                           str(tmp_path / "test_cut.py")], cwd=tmp_path, env=dict(os.environ, THUNDER_TK_FAILURE_LOG=str(log)),
+                          capture_output=True, text=True, timeout=120)
+    out = done.stdout
+    assert done.returncode == 1 and "1 failed, 1 passed" in out, out[-2000:] + done.stderr[-2000:]
+    assert out.index("FAILED test_cut.py::test_fails_first (call)") < out.index("= FAILURES ="), out[-2000:]
+    assert log.read_text().count("FAILED ") == 1, log.read_text()
