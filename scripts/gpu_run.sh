@@ -14,7 +14,8 @@
 #     one-GPU tests and sanitizers first in any mode. profile: after the build, run PROFILE (a shell command, from
 #     /tmp, with OUT and HERE (the checkout) exported), e.g. ncu over benchmarks/profile_attention.py.
 # GPU_TESTS (files), GPU_TESTS_TIMEOUT (the whole test step, default 600 s), THUNDER_TK_TEST_TIMEOUT (one GPU test,
-# default 240 s: past it the watchdog in tests/conftest.py ends the run and the summary names where it was stuck).
+# default 240 s: past it the watchdog in tests/conftest.py ends the run and the summary names where it was stuck),
+# THUNDER_TK_TEST_SHARD=k/n (every n-th test from the k-th: the whole GPU suite takes two calls, 1/2 and 2/2).
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-out/gpu}

@@ -128,3 +128,29 @@ def test_a_failure_is_reported_and_logged_as_it_happens(tmp_path):
     assert done.returncode == 1 and "1 failed, 1 passed" in out, out[-2000:] + done.stderr[-2000:]
     assert out.index("FAILED test_cut.py::test_fails_first (call)") < out.index("= FAILURES ="), out[-2000:]
     assert log.read_text().count("FAILED ") == 1, log.read_text()
+
+
+def test_shards_split_the_tests_between_them(tmp_path):
+    """conftest's THUNDER_TK_TEST_SHARD=k/n: the shards' tests are disjoint and together every test, taken in turns;
+    a malformed value is named."""
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("suite_conftest", {str(TESTS / "conftest.py")!r})
+        suite = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(suite)
+        pytest_collection_modifyitems = suite.pytest_collection_modifyitems
+    """))
+    (tmp_path / "test_many.py").write_text("".join(f"def test_{i}():\n    pass\n" for i in range(7)))
+
+    def collected(shard):
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                               str(tmp_path / "test_many.py")], cwd=tmp_path,
+                              env=dict(os.environ, THUNDER_TK_TEST_SHARD=shard), capture_output=True, text=True,
+                              timeout=120)
+        return done, [line.split("::")[1] for line in done.stdout.splitlines() if "::" in line]
+
+    _, first = collected("1/2")
+    _, second = collected("2/2")
+    assert first == ["test_0", "test_2", "test_4", "test_6"] and second == ["test_1", "test_3", "test_5"]
+    done, _ = collected("3/2")
+    assert done.returncode != 0 and "THUNDER_TK_TEST_SHARD must be k/n" in done.stdout + done.stderr
