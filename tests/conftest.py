@@ -24,8 +24,8 @@ def _gpu_skip_reason() -> str:
 def _shard(config, items):
     """THUNDER_TK_TEST_SHARD=k/n keeps every n-th collected test from the k-th on (1 <= k <= n) and deselects the rest:
     the whole GPU suite no longer fits one device call (2240 of its tests took about 470 s on an H200, beside a
-    110 s build, in 600), and taking
-    tests in turns gives each shard about the same share of every file's time, the slow ones included."""
+    110 s build, in 600), and taking tests in turns gives each shard about the same share of every file's time, the
+    slow ones included."""
     import os
 
     spec = os.environ.get("THUNDER_TK_TEST_SHARD", "")
