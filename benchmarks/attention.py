@@ -78,6 +78,23 @@ def summary(rows) -> str:
             f"geometric mean {geomean(ratios):.3f}, minimum {min(ratios):.3f}")
 
 
+GOAL_RATIO = 1.05  # issue 4: tk >= 1.05 x cuDNN, forward and backward, at every S >= 2048, D = 128, causal and not
+
+
+def goal_verdict(rows) -> str:
+    """Issue 4's goal read off the rows: met, not met (naming every point below it), or incomplete where a point of
+    the goal's set (S >= SUMMARY_MIN_S at D = SUMMARY_D, both masks, forward and backward) has no ratio."""
+    points = [r for r in rows if r["S"] >= SUMMARY_MIN_S and r["D"] == SUMMARY_D]
+    name = f"goal: tk >= {GOAL_RATIO} x cuDNN forward and backward, every S >= {SUMMARY_MIN_S}, D = {SUMMARY_D}"
+    missing = [f"S {r['S']} {'causal' if r['causal'] else 'full'} {p}" for r in points for p in ("fwd", "bwd")
+               if r.get(f"{p}_vs_cudnn") is None]
+    if not points or missing:
+        return f"{name}: incomplete ({', '.join(missing) or 'no points'} not measured)"
+    below = [f"{p} S {r['S']} {'causal' if r['causal'] else 'full'} {r[f'{p}_vs_cudnn']:.3f}x" for r in points
+             for p in ("fwd", "bwd") if r[f"{p}_vs_cudnn"] < GOAL_RATIO]
+    return f"{name} ({2 * len(points)} values): " + ("met" if not below else f"not met: {', '.join(below)}")
+
+
 def rel_err(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
@@ -492,6 +509,8 @@ def main() -> None:
             print(f"{key.replace('_vs_', ' tk/')}: geometric mean {geomean(ratios):.3f} over {len(ratios)} points; "
                   f"lowest {min(ratios):.3f}, highest {max(ratios):.3f}")
     print(summary(rows))
+    if not a.no_backward:
+        print(goal_verdict(rows))
     path = write_results(a.json, "attention", rows)
     print(f"wrote {path}")
     if a.png:

@@ -755,6 +755,41 @@ def add_model_arguments(p: argparse.ArgumentParser, *, n_layer: int = 4, warmup:
     p.add_argument("--warmup", type=int, default=warmup)
 
 
+
+GOAL_VS_DEFAULT, GOAL_VS_COMPILE = 1.15, 1.0  # issue 6, one GPU
+
+
+def goal_verdicts(rows) -> list[str]:
+    """Issue 6's one-GPU goal for each timed tk variant: tokens/s at least GOAL_VS_DEFAULT x Thunder default's and
+    GOAL_VS_COMPILE x torch.compile's, with no more peak memory than Thunder default's. Empty without the baseline."""
+    by_name = {r["variant"]: r for r in rows if r.get("tokens_per_s") is not None}
+    default, compiled = by_name.get("thunder default"), by_name.get("torch.compile")
+    if default is None:
+        return []
+    lines = []
+    for name, r in by_name.items():
+        if not name.startswith("thunder [tk]"):
+            continue
+        checks = [f"{r['tokens_per_s'] / default['tokens_per_s']:.3f}x Thunder default "
+                  f"({'ok' if r['tokens_per_s'] >= GOAL_VS_DEFAULT * default['tokens_per_s'] else 'below'} "
+                  f"{GOAL_VS_DEFAULT})"]
+        met = r["tokens_per_s"] >= GOAL_VS_DEFAULT * default["tokens_per_s"]
+        if compiled is not None:
+            ok = r["tokens_per_s"] >= GOAL_VS_COMPILE * compiled["tokens_per_s"]
+            checks.append(f"{r['tokens_per_s'] / compiled['tokens_per_s']:.3f}x torch.compile "
+                          f"({'ok' if ok else 'below'} {GOAL_VS_COMPILE})")
+            met = met and ok
+        else:
+            checks.append("torch.compile not run")
+            met = False
+        if r.get("peak_gib") is not None and default.get("peak_gib") is not None:
+            ok = r["peak_gib"] <= default["peak_gib"]
+            checks.append(f"peak {r['peak_gib']:.2f} against {default['peak_gib']:.2f} GiB ({'ok' if ok else 'above'})")
+            met = met and ok
+        lines.append(f"goal ({name}): {'met' if met else 'not met'}: " + "; ".join(checks))
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser()
     add_model_arguments(p)
@@ -856,6 +891,9 @@ def main():
           f"{a.steps} steps, {timing}")
     print_table(rows, ["variant", "tokens_per_s", "tokens_per_s_per_gpu", "peak_gib", "reserved_gib",
                        "vs_thunder_default", "vs_torch_compile"])
+    if not a.fsdp:
+        for line in goal_verdicts(rows):
+            print(line)
     for r in rows:
         if r.get("graphs_memory_gib"):
             print(f"{r['variant']}: graphs' memory (GiB) " + ", ".join(f"{k} {x:.2f}"

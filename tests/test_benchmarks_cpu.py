@@ -995,3 +995,47 @@ def test_litgpt_step_max_norm_clips_each_optimizer_its_way(monkeypatch, tmp_path
     rows = json.loads(out.read_text())["rows"]
     assert rows[0]["max_norm"] == 0.01 and rows[0]["tokens_per_s"] > 0
     assert "gradients clipped to norm 0.01" in capsys.readouterr().out
+
+
+def _bench_module(script: str, name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # no CUDA work at import time
+    return bench
+
+
+def test_the_benchmarks_read_their_issues_goals_off_the_rows():
+    """gemm.py (issue 3), attention.py (issue 4) and litgpt_step.py (issue 6) each print whether the run met its
+    issue's goal, naming what fell short, and say when a run does not hold the goal's whole set of points."""
+    gemm = _bench_module("gemm.py", "gemm_goal")
+    rows = [{"problem": p, "layout": lay, "ratio": 1.06} for p in gemm.ISSUE_PROBLEMS for lay in gemm.LAYOUTS]
+    assert len(rows) == 27 and gemm.goal_verdict(rows).startswith("goal: geometric mean >= 1.05 and none below "
+                                                                  "0.95: met")
+    rows[0]["ratio"] = 0.94
+    line = gemm.goal_verdict(rows)
+    assert ": not met" in line and "sq4096 fwd 0.940" in line and "not the issue's set" not in line
+    assert "not the issue's set" in gemm.goal_verdict(rows[3:])
+
+    attention = _bench_module("attention.py", "attention_goal")
+    rows = [{"S": S, "D": D, "causal": c, "fwd_vs_cudnn": 1.2, "bwd_vs_cudnn": 1.06}
+            for S in (1024, 2048, 4096) for D in (64, 128) for c in (False, True)]
+    assert attention.goal_verdict(rows).endswith("(8 values): met")
+    rows[2]["bwd_vs_cudnn"] = 0.9  # S = 1024 is outside the goal
+    rows[6]["bwd_vs_cudnn"] = 1.03  # S = 2048, D = 128, full
+    assert attention.goal_verdict(rows).endswith("not met: bwd S 2048 full 1.030x")
+    rows[7]["fwd_vs_cudnn"] = None
+    assert "incomplete (S 2048 causal fwd not measured)" in attention.goal_verdict(rows)
+
+    step = _bench_module("litgpt_step.py", "litgpt_step_goal")
+    rows = [{"variant": "thunder default", "tokens_per_s": 100.0, "peak_gib": 22.4},
+            {"variant": "torch.compile", "tokens_per_s": 110.0, "peak_gib": 21.0},
+            {"variant": "thunder [tk]", "tokens_per_s": 116.0, "peak_gib": 20.2},
+            {"variant": "thunder [tk] tk AdamW", "tokens_per_s": 114.0, "peak_gib": 20.2},
+            {"variant": "thunder [tk] broken", "tokens_per_s": None, "peak_gib": None}]
+    first, second = step.goal_verdicts(rows)
+    assert first.startswith("goal (thunder [tk]): met") and "1.160x Thunder default (ok 1.15)" in first
+    assert second.startswith("goal (thunder [tk] tk AdamW): not met") and "(below 1.15)" in second
+    assert step.goal_verdicts(rows[1:]) == []
+    assert "torch.compile not run" in step.goal_verdicts([rows[0], rows[2]])[0]
