@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bar_chart, environment, interleaved_ms, print_table, write_results  # noqa: E402
+from common import bar_chart, environment, geomean, interleaved_ms, print_table, write_results  # noqa: E402
 
 TOKENS = 16384
 HIDDEN = 2048
@@ -62,10 +62,6 @@ def points(seq_lens, head_dims, masks=(False, True)):
         for S in seq_lens:
             for causal in masks:
                 yield max(1, TOKENS // S), H, S, D, causal
-
-
-def geomean(values):
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def summary(rows) -> str:

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_results  # noqa: E402
+from common import geomean, print_table, write_results  # noqa: E402
 
 from thunder_tk import collectives  # noqa: E402
 
@@ -157,10 +157,6 @@ class TorchLowContention:
     def reduce_scatter(self, x, op="sum", out=None):
         return torch.ops._c10d_functional.wait_tensor(
             torch.ops.symm_mem._low_contention_reduce_scatter(x, op, self.group_name))
-
-
-def geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 def summarize(rows: list[dict]) -> None:

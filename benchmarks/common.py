@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -197,6 +198,12 @@ def report(args, name: str, rows: list[dict], columns: list[str], title: str, se
     if args.png:
         bar_chart(args.png, title, [r["shape"] for r in rows], {label: [r[key] for r in rows]
                                                                 for label, key in series.items()}, unit)
+
+
+def geomean(values) -> float:
+    """The geometric mean of positive ratios: how the benchmarks sum up tk against its peer over their points."""
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:

@@ -16,7 +16,6 @@ bytes); GB/s below counts those bytes over the measured time, so 3.35 TB/s (H100
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bar_chart, interleaved_ms, print_table, write_results  # noqa: E402
+from common import bar_chart, geomean, interleaved_ms, print_table, write_results  # noqa: E402
 
 from thunder_tk import ops  # noqa: E402
 
@@ -122,7 +121,7 @@ def main() -> None:
                        *[f"tk_fwd_grad_vs_part{b}" for b in a.part_bytes], "eager_ms", "eager_fp32_ms",
                        "compile_ms", "vs_eager", "vs_eager_fp32", "vs_compile"])
     for name in ("eager", "eager_fp32", "compile"):
-        g = math.exp(sum(math.log(r[f"vs_{name}"]) for r in rows) / len(rows))
+        g = geomean(r[f"vs_{name}"] for r in rows)
         print(f"tk speed-up over {name}: geometric mean {g:.2f}x")
     print(f"wrote {write_results(a.json, 'cross_entropy', rows)}")
     if a.png:

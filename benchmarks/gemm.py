@@ -19,14 +19,13 @@ straight from registers (no shared-memory staging, `_epilogue=3`), in either out
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bar_chart, graphed, interleaved_ms, print_table, write_results  # noqa: E402
+from common import bar_chart, geomean, graphed, interleaved_ms, print_table, write_results  # noqa: E402
 
 from thunder_tk import ops  # noqa: E402
 
@@ -77,8 +76,6 @@ def layout_operands(M: int, N: int, K: int, layouts=LAYOUTS, device: str = "cuda
         if layout in layouts:
             yield layout, lhs, rhs
 
-
-
 GOAL_GEOMEAN, GOAL_LOWEST = 1.05, 0.95  # issue 3: over its problems and the three layouts
 ISSUE_PROBLEMS = [name for name, *_ in problems(quick=False)]
 
@@ -86,16 +83,15 @@ ISSUE_PROBLEMS = [name for name, *_ in problems(quick=False)]
 def goal_verdict(rows) -> str:
     """Issue 3's goal read off the rows: the geometric mean of tk/cuBLAS at least GOAL_GEOMEAN and no point below
     GOAL_LOWEST; it counts as the goal's figure only over the issue's whole set (27 points: PROBLEMS x 3 layouts)."""
-    ratios = [r["ratio"] for r in rows]
-    if not ratios:
+    if not rows:
         return "goal: no points"
-    geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+    mean = geomean(r["ratio"] for r in rows)
     below = [f"{r['problem']} {r['layout']} {r['ratio']:.3f}" for r in rows if r["ratio"] < GOAL_LOWEST]
     whole = {(r["problem"], r["layout"]) for r in rows} >= {(p, lay) for p in ISSUE_PROBLEMS for lay in LAYOUTS}
-    verdict = "met" if geomean >= GOAL_GEOMEAN and not below else "not met"
+    verdict = "met" if mean >= GOAL_GEOMEAN and not below else "not met"
     return (f"goal: geometric mean >= {GOAL_GEOMEAN} and none below {GOAL_LOWEST}: {verdict} (geometric mean "
-            f"{geomean:.3f}" + (f"; below: {', '.join(below)}" if below else "") + ")" +
-            ("" if whole else f" -- over {len(ratios)} points, not the issue's set"))
+            f"{mean:.3f}" + (f"; below: {', '.join(below)}" if below else "") + ")" +
+            ("" if whole else f" -- over {len(rows)} points, not the issue's set"))
 
 
 def main() -> None:
@@ -221,12 +217,10 @@ def main() -> None:
     extras = [v for v in EXTRA_VARIANTS if rows and f"{v}_ratio" in rows[0]]
     columns += [c for v in extras for c in (f"tk_{v}_tflops", f"{v}_ratio")]
     print_table(rows, columns)
-    geomean = math.exp(sum(math.log(r["ratio"]) for r in rows) / len(rows))
-    print(f"geometric-mean ratio tk/cuBLAS: {geomean:.3f}; lowest {min(r['ratio'] for r in rows):.3f}")
+    print(f"geometric-mean ratio tk/cuBLAS: {geomean(r['ratio'] for r in rows):.3f}; lowest {min(r['ratio'] for r in rows):.3f}")
     print(goal_verdict(rows))
     for v in extras:
-        g = math.exp(sum(math.log(r[f"{v}_ratio"]) for r in rows) / len(rows))
-        print(f"{v}: geometric-mean ratio {g:.3f}; lowest {min(r[f'{v}_ratio'] for r in rows):.3f}")
+        print(f"{v}: geometric-mean ratio {geomean(r[f'{v}_ratio'] for r in rows):.3f}; lowest {min(r[f'{v}_ratio'] for r in rows):.3f}")
     path = write_results(a.json, "gemm", rows)
     print(f"wrote {path}")
     if a.png:
