@@ -12,15 +12,19 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 
 
-def run_suite(tmp_path, body: str, timeout_s: str) -> tuple[subprocess.CompletedProcess, float]:
-    # The suite's fixture alone, without its GPU skip (the suite's conftest loaded under another module name).
+def suite_conftest(tmp_path, picks: str) -> None:
+    """A conftest in tmp_path that loads the suite's (under another module name) and takes from it only what `picks`
+    binds (lines of Python over `suite`)."""
     (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
         import importlib.util
         spec = importlib.util.spec_from_file_location("suite_conftest", {str(TESTS / "conftest.py")!r})
         suite = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(suite)
-        gpu_test_watchdog = suite.gpu_test_watchdog
-    """))
+    """) + textwrap.dedent(picks) + "\n")
+
+
+def run_suite(tmp_path, body: str, timeout_s: str) -> tuple[subprocess.CompletedProcess, float]:
+    suite_conftest(tmp_path, "gpu_test_watchdog = suite.gpu_test_watchdog")  # the fixture alone, no GPU skip
     (tmp_path / "test_stuck.py").write_text(textwrap.dedent(body))
     env = dict(os.environ, THUNDER_TK_TEST_TIMEOUT=timeout_s)
     t0 = time.monotonic()
@@ -63,13 +67,7 @@ def test_a_run_ended_by_sigterm_reports_its_failures_and_writes_its_junit_xml(tm
     signal is printed and in the XML; the stuck test is named as interrupted."""
     import signal
 
-    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("suite_conftest", {str(TESTS / "conftest.py")!r})
-        suite = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(suite)
-        pytest_configure = suite.pytest_configure
-    """))
+    suite_conftest(tmp_path, "pytest_configure = suite.pytest_configure")
     (tmp_path / "test_cut.py").write_text(textwrap.dedent("""
         import time
 
@@ -100,16 +98,12 @@ def test_a_run_ended_by_sigterm_reports_its_failures_and_writes_its_junit_xml(tm
 def test_a_failure_is_reported_and_logged_as_it_happens(tmp_path):
     """conftest.pytest_runtest_logreport: a failure's text is on the terminal and in THUNDER_TK_FAILURE_LOG before the
     next test starts (so a GPU call cut at the device tool's limit keeps it), once, beside pytest's own summary."""
-    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("suite_conftest", {str(TESTS / "conftest.py")!r})
-        suite = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(suite)
+    suite_conftest(tmp_path, """
         pytest_runtest_logreport = suite.pytest_runtest_logreport
 
         def pytest_configure(config):
             suite._config = config
-    """))
+    """)
     (tmp_path / "test_cut.py").write_text(textwrap.dedent("""
         import os
 
@@ -133,13 +127,7 @@ def test_a_failure_is_reported_and_logged_as_it_happens(tmp_path):
 def test_shards_split_the_tests_between_them(tmp_path):
     """conftest's THUNDER_TK_TEST_SHARD=k/n: the shards' tests are disjoint and together every test, taken in turns;
     a malformed value is named."""
-    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("suite_conftest", {str(TESTS / "conftest.py")!r})
-        suite = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(suite)
-        pytest_collection_modifyitems = suite.pytest_collection_modifyitems
-    """))
+    suite_conftest(tmp_path, "pytest_collection_modifyitems = suite.pytest_collection_modifyitems")
     (tmp_path / "test_many.py").write_text("".join(f"def test_{i}():\n    pass\n" for i in range(7)))
 
     def collected(shard):
