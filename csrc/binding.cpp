@@ -140,12 +140,14 @@ void attention_forward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std
 }
 
 void attention_dq_finalize(std::uintptr_t accum, std::uintptr_t out, int dtype, int64_t count, float scale,
-                           std::uintptr_t stream) {
+                           std::uintptr_t stream, std::uintptr_t done, int64_t group_elements, uint64_t target) {
     const float* in = as_ptr<float>(accum);
     void* dst = reinterpret_cast<void*>(out);
-    launch_if_supported(tk::attention::dq_finalize_unsupported(in, dst, dtype, count), "attention_dq_finalize",
+    const tk::attention::dq_finalize_order order{as_ptr<unsigned long long>(done), group_elements, target};
+    launch_if_supported(tk::attention::dq_finalize_unsupported(in, dst, dtype, count, order), "attention_dq_finalize",
                         [&] {
-                            return tk::attention::launch_dq_finalize(in, dst, dtype, count, scale, as_stream(stream));
+                            return tk::attention::launch_dq_finalize(in, dst, dtype, count, scale, as_stream(stream),
+                                                                     order);
                         });
 }
 
@@ -175,14 +177,14 @@ void attention_rope_grad(std::uintptr_t dq_accum, std::uintptr_t dq, strides3 dq
                         [&] { return tk::attention::launch_rope_grad(args, as_stream(stream)); });
 }
 
-void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t dout, std::uintptr_t lse,
+int64_t attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t dout, std::uintptr_t lse,
                         std::uintptr_t delta, std::uintptr_t dq_accum, std::uintptr_t dk, std::uintptr_t dv, int dtype,
                         int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t q_len, int64_t kv_len,
                         int64_t head_dim, strides3 q_stride, strides3 k_stride, strides3 v_stride, strides3 dout_stride,
                         strides3 dk_stride, strides3 dv_stride, std::array<int64_t, 2> lse_stride,
                         std::array<int64_t, 2> delta_stride, float scale, bool causal, std::uintptr_t stream,
                         int64_t group_split, int64_t split_from, int split_parts, std::uintptr_t split_scratch,
-                        std::uintptr_t split_counts, int window) {
+                        std::uintptr_t split_counts, int window, std::uintptr_t dq_done) {
     tk::attention::backward_args args{};
     fill_attention_common(args, q, k, v, dtype, batch, q_heads, kv_heads, q_len, kv_len, head_dim, q_stride, k_stride,
                           v_stride, lse_stride, scale, causal, window);
@@ -201,8 +203,10 @@ void attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, st
     args.split_parts = split_parts;
     args.split_scratch = reinterpret_cast<float*>(split_scratch);
     args.split_counts = reinterpret_cast<int*>(split_counts);
+    args.dq_done = reinterpret_cast<unsigned long long*>(dq_done);
     launch_if_supported(tk::attention::backward_unsupported(args), "attention_backward",
                         [&] { return tk::attention::launch_backward(args, as_stream(stream)); });
+    return dq_done ? tk::attention::backward_dq_steps(args) : 0;
 }
 
 tk::loss::cross_entropy_args cross_entropy_common(std::uintptr_t logits, std::uintptr_t target, int dtype, int64_t rows,
@@ -799,9 +803,11 @@ PYBIND11_MODULE(_C, m) {
           "delta[b,h,s] = sum_d grad_o[b,h,s,d] * o[b,h,s,d] in fp32, enqueued on `stream`; zero_rows (optional): a "
           "contiguous fp32 (B, H, S, head_dim) buffer set to zero in the same pass.");
     m.def("attention_dq_finalize", &attention_dq_finalize, py::arg("accum"), py::arg("out"), py::arg("dtype"),
-          py::arg("count"), py::arg("scale"), py::arg("stream"),
+          py::arg("count"), py::arg("scale"), py::arg("stream"), py::arg("done") = 0, py::arg("group_elements") = 0,
+          py::arg("target") = 0,
           "out = scale * accum (fp32, contiguous) rounded to bf16/fp16, `count` elements (a multiple of 8); "
-          "the attention backward's last step, enqueued on `stream`.");
+          "the attention backward's last step, enqueued on `stream`. With `done` (the backward's dq_done): each "
+          "group of group_elements once its counter reaches `target`, beside the backward's last blocks.");
     m.def("attention_rope_grad", &attention_rope_grad, py::arg("dq_accum"), py::arg("dq"), py::arg("dq_stride"),
           py::arg("q_heads"), py::arg("scale"), py::arg("dk"), py::arg("dk_stride"), py::arg("kv_heads"),
           py::arg("cos"), py::arg("sin"), py::arg("angle_fp32"), py::arg("angle_stride"), py::arg("dtype"),
@@ -842,11 +848,14 @@ PYBIND11_MODULE(_C, m) {
           py::arg("dk_stride"), py::arg("dv_stride"), py::arg("lse_stride"), py::arg("delta_stride"), py::arg("scale"),
           py::arg("causal"), py::arg("stream"), py::arg("group_split") = 1, py::arg("split_from") = 0,
           py::arg("split_parts") = 0, py::arg("split_scratch") = 0, py::arg("split_counts") = 0, py::arg("window") = 0,
+          py::arg("dq_done") = 0,
           "dK, dV (input dtype, summed over each key/value head's query heads, or over each of group_split parts of "
           "them) and dS K added into the zeroed fp32 dq_accum, from the forward's lse and delta = rowsum(dO O); "
           "units (128 keys of a head) from split_from on walked in split_parts query ranges and merged (fp32 "
           "split_scratch, zeroed split_counts left zero); window > 0 (causal only): the forward's sliding window; "
-          "enqueued on `stream`.");
+          "dq_done (optional, zeroed uint64, batch * kv_heads * group_split): each block adds its steps to its dQ "
+          "rows' counter once its reduce-adds are complete. Enqueued on `stream`; returns the steps every counter "
+          "reaches (0 without dq_done), attention_dq_finalize's target.");
     m.def("cross_entropy_forward", &cross_entropy_forward, py::arg("logits"), py::arg("target"), py::arg("loss"),
           py::arg("lse"), py::arg("dtype"), py::arg("rows"), py::arg("classes"), py::arg("logits_row_stride"),
           py::arg("ignore_index"), py::arg("stream"),

@@ -200,3 +200,13 @@ def test_backward_group_split_prices_a_sliding_window():
     assert ops.backward_group_split(1, 32, 8, 2048, 2048, 64, True, 132) == 2
     assert ops.backward_group_split(1, 32, 8, 2048, 2048, 64, True, 132, 256) == 1  # 128 blocks of 5-6 steps a head
     assert ops._bwd_makespan(8, 16, 32, 4, True, 132, 2, 256) < ops._bwd_makespan(8, 16, 32, 4, True, 132, 2)
+
+
+def test_dq_finalize_mode_argument_then_environment_then_pass(monkeypatch):
+    monkeypatch.delenv("THUNDER_TK_DQ_FINALIZE", raising=False)
+    assert ops.dq_finalize_mode() == "pass"
+    monkeypatch.setenv("THUNDER_TK_DQ_FINALIZE", "overlap")
+    assert ops.dq_finalize_mode() == "overlap" and ops.dq_finalize_mode("pass") == "pass"
+    monkeypatch.setenv("THUNDER_TK_DQ_FINALIZE", "soon")
+    with pytest.raises(ValueError, match="THUNDER_TK_DQ_FINALIZE"):
+        ops.dq_finalize_mode()

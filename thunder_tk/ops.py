@@ -446,10 +446,26 @@ def backward_group_split(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, ca
     return best if best_steps < _SPLIT_MARGIN * whole else 1
 
 
+DQ_FINALIZE_MODES = ("pass", "overlap")
+
+
+def dq_finalize_mode(requested: str | None = None) -> str:
+    """How attention_backward rounds dQ: "pass" (after the backward kernel, in stream order) or "overlap" (the
+    backward counts each group of dQ rows in as its blocks finish them, and the pass, launched dependent on the
+    kernel, rounds each group once it is complete, on the multiprocessors the kernel's last wave leaves idle).
+    `requested`, else THUNDER_TK_DQ_FINALIZE (read on every call), else "pass"."""
+    mode = requested if requested is not None else os.environ.get("THUNDER_TK_DQ_FINALIZE", "pass")
+    if mode not in DQ_FINALIZE_MODES:
+        raise ValueError(f"the dQ finalize mode must be one of {DQ_FINALIZE_MODES} (THUNDER_TK_DQ_FINALIZE), "
+                         f"not {mode!r}")
+    return mode
+
+
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                        grad_o: torch.Tensor, *, is_causal: bool = False, scale: float | None = None,
                        window: int | None = None, _group_split: int = 0,
-                       _tail_split: bool | tuple[int, int] = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       _tail_split: bool | tuple[int, int] = True,
+                       _dq_finalize: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention_forward's o, by the tk kernels, from its o and lse.
 
     Same arguments and layouts as attention_forward (window: the forward's); o and grad_o are (B, Hq, Sq, D), lse
@@ -462,21 +478,38 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     Without a causal mask, where the last wave of units would leave most multiprocessors idle, its units are walked in
     query ranges by several blocks and merged (`backward_tail_split`; fp32 scratch of up to a wave of units). Not
     under CUDA-graph capture. _tail_split (tests): False walks every unit whole, (split_from, parts) forces a split.
+    _dq_finalize: "pass" or "overlap" (dq_finalize_mode; None: THUNDER_TK_DQ_FINALIZE).
     """
     _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, _group_split, _tail_split, window)
+    overlap = dq_finalize_mode(_dq_finalize) == "overlap"
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), *(torch.zeros((B, Hkv, Sk, D), dtype=q.dtype, device=q.device) for _ in "kv")
     dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
-    ext, dq_accum, factor = _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, _group_split,
-                                           _tail_split, window)
+    # Before the kernels' own buffers: an overlapped pass writes dq while the backward's last blocks still run, so dq
+    # must not be memory that the backward reads (a copy made for it and freed before the pass's launch).
     dq = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
+    ext, dq_accum, factor, order = _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, _group_split,
+                                                  _tail_split, window, count_dq=overlap)
     with _on(q.device):
         ext.attention_dq_finalize(dq_accum.data_ptr(), dq.data_ptr(), _DTYPE_CODES[q.dtype], dq.numel(), factor,
-                                  _stream_handle(q.device))
+                                  _stream_handle(q.device), *order.args)
     return dq, dk, dv
+
+
+class _DqOrder:
+    """The backward's dQ counters for an overlapped finalize pass (backward_args::dq_done): the zeroed uint64
+    tensor (kept here until the pass is launched), the elements of each counter's group of rows, and the steps each
+    counter reaches. Empty (no args) for the plain pass."""
+
+    def __init__(self, counters: torch.Tensor | None = None, group_elements: int = 0, target: int = 0):
+        self.counters, self.group_elements, self.target = counters, group_elements, target
+
+    @property
+    def args(self) -> tuple:
+        return () if self.counters is None else (self.counters.data_ptr(), self.group_elements, self.target)
 
 
 def _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, group_split, tail_split, window=None) -> None:
@@ -497,9 +530,11 @@ def _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, group_split,
         raise ValueError(f"_tail_split must be True, False or (split_from, parts), not {tail_split!r}")
 
 
-def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_split, tail_split, window=None):
+def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_split, tail_split, window=None,
+                   count_dq=False):
     """The backward kernels on checked, non-empty arguments: dk and dv (B, Hkv, Sk, D, any 16-byte strides TMA can
-    store through) written, and (extension, the fp32 dQ accumulator, the factor that scales it into dq)."""
+    store through) written, and (extension, the fp32 dQ accumulator, the factor that scales it into dq, a _DqOrder:
+    with `count_dq` the counters an overlapped finalize pass waits on, where it can follow the kernel at once)."""
     ext = _require_kernels(q.device)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -525,11 +560,15 @@ def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_spli
     q, k, v, grad_o = _tma_readable(q), _tma_readable(k), _tma_readable(v), _tma_readable(grad_o)
     lse = _rows_tma_readable(lse)
     dq_accum = torch.empty((B, Hq, Sq, D), dtype=torch.float32, device=q.device)
+    # Counted only where the finalize pass follows the kernel directly (the parts' sums would come between).
+    count_dq = count_dq and split == 1
+    # Zeroed before the delta pass, so that the delta pass, the kernel and the finalize launch back to back.
+    counters = torch.zeros(B * Hkv * split, dtype=torch.int64, device=q.device) if count_dq else None  # read as uint64
     delta = attention_bwd_delta(o, grad_o, out=_row_vectors((B, Hq, Sq), q.device), zero=dq_accum)
     scratch = (torch.empty((units - split_from) * parts * 2 * _BWD_KEYS * D, dtype=torch.float32, device=q.device)
                if parts else None)
     with _on(q.device):
-        ext.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_o.data_ptr(), lse.data_ptr(),
+        target = ext.attention_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_o.data_ptr(), lse.data_ptr(),
                                delta.data_ptr(), dq_accum.data_ptr(), dk_parts.data_ptr(), dv_parts.data_ptr(),
                                _DTYPE_CODES[q.dtype], B, Hq, Hkv, Sq, Sk, D, list(q.stride()[:3]),
                                list(k.stride()[:3]), list(v.stride()[:3]), list(grad_o.stride()[:3]),
@@ -537,11 +576,12 @@ def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_spli
                                list(delta.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device), split,
                                split_from, parts, scratch.data_ptr() if parts else 0,
                                _zeroed_slot(q.device, "attention_bwd_split", _SPLIT_COUNT_SLOT, 64) if parts else 0,
-                               kernel_window)
+                               kernel_window, counters.data_ptr() if count_dq else 0)
     if split > 1:  # the parts of each group, summed (torch accumulates 16-bit sums in fp32; out= may be strided)
         for out, part in ((dk, dk_parts), (dv, dv_parts)):
             torch.sum(part.view(B, Hkv, split, Sk, D), 2, out=out)
-    return ext, dq_accum, sign * scale
+    order = _DqOrder(counters, (Hq // Hkv) * Sq * D, target) if count_dq else _DqOrder()
+    return ext, dq_accum, sign * scale, order
 
 
 # ------------------------------------------------------------------------------------------------
@@ -634,8 +674,8 @@ def attention_backward_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
     if qkv_grad.numel() == 0:
         return qkv_grad
     dq, dk, dv = qkv_head_views(qkv_grad, Hq, Hkv, D)
-    ext, dq_accum, factor = _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, _group_split,
-                                           _tail_split, window)
+    ext, dq_accum, factor, _ = _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, _group_split,
+                                              _tail_split, window)
     _rope_grad_pass(ext, dq_accum, factor, dq, dk, cos, sin)
     return qkv_grad
 

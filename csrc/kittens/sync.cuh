@@ -74,6 +74,17 @@ __device__ __forceinline__ int flag_acquire(const int* flag) {
     return value;
 }
 
+// A count that several blocks (or grids) add to, each after its own writes, and another waits on: the add releases
+// this thread's earlier writes; a reader that acquires a total sees every adder's.
+__device__ __forceinline__ void count_release(unsigned long long* counter, unsigned long long add) {
+    asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(counter), "l"(add) : "memory");
+}
+__device__ __forceinline__ unsigned long long count_acquire(const unsigned long long* counter) {
+    unsigned long long value;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(counter) : "memory");
+    return value;
+}
+
 }  // namespace tk::sync
 
 namespace tk::sync {

@@ -134,6 +134,10 @@ __device__ __forceinline__ void store_wait_read() {
 // Wait until the committed stores are complete in global memory.
 __device__ __forceinline__ void store_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
+// Orders this thread's completed async-proxy global writes (TMA stores and reduce-adds after store_wait) before its
+// later ordinary accesses, e.g. a release that hands the written memory to another grid.
+__device__ __forceinline__ void fence_async_to_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
 // Orders this thread's ordinary shared-memory writes before later async-proxy (TMA, wgmma) reads.
 __device__ __forceinline__ void fence_shared_to_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");

@@ -492,12 +492,12 @@ BACKWARD_CASES = [
 ]
 
 
-def backward_check(q, k, v, causal=False, scale=None, group_split=0, tail_split=True, window=None):
+def backward_check(q, k, v, causal=False, scale=None, group_split=0, tail_split=True, window=None, dq_finalize=None):
     o, lse = ops.attention_forward(q, k, v, is_causal=causal, scale=scale, window=window)
     g = torch.randn_like(o)
     poison_allocator((tuple(q.shape), q.dtype), (tuple(k.shape), k.dtype))
     dq, dk, dv = ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, scale=scale, window=window,
-                                        _group_split=group_split, _tail_split=tail_split)
+                                        _group_split=group_split, _tail_split=tail_split, _dq_finalize=dq_finalize)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == q.dtype
     refs = ops.attention_backward_reference(q, k, v, o, lse, g, is_causal=causal, scale=scale, window=window)
@@ -678,6 +678,123 @@ def test_dq_finalize_scales_and_rounds_like_torch(dtype):
     with pytest.raises(ValueError, match="aligned"):
         ext.attention_dq_finalize(accum.data_ptr() + 4, out.data_ptr(), ops._DTYPE_CODES[dtype], 8, 1.0,
                                   ops._stream_handle(accum.device))
+
+
+# ------------------------------------------------------------------------------------------------
+# dQ finalized beside the backward's last wave (_dq_finalize="overlap", THUNDER_TK_DQ_FINALIZE): the kernel counts
+# each group of dQ rows in once its blocks' reduce-adds are complete, and the pass, launched dependent on it, rounds a
+# group only when its counter is full. A group read early would round a partial sum: wrong against float64.
+
+
+def dq_steps_reference(Sq, Sk, D, G, causal, window=None):
+    """What every counter reaches: a query head's 64-row tiles that see each key block (128 keys, 64 at D = 256),
+    summed over the key blocks, times the G query heads of a group."""
+    keys, q_tiles = (64 if D == 256 else 128), -(-Sq // 64)
+    steps = 0
+    for t in range(-(-Sk // keys)):
+        first = t * keys // 64 if causal else 0
+        end = q_tiles if not (window and window < Sk) else min(q_tiles, (t * keys + keys - 2 + window) // 64 + 1)
+        steps += end - first
+    return G * steps
+
+
+OVERLAP_CASES = BACKWARD_CASES + [
+    (8, 16, 16, 512, 512, 128, False),  # 512 units: several waves, so the pass starts under the last one
+    (2, 16, 4, 1024, 1024, 64, True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", OVERLAP_CASES, ids=case_id)
+def test_backward_with_overlapped_dq_finalize(case, dtype):
+    B, Hq, Hkv, Sq, Sk, D, causal = case
+    q, k, v = make(B, Hq, Hkv, Sq, Sk, D, dtype, seed=5)
+    (dq, dk, dv), g, (o, lse) = backward_check(q, k, v, causal=causal, dq_finalize="overlap")
+    plain = ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, _dq_finalize="pass")
+    for got, ref in zip((dq, dk, dv), plain):  # the same sums; dQ's reduce-adds in another order
+        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("case", [(1, 2, 2, 1000, 300, 128, 0, 3), (1, 8, 1, 200, 1000, 128, 3, 4)],
+                         ids=lambda c: f"B{c[0]}-H{c[1]}kv{c[2]}-S{c[3]}x{c[4]}-from{c[6]}-parts{c[7]}")
+def test_overlapped_dq_finalize_counts_the_parts_of_split_units(case):
+    """Parts of a split unit each count their own steps; the group's counter still ends at the unit's."""
+    B, Hq, Hkv, Sq, Sk, D, split_from, parts = case
+    backward_check(*make(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, seed=13), tail_split=(split_from, parts),
+                   dq_finalize="overlap")
+
+
+# (B, Hq, Hkv, S, D, W) as WINDOW_CASES below.
+@pytest.mark.parametrize("case", [(1, 2, 1, 17, 64, 1), (2, 4, 2, 128, 64, 7), (1, 4, 4, 128, 128, 127),
+                                  (1, 4, 2, 128, 256, 64), (1, 4, 2, 300, 128, 129), (1, 4, 1, 1000, 128, 64)],
+                         ids=lambda c: f"B{c[0]}-H{c[1]}kv{c[2]}-S{c[3]}-D{c[4]}-W{c[5]}")
+def test_overlapped_dq_finalize_with_a_window(case):
+    B, Hq, Hkv, S, D, W = case
+    backward_check(*make(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=17), causal=True, window=W,
+                   dq_finalize="overlap")
+
+
+@pytest.mark.parametrize("case", [(1, 8, 2, 300, 300, 128, True, None), (2, 4, 4, 1000, 1000, 64, False, None),
+                                  (1, 4, 2, 300, 300, 256, True, None), (1, 4, 2, 1000, 1000, 128, True, 129)],
+                         ids=lambda c: f"B{c[0]}-H{c[1]}kv{c[2]}-S{c[3]}-D{c[5]}-{'causal' if c[6] else 'full'}-W{c[7]}")
+def test_the_backward_fills_every_dq_counter_to_its_steps(case):
+    """The counters after the kernel: each at the steps the binding returns, which are the kernel's own walk."""
+    B, Hq, Hkv, Sq, Sk, D, causal, window = case
+    q, k, v = make(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, seed=19)
+    o, lse = ops.attention_forward(q, k, v, is_causal=causal, window=window)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    _, _, _, order = ops._backward_into(q, k, v, o, lse, torch.randn_like(o), dk, dv, causal, None, 1, False,
+                                        window, count_dq=True)
+    torch.cuda.synchronize()
+    assert order.target == dq_steps_reference(Sq, Sk, D, Hq // Hkv, causal, window)
+    assert order.group_elements == (Hq // Hkv) * Sq * D
+    assert order.counters.tolist() == [order.target] * (B * Hkv)
+
+
+def test_overlapped_dq_finalize_in_order_launch_and_in_a_cuda_graph():
+    """Plain launch order (the pass then waits for the whole kernel), and a captured graph replayed on new inputs."""
+    q, k, v = make(2, 8, 2, 1000, 1000, 128, torch.bfloat16, seed=23)
+    o, lse = ops.attention_forward(q, k, v, is_causal=True)
+    g = torch.randn_like(o)
+    want = ops.attention_backward(q, k, v, o, lse, g, is_causal=True, _dq_finalize="pass")
+    with ops.dependent_launches(False):
+        got = ops.attention_backward(q, k, v, o, lse, g, is_causal=True, _dq_finalize="overlap")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.attention_backward(q, k, v, o, lse, g, is_causal=True, _dq_finalize="overlap")  # warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.attention_backward(q, k, v, o, lse, g, is_causal=True, _dq_finalize="overlap")
+    g.copy_(torch.randn_like(g))
+    graph.replay()
+    want = ops.attention_backward(q, k, v, o, lse, g, is_causal=True, _dq_finalize="pass")
+    for a, b in zip(captured, want):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+def test_overlapped_dq_finalize_checks():
+    ext = ops._require_kernels(torch.device("cuda"))
+    accum = torch.zeros(2, 4, 64, 64, device="cuda")
+    out = torch.empty(accum.shape, dtype=torch.bfloat16, device="cuda")
+    done = torch.zeros(2, dtype=torch.int64, device="cuda")
+    call = lambda group, counters=done: ext.attention_dq_finalize(  # noqa: E731
+        accum.data_ptr(), out.data_ptr(), ops._DTYPE_CODES[torch.bfloat16], accum.numel(), 1.0,
+        ops._stream_handle(accum.device), counters.data_ptr(), group, 0)
+    for bad in (0, 12, 3 * 64 * 64):
+        with pytest.raises(ValueError, match="group_elements"):
+            call(bad)
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        ext.attention_dq_finalize(accum.data_ptr(), out.data_ptr(), ops._DTYPE_CODES[torch.bfloat16], accum.numel(),
+                                  1.0, ops._stream_handle(accum.device), done.data_ptr() + 4, 4 * 64 * 64, 0)
+    call(4 * 64 * 64)  # target 0: every group complete at once
+    torch.cuda.synchronize()
+    assert torch.equal(out.float(), accum)
+    with pytest.raises(ValueError, match="THUNDER_TK_DQ_FINALIZE"):
+        ops.dq_finalize_mode("later")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -126,7 +126,23 @@ struct block_work {
     int out_head;    // the head of dk and dv it writes: kv_head * group_split + its split
     // Its steps [step0, step1) of the unit's walk (heads_per_block x its query tiles); a split unit's part, or -1.
     int step0, step1, split_unit, part;
+    // Its dQ rows' counter in args.dq_done: (batch, key/value head, split), the order of dq_accum's row groups.
+    __device__ __forceinline__ int64_t dq_counter(const backward_args& a) const {
+        return int64_t(batch) * a.kv_heads * a.group_split + out_head;
+    }
 };
+
+// The query tiles [first, end) that see the keys of key tile kv_tile (KEYS a tile): causal walks start at the tile of
+// its first key; a sliding window (WINDOW, of `window` keys) ends them at the tile of its last key + window - 1.
+// work_of and the host's count of a head's steps (backward_dq_steps) share it.
+struct query_tiles {
+    int first, end;
+};
+template <int KEYS, bool WINDOW>
+__host__ __device__ __forceinline__ query_tiles query_tiles_of(int kv_tile, int q_tiles, bool causal, int window) {
+    return {causal ? (kv_tile * KEYS) / BQ : 0,
+            WINDOW ? int(std::min<int64_t>(q_tiles, (int64_t(kv_tile) * KEYS + KEYS - 2 + window) / BQ + 1)) : q_tiles};
+}
 
 // Causal: key tile 0 sees every query tile, so within each L2 chunk of heads the low key tiles (the heaviest)
 // start first; the blocks of a chunk share its heads' Q, dO and dQ in L2.
@@ -154,10 +170,7 @@ __device__ __forceinline__ block_work work_of(const kernel_params& p) {
     }
     // Causal: query tiles that end before the block's first key see none of its keys. Sliding window: nor do those
     // that start past its last key + window - 1 (the last query that keeps that key; 64 bits, then clipped).
-    const int first = a.causal ? (kv_tile * KEYS) / BQ : 0;
-    const int end = WINDOW
-                        ? int(std::min<int64_t>(p.q_tiles, (int64_t(kv_tile) * KEYS + KEYS - 2 + a.window) / BQ + 1))
-                        : p.q_tiles;
+    const auto [first, end] = query_tiles_of<KEYS, WINDOW>(kv_tile, p.q_tiles, a.causal, a.window);
     const int split = int(bh % a.group_split), kv_head = int(bh / a.group_split % a.kv_heads);
     const int steps = p.heads_per_block * (end - first);
     return {kv_tile,
@@ -233,6 +246,15 @@ __device__ __forceinline__ void produce_tiles(shared_state<T, D>& st, const kern
     }
 }
 
+// With args.dq_done: once the block's dQ reduce-adds are complete in global memory (not only read from the
+// staging), its steps are added to its rows' counter, releasing them to a finalize pass that rounds each row group as
+// soon as all its steps are in (attention_dq_finalize with counters), while the kernel's last blocks still run.
+__device__ __forceinline__ void count_dq_written(const kernel_params& p, const block_work& w) {
+    tma::store_wait();
+    tma::fence_async_to_global();
+    sync::count_release(p.args.dq_done + w.dq_counter(p.args), static_cast<unsigned long long>(w.step1 - w.step0));
+}
+
 // One producer warp issues every dQ reduce-add, so a consumer only stores its share, fences and arrives. Per step
 // and slice it waits for the staged buffer and adds its two 64 x 32 boxes into dq_accum; once they have been read,
 // the buffer goes back to its consumer for the step after next.
@@ -265,7 +287,13 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
         }
         walk.template next<WINDOW>(p, w);
     }
-    if (issuer) tma::store_wait_read();  // the staging outlives the last reads
+    if (issuer) {
+        if (p.args.dq_done == nullptr) {
+            tma::store_wait_read();  // the staging outlives the last reads
+        } else {
+            count_dq_written(p, w);
+        }
+    }
 }
 
 // Where this thread's pairs of a warpgroup's fp32 accumulator go in 64 x 32 boxes with the 128-byte swizzle (what the
@@ -599,6 +627,7 @@ __device__ __forceinline__ void write_dq_wide(shared_state<T, 256>& st, const ke
         walk.template next<WINDOW>(p, w);
     }
     sync::named_sync(barrier_id::dq_written_wide, DQ_WIDE_THREADS);  // (waits only for the roles to get there)
+    if (issuer && p.args.dq_done != nullptr) count_dq_written(p, w);
 }
 
 // Head dim 256, warpgroup ROLE (0 or 1) of a block of 64 keys: columns [128 ROLE, 128 ROLE + 128) of dK, dV and dQ.
@@ -895,6 +924,22 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
 
 }  // namespace
 
+int64_t backward_dq_steps(const backward_args& a) {
+    const int keys = a.head_dim == 256 ? BK_OF<256> : BK;
+    const int q_tiles = int((a.q_len + BQ - 1) / BQ), kv_tiles = int((a.kv_len + keys - 1) / keys);
+    const bool window = a.window > 0 && a.window < a.kv_len;  // as launch() picks its kernel
+    const int64_t heads_per_block = a.q_heads / a.kv_heads / a.group_split;
+    int64_t steps = 0;
+    for (int t = 0; t < kv_tiles; ++t) {
+        const query_tiles r = keys == BK ? (window ? query_tiles_of<BK, true>(t, q_tiles, a.causal, a.window)
+                                                  : query_tiles_of<BK, false>(t, q_tiles, a.causal, a.window))
+                                         : (window ? query_tiles_of<BK_OF<256>, true>(t, q_tiles, a.causal, a.window)
+                                                   : query_tiles_of<BK_OF<256>, false>(t, q_tiles, a.causal, a.window));
+        steps += heads_per_block * (r.end - r.first);
+    }
+    return steps;
+}
+
 const char* backward_unsupported(const backward_args& a) {
     if (const char* reason = layout::shape_unsupported(a.dtype, a.head_dim, a.batch, a.q_heads, a.kv_heads, a.q_len,
                                                        a.kv_len, a.causal, a.scale, a.window))
@@ -925,6 +970,7 @@ const char* backward_unsupported(const backward_args& a) {
     const void* tensors[7] = {a.q, a.k, a.v, a.dout, a.dq_accum, a.dk, a.dv};
     for (const void* t : tensors)
         if (t == nullptr || !is_aligned(t, 16)) return "q, k, v, dout, dq_accum, dk and dv must be 16-byte aligned";
+    if (!is_aligned(a.dq_done, 8)) return "dq_done must be 8-byte aligned";
     using layout::strides_ok;
     if (!strides_ok(a.q_stride, a.batch, a.q_heads, a.q_len) ||
         !strides_ok(a.dout_stride, a.batch, a.q_heads, a.q_len) ||

@@ -37,9 +37,17 @@ struct backward_args {
     int split_parts = 0;
     float* split_scratch = nullptr;  // (units - split_from) * split_parts * 2 * 128 * head_dim floats
     int* split_counts = nullptr;     // (units - split_from) * 2 ints
+    // Optional, zeroed: batch * kv_heads * group_split counters, one per group of dQ rows (its (batch, key/value
+    // head, split)'s query heads: contiguous in dq_accum). A block adds its steps once its dQ reduce-adds are
+    // complete; a group's rows are final when its counter reaches backward_dq_steps(args).
+    unsigned long long* dq_done = nullptr;
 };
 
 const char* backward_unsupported(const backward_args& args);
+
+// The steps (64-query tiles of one query head against one key block) that add into each group of dQ rows: what
+// every counter of args.dq_done reaches.
+int64_t backward_dq_steps(const backward_args& args);
 
 // Enqueues on `stream`; never synchronises.
 cudaError_t launch_backward(const backward_args& args, cudaStream_t stream);
