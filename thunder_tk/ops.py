@@ -488,11 +488,13 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
         return torch.zeros_like(q), *(torch.zeros((B, Hkv, Sk, D), dtype=q.dtype, device=q.device) for _ in "kv")
     dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
-    # Before the kernels' own buffers: an overlapped pass writes dq while the backward's last blocks still run, so dq
-    # must not be memory that the backward reads (a copy made for it and freed before the pass's launch).
-    dq = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
+    # Overlapped, dq is taken before the kernels' own buffers: the pass writes it while the backward's last blocks
+    # still run, so it must not be memory that the backward reads (a copy made for it, freed before the pass).
+    dq = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device) if overlap else None
     ext, dq_accum, factor, order = _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, _group_split,
                                                   _tail_split, window, count_dq=overlap)
+    if dq is None:
+        dq = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     with _on(q.device):
         ext.attention_dq_finalize(dq_accum.data_ptr(), dq.data_ptr(), _DTYPE_CODES[q.dtype], dq.numel(), factor,
                                   _stream_handle(q.device), *order.args)
