@@ -158,15 +158,18 @@ def attention_backward():
         for split in sorted({1, 2, Hq // Hkv} & set(range(1, Hq // Hkv + 1))):
             ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), is_causal=causal, _group_split=split)
         # dQ rounded by groups as the kernel counts them in, beside its last blocks
-        ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), is_causal=causal, _dq_finalize="overlap")
+        ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), is_causal=causal, _group_split=1,
+                               _dq_finalize="overlap")
         if not causal and D != 256:  # the last wave split: units from 1 on walked in query ranges and merged
             ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), _tail_split=(1, 2))
-            ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), _tail_split=(1, 2), _dq_finalize="overlap")
+            ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), _group_split=1, _tail_split=(1, 2),
+                                   _dq_finalize="overlap")
     # 68 units all in fifths: 340 parts, several rounds on any Hopper part, as the protocol's S >= 8192 takes them.
     q, k, v = (torch.randn(1, 17, s, 128, device="cuda", dtype=torch.bfloat16) for s in (640, 512, 512))
     o, lse = ops.attention_forward(q, k, v)
     ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), _tail_split=(0, 5))
-    ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), _tail_split=(0, 5), _dq_finalize="overlap")
+    ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), _group_split=1, _tail_split=(0, 5),
+                           _dq_finalize="overlap")
     torch.cuda.synchronize()
     print("attention backward sanitize targets ran")
 

@@ -709,10 +709,16 @@ OVERLAP_CASES = BACKWARD_CASES + [
 def test_backward_with_overlapped_dq_finalize(case, dtype):
     B, Hq, Hkv, Sq, Sk, D, causal = case
     q, k, v = make(B, Hq, Hkv, Sq, Sk, D, dtype, seed=5)
-    (dq, dk, dv), g, (o, lse) = backward_check(q, k, v, causal=causal, dq_finalize="overlap")
-    plain = ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, _dq_finalize="pass")
+    # Groups whole (a split's sums would come between the kernel and the pass, which then runs after both).
+    (dq, dk, dv), g, (o, lse) = backward_check(q, k, v, causal=causal, group_split=1, dq_finalize="overlap")
+    plain = ops.attention_backward(q, k, v, o, lse, g, is_causal=causal, _group_split=1, _dq_finalize="pass")
     for got, ref in zip((dq, dk, dv), plain):  # the same sums; dQ's reduce-adds in another order
         torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_overlap_asked_for_a_split_group_takes_the_pass_after_the_sums():
+    backward_check(*make(1, 8, 2, 300, 300, 128, torch.bfloat16, seed=29), causal=True, group_split=2,
+                   dq_finalize="overlap")
 
 
 @pytest.mark.parametrize("case", [(1, 2, 2, 1000, 300, 128, 0, 3), (1, 8, 1, 200, 1000, 128, 3, 4)],
@@ -720,8 +726,8 @@ def test_backward_with_overlapped_dq_finalize(case, dtype):
 def test_overlapped_dq_finalize_counts_the_parts_of_split_units(case):
     """Parts of a split unit each count their own steps; the group's counter still ends at the unit's."""
     B, Hq, Hkv, Sq, Sk, D, split_from, parts = case
-    backward_check(*make(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, seed=13), tail_split=(split_from, parts),
-                   dq_finalize="overlap")
+    backward_check(*make(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, seed=13), group_split=1,
+                   tail_split=(split_from, parts), dq_finalize="overlap")
 
 
 # (B, Hq, Hkv, S, D, W) as WINDOW_CASES below.
@@ -730,7 +736,7 @@ def test_overlapped_dq_finalize_counts_the_parts_of_split_units(case):
                          ids=lambda c: f"B{c[0]}-H{c[1]}kv{c[2]}-S{c[3]}-D{c[4]}-W{c[5]}")
 def test_overlapped_dq_finalize_with_a_window(case):
     B, Hq, Hkv, S, D, W = case
-    backward_check(*make(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=17), causal=True, window=W,
+    backward_check(*make(B, Hq, Hkv, S, S, D, torch.bfloat16, seed=17), causal=True, window=W, group_split=1,
                    dq_finalize="overlap")
 
 
@@ -756,29 +762,31 @@ def test_overlapped_dq_finalize_in_order_launch_and_in_a_cuda_graph():
     q, k, v = make(2, 8, 2, 1000, 1000, 128, torch.bfloat16, seed=23)
     o, lse = ops.attention_forward(q, k, v, is_causal=True)
     g = torch.randn_like(o)
-    want = ops.attention_backward(q, k, v, o, lse, g, is_causal=True, _dq_finalize="pass")
+    run = lambda mode: ops.attention_backward(q, k, v, o, lse, g, is_causal=True, _group_split=1,  # noqa: E731
+                                              _dq_finalize=mode)
+    want = run("pass")
     with ops.dependent_launches(False):
-        got = ops.attention_backward(q, k, v, o, lse, g, is_causal=True, _dq_finalize="overlap")
+        got = run("overlap")
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        ops.attention_backward(q, k, v, o, lse, g, is_causal=True, _dq_finalize="overlap")  # warm-up
+        run("overlap")  # warm-up
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = ops.attention_backward(q, k, v, o, lse, g, is_causal=True, _dq_finalize="overlap")
+        captured = run("overlap")
     g.copy_(torch.randn_like(g))
     graph.replay()
-    want = ops.attention_backward(q, k, v, o, lse, g, is_causal=True, _dq_finalize="pass")
+    want = run("pass")
     for a, b in zip(captured, want):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
 
 
 def test_overlapped_dq_finalize_checks():
     ext = ops._require_kernels(torch.device("cuda"))
-    accum = torch.zeros(2, 4, 64, 64, device="cuda")
+    accum = torch.randn(2, 4, 64, 64, device="cuda")
     out = torch.empty(accum.shape, dtype=torch.bfloat16, device="cuda")
     done = torch.zeros(2, dtype=torch.int64, device="cuda")
     call = lambda group, counters=done: ext.attention_dq_finalize(  # noqa: E731
@@ -791,8 +799,7 @@ def test_overlapped_dq_finalize_checks():
         ext.attention_dq_finalize(accum.data_ptr(), out.data_ptr(), ops._DTYPE_CODES[torch.bfloat16], accum.numel(),
                                   1.0, ops._stream_handle(accum.device), done.data_ptr() + 4, 4 * 64 * 64, 0)
     call(4 * 64 * 64)  # target 0: every group complete at once
-    torch.cuda.synchronize()
-    assert torch.equal(out.float(), accum)
+    assert torch.equal(out, accum.to(torch.bfloat16))
     with pytest.raises(ValueError, match="THUNDER_TK_DQ_FINALIZE"):
         ops.dq_finalize_mode("later")
 
