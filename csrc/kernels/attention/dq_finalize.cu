@@ -40,12 +40,15 @@ __global__ void __launch_bounds__(THREADS) dq_finalize_in_order_kernel(const flo
                                                                        int64_t group_octets, int64_t group_tiles) {
     pdl::launch_dependents();
     const int64_t tiles = (octets / group_octets) * group_tiles;
-    int64_t ready = -1;  // the last group this thread has seen complete
+    int64_t ready = -1;  // the last group this block has seen complete
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
         const int64_t group = t / group_tiles;
-        if (group != ready) {
-            // Every thread acquires for itself: its own loads are then ordered after the backward's adds.
-            while (sync::count_acquire(order.done + group) < order.target) __nanosleep(256);
+        if (group != ready) {  // the same in every thread of the block
+            // One thread polls (hundreds of thousands polling would crowd the backward's L2 traffic); the barrier
+            // then orders the other threads' loads after its acquire.
+            if (threadIdx.x == 0)
+                while (sync::count_acquire(order.done + group) < order.target) __nanosleep(500);
+            __syncthreads();
             ready = group;
         }
         const int64_t begin = group * group_octets + (t % group_tiles) * TILE_OCTETS;
