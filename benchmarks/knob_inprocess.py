@@ -34,9 +34,33 @@ def parse_knob(text: str) -> tuple[str, list[str]]:
     return name, vals
 
 
+def parse_knobs(texts: list[str]) -> tuple[str, list[str], dict[str, dict[str, str]]]:
+    """Several --knob options are zipped: variant i sets every knob to its i-th value (so two knobs with four values
+    each time four combinations). Returns (the knobs' names, the variants' labels V1+V2..., each label's settings)."""
+    knobs = [parse_knob(t) for t in texts]
+    counts = {len(vals) for _, vals in knobs}
+    if len(counts) != 1:
+        raise SystemExit(f"every --knob needs the same number of values (they are zipped), not {sorted(counts)}")
+    labels, settings = [], {}
+    for i in range(counts.pop()):
+        label = "+".join(vals[i] for _, vals in knobs)
+        if label in settings:
+            raise SystemExit(f"variant {label!r} given twice")
+        labels.append(label)
+        settings[label] = {name: vals[i] for name, vals in knobs}
+    return "+".join(name for name, _ in knobs), labels, settings
+
+
+SETTINGS: dict[str, dict[str, str]] = {}  # label -> {variable: value}, filled by main
+
+
+def set_knob(label: str) -> None:
+    os.environ.update(SETTINGS[label])
+
+
 def with_knob(name: str, value: str, fn):
     def run():
-        os.environ[name] = value
+        set_knob(value)
         return fn()
     return run
 
@@ -85,7 +109,7 @@ def attention_rows(a, name, values) -> list[dict]:
     rows = []
     for B, H, S, D, causal in points(a.seq_lens, a.head_dims, masks):
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        os.environ[name] = values[0]
+        set_knob(values[0])
         o, lse = ops.attention_forward(q, k, v, is_causal=causal)
         grad_o = torch.randn_like(q)
         inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
@@ -131,7 +155,8 @@ def gemm_rows(a, name, values) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--knob", required=True, help="NAME=V0,V1,...: the environment variable and its values")
+    p.add_argument("--knob", required=True, action="append",
+                   help="NAME=V0,V1,...: the environment variable and its values; given several times, zipped")
     p.add_argument("--bench", choices=("attention", "gemm"), default="attention")
     p.add_argument("--head-dims", type=int, nargs="+", default=[128], choices=(64, 128, 256))
     p.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
@@ -143,12 +168,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--json", default="out/knob_inprocess.json")
     a = p.parse_args()
-    name, values = parse_knob(a.knob)
+    name, values, settings = parse_knobs(a.knob)
+    SETTINGS.update(settings)
     what = a.bench if a.bench == "gemm" else ("attention forward" if a.forward else "attention backward")
     print(f"{what} under {name} = {values} in one process, {a.rounds} turns (ratio: median of reference/value "
           f"times; > 1 the value faster)", flush=True)
     rows = gemm_rows(a, name, values) if a.bench == "gemm" else attention_rows(a, name, values)
-    os.environ.pop(name, None)
+    for variable in settings[values[0]]:
+        os.environ.pop(variable, None)
     write_results(a.json, "knob_inprocess", rows)
 
 

@@ -228,11 +228,21 @@ def test_knob_inprocess_parses_knobs_and_sets_them_per_call(monkeypatch):
     for bad in ("THUNDER_TK_X=0", "THUNDER_TK_X", "=1,2"):
         with pytest.raises(SystemExit, match="NAME=V0,V1"):
             bench.parse_knob(bad)
+    name, labels, settings = bench.parse_knobs(["THUNDER_TK_X=0,0,1", "THUNDER_TK_Y=a,b,b"])
+    assert name == "THUNDER_TK_X+THUNDER_TK_Y" and labels == ["0+a", "0+b", "1+b"]
+    assert settings["1+b"] == {"THUNDER_TK_X": "1", "THUNDER_TK_Y": "b"}
+    with pytest.raises(SystemExit, match="same number of values"):
+        bench.parse_knobs(["THUNDER_TK_X=0,1", "THUNDER_TK_Y=a,b,c"])
+    with pytest.raises(SystemExit, match="given twice"):
+        bench.parse_knobs(["THUNDER_TK_X=0,0", "THUNDER_TK_Y=a,a"])
     monkeypatch.delenv("THUNDER_TK_X", raising=False)
+    monkeypatch.delenv("THUNDER_TK_Y", raising=False)
+    monkeypatch.setattr(bench, "SETTINGS", settings)
     seen = []
-    run = bench.with_knob("THUNDER_TK_X", "12", lambda: seen.append(__import__("os").environ["THUNDER_TK_X"]))
+    env = __import__("os").environ
+    run = bench.with_knob(name, "0+b", lambda: seen.append((env["THUNDER_TK_X"], env["THUNDER_TK_Y"])))
     run()
-    assert seen == ["12"]
+    assert seen == [("0", "b")]
     r = run_bench("knob_inprocess.py", "--help")
     assert r.returncode == 0 and "--knob" in r.stdout and "--bench" in r.stdout, r.stderr[-3000:]
 

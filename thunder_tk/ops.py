@@ -532,6 +532,16 @@ def _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, group_split,
         raise ValueError(f"_tail_split must be True, False or (split_from, parts), not {tail_split!r}")
 
 
+def _tail_split_knob() -> str:
+    """THUNDER_TK_ATTN_BWD_TAIL_SPLIT (read on every call): "auto" (the default) splits the last wave's units where
+    backward_tail_split says so, "off" walks every unit whole (to measure the split against the overlapped dQ pass,
+    which uses the multiprocessors an unsplit last wave leaves idle)."""
+    value = os.environ.get("THUNDER_TK_ATTN_BWD_TAIL_SPLIT", "auto")
+    if value not in ("auto", "off"):
+        raise ValueError(f"THUNDER_TK_ATTN_BWD_TAIL_SPLIT must be 'auto' or 'off', not {value!r}")
+    return value
+
+
 def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_split, tail_split, window=None,
                    count_dq=False):
     """The backward kernels on checked, non-empty arguments: dk and dv (B, Hkv, Sk, D, any 16-byte strides TMA can
@@ -544,6 +554,8 @@ def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_spli
     kernel_window = _kernel_window(window, Sk)
     split = group_split or backward_group_split(B, Hq, Hkv, Sq, Sk, D, bool(is_causal), sms, kernel_window)
     units = B * Hkv * split * -(-Sk // _bwd_keys(D))
+    if tail_split is True and _tail_split_knob() == "off":
+        tail_split = False
     if tail_split is True:
         # D = 256 walks every unit whole (its kernel has no merge of parts).
         split_from, parts = ((units, 0) if torch.cuda.is_current_stream_capturing() or D == 256 else
