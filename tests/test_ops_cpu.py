@@ -202,9 +202,10 @@ def test_backward_group_split_prices_a_sliding_window():
     assert ops._bwd_makespan(8, 16, 32, 4, True, 132, 2, 256) < ops._bwd_makespan(8, 16, 32, 4, True, 132, 2)
 
 
-def test_dq_finalize_mode_argument_then_environment_then_pass(monkeypatch):
+def test_dq_finalize_mode_argument_then_environment_then_auto(monkeypatch):
     monkeypatch.delenv("THUNDER_TK_DQ_FINALIZE", raising=False)
-    assert ops.dq_finalize_mode() == "pass"
+    assert ops.dq_finalize_mode() == "overlap" and ops.dq_finalize_mode(causal=True) == "pass"
+    assert ops.dq_finalize_mode("overlap", causal=True) == "overlap"
     monkeypatch.setenv("THUNDER_TK_DQ_FINALIZE", "overlap")
     assert ops.dq_finalize_mode() == "overlap" and ops.dq_finalize_mode("pass") == "pass"
     monkeypatch.setenv("THUNDER_TK_DQ_FINALIZE", "soon")
