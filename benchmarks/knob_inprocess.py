@@ -101,40 +101,48 @@ def time_point(point: dict, name: str, values: list[str], call, peer, flops: flo
     return row
 
 
-def attention_rows(a, name, values) -> list[dict]:
+def attention_point(a, name, values, B, H, S, D, causal) -> dict:
+    """One attention point's row; its tensors (and the closures over them) are freed when it returns."""
     from thunder_tk import ops
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    set_knob(values[0])
+    o, lse = ops.attention_forward(q, k, v, is_causal=causal)
+    grad_o = torch.randn_like(q)
+    inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            ref_out = torch.nn.functional.scaled_dot_product_attention(*inputs, is_causal=causal)
+            if a.forward:
+                def peer():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            else:
+                torch.autograd.grad(ref_out, inputs, grad_o, retain_graph=True)
+
+                def peer():
+                    return torch.autograd.grad(ref_out, inputs, grad_o, retain_graph=True)
+    except RuntimeError as e:
+        print(f"  cuDNN skipped: {str(e).splitlines()[0]}", flush=True)
+        peer = None
+    if a.forward:
+        def call():
+            return ops.attention_forward(q, k, v, is_causal=causal)
+        flops = fwd_flops(B, H, S, D, causal)
+    else:
+        def call():
+            return ops.attention_backward(q, k, v, o, lse, grad_o, is_causal=causal)
+        flops = bwd_flops(B, H, S, D, causal)
+    point = {"shape": f"{B}x{H}x{S}x{D}", "causal": causal, "pass": "fwd" if a.forward else "bwd"}
+    return time_point(point, name, values, call, peer, flops, a.rounds)
+
+
+def attention_rows(a, name, values) -> list[dict]:
     masks = {"both": (False, True), "causal": (True,), "full": (False,)}[a.mask]
     rows = []
     for B, H, S, D, causal in points(a.seq_lens, a.head_dims, masks):
-        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        set_knob(values[0])
-        o, lse = ops.attention_forward(q, k, v, is_causal=causal)
-        grad_o = torch.randn_like(q)
-        inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
-        peer = None
-        try:
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                ref_out = torch.nn.functional.scaled_dot_product_attention(*inputs, is_causal=causal)
-                if a.forward:
-                    def peer():
-                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                else:
-                    torch.autograd.grad(ref_out, inputs, grad_o, retain_graph=True)
-                    peer = lambda: torch.autograd.grad(ref_out, inputs, grad_o, retain_graph=True)  # noqa: E731
-        except RuntimeError as e:
-            print(f"  cuDNN skipped: {str(e).splitlines()[0]}", flush=True)
-        if a.forward:
-            call = lambda: ops.attention_forward(q, k, v, is_causal=causal)  # noqa: E731
-            flops = fwd_flops(B, H, S, D, causal)
-        else:
-            call = lambda: ops.attention_backward(q, k, v, o, lse, grad_o, is_causal=causal)  # noqa: E731
-            flops = bwd_flops(B, H, S, D, causal)
-        point = {"shape": f"{B}x{H}x{S}x{D}", "causal": causal, "pass": "fwd" if a.forward else "bwd"}
-        rows.append(time_point(point, name, values, call, peer, flops, a.rounds))
-        del q, k, v, o, lse, grad_o, inputs
+        rows.append(attention_point(a, name, values, B, H, S, D, causal))
         torch.cuda.empty_cache()
     return rows
 
