@@ -42,6 +42,7 @@ def _shard(config, items):
     items[:] = kept
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: shards and the probe see the tests that run
 def pytest_collection_modifyitems(config, items):
     _shard(config, items)
     reason = None
@@ -51,6 +52,10 @@ def pytest_collection_modifyitems(config, items):
                 reason = _gpu_skip_reason()
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
+    # Only the CPU tests start processes that compile for the CPU (torchrun ranks, `thunder-tk pretrain` on the CPU);
+    # a run of GPU tests alone skips the probe (14 s on CI's two cores, paid before a GPU call's first test).
+    if not config.option.collectonly and any("gpu" not in item.keywords for item in items):
+        _inductor_isa_probe_once(config)
 
 
 # Test files whose tests start several processes (torchrun ranks, `thunder-tk pretrain` runs), the costliest first.
@@ -137,15 +142,14 @@ def pytest_configure(config):
     so far and writes its junit XML, where a plain SIGTERM left neither. `timeout` signals the process and its group,
     so the same signal may come twice: only the first counts. xdist workers keep the default (their controller
     reports). A worker is known by its config's workerinput, not by PYTEST_XDIST_WORKER: a pytest that a worker's test
-    starts inherits that variable and is no worker. (First: a worker's share of the CPUs, and inductor's ISA probe
-    once for the processes the tests start.)"""
+    starts inherits that variable and is no worker. (First: a worker's share of the CPUs. Inductor's ISA probe comes
+    after collection, pytest_collection_modifyitems.)"""
     import signal
     import threading
 
     global _config
     _config = config
     _one_share_of_the_cpus_each(config)
-    _inductor_isa_probe_once(config)
     if hasattr(config, "workerinput") or threading.current_thread() is not threading.main_thread():
         return
 

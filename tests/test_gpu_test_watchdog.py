@@ -142,3 +142,36 @@ def test_shards_split_the_tests_between_them(tmp_path):
     assert first == ["test_0", "test_2", "test_4", "test_6"] and second == ["test_1", "test_3", "test_5"]
     done, _ = collected("3/2")
     assert done.returncode != 0 and "THUNDER_TK_TEST_SHARD must be k/n" in done.stdout + done.stderr
+
+
+def test_the_isa_probe_runs_only_for_cpu_tests(tmp_path):
+    """conftest probes inductor's vector ISAs once for the processes CPU tests start; a run of GPU tests alone, and a
+    collection without a run, skip it."""
+    marker = tmp_path / "probed"
+    suite_conftest(tmp_path, f"""
+        pytest_collection_modifyitems = suite.pytest_collection_modifyitems
+        suite._inductor_isa_probe_once = lambda config: open({str(marker)!r}, "a").write("probe\\n")
+    """)
+    (tmp_path / "test_mixed.py").write_text(textwrap.dedent("""
+        import pytest
+
+        @pytest.mark.gpu
+        def test_on_gpu():
+            pass
+
+        def test_on_cpu():
+            pass
+    """))
+
+    def probes(*args):
+        marker.unlink(missing_ok=True)
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *args,
+                               str(tmp_path / "test_mixed.py")], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return marker.read_text().count("probe") if marker.exists() else 0
+
+    assert probes("-m", "gpu") == 0
+    assert probes("--collect-only") == 0
+    assert probes("-m", "not gpu") == 1
+    assert probes() == 1
