@@ -151,6 +151,7 @@ def test_the_isa_probe_runs_only_for_cpu_tests(tmp_path):
     suite_conftest(tmp_path, f"""
         pytest_collection_modifyitems = suite.pytest_collection_modifyitems
         suite._inductor_isa_probe_once = lambda config: open({str(marker)!r}, "a").write("probe\\n")
+        suite._gpu_skip_reason = lambda: "not asked here"  # (the real one imports torch: seconds a run)
     """)
     (tmp_path / "test_mixed.py").write_text(textwrap.dedent("""
         import pytest
