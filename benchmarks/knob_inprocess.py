@@ -58,9 +58,9 @@ def set_knob(label: str) -> None:
     os.environ.update(SETTINGS[label])
 
 
-def with_knob(name: str, value: str, fn):
+def with_knob(label: str, fn):
     def run():
-        set_knob(value)
+        set_knob(label)
         return fn()
     return run
 
@@ -71,7 +71,7 @@ def as_list(out):
 
 def time_point(point: dict, name: str, values: list[str], call, peer, flops: float, rounds: int) -> dict:
     """One point: every knob value (and the peer, if any) in turns; ratios paired per turn."""
-    fns = {v: with_knob(name, v, call) for v in values}
+    fns = {v: with_knob(v, call) for v in values}
     outs = {v: as_list(fns[v]()) for v in values}
     if peer is not None:
         fns["peer"] = peer

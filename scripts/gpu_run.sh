@@ -51,8 +51,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,no
 step build env THUNDER_TK_PTXAS_VERBOSE=1 python3 -m pip install -v --no-build-isolation --no-index --no-deps .
 # From outside the checkout, so that the installed package (with its compiled module) is the one imported.
 step info bash -c "cd /tmp && python3 -c \"import thunder_tk.cli as c; c.main(['info'])\""
-# The SASS instruction counts (wgmma, TMA loads, barriers in the built module) take about 25 s of CPU: in the
-# background under the tests; sass_done waits for them before anything timed (profiles, benchmarks) and the summary.
+# The SASS instruction counts (wgmma, TMA loads, barriers in the built module): a cuobjdump of the whole module, part
+# of the ~25 s the calls of 2026-12-01 spent outside their steps. In the background under the tests; sass_done waits
+# for them before anything timed (profiles, benchmarks) and the summary.
 ( so=$(cd /tmp && python3 -c "import thunder_tk._C as m; print(m.__file__)" 2>/dev/null)
   [ -n "$so" ] && cuobjdump --dump-sass "$so" 2>/dev/null | grep -oE "HGMMA|UTMALDG|SYNCS" | sort | uniq -c > "$OUT/sass.txt" ) &
 sass_pid=$!

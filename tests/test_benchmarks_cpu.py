@@ -240,7 +240,7 @@ def test_knob_inprocess_parses_knobs_and_sets_them_per_call(monkeypatch):
     monkeypatch.setattr(bench, "SETTINGS", settings)
     seen = []
     env = __import__("os").environ
-    run = bench.with_knob(name, "0+b", lambda: seen.append((env["THUNDER_TK_X"], env["THUNDER_TK_Y"])))
+    run = bench.with_knob("0+b", lambda: seen.append((env["THUNDER_TK_X"], env["THUNDER_TK_Y"])))
     run()
     assert seen == [("0", "b")]
     r = run_bench("knob_inprocess.py", "--help")
