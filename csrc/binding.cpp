@@ -184,7 +184,8 @@ int64_t attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v,
                         strides3 dk_stride, strides3 dv_stride, std::array<int64_t, 2> lse_stride,
                         std::array<int64_t, 2> delta_stride, float scale, bool causal, std::uintptr_t stream,
                         int64_t group_split, int64_t split_from, int split_parts, std::uintptr_t split_scratch,
-                        std::uintptr_t split_counts, int window, std::uintptr_t dq_done) {
+                        std::uintptr_t split_counts, int window, std::uintptr_t dq_done, std::uintptr_t zero_next,
+                        int64_t zero_next_count) {
     tk::attention::backward_args args{};
     fill_attention_common(args, q, k, v, dtype, batch, q_heads, kv_heads, q_len, kv_len, head_dim, q_stride, k_stride,
                           v_stride, lse_stride, scale, causal, window);
@@ -204,6 +205,8 @@ int64_t attention_backward(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v,
     args.split_scratch = reinterpret_cast<float*>(split_scratch);
     args.split_counts = reinterpret_cast<int*>(split_counts);
     args.dq_done = reinterpret_cast<unsigned long long*>(dq_done);
+    args.zero_next = reinterpret_cast<float*>(zero_next);
+    args.zero_next_count = zero_next_count;
     launch_if_supported(tk::attention::backward_unsupported(args), "attention_backward",
                         [&] { return tk::attention::launch_backward(args, as_stream(stream)); });
     return dq_done ? tk::attention::backward_dq_steps(args) : 0;
@@ -848,14 +851,15 @@ PYBIND11_MODULE(_C, m) {
           py::arg("dk_stride"), py::arg("dv_stride"), py::arg("lse_stride"), py::arg("delta_stride"), py::arg("scale"),
           py::arg("causal"), py::arg("stream"), py::arg("group_split") = 1, py::arg("split_from") = 0,
           py::arg("split_parts") = 0, py::arg("split_scratch") = 0, py::arg("split_counts") = 0, py::arg("window") = 0,
-          py::arg("dq_done") = 0,
+          py::arg("dq_done") = 0, py::arg("zero_next") = 0, py::arg("zero_next_count") = 0,
           "dK, dV (input dtype, summed over each key/value head's query heads, or over each of group_split parts of "
           "them) and dS K added into the zeroed fp32 dq_accum, from the forward's lse and delta = rowsum(dO O); "
           "units (128 keys of a head) from split_from on walked in split_parts query ranges and merged (fp32 "
           "split_scratch, zeroed split_counts left zero); window > 0 (causal only): the forward's sliding window; "
           "dq_done (optional, zeroed uint64, batch * kv_heads * group_split): each block adds its steps to its dQ "
           "rows' counter once its reduce-adds are complete. Enqueued on `stream`; returns the steps every counter "
-          "reaches (0 without dq_done), attention_dq_finalize's target.");
+          "reaches (0 without dq_done), attention_dq_finalize's target. zero_next (optional, fp32, "
+          "zero_next_count a multiple of 4, apart from dq_accum): set to zero by the launch, for the next one.");
     m.def("cross_entropy_forward", &cross_entropy_forward, py::arg("logits"), py::arg("target"), py::arg("loss"),
           py::arg("lse"), py::arg("dtype"), py::arg("rows"), py::arg("classes"), py::arg("logits_row_stride"),
           py::arg("ignore_index"), py::arg("stream"),

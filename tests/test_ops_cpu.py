@@ -211,3 +211,31 @@ def test_dq_finalize_mode_argument_then_environment_then_auto(monkeypatch):
     monkeypatch.setenv("THUNDER_TK_DQ_FINALIZE", "soon")
     with pytest.raises(ValueError, match="THUNDER_TK_DQ_FINALIZE"):
         ops.dq_finalize_mode()
+
+
+def test_dq_zero_mode_argument_then_environment_then_auto(monkeypatch):
+    monkeypatch.delenv("THUNDER_TK_DQ_ZERO", raising=False)
+    assert ops.dq_zero_mode() == "ahead" and ops.dq_zero_mode("pass") == "pass"
+    monkeypatch.setenv("THUNDER_TK_DQ_ZERO", "pass")
+    assert ops.dq_zero_mode() == "pass" and ops.dq_zero_mode("ahead") == "ahead"
+    monkeypatch.setenv("THUNDER_TK_DQ_ZERO", "never")
+    with pytest.raises(ValueError, match="THUNDER_TK_DQ_ZERO"):
+        ops.dq_zero_mode()
+
+
+def test_dq_accumulators_take_turns_and_know_what_the_kernel_zeroed():
+    """The delta pass zeroes only where the kernel before did not: the first turn of each buffer, a shape larger
+    than the last launch zeroed; a taken buffer is dirty until a kernel zeroes it again."""
+    turns = ops._DqAccumulators(2 * 3 * 8 * 4, torch.device("cpu"))
+    first, must_zero = turns.take((2, 3, 8, 4))
+    assert must_zero and first.shape == (2, 3, 8, 4) and first.data_ptr() == turns.buffers[0].data_ptr()
+    assert turns.next is turns.buffers[1]
+    turns.launched(first.numel())  # the kernel zeroes buffer 1 for the next call
+    second, must_zero = turns.take((2, 3, 8, 4))
+    assert not must_zero and second.data_ptr() == turns.buffers[1].data_ptr() and turns.next is turns.buffers[0]
+    turns.launched(96)  # a smaller launch zeroes only 96 floats of buffer 0
+    third, must_zero = turns.take((2, 3, 8, 4))
+    assert must_zero and third.data_ptr() == turns.buffers[0].data_ptr()
+    # Taken but never launched (the kernel raised): buffer 0 stays the turn's, and dirty.
+    again, must_zero = turns.take((1, 3, 8, 4))
+    assert must_zero and again.data_ptr() == turns.buffers[0].data_ptr()

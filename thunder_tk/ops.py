@@ -463,24 +463,93 @@ def dq_finalize_mode(requested: str | None = None, causal: bool = False) -> str:
     return ("pass" if causal else "overlap") if mode == "auto" else mode
 
 
+DQ_ZERO_MODES = ("auto", "pass", "ahead")
+
+
+def dq_zero_mode(requested: str | None = None) -> str:
+    """Where the backward's fp32 dQ accumulator is zeroed: "pass" (by the delta pass, beside its reads, in a buffer
+    of the call's own) or "ahead" (by the previous backward kernel on the stream, under its products: two
+    accumulators per device and stream take turns, _DqAccumulators). `requested`, else THUNDER_TK_DQ_ZERO (read on
+    every call), else "auto": "ahead". Under CUDA-graph capture a launch always takes "pass" (a graph's replays
+    would need the turns' state of the capture)."""
+    mode = requested if requested is not None else os.environ.get("THUNDER_TK_DQ_ZERO", "auto")
+    if mode not in DQ_ZERO_MODES:
+        raise ValueError(f"the dQ zeroing mode must be one of {DQ_ZERO_MODES} (THUNDER_TK_DQ_ZERO), not {mode!r}")
+    return "ahead" if mode == "auto" else mode
+
+
+class _DqAccumulators:
+    """Two fp32 dQ accumulators of one device and stream that take turns: a backward adds into one while its kernel
+    zeroes the other (backward_args::zero_next) for the next backward on the stream, so that the delta pass zeroes
+    only an accumulator not known to be zero (the first call, a larger shape). Launches on one stream never
+    overlap, and the kernel zeroes once the grids before it are complete: by then the previous call's dQ pass has
+    read that buffer. What is known zero is each buffer's leading `zeroed` floats."""
+
+    def __init__(self, floats: int, device: torch.device):
+        self.buffers = [torch.empty(floats, dtype=torch.float32, device=device) for _ in range(2)]
+        self.zeroed = [0, 0]
+        self.turn = 0
+
+    def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, bool]:
+        """This call's accumulator, and whether the delta pass must zero it; it counts as not zero from here on."""
+        n = math.prod(shape)
+        known_zero = self.zeroed[self.turn] >= n
+        self.zeroed[self.turn] = 0
+        return self.buffers[self.turn][:n].view(shape), not known_zero
+
+    @property
+    def next(self) -> torch.Tensor:
+        return self.buffers[1 - self.turn]
+
+    def launched(self, zeroed: int) -> None:
+        """The kernel that zeroes `zeroed` leading floats of the next buffer is enqueued: the turn passes."""
+        self.turn = 1 - self.turn
+        self.zeroed[self.turn] = zeroed
+
+
+_dq_accumulators: dict[tuple[int, int], _DqAccumulators] = {}
+
+
+def _dq_accumulator(shape: tuple[int, ...], device: torch.device,
+                    mode: str) -> tuple[torch.Tensor, bool, _DqAccumulators | None]:
+    """(the backward's fp32 dQ accumulator of `shape`, whether the delta pass must zero it, the stream's turns or
+    None where the kernel zeroes nothing ahead)."""
+    if mode == "pass" or torch.cuda.is_current_stream_capturing():
+        return torch.empty(shape, dtype=torch.float32, device=device), True, None
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    turns = _dq_accumulators.get(key)
+    if turns is None or turns.buffers[0].numel() < math.prod(shape):
+        turns = _dq_accumulators[key] = _DqAccumulators(math.prod(shape), device)
+    return *turns.take(shape), turns
+
+
+def clear_dq_accumulators() -> None:
+    """Frees the attention backward's per-stream dQ accumulators (two of the largest backward's B * Hq * Sq * D fp32
+    each); the next backward makes new ones."""
+    torch.cuda.synchronize()
+    _dq_accumulators.clear()
+
+
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                        grad_o: torch.Tensor, *, is_causal: bool = False, scale: float | None = None,
                        window: int | None = None, _group_split: int = 0,
                        _tail_split: bool | tuple[int, int] = True,
-                       _dq_finalize: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       _dq_finalize: str | None = None,
+                       _dq_zero: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention_forward's o, by the tk kernels, from its o and lse.
 
     Same arguments and layouts as attention_forward (window: the forward's); o and grad_o are (B, Hq, Sq, D), lse
     (B, Hq, Sq) float32. dk and dv have k's (B, Hkv, Sk, D) shape, summed over each key/value head's query heads. All come back in the
-    input dtype. The kernels: delta = rowsum(grad_o * o), whose pass also zeroes an fp32 dQ buffer; then one pass
-    over key blocks that keeps dK and dV in registers and adds dQ into that buffer, which a last pass scales and
-    rounds. Grouped K/V: a block walks every query head of its group and sums dK, dV in fp32, unless that grid is
+    input dtype. The kernels: delta = rowsum(grad_o * o); then one pass over key blocks that keeps dK and dV in
+    registers and adds dQ into an fp32 buffer, which a last pass scales and rounds. That buffer is zeroed by the
+    previous backward's kernel on the stream (dq_zero_mode "ahead"), else by the delta pass. Grouped K/V: a block walks every query head of its group and sums dK, dV in fp32, unless that grid is
     too small for the GPU; then the group is walked in parts by more blocks (`backward_group_split`) and the parts'
     dK, dV (input dtype) summed after the kernel. _group_split (tests): that many parts, 0 for the choice above.
     Without a causal mask, where the last wave of units would leave most multiprocessors idle, its units are walked in
     query ranges by several blocks and merged (`backward_tail_split`; fp32 scratch of up to a wave of units). Not
     under CUDA-graph capture. _tail_split (tests): False walks every unit whole, (split_from, parts) forces a split.
-    _dq_finalize: "auto", "pass" or "overlap" (dq_finalize_mode; None: THUNDER_TK_DQ_FINALIZE).
+    _dq_finalize: "auto", "pass" or "overlap" (dq_finalize_mode; None: THUNDER_TK_DQ_FINALIZE). _dq_zero: "auto",
+    "pass" or "ahead" (dq_zero_mode; None: THUNDER_TK_DQ_ZERO).
     """
     _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, _group_split, _tail_split, window)
     overlap = dq_finalize_mode(_dq_finalize, bool(is_causal)) == "overlap"
@@ -494,7 +563,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     # still run, so it must not be memory that the backward reads (a copy made for it, freed before the pass).
     dq = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device) if overlap else None
     ext, dq_accum, factor, order = _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, _group_split,
-                                                  _tail_split, window, count_dq=overlap)
+                                                  _tail_split, window, count_dq=overlap, dq_zero=_dq_zero)
     if dq is None:
         dq = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     with _on(q.device):
@@ -545,10 +614,11 @@ def _tail_split_knob() -> str:
 
 
 def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_split, tail_split, window=None,
-                   count_dq=False):
+                   count_dq=False, dq_zero=None):
     """The backward kernels on checked, non-empty arguments: dk and dv (B, Hkv, Sk, D, any 16-byte strides TMA can
     store through) written, and (extension, the fp32 dQ accumulator, the factor that scales it into dq, a _DqOrder:
-    with `count_dq` the counters an overlapped finalize pass waits on, where it can follow the kernel at once)."""
+    with `count_dq` the counters an overlapped finalize pass waits on, where it can follow the kernel at once).
+    `dq_zero`: dq_zero_mode's argument. The accumulator must be read before the next backward on the stream."""
     ext = _require_kernels(q.device)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -575,12 +645,13 @@ def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_spli
     q, scale, sign = _kernel_scale(q, scale)
     q, k, v, grad_o = _tma_readable(q), _tma_readable(k), _tma_readable(v), _tma_readable(grad_o)
     lse = _rows_tma_readable(lse)
-    dq_accum = torch.empty((B, Hq, Sq, D), dtype=torch.float32, device=q.device)
+    dq_accum, zero_in_pass, turns = _dq_accumulator((B, Hq, Sq, D), q.device, dq_zero_mode(dq_zero))
     # Counted only where the finalize pass follows the kernel directly (the parts' sums would come between).
     count_dq = count_dq and split == 1
     # Zeroed before the delta pass, so that the delta pass, the kernel and the finalize launch back to back.
     counters = torch.zeros(B * Hkv * split, dtype=torch.int64, device=q.device) if count_dq else None  # read as uint64
-    delta = attention_bwd_delta(o, grad_o, out=_row_vectors((B, Hq, Sq), q.device), zero=dq_accum)
+    delta = attention_bwd_delta(o, grad_o, out=_row_vectors((B, Hq, Sq), q.device),
+                                zero=dq_accum if zero_in_pass else None)
     scratch = (torch.empty((units - split_from) * parts * 2 * _BWD_KEYS * D, dtype=torch.float32, device=q.device)
                if parts else None)
     with _on(q.device):
@@ -592,7 +663,11 @@ def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_spli
                                list(delta.stride()[:2]), scale, bool(is_causal), _stream_handle(q.device), split,
                                split_from, parts, scratch.data_ptr() if parts else 0,
                                _zeroed_slot(q.device, "attention_bwd_split", _SPLIT_COUNT_SLOT, 64) if parts else 0,
-                               kernel_window, counters.data_ptr() if count_dq else 0)
+                               kernel_window, counters.data_ptr() if count_dq else 0,
+                               zero_next=turns.next.data_ptr() if turns else 0,
+                               zero_next_count=dq_accum.numel() if turns else 0)
+    if turns:
+        turns.launched(dq_accum.numel())
     if split > 1:  # the parts of each group, summed (torch accumulates 16-bit sums in fp32; out= may be strided)
         for out, part in ((dk, dk_parts), (dv, dv_parts)):
             torch.sum(part.view(B, Hkv, split, Sk, D), 2, out=out)

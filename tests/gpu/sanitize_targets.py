@@ -155,6 +155,7 @@ def attention_backward():
                                           (1, 4, 1, 400, 400, 256, True)]:
         q, k, v = (torch.randn(B, h, s, D, device="cuda", dtype=torch.bfloat16) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
         o, lse = ops.attention_forward(q, k, v, is_causal=causal)
+        # Each call after the first takes the dQ accumulator the kernel before it zeroed (dq_zero_mode "ahead").
         for split in sorted({1, 2, Hq // Hkv} & set(range(1, Hq // Hkv + 1))):
             ops.attention_backward(q, k, v, o, lse, torch.randn_like(o), is_causal=causal, _group_split=split)
         # dQ rounded by groups as the kernel counts them in, beside its last blocks

@@ -805,6 +805,97 @@ def test_overlapped_dq_finalize_checks():
 
 
 # ------------------------------------------------------------------------------------------------
+# The dQ accumulator zeroed ahead (dq_zero_mode "ahead", the default): two accumulators per device and stream take
+# turns, each backward kernel zeroing the next call's, and the delta pass zeroes only what no kernel did.
+
+def _stream_turns():
+    return ops._dq_accumulators.get((torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream))
+
+
+# (B, Hq, Hkv, Sq, Sk, D, causal, tail_split, group_split): one after the other on one stream; shapes grow, shrink
+# and repeat, and the grids (split units, split groups, D = 256's 64-key blocks) that share out the zeroing differ.
+ZERO_AHEAD_SEQUENCE = [
+    (1, 4, 2, 300, 300, 128, True, True, 0),
+    (1, 4, 2, 300, 300, 128, True, True, 0),  # the first call's kernel zeroed this one's accumulator
+    (2, 8, 4, 1000, 1000, 64, False, True, 0),  # larger: new accumulators, the delta pass zeroes
+    (1, 2, 2, 17, 17, 64, False, True, 0),  # smaller: a prefix of the zeroed one
+    (1, 3, 3, 1000, 1100, 128, False, (20, 7), 0),  # 160 blocks of split parts share out the zeroing
+    (1, 3, 3, 1000, 1100, 128, False, (20, 7), 0),
+    (1, 8, 2, 300, 300, 128, True, True, 2),  # a split group: its sums come between the kernel and the dQ pass
+    (1, 8, 1, 500, 500, 256, True, True, 0),
+    (1, 8, 1, 500, 500, 256, True, True, 0),
+    (1, 1, 1, 1, 1, 64, False, True, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_dq_accumulator_zeroed_ahead_by_the_kernel_before(dtype):
+    """Before each call the next accumulator is poisoned with NaN; after it, the call's kernel must have zeroed it
+    (as far as its own shape), and the next call, which takes it without zeroing, must still match float64."""
+    ops.clear_dq_accumulators()
+    for B, Hq, Hkv, Sq, Sk, D, causal, tail_split, group_split in ZERO_AHEAD_SEQUENCE:
+        q, k, v = make(B, Hq, Hkv, Sq, Sk, D, dtype, seed=Sq + D)
+        if (turns := _stream_turns()) is not None:
+            turns.next.fill_(float("nan"))
+        backward_check(q, k, v, causal=causal, tail_split=tail_split, group_split=group_split)
+        turns = _stream_turns()
+        torch.cuda.synchronize()
+        zeroed = turns.zeroed[turns.turn]
+        assert zeroed == B * Hq * Sq * D
+        assert torch.equal(turns.buffers[turns.turn][:zeroed], torch.zeros(zeroed, device="cuda"))
+
+
+def test_dq_accumulators_are_per_stream_and_pass_mode_takes_none():
+    q, k, v = make(2, 4, 2, 700, 700, 128, torch.bfloat16, seed=31)
+    o, lse = ops.attention_forward(q, k, v)
+    g = torch.randn_like(o)
+    want = ops.attention_backward_reference(q, k, v, o, lse, g)
+    ops.clear_dq_accumulators()
+    ops.attention_backward(q, k, v, o, lse, g, _dq_zero="pass")
+    assert _stream_turns() is None
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    results = []
+    for i in range(6):  # alternating streams: each keeps its own turns, each call ordered after its stream's last
+        with torch.cuda.stream(streams[i % 2]):
+            results.append(ops.attention_backward(q, k, v, o, lse, g))
+    for s in streams:
+        torch.cuda.current_stream().wait_stream(s)
+    assert sum(key[1] in (s.cuda_stream for s in streams) for key in ops._dq_accumulators) == 2
+    for got in results:
+        for name, a, b in zip("dq dk dv".split(), got, want):
+            assert rel_err(a, b) < GRAD_TOL[torch.bfloat16], name
+
+
+def test_dq_zeroing_ahead_checks(monkeypatch):
+    """The binding names a zero_next it cannot take; a call it refused leaves the turns as they were, so the next
+    call zeroes in its delta pass and is right."""
+    q, k, v = make(1, 2, 2, 200, 200, 64, torch.bfloat16, seed=37)
+    ops.clear_dq_accumulators()
+    ops.attention_backward(*backward_inputs(q, k, v))
+    turns = _stream_turns()
+    before = (turns.turn, list(turns.zeroed))
+    monkeypatch.setattr(ops._DqAccumulators, "next", property(lambda self: self.buffers[self.turn]))
+    with pytest.raises(ValueError, match="must not overlap dq_accum"):
+        ops.attention_backward(*backward_inputs(q, k, v))
+    monkeypatch.setattr(ops._DqAccumulators, "next", property(lambda self: self.buffers[1 - self.turn][1:]))
+    with pytest.raises(ValueError, match="zero_next must be 16-byte aligned"):
+        ops.attention_backward(*backward_inputs(q, k, v))
+    monkeypatch.undo()
+    assert turns.turn == before[0] and turns.zeroed[turns.turn] == 0  # taken, so no longer known zero
+    turns.buffers[turns.turn].fill_(float("nan"))
+    backward_check(q, k, v)
+    with pytest.raises(ValueError, match="THUNDER_TK_DQ_ZERO"):
+        ops.dq_zero_mode("sometimes")
+
+
+def backward_inputs(q, k, v):
+    o, lse = ops.attention_forward(q, k, v)
+    return q, k, v, o, lse, torch.randn_like(o)
+
+
+# ------------------------------------------------------------------------------------------------
 # Causal sliding window (window=W): query i keeps keys i - W < j <= i. The forward visits only the key blocks of its
 # rows' windows, and rows can meet blocks (even a tile's first) where all their keys are masked; the backward walks
 # only the query tiles that keep some of a block's keys.

@@ -117,6 +117,7 @@ struct kernel_params {
     int chunk_heads;      // causal: (key/value head, split) pairs per L2 chunk of the block order (layout::chunked_order)
     int split_from, parts;  // the last wave split: args.split_from and args.split_parts
     float scale_log2;
+    int64_t zero_share;  // float4s of args.zero_next a block zeroes (the host divides: no 64-bit division here)
 };
 
 struct block_work {
@@ -805,6 +806,21 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
     }
 }
 
+// The next launch's dQ accumulator (args.zero_next): this block's share of its float4s (zero_share), stored by the
+// consumers before their first step, while they would wait for its loads anyway (16 stores a thread for a
+// 128-key block; the producer warps have no register to spare: any code there spills at their 24). The kernel is
+// bound by its products, so these stores cost it little, while the same zeroing in the delta pass is a third of
+// that memory-bound pass's bytes. Streaming stores: nothing reads the lines before the next launch.
+__device__ __forceinline__ void zero_next_share(const kernel_params& p) {
+    float4* const base = reinterpret_cast<float4*>(p.args.zero_next);
+    const int64_t begin = p.zero_share * blockIdx.x;
+    const float4* const end = base + std::min(begin + p.zero_share, p.args.zero_next_count / 4);
+#pragma unroll 1
+    constexpr int STRIDE = CONSUMERS * warpgroup::threads;
+    for (float4* out = base + begin + (threadIdx.x - warpgroup::threads); out < end; out += STRIDE)
+        __stcs(out, make_float4(0.f, 0.f, 0.f, 0.f));
+}
+
 // WINDOW: the launch's window is > 0 (a sliding window); without one the kernel has none of the window's code.
 template <typename T, int D, bool WINDOW>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -850,6 +866,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
     } else {
         warpgroup::increase_registers<CONSUMER_REGISTERS>();
+        // After pdl::start: the grids before this one, the previous launch's dQ pass among them, are complete.
+        if (p.args.zero_next != nullptr) zero_next_share(p);
         const block_work w = work_of<BK_OF<D>, WINDOW>(p);
         if constexpr (D == 256) {
             if (warpgroup::index() == 1)
@@ -918,6 +936,7 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
     p.parts = a.split_parts;
     const int64_t units = int64_t(p.kv_tiles) * a.batch * out_heads;
     const int64_t blocks = a.split_parts ? a.split_from + (units - a.split_from) * a.split_parts : units;
+    p.zero_share = (a.zero_next_count / 4 + blocks - 1) / blocks;
     return launch_kernel(kernel, dim3(unsigned(blocks)), dim3(THREADS), smem_bytes_of<T, D>, stream, 1,
                          maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], maps[7], maps[8], p);
 }
@@ -971,6 +990,14 @@ const char* backward_unsupported(const backward_args& a) {
     for (const void* t : tensors)
         if (t == nullptr || !is_aligned(t, 16)) return "q, k, v, dout, dq_accum, dk and dv must be 16-byte aligned";
     if (!is_aligned(a.dq_done, 8)) return "dq_done must be 8-byte aligned";
+    if (a.zero_next_count < 0 || a.zero_next_count % 4 || (a.zero_next_count > 0 && a.zero_next == nullptr))
+        return "zero_next_count must be a multiple of 4 (0 without zero_next)";
+    if (a.zero_next != nullptr) {
+        if (!is_aligned(a.zero_next, 16)) return "zero_next must be 16-byte aligned";
+        const float* accum_end = a.dq_accum + a.batch * a.q_heads * a.q_len * a.head_dim;
+        if (a.zero_next < accum_end && a.dq_accum < a.zero_next + a.zero_next_count)
+            return "zero_next must not overlap dq_accum (the launch adds into it)";
+    }
     using layout::strides_ok;
     if (!strides_ok(a.q_stride, a.batch, a.q_heads, a.q_len) ||
         !strides_ok(a.dout_stride, a.batch, a.q_heads, a.q_len) ||
