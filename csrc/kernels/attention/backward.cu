@@ -256,6 +256,22 @@ __device__ __forceinline__ void count_dq_written(const kernel_params& p, const b
     sync::count_release(p.args.dq_done + w.dq_counter(p.args), static_cast<unsigned long long>(w.step1 - w.step0));
 }
 
+// The next launch's dQ accumulator (args.zero_next): the block's share of its float4s (zero_share) is zeroed by the
+// dQ writer warp, ZERO_STEP of them (4 KB) a step from `from` (a step index) up to `to` (exclusive; INT_MAX: the
+// rest), between its reduce-adds: spread over the walk, the stores use the multiprocessor's spare bandwidth to L2
+// (the same 64 KB at the block's start delayed its first loads: the kernel lost 1%). Streaming stores: nothing
+// reads the lines before the next launch. Computed from the parameters each time: the warp has no register to keep.
+constexpr int ZERO_STEP = 256;
+__device__ __forceinline__ void zero_next_steps(const kernel_params& p, int from, int to) {
+    const int64_t begin = p.zero_share * blockIdx.x;
+    // The block's share in 32-bit offsets (kernel_params::zero_share < 2^31).
+    const int share = int(std::max<int64_t>(0, std::min(p.zero_share, p.args.zero_next_count / 4 - begin)));
+    const int last = to == INT_MAX ? share : std::min(share, to * ZERO_STEP);
+    float4* const out = reinterpret_cast<float4*>(p.args.zero_next) + begin;
+#pragma unroll 1
+    for (int i = from * ZERO_STEP + threadIdx.x % 32; i < last; i += 32) __stcs(out + i, make_float4(0.f, 0.f, 0.f, 0.f));
+}
+
 // One producer warp issues every dQ reduce-add, so a consumer only stores its share, fences and arrives. Per step
 // and slice it waits for the staged buffer and adds its two 64 x 32 boxes into dq_accum; once they have been read,
 // the buffer goes back to its consumer for the step after next.
@@ -270,6 +286,7 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
 #pragma unroll 1  // unrolled, its copies spill at the producers' 24 registers
     for (int step = 0; step < steps; ++step) {
         const int buf = step & 1;
+        if (p.args.zero_next != nullptr) zero_next_steps(p, step, step + 1);  // while the consumers stage dQ
         for (int slice = 0; slice < DQ_SLICES<D>; ++slice) {
             sync::named_sync(barrier_id::dq_staged(slice, buf), DQ_HANDOFF_THREADS);
             if (issuer) {
@@ -288,6 +305,7 @@ __device__ __forceinline__ void write_dq(shared_state<T, D>& st, const kernel_pa
         }
         walk.template next<WINDOW>(p, w);
     }
+    if (p.args.zero_next != nullptr) zero_next_steps(p, steps, INT_MAX);  // a short walk's rest
     if (issuer) {
         if (p.args.dq_done == nullptr) {
             tma::store_wait_read();  // the staging outlives the last reads
@@ -612,6 +630,7 @@ __device__ __forceinline__ void write_dq_wide(shared_state<T, 256>& st, const ke
     auto& [head, i] = walk;
 #pragma unroll 1
     for (int step = w.step0; step < w.step1; ++step) {
+        if (p.args.zero_next != nullptr) zero_next_steps(p, step - w.step0, step - w.step0 + 1);
         sync::named_sync(barrier_id::dq_staged_wide(at.stage), DQ_WIDE_THREADS);
         if (issuer) {
             for (int half = 0; half < 2; ++half) {
@@ -627,6 +646,7 @@ __device__ __forceinline__ void write_dq_wide(shared_state<T, 256>& st, const ke
         at.advance();
         walk.template next<WINDOW>(p, w);
     }
+    if (p.args.zero_next != nullptr) zero_next_steps(p, w.step1 - w.step0, INT_MAX);  // a short walk's rest
     sync::named_sync(barrier_id::dq_written_wide, DQ_WIDE_THREADS);  // (waits only for the roles to get there)
     if (issuer && p.args.dq_done != nullptr) count_dq_written(p, w);
 }
@@ -806,20 +826,6 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
     }
 }
 
-// The next launch's dQ accumulator (args.zero_next): this block's share of its float4s (zero_share), stored by the
-// consumers before their first step, while they would wait for its loads anyway (16 stores a thread for a
-// 128-key block; the producer warps have no register to spare: any code there spills at their 24). The kernel is
-// bound by its products, so these stores cost it little, while the same zeroing in the delta pass is a third of
-// that memory-bound pass's bytes. Streaming stores: nothing reads the lines before the next launch.
-__device__ __forceinline__ void zero_next_share(const kernel_params& p) {
-    float4* const base = reinterpret_cast<float4*>(p.args.zero_next);
-    const int64_t begin = p.zero_share * blockIdx.x;
-    const float4* const end = base + std::min(begin + p.zero_share, p.args.zero_next_count / 4);
-#pragma unroll 1
-    constexpr int STRIDE = CONSUMERS * warpgroup::threads;
-    for (float4* out = base + begin + (threadIdx.x - warpgroup::threads); out < end; out += STRIDE)
-        __stcs(out, make_float4(0.f, 0.f, 0.f, 0.f));
-}
 
 // WINDOW: the launch's window is > 0 (a sliding window); without one the kernel has none of the window's code.
 template <typename T, int D, bool WINDOW>
@@ -866,8 +872,6 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
     } else {
         warpgroup::increase_registers<CONSUMER_REGISTERS>();
-        // After pdl::start: the grids before this one, the previous launch's dQ pass among them, are complete.
-        if (p.args.zero_next != nullptr) zero_next_share(p);
         const block_work w = work_of<BK_OF<D>, WINDOW>(p);
         if constexpr (D == 256) {
             if (warpgroup::index() == 1)

@@ -42,8 +42,8 @@ struct backward_args {
     // complete; a group's rows are final when its counter reaches backward_dq_steps(args).
     unsigned long long* dq_done = nullptr;
     // Optional: zero_next_count floats (a multiple of 4, on 16 bytes, apart from dq_accum) set to zero by the
-    // launch's consumers before their first step: the next launch's dQ accumulator, which then needs no zeroing in
-    // its delta pass. Every block zeroes its share once the grids before it are complete.
+    // launch's dQ writer warps, 4 KB a step of their walks: the next launch's dQ accumulator, which then needs no
+    // zeroing in its delta pass. Every block zeroes its share once the grids before it are complete.
     float* zero_next = nullptr;
     int64_t zero_next_count = 0;
 };
