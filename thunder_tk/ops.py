@@ -470,8 +470,9 @@ def dq_zero_mode(requested: str | None = None) -> str:
     """Where the backward's fp32 dQ accumulator is zeroed: "pass" (by the delta pass, beside its reads, in a buffer
     of the call's own) or "ahead" (by the previous backward kernel on the stream, under its products: two
     accumulators per device and stream take turns, _DqAccumulators). `requested`, else THUNDER_TK_DQ_ZERO (read on
-    every call), else "auto": "ahead". Under CUDA-graph capture a launch always takes "pass" (a graph's replays
-    would need the turns' state of the capture)."""
+    every call), else "auto": "ahead" (0.5-1.8% faster on an H200, the delta pass then only reading; session 65).
+    Under CUDA-graph capture a launch always takes "pass" (a graph's replays would need the turns' state of the
+    capture)."""
     mode = requested if requested is not None else os.environ.get("THUNDER_TK_DQ_ZERO", "auto")
     if mode not in DQ_ZERO_MODES:
         raise ValueError(f"the dQ zeroing mode must be one of {DQ_ZERO_MODES} (THUNDER_TK_DQ_ZERO), not {mode!r}")
