@@ -605,7 +605,7 @@ def test_mlp_input_gradient_is_one_launch(standin_tk_build, request, fuser):
 
 def test_fp32_output_switch_names_a_bad_value(standin_tk_build, monkeypatch):
     monkeypatch.setenv(pattern_fusion.GEMM_FP32_OUT_ENV, "yes")
-    with pytest.raises(ValueError, match="THUNDER_TK_GEMM_FP32_OUT must be 0 or 1"):
+    with pytest.raises(ValueError, match="THUNDER_TK_GEMM_FP32_OUT='yes': expected 0 or 1"):
         run_swiglu(SwiGLU().to(bf16))
 
 

@@ -53,6 +53,7 @@ from functools import lru_cache
 
 import torch
 
+from thunder_tk.env_settings import env_choice
 from thunder_tk.ops import _DTYPE_CODES
 
 MAX_RANKS = 16  # the kernels' peer table
@@ -80,10 +81,7 @@ def _env_word(name: str, default: str) -> str:
 
 def keeps_until_wait() -> bool:
     """Whether an async collective's Work keeps its tensors until wait() (THUNDER_TK_COLLECTIVE_KEEP)."""
-    keep = _env_word("THUNDER_TK_COLLECTIVE_KEEP", "wait")
-    if keep not in ("record", "wait"):
-        raise ValueError(f"THUNDER_TK_COLLECTIVE_KEEP={keep!r}: expected wait or record")
-    return keep == "wait"
+    return env_choice("THUNDER_TK_COLLECTIVE_KEEP", ("wait", "record"), "wait") == "wait"
 
 
 def _env_number(name: str, default, parse=int):

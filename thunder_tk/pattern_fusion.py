@@ -51,7 +51,6 @@ SWIGLU_GRAD_MAX_N (wider ones measured slower); off with the feature name `gemm_
 from __future__ import annotations
 
 import math
-import os
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -67,6 +66,7 @@ from thunder.core.transform_common import dce
 from thunder_tk import trace_edits
 from thunder_tk.attention_masks import first_torch_dtype, torch_dtype_of
 from thunder_tk.claim_rules import HALF_DTYPES, TensorMetadata
+from thunder_tk.env_settings import env_choice
 
 # View ops as the torch executor runs them (their result is the same data in another shape).
 _RESHAPES = frozenset({"reshape", "torch_prims_reshape_impl", "view"})
@@ -874,10 +874,7 @@ casts it saves took) and held 0.49 GiB more at peak (the lm_head's weight gradie
 
 
 def _widening_wanted() -> bool:
-    value = os.environ.get(GEMM_FP32_OUT_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{GEMM_FP32_OUT_ENV} must be 0 or 1; got {value!r}")
-    return value == "1"
+    return env_choice(GEMM_FP32_OUT_ENV, ("0", "1"), "0") == "1"
 
 
 def _widen_cast_plan(bsyms: list[BoundSymbol], j: int, producer: dict[str, int], users: dict[str, list[int]]):

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from thunder_tk.env_settings import env_choice
 from thunder_tk.litgpt_checkpoint import (atomic_write, checkpoint_model_config, full_state_dict, load_initial_weights,
                                           resolve_dir, write_litgpt_checkpoint)
 from thunder_tk.litgpt_models import (ConfigError, _litgpt, config_of, init_like_litgpt_pretrain, jit_unsupported,
@@ -305,11 +306,12 @@ def bind_cpus(local_rank: int, local_world: int) -> list[int] | None:
     threads) runs on its own share of the CPUs near its GPU, so that one rank's work cannot take another rank's cores
     (the 4-GPU hosts' once-per-process host stalls, benchmarks/NOTES.md). Unset or `none`: the affinity is left
     alone. Returns the CPUs bound, or None."""
-    mode = os.environ.get("THUNDER_TK_CPU_AFFINITY", "none").strip().lower()
-    if mode in ("", "none"):
+    try:
+        mode = env_choice("THUNDER_TK_CPU_AFFINITY", ("exclusive", "none"), "none")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if mode == "none":
         return None
-    if mode != "exclusive":
-        raise ConfigError(f"THUNDER_TK_CPU_AFFINITY={mode!r}: expected 'exclusive' or 'none'")
     if not hasattr(os, "sched_setaffinity"):
         return None
     allowed = os.sched_getaffinity(0)
