@@ -134,6 +134,21 @@ def test_info(capsys, monkeypatch):
     assert "invalid: THUNDER_TK_DEPENDENT_LAUNCH='sometimes'" in capsys.readouterr().out
 
 
+def test_info_lists_every_word_setting_in_effect(capsys, monkeypatch):
+    from thunder_tk import env_settings
+
+    for setting in env_settings.SETTINGS:
+        monkeypatch.delenv(setting.name, raising=False)
+    monkeypatch.setenv("THUNDER_TK_DQ_ZERO", "Pass")
+    monkeypatch.setenv("THUNDER_TK_COLLECTIVE_KEEP", "later")
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert "THUNDER_TK_DQ_FINALIZE=auto (default; auto | pass | overlap): the attention backward rounds dQ" in text
+    assert "THUNDER_TK_DQ_ZERO=pass (set; auto | pass | ahead)" in text
+    assert "THUNDER_TK_COLLECTIVE_KEEP: invalid (THUNDER_TK_COLLECTIVE_KEEP='later': expected wait or record)" in text
+    assert all(setting.name in text for setting in env_settings.SETTINGS)
+
+
 def test_a_source_checkout_without_kernels_says_so(tmp_path):
     # Imported from a checkout (pyproject.toml and csrc/ beside the package), thunder_tk shadows the installed
     # build; the reason names the directory and the way out instead of a bare "not installed".

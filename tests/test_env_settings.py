@@ -1,7 +1,8 @@
-"""env_settings.env_choice: the one check behind tk's word-valued THUNDER_TK_* settings."""
+"""env_settings: the one check behind tk's word-valued THUNDER_TK_* settings, and their list."""
 
 import pytest
 
+from thunder_tk import env_settings
 from thunder_tk.env_settings import env_choice
 
 
@@ -21,3 +22,14 @@ def test_a_bad_value_names_the_variable_and_the_choices(monkeypatch):
         env_choice("THUNDER_TK_TEST_CHOICE", ("a", "b"), "a")
     with pytest.raises(ValueError, match=r"THUNDER_TK_TEST_CHOICE='d': expected one of a, b, c$"):
         env_choice("THUNDER_TK_TEST_CHOICE", ("a", "b", "c"), "a", requested="d")  # a bad argument too
+
+
+def test_every_setting_defaults_to_one_of_its_choices_and_reads_through_the_check(monkeypatch):
+    names = [s.name for s in env_settings.SETTINGS]
+    assert len(set(names)) == len(names) and all(n.startswith("THUNDER_TK_") for n in names)
+    for setting in env_settings.SETTINGS:
+        monkeypatch.delenv(setting.name, raising=False)
+        assert setting.default in setting.choices and setting.read() == setting.default
+        monkeypatch.setenv(setting.name, "no-such-value")
+        with pytest.raises(ValueError, match=setting.name):
+            setting.read()

@@ -314,7 +314,7 @@ def test_bind_cpus_binds_only_when_asked(monkeypatch):
         monkeypatch.delenv("THUNDER_TK_CPU_AFFINITY", raising=False)
         assert bind_cpus(0, 2) is None and os.sched_getaffinity(0) == before
         monkeypatch.setenv("THUNDER_TK_CPU_AFFINITY", "pinned")
-        with pytest.raises(ConfigError, match="THUNDER_TK_CPU_AFFINITY='pinned': expected exclusive or none"):
+        with pytest.raises(ConfigError, match="THUNDER_TK_CPU_AFFINITY='pinned': expected none or exclusive"):
             bind_cpus(0, 2)
         monkeypatch.setenv("THUNDER_TK_CPU_AFFINITY", "exclusive")
         if len(before) >= 2:  # no GPU here: the two local ranks share out the allowed CPUs

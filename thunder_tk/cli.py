@@ -110,7 +110,7 @@ def _cmd_info(args) -> int:
     import thunder
 
     import thunder_tk
-    from thunder_tk import _extension
+    from thunder_tk import _extension, env_settings
 
     info = _extension.build_info()
     print(f"thunder_tk {thunder_tk.__version__}, lightning-thunder {thunder.__version__}")
@@ -124,6 +124,9 @@ def _cmd_info(args) -> int:
     print(f"executors=[tk] amounts to: {[ex.name for ex in thunder_tk.executors()]} (fuser: {fuser.name})")
     print(f"collectives (THUNDER_TK_COLLECTIVE_*): {_collective_settings()}")
     print(f"launch order ({_extension.DEPENDENT_LAUNCH_ENV}): {_launch_order()}")
+    print("settings:")
+    for setting in env_settings.SETTINGS:
+        print(f"  {setting.describe()}")
     return 0
 
 

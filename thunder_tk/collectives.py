@@ -53,7 +53,7 @@ from functools import lru_cache
 
 import torch
 
-from thunder_tk.env_settings import env_choice
+from thunder_tk.env_settings import COLLECTIVE_KEEP
 from thunder_tk.ops import _DTYPE_CODES
 
 MAX_RANKS = 16  # the kernels' peer table
@@ -81,7 +81,7 @@ def _env_word(name: str, default: str) -> str:
 
 def keeps_until_wait() -> bool:
     """Whether an async collective's Work keeps its tensors until wait() (THUNDER_TK_COLLECTIVE_KEEP)."""
-    return env_choice("THUNDER_TK_COLLECTIVE_KEEP", ("wait", "record"), "wait") == "wait"
+    return COLLECTIVE_KEEP.read() == "wait"
 
 
 def _env_number(name: str, default, parse=int):

@@ -17,7 +17,7 @@ import struct
 import torch
 
 from thunder_tk import _extension
-from thunder_tk.env_settings import env_choice
+from thunder_tk import env_settings
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -447,7 +447,7 @@ def backward_group_split(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, ca
     return best if best_steps < _SPLIT_MARGIN * whole else 1
 
 
-DQ_FINALIZE_MODES = ("auto", "pass", "overlap")
+DQ_FINALIZE_MODES = env_settings.DQ_FINALIZE.choices
 
 
 def dq_finalize_mode(requested: str | None = None, causal: bool = False) -> str:
@@ -457,11 +457,11 @@ def dq_finalize_mode(requested: str | None = None, causal: bool = False) -> str:
     `requested`, else THUNDER_TK_DQ_FINALIZE (read on every call), else "auto": overlap without a causal mask
     (0.3-1.4% faster on an H200 at S = 2048-4096, session 64), the pass with one (0.2-1.2% slower overlapped: the
     causal walk's short last units leave no wave to hide under)."""
-    mode = env_choice("THUNDER_TK_DQ_FINALIZE", DQ_FINALIZE_MODES, "auto", requested)
+    mode = env_settings.DQ_FINALIZE.read(requested)
     return ("pass" if causal else "overlap") if mode == "auto" else mode
 
 
-DQ_ZERO_MODES = ("auto", "pass", "ahead")
+DQ_ZERO_MODES = env_settings.DQ_ZERO.choices
 
 
 def dq_zero_mode(requested: str | None = None) -> str:
@@ -471,7 +471,7 @@ def dq_zero_mode(requested: str | None = None) -> str:
     every call), else "auto": "ahead" (0.5-1.8% faster on an H200, the delta pass then only reading; session 65).
     Under CUDA-graph capture a launch always takes "pass" (a graph's replays would need the turns' state of the
     capture)."""
-    mode = env_choice("THUNDER_TK_DQ_ZERO", DQ_ZERO_MODES, "auto", requested)
+    mode = env_settings.DQ_ZERO.read(requested)
     return "ahead" if mode == "auto" else mode
 
 
@@ -604,7 +604,7 @@ def _tail_split_knob() -> str:
     """THUNDER_TK_ATTN_BWD_TAIL_SPLIT (read on every call): "auto" (the default) splits the last wave's units where
     backward_tail_split says so, "off" walks every unit whole (to measure the split against the overlapped dQ pass,
     which uses the multiprocessors an unsplit last wave leaves idle)."""
-    return env_choice("THUNDER_TK_ATTN_BWD_TAIL_SPLIT", ("auto", "off"), "auto")
+    return env_settings.ATTN_BWD_TAIL_SPLIT.read()
 
 
 def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_split, tail_split, window=None,

@@ -63,10 +63,9 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import from_trace, tracectx
 from thunder.core.transform_common import dce
 
-from thunder_tk import trace_edits
+from thunder_tk import env_settings, trace_edits
 from thunder_tk.attention_masks import first_torch_dtype, torch_dtype_of
 from thunder_tk.claim_rules import HALF_DTYPES, TensorMetadata
-from thunder_tk.env_settings import env_choice
 
 # View ops as the torch executor runs them (their result is the same data in another shape).
 _RESHAPES = frozenset({"reshape", "torch_prims_reshape_impl", "view"})
@@ -866,7 +865,7 @@ def _summed_pairs(trace, product, summed, dtypes: tuple):
 
 GEMM_FP32_OUT = "gemm_fp32_out"
 """THUNDER_TK_DISABLE name that keeps bf16 products cast to fp32 as products rounded to bf16 and the fuser's casts."""
-GEMM_FP32_OUT_ENV = "THUNDER_TK_GEMM_FP32_OUT"
+GEMM_FP32_OUT_ENV = env_settings.GEMM_FP32_OUT.name
 """1: widen_products runs (then GEMM_FP32_OUT turns it off per jitted function); 0 or unset: it does not. Off by
 default: in the 16-layer Llama-3.2-1B step at bf16-mixed (H200, 04915fa, benchmarks/NOTES.md) it was no faster (66.0k
 tokens/s against 65.7k without it, inside the rounds' spread: the fp32 epilogue costs the GEMMs about what the fuser's
@@ -874,7 +873,7 @@ casts it saves took) and held 0.49 GiB more at peak (the lm_head's weight gradie
 
 
 def _widening_wanted() -> bool:
-    return env_choice(GEMM_FP32_OUT_ENV, ("0", "1"), "0") == "1"
+    return env_settings.GEMM_FP32_OUT.read() == "1"
 
 
 def _widen_cast_plan(bsyms: list[BoundSymbol], j: int, producer: dict[str, int], users: dict[str, list[int]]):

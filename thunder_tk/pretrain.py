@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from thunder_tk.env_settings import env_choice
+from thunder_tk.env_settings import CPU_AFFINITY
 from thunder_tk.litgpt_checkpoint import (atomic_write, checkpoint_model_config, full_state_dict, load_initial_weights,
                                           resolve_dir, write_litgpt_checkpoint)
 from thunder_tk.litgpt_models import (ConfigError, _litgpt, config_of, init_like_litgpt_pretrain, jit_unsupported,
@@ -307,7 +307,7 @@ def bind_cpus(local_rank: int, local_world: int) -> list[int] | None:
     (the 4-GPU hosts' once-per-process host stalls, benchmarks/NOTES.md). Unset or `none`: the affinity is left
     alone. Returns the CPUs bound, or None."""
     try:
-        mode = env_choice("THUNDER_TK_CPU_AFFINITY", ("exclusive", "none"), "none")
+        mode = CPU_AFFINITY.read()
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if mode == "none":
