@@ -50,6 +50,9 @@ DQ_ZERO = Setting("THUNDER_TK_DQ_ZERO", ("auto", "pass", "ahead"), "auto",
 ATTN_BWD_TAIL_SPLIT = Setting("THUNDER_TK_ATTN_BWD_TAIL_SPLIT", ("auto", "off"), "auto",
                               "the attention backward walks its last wave's units in query ranges where that fills "
                               "the GPU (auto), or every unit whole (off, for measurement)")
+GEMM_SCHEDULE = Setting("THUNDER_TK_GEMM_SCHEDULE", ("static", "dynamic"), "static",
+                        "tk's GEMMs hand out tiles by block index (static) or from a counter as blocks get to them "
+                        "(dynamic: blocks that start late, on SMs another kernel held, take fewer)")
 COLLECTIVE_KEEP = Setting("THUNDER_TK_COLLECTIVE_KEEP", ("wait", "record"), "wait",
                           "an asynchronous tk collective keeps its tensors until its wait() (wait), or lets the "
                           "caching allocator track them by stream (record)")
@@ -59,4 +62,4 @@ GEMM_FP32_OUT = Setting("THUNDER_TK_GEMM_FP32_OUT", ("0", "1"), "0",
 CPU_AFFINITY = Setting("THUNDER_TK_CPU_AFFINITY", ("none", "exclusive"), "none",
                        "thunder-tk pretrain: each rank on its own share of the CPUs near its GPU (exclusive)")
 
-SETTINGS = (DQ_FINALIZE, DQ_ZERO, ATTN_BWD_TAIL_SPLIT, COLLECTIVE_KEEP, GEMM_FP32_OUT, CPU_AFFINITY)
+SETTINGS = (DQ_FINALIZE, DQ_ZERO, ATTN_BWD_TAIL_SPLIT, GEMM_SCHEDULE, COLLECTIVE_KEEP, GEMM_FP32_OUT, CPU_AFFINITY)

@@ -11,13 +11,11 @@ import contextlib
 import functools
 import math
 import operator
-import os
 import struct
 
 import torch
 
-from thunder_tk import _extension
-from thunder_tk import env_settings
+from thunder_tk import _extension, env_settings
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -827,7 +825,7 @@ def check_gemm_args(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None)
 
 # Tile schedule of the GEMM: "static" (block i takes tiles i, i + grid, ...) or "dynamic" (blocks take tiles from
 # a counter as they get to them: blocks that start late, on SMs another kernel held, take fewer).
-GEMM_SCHEDULE_ENV = "THUNDER_TK_GEMM_SCHEDULE"
+GEMM_SCHEDULE_ENV = env_settings.GEMM_SCHEDULE.name
 # Counters a launch leaves zeroed (dynamic-schedule tickets, the attention forward's split-tile counts): per device
 # and kind a ring of zeroed int32 slots, one per launch (a launch re-zeroes its own). A slot comes round again
 # after `slots` launches, far beyond any queue's depth.
@@ -864,8 +862,7 @@ _SPLIT_COUNT_SLOT = 4096
 
 
 def _gemm_tickets(device: torch.device, schedule: str | None) -> int:
-    return _launch_tickets(device, schedule or os.environ.get(GEMM_SCHEDULE_ENV, "static"),
-                           f"gemm (from {GEMM_SCHEDULE_ENV})")
+    return _launch_tickets(device, env_settings.GEMM_SCHEDULE.read(schedule), "gemm")
 
 
 # The GEMM's stream-K workspace (on request, the grid's last wave is cut into k-block ranges: blocks leave fp32
