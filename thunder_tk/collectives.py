@@ -53,7 +53,7 @@ from functools import lru_cache
 
 import torch
 
-from thunder_tk.env_settings import COLLECTIVE_KEEP
+from thunder_tk.env_settings import COLLECTIVE_KEEP, env_word
 from thunder_tk.ops import _DTYPE_CODES
 
 MAX_RANKS = 16  # the kernels' peer table
@@ -72,11 +72,6 @@ class CollectiveError(RuntimeError):
 
 class CollectiveTimeoutError(CollectiveError):
     """A peer did not reach the same collective within the channel's timeout."""
-
-
-def _env_word(name: str, default: str) -> str:
-    """A lower-case word from the environment; unset or blank gives `default`."""
-    return os.environ.get(name, "").strip().lower() or default
 
 
 def keeps_until_wait() -> bool:
@@ -233,12 +228,12 @@ class ChannelConfig:
             slots=_env_number(env["slots"], SLOTS),
             pairs=bool(_env_number(env["pairs"], 1)),
             units_per_block=_env_number(env["units_per_block"], UNITS_PER_BLOCK),
-            engine=_env_word(env["engine"], "sm"),
+            engine=env_word(env["engine"], "sm"),
             copy_buffer_bytes=_env_number(env["copy_buffer_bytes"], 256) << 20,
             copy_slots=_env_number(env["copy_slots"], 4),
             copy_min_bytes=int(_env_number(env["copy_min_bytes"], 16.0, float) * (1 << 20)),
             copy_reduce_blocks=_env_number(env["copy_reduce_blocks"], 32),
-            copy_signal=_env_word(env["copy_signal"], "write"),
+            copy_signal=env_word(env["copy_signal"], "write"),
         )
 
     def uses_copy_engine(self, gathered_bytes: int) -> bool:

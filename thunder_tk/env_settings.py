@@ -9,10 +9,15 @@ import os
 from dataclasses import dataclass
 
 
+def env_word(name: str, default: str) -> str:
+    """A lower-case word from the environment; unset or blank gives `default`."""
+    return os.environ.get(name, "").strip().lower() or default
+
+
 def env_choice(name: str, choices: tuple[str, ...], default: str, requested: str | None = None) -> str:
-    """`requested` where given, else the variable `name` (stripped, lower case; unset or blank: `default`), checked
-    against `choices`; the error names the variable whichever way the value came."""
-    value = requested if requested is not None else (os.environ.get(name, "").strip().lower() or default)
+    """`requested` where given, else the variable `name` (env_word), checked against `choices`; the error names the
+    variable whichever way the value came."""
+    value = requested if requested is not None else env_word(name, default)
     if value not in choices:
         listed = " or ".join(choices) if len(choices) == 2 else "one of " + ", ".join(choices)
         raise ValueError(f"{name}={value!r}: expected {listed}")

@@ -445,9 +445,6 @@ def backward_group_split(B: int, Hq: int, Hkv: int, Sq: int, Sk: int, D: int, ca
     return best if best_steps < _SPLIT_MARGIN * whole else 1
 
 
-DQ_FINALIZE_MODES = env_settings.DQ_FINALIZE.choices
-
-
 def dq_finalize_mode(requested: str | None = None, causal: bool = False) -> str:
     """How attention_backward rounds dQ: "pass" (after the backward kernel, in stream order) or "overlap" (the
     backward counts each group of dQ rows in as its blocks finish them, and the pass, launched dependent on the
@@ -457,9 +454,6 @@ def dq_finalize_mode(requested: str | None = None, causal: bool = False) -> str:
     causal walk's short last units leave no wave to hide under)."""
     mode = env_settings.DQ_FINALIZE.read(requested)
     return ("pass" if causal else "overlap") if mode == "auto" else mode
-
-
-DQ_ZERO_MODES = env_settings.DQ_ZERO.choices
 
 
 def dq_zero_mode(requested: str | None = None) -> str:
@@ -513,8 +507,8 @@ def _dq_accumulator(shape: tuple[int, ...], device: torch.device,
         return torch.empty(shape, dtype=torch.float32, device=device), True, None
     key = (device.index, torch.cuda.current_stream(device).cuda_stream)
     turns = _dq_accumulators.get(key)
-    if turns is None or turns.buffers[0].numel() < math.prod(shape):
-        turns = _dq_accumulators[key] = _DqAccumulators(math.prod(shape), device)
+    if turns is None or turns.buffers[0].numel() < (floats := math.prod(shape)):
+        turns = _dq_accumulators[key] = _DqAccumulators(floats, device)
     return *turns.take(shape), turns
 
 
@@ -537,9 +531,10 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     (B, Hq, Sq) float32. dk and dv have k's (B, Hkv, Sk, D) shape, summed over each key/value head's query heads. All come back in the
     input dtype. The kernels: delta = rowsum(grad_o * o); then one pass over key blocks that keeps dK and dV in
     registers and adds dQ into an fp32 buffer, which a last pass scales and rounds. That buffer is zeroed by the
-    previous backward's kernel on the stream (dq_zero_mode "ahead"), else by the delta pass. Grouped K/V: a block walks every query head of its group and sums dK, dV in fp32, unless that grid is
-    too small for the GPU; then the group is walked in parts by more blocks (`backward_group_split`) and the parts'
-    dK, dV (input dtype) summed after the kernel. _group_split (tests): that many parts, 0 for the choice above.
+    previous backward's kernel on the stream (dq_zero_mode "ahead"), else by the delta pass. Grouped K/V: a block
+    walks every query head of its group and sums dK, dV in fp32, unless that grid is too small for the GPU; then
+    the group is walked in parts by more blocks (`backward_group_split`) and the parts' dK, dV (input dtype) summed
+    after the kernel. _group_split (tests): that many parts, 0 for the choice above.
     Without a causal mask, where the last wave of units would leave most multiprocessors idle, its units are walked in
     query ranges by several blocks and merged (`backward_tail_split`; fp32 scratch of up to a wave of units). Not
     under CUDA-graph capture. _tail_split (tests): False walks every unit whole, (split_from, parts) forces a split.
@@ -598,13 +593,6 @@ def _check_backward_args(q, k, v, o, lse, grad_o, is_causal, scale, group_split,
         raise ValueError(f"_tail_split must be True, False or (split_from, parts), not {tail_split!r}")
 
 
-def _tail_split_knob() -> str:
-    """THUNDER_TK_ATTN_BWD_TAIL_SPLIT (read on every call): "auto" (the default) splits the last wave's units where
-    backward_tail_split says so, "off" walks every unit whole (to measure the split against the overlapped dQ pass,
-    which uses the multiprocessors an unsplit last wave leaves idle)."""
-    return env_settings.ATTN_BWD_TAIL_SPLIT.read()
-
-
 def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_split, tail_split, window=None,
                    count_dq=False, dq_zero=None):
     """The backward kernels on checked, non-empty arguments: dk and dv (B, Hkv, Sk, D, any 16-byte strides TMA can
@@ -618,7 +606,9 @@ def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_spli
     kernel_window = _kernel_window(window, Sk)
     split = group_split or backward_group_split(B, Hq, Hkv, Sq, Sk, D, bool(is_causal), sms, kernel_window)
     units = B * Hkv * split * -(-Sk // _bwd_keys(D))
-    if tail_split is True and _tail_split_knob() == "off":
+    # "off" (THUNDER_TK_ATTN_BWD_TAIL_SPLIT): every unit whole, to measure the split against the overlapped dQ pass,
+    # which uses the multiprocessors an unsplit last wave leaves idle.
+    if tail_split is True and env_settings.ATTN_BWD_TAIL_SPLIT.read() == "off":
         tail_split = False
     if tail_split is True:
         # D = 256 walks every unit whole (its kernel has no merge of parts).
