@@ -264,9 +264,12 @@ __device__ __forceinline__ void count_dq_written(const kernel_params& p, const b
 constexpr int ZERO_STEP = 256;
 __device__ __forceinline__ void zero_next_steps(const kernel_params& p, int from, int to) {
     const int64_t begin = p.zero_share * blockIdx.x;
-    // The block's share in 32-bit offsets (kernel_params::zero_share < 2^31).
+    // The block's share in 32-bit offsets (backward_unsupported keeps zero_share below 2^31 - ZERO_STEP); steps
+    // past it are compared before they are multiplied, so that a long walk's step index cannot overflow.
     const int share = int(std::max<int64_t>(0, std::min(p.zero_share, p.args.zero_next_count / 4 - begin)));
-    const int last = to == INT_MAX ? share : std::min(share, to * ZERO_STEP);
+    const int share_steps = (share + ZERO_STEP - 1) / ZERO_STEP;
+    if (from >= share_steps) return;
+    const int last = to >= share_steps ? share : to * ZERO_STEP;
     float4* const out = reinterpret_cast<float4*>(p.args.zero_next) + begin;
 #pragma unroll 1
     for (int i = from * ZERO_STEP + threadIdx.x % 32; i < last; i += 32) __stcs(out + i, make_float4(0.f, 0.f, 0.f, 0.f));
@@ -826,7 +829,6 @@ __device__ __forceinline__ void consume_wide(shared_state<T, 256>& st, const ker
     }
 }
 
-
 // WINDOW: the launch's window is > 0 (a sliding window); without one the kernel has none of the window's code.
 template <typename T, int D, bool WINDOW>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -998,6 +1000,9 @@ const char* backward_unsupported(const backward_args& a) {
         return "zero_next_count must be a multiple of 4 (0 without zero_next)";
     if (a.zero_next != nullptr) {
         if (!is_aligned(a.zero_next, 16)) return "zero_next must be 16-byte aligned";
+        const int64_t blocks = a.split_parts ? a.split_from + (units - a.split_from) * a.split_parts : units;
+        if ((a.zero_next_count / 4 + blocks - 1) / blocks > INT32_MAX - ZERO_STEP)
+            return "zero_next_count is too large for this launch's blocks (2^31 float4s a block at most)";
         const float* accum_end = a.dq_accum + a.batch * a.q_heads * a.q_len * a.head_dim;
         if (a.zero_next < accum_end && a.dq_accum < a.zero_next + a.zero_next_count)
             return "zero_next must not overlap dq_accum (the launch adds into it)";
