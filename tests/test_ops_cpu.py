@@ -239,3 +239,34 @@ def test_dq_accumulators_take_turns_and_know_what_the_kernel_zeroed():
     # Taken but never launched (the kernel raised): buffer 0 stays the turn's, and dirty.
     again, must_zero = turns.take((1, 3, 8, 4))
     assert must_zero and again.data_ptr() == turns.buffers[0].data_ptr()
+
+
+def test_dq_accumulator_is_made_per_stream_and_grown(monkeypatch):
+    """The first backward on a stream makes the stream's turns, a larger shape makes them anew, a smaller one reuses
+    them; "pass" and graph capture take a buffer of their own (the CUDA stream query stood in on CPU)."""
+
+    class Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    stream = Stream(1)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(ops, "_dq_accumulators", {})
+    cpu = torch.device("cpu")
+    accum, must_zero, turns = ops._dq_accumulator((1, 2, 3, 4), cpu, "ahead")
+    assert accum.shape == (1, 2, 3, 4) and accum.dtype == torch.float32 and must_zero
+    assert turns.buffers[0].numel() == 24 and ops._dq_accumulators == {(None, 1): turns}
+    turns.launched(24)
+    smaller, must_zero, same = ops._dq_accumulator((1, 1, 3, 4), cpu, "ahead")
+    assert same is turns and not must_zero and smaller.data_ptr() == turns.buffers[1].data_ptr()
+    larger, must_zero, grown = ops._dq_accumulator((2, 2, 3, 4), cpu, "ahead")
+    assert grown is not turns and grown.buffers[0].numel() == 48 and must_zero and larger.shape == (2, 2, 3, 4)
+    stream = Stream(2)
+    _, _, other = ops._dq_accumulator((1, 2, 3, 4), cpu, "ahead")
+    assert other is not grown and set(ops._dq_accumulators) == {(None, 1), (None, 2)}
+    own, must_zero, none = ops._dq_accumulator((1, 2, 3, 4), cpu, "pass")
+    assert none is None and must_zero and own.shape == (1, 2, 3, 4)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    own, must_zero, none = ops._dq_accumulator((1, 2, 3, 4), cpu, "ahead")
+    assert none is None and must_zero and len(ops._dq_accumulators) == 2

@@ -506,8 +506,8 @@ def _dq_accumulator(shape: tuple[int, ...], device: torch.device,
     if mode == "pass" or torch.cuda.is_current_stream_capturing():
         return torch.empty(shape, dtype=torch.float32, device=device), True, None
     key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    turns = _dq_accumulators.get(key)
-    if turns is None or turns.buffers[0].numel() < (floats := math.prod(shape)):
+    turns, floats = _dq_accumulators.get(key), math.prod(shape)
+    if turns is None or turns.buffers[0].numel() < floats:
         turns = _dq_accumulators[key] = _DqAccumulators(floats, device)
     return *turns.take(shape), turns
 
