@@ -270,3 +270,130 @@ def test_dq_accumulator_is_made_per_stream_and_grown(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     own, must_zero, none = ops._dq_accumulator((1, 2, 3, 4), cpu, "ahead")
     assert none is None and must_zero and len(ops._dq_accumulators) == 2
+
+
+class RecordingAttention:
+    """A compiled module whose attention backward launches (delta pass, kernel, dQ pass) record what ops hands them,
+    for CPU tensors: nothing is computed."""
+
+    BACKWARD = ("q", "k", "v", "grad_o", "lse", "delta", "dq_accum", "dk", "dv", "dtype", "B", "Hq", "Hkv", "Sq",
+                "Sk", "D", "q_stride", "k_stride", "v_stride", "grad_o_stride", "dk_stride", "dv_stride",
+                "lse_stride", "delta_stride", "scale", "causal", "stream", "split", "split_from", "parts",
+                "scratch", "split_counts", "window", "dq_done")
+
+    def __init__(self):
+        self.calls = []
+
+    def attention_bwd_delta(self, o, grad_o, delta, *args):
+        self.calls.append(("delta", dict(o=o, grad_o=grad_o, delta=delta, zero=args[-1])))
+
+    def attention_backward(self, *args, zero_next=0, zero_next_count=0):
+        assert len(args) == len(self.BACKWARD)
+        self.calls.append(("backward", dict(zip(self.BACKWARD, args), zero_next=zero_next,
+                                            zero_next_count=zero_next_count)))
+        return 123  # the steps each dQ counter reaches
+
+    def attention_dq_finalize(self, accum, dq, dtype, numel, factor, stream, *order):
+        self.calls.append(("finalize", dict(accum=accum, dq=dq, numel=numel, factor=factor, order=order)))
+
+
+@pytest.fixture
+def recorded_attention(monkeypatch):
+    """ops.attention_backward on CPU tensors, its launches recorded: the device parts stood in for."""
+    from contextlib import nullcontext
+
+    from thunder_tk import _extension
+
+    class Stream:
+        cuda_stream = 7
+
+    ext = RecordingAttention()
+    check_attention_args = ops.check_attention_args
+
+    def checked_but_for_the_device(q, k, v, *args):
+        try:
+            check_attention_args(q, k, v, *args)
+        except ValueError as e:
+            if "must be CUDA tensors" not in str(e):
+                raise
+
+    monkeypatch.setattr(ops, "check_attention_args", checked_but_for_the_device)
+    monkeypatch.setattr(ops, "check_attention_bwd_delta_args", lambda o, grad_o: None)
+    monkeypatch.setattr(ops, "_require_kernels", lambda device: ext)
+    monkeypatch.setattr(ops, "_on", lambda device: nullcontext())
+    monkeypatch.setattr(ops, "_stream_handle", lambda device: 0)
+    monkeypatch.setattr(ops, "_zeroed_slot", lambda device, kind, slot_ints, slots: 4096)
+    monkeypatch.setattr(_extension, "multiprocessor_count", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(ops, "_dq_accumulators", {})
+    for name in ("THUNDER_TK_DQ_FINALIZE", "THUNDER_TK_DQ_ZERO", "THUNDER_TK_ATTN_BWD_TAIL_SPLIT"):
+        monkeypatch.delenv(name, raising=False)
+    return ext
+
+
+def _backward_inputs(B, Hq, Hkv, S, D):
+    g = torch.Generator().manual_seed(B * S + Hq)
+    q, o, grad_o = (torch.randn(B, Hq, S, D, generator=g).bfloat16() for _ in range(3))
+    k, v = (torch.randn(B, Hkv, S, D, generator=g).bfloat16() for _ in range(2))
+    return q, k, v, o, torch.randn(B, Hq, S, generator=g), grad_o
+
+
+def test_attention_backward_host_path_hands_the_kernels_their_buffers(recorded_attention):
+    """Through ops.attention_backward's whole host path: the delta pass zeroes the dQ accumulator only where no
+    kernel did (the first call on a stream, a larger shape); each kernel zeroes the other accumulator for the next
+    call; the dQ pass reads the accumulator the kernel added into, with the counters without a causal mask."""
+    calls = recorded_attention.calls
+
+    def run(*shape, causal=False, **knobs):
+        calls.clear()
+        dq, dk, dv = ops.attention_backward(*_backward_inputs(*shape), is_causal=causal, **knobs)
+        assert [kind for kind, _ in calls] == ["delta", "backward", "finalize"]
+        delta, backward, finalize = (args for _, args in calls)
+        B, Hq, Hkv, S, D = shape
+        assert dq.shape == (B, Hq, S, D) and dk.shape == dv.shape == (B, Hkv, S, D)
+        assert finalize["accum"] == backward["dq_accum"] and finalize["dq"] == dq.data_ptr()
+        assert finalize["numel"] == dq.numel() and backward["delta"] == delta["delta"]
+        return delta, backward, finalize
+
+    shape = (2, 4, 2, 96, 64)
+    floats = 2 * 4 * 96 * 64
+    delta, first, finalize = run(*shape)
+    buffers = [t.data_ptr() for t in ops._dq_accumulators[(None, 7)].buffers]
+    assert delta["zero"] == first["dq_accum"] == buffers[0]  # the first call zeroes in the delta pass
+    assert (first["zero_next"], first["zero_next_count"]) == (buffers[1], floats)
+    assert finalize["order"][1:] == (4 // 2 * 96 * 64, 123) and finalize["order"][0] == first["dq_done"] != 0
+    delta, second, _ = run(*shape)
+    assert delta["zero"] == 0 and second["dq_accum"] == buffers[1] and second["zero_next"] == buffers[0]
+    delta, third, finalize = run(*shape, causal=True)  # smaller than what the kernel zeroed: taken as it is
+    assert delta["zero"] == 0 and third["dq_accum"] == buffers[0] and third["causal"]
+    assert finalize["order"] == () and third["dq_done"] == 0  # causal: the plain pass, no counters
+
+    delta, grown, _ = run(2, 4, 2, 160, 64)  # larger: new accumulators, zeroed in the delta pass
+    new = [t.data_ptr() for t in ops._dq_accumulators[(None, 7)].buffers]
+    assert delta["zero"] == grown["dq_accum"] == new[0] and grown["zero_next"] == new[1]
+    assert grown["zero_next_count"] == 2 * 4 * 160 * 64
+
+    delta, own, _ = run(*shape, _dq_zero="pass")  # the delta pass zeroes a buffer of the call's own
+    assert delta["zero"] == own["dq_accum"] not in new and (own["zero_next"], own["zero_next_count"]) == (0, 0)
+    _, kept, _ = run(*shape)
+    assert kept["dq_accum"] == new[1]  # "pass" left the turns as they were
+
+
+def test_attention_backward_host_path_with_split_groups_and_split_units(recorded_attention):
+    """A group walked in parts writes dK, dV parts of its own (summed after the kernel) and takes the plain dQ pass
+    (the sums come between the kernel and the pass); a forced split of the last units hands the kernel its scratch
+    and counters; the kernel still zeroes the next accumulator either way."""
+    calls = recorded_attention.calls
+    B, Hq, Hkv, S, D = 1, 8, 2, 64, 128
+    dq, dk, dv = ops.attention_backward(*_backward_inputs(B, Hq, Hkv, S, D), _group_split=2)
+    (_, delta), (_, backward), (_, finalize) = calls
+    assert backward["split"] == 2 and backward["dk"] != dk.data_ptr() and backward["dv"] != dv.data_ptr()
+    assert backward["dq_done"] == 0 and finalize["order"] == ()
+    assert backward["zero_next_count"] == dq.numel() and backward["zero_next"] != backward["dq_accum"]
+    calls.clear()
+    dq, dk, dv = ops.attention_backward(*_backward_inputs(B, Hq, Hkv, S, D), _tail_split=(1, 2))
+    (_, delta), (_, backward), (_, finalize) = calls
+    assert (backward["split_from"], backward["parts"], backward["split_counts"]) == (1, 2, 4096)
+    assert backward["scratch"] != 0 and (backward["dk"], backward["dv"]) == (dk.data_ptr(), dv.data_ptr()) and finalize["order"][0] == backward["dq_done"] != 0
+    assert delta["zero"] == 0  # the call before zeroed this turn's accumulator
