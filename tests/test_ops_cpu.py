@@ -296,6 +296,9 @@ class RecordingAttention:
     def attention_dq_finalize(self, accum, dq, dtype, numel, factor, stream, *order):
         self.calls.append(("finalize", dict(accum=accum, dq=dq, numel=numel, factor=factor, order=order)))
 
+    def attention_rope_grad(self, **args):
+        self.calls.append(("rope_grad", args))
+
 
 @pytest.fixture
 def recorded_attention(monkeypatch):
@@ -397,3 +400,26 @@ def test_attention_backward_host_path_with_split_groups_and_split_units(recorded
     assert (backward["split_from"], backward["parts"], backward["split_counts"]) == (1, 2, 4096)
     assert backward["scratch"] != 0 and (backward["dk"], backward["dv"]) == (dk.data_ptr(), dv.data_ptr()) and finalize["order"][0] == backward["dq_done"] != 0
     assert delta["zero"] == 0  # the call before zeroed this turn's accumulator
+
+
+def test_attention_backward_qkv_host_path_writes_into_the_projections_columns(recorded_attention):
+    """dk and dv go from the kernel straight into their columns of the fused gradient, and the rope pass reads the
+    accumulator the kernel added into and writes q's columns, rotating dk back in place; the turns of the
+    accumulators are the plain backward's."""
+    calls = recorded_attention.calls
+    B, Hq, Hkv, S, D, n = 2, 4, 2, 80, 64, 32
+    cos, sin = ops.rope_tables(S, n, torch.bfloat16, "cpu")
+    qkv_grad = ops.attention_backward_qkv(*_backward_inputs(B, Hq, Hkv, S, D), cos, sin, is_causal=True)
+    assert qkv_grad.shape == (B, S, (Hq + 2 * Hkv) * D)
+    assert [kind for kind, _ in calls] == ["delta", "backward", "rope_grad"]
+    (_, delta), (_, backward), (_, rope) = calls
+    column, base = qkv_grad.element_size(), qkv_grad.data_ptr()
+    assert backward["dk"] == base + Hq * D * column and backward["dv"] == base + (Hq + Hkv) * D * column
+    assert backward["dk_stride"] == backward["dv_stride"] == [S * (Hq + 2 * Hkv) * D, D, (Hq + 2 * Hkv) * D]
+    assert rope["dq_accum"] == backward["dq_accum"] == delta["zero"] and rope["dq"] == base
+    assert rope["dk"] == backward["dk"] and (rope["rope_dims"], rope["q_heads"], rope["kv_heads"]) == (n, Hq, Hkv)
+    assert backward["zero_next"] not in (0, backward["dq_accum"]) and backward["dq_done"] == 0
+    calls.clear()
+    ops.attention_backward_qkv(*_backward_inputs(B, Hq, Hkv, S, D), cos[:, :0], sin[:, :0], is_causal=True)
+    (_, delta), (_, backward), (_, rope) = calls
+    assert delta["zero"] == 0 and rope["dk"] == 0 and rope["dq_accum"] == backward["dq_accum"] != delta["delta"]
