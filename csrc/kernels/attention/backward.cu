@@ -902,6 +902,17 @@ template <typename T, int D>
 constexpr int smem_bytes_of = sizeof(shared_state<T, D>) + 1024;
 static_assert(smem_bytes_of<__nv_bfloat16, 256> <= 227 * 1024, "the D = 256 state fits an H100's 227 KB");
 
+// A unit is one key tile of one (batch, dK/dV head): kv_heads * group_split heads, one partial sum per split of
+// each group. The grid has a block per unit, or split_parts blocks per unit from split_from on.
+int64_t units_of(const backward_args& a) {
+    const int64_t keys = a.head_dim == 256 ? BK_OF<256> : BK;
+    return a.batch * a.kv_heads * a.group_split * ((a.kv_len + keys - 1) / keys);
+}
+
+int64_t blocks_of(const backward_args& a, int64_t units) {
+    return a.split_parts ? a.split_from + (units - a.split_from) * a.split_parts : units;
+}
+
 template <typename T, int D>
 cudaError_t launch(const backward_args& a, cudaStream_t stream) {
     const bool window = a.window > 0 && a.window < a.kv_len;  // a window >= kv_len keeps every causal key
@@ -940,8 +951,7 @@ cudaError_t launch(const backward_args& a, cudaStream_t stream) {
                                             out_heads * a.batch, p.kv_tiles, (multiprocessor_count() + 1) / 2);
     p.split_from = int(a.split_from);
     p.parts = a.split_parts;
-    const int64_t units = int64_t(p.kv_tiles) * a.batch * out_heads;
-    const int64_t blocks = a.split_parts ? a.split_from + (units - a.split_from) * a.split_parts : units;
+    const int64_t blocks = blocks_of(a, units_of(a));
     p.zero_share = (a.zero_next_count / 4 + blocks - 1) / blocks;
     return launch_kernel(kernel, dim3(unsigned(blocks)), dim3(THREADS), smem_bytes_of<T, D>, stream, 1,
                          maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], maps[6], maps[7], maps[8], p);
@@ -971,8 +981,7 @@ const char* backward_unsupported(const backward_args& a) {
         return reason;
     if (a.group_split < 1 || (a.q_heads / a.kv_heads) % a.group_split)
         return "group_split must divide q_heads / kv_heads";
-    const int64_t keys = a.head_dim == 256 ? BK_OF<256> : BK;
-    const int64_t units = a.batch * a.kv_heads * a.group_split * ((a.kv_len + keys - 1) / keys);
+    const int64_t units = units_of(a);
     if (units >= (int64_t(1) << 31)) return "too many blocks";
     if (a.split_parts != 0) {
         if (a.split_parts < 2 || a.split_parts > 8) return "split_parts must be 0 or 2 to 8";
@@ -982,7 +991,7 @@ const char* backward_unsupported(const backward_args& a) {
         if (a.split_scratch == nullptr || a.split_counts == nullptr) return "a split needs its scratch and counters";
         const int64_t steps = (a.q_heads / a.kv_heads / a.group_split) * ((a.q_len + BQ - 1) / BQ);
         if (steps < a.split_parts) return "a split unit needs a step per part";
-        if (a.split_from + (units - a.split_from) * a.split_parts >= (int64_t(1) << 31)) return "too many blocks";
+        if (blocks_of(a, units) >= (int64_t(1) << 31)) return "too many blocks";
     }
     if (a.lse == nullptr || a.delta == nullptr) return "lse and delta must be given";
     // TMA reads their rows: each starts 16-byte aligned (ops pads S to a multiple of 4 in memory).
@@ -1000,7 +1009,7 @@ const char* backward_unsupported(const backward_args& a) {
         return "zero_next_count must be a multiple of 4 (0 without zero_next)";
     if (a.zero_next != nullptr) {
         if (!is_aligned(a.zero_next, 16)) return "zero_next must be 16-byte aligned";
-        const int64_t blocks = a.split_parts ? a.split_from + (units - a.split_from) * a.split_parts : units;
+        const int64_t blocks = blocks_of(a, units);
         if ((a.zero_next_count / 4 + blocks - 1) / blocks > INT32_MAX - ZERO_STEP)
             return "zero_next_count is too large for this launch's blocks (2^31 float4s a block at most)";
         const float* accum_end = a.dq_accum + a.batch * a.q_heads * a.q_len * a.head_dim;
