@@ -113,26 +113,57 @@ def _one_share_of_the_cpus_each(config):
 
 def _inductor_isa_probe_once(config):
     """Inductor probes each vector ISA the CPU reports before its first CPU compile in a process: it builds a kernel
-    for it and loads it in a fresh Python that imports torch (a few seconds a process, each of the suite's
-    torchrun ranks and `thunder-tk pretrain` runs). The test process probes once; where every ISA the CPU reports
-    passed, its subprocesses are told so (TORCHINDUCTOR_VEC_ISA_OK=1, with which inductor takes the reported ISAs
-    without the probe: the same ones). The xdist controller runs no tests and skips it."""
+    for it and loads it in a fresh Python that imports torch (six such processes on an AVX-512/AMX CPU, about 8 s
+    for each of the suite's torchrun ranks and `thunder-tk pretrain` runs). The test process probes once and hands
+    its answers to the processes its tests start: TORCHINDUCTOR_VEC_ISA_OK=1 where every ISA the CPU reports passed
+    (inductor then skips its base check), and each probe's answer in a JSON file (THUNDER_TK_TEST_ISA_PROBES) that
+    `subprocess_site/sitecustomize.py`, put on their PYTHONPATH, answers inductor's AVX-512 bf16, VNNI and AMX probes
+    from (TORCHINDUCTOR_VEC_ISA_OK does not skip those). The xdist controller runs no tests and skips it."""
+    import atexit
+    import importlib.util
+    import json
     import os
     import platform
+    import shutil
     import sys
+    import tempfile
 
     controller = getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
-    if (controller or os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") is not None or not sys.platform.startswith("linux")
-            or platform.machine() != "x86_64"):
+    if controller or not sys.platform.startswith("linux") or platform.machine() != "x86_64":
         return
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "subprocess_site")
     try:
         from torch._inductor import cpu_vec_isa
 
-        reported = cpu_vec_isa.x86_isa_checker()
-        candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
-                      if all(flag in reported for flag in str(isa).split())]
-        if candidates and cpu_vec_isa.valid_vec_isa_list() == candidates:
-            os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
+        spec = importlib.util.spec_from_file_location("_tk_subprocess_site", os.path.join(site, "sitecustomize.py"))
+        probe_key = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(probe_key)
+        probe_key = probe_key.probe_key
+        answers = {}
+        probe = cpu_vec_isa.VecISA.check_build
+
+        def recording(self, code):
+            answers[probe_key(self, code)] = answer = bool(probe(self, code))
+            return answer
+
+        cpu_vec_isa.VecISA.check_build = recording
+        try:
+            reported = cpu_vec_isa.x86_isa_checker()
+            candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+                          if all(flag in reported for flag in str(isa).split())]
+            valid = cpu_vec_isa.valid_vec_isa_list()
+        finally:
+            cpu_vec_isa.VecISA.check_build = probe
+        if candidates and valid == candidates:
+            os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+        if answers:
+            folder = tempfile.mkdtemp(prefix="tk_isa_probes_")
+            atexit.register(shutil.rmtree, folder, True)
+            path = os.path.join(folder, "answers.json")
+            with open(path, "w") as f:
+                json.dump(answers, f)
+            os.environ["THUNDER_TK_TEST_ISA_PROBES"] = path
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))
     except Exception:  # another torch's inductor: its subprocesses probe for themselves
         pass
 
