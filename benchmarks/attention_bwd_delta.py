@@ -20,6 +20,10 @@ from common import bar_chart, median_ms, print_table, write_results  # noqa: E40
 from thunder_tk import ops  # noqa: E402
 
 
+# The kernel's schedules (bwd_delta_schedule) that --sweep times, each at 1, 2 and 4 rows per lane group.
+SCHEDULES = {"block": 0, "resident": 1, "pipelined": 2}
+
+
 def eager(o, g):
     return (g.float() * o.float()).sum(-1)
 
@@ -30,21 +34,26 @@ def main() -> None:
     p.add_argument("--png")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--sweep", action="store_true", help="also time every launch configuration of the kernel")
-    p.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
-                   help="o and grad_o in memory: (B, H, S, D), or (B, S, H, D) as the attention forward writes o")
+    p.add_argument("--layout", choices=("bhsd", "bshd", "mixed"), default="bhsd",
+                   help="o and grad_o in memory: (B, H, S, D), or (B, S, H, D) as the attention forward writes o, or "
+                        "mixed: o (B, S, H, D) and grad_o (B, H, S, D), as attention.py's backward hands them over")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048, 8192, 16384])
     a = p.parse_args()
 
     compiled = torch.compile(eager)
     rows = []
-    for D in (64, 128):
+    for D in a.head_dims:
         H = 2048 // D
-        for S in (512, 2048, 8192, 16384):
+        for S in a.seq_lens:
             B = max(1, a.tokens // S)
-            if a.layout == "bshd":
+            if a.layout in ("bshd", "mixed"):
                 o = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
             else:
                 o = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
-            g = torch.randn_like(o)  # o's strides
+            # grad_o with o's strides, or contiguous (mixed)
+            g = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) if a.layout == "mixed"
+                 else torch.randn_like(o))
             ref = eager(o, g)
             out = ops.attention_bwd_delta(o, g)
             err = ((out - ref).norm() / ref.norm()).item()
@@ -55,18 +64,20 @@ def main() -> None:
             t_compile = median_ms(lambda: compiled(o, g))
             dst = torch.empty_like(o)
             t_copy = median_ms(lambda: dst.copy_(o))  # the bandwidth ceiling: read + write of one tensor
+            sweep = {}
             if a.sweep:
                 for rows_per_group in (1, 2, 4):
-                    for resident in (True, False):
-                        t = median_ms(lambda: ops.attention_bwd_delta(o, g, _tuning=(rows_per_group, resident)))
-                        print(f"  sweep {B}x{H}x{S}x{D} rows={rows_per_group} resident={resident}: "
-                              f"{t * 1e3:.1f} us, {nbytes / t / 1e6:.0f} GB/s")
+                    for schedule, code in SCHEDULES.items():
+                        t = median_ms(lambda: ops.attention_bwd_delta(o, g, _tuning=(rows_per_group, code)))
+                        sweep[f"{schedule}_rows{rows_per_group}_us"] = t * 1e3
+                        print(f"  sweep {B}x{H}x{S}x{D} rows={rows_per_group} {schedule}: "
+                              f"{t * 1e3:.1f} us, {nbytes / t / 1e6:.0f} GB/s", flush=True)
             rows.append({
                 "shape": f"{B}x{H}x{S}x{D}", "layout": a.layout, "D": D, "S": S,
                 "tk_us": t_tk * 1e3, "eager_us": t_eager * 1e3, "compile_us": t_compile * 1e3,
                 "tk_GBps": nbytes / t_tk / 1e6, "compile_GBps": nbytes / t_compile / 1e6,
                 "copy_GBps": 2 * o.numel() * o.element_size() / t_copy / 1e6,
-                "vs_eager": t_eager / t_tk, "vs_compile": t_compile / t_tk,
+                "vs_eager": t_eager / t_tk, "vs_compile": t_compile / t_tk, **sweep,
             })
     print_table(rows, ["shape", "tk_us", "eager_us", "compile_us", "tk_GBps", "compile_GBps", "copy_GBps", "vs_eager",
                        "vs_compile"])

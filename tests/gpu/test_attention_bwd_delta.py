@@ -78,6 +78,60 @@ def test_forward_output_layout_both_tensors(shape):
     assert torch.isnan(padded[..., S:]).all()
 
 
+# The kernel's schedules (bwd_delta_schedule: a block per step, resident, resident pipelined) by code.
+SCHEDULES = {"block": 0, "resident": 1, "pipelined": 2}
+
+
+def _layout(shape, layout, dtype):
+    B, H, S, D = shape
+    if layout == "contiguous":
+        return (torch.randn(shape, device="cuda", dtype=dtype) for _ in "og")
+    heads_inner = torch.randn(B, S, H, D, device="cuda", dtype=dtype).transpose(1, 2)
+    if layout == "bshd":  # both heads-inner: the rows go by (b, s, h), one stride
+        return heads_inner, torch.randn(B, S, H, D, device="cuda", dtype=dtype).transpose(1, 2)
+    if layout == "mixed":  # the forward's o beside a contiguous grad_o: the strided path
+        return heads_inner, torch.randn(shape, device="cuda", dtype=dtype)
+    padded = torch.randn(B, H, S, D + 8, device="cuda", dtype=dtype)[..., :D]  # rows D + 8 apart
+    return padded, torch.randn(shape, device="cuda", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "bshd", "mixed", "padded"])
+@pytest.mark.parametrize(
+    "shape",
+    # one row; a block's rows not filled; many passes of the resident grid (4 x 8 x 4097 rows: an odd count of
+    # steps for some blocks, even for others); D past one access per lane (512 bf16: the resident loop instead)
+    [(1, 1, 1, 64), (2, 3, 17, 128), (4, 8, 4097, 128), (1, 16, 1000, 64), (1, 2, 9, 256), (1, 1, 3, 512),
+     (3, 1, 65, 8), (2, 2, 5, 96)],
+)
+def test_every_schedule_and_row_count_gives_the_same_bits(shape, layout, dtype):
+    # Each row's sum is one access a lane summed over the group whatever the schedule, so every (rows per group,
+    # schedule) writes the same bits as the default; each checked against fp64 with its output and zero buffer
+    # poisoned.
+    o, g = _layout(shape, layout, dtype)
+    default = check(o, g)
+    for rows in (1, 2, 4):
+        for name, code in SCHEDULES.items():
+            out = torch.full(shape[:3], float("nan"), device="cuda")
+            zero = torch.full(shape, float("nan"), device="cuda") if shape[3] % 4 == 0 else None
+            ops.attention_bwd_delta(o, g, out=out, zero=zero, _tuning=(rows, code))
+            assert torch.equal(out, default), (rows, name, delta_err(out, o, g))
+            if zero is not None:
+                assert torch.equal(zero, torch.zeros_like(zero)), (rows, name)
+
+
+def test_schedule_from_the_environment_and_bad_codes(monkeypatch):
+    o, g = _layout((2, 4, 300, 128), "mixed", torch.bfloat16)
+    default = check(o, g)
+    for word in ("block", "resident", "pipelined"):
+        monkeypatch.setenv("THUNDER_TK_ATTN_DELTA_SCHEDULE", word)
+        assert torch.equal(ops.attention_bwd_delta(o, g), default), word
+    with pytest.raises(ValueError, match="schedule must be -1"):
+        ops.attention_bwd_delta(o, g, _tuning=(2, 3))
+    with pytest.raises(ValueError, match="rows_per_group must be"):
+        ops.attention_bwd_delta(o, g, _tuning=(3, 2))
+
+
 def test_misaligned_and_odd_strides_take_the_scalar_path():
     flat = torch.randn(1 + 2 * 3 * 11 * 64, device="cuda", dtype=torch.bfloat16)
     o = flat[1:].view(2, 3, 11, 64)  # base 2 bytes off 16-byte alignment
