@@ -20,10 +20,6 @@ from common import bar_chart, median_ms, print_table, write_results  # noqa: E40
 from thunder_tk import ops  # noqa: E402
 
 
-# The kernel's schedules (bwd_delta_schedule) that --sweep times, each at 1, 2 and 4 rows per lane group.
-SCHEDULES = {"block": 0, "resident": 1, "pipelined": 2}
-
-
 def eager(o, g):
     return (g.float() * o.float()).sum(-1)
 
@@ -67,10 +63,10 @@ def main() -> None:
             sweep = {}
             if a.sweep:
                 for rows_per_group in (1, 2, 4):
-                    for schedule, code in SCHEDULES.items():
-                        t = median_ms(lambda: ops.attention_bwd_delta(o, g, _tuning=(rows_per_group, code)))
-                        sweep[f"{schedule}_rows{rows_per_group}_us"] = t * 1e3
-                        print(f"  sweep {B}x{H}x{S}x{D} rows={rows_per_group} {schedule}: "
+                    for resident in (True, False):
+                        t = median_ms(lambda: ops.attention_bwd_delta(o, g, _tuning=(rows_per_group, resident)))
+                        sweep[f"rows{rows_per_group}_{'resident' if resident else 'block'}_us"] = t * 1e3
+                        print(f"  sweep {B}x{H}x{S}x{D} rows={rows_per_group} resident={resident}: "
                               f"{t * 1e3:.1f} us, {nbytes / t / 1e6:.0f} GB/s", flush=True)
             rows.append({
                 "shape": f"{B}x{H}x{S}x{D}", "layout": a.layout, "D": D, "S": S,

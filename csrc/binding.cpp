@@ -67,7 +67,7 @@ void copy_strides(int64_t (&dst)[N], const std::array<int64_t, N>& src) {
 
 void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t delta, int dtype, int64_t batch,
                          int64_t heads, int64_t seq, int64_t head_dim, strides3 o_stride, strides3 grad_o_stride,
-                         strides3 delta_stride, std::uintptr_t stream, int rows_per_group, int schedule,
+                         strides3 delta_stride, std::uintptr_t stream, int rows_per_group, bool resident_grid,
                          std::uintptr_t zero_rows) {
     tk::attention::bwd_delta_args args{};
     args.o = as_ptr<void>(o);
@@ -80,11 +80,8 @@ void attention_bwd_delta(std::uintptr_t o, std::uintptr_t grad_o, std::uintptr_t
     args.head_dim = head_dim;
     if (rows_per_group != 0 && rows_per_group != 1 && rows_per_group != 2 && rows_per_group != 4)
         throw std::invalid_argument("rows_per_group must be 0 (automatic), 1, 2 or 4");
-    if (schedule < -1 || schedule > 2)
-        throw std::invalid_argument(
-            "schedule must be -1 (automatic), 0 (a block per step), 1 (resident) or 2 (resident, pipelined)");
     args.rows_per_group = rows_per_group;
-    args.schedule = static_cast<tk::attention::bwd_delta_schedule>(schedule);
+    args.resident_grid = resident_grid;
     copy_strides(args.o_stride, o_stride);
     copy_strides(args.grad_o_stride, grad_o_stride);
     copy_strides(args.delta_stride, delta_stride);
@@ -805,7 +802,7 @@ PYBIND11_MODULE(_C, m) {
     m.def("attention_bwd_delta", &attention_bwd_delta, py::arg("o"), py::arg("grad_o"), py::arg("delta"),
           py::arg("dtype"), py::arg("batch"), py::arg("heads"), py::arg("seq"), py::arg("head_dim"),
           py::arg("o_stride"), py::arg("grad_o_stride"), py::arg("delta_stride"), py::arg("stream"),
-          py::arg("rows_per_group") = 0, py::arg("schedule") = -1, py::arg("zero_rows") = 0,
+          py::arg("rows_per_group") = 0, py::arg("resident_grid") = true, py::arg("zero_rows") = 0,
           "delta[b,h,s] = sum_d grad_o[b,h,s,d] * o[b,h,s,d] in fp32, enqueued on `stream`; zero_rows (optional): a "
           "contiguous fp32 (B, H, S, head_dim) buffer set to zero in the same pass.");
     m.def("attention_dq_finalize", &attention_dq_finalize, py::arg("accum"), py::arg("out"), py::arg("dtype"),

@@ -285,8 +285,8 @@ class RecordingAttention:
         self.calls = []
 
     def attention_bwd_delta(self, o, grad_o, delta, *args):
-        self.calls.append(("delta", dict(o=o, grad_o=grad_o, delta=delta, rows_per_group=args[-3], schedule=args[-2],
-                                         zero=args[-1])))
+        self.calls.append(("delta", dict(o=o, grad_o=grad_o, delta=delta, rows_per_group=args[-3],
+                                         resident_grid=args[-2], zero=args[-1])))
 
     def attention_backward(self, *args, zero_next=0, zero_next_count=0):
         assert len(args) == len(self.BACKWARD)
@@ -332,7 +332,7 @@ def recorded_attention(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(ops, "_dq_accumulators", {})
     for name in ("THUNDER_TK_DQ_FINALIZE", "THUNDER_TK_DQ_ZERO", "THUNDER_TK_ATTN_BWD_TAIL_SPLIT",
-                 "THUNDER_TK_ATTN_DELTA_SCHEDULE", "THUNDER_TK_ATTN_DELTA_ROWS"):
+                 "THUNDER_TK_ATTN_DELTA_ROWS"):
         monkeypatch.delenv(name, raising=False)
     return ext
 
@@ -385,31 +385,25 @@ def test_attention_backward_host_path_hands_the_kernels_their_buffers(recorded_a
     assert kept["dq_accum"] == new[1]  # "pass" left the turns as they were
 
 
-def test_delta_pass_schedule_from_the_environment(recorded_attention, monkeypatch):
-    """THUNDER_TK_ATTN_DELTA_SCHEDULE picks the delta pass's schedule code (auto: the launcher's, -1) with the rows
-    left to the launcher; `_tuning` (the sweeps') overrides it; a misspelt value names the variable."""
+def test_delta_pass_rows_from_the_environment(recorded_attention, monkeypatch):
+    """THUNDER_TK_ATTN_DELTA_ROWS sets the delta pass's rows per lane group (auto: 0, the launcher's choice, grid and
+    all); `_tuning` (the sweeps') overrides it; a misspelt value names the variable."""
     calls = recorded_attention.calls
     o = torch.randn(2, 3, 5, 64).bfloat16()
 
-    def schedule_of(**kw):
+    def tuning_of(**kw):
         calls.clear()
         ops.attention_bwd_delta(o, o, **kw)
         ((kind, args),) = calls
-        return args["rows_per_group"], args["schedule"]
+        return args["rows_per_group"], args["resident_grid"]
 
-    assert schedule_of() == (0, -1)
-    for word, code in (("block", 0), ("resident", 1), ("Pipelined", 2), ("auto", -1)):
-        monkeypatch.setenv("THUNDER_TK_ATTN_DELTA_SCHEDULE", word)
-        assert schedule_of() == (0, code)
-    monkeypatch.setenv("THUNDER_TK_ATTN_DELTA_ROWS", "4")
-    assert schedule_of() == (4, -1)
-    assert schedule_of(_tuning=(1, 1)) == (1, 1)
+    assert tuning_of() == (0, False)
+    for word, rows in (("1", 1), ("2", 2), ("4", 4), ("Auto", 0)):
+        monkeypatch.setenv("THUNDER_TK_ATTN_DELTA_ROWS", word)
+        assert tuning_of() == (rows, False)
+    assert tuning_of(_tuning=(4, True)) == (4, True)
     monkeypatch.setenv("THUNDER_TK_ATTN_DELTA_ROWS", "3")
     with pytest.raises(ValueError, match="THUNDER_TK_ATTN_DELTA_ROWS='3'"):
-        ops.attention_bwd_delta(o, o)
-    monkeypatch.delenv("THUNDER_TK_ATTN_DELTA_ROWS")
-    monkeypatch.setenv("THUNDER_TK_ATTN_DELTA_SCHEDULE", "streaming")
-    with pytest.raises(ValueError, match="THUNDER_TK_ATTN_DELTA_SCHEDULE='streaming'"):
         ops.attention_bwd_delta(o, o)
 
 

@@ -52,13 +52,9 @@ DQ_FINALIZE = Setting("THUNDER_TK_DQ_FINALIZE", ("auto", "pass", "overlap"), "au
 DQ_ZERO = Setting("THUNDER_TK_DQ_ZERO", ("auto", "pass", "ahead"), "auto",
                   "the attention backward's fp32 dQ accumulator is zeroed by its delta pass (pass) or by the previous "
                   "backward's kernel on the stream (ahead, two accumulators a stream); auto is ahead")
-ATTN_DELTA_SCHEDULE = Setting("THUNDER_TK_ATTN_DELTA_SCHEDULE", ("auto", "block", "resident", "pipelined"), "auto",
-                              "the attention backward's delta pass (rowsum(dO O)) takes a block per step of rows "
-                              "(block), resident blocks looping over them (resident), or resident blocks loading each "
-                              "step's rows while the one before is summed (pipelined); auto is the launcher's choice")
 ATTN_DELTA_ROWS = Setting("THUNDER_TK_ATTN_DELTA_ROWS", ("auto", "1", "2", "4"), "auto",
-                          "rows each lane group of the delta pass sums a step (more: more loads in flight, more "
-                          "registers); auto is the launcher's choice")
+                          "rows each lane group of the attention backward's delta pass (rowsum(dO O)) sums a step: "
+                          "more loads in flight a thread, more registers, fewer blocks a multiprocessor; auto is 1")
 ATTN_BWD_TAIL_SPLIT = Setting("THUNDER_TK_ATTN_BWD_TAIL_SPLIT", ("auto", "off"), "auto",
                               "the attention backward walks its last wave's units in query ranges where that fills "
                               "the GPU (auto), or every unit whole (off, for measurement)")
@@ -74,5 +70,4 @@ GEMM_FP32_OUT = Setting("THUNDER_TK_GEMM_FP32_OUT", ("0", "1"), "0",
 CPU_AFFINITY = Setting("THUNDER_TK_CPU_AFFINITY", ("none", "exclusive"), "none",
                        "thunder-tk pretrain: each rank on its own share of the CPUs near its GPU (exclusive)")
 
-SETTINGS = (DQ_FINALIZE, DQ_ZERO, ATTN_DELTA_SCHEDULE, ATTN_DELTA_ROWS,
-            ATTN_BWD_TAIL_SPLIT, GEMM_SCHEDULE, COLLECTIVE_KEEP, GEMM_FP32_OUT, CPU_AFFINITY)
+SETTINGS = (DQ_FINALIZE, DQ_ZERO, ATTN_DELTA_ROWS, ATTN_BWD_TAIL_SPLIT, GEMM_SCHEDULE, COLLECTIVE_KEEP, GEMM_FP32_OUT, CPU_AFFINITY)

@@ -108,26 +108,22 @@ def check_attention_bwd_delta_args(o: torch.Tensor, grad_o: torch.Tensor) -> Non
         raise ValueError(f"attention_bwd_delta runs on CUDA tensors; got a tensor on {o.device}")
 
 
-# THUNDER_TK_ATTN_DELTA_SCHEDULE's words as the kernel's schedule codes (bwd_delta_schedule; -1: the launcher's).
-_DELTA_SCHEDULE_CODES = {"auto": -1, "block": 0, "resident": 1, "pipelined": 2}
-
-
 def attention_bwd_delta(
     o: torch.Tensor, grad_o: torch.Tensor, *, out: torch.Tensor | None = None, zero: torch.Tensor | None = None,
-    _tuning: tuple[int, int] | None = None
+    _tuning: tuple[int, bool] | None = None
 ) -> torch.Tensor:
     """delta[b, h, s] = sum_d grad_o[b, h, s, d] * o[b, h, s, d], in fp32, by the tk kernel.
 
     Any strides are accepted; rows whose last dim is not contiguous are copied first. `out`, if given, is
     a float32 (B, H, S) tensor (any strides) that receives the result. `zero`, if given, is a contiguous float32
     (B, H, S, D) tensor (D a multiple of 4) that the same pass sets to zero: the backward's dQ accumulator, cleared
-    beside the reads instead of by a fill of its own. `_tuning` (rows per lane group, schedule code) is for sweeps;
-    else THUNDER_TK_ATTN_DELTA_ROWS and THUNDER_TK_ATTN_DELTA_SCHEDULE, whose "auto" leaves each to the launcher.
+    beside the reads instead of by a fill of its own. `_tuning` (rows per lane group, a grid of resident blocks) is
+    for sweeps; by default THUNDER_TK_ATTN_DELTA_ROWS, whose "auto" (rows 0) leaves the rows and grid to the launcher.
     """
     check_attention_bwd_delta_args(o, grad_o)
     if _tuning is None:
         rows = env_settings.ATTN_DELTA_ROWS.read()
-        _tuning = (0 if rows == "auto" else int(rows), _DELTA_SCHEDULE_CODES[env_settings.ATTN_DELTA_SCHEDULE.read()])
+        _tuning = (0 if rows == "auto" else int(rows), False)
     ext = _require_kernels(o.device)
     B, H, S, D = o.shape
     if D > 1 and o.stride(-1) != 1:

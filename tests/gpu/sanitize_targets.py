@@ -18,14 +18,14 @@ def attention_bwd_delta():
         o = torch.randn(shape, device="cuda", dtype=dtype)
         g = torch.randn_like(o)
         ops.attention_bwd_delta(o, g, zero=torch.empty(shape, device="cuda") if shape[-1] % 4 == 0 else None)
-    # Every schedule (a block per step, resident, pipelined) at 1 and 2 rows a group, on the flat and strided paths
-    # (the forward's o beside a contiguous grad_o), over several passes of the resident grid.
+    # 1 and 2 rows a group, a block per step and resident, on the flat and the strided path (the forward's o beside a
+    # contiguous grad_o), over several passes of the resident grid.
     for o, g in [(torch.randn(2, 4, 3001, 128, device="cuda", dtype=torch.bfloat16),) * 2,
                  (torch.randn(1, 2001, 8, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2),
                   torch.randn(1, 8, 2001, 64, device="cuda", dtype=torch.bfloat16))]:
         for rows in (1, 2):
-            for schedule in (0, 1, 2):
-                ops.attention_bwd_delta(o, g, zero=torch.empty(o.shape, device="cuda"), _tuning=(rows, schedule))
+            for resident in (False, True):
+                ops.attention_bwd_delta(o, g, zero=torch.empty(o.shape, device="cuda"), _tuning=(rows, resident))
     flat = torch.randn(1 + 2 * 3 * 11 * 64, device="cuda", dtype=torch.bfloat16)
     o = flat[1:].view(2, 3, 11, 64)
     ops.attention_bwd_delta(o, o, zero=torch.empty(2, 3, 11, 64, device="cuda"))

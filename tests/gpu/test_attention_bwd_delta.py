@@ -78,10 +78,6 @@ def test_forward_output_layout_both_tensors(shape):
     assert torch.isnan(padded[..., S:]).all()
 
 
-# The kernel's schedules (bwd_delta_schedule: a block per step, resident, resident pipelined) by code.
-SCHEDULES = {"block": 0, "resident": 1, "pipelined": 2}
-
-
 def _layout(shape, layout, dtype):
     B, H, S, D = shape
     if layout == "contiguous":
@@ -99,37 +95,35 @@ def _layout(shape, layout, dtype):
 @pytest.mark.parametrize("layout", ["contiguous", "bshd", "mixed", "padded"])
 @pytest.mark.parametrize(
     "shape",
-    # one row; a block's rows not filled; many passes of the resident grid (4 x 8 x 4097 rows: an odd count of
-    # steps for some blocks, even for others); D past one access per lane (512 bf16: the resident loop instead)
+    # one row; a block's rows not filled; many passes of the resident grid (4 x 8 x 4097 rows); D over several
+    # accesses a lane (512 bf16)
     [(1, 1, 1, 64), (2, 3, 17, 128), (4, 8, 4097, 128), (1, 16, 1000, 64), (1, 2, 9, 256), (1, 1, 3, 512),
      (3, 1, 65, 8), (2, 2, 5, 96)],
 )
-def test_every_schedule_and_row_count_gives_the_same_bits(shape, layout, dtype):
-    # Each row's sum is one access a lane summed over the group whatever the schedule, so every (rows per group,
-    # schedule) writes the same bits as the default; each checked against fp64 with its output and zero buffer
+def test_every_row_count_and_grid_gives_the_same_bits(shape, layout, dtype):
+    # A row's sum is its lanes' accesses summed over the group whatever the rows a group takes or the grid, so every
+    # (rows per group, resident grid) writes the default's bits; each checked with its output and zero buffer
     # poisoned.
     o, g = _layout(shape, layout, dtype)
     default = check(o, g)
     for rows in (1, 2, 4):
-        for name, code in SCHEDULES.items():
+        for resident in (False, True):
             out = torch.full(shape[:3], float("nan"), device="cuda")
             zero = torch.full(shape, float("nan"), device="cuda") if shape[3] % 4 == 0 else None
-            ops.attention_bwd_delta(o, g, out=out, zero=zero, _tuning=(rows, code))
-            assert torch.equal(out, default), (rows, name, delta_err(out, o, g))
+            ops.attention_bwd_delta(o, g, out=out, zero=zero, _tuning=(rows, resident))
+            assert torch.equal(out, default), (rows, resident, delta_err(out, o, g))
             if zero is not None:
-                assert torch.equal(zero, torch.zeros_like(zero)), (rows, name)
+                assert torch.equal(zero, torch.zeros_like(zero)), (rows, resident)
 
 
-def test_schedule_from_the_environment_and_bad_codes(monkeypatch):
+def test_rows_from_the_environment_and_bad_rows(monkeypatch):
     o, g = _layout((2, 4, 300, 128), "mixed", torch.bfloat16)
     default = check(o, g)
-    for word in ("block", "resident", "pipelined"):
-        monkeypatch.setenv("THUNDER_TK_ATTN_DELTA_SCHEDULE", word)
+    for word in ("1", "2", "4"):
+        monkeypatch.setenv("THUNDER_TK_ATTN_DELTA_ROWS", word)
         assert torch.equal(ops.attention_bwd_delta(o, g), default), word
-    with pytest.raises(ValueError, match="schedule must be -1"):
-        ops.attention_bwd_delta(o, g, _tuning=(2, 3))
     with pytest.raises(ValueError, match="rows_per_group must be"):
-        ops.attention_bwd_delta(o, g, _tuning=(3, 2))
+        ops.attention_bwd_delta(o, g, _tuning=(3, False))
 
 
 def test_misaligned_and_odd_strides_take_the_scalar_path():

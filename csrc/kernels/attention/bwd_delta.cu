@@ -108,101 +108,17 @@ __global__ void __launch_bounds__(kThreads) bwd_delta_kernel(const bwd_delta_arg
     }
 }
 
-// The rows of one step of a lane group in a resident grid, loaded ahead: a row takes one VEC-wide access per lane
-// (head_dim <= LANES * VEC), so a whole step's loads sit in registers while the step before is summed.
-template <typename T, int VEC, int kRows>
-struct step_loads {
-    packed<T, VEC> o[kRows], grad_o[kRows];
-    bool valid[kRows];
-};
-
-// The pipelined schedule: a grid of resident blocks, each lane group walking its rows a step at a time with the next
-// step's loads issued before the current step is summed. One step per block keeps about 16 KB a block in flight
-// between launches; here every resident thread keeps its next step's bytes in flight all the time.
-template <typename T, int VEC, int LANES, bool FLAT, int kRows>
-__global__ void __launch_bounds__(kThreads) bwd_delta_pipelined_kernel(const bwd_delta_args args) {
-    pdl::start();
-    using group = lanes<LANES>;
-    constexpr int groups_per_block = kThreads / LANES;
-    constexpr int rows_per_step = groups_per_block * kRows;
-    const T* __restrict__ o = static_cast<const T*>(args.o);
-    const T* __restrict__ grad_o = static_cast<const T*>(args.grad_o);
-    const int64_t rows = args.batch * args.heads * args.seq;
-    const int64_t D = args.head_dim;
-    const int64_t d = int64_t(group::rank()) * VEC;  // this lane's columns of every row
-    const bool lane_reads = d < D;
-    const int64_t stride = int64_t(gridDim.x) * rows_per_step;
-    const auto row_of = [&](int64_t first, int i) {
-        return first + int64_t(i) * groups_per_block + group::group_index();
-    };
-    const auto load = [&](int64_t first, step_loads<T, VEC, kRows>& s) {
-#pragma unroll
-        for (int i = 0; i < kRows; ++i) {
-            const int64_t row = row_of(first, i);
-            s.valid[i] = row < rows;
-            if (s.valid[i] && lane_reads) {
-                const row_offsets off = offsets_of<FLAT>(args, row);
-                s.o[i] = load_packed<T, VEC>(o + off.o + d);
-                s.grad_o[i] = load_packed<T, VEC>(grad_o + off.grad_o + d);
-            }
-        }
-    };
-    // Sums a loaded step, writes its deltas and zeroes its rows of zero_rows. Bounds are uniform across the block
-    // (first is), so every lane reaches every shuffle.
-    const auto finish = [&](int64_t first, const step_loads<T, VEC, kRows>& s) {
-#pragma unroll
-        for (int i = 0; i < kRows; ++i) {
-            float acc = 0.f;
-            if (s.valid[i] && lane_reads) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) acc = fmaf(to_float(s.o[i].v[j]), to_float(s.grad_o[i].v[j]), acc);
-            }
-            const float total = group::sum(acc);
-            if (s.valid[i] && group::rank() == 0) args.delta[delta_offset(args, row_of(first, i))] = total;
-        }
-        if (args.zero_rows != nullptr) {
-#pragma unroll
-            for (int i = 0; i < kRows; ++i) {
-                if (!s.valid[i]) continue;
-                float4* row = reinterpret_cast<float4*>(args.zero_rows + row_of(first, i) * D);
-                for (int64_t c = group::rank(); c < D / 4; c += LANES) row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-        }
-    };
-    // Two buffers that take turns, so that the loop carries no copy of a step's registers.
-    step_loads<T, VEC, kRows> a, b;
-    int64_t first = int64_t(blockIdx.x) * rows_per_step;
-    if (first < rows) load(first, a);
-    while (first < rows) {
-        if (first + stride < rows) load(first + stride, b);
-        finish(first, a);
-        first += stride;
-        if (first >= rows) break;
-        if (first + stride < rows) load(first + stride, a);
-        finish(first, b);
-        first += stride;
-    }
-}
-
 template <typename T, int VEC, int LANES, bool FLAT, int kRows>
 cudaError_t launch_with(const bwd_delta_args& args, cudaStream_t stream) {
     constexpr int rows_per_step = (kThreads / LANES) * kRows;
-    // The pipelined schedule takes a row in one access per lane (16-byte accesses, head_dim <= LANES * VEC) and at most
-    // 2 rows a group (4 take 180 registers, 1 block a multiprocessor); elsewhere the resident loop.
-    constexpr bool can_pipeline = VEC > 1 && kRows <= 2;
-    const bool pipelined =
-        can_pipeline && args.schedule == bwd_delta_schedule::pipelined && args.head_dim <= LANES * VEC;
     auto kernel = bwd_delta_kernel<T, VEC, LANES, FLAT, kRows>;
-    if constexpr (can_pipeline) {
-        if (pipelined) kernel = bwd_delta_pipelined_kernel<T, VEC, LANES, FLAT, kRows>;
-    }
     // As many blocks as can be resident at once (read once per device and instantiation); the row loop
     // covers the rest.
-    static int resident_per_sm[2][128] = {};
+    static int resident_per_sm[128] = {0};
     int device = 0;
     cudaError_t status = cudaGetDevice(&device);
     if (status != cudaSuccess) return status;
-    int& per_sm = resident_per_sm[pipelined][device & 127];
+    int& per_sm = resident_per_sm[device & 127];
     if (per_sm == 0) {
         status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
         if (status != cudaSuccess) return status;
@@ -210,8 +126,7 @@ cudaError_t launch_with(const bwd_delta_args& args, cudaStream_t stream) {
     }
     const int64_t rows = args.batch * args.heads * args.seq;
     const int64_t wanted = (rows + rows_per_step - 1) / rows_per_step;
-    const bool resident = args.schedule != bwd_delta_schedule::step_per_block;
-    const int64_t cap = resident ? int64_t(multiprocessor_count()) * per_sm : int64_t(INT32_MAX);
+    const int64_t cap = args.resident_grid ? int64_t(multiprocessor_count()) * per_sm : int64_t(INT32_MAX);
     const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min(wanted, cap)));
     return launch_kernel(kernel, dim3(grid), dim3(kThreads), 0, stream, 1, args);
 }
@@ -282,10 +197,17 @@ cudaError_t launch_bwd_delta(const bwd_delta_args& in, cudaStream_t stream) {
         std::swap(args.heads, args.seq);
         for (int64_t* stride : {args.o_stride, args.grad_o_stride, args.delta_stride}) std::swap(stride[1], stride[2]);
     }
-    // H100 sweep (benchmarks/attention_bwd_delta.py --sweep, bf16, D 64 and 128): 2 rows per group, one step per
-    // block gave 2.40 TB/s; 1 row 2.37; 4 rows lose occupancy (80 registers) and drop to 1.9.
-    if (args.rows_per_group == 0) args.rows_per_group = 2;
-    if (args.schedule == bwd_delta_schedule::automatic) args.schedule = bwd_delta_schedule::step_per_block;
+    if (args.rows_per_group == 0) {
+        // One row a group, one step a block. Sweeps (benchmarks/attention_bwd_delta.py --sweep, bf16, D 64 and 128):
+        // on an H100 1 row gave 2.37 TB/s and 2 rows 2.40; on an H200 (2026-12-02) 1 row 2.48-2.49 against 2 rows'
+        // 1.87-1.91 where o lies heads-inner beside a contiguous grad_o (the strided path, the backward's own case in
+        // attention.py), and 3.12 against 3.01 where both lie so. What sets the pace is the blocks a multiprocessor
+        // holds (registers: 39 at 1 row, 70 at 2 on the strided path); 4 rows drop to 1.2-1.9. Loading a step ahead
+        // in resident blocks (measured on the same H200) ran 1.6-2.3 TB/s: its second step's registers cost more
+        // blocks than the overlap won.
+        args.rows_per_group = 1;
+        args.resident_grid = false;
+    }
     switch (static_cast<tk::dtype>(args.dtype)) {
         case tk::dtype::bf16: return dispatch_vector<__nv_bfloat16>(args, stream);
         case tk::dtype::fp16: return dispatch_vector<__half>(args, stream);

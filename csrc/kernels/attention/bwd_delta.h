@@ -7,11 +7,6 @@
 
 namespace tk::attention {
 
-// How the delta pass's grid covers the rows: a block per step of rows; a grid of resident blocks looping over the
-// steps; or resident blocks whose lane groups load the next step while summing the current one (taken where a row is
-// one 16-byte access per lane, else the resident loop). automatic: the launcher's choice.
-enum class bwd_delta_schedule : int { automatic = -1, step_per_block = 0, resident = 1, pipelined = 2 };
-
 struct bwd_delta_args {
     const void* o;        // (B, H, S, D), last dim contiguous
     const void* grad_o;   // same shape and dtype as o, own strides
@@ -22,7 +17,7 @@ struct bwd_delta_args {
     int64_t grad_o_stride[3];  // strides of grad_o
     int64_t delta_stride[3];   // strides of delta
     int rows_per_group;        // rows a lane group reduces per step: 1, 2 or 4 (0: chosen by the launcher)
-    bwd_delta_schedule schedule;  // how the grid walks the rows
+    bool resident_grid;        // grid of resident blocks looping over rows (else one step per block)
     // Optional (null: none): a contiguous fp32 (B, H, S, head_dim) buffer that this pass sets to zero, row by row
     // beside its reads (the backward's dQ accumulator: one pass over memory instead of a separate fill).
     // head_dim a multiple of 4, 16-byte aligned.
