@@ -70,4 +70,5 @@ GEMM_FP32_OUT = Setting("THUNDER_TK_GEMM_FP32_OUT", ("0", "1"), "0",
 CPU_AFFINITY = Setting("THUNDER_TK_CPU_AFFINITY", ("none", "exclusive"), "none",
                        "thunder-tk pretrain: each rank on its own share of the CPUs near its GPU (exclusive)")
 
-SETTINGS = (DQ_FINALIZE, DQ_ZERO, ATTN_DELTA_ROWS, ATTN_BWD_TAIL_SPLIT, GEMM_SCHEDULE, COLLECTIVE_KEEP, GEMM_FP32_OUT, CPU_AFFINITY)
+SETTINGS = (DQ_FINALIZE, DQ_ZERO, ATTN_DELTA_ROWS, ATTN_BWD_TAIL_SPLIT, GEMM_SCHEDULE, COLLECTIVE_KEEP, GEMM_FP32_OUT,
+            CPU_AFFINITY)
