@@ -15,7 +15,8 @@
 #     /tmp, with OUT and HERE (the checkout) exported), e.g. ncu over benchmarks/profile_attention.py.
 # GPU_TESTS (files), GPU_TESTS_TIMEOUT (the whole test step, default 600 s), THUNDER_TK_TEST_TIMEOUT (one GPU test,
 # default 240 s: past it the watchdog in tests/conftest.py ends the run and the summary names where it was stuck),
-# THUNDER_TK_TEST_SHARD=k/n (every n-th test from the k-th: the whole GPU suite takes two calls, 1/2 and 2/2).
+# THUNDER_TK_TEST_SHARD=k/n (every n-th test from the k-th: the whole GPU suite takes three calls, 1/3 to 3/3, each
+# about 300 s of pytest; a half no longer fits a fresh machine's 600 s call with the build).
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-out/gpu}
