@@ -202,7 +202,7 @@ cudaError_t launch_bwd_delta(const bwd_delta_args& in, cudaStream_t stream) {
         // on an H100 1 row gave 2.37 TB/s and 2 rows 2.40; on an H200 (2026-12-02) 1 row 2.48-2.49 against 2 rows'
         // 1.87-1.91 where o lies heads-inner beside a contiguous grad_o (the strided path, the backward's own case in
         // attention.py), and 3.12 against 3.01 where both lie so. What sets the pace is the blocks a multiprocessor
-        // holds (registers: 39 at 1 row, 70 at 2 on the strided path); 4 rows drop to 1.2-1.9. Loading a step ahead
+        // holds (registers: 39 at 1 row, 70 at 2 on the strided path); 4 rows drop to 1.15-1.94. Loading a step ahead
         // in resident blocks (measured on the same H200) ran 1.6-2.3 TB/s: its second step's registers cost more
         // blocks than the overlap won.
         args.rows_per_group = 1;
