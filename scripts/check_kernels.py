@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Compile every kernel source with ptxas's report and check what a GPU run would only show as lost speed.
+"""Check ptxas's report of every kernel source for what a GPU run would only show as lost speed.
 
-    python3 scripts/check_kernels.py            # all of csrc/kernels, 2 compiles at a time
+    python3 scripts/check_kernels.py            # all of csrc/kernels, compiled here, 2 compiles at a time
     python3 scripts/check_kernels.py attention  # sources whose path contains "attention"
+    python3 scripts/check_kernels.py --report DIR  # no compile: the build's report, from a build (pip install,
+                                                   # cmake) configured with THUNDER_TK_KERNEL_REPORT=DIR
 
 Fails (exit 1) when ptxas
 - serialises wgmma ("Potential Performance Loss: wgmma.mma_async instructions are serialized", C7512, C7514,
@@ -12,7 +14,10 @@ Fails (exit 1) when ptxas
 - has a kernel that never waits for the grid before it (`griddepcontrol.wait`, `pdl::wait_prior_grid`), outside
   the sources launched in plain stream order (PLAIN_ORDER): tk launches its kernels programmatically dependent
   (csrc/kittens/launch.h), and such a kernel would read its inputs before the kernel that writes them is done.
-Needs nvcc only (no GPU, no libcuda): the same flags as csrc/CMakeLists.txt. CI runs it after the build.
+Compiling, it needs nvcc only (no GPU, no libcuda) and uses the same flags as csrc/CMakeLists.txt. With --report
+it reads, per source, DIR/<path under csrc>/compile.log (the compile's stdout, then its stderr, with -Xptxas=-v),
+status (its exit status) and *.ptx, which csrc/CMakeLists.txt's launcher leaves; a source without them is a
+problem. CI builds with the report and runs this on it, so that every kernel is compiled once.
 """
 
 from __future__ import annotations
@@ -75,16 +80,38 @@ def short(name: str) -> str:
     return m.group(1) if m else name[:60]
 
 
+def kept_ptx(folder: Path) -> str:
+    """The PTX files that nvcc's -keep left in a folder, one after the other."""
+    return "".join(f.read_text() for f in sorted(folder.glob("*.ptx")))
+
+
 def check(nvcc: str, source: Path) -> tuple[list[str], list[str]]:
-    """(report lines, problems) for one source."""
+    """(report lines, problems) for one source, compiled here."""
     rel = source.relative_to(CSRC).as_posix()
     with tempfile.TemporaryDirectory() as tmp:
         # -keep leaves the PTX of this one compile beside the object, for the dependent-launch check
         r = subprocess.run([nvcc, *FLAGS, "-keep", "-keep-dir", tmp, "-c", str(source), "-o", str(Path(tmp) / "k.o")],
                            capture_output=True, text=True)
-        ptx = "".join(f.read_text() for f in Path(tmp).glob("*.ptx"))
-    out = r.stdout + r.stderr
-    if r.returncode != 0:
+        ptx = kept_ptx(Path(tmp))
+    return parse(rel, r.returncode, r.stdout + r.stderr, ptx)
+
+
+def from_report(report: Path, rel: str) -> tuple[list[str], list[str]]:
+    """(report lines, problems) for one source (path under csrc), from what the build's launcher left in report."""
+    at = report / rel
+    try:
+        returncode = int((at / "status").read_text())
+        out = (at / "compile.log").read_text()
+    except (OSError, ValueError):
+        return [f"{rel}: no report"], [f"{rel}: no report in {report} (status, compile.log): was the build "
+                                       f"configured with THUNDER_TK_KERNEL_REPORT={report}?"]
+    return parse(rel, returncode, out, kept_ptx(at))
+
+
+def parse(rel: str, returncode: int, out: str, ptx: str) -> tuple[list[str], list[str]]:
+    """(report lines, problems) for one source (path under csrc) from its compile's exit status, output (stdout, then
+    stderr, with ptxas's -v report) and kept PTX."""
+    if returncode != 0:
         return [f"{rel}: compile failed"], [f"{rel} does not compile:\n{out[-3000:]}"]
     lines, problems = [], []
     if not any(rel.startswith(prefix) for prefix in PLAIN_ORDER):
@@ -123,14 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("filter", nargs="?", default="", help="only sources whose path contains this")
     p.add_argument("-j", "--jobs", type=int, default=2)
+    p.add_argument("--report", type=Path, metavar="DIR",
+                   help="read the build's report (THUNDER_TK_KERNEL_REPORT=DIR at configure time), compile nothing")
     a = p.parse_args(argv)
-    nvcc = find_nvcc()
-    if nvcc is None:
-        print("check_kernels: no nvcc found (PATH, CUDA_HOME, /usr/local/cuda)", file=sys.stderr)
-        return 2
     sources = sorted(s for s in (CSRC / "kernels").rglob("*.cu") if a.filter in s.as_posix())
-    with ThreadPoolExecutor(max(1, a.jobs)) as pool:
-        results = list(pool.map(lambda s: check(nvcc, s), sources))
+    if a.report is not None:
+        results = [from_report(a.report, s.relative_to(CSRC).as_posix()) for s in sources]
+    else:
+        nvcc = find_nvcc()
+        if nvcc is None:
+            print("check_kernels: no nvcc found (PATH, CUDA_HOME, /usr/local/cuda)", file=sys.stderr)
+            return 2
+        with ThreadPoolExecutor(max(1, a.jobs)) as pool:
+            results = list(pool.map(lambda s: check(nvcc, s), sources))
     problems = [x for _, ps in results for x in ps]
     for lines, _ in results:
         for line in lines:
