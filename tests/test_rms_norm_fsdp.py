@@ -15,12 +15,14 @@ WORKER = Path(__file__).with_name("rms_norm_fsdp_worker.py")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_two_ranks(WORKER, ["zero2", "zero2-off", "zero3", "zero3-off"], tmp_path_factory.mktemp("rms_norm_fsdp"))
+    # One reference run with the fuser's norms: ZeRO-2 and ZeRO-3 shard alike, and the fuser's run under either gave
+    # the same loss and gradient norms to the bit, so a second one (some 20 s of Thunder's tracing) adds nothing.
+    return run_two_ranks(WORKER, ["zero2", "zero3", "zero2-off"], tmp_path_factory.mktemp("rms_norm_fsdp"))
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
 def test_norms_fold_under_fsdp_with_the_fusers_results(runs, strategy):
-    folded, fuser = runs[strategy], runs[f"{strategy}-off"]
+    folded, fuser = runs[strategy], runs["zero2-off"]
     assert folded["forward_norms"] == folded["backward_norms"] == 7  # 2 per layer and the final one
     assert fuser["forward_norms"] == fuser["backward_norms"] == 0
     assert folded["loss"] == pytest.approx(fuser["loss"], rel=1e-2)
