@@ -49,7 +49,12 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-step build env THUNDER_TK_PTXAS_VERBOSE=1 python3 -m pip install -v --no-build-isolation --no-index --no-deps .
+# The build leaves ptxas's report and the PTX of every kernel (csrc/CMakeLists.txt) beside its objects under build/,
+# which a warm machine keeps, so that the report of a source not recompiled is still there; check_kernels.py reads it
+# (wgmma serialisation, spills, kernels that never wait for the grid before them), as CI does.
+report="$(pwd)/build/kernel_report"
+step build env THUNDER_TK_KERNEL_REPORT="$report" python3 -m pip install -v --no-build-isolation --no-index --no-deps .
+step kernel_check python3 scripts/check_kernels.py --report "$report"
 # From outside the checkout, so that the installed package (with its compiled module) is the one imported.
 step info bash -c "cd /tmp && python3 -c \"import thunder_tk.cli as c; c.main(['info'])\""
 # The SASS instruction counts (wgmma, TMA loads, barriers in the built module): a cuobjdump of the whole module, part
@@ -205,7 +210,6 @@ echo; echo "== $(cat "$OUT/gpu.txt") | commit ${THUNDER_TK_COMMIT:-$(git describ
 grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 1
 [ -s "$OUT/failures.log" ] && { echo "failed (failures.log):"; grep "^FAILED " "$OUT/failures.log" | head -n 20; }
 [ -f "$OUT/sass.txt" ] && echo "sass: $(tr -s ' \n' ' ' < "$OUT/sass.txt")"
-grep -E "registers|spill" "$OUT/build.log" 2>/dev/null | sort | uniq -c | sort -rn | head -n 4
 printf '%s\n' "${summary[@]}"
 # The device tool fetches at most 8 files from $OUT: keep the results (JSON) and the run log loose, and pack the logs
 # and charts into two archives (PACK_OUT=0 leaves everything loose).
