@@ -380,7 +380,10 @@ def check_linear(a, w, bias=None) -> Verdict:
         return verdict
     if bias is not None and (bias.dtype != w.dtype or bias.ndim != 1):
         return decline(f"bias must be a 1-D {_dtype_name(w.dtype)} tensor; got {bias.ndim}-D {_dtype_name(bias.dtype)}")
-    return check_gemm_size(math.prod(a.shape[:-1]), w.shape[0], a.shape[-1], a.device.index)
+    m, n, k = math.prod(a.shape[:-1]), w.shape[0], a.shape[-1]
+    if reason := ops.gemm_dims_unsupported(M=m, N=n, K=k):
+        return decline(reason)
+    return check_gemm_size(m, n, k, a.device.index)
 
 
 def check_matmul(a, b) -> Verdict:
@@ -389,6 +392,8 @@ def check_matmul(a, b) -> Verdict:
     verdict = _check_gemm_operands(a, b, a.shape[1])
     if not verdict:
         return verdict
+    if reason := ops.gemm_dims_unsupported(M=a.shape[0], N=b.shape[1], K=a.shape[1]):
+        return decline(reason)
     return check_gemm_size(a.shape[0], b.shape[1], a.shape[1], a.device.index)
 
 

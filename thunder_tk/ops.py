@@ -502,6 +502,17 @@ class _DqAccumulators:
 
 _dq_accumulators: dict[tuple[int, int], _DqAccumulators] = {}
 
+# The most float4s of the next accumulator one backward block zeroes (its 32-bit offsets; backward_unsupported refuses
+# more): INT32_MAX less a zeroing step (backward.cu's ZERO_STEP).
+_ZERO_AHEAD_MAX_SHARE = 2**31 - 1 - 256
+
+
+def zero_ahead_fits(floats: int, blocks: int) -> bool:
+    """Whether a backward grid of `blocks` can zero a next dQ accumulator of `floats` (backward_args::zero_next): each
+    block's share must fit its 32-bit offsets. Only a huge accumulator over few blocks (many queries against a few
+    keys) passes it; the delta pass then zeroes the call's own accumulator instead."""
+    return -(-(floats // 4) // max(blocks, 1)) <= _ZERO_AHEAD_MAX_SHARE
+
 
 def _dq_accumulator(shape: tuple[int, ...], device: torch.device,
                     mode: str) -> tuple[torch.Tensor, bool, _DqAccumulators | None]:
@@ -631,7 +642,11 @@ def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_spli
     q, scale, sign = _kernel_scale(q, scale)
     q, k, v, grad_o = _tma_readable(q), _tma_readable(k), _tma_readable(v), _tma_readable(grad_o)
     lse = _rows_tma_readable(lse)
-    dq_accum, zero_in_pass, turns = _dq_accumulator((B, Hq, Sq, D), q.device, dq_zero_mode(dq_zero))
+    zero_mode = dq_zero_mode(dq_zero)
+    blocks = split_from + (units - split_from) * parts if parts else units
+    if zero_mode == "ahead" and not zero_ahead_fits(B * Hq * Sq * D, blocks):
+        zero_mode = "pass"
+    dq_accum, zero_in_pass, turns = _dq_accumulator((B, Hq, Sq, D), q.device, zero_mode)
     # Counted only where the finalize pass follows the kernel directly (the parts' sums would come between).
     count_dq = count_dq and split == 1
     # Zeroed before the delta pass, so that the delta pass, the kernel and the finalize launch back to back.
@@ -781,6 +796,16 @@ def _rope_grad_pass(ext, dq_accum: torch.Tensor, factor: float, dq: torch.Tensor
 # GEMM: C = A B (+ bias)
 
 _GEMM_DTYPES = (torch.bfloat16, torch.float16)
+# The largest M, N or K (and K + K2 of gemm_sum) that the GEMM kernels take: they number tiles and TMA coordinates
+# in 32-bit ints with room to spare (csrc/kernels/gemm/gemm.cu, gemm_unsupported). Element offsets are 64-bit, so
+# outputs and operands past 2^31 elements are fine.
+GEMM_MAX_DIM = 2**30 - 1
+
+
+def gemm_dims_unsupported(**dims: int) -> str | None:
+    """Why the GEMM kernels cannot take these sizes (named as given, e.g. M=..., K=...), or None."""
+    over = [f"{name}={size}" for name, size in dims.items() if size > GEMM_MAX_DIM]
+    return f"{', '.join(over)} past the GEMM kernels' largest dimension (2^30 - 1)" if over else None
 
 
 def _gemm_layout(t: torch.Tensor, k_dim: int) -> tuple[int, int] | None:
@@ -808,6 +833,8 @@ def check_gemm_args(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None)
         raise ValueError(f"gemm shapes do not match: ({a.shape[0]}, {a.shape[1]}) @ ({b.shape[0]}, {b.shape[1]})")
     if a.dtype != b.dtype or a.dtype not in _GEMM_DTYPES:
         raise ValueError(f"gemm supports bfloat16 or float16 operands of one dtype; got {a.dtype} and {b.dtype}")
+    if reason := gemm_dims_unsupported(M=a.shape[0], N=b.shape[1], K=a.shape[1]):
+        raise ValueError(f"gemm: {reason}")  # before the output is allocated
     if a.device != b.device or a.device.type != "cuda":
         raise ValueError(f"gemm runs on CUDA tensors on one device; got {a.device} and {b.device}")
     if a.shape[1] % 8:
@@ -993,6 +1020,8 @@ def check_gemm_sum_args(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: 
                          f"({a2.shape[0]}, {b2.shape[1]})")
     if a2.dtype != a.dtype or a2.device != a.device:
         raise ValueError(f"gemm_sum: a2 and b2 must be {a.dtype} tensors on {a.device}; got {a2.dtype} on {a2.device}")
+    if reason := gemm_dims_unsupported(**{"K + K2": a.shape[1] + a2.shape[1]}):
+        raise ValueError(f"gemm_sum: {reason}")
 
 
 def gemm_sum(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor, bias: torch.Tensor | None = None,
@@ -1234,7 +1263,7 @@ def linear_rope_unsupported(x, weight, cos, sin, q_heads: int, kv_heads: int, he
                 f"{sin.dtype}")
     if x.shape[2] % 8:
         return f"K ({x.shape[2]}) must be a multiple of 8"
-    return None
+    return gemm_dims_unsupported(M=x.shape[0] * x.shape[1], N=weight.shape[0], K=x.shape[2])
 
 
 def linear_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int,
@@ -1310,6 +1339,8 @@ def check_swiglu_args(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> No
     if x.dtype not in _GEMM_DTYPES or w1.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"swiglu_linear: bfloat16 or float16 operands of one dtype; got {x.dtype}, {w1.dtype}, "
                          f"{w2.dtype}")
+    if reason := gemm_dims_unsupported(M=math.prod(x.shape[:-1]), N=w1.shape[0], K=w1.shape[1]):
+        raise ValueError(f"swiglu_linear: {reason}")
     if x.device.type != "cuda" or w1.device != x.device or w2.device != x.device:
         raise ValueError(f"swiglu_linear runs on CUDA tensors on one device; got {x.device}, {w1.device}, "
                          f"{w2.device}")

@@ -28,6 +28,9 @@ inline bool strides_ok(const int64_t (&stride)[3], int64_t batch, int64_t heads,
     return true;
 }
 
+// The longest query or key length the kernels take.
+constexpr int64_t max_len = (int64_t(1) << 31) - 65536;
+
 // Why these sizes and options cannot run (null when they can), for forward and backward alike.
 inline const char* shape_unsupported(int dtype_code, int64_t head_dim, int64_t batch, int64_t q_heads,
                                      int64_t kv_heads, int64_t q_len, int64_t kv_len, bool causal, float scale,
@@ -40,7 +43,9 @@ inline const char* shape_unsupported(int dtype_code, int64_t head_dim, int64_t b
     if (causal && q_len != kv_len) return "causal attention needs q_len == kv_len";
     if (window < 0) return "window must be >= 0 (0: no sliding window)";
     if (window > 0 && !causal) return "a sliding window (window > 0) needs causal attention";
-    if (q_len >= (int64_t(1) << 31) || kv_len >= (int64_t(1) << 31)) return "sequence length too large";
+    // Below 2^31 with room: the kernels add up to a tile and a key block to a row index in 32 bits (the forward's
+    // causal key blocks of a tile, row0 + BM + 127).
+    if (q_len > max_len || kv_len > max_len) return "sequence length too large";
     // ops.attention_forward/backward fold a negative scale into q and replace 0 with a tiny positive one.
     if (!std::isfinite(scale) || !(scale > 0.0f)) return "scale must be positive and finite";
     return nullptr;

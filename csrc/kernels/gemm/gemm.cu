@@ -1354,6 +1354,9 @@ const char* gemm_unsupported(const gemm_args& g) {
     if (g.dtype != int(dtype::bf16) && g.dtype != int(dtype::fp16)) return "dtype must be bfloat16 or float16";
     if (g.M <= 0 || g.N <= 0 || g.K <= 0) return "M, N and K must be positive";
     if (g.M > INT32_MAX / 2 || g.N > INT32_MAX / 2 || g.K > INT32_MAX / 2) return "a dimension exceeds 2^30";
+    // The schedule numbers tiles, and the dynamic one tickets a grid past them, in ints (grouped_order, split_tail):
+    // 2^30 tiles of 128 x 128 are 2^44 outputs, past any GPU's memory unless C's rows overlap.
+    if (tiles_of(g, 128) > INT32_MAX / 2) return "the output has 2^30 tiles or more";
     if (g.K % 8) return "K must be a multiple of 8";
     if (g.tile_n != 0 && g.tile_n != 128 && g.tile_n != 256) return "tile_n must be 0 (automatic), 128 or 256";
     if (g.tile_n == 128 && g.cluster == 2) return "clusters of two use 256-wide tiles only";
