@@ -11,13 +11,13 @@ skips where the GPU has too little free memory, keeps its peak at about 44 GiB o
 it fails (a failing test's traceback would otherwise hold its tensors for the tests after it).
 """
 
-import gc
 import traceback
 
 import pytest
 import torch
 
 from accuracy import rel_err
+from gpu_memory import GIB, free_cached as _free, require_free
 from poisoning import poison_allocator
 from test_attention import GRAD_TOL, LSE_TOL, O_TOL
 from test_attention_qkv_grad import TOL as QKV_TOL
@@ -28,7 +28,6 @@ pytestmark = [
     pytest.mark.skipif(not hasattr(ops, "attention_backward"), reason="ops.attention_backward does not exist yet"),
 ]
 
-GIB = 1 << 30
 MARGIN = 4 * GIB  # the reference's chunks, lse, delta, counters and the allocator's rounding
 CHUNK_ELEMENTS = 1 << 26  # elements of a reference chunk's largest fp32 tensor (256 MiB)
 DTYPE = torch.bfloat16
@@ -40,20 +39,8 @@ def _batch_for(H, S, D):
     return (1 << 31) // (H * S * D) + 1
 
 
-def _free():
-    gc.collect()
-    if hasattr(ops, "clear_dq_accumulators"):
-        ops.clear_dq_accumulators()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
 def _require_free(nbytes):
-    """Skips unless the GPU has `nbytes` (+ MARGIN) free once this process's cache is given back."""
-    _free()
-    free = torch.cuda.mem_get_info()[0]
-    if free < nbytes + MARGIN:
-        pytest.skip(f"needs {(nbytes + MARGIN) / GIB:.1f} GiB of free GPU memory, {free / GIB:.1f} GiB are free")
+    require_free(nbytes, MARGIN)
 
 
 def _run_and_free(case, *args):
@@ -133,19 +120,24 @@ def _compare_lse(label, got, want, failures):
         failures.append(f"{label}: lse abs err {err:.3e} (tolerance {LSE_TOL})")
 
 
-def _forward_case(B, Hq, Hkv, S, D, causal, layout):
-    q = _make((B, Hq, S, D), 1, layout)
-    k, v = _make((B, Hkv, S, D), 2, layout), _make((B, Hkv, S, D), 3, layout)
-    poison_allocator(((B, Hq, S, D), DTYPE), ((B, Hq, S), torch.float32))
-    o, lse = ops.attention_forward(q, k, v, is_causal=causal)
+def _forward_failures(q, k, v, o, lse, causal):
+    """o and lse against fp32 math, a chunk of batches at a time; stops at the first chunk that fails."""
     failures = []
-    for b0, b1 in _chunks(B, Hq, S, D):
+    for b0, b1 in _chunks(*q.shape):
         want_o, want_lse = _reference(q[b0:b1], k[b0:b1], v[b0:b1], causal)
         _compare(f"o[{b0}:{b1}]", o[b0:b1], want_o, O_TOL[DTYPE], failures)
         _compare_lse(f"lse[{b0}:{b1}]", lse[b0:b1], want_lse, failures)
         if failures:
             break
     return failures
+
+
+def _forward_case(B, Hq, Hkv, S, D, causal, layout):
+    q = _make((B, Hq, S, D), 1, layout)
+    k, v = _make((B, Hkv, S, D), 2, layout), _make((B, Hkv, S, D), 3, layout)
+    poison_allocator(((B, Hq, S, D), DTYPE), ((B, Hq, S), torch.float32))
+    o, lse = ops.attention_forward(q, k, v, is_causal=causal)
+    return _forward_failures(q, k, v, o, lse, causal)
 
 
 # (B, Hq, Hkv, S, D, causal, layout): B * Hq * S * D just over 2^31 (4 GiB a tensor)
@@ -256,13 +248,9 @@ def _qkv_case(B, Hq, Hkv, S, D, causal):
     o, lse = ops.attention_forward(q, k, v, is_causal=causal)
     grad_o = torch.randn(o.shape, device="cuda", dtype=DTYPE, generator=g)  # contiguous beside o's (B, S, H, D)
     cos, sin = ops.rope_tables(S, D, DTYPE, "cuda")
-    failures = []
-    for b0, b1 in _chunks(B, Hq, S, D):
-        want_o, want_lse = _reference(q[b0:b1], k[b0:b1], v[b0:b1], causal)
-        _compare(f"o[{b0}:{b1}]", o[b0:b1], want_o, O_TOL[DTYPE], failures)
-        _compare_lse(f"lse[{b0}:{b1}]", lse[b0:b1], want_lse, failures)
-        if failures:
-            return failures
+    failures = _forward_failures(q, k, v, o, lse, causal)
+    if failures:
+        return failures
     shape = (B, S, (Hq + 2 * Hkv) * D)
     poison_allocator((shape, DTYPE))
     qkv_grad = ops.attention_backward_qkv(q, k, v, o, lse, grad_o, cos, sin, is_causal=causal)

@@ -14,7 +14,6 @@ traceback would otherwise hold its tensors for the tests after it).
 """
 
 import functools
-import gc
 import traceback
 
 import pytest
@@ -22,12 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from accuracy import rel_err
+from gpu_memory import GIB, free_cached as _free, require_free
 from poisoning import poison_allocator
 from thunder_tk import ops
 
 pytestmark = [pytest.mark.gpu]
 
-GIB = 1 << 30
 MARGIN = 4 * GIB  # the reference's blocks, float64 copies of the small operands, the allocator's rounding
 BLOCK_ELEMENTS = 1 << 25  # elements of a reference block's largest float64 tensor (256 MiB)
 BF16 = torch.bfloat16
@@ -39,18 +38,8 @@ WIDE = 70000  # TOKENS x WIDE = 2.29e9 outputs: rows from 30678 on start past 2^
 FEATURES = 65600  # TOKENS x FEATURES = 2.15e9 elements: an operand (or an fp32 output) just past 2^31
 
 
-def _free():
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
 def _require_free(nbytes):
-    """Skips unless the GPU has `nbytes` (+ MARGIN) free once this process's cache is given back."""
-    _free()
-    free = torch.cuda.mem_get_info()[0]
-    if free < nbytes + MARGIN:
-        pytest.skip(f"needs {(nbytes + MARGIN) / GIB:.1f} GiB of free GPU memory, {free / GIB:.1f} GiB are free")
+    require_free(nbytes, MARGIN)
 
 
 def _frees_memory(test):
