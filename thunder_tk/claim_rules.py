@@ -352,7 +352,10 @@ def gemm_output_tiles(m: int, n: int, sms: int) -> int:
 
 
 def check_gemm_size(m: int, n: int, k: int, device_index: int | None) -> Verdict:
-    """The size policy: decline products where tk's GEMM is measured well behind cuBLAS (see above)."""
+    """Decline dimensions past the kernels' largest (always), then, under the size policy, products where tk's GEMM
+    is measured well behind cuBLAS (see above)."""
+    if reason := ops.gemm_dims_unsupported(M=m, N=n, K=k):
+        return decline(reason)
     if not gemm_size_policy_default or GEMM_SIZE_POLICY in disabled_names():
         return ACCEPT
     off = f"(turn the size policy off with {DISABLE_ENV} or {DISABLE_OPTION}={GEMM_SIZE_POLICY!r})"
@@ -380,10 +383,7 @@ def check_linear(a, w, bias=None) -> Verdict:
         return verdict
     if bias is not None and (bias.dtype != w.dtype or bias.ndim != 1):
         return decline(f"bias must be a 1-D {_dtype_name(w.dtype)} tensor; got {bias.ndim}-D {_dtype_name(bias.dtype)}")
-    m, n, k = math.prod(a.shape[:-1]), w.shape[0], a.shape[-1]
-    if reason := ops.gemm_dims_unsupported(M=m, N=n, K=k):
-        return decline(reason)
-    return check_gemm_size(m, n, k, a.device.index)
+    return check_gemm_size(math.prod(a.shape[:-1]), w.shape[0], a.shape[-1], a.device.index)
 
 
 def check_matmul(a, b) -> Verdict:
@@ -392,8 +392,6 @@ def check_matmul(a, b) -> Verdict:
     verdict = _check_gemm_operands(a, b, a.shape[1])
     if not verdict:
         return verdict
-    if reason := ops.gemm_dims_unsupported(M=a.shape[0], N=b.shape[1], K=a.shape[1]):
-        return decline(reason)
     return check_gemm_size(a.shape[0], b.shape[1], a.shape[1], a.device.index)
 
 
