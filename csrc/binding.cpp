@@ -860,6 +860,9 @@ PYBIND11_MODULE(_C, m) {
           "rows' counter once its reduce-adds are complete. Enqueued on `stream`; returns the steps every counter "
           "reaches (0 without dq_done), attention_dq_finalize's target. zero_next (optional, fp32, "
           "zero_next_count a multiple of 4, apart from dq_accum): set to zero by the launch, for the next one.");
+    m.def("attention_backward_max_zero_share", &tk::attention::backward_max_zero_share,
+          "The most float4s of zero_next one attention_backward block zeroes (32-bit offsets); a zero_next_count "
+          "whose share over the launch's blocks is larger is refused.");
     m.def("cross_entropy_forward", &cross_entropy_forward, py::arg("logits"), py::arg("target"), py::arg("loss"),
           py::arg("lse"), py::arg("dtype"), py::arg("rows"), py::arg("classes"), py::arg("logits_row_stride"),
           py::arg("ignore_index"), py::arg("stream"),

@@ -25,7 +25,18 @@ ZERO_SHARE_MAX = 2**31 - 1 - 256
 def test_attention_zero_ahead_share_fits_32_bits(floats, blocks, fits):
     """The backward kernel zeroes the next dQ accumulator in per-block shares of 32-bit offsets; ops asks for that only
     where every share fits (the binding refuses the rest)."""
-    assert ops.zero_ahead_fits(floats, blocks) is fits
+    assert ops.zero_ahead_fits(floats, blocks, ZERO_SHARE_MAX) is fits
+
+
+def test_attention_zero_share_limit_comes_from_the_kernel():
+    """ops takes the limit from the compiled module, which states the kernel's own (backward_max_zero_share): INT32_MAX
+    float4s less a zeroing step."""
+    from thunder_tk import _extension
+
+    ext = _extension.extension()
+    if ext is None:
+        pytest.skip(f"the compiled module is not loaded here: {_extension.unavailable_reason()}")
+    assert ext.attention_backward_max_zero_share() == ZERO_SHARE_MAX
 
 
 def test_attention_backward_zeroes_in_the_delta_pass_past_the_kernels_share(recorded_attention, monkeypatch):
@@ -35,7 +46,7 @@ def test_attention_backward_zeroes_in_the_delta_pass_past_the_kernels_share(reco
     calls = recorded_attention.calls
     B, Hq, Hkv, S, D = 1, 2, 2, 64, 64  # two blocks of 1024 float4s each
     for limit, ahead in ((1024, True), (1023, False)):
-        monkeypatch.setattr(ops, "_ZERO_AHEAD_MAX_SHARE", limit)
+        recorded_attention.max_zero_share = limit
         monkeypatch.setattr(ops, "_dq_accumulators", {})
         calls.clear()
         ops.attention_backward(*_backward_inputs(B, Hq, Hkv, S, D))

@@ -283,6 +283,10 @@ class RecordingAttention:
 
     def __init__(self):
         self.calls = []
+        self.max_zero_share = 2**31 - 1 - 256  # the kernel's (backward_max_zero_share), lowered by some tests
+
+    def attention_backward_max_zero_share(self):
+        return self.max_zero_share
 
     def attention_bwd_delta(self, o, grad_o, delta, *args):
         self.calls.append(("delta", dict(o=o, grad_o=grad_o, delta=delta, rows_per_group=args[-3],

@@ -502,16 +502,12 @@ class _DqAccumulators:
 
 _dq_accumulators: dict[tuple[int, int], _DqAccumulators] = {}
 
-# The most float4s of the next accumulator one backward block zeroes (its 32-bit offsets; backward_unsupported refuses
-# more): INT32_MAX less a zeroing step (backward.cu's ZERO_STEP).
-_ZERO_AHEAD_MAX_SHARE = 2**31 - 1 - 256
-
-
-def zero_ahead_fits(floats: int, blocks: int) -> bool:
+def zero_ahead_fits(floats: int, blocks: int, max_share: int) -> bool:
     """Whether a backward grid of `blocks` can zero a next dQ accumulator of `floats` (backward_args::zero_next): each
-    block's share must fit its 32-bit offsets. Only a huge accumulator over few blocks (many queries against a few
-    keys) passes it; the delta pass then zeroes the call's own accumulator instead."""
-    return -(-(floats // 4) // max(blocks, 1)) <= _ZERO_AHEAD_MAX_SHARE
+    block's share of float4s must be at most `max_share`, the kernel's limit (its 32-bit offsets; the binding's
+    attention_backward_max_zero_share). Only a huge accumulator over few blocks (many queries against a few keys)
+    passes it; the delta pass then zeroes the call's own accumulator instead."""
+    return -(-(floats // 4) // max(blocks, 1)) <= max_share
 
 
 def _dq_accumulator(shape: tuple[int, ...], device: torch.device,
@@ -644,7 +640,7 @@ def _backward_into(q, k, v, o, lse, grad_o, dk, dv, is_causal, scale, group_spli
     lse = _rows_tma_readable(lse)
     zero_mode = dq_zero_mode(dq_zero)
     blocks = split_from + (units - split_from) * parts if parts else units
-    if zero_mode == "ahead" and not zero_ahead_fits(B * Hq * Sq * D, blocks):
+    if zero_mode == "ahead" and not zero_ahead_fits(B * Hq * Sq * D, blocks, ext.attention_backward_max_zero_share()):
         zero_mode = "pass"
     dq_accum, zero_in_pass, turns = _dq_accumulator((B, Hq, Sq, D), q.device, zero_mode)
     # Counted only where the finalize pass follows the kernel directly (the parts' sums would come between).

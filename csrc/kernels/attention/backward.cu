@@ -975,6 +975,8 @@ int64_t backward_dq_steps(const backward_args& a) {
     return steps;
 }
 
+int64_t backward_max_zero_share() { return INT32_MAX - ZERO_STEP; }
+
 const char* backward_unsupported(const backward_args& a) {
     if (const char* reason = layout::shape_unsupported(a.dtype, a.head_dim, a.batch, a.q_heads, a.kv_heads, a.q_len,
                                                        a.kv_len, a.causal, a.scale, a.window))
@@ -1010,7 +1012,7 @@ const char* backward_unsupported(const backward_args& a) {
     if (a.zero_next != nullptr) {
         if (!is_aligned(a.zero_next, 16)) return "zero_next must be 16-byte aligned";
         const int64_t blocks = blocks_of(a, units);
-        if ((a.zero_next_count / 4 + blocks - 1) / blocks > INT32_MAX - ZERO_STEP)
+        if ((a.zero_next_count / 4 + blocks - 1) / blocks > backward_max_zero_share())
             return "zero_next_count is too large for this launch's blocks (2^31 float4s a block at most)";
         const float* accum_end = a.dq_accum + a.batch * a.q_heads * a.q_len * a.head_dim;
         if (a.zero_next < accum_end && a.dq_accum < a.zero_next + a.zero_next_count)

@@ -54,6 +54,10 @@ const char* backward_unsupported(const backward_args& args);
 // every counter of args.dq_done reaches.
 int64_t backward_dq_steps(const backward_args& args);
 
+// The most float4s of args.zero_next one block zeroes (its offsets are 32-bit): backward_unsupported refuses a
+// zero_next_count whose share over the launch's blocks passes it.
+int64_t backward_max_zero_share();
+
 // Enqueues on `stream`; never synchronises.
 cudaError_t launch_backward(const backward_args& args, cudaStream_t stream);
 
