@@ -44,6 +44,36 @@ step() { local name=$1; shift; local t0=$SECONDS
          local verdict=$([ $rc = 0 ] && echo ok || { [ $rc = 124 ] && echo CUT || echo FAIL; })
          summary+=("$(printf '%-22s %-6s %4ss  %s' "$name" "$verdict" $((SECONDS-t0)) "$(tail -n 1 "$OUT/$name.log" | cut -c1-90)")"); return $rc; }
 
+# A call that the device tool cut at its limit can leave its processes (the pytest run, a benchmark, their torchrun
+# ranks) running on a machine that stays warm: the next call then shares the GPU with them (session 71: three heavy
+# tests failed in that call, and the machine stopped answering after it). Every process this script starts carries
+# THUNDER_TK_GPU_RUN; ones carrying it from an earlier run are stopped before anything is built or timed (TERM, then
+# KILL after 20 s), and the summary says so. KEEP_LEFTOVERS=1 only reports them. A run started from inside another
+# (THUNDER_TK_GPU_RUN already set) leaves its parent's processes alone.
+if [ -z "${THUNDER_TK_GPU_RUN:-}" ]; then
+  leftovers=()
+  for environ in /proc/[0-9]*/environ; do
+    pid=${environ#/proc/}; pid=${pid%/environ}
+    [ "$pid" = $$ ] && continue
+    grep -qz '^THUNDER_TK_GPU_RUN=' "$environ" 2> /dev/null && leftovers+=("$pid")
+  done
+  if [ ${#leftovers[@]} -gt 0 ]; then
+    t0=$SECONDS
+    names=$(for pid in "${leftovers[@]}"; do tr '\0' ' ' < /proc/$pid/cmdline 2> /dev/null | cut -c1-60; echo; done \
+            | grep -v '^$' | sort | uniq -c | sort -rn | head -n 3 | tr -s ' \n' ' ')
+    if [ "${KEEP_LEFTOVERS:-0}" = 1 ]; then
+      verdict=kept
+    else
+      kill -TERM "${leftovers[@]}" 2> /dev/null
+      for _ in $(seq 20); do alive=0; for pid in "${leftovers[@]}"; do kill -0 "$pid" 2> /dev/null && alive=1; done
+                             [ $alive = 0 ] && break; sleep 1; done
+      kill -KILL "${leftovers[@]}" 2> /dev/null; verdict=stopped
+    fi
+    summary+=("$(printf '%-22s %-6s %4ss  %s' leftovers "$verdict" $((SECONDS - t0)) "${#leftovers[@]} processes of an earlier run: $names" | cut -c1-160)")
+  fi
+fi
+export THUNDER_TK_GPU_RUN=$$
+
 if compgen -G ".whl/*.whl" > /dev/null; then
   step wheels python3 scripts/offline_wheels.py install --from .whl --target /tmp/site
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
