@@ -17,6 +17,8 @@
 # default 240 s: past it the watchdog in tests/conftest.py ends the run and the summary names where it was stuck),
 # THUNDER_TK_TEST_SHARD=k/n (every n-th test from the k-th: the whole GPU suite takes three calls, 1/3 to 3/3, each
 # about 300 s of pytest; a half no longer fits a fresh machine's 600 s call with the build).
+# Processes an earlier run left behind (a call cut at the device tool's limit) are stopped first (KEEP_LEFTOVERS=1:
+# only reported).
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-out/gpu}
