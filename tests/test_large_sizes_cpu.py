@@ -8,10 +8,8 @@ from thunder_tk import ops
 # ------------------------------------------------------------------------------------------------
 # Attention
 
-from test_ops_cpu import _backward_inputs, recorded_attention  # noqa: E402,F401  (the recording fixture)
-
-# The backward kernel's share of a next dQ accumulator, in float4s a block: INT32_MAX less a zeroing step.
-ZERO_SHARE_MAX = 2**31 - 1 - 256
+# the recording fixture, and the kernel's limit on a block's share of zeroing the next dQ accumulator
+from test_ops_cpu import ZERO_SHARE_MAX, _backward_inputs, recorded_attention  # noqa: E402,F401
 
 
 @pytest.mark.parametrize("floats,blocks,fits", [

@@ -272,6 +272,11 @@ def test_dq_accumulator_is_made_per_stream_and_grown(monkeypatch):
     assert none is None and must_zero and len(ops._dq_accumulators) == 2
 
 
+# The most float4s of the next dQ accumulator one backward block zeroes: the kernel's backward_max_zero_share,
+# INT32_MAX less a zeroing step.
+ZERO_SHARE_MAX = 2**31 - 1 - 256
+
+
 class RecordingAttention:
     """A compiled module whose attention backward launches (delta pass, kernel, dQ pass) record what ops hands them,
     for CPU tensors: nothing is computed."""
@@ -283,7 +288,7 @@ class RecordingAttention:
 
     def __init__(self):
         self.calls = []
-        self.max_zero_share = 2**31 - 1 - 256  # the kernel's (backward_max_zero_share), lowered by some tests
+        self.max_zero_share = ZERO_SHARE_MAX  # lowered by some tests
 
     def attention_backward_max_zero_share(self):
         return self.max_zero_share
